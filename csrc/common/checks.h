@@ -1,0 +1,32 @@
+// Input checks shared by every backend. Messages start with the public op name and say what was
+// expected and what was got; TORCH_CHECK_VALUE / TORCH_CHECK_TYPE surface in Python as
+// ValueError / TypeError.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace pathkernels {
+
+inline bool is_supported_float(at::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16;
+}
+
+inline void check_floating(const at::Tensor& t, const char* op, const char* arg) {
+  TORCH_CHECK_TYPE(is_supported_float(t.scalar_type()), op, ": expected ", arg,
+                   " to be a floating-point tensor (float32, float64, float16 or bfloat16), got ",
+                   t.scalar_type());
+}
+
+inline void check_min_dim(const at::Tensor& t, int64_t min_dim, const char* op, const char* arg,
+                          const char* layout) {
+  TORCH_CHECK_VALUE(t.dim() >= min_dim, op, ": expected ", arg, " to have at least ", min_dim,
+                    " dimensions ", layout, ", got ", t.dim(), " (shape ", t.sizes(), ")");
+}
+
+inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op,
+                              const char* arg_a, const char* arg_b) {
+  TORCH_CHECK_VALUE(a.device() == b.device(), op, ": expected ", arg_a, " and ", arg_b,
+                    " on the same device, got ", a.device(), " and ", b.device());
+}
+
+}  // namespace pathkernels

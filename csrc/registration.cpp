@@ -1,0 +1,42 @@
+// Every op schema of torch.ops.pathkernels, and the pybind11 module shell. Backends register
+// their kernels in their own files (TORCH_LIBRARY_IMPL); no tensor crosses pybind11.
+#include <pybind11/pybind11.h>
+#include <torch/library.h>
+
+#include <string>
+
+TORCH_LIBRARY(pathkernels, m) {
+  // x [..., n, m] -> parts [..., T, 3] = (‖v‖_1, ‖v‖_∞, ‖v‖_{1,∞}) and argmax [..., T, 2] =
+  // (column of ‖v‖_1, row of ‖v‖_∞), one fused pass. centered: T = 2 with v = x − 1·meanᵀ, then
+  // v = x; otherwise T = 1 with v = x.
+  m.def("norm_parts(Tensor x, bool centered) -> (Tensor parts, Tensor argmax)");
+  m.def(
+      "norm_parts_backward(Tensor grad_parts, Tensor x, Tensor parts, Tensor argmax, bool centered) "
+      "-> Tensor");
+}
+
+namespace {
+
+pybind11::dict build_info() {
+  pybind11::dict info;
+  info["torch_version"] = std::string(PATHKERNELS_TORCH_VERSION);
+#ifdef PATHKERNELS_WITH_CUDA
+  info["cuda"] = true;
+  info["cuda_version"] = std::string(PATHKERNELS_CUDA_VERSION);
+  info["cuda_architectures"] = std::string(PATHKERNELS_CUDA_ARCHS);
+#else
+  info["cuda"] = false;
+  info["cuda_version"] = pybind11::none();
+  info["cuda_architectures"] = std::string();
+#endif
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "pathkernels compiled extension: ops register with torch.ops.pathkernels on import";
+  m.def("build_info", &build_info,
+        "The torch version this binary was built against, whether CUDA kernels are built, the CUDA "
+        "version and the CUDA architectures.");
+}

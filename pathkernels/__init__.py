@@ -1,0 +1,2 @@
+import torch
+from pathkernels import _C
