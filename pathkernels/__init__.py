@@ -1,2 +1,32 @@
-import torch
-from pathkernels import _C
+"""pathkernels: fast path decompositions of attention networks.
+
+Fused CPU and CUDA kernels, registered as ``torch.ops.pathkernels.*``, with a thin Python layer.
+See README.md and the design notes for the math.
+"""
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from pathkernels._extension import load as _load
+
+_BUILD_INFO = _load()
+
+from pathkernels.ops import MatrixNorms, composite_norm, matrix_norms, residual_norm  # noqa: E402
+
+__version__ = "0.1.0"
+
+
+def build_info() -> dict:
+    """How the compiled extension was built.
+
+    Returns a dict with ``torch_version`` (the torch it was compiled against), ``cuda`` (whether
+    the CUDA kernels are built), ``cuda_version`` and ``cuda_architectures`` (CMake's list).
+    """
+    return dict(_BUILD_INFO)
+
+
+__all__ = [
+    "MatrixNorms",
+    "build_info",
+    "composite_norm",
+    "matrix_norms",
+    "residual_norm",
+]

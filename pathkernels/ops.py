@@ -1,0 +1,141 @@
+"""Typed wrappers of ``torch.ops.pathkernels``, with their fake (meta) kernels and autograd.
+
+Shapes use ``[..., n, m]`` for a batch of n-by-m matrices: n rows (tokens), m columns.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+# Layout of norm_parts' outputs (csrc/common/norm_math.h): parts [..., T, 3] and argmax [..., T, 2].
+_L1, _LINF, _COMPOSITE = 0, 1, 2
+_RESIDUAL_TARGET, _PLAIN_TARGET = 0, 1
+
+
+class MatrixNorms(NamedTuple):
+    """The three matrix norms of the ℓ1,∞ composite, each of shape ``[...]``."""
+
+    l1: Tensor  # max_j Σ_i |v_ij|: max column abs sum
+    linf: Tensor  # max_i Σ_j |v_ij|: max row abs sum
+    composite: Tensor  # sqrt(l1 · linf)
+
+
+def norm_op_name(centered: bool) -> str:
+    return "pathkernels.residual_norm" if centered else "pathkernels.composite_norm"
+
+
+def check_norm_input(x: Tensor, centered: bool) -> None:
+    """The checks of csrc/norms/norms.cpp, for fake tensors and for non-tensor arguments."""
+    op = norm_op_name(centered)
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{op}: expected x to be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() < 2:
+        raise ValueError(
+            f"{op}: expected x to have at least 2 dimensions [..., n, m], got {x.dim()} "
+            f"(shape {list(x.shape)})"
+        )
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{op}: expected x to be a floating-point tensor (float32, float64, float16 or "
+            f"bfloat16), got {x.dtype}"
+        )
+    if x.shape[-2] == 0:
+        raise ValueError(
+            f"{op}: expected x to have at least one row (n >= 1) in [..., n, m], got shape "
+            f"{list(x.shape)}"
+        )
+
+
+@torch.library.register_fake("pathkernels::norm_parts")
+def _norm_parts_fake(x: Tensor, centered: bool) -> tuple[Tensor, Tensor]:
+    check_norm_input(x, centered)
+    targets = 2 if centered else 1
+    lead = x.shape[:-2]
+    return x.new_empty((*lead, targets, 3)), x.new_empty((*lead, targets, 2), dtype=torch.long)
+
+
+@torch.library.register_fake("pathkernels::norm_parts_backward")
+def _norm_parts_backward_fake(grad_parts, x, parts, argmax, centered):
+    check_norm_input(x, centered)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _norm_parts_setup_context(ctx, inputs, output) -> None:
+    x, centered = inputs
+    parts, argmax = output
+    ctx.save_for_backward(x, parts, argmax)
+    ctx.centered = centered
+    ctx.mark_non_differentiable(argmax)
+
+
+def _norm_parts_backward(ctx, grad_parts, grad_argmax):
+    x, parts, argmax = ctx.saved_tensors
+    grad_x = torch.ops.pathkernels.norm_parts_backward(grad_parts, x, parts, argmax, ctx.centered)
+    return grad_x, None
+
+
+torch.library.register_autograd(
+    "pathkernels::norm_parts", _norm_parts_backward, setup_context=_norm_parts_setup_context
+)
+
+
+def _norm_parts(x: Tensor, centered: bool) -> Tensor:
+    check_norm_input(x, centered)
+    return torch.ops.pathkernels.norm_parts(x, centered)[0]
+
+
+def matrix_norms(x: Tensor, *, residual: bool = False) -> MatrixNorms:
+    """ℓ1, ℓ∞ and composite norms of a batch of matrices, in one fused pass.
+
+    Args:
+        x: ``[..., n, m]``, float32/float64 (float16/bfloat16 accumulate in float32). Any strides.
+        residual: measure ``v = x − 1·μᵀ`` (μ the column mean over the n rows) instead of ``v = x``.
+
+    Returns:
+        ``MatrixNorms(l1, linf, composite)``, each ``[...]`` in x's dtype, with
+        ``l1 = max_j Σ_i |v_ij|``, ``linf = max_i Σ_j |v_ij|``, ``composite = sqrt(l1 · linf)``.
+        Differentiable (subgradient through the maxima).
+    """
+    parts = _norm_parts(x, residual)[..., _RESIDUAL_TARGET, :]
+    return MatrixNorms(parts[..., _L1], parts[..., _LINF], parts[..., _COMPOSITE])
+
+
+def composite_norm(x: Tensor) -> Tensor:
+    """The ℓ1,∞ composite norm of a batch of matrices.
+
+    ``‖x‖_{1,∞} = sqrt(max_j Σ_i |x_ij| · max_i Σ_j |x_ij|)``
+
+    Args:
+        x: ``[..., n, m]``, float32/float64 (float16/bfloat16 accumulate in float32). Any strides.
+
+    Returns:
+        ``[...]`` in x's dtype. Differentiable: the (sub)gradient flows through the maximal column
+        and row; at a zero matrix it is 0.
+    """
+    return _norm_parts(x, False)[..., _RESIDUAL_TARGET, _COMPOSITE]
+
+
+def residual_norm(x: Tensor, *, return_norm: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Composite norm of the residual ``res(x) = x − 1·μᵀ``, μ the column mean over the n rows.
+
+    This is the rank-collapse measure of Dong, Cordonnier & Loukas (2021). It is computed in one
+    fused pass: neither ``x − 1·μᵀ`` nor ``|x|`` is ever materialised.
+
+    Args:
+        x: ``[..., n, m]``, float32/float64 (float16/bfloat16 accumulate in float32). Any strides.
+        return_norm: also return ``‖x‖_{1,∞}`` from the same pass, for the residual ratio
+            ``‖res(x)‖_{1,∞} / ‖x‖_{1,∞}``.
+
+    Returns:
+        ``[...]``, or ``(residual, norm)`` with ``return_norm=True``, in x's dtype.
+        Differentiable, so it can serve as a regulariser against rank collapse.
+    """
+    parts = _norm_parts(x, True)
+    residual = parts[..., _RESIDUAL_TARGET, _COMPOSITE]
+    if return_norm:
+        return residual, parts[..., _PLAIN_TARGET, _COMPOSITE]
+    return residual

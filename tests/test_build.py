@@ -1,0 +1,26 @@
+"""The compiled extension: build information and the errors for a mismatched binary."""
+import pytest
+import torch
+
+import pathkernels as pk
+from pathkernels._extension import check_build_info
+
+
+def test_build_info_names_the_torch_it_was_built_against():
+    info = pk.build_info()
+    assert info["torch_version"] == torch.__version__
+    assert isinstance(info["cuda"], bool)
+    if info["cuda"]:
+        assert info["cuda_architectures"] and info["cuda_version"]
+    else:
+        assert info["cuda_version"] is None
+
+
+def test_ops_are_registered_with_the_dispatcher():
+    assert hasattr(torch.ops.pathkernels, "norm_parts")
+    assert hasattr(torch.ops.pathkernels, "norm_parts_backward")
+
+
+def test_mismatched_binary_says_how_to_rebuild():
+    with pytest.raises(ImportError, match=r"built against torch 1\.0\.0, but torch .* is installed\. Rebuild"):
+        check_build_info({"torch_version": "1.0.0"})

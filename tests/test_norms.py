@@ -1,0 +1,243 @@
+"""composite_norm, residual_norm and matrix_norms: hand tables, float64 references, autograd,
+torch.library checks, torch.compile and bad input, on every available device."""
+import math
+
+import pytest
+import torch
+
+import pathkernels as pk
+from pathkernels.reference import matrix_norms_ref, residual_norm_ref, residual_ref, composite_norm_ref
+from pathkernels.testing import devices, random_attention, random_matrices, tolerance
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def assert_close_to_ref(actual, expected_float64, dtype):
+    torch.testing.assert_close(actual.double().cpu(), expected_float64.cpu(), **tolerance(dtype), equal_nan=True)
+
+
+# --- hand-worked cases ----------------------------------------------------------------------
+
+def test_hand_worked_two_by_two(device):
+    # x = [[1, -2], [3, 4]]: column abs sums (4, 6), row abs sums (3, 7).
+    # μ = (2, 1), res = [[-1, -3], [1, 3]]: column abs sums (2, 6), row abs sums (4, 4).
+    x = torch.tensor([[1.0, -2.0], [3.0, 4.0]], dtype=torch.float64, device=device)
+    plain = pk.matrix_norms(x)
+    assert (plain.l1.item(), plain.linf.item()) == (6.0, 7.0)
+    assert plain.composite.item() == pytest.approx(math.sqrt(42.0), rel=1e-15)
+    res = pk.matrix_norms(x, residual=True)
+    assert (res.l1.item(), res.linf.item()) == (6.0, 4.0)
+    residual, norm = pk.residual_norm(x, return_norm=True)
+    assert residual.item() == pytest.approx(math.sqrt(24.0), rel=1e-15)
+    assert norm.item() == pytest.approx(math.sqrt(42.0), rel=1e-15)
+    assert pk.composite_norm(x).item() == pytest.approx(math.sqrt(42.0), rel=1e-15)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 64])
+def test_identity_and_uniform(device, n):
+    # I: every row and column sums to 1. res(I) = I − 11ᵀ/n has abs sums (1 − 1/n) + (n − 1)/n.
+    eye = torch.eye(n, dtype=torch.float64, device=device)
+    assert pk.composite_norm(eye).item() == pytest.approx(1.0, rel=1e-15)
+    assert pk.residual_norm(eye).item() == pytest.approx(2 * (n - 1) / n, rel=1e-14, abs=1e-15)
+    # Uniform attention is exactly rank 1: its residual vanishes.
+    uniform = torch.full((n, n), 1.0 / n, dtype=torch.float64, device=device)
+    assert pk.residual_norm(uniform).item() == pytest.approx(0.0, abs=1e-15)
+    assert pk.composite_norm(uniform).item() == pytest.approx(1.0, rel=1e-14)
+
+
+def test_row_stochastic_norm_is_at_least_one(device):
+    # ‖A‖_∞ = 1 for row-stochastic A, and ‖A‖_1 ≥ 1 since the column sums add up to n.
+    attn = random_attention(16, 32, 32, dtype=torch.float64, device=device)
+    norms = pk.matrix_norms(attn)
+    torch.testing.assert_close(norms.linf, torch.ones_like(norms.linf))
+    assert bool((norms.l1 >= 1 - 1e-12).all())
+
+
+def test_single_row_has_zero_residual(device):
+    x = random_matrices(4, 1, 7, dtype=torch.float64, device=device)
+    assert torch.equal(pk.residual_norm(x), torch.zeros(4, dtype=torch.float64, device=device))
+
+
+def test_ties_pick_the_first_index(device):
+    # All columns and rows of the residual tie: argmax is the first of them, on every backend.
+    x = torch.tensor([[1.0, -1.0], [-1.0, 1.0]], dtype=torch.float64, device=device)
+    parts, argmax = torch.ops.pathkernels.norm_parts(x, True)
+    assert argmax.tolist() == [[0, 0], [0, 0]]
+    assert parts[0].tolist() == [2.0, 2.0, 2.0]
+
+
+# --- random inputs against the float64 reference --------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 5), (3, 9, 4), (2, 3, 16, 16), (4, 64, 33), (2, 200, 130)])
+def test_matches_reference(device, dtype, shape):
+    x = random_matrices(*shape, dtype=dtype, device=device)
+    x64 = x.double()
+    residual, norm = pk.residual_norm(x, return_norm=True)
+    assert residual.dtype == dtype and residual.shape == shape[:-2]
+    assert_close_to_ref(residual, residual_norm_ref(x64), dtype)
+    assert_close_to_ref(norm, composite_norm_ref(x64), dtype)
+    assert_close_to_ref(pk.composite_norm(x), composite_norm_ref(x64), dtype)
+    for got, want in zip(pk.matrix_norms(x, residual=True), matrix_norms_ref(residual_ref(x64))):
+        assert_close_to_ref(got, want, dtype)
+
+
+def test_float32_keeps_relative_precision_of_small_residuals(device):
+    # A nearly rank-1 matrix: the residual is 1e-6 of the entries. Sums run in float64, so the
+    # float32 result keeps float32 relative accuracy against the float64 truth.
+    base = torch.rand(1, 48, dtype=torch.float64) + 1.0
+    x64 = base.expand(40, 48) + 1e-6 * torch.randn(40, 48, dtype=torch.float64)
+    x32 = x64.float()
+    expected = residual_norm_ref(x32.double())
+    torch.testing.assert_close(pk.residual_norm(x32.to(device)).double().cpu(), expected, rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided", "expanded", "sliced_batch"])
+def test_non_contiguous(device, layout):
+    base = random_matrices(6, 20, 24, dtype=torch.float64, device=device)
+    x = {
+        "transposed": base.transpose(-1, -2),
+        "strided": base[:, ::2, ::3],
+        "expanded": base[:1].expand(5, 20, 24),
+        "sliced_batch": base.permute(1, 0, 2)[:, 1:5],
+    }[layout]
+    assert not x.is_contiguous()
+    residual, norm = pk.residual_norm(x, return_norm=True)
+    torch.testing.assert_close(residual, residual_norm_ref(x.contiguous()), **tolerance(torch.float64))
+    torch.testing.assert_close(norm, composite_norm_ref(x.contiguous()), **tolerance(torch.float64))
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 5), (3, 0, 2, 2), (2, 6, 0)])
+def test_empty(device, shape):
+    x = torch.zeros(shape, device=device)
+    residual, norm = pk.residual_norm(x, return_norm=True)
+    assert residual.shape == norm.shape == shape[:-2]
+    assert bool((residual == 0).all()) and bool((norm == 0).all())
+    assert pk.composite_norm(x).shape == shape[:-2]
+
+
+def test_nan_and_inf_propagate_as_in_torch(device):
+    x = random_matrices(4, 6, 5, dtype=torch.float64, device=device)
+    x[1, 2, 3] = float("nan")
+    x[2, 0, 0] = float("inf")
+    x[3, 4, 1] = -float("inf")
+    residual, norm = pk.residual_norm(x, return_norm=True)
+    torch.testing.assert_close(residual, residual_norm_ref(x), equal_nan=True)
+    torch.testing.assert_close(norm, composite_norm_ref(x), equal_nan=True)
+    assert torch.isnan(residual[1]) and torch.isinf(norm[2]) and torch.isnan(residual[2])
+
+
+@pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_and_cuda_agree(dtype):
+    x = random_matrices(5, 3, 37, 29, dtype=dtype)
+    cpu_parts, cpu_argmax = torch.ops.pathkernels.norm_parts(x, True)
+    cuda_parts, cuda_argmax = torch.ops.pathkernels.norm_parts(x.cuda(), True)
+    torch.testing.assert_close(cuda_parts.cpu(), cpu_parts, **tolerance(dtype))
+    assert torch.equal(cuda_argmax.cpu(), cpu_argmax)
+
+
+# --- autograd --------------------------------------------------------------------------------
+
+def test_gradcheck(device):
+    x = random_matrices(3, 6, 5, dtype=torch.float64, device=device).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: pk.residual_norm(t, return_norm=True), (x,))
+    assert torch.autograd.gradcheck(pk.composite_norm, (x,))
+    assert torch.autograd.gradcheck(lambda t: tuple(pk.matrix_norms(t, residual=True)), (x,))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_gradient_matches_reference_autograd(device, residual):
+    x = random_matrices(4, 9, 7, dtype=torch.float64, device=device)
+    weights = torch.rand(4, 3, dtype=torch.float64, device=device)
+    mine = x.clone().requires_grad_()
+    ref = x.clone().requires_grad_()
+    got = torch.stack(tuple(pk.matrix_norms(mine, residual=residual)), -1)
+    want = torch.stack(matrix_norms_ref(residual_ref(ref) if residual else ref), -1)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    torch.testing.assert_close(mine.grad, ref.grad, **tolerance(torch.float64))
+
+
+def test_gradient_is_zero_not_nan_at_a_zero_residual(device):
+    x = torch.full((3, 4, 4), 0.25, dtype=torch.float64, device=device, requires_grad=True)
+    pk.residual_norm(x).sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+def test_gradient_of_non_contiguous_and_low_precision(device):
+    base = random_matrices(3, 8, 6, dtype=torch.float32, device=device).requires_grad_()
+    pk.residual_norm(base.transpose(-1, -2)).sum().backward()
+    ref = base.detach().double().requires_grad_()
+    residual_norm_ref(ref.transpose(-1, -2)).sum().backward()
+    torch.testing.assert_close(base.grad.double(), ref.grad, **tolerance(torch.float32))
+    half = random_matrices(2, 5, 5, dtype=torch.bfloat16, device=device).requires_grad_()
+    pk.residual_norm(half).sum().backward()
+    assert half.grad.dtype == torch.bfloat16 and torch.isfinite(half.grad).all()
+
+
+def test_as_a_regulariser_it_reduces_collapse(device):
+    # A few gradient steps that increase the residual norm of a near rank-1 matrix.
+    x = (torch.ones(8, 8, device=device) + 0.01 * torch.randn(8, 8, device=device)).requires_grad_()
+    optimizer = torch.optim.SGD([x], lr=0.05)
+    start = pk.residual_norm(x).item()
+    for _ in range(10):
+        optimizer.zero_grad()
+        (-pk.residual_norm(x)).backward()
+        optimizer.step()
+    assert pk.residual_norm(x).item() > start
+
+
+# --- torch.library and torch.compile ---------------------------------------------------------
+
+@pytest.mark.parametrize("centered", [False, True])
+def test_opcheck(device, centered):
+    x = random_matrices(3, 7, 5, dtype=torch.float64, device=device, ).requires_grad_()
+    torch.library.opcheck(torch.ops.pathkernels.norm_parts.default, (x, centered))
+    parts, argmax = torch.ops.pathkernels.norm_parts(x.detach(), centered)
+    grad = torch.randn_like(parts)
+    torch.library.opcheck(
+        torch.ops.pathkernels.norm_parts_backward.default, (grad, x.detach(), parts, argmax, centered)
+    )
+
+
+def test_torch_compile_fullgraph(device):
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True, dynamic=False)
+    def collapse_ratio(x):
+        residual, norm = pk.residual_norm(x, return_norm=True)
+        return residual / norm + pk.composite_norm(x)
+
+    x = random_matrices(4, 12, 10, dtype=torch.float64, device=device)
+    residual, norm = pk.residual_norm(x, return_norm=True)
+    torch.testing.assert_close(collapse_ratio(x), residual / norm + pk.composite_norm(x))
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+BAD_INPUTS = [
+    (lambda d: torch.ones(5, device=d), ValueError, r"expected x to have at least 2 dimensions \[\.\.\., n, m\], got 1"),
+    (lambda d: torch.ones(3, 3, dtype=torch.int64, device=d), TypeError, "expected x to be a floating-point tensor"),
+    (lambda d: torch.ones(3, 3, dtype=torch.complex64, device=d), TypeError, "expected x to be a floating-point tensor"),
+    (lambda d: torch.ones(2, 0, 3, device=d), ValueError, r"expected x to have at least one row \(n >= 1\)"),
+]
+
+
+@pytest.mark.parametrize("make, error, message", BAD_INPUTS)
+def test_bad_input_messages(device, make, error, message):
+    x = make(device)
+    with pytest.raises(error, match="pathkernels.residual_norm: " + message):
+        pk.residual_norm(x)
+    with pytest.raises(error, match="pathkernels.composite_norm: " + message):
+        pk.composite_norm(x)
+    # The op itself (C++ checks) and its fake kernel (meta tensors) say the same.
+    with pytest.raises(error, match="pathkernels.residual_norm: " + message):
+        torch.ops.pathkernels.norm_parts(x, True)
+    with pytest.raises(error, match="pathkernels.composite_norm: " + message):
+        torch.ops.pathkernels.norm_parts(x.to("meta"), False)
+
+
+def test_non_tensor_input():
+    with pytest.raises(TypeError, match="pathkernels.composite_norm: expected x to be a torch.Tensor, got list"):
+        pk.composite_norm([[1.0, 2.0]])
