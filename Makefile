@@ -6,15 +6,23 @@
 
 PYTHON ?=
 TORCH_CPU_PIN := torch==2.13.0
-BUILD_TOOLS := scikit-build-core>=0.10 pybind11>=2.12 cmake>=3.27 ninja numpy pytest
+PY_TOOLS := scikit-build-core>=0.10 pybind11>=2.12 numpy pytest
+BUILD_TOOLS := cmake>=3.27 ninja
 
 ifeq ($(strip $(PYTHON)),)
+# Our own environment: install everything it needs.
 PY := .venv/bin/python
+VENV := .venv/bin/python
+INSTALL_TOOLS := $(PY) -m pip install --quiet $(foreach t,$(PY_TOOLS) $(BUILD_TOOLS),"$(t)")
 else
+# The caller's environment (maybe offline, e.g. a GPU machine): install only what is missing.
 PY := $(PYTHON)
+VENV :=
+INSTALL_TOOLS := $(PY) -c "import scikit_build_core, pybind11, numpy, pytest" 2>/dev/null || \
+	$(PY) -m pip install --quiet $(foreach t,$(PY_TOOLS),"$(t)")
 endif
 STAMPS := build/stamps/$(subst /,_,$(PY))
-SOURCES := CMakeLists.txt pyproject.toml $(shell find csrc pathkernels -type f \( -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' -o -name '*.py' \) 2>/dev/null)
+SOURCES := CMakeLists.txt pyproject.toml $(shell find csrc -type f 2>/dev/null)
 
 .PHONY: demo test build setup bench clean
 
@@ -33,13 +41,13 @@ setup: $(STAMPS)/env
 .venv/bin/python:
 	python3 -m venv .venv
 
-$(STAMPS)/env: pyproject.toml | $(PY)
+$(STAMPS)/env: pyproject.toml | $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_CPU_PIN)"
-	$(PY) -m pip install --quiet $(foreach t,$(BUILD_TOOLS),"$(t)")
+	$(INSTALL_TOOLS)
 	@mkdir -p $(STAMPS) && touch $@
 
 $(STAMPS)/built: $(STAMPS)/env $(SOURCES)
-	$(PY) -m pip install --no-build-isolation --no-deps -e .
+	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
 	@mkdir -p $(STAMPS) && touch $@
 
 clean:

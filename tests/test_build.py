@@ -24,3 +24,15 @@ def test_ops_are_registered_with_the_dispatcher():
 def test_mismatched_binary_says_how_to_rebuild():
     with pytest.raises(ImportError, match=r"built against torch 1\.0\.0, but torch .* is installed\. Rebuild"):
         check_build_info({"torch_version": "1.0.0"})
+
+
+def test_missing_binary_says_how_to_rebuild(monkeypatch):
+    import sys
+
+    import pathkernels
+    from pathkernels import _extension
+
+    monkeypatch.delattr(pathkernels, "_C")
+    monkeypatch.setitem(sys.modules, "pathkernels._C", None)
+    with pytest.raises(ImportError, match=r"pathkernels\._C could not be loaded .* Rebuild pathkernels"):
+        _extension.load()

@@ -1,0 +1,5 @@
+import sys
+
+from pathkernels.cli import main
+
+sys.exit(main())
