@@ -105,20 +105,8 @@ PATHKERNELS_MULTIVERSION void row_block_sums(const S* x, int64_t row_stride, int
     store_lanes(col_abs + j, abs_sum);
   }
   for (int64_t r = 0; r < kBlockRows; ++r) {
-    double total = (row_part[r][0] + row_part[r][1]) + (row_part[r][2] + row_part[r][3]);
-    for (int64_t k = j; k < m; ++k) {
-      double value = static_cast<double>(x[r * row_stride + k]);
-      if constexpr (kCentred) {
-        value -= mean[k];
-      }
-      if constexpr (kWithSum) {
-        col_sum[k] += value;
-      }
-      const double a = std::abs(value);
-      col_abs[k] += a;
-      total += a;
-    }
-    row_abs[r] = total;
+    const double tail = row_sums<kCentred, kWithSum>(x + r * row_stride + j, m - j, mean + j, col_sum + j, col_abs + j);
+    row_abs[r] = (row_part[r][0] + row_part[r][1]) + (row_part[r][2] + row_part[r][3]) + tail;
   }
 }
 #endif
