@@ -1,0 +1,185 @@
+// CPU building blocks of the norm reductions: vectorised passes over one matrix that accumulate
+// row and column abs sums (optionally centred by a given mean vector), and the max/argmax that
+// turns them into norms. Shared by the norm ops and the path-tree engine's fused leaf reduction.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "common/norm_math.h"
+#include "norms/params.h"
+
+// The hot row loops are compiled for AVX-512, AVX2 and baseline x86-64, picked at load time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PATHKERNELS_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define PATHKERNELS_MULTIVERSION
+#endif
+
+namespace pathkernels::cpu {
+
+
+// One row: Σ_j |v_j| with v = row (or row − mean when kCentred), col_abs += |v| and, when
+// kWithSum, col_sum += v. The row is read in its own type S and widened to the accumulation type
+// A in registers; the centring subtracts in A, so a residual tiny against the mean keeps its
+// relative precision.
+template <bool kCentred, bool kWithSum, typename S, typename A>
+PATHKERNELS_MULTIVERSION A row_sums(const S* row, int64_t m, const A* mean, A* col_sum, A* col_abs) {
+  A row_abs = A(0);
+#pragma omp simd reduction(+ : row_abs)
+  for (int64_t j = 0; j < m; ++j) {
+    A v = static_cast<A>(row[j]);
+    if constexpr (kCentred) {
+      v -= mean[j];
+    }
+    if constexpr (kWithSum) {
+      col_sum[j] += v;
+    }
+    const A a = std::abs(v);
+    col_abs[j] += a;
+    row_abs += a;
+  }
+  return row_abs;
+}
+
+// A block of kBlockRows consecutive rows at a time, for float or double inputs accumulated in
+// double: rows stream sequentially (prefetcher-friendly), each column accumulator is loaded and
+// stored once per block rather than once per row, and the rows' partial sums stay in registers.
+// Written with GCC/Clang vector extensions, which each target_clones variant lowers to its own
+// SIMD width. Column j still sums rows in order 0..n−1, as everywhere else.
+#if defined(__GNUC__)
+#define PATHKERNELS_HAVE_ROW_BLOCKS 1
+constexpr int64_t kLanes = 4;
+constexpr int64_t kBlockRows = 4;
+using double_lanes = double __attribute__((vector_size(kLanes * sizeof(double))));
+using float_lanes = float __attribute__((vector_size(kLanes * sizeof(float))));
+using int64_lanes = int64_t __attribute__((vector_size(kLanes * sizeof(int64_t))));
+
+inline double_lanes load_lanes(const double* p) {
+  double_lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline double_lanes load_lanes(const float* p) {
+  float_lanes v;
+  std::memcpy(&v, p, sizeof v);
+  return __builtin_convertvector(v, double_lanes);
+}
+inline void store_lanes(double* p, double_lanes v) {
+  std::memcpy(p, &v, sizeof v);
+}
+inline double_lanes abs_lanes(double_lanes v) {
+  return reinterpret_cast<double_lanes>(reinterpret_cast<int64_lanes>(v) & INT64_MAX);
+}
+
+template <bool kCentred, bool kWithSum, typename S>
+PATHKERNELS_MULTIVERSION void row_block_sums(const S* x, int64_t row_stride, int64_t m, const double* mean,
+                                             double* col_sum, double* col_abs, double* row_abs) {
+  double_lanes row_part[kBlockRows] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= m; j += kLanes) {
+    const double_lanes mu = kCentred ? load_lanes(mean + j) : double_lanes{};
+    double_lanes sum = kWithSum ? load_lanes(col_sum + j) : double_lanes{};
+    double_lanes abs_sum = load_lanes(col_abs + j);
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < kBlockRows; ++r) {
+      double_lanes value = load_lanes(x + r * row_stride + j);
+      if constexpr (kCentred) {
+        value -= mu;
+      }
+      if constexpr (kWithSum) {
+        sum += value;
+      }
+      const double_lanes a = abs_lanes(value);
+      abs_sum += a;
+      row_part[r] += a;
+    }
+    if constexpr (kWithSum) {
+      store_lanes(col_sum + j, sum);
+    }
+    store_lanes(col_abs + j, abs_sum);
+  }
+  for (int64_t r = 0; r < kBlockRows; ++r) {
+    const double tail = row_sums<kCentred, kWithSum>(x + r * row_stride + j, m - j, mean + j, col_sum + j, col_abs + j);
+    row_abs[r] = (row_part[r][0] + row_part[r][1]) + (row_part[r][2] + row_part[r][3]) + tail;
+  }
+}
+#endif
+
+// One pass over a matrix: row_abs[i] = Σ_j |v_ij|, col_abs[j] += Σ_i |v_ij| (and col_sum[j] +=
+// Σ_i v_ij when kWithSum), with v = x, or x − mean when kCentred. float and double inputs with unit
+// column stride go by blocks of rows straight from x; the others (half, bfloat16, strided) row by row
+// through `buffer`, a copy of the row widened to A.
+template <bool kCentred, bool kWithSum, typename T, typename A>
+void matrix_pass(const T* x, const MatrixBatch& s, const A* mean, A* col_sum, A* col_abs, A* row_abs, A* buffer) {
+  const int64_t m = s.cols;
+#ifdef PATHKERNELS_HAVE_ROW_BLOCKS
+  if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, double>) && std::is_same_v<A, double>) {
+    if (s.col_stride == 1) {
+      int64_t i = 0;
+      for (; i + kBlockRows <= s.rows; i += kBlockRows) {
+        row_block_sums<kCentred, kWithSum>(x + i * s.row_stride, s.row_stride, m, mean, col_sum, col_abs,
+                                           row_abs + i);
+      }
+      for (; i < s.rows; ++i) {
+        row_abs[i] = row_sums<kCentred, kWithSum>(x + i * s.row_stride, m, mean, col_sum, col_abs);
+      }
+      return;
+    }
+  }
+#endif
+  for (int64_t i = 0; i < s.rows; ++i) {
+    const T* row = x + i * s.row_stride;
+    for (int64_t j = 0; j < m; ++j) {
+      buffer[j] = static_cast<A>(row[j * s.col_stride]);
+    }
+    row_abs[i] = row_sums<kCentred, kWithSum>(static_cast<const A*>(buffer), m, mean, col_sum, col_abs);
+  }
+}
+
+template <typename A>
+void vector_max(const A* values, int64_t count, A& best, int64_t& best_index) {
+  best = A(0);
+  best_index = 0;
+  for (int64_t k = 0; k < count; ++k) {
+    max_update(values[k], k, best, best_index);
+  }
+}
+
+template <typename T, typename A>
+void write_target(T* parts, int64_t* argmax, const A* col_abs, int64_t cols, const A* row_abs, int64_t rows) {
+  A l1, linf;
+  int64_t col, row;
+  vector_max(col_abs, cols, l1, col);
+  vector_max(row_abs, rows, linf, row);
+  parts[kPartL1] = static_cast<T>(l1);
+  parts[kPartLinf] = static_cast<T>(linf);
+  parts[kPartComposite] = static_cast<T>(composite_from_parts(l1, linf));
+  argmax[kArgColumn] = col;
+  argmax[kArgRow] = row;
+}
+
+// Per-thread accumulators for one matrix at a time.
+template <typename A>
+struct NormWork {
+  NormWork(int64_t rows, int64_t cols) : storage(4 * cols + rows) {
+    buffer = storage.data();
+    mean = buffer + cols;
+    col_abs = mean + cols;
+    col_res = col_abs + cols;
+    row_abs = col_res + cols;
+  }
+  std::vector<A> storage;
+  A* buffer;   // [cols] a widened row
+  A* mean;     // [cols] column sums, then means
+  A* col_abs;  // [cols] Σ_i |x_ij|
+  A* col_res;  // [cols] Σ_i |x_ij − mean_j|
+  A* row_abs;  // [rows] the current pass's row sums
+};
+
+}  // namespace pathkernels::cpu
