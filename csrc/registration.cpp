@@ -13,6 +13,13 @@ TORCH_LIBRARY(pathkernels, m) {
   m.def(
       "norm_parts_backward(Tensor grad_parts, Tensor x, Tensor parts, Tensor argmax, bool centered) "
       "-> Tensor");
+  // One chunk of a path tree, breadth-first (DESIGN §2): attn [B, L, H, n, n] centred C(A), attn_mean
+  // [B, L, H, n] = 1ᵀA/n, root [B, n, m] = C(X) (or C(I)), root_mean [B, m], optional factored
+  // w_v [L, H, d, d_head] and w_o [L, H, d_head, d]; level l's nodes sorted by head with their parent
+  // positions. Returns per leaf (last level) ‖R‖_{1,∞} and ‖1μᵀ + R‖_{1,∞}, each [B, N_L].
+  m.def(
+      "path_chunk_norms(Tensor attn, Tensor attn_mean, Tensor root, Tensor root_mean, Tensor? w_v, "
+      "Tensor? w_o, Tensor[] parents, Tensor[] heads, int leaf_block) -> (Tensor residual, Tensor norm)");
 }
 
 namespace {

@@ -10,6 +10,14 @@ from pathkernels._extension import load as _load
 _BUILD_INFO = _load()
 
 from pathkernels.ops import MatrixNorms, composite_norm, matrix_norms, residual_norm  # noqa: E402
+from pathkernels.paths import PathTree, count_by_length, count_paths, sample_paths  # noqa: E402
+from pathkernels.engine import (  # noqa: E402
+    DEFAULT_MEMORY_BUDGET,
+    PathResiduals,
+    length_sums,
+    path_residuals,
+    truncated_output,
+)
 
 __version__ = "0.1.0"
 
@@ -24,7 +32,16 @@ def build_info() -> dict:
 
 
 __all__ = [
+    "DEFAULT_MEMORY_BUDGET",
     "MatrixNorms",
+    "PathResiduals",
+    "PathTree",
+    "count_by_length",
+    "count_paths",
+    "length_sums",
+    "path_residuals",
+    "sample_paths",
+    "truncated_output",
     "build_info",
     "composite_norm",
     "matrix_norms",

@@ -64,6 +64,12 @@ def _norm_parts_backward_fake(grad_parts, x, parts, argmax, centered):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+@torch.library.register_fake("pathkernels::path_chunk_norms")
+def _path_chunk_norms_fake(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block):
+    leaves = parents[-1].shape[0]
+    return attn.new_empty((attn.shape[0], leaves)), attn.new_empty((attn.shape[0], leaves))
+
+
 def _norm_parts_setup_context(ctx, inputs, output) -> None:
     x, centered = inputs
     parts, argmax = output

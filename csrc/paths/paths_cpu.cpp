@@ -1,0 +1,204 @@
+// CPU path-tree engine. One call evaluates one chunk of a path tree, breadth-first: every level is
+// a handful of large GEMMs (one per run of nodes sharing a head), and the leaves are reduced to
+// their norms block by block while the block is still in cache; no leaf matrix outlives its block.
+//
+// What travels down the tree (DESIGN §1): the residual R = C(P) (or C(P X W)), never the product,
+// so tiny residuals keep their relative precision; R_child = C(A) R_parent (W), with C(A) given.
+// The column mean μ of the full product follows μ_child = (μ_parent + R_parentᵀ a) W, a = 1ᵀA/n,
+// and the product itself is 1μᵀ + R.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "norms/norm_passes_cpu.h"
+#include "paths/paths.h"
+
+namespace pathkernels {
+namespace {
+
+using namespace cpu;
+
+// Consecutive nodes of one level that take the same head.
+struct HeadRun {
+  int64_t head;
+  int64_t begin;
+  int64_t end;
+};
+
+std::vector<HeadRun> head_runs(const at::Tensor& heads) {
+  const int64_t* h = heads.const_data_ptr<int64_t>();
+  std::vector<HeadRun> runs;
+  for (int64_t k = 0; k < heads.numel(); ++k) {
+    if (runs.empty() || runs.back().head != h[k]) {
+      runs.push_back({h[k], k, k + 1});
+    } else {
+      runs.back().end = k + 1;
+    }
+  }
+  return runs;
+}
+
+// The parents of a run: a view of the level when their positions are consecutive (always so in
+// complete trees), otherwise a gathered copy.
+std::pair<at::Tensor, at::Tensor> run_parents(const at::Tensor& level, const at::Tensor& level_mean,
+                                              const at::Tensor& positions) {
+  const int64_t* p = positions.const_data_ptr<int64_t>();
+  const int64_t count = positions.numel();
+  bool consecutive = true;
+  for (int64_t k = 1; k < count && consecutive; ++k) {
+    consecutive = p[k] == p[0] + k;
+  }
+  if (consecutive) {
+    return {level.narrow(1, p[0], count), level_mean.narrow(0, p[0], count)};
+  }
+  return {level.index_select(1, positions), level_mean.index_select(0, positions)};
+}
+
+// The operands of one batch element.
+struct Network {
+  at::Tensor attn;       // [L, H, n, n], centred: C(A) = A − 1aᵀ
+  at::Tensor attn_mean;  // [L, H, n], a = 1ᵀA/n
+  std::optional<at::Tensor> w_v;  // [L, H, d, d_head]
+  std::optional<at::Tensor> w_o;  // [L, H, d_head, d]
+};
+
+// Children of `parents` [n, c, m] (means [c, m]) through head `head` of layer `layer`, written to
+// `out` [n, c, m] and `out_mean` [c, m]. The skip branch copies.
+void children(const Network& net, int64_t layer, int64_t head, const at::Tensor& parents,
+              const at::Tensor& parent_mean, at::Tensor out, at::Tensor out_mean) {
+  if (head < 0) {
+    out.copy_(parents);
+    out_mean.copy_(parent_mean);
+    return;
+  }
+  const int64_t n = parents.size(0), c = parents.size(1), m = parents.size(2);
+  at::Tensor mean = parent_mean + at::mm(net.attn_mean[layer][head].unsqueeze(0), parents.flatten(1)).view({c, m});
+  at::Tensor right = parents.flatten(1);  // [n, c·m]
+  if (net.w_v.has_value()) {
+    const at::Tensor w_v = (*net.w_v)[layer][head];
+    const at::Tensor w_o = (*net.w_o)[layer][head];
+    right = parents.reshape({n * c, m}).mm(w_v).mm(w_o).view({n, c * m});
+    mean = mean.mm(w_v).mm(w_o);
+  }
+  at::Tensor out_rows = out.flatten(1);  // [n, c·m] with the level's row stride: a view, no copy
+  TORCH_INTERNAL_ASSERT(out_rows.is_alias_of(out));
+  at::mm_out(out_rows, net.attn[layer][head], right);
+  out_mean.copy_(mean);
+}
+
+// Norms of `count` leaves stored as [n, count, m] with the given row stride (elements between
+// rows of one leaf): residual[k] = ‖R_k‖_{1,∞}, norm[k] = ‖1μ_kᵀ + R_k‖_{1,∞}.
+template <typename T>
+void reduce_leaves(const T* leaves, int64_t n, int64_t count, int64_t m, int64_t row_stride, const T* means,
+                   int64_t mean_stride, T* residual, T* norm) {
+  const MatrixBatch shape{1, n, m, 0, row_stride, 1};
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(1, n * m));
+  at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) {
+    NormWork<double> w(n, m);
+    std::vector<double> shift(m);
+    int64_t unused_index;
+    for (int64_t k = begin; k < end; ++k) {
+      const T* leaf = leaves + k * m;
+      std::fill(w.mean, w.mean + 3 * m, 0.0);
+      double l1, linf;
+      matrix_pass<false, false>(leaf, shape, w.mean, w.mean, w.col_abs, w.row_abs, w.buffer);
+      vector_max(w.col_abs, m, l1, unused_index);
+      vector_max(w.row_abs, n, linf, unused_index);
+      residual[k] = static_cast<T>(composite_from_parts(l1, linf));
+      for (int64_t j = 0; j < m; ++j) {
+        shift[j] = -static_cast<double>(means[k * mean_stride + j]);  // |R − (−μ)| = |1μᵀ + R|
+      }
+      matrix_pass<true, false>(leaf, shape, shift.data(), w.mean, w.col_res, w.row_abs, w.buffer);
+      vector_max(w.col_res, m, l1, unused_index);
+      vector_max(w.row_abs, n, linf, unused_index);
+      norm[k] = static_cast<T>(composite_from_parts(l1, linf));
+    }
+  });
+}
+
+template <typename T>
+void evaluate_chunk(const Network& net, const at::Tensor& root, const at::Tensor& root_mean, const PathChunk& chunk,
+                    int64_t leaf_block, T* residual, T* norm) {
+  const int64_t layers = static_cast<int64_t>(chunk.parents.size());
+  const int64_t n = root.size(0), m = root.size(1);
+  at::Tensor level = root.unsqueeze(1);            // [n, N_l, m]
+  at::Tensor level_mean = root_mean.unsqueeze(0);  // [N_l, m]
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor& positions = chunk.parents[l];
+    const bool leaves = l + 1 == layers;
+    at::Tensor next, next_mean, block, block_mean;
+    if (leaves) {
+      block = at::empty({n, leaf_block, m}, root.options());
+      block_mean = at::empty({leaf_block, m}, root.options());
+    } else {
+      next = at::empty({n, positions.numel(), m}, root.options());
+      next_mean = at::empty({positions.numel(), m}, root.options());
+    }
+    for (const HeadRun& run : head_runs(chunk.heads[l])) {
+      if (!leaves) {
+        auto [parents, parent_mean] = run_parents(level, level_mean, positions.slice(0, run.begin, run.end));
+        const int64_t count = run.end - run.begin;
+        children(net, l, run.head, parents, parent_mean, next.narrow(1, run.begin, count),
+                 next_mean.narrow(0, run.begin, count));
+        continue;
+      }
+      for (int64_t begin = run.begin; begin < run.end; begin += leaf_block) {
+        const int64_t count = std::min(leaf_block, run.end - begin);
+        auto [parents, parent_mean] = run_parents(level, level_mean, positions.slice(0, begin, begin + count));
+        if (run.head < 0) {  // a skip leaf is its parent: reduce it where it lies
+          reduce_leaves(parents.const_data_ptr<T>(), n, count, m, parents.stride(0), parent_mean.const_data_ptr<T>(),
+                        parent_mean.stride(0), residual + begin, norm + begin);
+          continue;
+        }
+        at::Tensor out = block.narrow(1, 0, count);
+        at::Tensor out_mean = block_mean.narrow(0, 0, count);
+        if (count < leaf_block) {  // keep the block contiguous for mm_out
+          out = at::empty({n, count, m}, root.options());
+          out_mean = at::empty({count, m}, root.options());
+        }
+        children(net, l, run.head, parents, parent_mean, out, out_mean);
+        reduce_leaves(out.const_data_ptr<T>(), n, count, m, out.stride(0), out_mean.const_data_ptr<T>(), m,
+                      residual + begin, norm + begin);
+      }
+    }
+    if (!leaves) {
+      level = next;
+      level_mean = next_mean;
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> path_chunk_norms_cpu(const at::Tensor& attn, const at::Tensor& attn_mean,
+                                                        const at::Tensor& root, const at::Tensor& root_mean,
+                                                        const std::optional<at::Tensor>& w_v,
+                                                        const std::optional<at::Tensor>& w_o,
+                                                        at::TensorList parents, at::TensorList heads,
+                                                        int64_t leaf_block) {
+  const PathChunk chunk = check_path_chunk(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block);
+  const int64_t batch = attn.size(0);
+  const int64_t leaves = chunk.parents.back().numel();
+  at::Tensor residual = at::empty({batch, leaves}, attn.options());
+  at::Tensor norm = at::empty({batch, leaves}, attn.options());
+  const at::Tensor attn_c = attn.contiguous();
+  const at::Tensor root_c = root.contiguous();
+  std::optional<at::Tensor> w_v_c, w_o_c;
+  if (w_v.has_value()) {
+    w_v_c = w_v->contiguous();
+    w_o_c = w_o->contiguous();
+  }
+  AT_DISPATCH_FLOATING_TYPES(attn.scalar_type(), "path_chunk_norms_cpu", [&] {
+    for (int64_t b = 0; b < batch; ++b) {
+      const Network net{attn_c[b], attn_mean[b], w_v_c, w_o_c};
+      evaluate_chunk<scalar_t>(net, root_c[b], root_mean[b].contiguous(), chunk, leaf_block,
+                               residual[b].mutable_data_ptr<scalar_t>(), norm[b].mutable_data_ptr<scalar_t>());
+    }
+  });
+  return {residual, norm};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pathkernels, CPU, m) {
+  m.impl("path_chunk_norms", &path_chunk_norms_cpu);
+}
+
+}  // namespace pathkernels

@@ -1,0 +1,361 @@
+"""Path decompositions: per-path residual norms on a path tree, and exact sums by path length.
+
+Notation (DESIGN §1): attention ``A[b, l, h]`` is ``n × n`` and row-stochastic; a path p picks a
+head or the skip branch (``-1``, ``A = I``, ``W = I``) at every layer;
+``P_p = A[L, p_L] ⋯ A[1, p_1]`` and ``Y_p = P_p X W_p`` with ``W_p = W[1, p_1] ⋯ W[L, p_L]``,
+``W[l, h] = W_V[l, h] W_O[l, h]`` kept factored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pathkernels.paths import SKIP, PathTree, build_trie_chunk
+
+DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes of working memory for the engine, beyond inputs and results
+
+# Largest |row sum − 1| accepted as row-stochastic, by the attention's dtype. Beyond it the
+# centring identity the engine relies on does not hold, and the inputs are refused.
+ROW_SUM_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}
+
+_LEAF_BLOCK_BYTES = 1 << 19  # a leaf block (computed, then reduced) is sized to stay in L2
+
+
+@dataclass
+class PathResiduals:
+    """Per-path results of :func:`path_residuals`.
+
+    ``residual[b, i] = ‖res(M)‖_{1,∞}`` and ``norm[b, i] = ‖M‖_{1,∞}`` for ``M = P_p`` (or
+    ``Y_p``) of path ``paths[i]``; ``[M]`` instead of ``[B, M]`` when attn had no batch dim.
+    """
+
+    residual: Tensor  # [B, M]
+    norm: Tensor  # [B, M]
+    paths: Tensor  # [M, L]
+    lengths: Tensor  # [M]
+    products: Tensor | None = None  # [B, M, n, n] or [B, M, n, d] with materialize=True
+
+    @property
+    def ratio(self) -> Tensor:
+        """``residual / norm``, the paper's relative residual, ``[B, M]``."""
+        return self.residual / self.norm
+
+
+@dataclass
+class _Network:
+    attn: Tensor  # [B, L, H, n, n]
+    x: Tensor | None  # [B, n, d]
+    w_v: Tensor | None  # [L, H, d, d_head]
+    w_o: Tensor | None  # [L, H, d_head, d]
+    batched: bool
+
+    @property
+    def width(self) -> int:
+        return self.attn.shape[-1] if self.x is None else self.x.shape[-1]
+
+
+def _first_index(mask: Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in torch.nonzero(mask)[0])
+
+
+def _check_finite(t: Tensor, name: str, where: str) -> None:
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        index = _first_index(bad)
+        raise ValueError(f"{where}: {name} has a non-finite value ({t[index].item()}) at index {list(index)}")
+
+
+def _check_network(attn, x, w_v, w_o, where: str) -> _Network:
+    """Validate and batch the inputs; every message names the argument, the expected and the got."""
+    if not isinstance(attn, Tensor):
+        raise TypeError(f"{where}: expected attn to be a torch.Tensor, got {type(attn).__name__}")
+    if attn.dim() not in (4, 5):
+        raise ValueError(f"{where}: expected attn of shape [B, L, H, n, n] or [L, H, n, n], got {list(attn.shape)}")
+    if attn.dtype not in ROW_SUM_TOLERANCE:
+        raise TypeError(f"{where}: expected attn to be float32 or float64, got {attn.dtype}")
+    batched = attn.dim() == 5
+    attn = attn if batched else attn.unsqueeze(0)
+    batch, layers, heads, n, n2 = attn.shape
+    if n != n2 or n == 0:
+        raise ValueError(f"{where}: expected square attention matrices [.., n, n] with n >= 1, got {list(attn.shape)}")
+    if batch == 0 or layers == 0 or heads == 0:
+        raise ValueError(f"{where}: expected non-empty B, L and H in attn, got {list(attn.shape)}")
+    if (x is None) != (w_v is None) or (w_v is None) != (w_o is None):
+        raise ValueError(f"{where}: pass x, w_v and w_o together (path outputs) or none of them (attention products)")
+    tensors = {"attn": attn}
+    if x is not None:
+        for name, t in (("x", x), ("w_v", w_v), ("w_o", w_o)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{where}: expected {name} to be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != attn.dtype:
+                raise TypeError(f"{where}: expected {name} in attn's dtype {attn.dtype}, got {t.dtype}")
+        x = x if batched else x.unsqueeze(0)
+        if x.dim() != 3 or x.shape[:2] != (batch, n):
+            raise ValueError(f"{where}: expected x of shape [B, n, d] = [{batch}, {n}, d], got {list(x.shape)}")
+        d = x.shape[2]
+        if w_v.dim() != 4 or w_v.shape[:3] != (layers, heads, d):
+            raise ValueError(f"{where}: expected w_v of shape [L, H, d, d_head] = [{layers}, {heads}, {d}, d_head], got {list(w_v.shape)}")
+        if w_o.shape != (layers, heads, w_v.shape[3], d):
+            raise ValueError(f"{where}: expected w_o of shape [L, H, d_head, d] = {[layers, heads, w_v.shape[3], d]}, got {list(w_o.shape)}")
+        tensors.update(x=x, w_v=w_v, w_o=w_o)
+    for name, t in tensors.items():
+        if t.device != attn.device:
+            raise ValueError(f"{where}: expected {name} on attn's device {attn.device}, got {t.device}")
+        _check_finite(t, name, where)
+    row_error = (attn.sum(-1, dtype=torch.float64) - 1).abs()
+    bad = row_error > ROW_SUM_TOLERANCE[attn.dtype]
+    if bool(bad.any()):
+        b, l, h, i = _first_index(bad)
+        raise ValueError(
+            f"{where}: attention rows must sum to 1 (the centring identity needs P·1 = 1), but row {i} of "
+            f"batch element {b}, layer {l}, head {h} sums to {1 + (attn[b, l, h, i].sum(dtype=torch.float64) - 1).item():.9g}. "
+            "Masked or padded queries give zero rows: drop those tokens (or renormalise the rows) first."
+        )
+    return _Network(attn, x, w_v, w_o, batched)
+
+
+def _check_tree(tree, net: _Network, where: str) -> None:
+    if not isinstance(tree, PathTree):
+        raise TypeError(f"{where}: expected tree to be a pathkernels.PathTree, got {type(tree).__name__}")
+    layers, heads = net.attn.shape[1:3]
+    if tree.num_layers != layers or tree.num_heads > heads or (tree.is_complete and tree.num_heads != heads):
+        raise ValueError(
+            f"{where}: the tree has {tree.num_layers} layers and {tree.num_heads} heads, attn has "
+            f"L = {layers} and H = {heads}"
+        )
+
+
+def _engine_operands(net: _Network):
+    """Centred attention C(A) = A − 1aᵀ, a = 1ᵀA/n, and the root: C(X) and mean(X), or C(I) and 1/n."""
+    attn64 = net.attn.double()
+    attn_mean = attn64.mean(-2)  # [B, L, H, n]
+    attn_centred = attn64 - attn_mean.unsqueeze(-2)
+    batch, n = net.attn.shape[0], net.attn.shape[-1]
+    if net.x is None:
+        eye = torch.eye(n, dtype=torch.float64, device=net.attn.device)
+        root = (eye - 1.0 / n).expand(batch, n, n)
+        root_mean = torch.full((batch, n), 1.0 / n, dtype=torch.float64, device=net.attn.device)
+    else:
+        x64 = net.x.double()
+        root_mean = x64.mean(-2)
+        root = x64 - root_mean.unsqueeze(-2)
+    dtype = net.attn.dtype
+    return attn_centred.to(dtype), attn_mean.to(dtype), root.to(dtype).contiguous(), root_mean.to(dtype)
+
+
+def _node_bytes(net: _Network) -> int:
+    return net.attn.shape[-1] * net.width * net.attn.element_size()
+
+
+def _chunks(tree: PathTree, net: _Network, memory_budget: int):
+    """Consecutive runs of leaves whose tries fit the memory budget: (start, stop, TrieChunk)."""
+    node_bytes = _node_bytes(net)
+    leaf_block = max(1, _LEAF_BLOCK_BYTES // node_bytes)
+    fixed = 3 * leaf_block * node_bytes  # the leaf block, its gathered parents and W temporaries
+
+    def chunk_bytes(chunk) -> int:
+        # Two consecutive levels live at once, plus a gathered copy of parents, plus the index arrays.
+        return 3 * chunk.internal_nodes() * node_bytes + 32 * chunk.leaf_position.numel() + fixed
+
+    if fixed + 2 * node_bytes > memory_budget:
+        raise ValueError(
+            f"pathkernels.path_residuals: memory_budget={memory_budget:,} bytes is too small for one leaf "
+            f"block ({fixed:,} bytes at n = {net.attn.shape[-1]}, width {net.width}); raise it"
+        )
+    total = tree.num_leaves
+    size = max(1, min(total, (memory_budget - fixed) // max(1, node_bytes // 2 + 32)))
+    start = 0
+    while start < total:
+        stop = min(total, start + size)
+        chunk = build_trie_chunk(tree.leaf_range(start, stop))
+        while chunk_bytes(chunk) > memory_budget and stop - start > 1:
+            size = max(1, (stop - start) // 2)
+            stop = start + size
+            chunk = build_trie_chunk(tree.leaf_range(start, stop))
+        yield start, stop, chunk, leaf_block
+        start = stop
+
+
+def _progress_bar(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # tqdm is optional: fall back to a plain counter on stderr
+        return _PlainProgress(total)
+    return tqdm(total=total, unit="path", unit_scale=True, desc="pathkernels")
+
+
+class _PlainProgress:
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+
+    def update(self, count: int) -> None:
+        import sys
+
+        self.done += count
+        print(f"pathkernels: {self.done:,}/{self.total:,} paths", file=sys.stderr)
+
+    def close(self) -> None:
+        pass
+
+
+def path_residuals(
+    attn: Tensor,
+    tree: PathTree,
+    *,
+    x: Tensor | None = None,
+    w_v: Tensor | None = None,
+    w_o: Tensor | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    progress: bool = False,
+    materialize: bool = False,
+) -> PathResiduals:
+    """Residual norms of every path of ``tree``, evaluated on its shared-prefix trie.
+
+    Without ``x`` it measures the attention products ``M = P_p = A[L, p_L] ⋯ A[1, p_1]``; with
+    ``x``, ``w_v`` and ``w_o`` the path outputs ``M = Y_p = P_p X W_p`` (W kept factored). For each
+    batch element and path: ``residual = ‖M − 1μᵀ‖_{1,∞}`` (μ the column mean over the n rows),
+    ``norm = ‖M‖_{1,∞}``, ``ratio = residual / norm``.
+
+    The engine carries ``C(M)`` itself down the trie with the centring identity
+    ``C(P Q) = C(P) C(Q)`` (exact for row-stochastic P), so a residual of 1e-30 keeps its relative
+    precision in float32. Each level is a few large GEMMs; leaves are reduced to norms block by
+    block and never stored.
+
+    Args:
+        attn: ``[B, L, H, n, n]`` or ``[L, H, n, n]``, float32 or float64, row-stochastic
+            (rows summing to 1 within 1e-4 in float32, 1e-8 in float64; others are refused).
+        tree: a :class:`PathTree` with ``tree.num_layers == L``.
+        x: ``[B, n, d]`` (``[n, d]`` for unbatched attn), with ``w_v [L, H, d, d_head]`` and
+            ``w_o [L, H, d_head, d]``.
+        memory_budget: bytes of working memory beyond inputs and results; the tree is traversed in
+            chunks that fit it, whatever its size.
+        progress: show a progress bar over paths (tqdm if installed).
+        materialize: also return the products ``[B, M, n, n]`` or ``[B, M, n, d]``; refused when
+            they would not fit the memory budget.
+
+    Returns:
+        :class:`PathResiduals` with ``residual``, ``norm`` and ``ratio`` ``[B, M]``, ``paths``
+        ``[M, L]`` and ``lengths`` ``[M]`` in the tree's result order.
+    """
+    where = "pathkernels.path_residuals"
+    net = _check_network(attn, x, w_v, w_o, where)
+    _check_tree(tree, net, where)
+    if not isinstance(memory_budget, int) or memory_budget <= 0:
+        raise ValueError(f"{where}: expected memory_budget to be a positive int (bytes), got {memory_budget!r}")
+    if tree.num_paths > 1 << 40:
+        raise ValueError(f"{where}: the tree has {tree.num_paths:,} paths; results alone would not fit in memory")
+    if net.attn.device.type != "cpu":
+        raise NotImplementedError(f"{where}: the path engine runs on CPU so far (got {net.attn.device}); move the inputs to CPU")
+
+    products = None
+    if materialize:
+        need = net.attn.shape[0] * tree.num_paths * _node_bytes(net)
+        if need > memory_budget:
+            raise ValueError(
+                f"{where}: materialize=True needs {need / 2**30:.2f} GiB for [B, M, n, m] = "
+                f"{[net.attn.shape[0], tree.num_paths, net.attn.shape[-1], net.width]}, over memory_budget="
+                f"{memory_budget / 2**30:.2f} GiB; leave materialize off (the norms need no products) or raise the budget"
+            )
+        products = _materialize(net, tree)
+
+    attn_centred, attn_mean, root, root_mean = _engine_operands(net)
+    batch = net.attn.shape[0]
+    residual = torch.empty(batch, tree.num_leaves, dtype=net.attn.dtype)
+    norm = torch.empty_like(residual)
+    bar = _progress_bar(tree.num_leaves, progress)
+    try:
+        for start, stop, chunk, leaf_block in _chunks(tree, net, memory_budget):
+            chunk_residual, chunk_norm = torch.ops.pathkernels.path_chunk_norms(
+                attn_centred, attn_mean, root, root_mean, net.w_v, net.w_o, chunk.parents, chunk.heads, leaf_block
+            )
+            residual[:, start:stop] = chunk_residual[:, chunk.leaf_position]
+            norm[:, start:stop] = chunk_norm[:, chunk.leaf_position]
+            if bar is not None:
+                bar.update(stop - start)
+    finally:
+        if bar is not None:
+            bar.close()
+
+    leaf_of_path = tree.leaf_of_path()
+    if leaf_of_path is not None:
+        residual, norm = residual[:, leaf_of_path], norm[:, leaf_of_path]
+    paths = tree.paths()
+    result = PathResiduals(residual, norm, paths, (paths != SKIP).sum(1), products)
+    if not net.batched:
+        result.residual, result.norm = residual[0], norm[0]
+        result.products = None if products is None else products[0]
+    return result
+
+
+def _materialize(net: _Network, tree: PathTree) -> Tensor:
+    """The products themselves, ``[B, M, n, m]``, by the same trie in plain PyTorch (small trees)."""
+    chunk = build_trie_chunk(tree.leaf_range(0, tree.num_leaves))
+    batch, n = net.attn.shape[0], net.attn.shape[-1]
+    if net.x is None:
+        level = torch.eye(n, dtype=net.attn.dtype).expand(batch, 1, n, n)
+    else:
+        level = net.x.unsqueeze(1)  # [B, 1, n, d]
+    for layer, (parents, heads) in enumerate(zip(chunk.parents, chunk.heads)):
+        nodes = level[:, parents]  # [B, N, n, m]
+        out = nodes.clone()
+        for head in heads.unique().tolist():
+            if head == SKIP:
+                continue
+            sel = heads == head
+            product = net.attn[:, layer, head].unsqueeze(1) @ nodes[:, sel]
+            if net.x is not None:
+                product = product @ net.w_v[layer, head] @ net.w_o[layer, head]
+            out[:, sel] = product
+        level = out
+    leaves = level[:, chunk.leaf_position]
+    leaf_of_path = tree.leaf_of_path()
+    return leaves if leaf_of_path is None else leaves[:, leaf_of_path]
+
+
+def length_sums(attn: Tensor, x: Tensor, w_v: Tensor, w_o: Tensor, *, skip: bool = True) -> Tensor:
+    """Exact sum of the path outputs of each length, by dynamic programming over layers.
+
+    ``S_k^(l) = [skip] S_k^(l-1) + Σ_h A[l, h] S_{k-1}^(l-1) W_V[l, h] W_O[l, h]`` with
+    ``S_0^(0) = X``: ``S_k^(L) = Σ_{p : len(p) = k} Y_p``. It costs ``O(L² H)`` matrix products
+    and enumerates nothing, so it works when ``(H+1)^L`` is astronomically large. With skip the
+    total ``Σ_k S_k`` is the output of the attention-only network ``X_l = X_{l-1} + Σ_h A X_{l-1} W``
+    (biases folded out); without skip only ``k = L`` is non-zero.
+
+    Args:
+        attn: ``[B, L, H, n, n]`` (or ``[L, H, n, n]``), row-stochastic, float32 or float64.
+        x: ``[B, n, d]`` (or ``[n, d]``); ``w_v``: ``[L, H, d, d_head]``; ``w_o``: ``[L, H, d_head, d]``.
+        skip: whether the network has skip connections.
+
+    Returns:
+        ``[L+1, B, n, d]`` (``[L+1, n, d]`` unbatched): index k holds the sum over paths of length k.
+    """
+    where = "pathkernels.length_sums"
+    for name, t in (("x", x), ("w_v", w_v), ("w_o", w_o)):
+        if t is None:
+            raise ValueError(f"{where}: expected {name}; length sums are sums of path outputs P X W")
+    net = _check_network(attn, x, w_v, w_o, where)
+    layers = net.attn.shape[1]
+    sums = net.x.new_zeros(layers + 1, *net.x.shape)  # [L+1, B, n, d]
+    sums[0] = net.x
+    for layer in range(layers):
+        attn_l = net.attn[:, layer]  # [B, H, n, n]
+        top = layer + 1  # lengths 0..layer can feed a head at this layer
+        mixed = torch.einsum("bhij,kbjd->kbhid", attn_l, sums[:top])  # [k, B, H, n, d]
+        heads_out = torch.einsum("kbhid,hde,hef->kbif", mixed, net.w_v[layer], net.w_o[layer])
+        if skip:
+            sums[1 : top + 1] += heads_out
+        else:
+            sums = torch.cat([torch.zeros_like(sums[:1]), heads_out, torch.zeros_like(sums[top + 1 :])])
+    return sums if net.batched else sums[:, 0]
+
+
+def truncated_output(sums: Tensor, max_length: int) -> Tensor:
+    """Output of the paths of length ≤ ``max_length``: ``Σ_{k ≤ max_length} S_k`` from :func:`length_sums`."""
+    if not 0 <= max_length:
+        raise ValueError(f"pathkernels.truncated_output: expected max_length >= 0, got {max_length}")
+    return sums[: max_length + 1].sum(0)
+

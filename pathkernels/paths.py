@@ -1,0 +1,288 @@
+"""Path trees: which paths to evaluate, and how they share prefixes.
+
+A path picks, at each of L layers, one of H heads or (with skip connections) the skip branch,
+written ``-1``. Its length is the number of layers where it takes a head. Path counts are exact
+Python ints: ``(H+1)^L`` exceeds 2^63 for real models.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+SKIP = -1
+
+# A tree whose path list would exceed this many paths is not enumerated (paths() and evaluation
+# refuse with the count); sampling and length_sums handle such networks.
+MAX_ENUMERATED_PATHS = 1 << 31
+
+
+def count_paths(num_layers: int, num_heads: int, *, skip: bool = False, max_length: int | None = None) -> int:
+    """Exact number of paths: ``H^L`` without skip; ``Σ_{k ≤ max_length} C(L, k) H^k`` with skip."""
+    return sum(count_by_length(num_layers, num_heads, skip=skip, max_length=max_length))
+
+
+def count_by_length(num_layers: int, num_heads: int, *, skip: bool = False, max_length: int | None = None) -> list[int]:
+    """Exact path counts by length ``k = 0..L``: ``C(L, k) H^k`` with skip, only ``H^L`` at k = L without."""
+    top = num_layers if max_length is None else min(max_length, num_layers)
+    counts = [0] * (num_layers + 1)
+    for k in range(top + 1):
+        if skip:
+            counts[k] = math.comb(num_layers, k) * num_heads**k
+        elif k == num_layers:
+            counts[k] = num_heads**num_layers
+    return counts
+
+
+def _check_shape_args(num_layers, num_heads, max_length, where: str) -> None:
+    for name, value in (("num_layers", num_layers), ("num_heads", num_heads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{where}: expected {name} to be a positive int, got {value!r}")
+    if max_length is not None and (not isinstance(max_length, int) or max_length < 0):
+        raise ValueError(f"{where}: expected max_length to be None or an int >= 0, got {max_length!r}")
+
+
+def _too_many_paths(count: int, where: str) -> ValueError:
+    return ValueError(
+        f"{where}: the tree has {count:,} paths, more than can be enumerated ({MAX_ENUMERATED_PATHS:,}). "
+        "Use max_length to keep only short paths, sample paths (pk.sample_paths / pk.decompose with "
+        "num_samples), or pk.length_sums for exact sums per path length."
+    )
+
+
+@dataclass(frozen=True)
+class TrieChunk:
+    """Breadth-first levels of the trie over a sorted run of unique leaf paths, in engine order.
+
+    Level l's nodes are sorted by head (skip first); ``parents[l]`` gives each node's position in
+    level l-1 and ``heads[l]`` its head. ``leaf_position[i]`` is where the chunk's i-th leaf (in
+    sorted order) lands among the last level's nodes.
+    """
+
+    parents: list[Tensor]
+    heads: list[Tensor]
+    leaf_position: Tensor
+
+    def internal_nodes(self) -> int:
+        return sum(p.numel() for p in self.parents[:-1])
+
+
+def build_trie_chunk(sorted_paths: Tensor) -> TrieChunk:
+    """Trie levels of ``sorted_paths`` ``[c, L]``: unique rows in lexicographic order."""
+    count, num_layers = sorted_paths.shape
+    # new_prefix[i]: path i starts a new prefix at the current depth (it differs from path i-1 in
+    # some layer so far). Paths are sorted, so each prefix's paths are consecutive.
+    new_prefix = torch.zeros(count, dtype=torch.bool)
+    new_prefix[0] = True
+    node_of_path = torch.zeros(count, dtype=torch.long)  # lexicographic node id at the previous depth
+    position_of_node = torch.zeros(1, dtype=torch.long)  # that node's position in engine order
+    parents, heads = [], []
+    for layer in range(num_layers):
+        column = sorted_paths[:, layer]
+        new_prefix[1:] |= column[1:] != column[:-1]
+        node = torch.cumsum(new_prefix.long(), 0) - 1
+        first = torch.nonzero(new_prefix).squeeze(1)
+        head = column[first]
+        parent = position_of_node[node_of_path[first]]
+        # Engine order: grouped by head (skip first), then by parent position, so that in a
+        # complete tree each head's parents are the whole previous level, in order: one GEMM, no gather.
+        order = torch.sort((head - SKIP) * position_of_node.numel() + parent).indices
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel())
+        parents.append(parent[order])
+        heads.append(head[order])
+        node_of_path, position_of_node = node, rank
+    return TrieChunk(parents, heads, position_of_node[node_of_path])
+
+
+class PathTree:
+    """A set of paths through ``num_layers`` layers of ``num_heads`` heads, evaluated on a trie.
+
+    Build one with :meth:`complete` or :meth:`from_paths`. Results of :func:`pk.path_residuals`
+    come back in the order of :meth:`paths`: lexicographic (skip ``-1`` before head 0, layer 1
+    most significant) for complete trees, the user's own order for :meth:`from_paths`.
+    """
+
+    def __init__(self, num_layers: int, num_heads: int, *, skip: bool, max_length: int | None, paths: Tensor | None):
+        self.num_layers = num_layers
+        self.num_heads = num_heads
+        self.skip = skip
+        self.max_length = max_length
+        self._paths = paths  # [M, L] in result order, or None for a lazily enumerated complete tree
+        self._unique: tuple[Tensor, Tensor] | None = None
+
+    # --- construction ----------------------------------------------------------------------------
+
+    @classmethod
+    def complete(cls, num_layers: int, num_heads: int, skip: bool = False, max_length: int | None = None) -> "PathTree":
+        """All ``H^L`` paths, or ``(H+1)^L`` with the skip branch; ``max_length`` keeps only paths
+        with at most that many heads (the tree is pruned, not filtered afterwards)."""
+        _check_shape_args(num_layers, num_heads, max_length, "pathkernels.PathTree.complete")
+        if max_length is not None and not skip and max_length < num_layers:
+            raise ValueError(
+                f"pathkernels.PathTree.complete: without skip every path has length {num_layers}, so "
+                f"max_length={max_length} keeps no path; pass skip=True"
+            )
+        tree = cls(num_layers, num_heads, skip=skip, max_length=max_length, paths=None)
+        if tree.num_paths > MAX_ENUMERATED_PATHS:
+            raise _too_many_paths(tree.num_paths, "pathkernels.PathTree.complete")
+        if max_length is not None and max_length < num_layers:
+            tree._paths = _enumerate_short_paths(num_layers, num_heads, max_length)
+        return tree
+
+    @classmethod
+    def from_paths(cls, paths, num_heads: int | None = None) -> "PathTree":
+        """Any ``[M, L]`` set of paths (head per layer, ``-1`` = skip), in any order, with
+        duplicates; results come back in this order. ``num_heads`` defaults to the largest head + 1."""
+        where = "pathkernels.PathTree.from_paths"
+        paths = torch.as_tensor(paths)
+        if paths.dtype.is_floating_point or paths.dtype.is_complex or paths.dtype == torch.bool:
+            raise TypeError(f"{where}: expected an integer tensor of heads, got {paths.dtype}")
+        if paths.dim() != 2 or paths.shape[0] == 0 or paths.shape[1] == 0:
+            raise ValueError(f"{where}: expected paths of shape [M, L] with M, L >= 1, got {list(paths.shape)}")
+        paths = paths.to(device="cpu", dtype=torch.long).contiguous()
+        low, high = int(paths.min()), int(paths.max())
+        if num_heads is None:
+            num_heads = max(high + 1, 1)
+        if low < SKIP or high >= num_heads:
+            raise ValueError(f"{where}: expected heads in [-1, {num_heads}), got values in [{low}, {high}]")
+        return cls(paths.shape[1], num_heads, skip=bool(low == SKIP), max_length=None, paths=paths)
+
+    # --- what the tree holds ---------------------------------------------------------------------
+
+    @property
+    def is_complete(self) -> bool:
+        return self._paths is None or self.max_length is not None
+
+    @property
+    def num_paths(self) -> int:
+        """Exact number of paths (a Python int; it may exceed 2^63)."""
+        if self._paths is not None:
+            return self._paths.shape[0]
+        return count_paths(self.num_layers, self.num_heads, skip=self.skip, max_length=self.max_length)
+
+    def __len__(self) -> int:
+        return self.num_paths
+
+    def __repr__(self) -> str:
+        kind = "complete" if self.is_complete else "explicit"
+        return (
+            f"PathTree({kind}, num_layers={self.num_layers}, num_heads={self.num_heads}, skip={self.skip}, "
+            f"max_length={self.max_length}, paths={self.num_paths:,})"
+        )
+
+    def count_by_length(self) -> list[int]:
+        """Exact path counts by length ``0..L`` (Python ints)."""
+        if self.is_complete:
+            return count_by_length(self.num_layers, self.num_heads, skip=self.skip, max_length=self.max_length)
+        return torch.bincount(self.lengths(), minlength=self.num_layers + 1).tolist()
+
+    def nodes_per_level(self) -> list[int]:
+        """Distinct prefixes at each depth ``0..L`` (level 0 is the root); the last are the leaves."""
+        if self._paths is None:
+            choices = self.num_heads + int(self.skip)
+            return [choices**level for level in range(self.num_layers + 1)]
+        unique = self._unique_paths()[0]
+        return [1] + [int(torch.unique(unique[:, :level], dim=0).shape[0]) for level in range(1, self.num_layers + 1)]
+
+    def paths(self) -> Tensor:
+        """``[M, L]`` int64 paths in result order."""
+        if self._paths is not None:
+            return self._paths
+        return self.path_range(0, self.num_paths)
+
+    def lengths(self) -> Tensor:
+        """``[M]`` int64: heads taken by each path."""
+        return (self.paths() != SKIP).sum(1)
+
+    # --- what the engine needs -------------------------------------------------------------------
+
+    def path_range(self, start: int, stop: int) -> Tensor:
+        """Paths ``start..stop-1`` in result order, as ``[stop - start, L]``."""
+        if self._paths is not None:
+            return self._paths[start:stop]
+        choices = self.num_heads + int(self.skip)
+        index = torch.arange(start, stop, dtype=torch.long)
+        digits = torch.empty(stop - start, self.num_layers, dtype=torch.long)
+        for layer in range(self.num_layers - 1, -1, -1):
+            digits[:, layer] = index % choices
+            index = index // choices
+        return digits - int(self.skip)
+
+    def _unique_paths(self) -> tuple[Tensor, Tensor]:
+        """Sorted unique paths and, for each path in result order, its row among them."""
+        if self._unique is None:
+            if self._paths is None:
+                raise AssertionError("complete trees are sorted and unique by construction")
+            self._unique = torch.unique(self._paths, dim=0, sorted=True, return_inverse=True)
+        return self._unique
+
+    @property
+    def num_leaves(self) -> int:
+        """Distinct paths (the trie's leaves)."""
+        return self.num_paths if self._paths is None else self._unique_paths()[0].shape[0]
+
+    def leaf_range(self, start: int, stop: int) -> Tensor:
+        """Leaves ``start..stop-1`` (unique paths in lexicographic order)."""
+        if self._paths is None:
+            return self.path_range(start, stop)
+        return self._unique_paths()[0][start:stop]
+
+    def leaf_of_path(self) -> Tensor | None:
+        """For each path in result order, its leaf; None when paths and leaves coincide."""
+        if self._paths is None:
+            return None
+        return self._unique_paths()[1]
+
+
+def _enumerate_short_paths(num_layers: int, num_heads: int, max_length: int) -> Tensor:
+    """All paths with at most ``max_length`` heads, lexicographic, grown layer by layer (pruned)."""
+    prefixes = torch.zeros(1, 0, dtype=torch.long)
+    lengths = torch.zeros(1, dtype=torch.long)
+    choices = torch.arange(SKIP, num_heads)
+    for _ in range(num_layers):
+        count = prefixes.shape[0]
+        grown = torch.cat(
+            [prefixes.repeat_interleave(len(choices), 0), choices.repeat(count).unsqueeze(1)], dim=1
+        )
+        grown_lengths = lengths.repeat_interleave(len(choices)) + (grown[:, -1] != SKIP).long()
+        keep = grown_lengths <= max_length
+        prefixes, lengths = grown[keep], grown_lengths[keep]
+    return prefixes
+
+
+def sample_paths(
+    num_layers: int,
+    num_heads: int,
+    num_samples: int,
+    *,
+    skip: bool = False,
+    length: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Random paths ``[num_samples, L]`` (int64, ``-1`` = skip), reproducible from ``generator``.
+
+    - ``length=None``: uniform over all paths (``H^L``, or ``(H+1)^L`` with ``skip``): each layer
+      independently picks uniformly among its ``H`` (or ``H+1``) choices.
+    - ``length=k``: uniform over paths of exactly k heads, as the paper's code samples them: k
+      distinct layers chosen uniformly, a uniform head on each, skip elsewhere.
+    """
+    where = "pathkernels.sample_paths"
+    _check_shape_args(num_layers, num_heads, None, where)
+    if not isinstance(num_samples, int) or num_samples < 0:
+        raise ValueError(f"{where}: expected num_samples to be an int >= 0, got {num_samples!r}")
+    if length is None:
+        choices = num_heads + int(skip)
+        return torch.randint(0, choices, (num_samples, num_layers), generator=generator) - int(skip)
+    if not isinstance(length, int) or not 0 <= length <= num_layers:
+        raise ValueError(f"{where}: expected length to be an int in [0, {num_layers}], got {length!r}")
+    if length < num_layers and not skip:
+        raise ValueError(f"{where}: paths of length {length} < num_layers={num_layers} need skip=True")
+    keys = torch.rand(num_samples, num_layers, generator=generator)
+    layers = keys.argsort(dim=1)[:, :length]  # k distinct layers, uniformly
+    heads = torch.randint(0, num_heads, (num_samples, length), generator=generator)
+    paths = torch.full((num_samples, num_layers), SKIP, dtype=torch.long)
+    paths.scatter_(1, layers, heads)
+    return paths
