@@ -152,7 +152,7 @@ def _node_bytes(net: _Network) -> int:
 def _chunks(tree: PathTree, net: _Network, memory_budget: int):
     """Consecutive runs of leaves whose tries fit the memory budget: (start, stop, TrieChunk)."""
     node_bytes = _node_bytes(net)
-    leaf_block = max(1, _LEAF_BLOCK_BYTES // node_bytes)
+    leaf_block = max(1, min(_LEAF_BLOCK_BYTES, memory_budget // 8) // node_bytes)
     fixed = 3 * leaf_block * node_bytes  # the leaf block, its gathered parents and W temporaries
 
     def chunk_bytes(chunk) -> int:

@@ -207,9 +207,9 @@ class PathTree:
         index = torch.arange(start, stop, dtype=torch.long)
         digits = torch.empty(stop - start, self.num_layers, dtype=torch.long)
         for layer in range(self.num_layers - 1, -1, -1):
-            digits[:, layer] = index % choices
-            index = index // choices
-        return digits - int(self.skip)
+            torch.remainder(index, choices, out=digits[:, layer])
+            index = index.div_(choices, rounding_mode="floor")
+        return digits.sub_(int(self.skip))
 
     def _unique_paths(self) -> tuple[Tensor, Tensor]:
         """Sorted unique paths and, for each path in result order, its row among them."""

@@ -29,3 +29,34 @@ def composite_norm_ref(x: Tensor) -> Tensor:
 
 def residual_norm_ref(x: Tensor) -> Tensor:
     return composite_norm_ref(residual_ref(x))
+
+
+def path_products_ref(attn: Tensor, paths: Tensor, x: Tensor | None = None, w_v: Tensor | None = None,
+                      w_o: Tensor | None = None) -> Tensor:
+    """The per-path loop: ``P_p = A[L, p_L] ⋯ A[1, p_1]`` (or ``Y_p = P_p X W_p``) for every path.
+
+    attn ``[B, L, H, n, n]``, paths ``[M, L]`` (-1 = skip), x ``[B, n, d]``, w_v ``[L, H, d, d_head]``,
+    w_o ``[L, H, d_head, d]`` -> ``[B, M, n, n]`` (or ``[B, M, n, d]``).
+    """
+    batch, n = attn.shape[0], attn.shape[-1]
+    out = []
+    for path in paths.tolist():
+        m = torch.eye(n, dtype=attn.dtype).expand(batch, n, n) if x is None else x
+        for layer, head in enumerate(path):
+            if head >= 0:
+                m = attn[:, layer, head] @ m
+                if x is not None:
+                    m = m @ w_v[layer, head] @ w_o[layer, head]
+        out.append(m)
+    return torch.stack(out, dim=1)
+
+
+def attention_network_ref(attn: Tensor, x: Tensor, w_v: Tensor, w_o: Tensor, *, skip: bool = True) -> Tensor:
+    """An attention-only network without biases: ``X_l = [X_{l-1}] + Σ_h A[l, h] X_{l-1} W_V W_O``.
+
+    attn ``[B, L, H, n, n]``, x ``[B, n, d]`` -> ``[B, n, d]``; the sum over all its paths.
+    """
+    for layer in range(attn.shape[1]):
+        heads = sum(attn[:, layer, h] @ x @ w_v[layer, h] @ w_o[layer, h] for h in range(attn.shape[2]))
+        x = x + heads if skip else heads
+    return x

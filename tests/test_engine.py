@@ -1,0 +1,226 @@
+"""path_residuals: the CPU path-tree engine against per-path loops, closed forms and the network."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import pathkernels as pk
+from pathkernels.reference import (
+    attention_network_ref,
+    composite_norm_ref,
+    path_products_ref,
+    residual_norm_ref,
+)
+from pathkernels.testing import random_attention, tolerance
+
+
+def network(batch, layers, heads, n, d=None, d_head=None, dtype=torch.float64):
+    attn = random_attention(batch, layers, heads, n, n, dtype=torch.float64)
+    if d is None:
+        return attn.to(dtype), None, None, None
+    x = torch.randn(batch, n, d, dtype=torch.float64)
+    w_v = torch.randn(layers, heads, d, d_head, dtype=torch.float64) / d**0.5
+    w_o = torch.randn(layers, heads, d_head, d, dtype=torch.float64) / d_head**0.5
+    return attn.to(dtype), x.to(dtype), w_v.to(dtype), w_o.to(dtype)
+
+
+def check_against_loop(result, attn, tree, x, w_v, w_o, dtype):
+    as64 = lambda t: None if t is None else t.double()  # noqa: E731
+    products = path_products_ref(as64(attn), tree.paths(), as64(x), as64(w_v), as64(w_o))
+    tol = tolerance(dtype) if dtype == torch.float64 else dict(rtol=2e-4, atol=1e-6)
+    torch.testing.assert_close(result.residual.double(), residual_norm_ref(products), **tol)
+    torch.testing.assert_close(result.norm.double(), composite_norm_ref(products), **tol)
+    torch.testing.assert_close(result.ratio.double(), residual_norm_ref(products) / composite_norm_ref(products), **tol)
+    assert torch.equal(result.paths, tree.paths())
+    assert torch.equal(result.lengths, (tree.paths() >= 0).sum(1))
+
+
+TREES = {
+    "complete": lambda L, H: pk.PathTree.complete(L, H),
+    "complete_skip": lambda L, H: pk.PathTree.complete(L, H, skip=True),
+    "max_length": lambda L, H: pk.PathTree.complete(L, H, skip=True, max_length=2),
+    "explicit": lambda L, H: pk.PathTree.from_paths(
+        torch.cat([pk.sample_paths(L, H, 40, skip=True), pk.sample_paths(L, H, 10, skip=True)[[3, 3, 7, 0]]]),
+        num_heads=H,
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("mode", ["products", "outputs"])
+@pytest.mark.parametrize("kind", list(TREES))
+def test_matches_per_path_loop(kind, mode, dtype):
+    layers, heads, n = 4, 3, 6
+    tree = TREES[kind](layers, heads)
+    attn, x, w_v, w_o = network(2, layers, heads, n, *((5, 3) if mode == "outputs" else ()), dtype=dtype)
+    result = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o)
+    assert result.residual.shape == (2, len(tree)) and result.residual.dtype == dtype
+    check_against_loop(result, attn, tree, x, w_v, w_o, dtype)
+
+
+def test_tiny_memory_budget_gives_the_same_results_in_many_chunks():
+    attn, x, w_v, w_o = network(2, 5, 3, 8, 6, 2)
+    for tree in (pk.PathTree.complete(5, 3, skip=True), TREES["explicit"](5, 3)):
+        big = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o)
+        small = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, memory_budget=64 * 1024)
+        torch.testing.assert_close(small.residual, big.residual, rtol=1e-13, atol=0)
+        torch.testing.assert_close(small.norm, big.norm, rtol=1e-13, atol=0)
+
+
+def test_unbatched_inputs_and_materialize():
+    attn, x, w_v, w_o = network(1, 3, 2, 5, 4, 2)
+    tree = pk.PathTree.from_paths(torch.tensor([[1, -1, 0], [0, 0, 0], [1, -1, 0]]))
+    result = pk.path_residuals(attn[0], tree, x=x[0], w_v=w_v, w_o=w_o, materialize=True)
+    assert result.residual.shape == (3,) and result.products.shape == (3, 5, 4)
+    expected = path_products_ref(attn, tree.paths(), x, w_v, w_o)[0]
+    torch.testing.assert_close(result.products, expected)
+    torch.testing.assert_close(result.residual, residual_norm_ref(expected))
+    assert torch.equal(result.residual[0], result.residual[2])
+
+
+def test_closed_form_for_blended_attention():
+    # A = αI + (1−α)11ᵀ/n: res(A) = α(I − 11ᵀ/n), and products multiply the α's, so a path's
+    # residual norm is (Π α) · 2(n−1)/n and its product has norm 1.
+    layers, heads, n = 5, 3, 7
+    alpha = torch.rand(layers, heads, dtype=torch.float64) * 0.9 + 0.05
+    eye, uniform = torch.eye(n, dtype=torch.float64), torch.full((n, n), 1.0 / n, dtype=torch.float64)
+    attn = alpha[..., None, None] * eye + (1 - alpha[..., None, None]) * uniform
+    tree = pk.PathTree.complete(layers, heads, skip=True)
+    result = pk.path_residuals(attn, tree)
+    paths = tree.paths()
+    factors = torch.where(paths >= 0, alpha[torch.arange(layers), paths.clamp(min=0)], torch.ones(()))
+    expected = factors.prod(1) * 2 * (n - 1) / n
+    torch.testing.assert_close(result.residual, expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(result.norm, torch.ones_like(expected), rtol=1e-12, atol=0)
+
+
+def test_deep_float32_chain_keeps_relative_precision():
+    # Multiplying first and centring last floors at ~1e-7 in float32; the engine carries the
+    # residual itself and must match float64 to 1e-4 relative far below that.
+    n = 16
+    for layers in range(12, 60, 4):
+        attn = random_attention(1, layers, 1, n, n, dtype=torch.float64)
+        tree = pk.PathTree.complete(layers, 1)
+        truth = pk.path_residuals(attn, tree).residual.item()
+        if truth < 1e-10:
+            break
+    assert truth < 1e-10, truth
+    single = pk.path_residuals(attn.float(), tree).residual.item()
+    assert abs(single - truth) <= 1e-4 * truth, (single, truth)
+    naive = residual_norm_ref(path_products_ref(attn.float(), tree.paths()).double()).item()
+    assert abs(naive - truth) > 1e-4 * truth  # the naive route does lose it
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_sum_of_all_path_outputs_is_the_network(dtype):
+    layers, heads = 4, 3
+    attn, x, w_v, w_o = network(2, layers, heads, 6, 5, 2, dtype=dtype)
+    tol = tolerance(dtype) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    for skip in (True, False):
+        tree = pk.PathTree.complete(layers, heads, skip=skip)
+        total = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, materialize=True).products.sum(1)
+        torch.testing.assert_close(total, attention_network_ref(attn, x, w_v, w_o, skip=skip), **tol)
+        sums = pk.length_sums(attn, x, w_v, w_o, skip=skip)
+        torch.testing.assert_close(sums.sum(0), total, **tol)
+
+
+# --- bad input ---------------------------------------------------------------------------------
+
+def bad_call(**changes):
+    attn, x, w_v, w_o = network(2, 3, 2, 4, 3, 2)
+    args = dict(attn=attn, tree=pk.PathTree.complete(3, 2, skip=True), x=x, w_v=w_v, w_o=w_o)
+    args.update(changes)
+    attn = args.pop("attn")
+    tree = args.pop("tree")
+    return lambda: pk.path_residuals(attn, tree, **args)
+
+
+def with_zero_row():
+    attn = network(2, 3, 2, 4)[0]
+    attn[1, 2, 0, 3] = 0.0
+    return attn
+
+
+def with_nan():
+    attn = network(2, 3, 2, 4)[0]
+    attn[0, 1, 1, 2, 0] = float("nan")
+    return attn
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (bad_call(attn=torch.rand(3, 4, 4)), ValueError, r"expected attn of shape \[B, L, H, n, n\] or \[L, H, n, n\]"),
+    (bad_call(attn=torch.rand(2, 3, 2, 4, 5)), ValueError, "expected square attention"),
+    (bad_call(attn=torch.ones(2, 3, 2, 4, 4, dtype=torch.int64)), TypeError, "expected attn to be float32 or float64"),
+    (bad_call(attn=torch.full((2, 3, 2, 4, 4), 0.25, dtype=torch.float16)), TypeError, "float32 or float64, got torch.float16"),
+    (bad_call(x=torch.rand(2, 5, 3, dtype=torch.float64)), ValueError, r"expected x of shape \[B, n, d\] = \[2, 4, d\]"),
+    (bad_call(x=torch.rand(2, 4, 3)), TypeError, "expected x in attn's dtype torch.float64, got torch.float32"),
+    (bad_call(w_v=torch.rand(3, 2, 5, 2, dtype=torch.float64)), ValueError, r"expected w_v of shape \[L, H, d, d_head\]"),
+    (bad_call(w_o=None), ValueError, "pass x, w_v and w_o together"),
+    (bad_call(x=torch.rand(2, 4, 3, dtype=torch.float64, device="meta")), ValueError, "expected x on attn's device cpu"),
+    (bad_call(attn=with_zero_row(), x=None, w_v=None, w_o=None), ValueError,
+     r"row 3 of batch element 1, layer 2, head 0 sums to 0\..*Masked or padded"),
+    (bad_call(attn=with_nan(), x=None, w_v=None, w_o=None), ValueError, r"attn has a non-finite value \(nan\) at index \[0, 1, 1, 2, 0\]"),
+    (bad_call(tree=pk.PathTree.complete(4, 2)), ValueError, "the tree has 4 layers and 2 heads, attn has L = 3 and H = 2"),
+    (bad_call(tree="paths"), TypeError, "expected tree to be a pathkernels.PathTree"),
+    (bad_call(memory_budget=0), ValueError, "expected memory_budget to be a positive int"),
+    (bad_call(memory_budget=100), ValueError, "too small for one leaf block"),
+    (bad_call(materialize=True, memory_budget=2000), ValueError, r"materialize=True needs .* over memory_budget"),
+])
+def test_bad_input(call, error, message):
+    with pytest.raises(error, match="pathkernels.path_residuals: .*" + message):
+        call()
+
+
+# --- the op itself -----------------------------------------------------------------------------
+
+def test_fixed_size_calls_compile():
+    from pathkernels.engine import _check_network, _engine_operands
+    from pathkernels.paths import build_trie_chunk
+
+    attn = network(1, 3, 2, 5)[0]
+    tree = pk.PathTree.complete(3, 2, skip=True)
+    chunk = build_trie_chunk(tree.paths())
+    operands = _engine_operands(_check_network(attn, None, None, None, "test"))
+
+    def ratio(attn_c, attn_mean, root, root_mean):
+        residual, norm = torch.ops.pathkernels.path_chunk_norms(
+            attn_c, attn_mean, root, root_mean, None, None, chunk.parents, chunk.heads, 4
+        )
+        return residual / norm
+
+    torch._dynamo.reset()
+    compiled = torch.compile(ratio, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(*operands), ratio(*operands))
+
+
+# --- memory ------------------------------------------------------------------------------------
+
+MEMORY_SCRIPT = textwrap.dedent("""
+    import resource, sys, torch
+    import pathkernels as pk
+    from pathkernels.testing import random_attention
+    budget = int(sys.argv[1])
+    attn = random_attention(1, 6, 10, 32, 32, dtype=torch.float32)
+    pk.path_residuals(attn[:, :3], pk.PathTree.complete(3, 10), memory_budget=budget)  # warm-up
+    tree = pk.PathTree.complete(6, 10)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = pk.path_residuals(attn, tree, memory_budget=budget)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(len(tree), (after - before) * 1024, float(result.ratio.min()))
+""")
+
+
+def test_memory_budget_is_honoured_on_a_million_leaves():
+    budget = 64 << 20
+    out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(budget)], capture_output=True, text=True,
+                         check=True, timeout=600).stdout.split()
+    leaves, grown, ratio = int(out[0]), int(out[1]), float(out[2])
+    assert leaves == 10**6 and ratio > 0
+    # The results: residual and norm [1, M] float32, paths [M, 6] int64 with one transient copy,
+    # lengths [M] int64. Without chunking, the level above the leaves alone takes 10^5 nodes of
+    # 32·32·4 B = 410 MB.
+    results = 2 * leaves * 4 + 2 * leaves * 6 * 8 + leaves * 8
+    assert grown <= budget + results + (16 << 20), f"peak grew by {grown / 2**20:.1f} MiB"

@@ -1,0 +1,158 @@
+"""PathTree, path counts and sample_paths."""
+import itertools
+import math
+
+import pytest
+import torch
+
+import pathkernels as pk
+from pathkernels.paths import MAX_ENUMERATED_PATHS, build_trie_chunk
+
+
+def brute_force_paths(num_layers, num_heads, skip, max_length=None):
+    choices = ([-1] if skip else []) + list(range(num_heads))
+    paths = [p for p in itertools.product(choices, repeat=num_layers)]
+    if max_length is not None:
+        paths = [p for p in paths if sum(h >= 0 for h in p) <= max_length]
+    return torch.tensor(paths, dtype=torch.long)  # itertools.product is lexicographic
+
+
+@pytest.mark.parametrize("layers, heads, skip, max_length", [
+    (3, 2, False, None), (3, 2, True, None), (4, 3, True, 2), (2, 5, True, 0), (5, 2, True, 5), (1, 4, False, None),
+])
+def test_complete_tree_enumerates_every_path_in_lexicographic_order(layers, heads, skip, max_length):
+    tree = pk.PathTree.complete(layers, heads, skip=skip, max_length=max_length)
+    expected = brute_force_paths(layers, heads, skip, max_length)
+    assert torch.equal(tree.paths(), expected)
+    assert len(tree) == tree.num_paths == expected.shape[0]
+    assert torch.equal(tree.lengths(), (expected >= 0).sum(1))
+    counts = torch.bincount(tree.lengths(), minlength=layers + 1).tolist()
+    assert tree.count_by_length() == counts == pk.count_by_length(layers, heads, skip=skip, max_length=max_length)
+    levels = [1] + [torch.unique(expected[:, :k], dim=0).shape[0] for k in range(1, layers + 1)]
+    assert tree.nodes_per_level() == levels
+
+
+def test_counts_are_exact_python_ints_beyond_int64():
+    assert pk.count_paths(100, 12, skip=True) == 13**100
+    assert pk.count_paths(12, 12, skip=True) == 13**12 == 23_298_085_122_481
+    assert pk.count_by_length(12, 12, skip=True)[3] == math.comb(12, 3) * 12**3
+    assert pk.count_paths(6, 4) == 4**6
+    assert pk.count_paths(6, 4, skip=True, max_length=2) == 1 + 6 * 4 + 15 * 16
+
+
+def test_too_large_tree_says_how_many_and_what_to_do():
+    with pytest.raises(ValueError, match=r"23,298,085,122,481 paths.*max_length.*sampl.*length_sums"):
+        pk.PathTree.complete(12, 12, skip=True)
+    # The same network with a length cap is fine: 1 + 12·12 + 66·144 paths.
+    assert len(pk.PathTree.complete(12, 12, skip=True, max_length=2)) == 1 + 144 + 66 * 144
+    assert pk.count_paths(12, 12, skip=True) > MAX_ENUMERATED_PATHS
+
+
+def test_from_paths_keeps_order_and_duplicates():
+    paths = torch.tensor([[1, -1, 0], [0, 0, 0], [1, -1, 0], [-1, -1, -1], [0, 1, 1]])
+    tree = pk.PathTree.from_paths(paths)
+    assert torch.equal(tree.paths(), paths)
+    assert tree.num_heads == 2 and tree.skip and len(tree) == 5 and tree.num_leaves == 4
+    assert tree.lengths().tolist() == [2, 3, 2, 0, 3]
+    assert tree.count_by_length() == [1, 0, 2, 2]
+    assert pk.PathTree.from_paths(paths, num_heads=7).num_heads == 7
+
+
+@pytest.mark.parametrize("paths, error, message", [
+    (torch.zeros(3, 2, dtype=torch.float32), TypeError, "expected an integer tensor"),
+    (torch.zeros(4, dtype=torch.long), ValueError, r"expected paths of shape \[M, L\]"),
+    (torch.zeros(0, 3, dtype=torch.long), ValueError, r"expected paths of shape \[M, L\]"),
+    (torch.tensor([[0, -2]]), ValueError, r"expected heads in \[-1, 1\)"),
+])
+def test_from_paths_bad_input(paths, error, message):
+    with pytest.raises(error, match="pathkernels.PathTree.from_paths: " + message):
+        pk.PathTree.from_paths(paths)
+
+
+def test_from_paths_head_out_of_range_for_given_heads():
+    with pytest.raises(ValueError, match=r"expected heads in \[-1, 2\), got values in \[0, 3\]"):
+        pk.PathTree.from_paths(torch.tensor([[0, 3]]), num_heads=2)
+
+
+def test_complete_bad_arguments():
+    with pytest.raises(ValueError, match="expected num_heads to be a positive int"):
+        pk.PathTree.complete(3, 0)
+    with pytest.raises(ValueError, match="max_length=2 keeps no path; pass skip=True"):
+        pk.PathTree.complete(3, 2, max_length=2)
+
+
+def test_trie_chunk_of_a_complete_tree_needs_no_gather():
+    tree = pk.PathTree.complete(4, 3, skip=True)
+    chunk = build_trie_chunk(tree.paths())
+    for level, (parents, heads) in enumerate(zip(chunk.parents, chunk.heads)):
+        for head in heads.unique():
+            run = parents[heads == head]
+            assert torch.equal(run, torch.arange(run.numel())), f"level {level + 1}, head {head}"
+    assert [p.numel() for p in chunk.parents] == tree.nodes_per_level()[1:]
+    assert sorted(chunk.leaf_position.tolist()) == list(range(len(tree)))
+
+
+def test_trie_chunk_shares_prefixes_of_a_sparse_set():
+    paths = torch.tensor([[0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 1, 1]])
+    chunk = build_trie_chunk(paths)
+    assert [p.numel() for p in chunk.parents] == [2, 3, 4]
+    # Following parents from each leaf's position reproduces its path.
+    for i, path in enumerate(paths.tolist()):
+        position, walked = int(chunk.leaf_position[i]), []
+        for level in range(2, -1, -1):
+            walked.append(int(chunk.heads[level][position]))
+            position = int(chunk.parents[level][position])
+        assert walked[::-1] == path
+
+
+# --- sampling ----------------------------------------------------------------------------------
+
+def test_sampling_is_reproducible_from_a_generator():
+    a = pk.sample_paths(6, 4, 50, skip=True, generator=torch.Generator().manual_seed(3))
+    b = pk.sample_paths(6, 4, 50, skip=True, generator=torch.Generator().manual_seed(3))
+    c = pk.sample_paths(6, 4, 50, skip=True, length=2, generator=torch.Generator().manual_seed(3))
+    d = pk.sample_paths(6, 4, 50, skip=True, length=2, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(a, b) and torch.equal(c, d)
+
+
+def within_sigmas(observed, expected_probability, total, sigmas=5.0):
+    variance = total * expected_probability * (1 - expected_probability)
+    return abs(observed - total * expected_probability) <= sigmas * math.sqrt(max(variance, 1e-12)) + 1
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_uniform_sampling_matches_the_length_distribution(skip):
+    layers, heads, samples = 8, 3, 40_000
+    paths = pk.sample_paths(layers, heads, samples, skip=skip)
+    assert paths.shape == (samples, layers) and paths.dtype == torch.long
+    assert int(paths.min()) >= (-1 if skip else 0) and int(paths.max()) < heads
+    counts = pk.count_by_length(layers, heads, skip=skip)
+    total = sum(counts)
+    observed = torch.bincount((paths >= 0).sum(1), minlength=layers + 1).tolist()
+    for k in range(layers + 1):
+        assert within_sigmas(observed[k], counts[k] / total, samples), (k, observed[k], counts[k] / total * samples)
+    # Every choice at every layer is equally likely.
+    choices = heads + int(skip)
+    for layer in range(layers):
+        freq = torch.bincount(paths[:, layer] + int(skip), minlength=choices).tolist()
+        assert all(within_sigmas(f, 1 / choices, samples) for f in freq)
+
+
+def test_fixed_length_sampling_picks_distinct_uniform_layers():
+    layers, heads, k, samples = 7, 4, 3, 30_000
+    paths = pk.sample_paths(layers, heads, samples, skip=True, length=k)
+    taken = paths >= 0
+    assert bool((taken.sum(1) == k).all())
+    for layer in range(layers):
+        assert within_sigmas(int(taken[:, layer].sum()), k / layers, samples)
+    head_freq = torch.bincount(paths[taken], minlength=heads).tolist()
+    assert all(within_sigmas(f, 1 / heads, samples * k) for f in head_freq)
+
+
+def test_sampling_bad_arguments():
+    with pytest.raises(ValueError, match=r"expected length to be an int in \[0, 4\]"):
+        pk.sample_paths(4, 2, 10, skip=True, length=5)
+    with pytest.raises(ValueError, match="need skip=True"):
+        pk.sample_paths(4, 2, 10, length=2)
+    with pytest.raises(ValueError, match="expected num_samples"):
+        pk.sample_paths(4, 2, -1)
