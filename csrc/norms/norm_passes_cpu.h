@@ -109,6 +109,42 @@ PATHKERNELS_MULTIVERSION void row_block_sums(const S* x, int64_t row_stride, int
     row_abs[r] = (row_part[r][0] + row_part[r][1]) + (row_part[r][2] + row_part[r][3]) + tail;
   }
 }
+
+// Both sums of row_block_sums in one pass: of v and of v − mean, for the path engine's leaves
+// (the residual R and the product 1μᵀ + R, with mean = −μ). One load feeds both.
+template <typename S>
+PATHKERNELS_MULTIVERSION void paired_row_block_sums(const S* x, int64_t row_stride, int64_t m, const double* mean,
+                                                    double* col_abs, double* col_abs_centred, double* row_abs,
+                                                    double* row_abs_centred) {
+  double_lanes row_part[kBlockRows] = {};
+  double_lanes row_part_centred[kBlockRows] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= m; j += kLanes) {
+    const double_lanes mu = load_lanes(mean + j);
+    double_lanes abs_sum = load_lanes(col_abs + j);
+    double_lanes abs_sum_centred = load_lanes(col_abs_centred + j);
+#pragma GCC unroll 4
+    for (int64_t r = 0; r < kBlockRows; ++r) {
+      const double_lanes value = load_lanes(x + r * row_stride + j);
+      const double_lanes a = abs_lanes(value);
+      const double_lanes c = abs_lanes(value - mu);
+      abs_sum += a;
+      abs_sum_centred += c;
+      row_part[r] += a;
+      row_part_centred[r] += c;
+    }
+    store_lanes(col_abs + j, abs_sum);
+    store_lanes(col_abs_centred + j, abs_sum_centred);
+  }
+  for (int64_t r = 0; r < kBlockRows; ++r) {
+    const S* row = x + r * row_stride + j;
+    const double tail = row_sums<false, false>(row, m - j, mean + j, col_abs, col_abs + j);
+    const double tail_centred = row_sums<true, false>(row, m - j, mean + j, col_abs, col_abs_centred + j);
+    row_abs[r] = (row_part[r][0] + row_part[r][1]) + (row_part[r][2] + row_part[r][3]) + tail;
+    row_abs_centred[r] = (row_part_centred[r][0] + row_part_centred[r][1]) +
+                         (row_part_centred[r][2] + row_part_centred[r][3]) + tail_centred;
+  }
+}
 #endif
 
 // One pass over a matrix: row_abs[i] = Σ_j |v_ij|, col_abs[j] += Σ_i |v_ij| (and col_sum[j] +=
@@ -140,6 +176,27 @@ void matrix_pass(const T* x, const MatrixBatch& s, const A* mean, A* col_sum, A*
     }
     row_abs[i] = row_sums<kCentred, kWithSum>(static_cast<const A*>(buffer), m, mean, col_sum, col_abs);
   }
+}
+
+// matrix_pass<false, false> and matrix_pass<true, false> at once, for a matrix with unit column
+// stride: sums of |x| into (col_abs, row_abs) and of |x − mean| into the *_centred arrays.
+template <typename T>
+void paired_matrix_pass(const T* x, const MatrixBatch& s, const double* mean, double* col_abs, double* row_abs,
+                        double* col_abs_centred, double* row_abs_centred, double* buffer) {
+  int64_t i = 0;
+#ifdef PATHKERNELS_HAVE_ROW_BLOCKS
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
+    if (s.col_stride == 1) {
+      for (; i + kBlockRows <= s.rows; i += kBlockRows) {
+        paired_row_block_sums(x + i * s.row_stride, s.row_stride, s.cols, mean, col_abs, col_abs_centred,
+                              row_abs + i, row_abs_centred + i);
+      }
+    }
+  }
+#endif
+  const MatrixBatch rest{1, s.rows - i, s.cols, 0, s.row_stride, s.col_stride};
+  matrix_pass<false, false>(x + i * s.row_stride, rest, mean, col_abs, col_abs, row_abs + i, buffer);
+  matrix_pass<true, false>(x + i * s.row_stride, rest, mean, col_abs, col_abs_centred, row_abs_centred + i, buffer);
 }
 
 template <typename A>

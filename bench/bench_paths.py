@@ -1,0 +1,207 @@
+"""Benchmark of the path-tree engine (pk.path_residuals on complete trees, attention products).
+
+Each case runs in its own process, so that its peak memory is its own. Reported per case:
+- time (best of several runs: this VM's timings vary by ±30 %), paths per second;
+- GFLOP/s over the GEMM work of the head nodes (2·n³ each, DESIGN §4) and its fraction of the
+  GEMM floor, a 4096² float32/float64 matmul measured in the same run;
+- speed-up over (b) the best pure-PyTorch level-wise implementation (stacked GEMMs per level,
+  materialised, then the norms; one top-level branch at a time to bound its memory) and over (a)
+  the per-path loop (timed on a sample of paths, extrapolated to the tree);
+- peak memory growth of the engine and of (b).
+
+    python bench/bench_paths.py                       # the full grid, about 10 minutes on 2 cores
+    python bench/bench_paths.py --quick               # three small cases
+    python bench/bench_paths.py --out bench/results/paths-cpu-dev.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+GRID = [(6, 6, 64), (4, 12, 64), (8, 4, 32), (5, 8, 128)]
+LARGE = (7, 10, 32)  # 10^7 leaves without skip
+QUICK = [(4, 6, 32), (3, 12, 64), (5, 4, 64)]
+LOOP_SAMPLE = 128
+
+
+def head_node_flops(layers: int, heads: int, n: int, skip: bool) -> int:
+    """2·n³ per node that takes a head; level l has (H + skip)^(l-1) parents, each with H such children."""
+    choices = heads + int(skip)
+    return sum(2 * n**3 * choices ** (level - 1) * heads for level in range(1, layers + 1))
+
+
+def composite(m: torch.Tensor) -> torch.Tensor:
+    a = m.abs()
+    return torch.sqrt(a.sum(-2).amax(-1) * a.sum(-1).amax(-1))
+
+
+def levelwise_baseline(attn: torch.Tensor, skip: bool):
+    """(b): every level as stacked GEMMs, materialised, then the norms, per top-level branch."""
+    layers, heads, n = attn.shape[0], attn.shape[1], attn.shape[-1]
+    eye = torch.eye(n, dtype=attn.dtype)
+    residuals, norms = [], []
+    for first in ([None] if skip else []) + list(range(heads)):
+        level = (eye if first is None else attn[0, first]).unsqueeze(0)
+        for layer in range(1, layers):
+            stacked = torch.matmul(attn[layer].unsqueeze(1), level.unsqueeze(0)).flatten(0, 1)
+            level = torch.cat([level, stacked]) if skip else stacked
+        residuals.append(composite(level - level.mean(-2, keepdim=True)))
+        norms.append(composite(level))
+    return torch.cat(residuals), torch.cat(norms)
+
+
+def per_path_loop(attn: torch.Tensor, paths: torch.Tensor):
+    """(a): one product per path, then its norms."""
+    n = attn.shape[-1]
+    out = []
+    for path in paths.tolist():
+        m = torch.eye(n, dtype=attn.dtype)
+        for layer, head in enumerate(path):
+            if head >= 0:
+                m = attn[layer, head] @ m
+        out.append((composite(m - m.mean(-2, keepdim=True)), composite(m)))
+    return out
+
+
+def best_time(fn, min_runs: int = 3, min_seconds: float = 1.0) -> float:
+    times, start = [], time.perf_counter()
+    while len(times) < min_runs or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= min_runs and times[-1] > min_seconds:
+            break
+    return min(times)
+
+
+def gemm_rate(dtype: torch.dtype) -> float:
+    a = torch.randn(4096, 4096, dtype=dtype)
+    return 2 * 4096**3 / best_time(lambda: a @ a, min_runs=5)
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak() -> int:
+    """Reset the kernel's peak-RSS mark (Linux) and return the current RSS in bytes."""
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_bytes() -> int:
+    return _status_kib("VmHWM") * 1024
+
+
+def run_case(layers, heads, n, dtype_name, skip, what):
+    """In a fresh process: time `what` ('engine' or 'levelwise') and measure its peak memory growth."""
+    import pathkernels as pk
+    from pathkernels.testing import random_attention
+
+    dtype = getattr(torch, dtype_name)
+    attn = random_attention(layers, heads, n, n, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    tree = pk.PathTree.complete(layers, heads, skip=skip)
+    warm = pk.PathTree.complete(1, heads, skip=skip)
+    pk.path_residuals(attn[:1], warm)
+    levelwise_baseline(attn[:2], skip)
+    before = reset_peak()
+    if what == "engine":
+        seconds = best_time(lambda: pk.path_residuals(attn, tree))
+    else:
+        seconds = best_time(lambda: levelwise_baseline(attn, skip), min_runs=1, min_seconds=0)
+    return seconds, peak_bytes() - before
+
+
+def isolated(*args):
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(run_case, args)
+
+
+def bench_case(layers, heads, n, dtype_name, skip, gemm, with_levelwise=True):
+    import pathkernels as pk
+    from pathkernels.testing import random_attention
+
+    dtype = getattr(torch, dtype_name)
+    paths = pk.count_paths(layers, heads, skip=skip)
+    engine_s, engine_mem = isolated(layers, heads, n, dtype_name, skip, "engine")
+    flops = head_node_flops(layers, heads, n, skip)
+    row = dict(
+        layers=layers, heads=heads, n=n, dtype=dtype_name, skip=skip, paths=paths,
+        engine_s=engine_s, paths_per_s=paths / engine_s, gflops=flops / engine_s / 1e9,
+        fraction_of_gemm_floor=flops / engine_s / gemm[dtype_name], engine_peak_mib=engine_mem / 2**20,
+    )
+    if with_levelwise:
+        levelwise_s, levelwise_mem = isolated(layers, heads, n, dtype_name, skip, "levelwise")
+        row.update(levelwise_s=levelwise_s, speedup_vs_levelwise=levelwise_s / engine_s,
+                   levelwise_peak_mib=levelwise_mem / 2**20)
+    attn = random_attention(layers, heads, n, n, dtype=dtype)
+    sample = pk.sample_paths(layers, heads, min(LOOP_SAMPLE, paths), skip=skip)
+    loop_s = best_time(lambda: per_path_loop(attn, sample), min_runs=1, min_seconds=0) / sample.shape[0] * paths
+    row.update(loop_s_estimated=loop_s, speedup_vs_loop=loop_s / engine_s)
+    return row
+
+
+def format_table(rows) -> str:
+    header = (f"{'L':>2} {'H':>3} {'n':>4} {'dtype':<8} {'skip':<5} {'paths':>10} {'engine s':>9} {'paths/s':>9} "
+              f"{'GFLOP/s':>8} {'of floor':>8} {'vs level':>8} {'vs loop':>8} {'peak MiB':>9} {'level MiB':>9}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r['layers']:>2} {r['heads']:>3} {r['n']:>4} {r['dtype']:<8} {str(r['skip']):<5} {r['paths']:>10,} "
+            f"{r['engine_s']:>9.3f} {r['paths_per_s']:>9.3g} {r['gflops']:>8.1f} {r['fraction_of_gemm_floor']:>8.0%} "
+            + (f"{r['speedup_vs_levelwise']:>7.1f}x " if "speedup_vs_levelwise" in r else f"{'—':>8} ")
+            + f"{r['speedup_vs_loop']:>7.0f}x {r['engine_peak_mib']:>9.1f} "
+            + (f"{r['levelwise_peak_mib']:>9.1f}" if "levelwise_peak_mib" in r else f"{'—':>9}")
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Path-tree engine vs pure PyTorch")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+
+    import pathkernels as pk
+
+    gemm = {name: gemm_rate(getattr(torch, name)) for name in ("float32", "float64")}
+    rows = []
+    cases = QUICK if args.quick else GRID
+    dtypes = ("float32",) if args.quick else ("float32", "float64")
+    for dtype_name in dtypes:
+        for skip in (False, True):
+            for layers, heads, n in cases:
+                rows.append(bench_case(layers, heads, n, dtype_name, skip, gemm))
+                print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+    if not args.quick:
+        rows.append(bench_case(*LARGE, "float32", False, gemm, with_levelwise=False))
+    # The floor is the best rate seen in the run.
+    for name in gemm:
+        gemm[name] = max(gemm[name], gemm_rate(getattr(torch, name)))
+    for r in rows:
+        r["fraction_of_gemm_floor"] = r["gflops"] * 1e9 / gemm[r["dtype"]]
+    print(f"pathkernels {pk.__version__} path engine, CPU {torch.get_num_threads()} threads, torch {torch.__version__}; "
+          f"GEMM floor float32 {gemm['float32'] / 1e9:.1f} GFLOP/s, float64 {gemm['float64'] / 1e9:.1f} GFLOP/s")
+    print(format_table(rows))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        payload = dict(torch=torch.__version__, threads=torch.get_num_threads(), build=pk.build_info(),
+                       gemm_gflops={k: v / 1e9 for k, v in gemm.items()}, results=rows)
+        args.out.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
