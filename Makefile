@@ -6,7 +6,7 @@
 
 PYTHON ?=
 TORCH_CPU_PIN := torch==2.13.0
-PY_TOOLS := scikit-build-core>=0.10 pybind11>=2.12 numpy pytest
+PY_TOOLS := scikit-build-core>=0.10 pybind11>=2.12 numpy pytest pandas matplotlib tqdm
 BUILD_TOOLS := cmake>=3.27 ninja
 
 ifeq ($(strip $(PYTHON)),)
@@ -18,7 +18,7 @@ else
 # The caller's environment (maybe offline, e.g. a GPU machine): install only what is missing.
 PY := $(PYTHON)
 VENV :=
-INSTALL_TOOLS := $(PY) -c "import scikit_build_core, pybind11, numpy, pytest" 2>/dev/null || \
+INSTALL_TOOLS := $(PY) -c "import scikit_build_core, pybind11, numpy, pytest, pandas, matplotlib, tqdm" 2>/dev/null || \
 	$(PY) -m pip install --quiet $(foreach t,$(PY_TOOLS),"$(t)")
 endif
 STAMPS := build/stamps/$(subst /,_,$(PY))

@@ -140,6 +140,7 @@ def bench_case(layers, heads, n, dtype_name, skip, gemm, with_levelwise=True):
         layers=layers, heads=heads, n=n, dtype=dtype_name, skip=skip, paths=paths,
         engine_s=engine_s, paths_per_s=paths / engine_s, gflops=flops / engine_s / 1e9,
         fraction_of_gemm_floor=flops / engine_s / gemm[dtype_name], engine_peak_mib=engine_mem / 2**20,
+        results_mib=2 * paths * torch.finfo(dtype).bits / 8 / 2**20,  # residual and norm [1, M]
     )
     if with_levelwise:
         levelwise_s, levelwise_mem = isolated(layers, heads, n, dtype_name, skip, "levelwise")
@@ -154,14 +155,14 @@ def bench_case(layers, heads, n, dtype_name, skip, gemm, with_levelwise=True):
 
 def format_table(rows) -> str:
     header = (f"{'L':>2} {'H':>3} {'n':>4} {'dtype':<8} {'skip':<5} {'paths':>10} {'engine s':>9} {'paths/s':>9} "
-              f"{'GFLOP/s':>8} {'of floor':>8} {'vs level':>8} {'vs loop':>8} {'peak MiB':>9} {'level MiB':>9}")
+              f"{'GFLOP/s':>8} {'of floor':>8} {'vs level':>8} {'vs loop':>8} {'peak MiB':>9} {'results':>8} {'level MiB':>9}")
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
             f"{r['layers']:>2} {r['heads']:>3} {r['n']:>4} {r['dtype']:<8} {str(r['skip']):<5} {r['paths']:>10,} "
             f"{r['engine_s']:>9.3f} {r['paths_per_s']:>9.3g} {r['gflops']:>8.1f} {r['fraction_of_gemm_floor']:>8.0%} "
             + (f"{r['speedup_vs_levelwise']:>7.1f}x " if "speedup_vs_levelwise" in r else f"{'—':>8} ")
-            + f"{r['speedup_vs_loop']:>7.0f}x {r['engine_peak_mib']:>9.1f} "
+            + f"{r['speedup_vs_loop']:>7.0f}x {r['engine_peak_mib']:>9.1f} {r['results_mib']:>8.1f} "
             + (f"{r['levelwise_peak_mib']:>9.1f}" if "levelwise_peak_mib" in r else f"{'—':>9}")
         )
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from pathkernels.engine import (  # noqa: E402
     path_residuals,
     truncated_output,
 )
+from pathkernels.decompose import PathDecomposition, decompose  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -34,10 +35,12 @@ def build_info() -> dict:
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
     "MatrixNorms",
+    "PathDecomposition",
     "PathResiduals",
     "PathTree",
     "count_by_length",
     "count_paths",
+    "decompose",
     "length_sums",
     "path_residuals",
     "sample_paths",

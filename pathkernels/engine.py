@@ -23,24 +23,41 @@ ROW_SUM_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}
 _LEAF_BLOCK_BYTES = 1 << 19  # a leaf block (computed, then reduced) is sized to stay in L2
 
 
-@dataclass
 class PathResiduals:
     """Per-path results of :func:`path_residuals`.
 
     ``residual[b, i] = ‖res(M)‖_{1,∞}`` and ``norm[b, i] = ‖M‖_{1,∞}`` for ``M = P_p`` (or
     ``Y_p``) of path ``paths[i]``; ``[M]`` instead of ``[B, M]`` when attn had no batch dim.
+    ``paths`` ``[M, L]`` and ``lengths`` ``[M]`` are built from the tree on first use, so a
+    complete tree of 10^7 paths costs no path list unless asked for.
     """
 
-    residual: Tensor  # [B, M]
-    norm: Tensor  # [B, M]
-    paths: Tensor  # [M, L]
-    lengths: Tensor  # [M]
-    products: Tensor | None = None  # [B, M, n, n] or [B, M, n, d] with materialize=True
+    def __init__(self, residual: Tensor, norm: Tensor, tree: PathTree, products: Tensor | None = None):
+        self.residual = residual  # [B, M]
+        self.norm = norm  # [B, M]
+        self.tree = tree
+        self.products = products  # [B, M, n, n] or [B, M, n, d] with materialize=True
+        self._paths: Tensor | None = None
+
+    @property
+    def paths(self) -> Tensor:
+        """``[M, L]`` int64 in result order, ``-1`` = skip."""
+        if self._paths is None:
+            self._paths = self.tree.paths()
+        return self._paths
+
+    @property
+    def lengths(self) -> Tensor:
+        """``[M]`` int64: heads taken by each path."""
+        return (self.paths != SKIP).sum(1)
 
     @property
     def ratio(self) -> Tensor:
         """``residual / norm``, the paper's relative residual, ``[B, M]``."""
         return self.residual / self.norm
+
+    def __repr__(self) -> str:
+        return f"PathResiduals(residual={list(self.residual.shape)}, tree={self.tree!r})"
 
 
 @dataclass
@@ -283,8 +300,7 @@ def path_residuals(
     leaf_of_path = tree.leaf_of_path()
     if leaf_of_path is not None:
         residual, norm = residual[:, leaf_of_path], norm[:, leaf_of_path]
-    paths = tree.paths()
-    result = PathResiduals(residual, norm, paths, (paths != SKIP).sum(1), products)
+    result = PathResiduals(residual, norm, tree, products)
     if not net.batched:
         result.residual, result.norm = residual[0], norm[0]
         result.products = None if products is None else products[0]

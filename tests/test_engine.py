@@ -224,3 +224,11 @@ def test_memory_budget_is_honoured_on_a_million_leaves():
     # 32·32·4 B = 410 MB.
     results = 2 * leaves * 4 + 2 * leaves * 6 * 8 + leaves * 8
     assert grown <= budget + results + (16 << 20), f"peak grew by {grown / 2**20:.1f} MiB"
+
+
+def test_progress_reports_every_path(capsys):
+    attn = network(1, 4, 3, 5)[0]
+    tree = pk.PathTree.complete(4, 3, skip=True)
+    pk.path_residuals(attn, tree, progress=True, memory_budget=64 * 1024)
+    err = capsys.readouterr().err
+    assert "256" in err and "pathkernels" in err

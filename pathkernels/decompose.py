@@ -1,0 +1,214 @@
+"""The analysis front door: exact or sampled path decompositions with tables, estimators and plots."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from pathkernels.engine import DEFAULT_MEMORY_BUDGET, PathResiduals, path_residuals
+from pathkernels.paths import MAX_ENUMERATED_PATHS, PathTree, count_by_length, sample_paths
+
+
+def _require(module: str):
+    try:
+        return __import__(module)
+    except ImportError as error:
+        raise ImportError(
+            f"pathkernels: this needs {module}; install it with `pip install {module}` "
+            "(or `pip install pathkernels[analysis]`)"
+        ) from error
+
+
+@dataclass
+class PathDecomposition:
+    """Per-path residual ratios of one network, with the weights that make them estimators.
+
+    ``results`` holds ``residual``, ``norm`` and ``ratio`` ``[B, M]`` for the evaluated paths.
+    ``weights[i]`` is how many paths of the whole network path i stands for: 1 for an exact tree,
+    ``count_k / n_k`` for a path of length k when ``n_k`` paths of that length were drawn
+    uniformly (uniform sampling or stratified by length). ``Σ_i weights[i] f(path_i)`` is then an
+    unbiased estimate of ``Σ_p f(p)`` over all paths, and per-length sample means are unbiased
+    estimates of the per-length means.
+    """
+
+    results: PathResiduals
+    method: str  # "exact", "uniform" or "stratified"
+    num_layers: int
+    num_heads: int
+    skip: bool
+    path_counts: list[int]  # exact number of paths of each length 0..L in the decomposed set
+    weights: Tensor = field(repr=False)  # [M] float64
+
+    @property
+    def paths(self) -> Tensor:
+        return self.results.paths
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.results.lengths
+
+    def path_ratio(self) -> Tensor:
+        """``[M]``: each path's residual ratio, averaged over the batch."""
+        return self.results.ratio.double().reshape(-1, self.paths.shape[0]).mean(0)
+
+    def by_length(self):
+        """A pandas DataFrame, one row per path length k that has paths.
+
+        Columns: ``length``, ``path_count`` (exact, a Python int), ``evaluated``, and statistics of
+        the residual ratio (averaged over the batch) over the evaluated paths of that length:
+        ``mean``, ``stderr`` (0 for exact trees; ``std/sqrt(n)`` when sampled), ``median``,
+        ``q10``, ``q90``, ``min``, ``max`` and ``log10_mean`` (the mean of log10 ratio).
+        """
+        pd = _require("pandas")
+        ratio = self.path_ratio()
+        rows = []
+        for k, count in enumerate(self.path_counts):
+            if count == 0:
+                continue
+            values = ratio[self.lengths == k]
+            evaluated = values.numel()
+            row = dict(length=k, path_count=count, evaluated=evaluated)
+            if evaluated:
+                sampled = self.method != "exact"
+                std = values.std(correction=1).item() if evaluated > 1 else float("nan")
+                row.update(
+                    mean=values.mean().item(),
+                    stderr=(std / math.sqrt(evaluated)) if sampled else 0.0,
+                    median=values.median().item(),
+                    q10=values.quantile(0.1).item(),
+                    q90=values.quantile(0.9).item(),
+                    min=values.min().item(),
+                    max=values.max().item(),
+                    log10_mean=values.clamp_min(1e-300).log10().mean().item(),
+                )
+            rows.append(row)
+        frame = pd.DataFrame(rows)
+        frame["path_count"] = frame["path_count"].astype(object)  # exact counts may exceed int64
+        return frame
+
+    def mean_ratio(self) -> tuple[float, float]:
+        """Estimate of the mean residual ratio over all paths, with its standard error.
+
+        Exact trees: the plain mean (stderr 0). Uniform sampling: the sample mean. Stratified:
+        ``Σ_k (count_k / total) · mean_k`` with ``stderr² = Σ_k (count_k / total)² s_k² / n_k``.
+        """
+        ratio = self.path_ratio()
+        if self.method in ("exact", "uniform"):
+            n = ratio.numel()
+            stderr = 0.0 if self.method == "exact" or n < 2 else ratio.std(correction=1).item() / math.sqrt(n)
+            return ratio.mean().item(), stderr
+        total = sum(self.path_counts)
+        mean = variance = 0.0
+        for k, count in enumerate(self.path_counts):
+            values = ratio[self.lengths == k]
+            if count == 0 or values.numel() == 0:
+                continue
+            share = count / total
+            mean += share * values.mean().item()
+            if values.numel() > 1:
+                variance += share**2 * values.var(correction=1).item() / values.numel()
+        return mean, math.sqrt(variance)
+
+    def plot(self, ax=None):
+        """Residual ratio against path length (log scale): every evaluated path as a point, the
+        per-length median, and the 10–90 % band. Returns the matplotlib Figure."""
+        _require("matplotlib")
+        import matplotlib.pyplot as plt
+
+        if ax is None:
+            fig, ax = plt.subplots(figsize=(6, 4))
+        else:
+            fig = ax.figure
+        ratio = self.path_ratio().clamp_min(1e-300)
+        jitter = (torch.rand(ratio.shape, generator=torch.Generator().manual_seed(0)) - 0.5) * 0.3
+        ax.scatter((self.lengths + jitter).numpy(), ratio.numpy(), s=4, alpha=0.3, label="paths")
+        table = self.by_length()
+        table = table[table["evaluated"] > 0]
+        ax.plot(table["length"], table["median"], "o-", color="C3", label="median")
+        ax.fill_between(table["length"], table["q10"], table["q90"], color="C3", alpha=0.2, label="10–90 %")
+        ax.set_yscale("log")
+        ax.set_xlabel("path length (heads taken)")
+        ax.set_ylabel("residual ratio ‖res‖ / ‖·‖ (ℓ1,∞)")
+        ax.set_title(f"{self.method} decomposition: L = {self.num_layers}, H = {self.num_heads}")
+        ax.legend()
+        return fig
+
+
+def decompose(
+    attn: Tensor,
+    *,
+    x: Tensor | None = None,
+    w_v: Tensor | None = None,
+    w_o: Tensor | None = None,
+    skip: bool = True,
+    max_length: int | None = None,
+    tree: PathTree | None = None,
+    num_samples: int | None = None,
+    samples_per_length: int | dict[int, int] | None = None,
+    generator: torch.Generator | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    progress: bool = False,
+) -> PathDecomposition:
+    """Decompose an attention network into paths and measure each path's residual ratio.
+
+    One call covers:
+    - an exact tree: every path (``(H+1)^L`` with ``skip``, ``H^L`` without), or those of length
+      ``≤ max_length``, or an explicit ``tree``;
+    - uniform sampling: ``num_samples`` paths drawn uniformly from all paths;
+    - stratified sampling: ``samples_per_length`` paths of each length k (an int for every length
+      ``≤ max_length``, or a dict ``{k: n_k}``), each drawn as the paper's code does.
+
+    Shapes as in :func:`pk.path_residuals`: attn ``[B, L, H, n, n]``, optional x ``[B, n, d]``,
+    w_v ``[L, H, d, d_head]``, w_o ``[L, H, d_head, d]``. Returns a :class:`PathDecomposition`.
+    """
+    where = "pathkernels.decompose"
+    if not isinstance(attn, Tensor) or attn.dim() not in (4, 5):
+        raise ValueError(f"{where}: expected attn of shape [B, L, H, n, n] or [L, H, n, n], got "
+                         f"{getattr(attn, 'shape', type(attn).__name__)}")
+    layers, heads = attn.shape[-4], attn.shape[-3]
+    chosen = [name for name, value in (("tree", tree), ("num_samples", num_samples),
+                                        ("samples_per_length", samples_per_length)) if value is not None]
+    if len(chosen) > 1:
+        raise ValueError(f"{where}: pass at most one of tree, num_samples and samples_per_length, got {chosen}")
+    top = layers if max_length is None else min(max_length, layers)
+    counts = count_by_length(layers, heads, skip=skip, max_length=max_length)
+
+    if tree is not None:
+        method, counts = "exact", tree.count_by_length()
+        weights = torch.ones(len(tree), dtype=torch.float64)
+    elif num_samples is not None:
+        if max_length is not None:
+            raise ValueError(f"{where}: uniform sampling draws from all paths; for short paths use "
+                             "samples_per_length with max_length")
+        method = "uniform"
+        tree = PathTree.from_paths(sample_paths(layers, heads, num_samples, skip=skip, generator=generator), num_heads=heads)
+        drawn = torch.bincount(tree.lengths(), minlength=layers + 1)
+        weights = torch.tensor([counts[k] / max(int(drawn[k]), 1) for k in range(layers + 1)], dtype=torch.float64)[tree.lengths()]
+    elif samples_per_length is not None:
+        method = "stratified"
+        if isinstance(samples_per_length, int):
+            samples_per_length = {k: samples_per_length for k in range(top + 1) if counts[k] > 0}
+        parts = []
+        for k, n_k in sorted(samples_per_length.items()):
+            if not 0 <= k <= top or counts[k] == 0:
+                raise ValueError(f"{where}: no paths of length {k} (lengths 0..{top} exist with skip={skip})")
+            parts.append(sample_paths(layers, heads, n_k, skip=skip, length=k, generator=generator))
+        tree = PathTree.from_paths(torch.cat(parts), num_heads=heads)
+        counts = [counts[k] if k in samples_per_length else 0 for k in range(layers + 1)]
+        weights = torch.tensor([counts[k] / max(samples_per_length.get(k, 0), 1) for k in range(layers + 1)],
+                               dtype=torch.float64)[tree.lengths()]
+    else:
+        method = "exact"
+        total = sum(counts)
+        if total > MAX_ENUMERATED_PATHS:
+            raise ValueError(
+                f"{where}: the exact tree has {total:,} paths; pass max_length, num_samples or "
+                "samples_per_length, or use pk.length_sums for exact sums per length"
+            )
+        tree = PathTree.complete(layers, heads, skip=skip, max_length=max_length)
+        weights = torch.ones(len(tree), dtype=torch.float64)
+
+    results = path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, memory_budget=memory_budget, progress=progress)
+    return PathDecomposition(results, method, layers, heads, skip, list(counts), weights)

@@ -1,0 +1,104 @@
+"""pk.decompose and PathDecomposition: exact, uniform and stratified decompositions, tables, plots."""
+import math
+
+import pytest
+import torch
+
+import pathkernels as pk
+from pathkernels.testing import random_attention
+
+pd = pytest.importorskip("pandas")
+
+
+def attention(batch=2, layers=4, heads=3, n=6):
+    return random_attention(batch, layers, heads, n, n, dtype=torch.float64)
+
+
+def test_exact_decomposition_table_matches_the_per_path_results():
+    attn = attention()
+    dec = pk.decompose(attn)
+    assert dec.method == "exact" and len(dec.paths) == 4**4
+    assert torch.equal(dec.weights, torch.ones(4**4, dtype=torch.float64))
+    table = dec.by_length()
+    assert table["length"].tolist() == [0, 1, 2, 3, 4]
+    assert table["path_count"].tolist() == [math.comb(4, k) * 3**k for k in range(5)]
+    assert table["evaluated"].tolist() == table["path_count"].tolist()
+    ratio = dec.results.ratio.mean(0)
+    for _, row in table.iterrows():
+        values = ratio[dec.lengths == row["length"]]
+        assert row["mean"] == pytest.approx(values.mean().item(), rel=1e-12)
+        assert row["median"] == pytest.approx(values.median().item(), rel=1e-12)
+        assert row["stderr"] == 0.0
+    # Length 0 is the identity, whose residual ratio is ‖I − J/n‖/‖I‖ = 2(n−1)/n.
+    assert table.loc[0, "mean"] == pytest.approx(2 * 5 / 6, rel=1e-12)
+    mean, stderr = dec.mean_ratio()
+    assert mean == pytest.approx(ratio.mean().item(), rel=1e-12) and stderr == 0.0
+
+
+def test_max_length_and_explicit_tree():
+    attn = attention()
+    dec = pk.decompose(attn, max_length=2)
+    assert dec.by_length()["length"].tolist() == [0, 1, 2]
+    assert int(dec.lengths.max()) == 2
+    tree = pk.PathTree.from_paths(torch.tensor([[0, -1, 1, 2], [1, 1, 1, 1]]), num_heads=3)
+    dec = pk.decompose(attn, tree=tree)
+    assert dec.by_length()["path_count"].tolist() == [1, 1]
+
+
+def test_uniform_sampling_estimates_the_exact_per_length_means():
+    # A network with very different residual ratios by length: uniform samples must recover the
+    # exact per-length means within a few standard errors, and the weights the path counts.
+    attn = attention(batch=1, layers=5, heads=3, n=5)
+    exact = pk.decompose(attn).by_length().set_index("length")
+    dec = pk.decompose(attn, num_samples=3000, generator=torch.Generator().manual_seed(1))
+    assert dec.method == "uniform"
+    sampled = dec.by_length().set_index("length")
+    for k, row in sampled.iterrows():
+        if row["evaluated"] >= 30:
+            assert abs(row["mean"] - exact.loc[k, "mean"]) <= 5 * row["stderr"] + 1e-12, k
+    # Σ weights estimates the total number of paths per length, exactly so by construction.
+    for k in range(6):
+        mask = dec.lengths == k
+        if bool(mask.any()):
+            assert dec.weights[mask].sum().item() == pytest.approx(pk.count_by_length(5, 3, skip=True)[k])
+    mean, stderr = dec.mean_ratio()
+    exact_mean = pk.decompose(attn).mean_ratio()[0]
+    assert abs(mean - exact_mean) <= 5 * stderr
+
+
+def test_stratified_sampling_by_length():
+    attn = attention(batch=1, layers=6, heads=4, n=5)
+    dec = pk.decompose(attn, samples_per_length={1: 50, 3: 80}, generator=torch.Generator().manual_seed(2))
+    table = dec.by_length()
+    assert table["length"].tolist() == [1, 3]
+    assert table["evaluated"].tolist() == [50, 80]
+    assert table["path_count"].tolist() == [6 * 4, 20 * 64]
+    assert bool((table["stderr"] > 0).all())
+    every = pk.decompose(attn, samples_per_length=10, max_length=2, generator=torch.Generator().manual_seed(3))
+    assert every.by_length()["evaluated"].tolist() == [10, 10, 10]
+    exact = pk.decompose(attn, max_length=2).mean_ratio()[0]
+    mean, stderr = every.mean_ratio()
+    assert abs(mean - exact) <= 5 * stderr + 1e-12
+
+
+def test_plot_returns_a_log_scale_figure(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = pk.decompose(attention()).plot()
+    ax = fig.axes[0]
+    assert ax.get_yscale() == "log" and ax.get_xlabel().startswith("path length")
+    fig.savefig(tmp_path / "ratio.png")
+    assert (tmp_path / "ratio.png").stat().st_size > 1000
+
+
+def test_bad_arguments():
+    attn = attention()
+    with pytest.raises(ValueError, match="pass at most one of tree, num_samples and samples_per_length"):
+        pk.decompose(attn, num_samples=5, samples_per_length=2)
+    with pytest.raises(ValueError, match="no paths of length 7"):
+        pk.decompose(attn, samples_per_length={7: 3})
+    big = random_attention(1, 12, 12, 3, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"23,298,085,122,481 paths; pass max_length, num_samples"):
+        pk.decompose(big)
