@@ -1,5 +1,4 @@
 """path_residuals: the CPU path-tree engine against per-path loops, closed forms and the network."""
-import os
 import subprocess
 import sys
 import textwrap
