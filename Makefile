@@ -6,20 +6,25 @@
 
 PYTHON ?=
 TORCH_CPU_PIN := torch==2.13.0
-PY_TOOLS := scikit-build-core>=0.10 pybind11>=2.12 numpy pytest pandas matplotlib tqdm
+PY_TOOLS := scikit-build-core>=0.10 pybind11>=2.12 numpy pytest
+ANALYSIS_TOOLS := pandas matplotlib tqdm
 BUILD_TOOLS := cmake>=3.27 ninja
 
 ifeq ($(strip $(PYTHON)),)
 # Our own environment: install everything it needs.
 PY := .venv/bin/python
 VENV := .venv/bin/python
-INSTALL_TOOLS := $(PY) -m pip install --quiet $(foreach t,$(PY_TOOLS) $(BUILD_TOOLS),"$(t)")
+INSTALL_TOOLS := $(PY) -m pip install --quiet $(foreach t,$(PY_TOOLS) $(ANALYSIS_TOOLS) $(BUILD_TOOLS),"$(t)")
 else
-# The caller's environment (maybe offline, e.g. a GPU machine): install only what is missing.
+# The caller's environment (maybe offline, e.g. a GPU machine): install only what is missing; the
+# analysis extras are optional there (their tests are skipped without them).
 PY := $(PYTHON)
 VENV :=
-INSTALL_TOOLS := $(PY) -c "import scikit_build_core, pybind11, numpy, pytest, pandas, matplotlib, tqdm" 2>/dev/null || \
-	$(PY) -m pip install --quiet $(foreach t,$(PY_TOOLS),"$(t)")
+INSTALL_TOOLS := ($(PY) -c "import scikit_build_core, pybind11, numpy, pytest" 2>/dev/null || \
+	$(PY) -m pip install --quiet $(foreach t,$(PY_TOOLS),"$(t)")) && \
+	($(PY) -c "import pandas, matplotlib, tqdm" 2>/dev/null || \
+	$(PY) -m pip install --quiet --retries 0 --timeout 10 $(ANALYSIS_TOOLS) || \
+	echo "note: $(ANALYSIS_TOOLS) not installed; their tests will be skipped")
 endif
 STAMPS := build/stamps/$(subst /,_,$(PY))
 SOURCES := CMakeLists.txt pyproject.toml $(shell find csrc -type f 2>/dev/null)

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One-command GPU validation, for a machine with a GPU, a CUDA torch and no network:
+#   bash bench/gpu_check.sh [RESULTS_DIR]
+# 1. builds the extension against the local torch (PATHKERNELS_CUDA=ON);
+# 2. runs the whole test suite (tests run on every device the machine has);
+# 3. runs compute-sanitizer memcheck and racecheck on small cases of every CUDA kernel;
+# 4. runs the GPU benchmarks;
+# 5. writes a summary and the logs into RESULTS_DIR (default bench/results/gpu-<card>-<date>).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+card=$($PYTHON -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))" 2>/dev/null || echo unknown)
+out=${1:-bench/results/gpu-${card}-$(date +%Y%m%d)}
+mkdir -p "$out"
+summary="$out/summary.md"
+status=0
+step() {  # step NAME COMMAND...: run, log to $out/NAME.log, record pass/fail
+  local name=$1; shift
+  local start=$SECONDS
+  if "$@" > "$out/$name.log" 2>&1; then result=pass; else result=FAIL; status=1; fi
+  echo "| $name | $result | $((SECONDS - start)) s | \`$*\` |" >> "$summary"
+  echo "$name: $result ($((SECONDS - start)) s)"
+}
+
+{
+  echo "# pathkernels GPU check on $card, $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo
+  $PYTHON -c "import torch; print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}')"
+  echo
+  echo "| step | result | time | command |"
+  echo "|---|---|---|---|"
+} > "$summary"
+
+step build env PATHKERNELS_CUDA=ON $PYTHON -m pip install --no-build-isolation --no-deps -v -e .
+step tests $PYTHON -m pytest -q tests
+SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+for tool in memcheck racecheck; do
+  step "sanitizer-$tool" "$SANITIZER" --tool "$tool" --error-exitcode 1 $PYTHON bench/sanitizer_cases.py
+done
+step bench-norms $PYTHON bench/bench_norms.py --device cuda --out "$out/norms.json"
+grep -E "^(op|residual|composite)" "$out/bench-norms.log" | sed 's/^/    /' >> "$summary"
+echo "results in $out"
+exit $status
