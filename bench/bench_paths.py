@@ -44,7 +44,7 @@ def composite(m: torch.Tensor) -> torch.Tensor:
 def levelwise_baseline(attn: torch.Tensor, skip: bool):
     """(b): every level as stacked GEMMs, materialised, then the norms, per top-level branch."""
     layers, heads, n = attn.shape[0], attn.shape[1], attn.shape[-1]
-    eye = torch.eye(n, dtype=attn.dtype)
+    eye = torch.eye(n, dtype=attn.dtype, device=attn.device)
     residuals, norms = [], []
     for first in ([None] if skip else []) + list(range(heads)):
         level = (eye if first is None else attn[0, first]).unsqueeze(0)
@@ -61,7 +61,7 @@ def per_path_loop(attn: torch.Tensor, paths: torch.Tensor):
     n = attn.shape[-1]
     out = []
     for path in paths.tolist():
-        m = torch.eye(n, dtype=attn.dtype)
+        m = torch.eye(n, dtype=attn.dtype, device=attn.device)
         for layer, head in enumerate(path):
             if head >= 0:
                 m = attn[layer, head] @ m
@@ -69,19 +69,26 @@ def per_path_loop(attn: torch.Tensor, paths: torch.Tensor):
     return out
 
 
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def best_time(fn, min_runs: int = 3, min_seconds: float = 1.0) -> float:
     times, start = [], time.perf_counter()
     while len(times) < min_runs or time.perf_counter() - start < min_seconds:
+        synchronize()
         t0 = time.perf_counter()
         fn()
+        synchronize()
         times.append(time.perf_counter() - t0)
         if len(times) >= min_runs and times[-1] > min_seconds:
             break
     return min(times)
 
 
-def gemm_rate(dtype: torch.dtype) -> float:
-    a = torch.randn(4096, 4096, dtype=dtype)
+def gemm_rate(dtype: torch.dtype, device: str = "cpu") -> float:
+    a = torch.randn(4096, 4096, dtype=dtype, device=device)
     return 2 * 4096**3 / best_time(lambda: a @ a, min_runs=5)
 
 
@@ -104,23 +111,29 @@ def peak_bytes() -> int:
     return _status_kib("VmHWM") * 1024
 
 
-def run_case(layers, heads, n, dtype_name, skip, what):
-    """In a fresh process: time `what` ('engine' or 'levelwise') and measure its peak memory growth."""
+def run_case(layers, heads, n, dtype_name, skip, what, device="cpu"):
+    """In a fresh process: time `what` ('engine' or 'levelwise') and measure its peak memory growth
+    (resident set on CPU, allocated device memory on CUDA)."""
     import pathkernels as pk
     from pathkernels.testing import random_attention
 
     dtype = getattr(torch, dtype_name)
-    attn = random_attention(layers, heads, n, n, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    attn = random_attention(layers, heads, n, n, dtype=dtype, device=device, generator=torch.Generator().manual_seed(0))
     tree = pk.PathTree.complete(layers, heads, skip=skip)
     warm = pk.PathTree.complete(1, heads, skip=skip)
     pk.path_residuals(attn[:1], warm)
     levelwise_baseline(attn[:2], skip)
-    before = reset_peak()
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        before = reset_peak()
     if what == "engine":
         seconds = best_time(lambda: pk.path_residuals(attn, tree))
     else:
         seconds = best_time(lambda: levelwise_baseline(attn, skip), min_runs=1, min_seconds=0)
-    return seconds, peak_bytes() - before
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else peak_bytes()
+    return seconds, peak - before
 
 
 def isolated(*args):
@@ -128,25 +141,26 @@ def isolated(*args):
         return pool.apply(run_case, args)
 
 
-def bench_case(layers, heads, n, dtype_name, skip, gemm, with_levelwise=True):
+def bench_case(layers, heads, n, dtype_name, skip, gemm, with_levelwise=True, device="cpu"):
     import pathkernels as pk
     from pathkernels.testing import random_attention
 
     dtype = getattr(torch, dtype_name)
     paths = pk.count_paths(layers, heads, skip=skip)
-    engine_s, engine_mem = isolated(layers, heads, n, dtype_name, skip, "engine")
+    engine_s, engine_mem = isolated(layers, heads, n, dtype_name, skip, "engine", device)
     flops = head_node_flops(layers, heads, n, skip)
     row = dict(
+        device=device,
         layers=layers, heads=heads, n=n, dtype=dtype_name, skip=skip, paths=paths,
         engine_s=engine_s, paths_per_s=paths / engine_s, gflops=flops / engine_s / 1e9,
         fraction_of_gemm_floor=flops / engine_s / gemm[dtype_name], engine_peak_mib=engine_mem / 2**20,
         results_mib=2 * paths * torch.finfo(dtype).bits / 8 / 2**20,  # residual and norm [1, M]
     )
     if with_levelwise:
-        levelwise_s, levelwise_mem = isolated(layers, heads, n, dtype_name, skip, "levelwise")
+        levelwise_s, levelwise_mem = isolated(layers, heads, n, dtype_name, skip, "levelwise", device)
         row.update(levelwise_s=levelwise_s, speedup_vs_levelwise=levelwise_s / engine_s,
                    levelwise_peak_mib=levelwise_mem / 2**20)
-    attn = random_attention(layers, heads, n, n, dtype=dtype)
+    attn = random_attention(layers, heads, n, n, dtype=dtype, device=device)
     sample = pk.sample_paths(layers, heads, min(LOOP_SAMPLE, paths), skip=skip)
     loop_s = best_time(lambda: per_path_loop(attn, sample), min_runs=1, min_seconds=0) / sample.shape[0] * paths
     row.update(loop_s_estimated=loop_s, speedup_vs_loop=loop_s / engine_s)
@@ -171,33 +185,36 @@ def format_table(rows) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Path-tree engine vs pure PyTorch")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
     import pathkernels as pk
 
-    gemm = {name: gemm_rate(getattr(torch, name)) for name in ("float32", "float64")}
+    device = args.device
+    gemm = {name: gemm_rate(getattr(torch, name), device) for name in ("float32", "float64")}
     rows = []
     cases = QUICK if args.quick else GRID
     dtypes = ("float32",) if args.quick else ("float32", "float64")
     for dtype_name in dtypes:
         for skip in (False, True):
             for layers, heads, n in cases:
-                rows.append(bench_case(layers, heads, n, dtype_name, skip, gemm))
+                rows.append(bench_case(layers, heads, n, dtype_name, skip, gemm, device=device))
                 print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     if not args.quick:
-        rows.append(bench_case(*LARGE, "float32", False, gemm, with_levelwise=False))
+        rows.append(bench_case(*LARGE, "float32", False, gemm, with_levelwise=False, device=device))
     # The floor is the best rate seen in the run.
     for name in gemm:
-        gemm[name] = max(gemm[name], gemm_rate(getattr(torch, name)))
+        gemm[name] = max(gemm[name], gemm_rate(getattr(torch, name), device))
     for r in rows:
         r["fraction_of_gemm_floor"] = r["gflops"] * 1e9 / gemm[r["dtype"]]
-    print(f"pathkernels {pk.__version__} path engine, CPU {torch.get_num_threads()} threads, torch {torch.__version__}; "
+    machine = torch.cuda.get_device_name() if device == "cuda" else f"CPU {torch.get_num_threads()} threads"
+    print(f"pathkernels {pk.__version__} path engine, {machine}, torch {torch.__version__}; "
           f"GEMM floor float32 {gemm['float32'] / 1e9:.1f} GFLOP/s, float64 {gemm['float64'] / 1e9:.1f} GFLOP/s")
     print(format_table(rows))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = dict(torch=torch.__version__, threads=torch.get_num_threads(), build=pk.build_info(),
+        payload = dict(machine=machine, torch=torch.__version__, threads=torch.get_num_threads(), build=pk.build_info(),
                        gemm_gflops={k: v / 1e9 for k, v in gemm.items()}, results=rows)
         args.out.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.out}")

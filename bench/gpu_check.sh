@@ -38,6 +38,9 @@ for tool in memcheck racecheck; do
   step "sanitizer-$tool" "$SANITIZER" --tool "$tool" --error-exitcode 1 $PYTHON bench/sanitizer_cases.py
 done
 step bench-norms $PYTHON bench/bench_norms.py --device cuda --out "$out/norms.json"
-grep -E "^(op|residual|composite)" "$out/bench-norms.log" | sed 's/^/    /' >> "$summary"
+step bench-paths $PYTHON bench/bench_paths.py --device cuda --quick --out "$out/paths.json"
+for log in bench-norms bench-paths; do
+  { echo; echo "$log:"; tail -n 25 "$out/$log.log" | sed 's/^/    /'; } >> "$summary"
+done
 echo "results in $out"
 exit $status

@@ -18,4 +18,22 @@ for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
     pk.residual_norm(base.transpose(-1, -2))
     pk.composite_norm(base[:, ::3, ::2])
 torch.cuda.synchronize()
-print("sanitizer cases ran")
+print("norm cases ran")
+
+# The path engine: leaf reductions of complete (skip, max_length) and explicit trees, both modes.
+attn = torch.softmax(torch.randn(2, 3, 2, 9, 9, device="cuda", dtype=torch.float64), dim=-1)
+x = torch.randn(2, 9, 5, device="cuda", dtype=torch.float64)
+w_v = torch.randn(3, 2, 5, 3, device="cuda", dtype=torch.float64)
+w_o = torch.randn(3, 2, 3, 5, device="cuda", dtype=torch.float64)
+trees = [
+    pk.PathTree.complete(3, 2),
+    pk.PathTree.complete(3, 2, skip=True),
+    pk.PathTree.complete(3, 2, skip=True, max_length=1),
+    pk.PathTree.from_paths(torch.tensor([[1, -1, 0], [0, 0, 0], [1, -1, 0]]), num_heads=2),
+]
+for tree in trees:
+    for dtype in (torch.float32, torch.float64):
+        pk.path_residuals(attn.to(dtype), tree, memory_budget=1 << 16)
+        pk.path_residuals(attn.to(dtype), tree, x=x.to(dtype), w_v=w_v.to(dtype), w_o=w_o.to(dtype))
+torch.cuda.synchronize()
+print("path engine cases ran")

@@ -92,6 +92,8 @@ def _check_network(attn, x, w_v, w_o, where: str) -> _Network:
         raise ValueError(f"{where}: expected attn of shape [B, L, H, n, n] or [L, H, n, n], got {list(attn.shape)}")
     if attn.dtype not in ROW_SUM_TOLERANCE:
         raise TypeError(f"{where}: expected attn to be float32 or float64, got {attn.dtype}")
+    if attn.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{where}: expected attn on a CPU or CUDA device, got {attn.device}")
     batched = attn.dim() == 5
     attn = attn if batched else attn.unsqueeze(0)
     batch, layers, heads, n, n2 = attn.shape
@@ -141,6 +143,18 @@ def _check_tree(tree, net: _Network, where: str) -> None:
         raise ValueError(
             f"{where}: the tree has {tree.num_layers} layers and {tree.num_heads} heads, attn has "
             f"L = {layers} and H = {heads}"
+        )
+
+
+def _check_engine_device(device: torch.device, where: str) -> None:
+    if device.type != "cuda":
+        return
+    import pathkernels
+
+    if not pathkernels.build_info()["cuda"]:
+        raise ValueError(
+            f"{where}: the inputs are on {device}, but pathkernels was built without its CUDA kernels; "
+            "rebuild it against a CUDA torch (PATHKERNELS_CUDA=ON) or move the inputs to CPU"
         )
 
 
@@ -265,8 +279,7 @@ def path_residuals(
         raise ValueError(f"{where}: expected memory_budget to be a positive int (bytes), got {memory_budget!r}")
     if tree.num_paths > 1 << 40:
         raise ValueError(f"{where}: the tree has {tree.num_paths:,} paths; results alone would not fit in memory")
-    if net.attn.device.type != "cpu":
-        raise NotImplementedError(f"{where}: the path engine runs on CPU so far (got {net.attn.device}); move the inputs to CPU")
+    _check_engine_device(net.attn.device, where)
 
     products = None
     if materialize:
@@ -281,7 +294,8 @@ def path_residuals(
 
     attn_centred, attn_mean, root, root_mean = _engine_operands(net)
     batch = net.attn.shape[0]
-    residual = torch.empty(batch, tree.num_leaves, dtype=net.attn.dtype)
+    device = net.attn.device
+    residual = torch.empty(batch, tree.num_leaves, dtype=net.attn.dtype, device=device)
     norm = torch.empty_like(residual)
     bar = _progress_bar(tree.num_leaves, progress)
     try:
@@ -289,8 +303,9 @@ def path_residuals(
             chunk_residual, chunk_norm = torch.ops.pathkernels.path_chunk_norms(
                 attn_centred, attn_mean, root, root_mean, net.w_v, net.w_o, chunk.parents, chunk.heads, leaf_block
             )
-            residual[:, start:stop] = chunk_residual[:, chunk.leaf_position]
-            norm[:, start:stop] = chunk_norm[:, chunk.leaf_position]
+            leaf_position = chunk.leaf_position.to(device)
+            residual[:, start:stop] = chunk_residual[:, leaf_position]
+            norm[:, start:stop] = chunk_norm[:, leaf_position]
             if bar is not None:
                 bar.update(stop - start)
     finally:
@@ -299,6 +314,7 @@ def path_residuals(
 
     leaf_of_path = tree.leaf_of_path()
     if leaf_of_path is not None:
+        leaf_of_path = leaf_of_path.to(device)
         residual, norm = residual[:, leaf_of_path], norm[:, leaf_of_path]
     result = PathResiduals(residual, norm, tree, products)
     if not net.batched:
@@ -311,11 +327,13 @@ def _materialize(net: _Network, tree: PathTree) -> Tensor:
     """The products themselves, ``[B, M, n, m]``, by the same trie in plain PyTorch (small trees)."""
     chunk = build_trie_chunk(tree.leaf_range(0, tree.num_leaves))
     batch, n = net.attn.shape[0], net.attn.shape[-1]
+    device = net.attn.device
     if net.x is None:
-        level = torch.eye(n, dtype=net.attn.dtype).expand(batch, 1, n, n)
+        level = torch.eye(n, dtype=net.attn.dtype, device=device).expand(batch, 1, n, n)
     else:
         level = net.x.unsqueeze(1)  # [B, 1, n, d]
     for layer, (parents, heads) in enumerate(zip(chunk.parents, chunk.heads)):
+        parents, heads = parents.to(device), heads.to(device)
         nodes = level[:, parents]  # [B, N, n, m]
         out = nodes.clone()
         for head in heads.unique().tolist():
@@ -327,9 +345,9 @@ def _materialize(net: _Network, tree: PathTree) -> Tensor:
                 product = product @ net.w_v[layer, head] @ net.w_o[layer, head]
             out[:, sel] = product
         level = out
-    leaves = level[:, chunk.leaf_position]
+    leaves = level[:, chunk.leaf_position.to(device)]
     leaf_of_path = tree.leaf_of_path()
-    return leaves if leaf_of_path is None else leaves[:, leaf_of_path]
+    return leaves if leaf_of_path is None else leaves[:, leaf_of_path.to(device)]
 
 
 def length_sums(attn: Tensor, x: Tensor, w_v: Tensor, w_o: Tensor, *, skip: bool = True) -> Tensor:

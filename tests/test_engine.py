@@ -13,7 +13,7 @@ from pathkernels.reference import (
     path_products_ref,
     residual_norm_ref,
 )
-from pathkernels.testing import random_attention, tolerance
+from pathkernels.testing import devices, random_attention, tolerance
 
 
 def network(batch, layers, heads, n, d=None, d_head=None, dtype=torch.float64):
@@ -27,12 +27,12 @@ def network(batch, layers, heads, n, d=None, d_head=None, dtype=torch.float64):
 
 
 def check_against_loop(result, attn, tree, x, w_v, w_o, dtype):
-    as64 = lambda t: None if t is None else t.double()  # noqa: E731
+    as64 = lambda t: None if t is None else t.double().cpu()  # noqa: E731
     products = path_products_ref(as64(attn), tree.paths(), as64(x), as64(w_v), as64(w_o))
     tol = tolerance(dtype) if dtype == torch.float64 else dict(rtol=2e-4, atol=1e-6)
-    torch.testing.assert_close(result.residual.double(), residual_norm_ref(products), **tol)
-    torch.testing.assert_close(result.norm.double(), composite_norm_ref(products), **tol)
-    torch.testing.assert_close(result.ratio.double(), residual_norm_ref(products) / composite_norm_ref(products), **tol)
+    torch.testing.assert_close(result.residual.double().cpu(), residual_norm_ref(products), **tol)
+    torch.testing.assert_close(result.norm.double().cpu(), composite_norm_ref(products), **tol)
+    torch.testing.assert_close(result.ratio.double().cpu(), residual_norm_ref(products) / composite_norm_ref(products), **tol)
     assert torch.equal(result.paths, tree.paths())
     assert torch.equal(result.lengths, (tree.paths() >= 0).sum(1))
 
@@ -51,22 +51,37 @@ TREES = {
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("mode", ["products", "outputs"])
 @pytest.mark.parametrize("kind", list(TREES))
-def test_matches_per_path_loop(kind, mode, dtype):
+def test_matches_per_path_loop(device, kind, mode, dtype):
     layers, heads, n = 4, 3, 6
     tree = TREES[kind](layers, heads)
-    attn, x, w_v, w_o = network(2, layers, heads, n, *((5, 3) if mode == "outputs" else ()), dtype=dtype)
+    inputs = network(2, layers, heads, n, *((5, 3) if mode == "outputs" else ()), dtype=dtype)
+    attn, x, w_v, w_o = (None if t is None else t.to(device) for t in inputs)
     result = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o)
+    assert result.residual.device == attn.device
     assert result.residual.shape == (2, len(tree)) and result.residual.dtype == dtype
     check_against_loop(result, attn, tree, x, w_v, w_o, dtype)
 
 
-def test_tiny_memory_budget_gives_the_same_results_in_many_chunks():
-    attn, x, w_v, w_o = network(2, 5, 3, 8, 6, 2)
+def test_tiny_memory_budget_gives_the_same_results_in_many_chunks(device):
+    attn, x, w_v, w_o = (t.to(device) for t in network(2, 5, 3, 8, 6, 2))
     for tree in (pk.PathTree.complete(5, 3, skip=True), TREES["explicit"](5, 3)):
         big = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o)
         small = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, memory_budget=64 * 1024)
         torch.testing.assert_close(small.residual, big.residual, rtol=1e-13, atol=0)
         torch.testing.assert_close(small.norm, big.norm, rtol=1e-13, atol=0)
+
+
+@pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_and_cuda_agree(dtype):
+    attn, x, w_v, w_o = network(2, 4, 3, 16, 8, 4, dtype=dtype)
+    for tree in (pk.PathTree.complete(4, 3, skip=True), TREES["explicit"](4, 3)):
+        for args in ({}, dict(x=x, w_v=w_v, w_o=w_o)):
+            cpu = pk.path_residuals(attn, tree, **args)
+            gpu = pk.path_residuals(attn.cuda(), tree, **{k: v.cuda() for k, v in args.items()})
+            tol = tolerance(dtype) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(gpu.residual.cpu(), cpu.residual, **tol)
+            torch.testing.assert_close(gpu.norm.cpu(), cpu.norm, **tol)
 
 
 def test_unbatched_inputs_and_materialize():
@@ -159,6 +174,8 @@ def with_nan():
     (bad_call(w_v=torch.rand(3, 2, 5, 2, dtype=torch.float64)), ValueError, r"expected w_v of shape \[L, H, d, d_head\]"),
     (bad_call(w_o=None), ValueError, "pass x, w_v and w_o together"),
     (bad_call(x=torch.rand(2, 4, 3, dtype=torch.float64, device="meta")), ValueError, "expected x on attn's device cpu"),
+    (bad_call(attn=network(2, 3, 2, 4)[0].to("meta"), x=None, w_v=None, w_o=None), ValueError,
+     "expected attn on a CPU or CUDA device, got meta"),
     (bad_call(attn=with_zero_row(), x=None, w_v=None, w_o=None), ValueError,
      r"row 3 of batch element 1, layer 2, head 0 sums to 0\..*Masked or padded"),
     (bad_call(attn=with_nan(), x=None, w_v=None, w_o=None), ValueError, r"attn has a non-finite value \(nan\) at index \[0, 1, 1, 2, 0\]"),

@@ -1,89 +1,16 @@
-// CPU path-tree engine. One call evaluates one chunk of a path tree, breadth-first: every level is
-// a handful of large GEMMs (one per run of nodes sharing a head), and the leaves are reduced to
-// their norms block by block while the block is still in cache; no leaf matrix outlives its block.
-//
-// What travels down the tree (DESIGN §1): the residual R = C(P) (or C(P X W)), never the product,
-// so tiny residuals keep their relative precision; R_child = C(A) R_parent (W), with C(A) given.
-// The column mean μ of the full product follows μ_child = (μ_parent + R_parentᵀ a) W, a = 1ᵀA/n,
-// and the product itself is 1μᵀ + R.
+// CPU backend of the path-tree engine (engine.h): blocks of nodes run in parallel, one thread
+// per block with its own single-threaded GEMMs, and each leaf block is reduced in the same thread
+// while it is still in cache, with the vectorised paired pass of norm_passes_cpu.h.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include "norms/norm_passes_cpu.h"
-#include "paths/paths.h"
+#include "paths/engine.h"
 
 namespace pathkernels {
 namespace {
 
 using namespace cpu;
-
-// Consecutive nodes of one level that take the same head.
-struct HeadRun {
-  int64_t head;
-  int64_t begin;
-  int64_t end;
-};
-
-std::vector<HeadRun> head_runs(const at::Tensor& heads) {
-  const int64_t* h = heads.const_data_ptr<int64_t>();
-  std::vector<HeadRun> runs;
-  for (int64_t k = 0; k < heads.numel(); ++k) {
-    if (runs.empty() || runs.back().head != h[k]) {
-      runs.push_back({h[k], k, k + 1});
-    } else {
-      runs.back().end = k + 1;
-    }
-  }
-  return runs;
-}
-
-// The parents of a run: a view of the level when their positions are consecutive (always so in
-// complete trees), otherwise a gathered copy.
-std::pair<at::Tensor, at::Tensor> run_parents(const at::Tensor& level, const at::Tensor& level_mean,
-                                              const at::Tensor& positions) {
-  const int64_t* p = positions.const_data_ptr<int64_t>();
-  const int64_t count = positions.numel();
-  bool consecutive = true;
-  for (int64_t k = 1; k < count && consecutive; ++k) {
-    consecutive = p[k] == p[0] + k;
-  }
-  if (consecutive) {
-    return {level.narrow(1, p[0], count), level_mean.narrow(0, p[0], count)};
-  }
-  return {level.index_select(1, positions), level_mean.index_select(0, positions)};
-}
-
-// The operands of one batch element.
-struct Network {
-  at::Tensor attn;       // [L, H, n, n], centred: C(A) = A − 1aᵀ
-  at::Tensor attn_mean;  // [L, H, n], a = 1ᵀA/n
-  std::optional<at::Tensor> w_v;  // [L, H, d, d_head]
-  std::optional<at::Tensor> w_o;  // [L, H, d_head, d]
-};
-
-// Children of `parents` [n, c, m] (means [c, m]) through head `head` of layer `layer`, written to
-// `out` [n, c, m] and `out_mean` [c, m]. The skip branch copies.
-void children(const Network& net, int64_t layer, int64_t head, const at::Tensor& parents,
-              const at::Tensor& parent_mean, at::Tensor out, at::Tensor out_mean) {
-  if (head < 0) {
-    out.copy_(parents);
-    out_mean.copy_(parent_mean);
-    return;
-  }
-  const int64_t n = parents.size(0), c = parents.size(1), m = parents.size(2);
-  at::Tensor mean = parent_mean + at::mm(net.attn_mean[layer][head].unsqueeze(0), parents.flatten(1)).view({c, m});
-  at::Tensor right = parents.flatten(1);  // [n, c·m]
-  if (net.w_v.has_value()) {
-    const at::Tensor w_v = (*net.w_v)[layer][head];
-    const at::Tensor w_o = (*net.w_o)[layer][head];
-    right = parents.reshape({n * c, m}).mm(w_v).mm(w_o).view({n, c * m});
-    mean = mean.mm(w_v).mm(w_o);
-  }
-  at::Tensor out_rows = out.flatten(1);  // [n, c·m] with the level's row stride: a view, no copy
-  TORCH_INTERNAL_ASSERT(out_rows.is_alias_of(out));
-  at::mm_out(out_rows, net.attn[layer][head], right);
-  out_mean.copy_(mean);
-}
 
 // Norms of `count` leaves stored as [n, count, m] with the given row stride (elements between
 // rows of one leaf): residual[k] = ‖R_k‖_{1,∞}, norm[k] = ‖1μ_kᵀ + R_k‖_{1,∞}.
@@ -112,107 +39,33 @@ void reduce_leaves(const T* leaves, int64_t n, int64_t count, int64_t m, int64_t
   }
 }
 
-// A block of at most leaf_block consecutive nodes of one head run: the unit of parallel work.
-// Blocks keep each GEMM's operands in cache (a 64 × 64 by 64 × 2^20 product runs at a third of
-// the speed of the same work in 64 × 2048 pieces), and each thread runs its own blocks' GEMMs.
-struct NodeBlock {
-  int64_t head;
-  int64_t begin;
-  int64_t count;
-};
-
-std::vector<NodeBlock> node_blocks(const at::Tensor& heads, int64_t leaf_block) {
-  std::vector<NodeBlock> blocks;
-  for (const HeadRun& run : head_runs(heads)) {
-    for (int64_t begin = run.begin; begin < run.end; begin += leaf_block) {
-      blocks.push_back({run.head, begin, std::min(leaf_block, run.end - begin)});
-    }
+struct CpuBackend {
+  int workers() const {
+    return at::get_num_threads();
   }
-  return blocks;
-}
 
-template <typename T>
-void evaluate_chunk(const Network& net, const at::Tensor& root, const at::Tensor& root_mean, const PathChunk& chunk,
-                    int64_t leaf_block, T* residual, T* norm) {
-  const int64_t layers = static_cast<int64_t>(chunk.parents.size());
-  const int64_t n = root.size(0), m = root.size(1);
-  at::Tensor level = root.unsqueeze(1);            // [n, N_l, m]
-  at::Tensor level_mean = root_mean.unsqueeze(0);  // [N_l, m]
-  // Per-thread leaf blocks: computed, reduced, overwritten; never a whole level of leaves.
-  std::vector<at::Tensor> scratch(at::get_num_threads()), scratch_mean(at::get_num_threads());
-  for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor& positions = chunk.parents[l];
-    const bool leaves = l + 1 == layers;
-    at::Tensor next, next_mean;
-    if (!leaves) {
-      next = at::empty({n, positions.numel(), m}, root.options());
-      next_mean = at::empty({positions.numel(), m}, root.options());
-    }
-    const std::vector<NodeBlock> blocks = node_blocks(chunk.heads[l], leaf_block);
-    at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t first, int64_t last) {
-      const int thread = at::get_thread_num();
+  template <typename Fn>
+  void for_each_block(int64_t count, Fn&& fn) {
+    at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
+      const int worker = at::get_thread_num();
       for (int64_t k = first; k < last; ++k) {
-        const NodeBlock& blk = blocks[k];
-        auto [parents, parent_mean] = run_parents(level, level_mean, positions.slice(0, blk.begin, blk.begin + blk.count));
-        if (!leaves) {
-          children(net, l, blk.head, parents, parent_mean, next.narrow(1, blk.begin, blk.count),
-                   next_mean.narrow(0, blk.begin, blk.count));
-        } else if (blk.head < 0) {  // a skip leaf is its parent: reduce it where it lies
-          reduce_leaves(parents.const_data_ptr<T>(), n, blk.count, m, parents.stride(0),
-                        parent_mean.const_data_ptr<T>(), parent_mean.stride(0), residual + blk.begin,
-                        norm + blk.begin);
-        } else {
-          if (!scratch[thread].defined()) {
-            scratch[thread] = at::empty({n, leaf_block, m}, root.options());
-            scratch_mean[thread] = at::empty({leaf_block, m}, root.options());
-          }
-          at::Tensor out = scratch[thread].narrow(1, 0, blk.count);
-          at::Tensor out_mean = scratch_mean[thread].narrow(0, 0, blk.count);
-          children(net, l, blk.head, parents, parent_mean, out, out_mean);
-          reduce_leaves(out.const_data_ptr<T>(), n, blk.count, m, out.stride(0), out_mean.const_data_ptr<T>(), m,
-                        residual + blk.begin, norm + blk.begin);
-        }
+        fn(k, worker);
       }
     });
-    if (!leaves) {
-      level = next;
-      level_mean = next_mean;
-    }
   }
-}
 
-std::tuple<at::Tensor, at::Tensor> path_chunk_norms_cpu(const at::Tensor& attn, const at::Tensor& attn_mean,
-                                                        const at::Tensor& root, const at::Tensor& root_mean,
-                                                        const std::optional<at::Tensor>& w_v,
-                                                        const std::optional<at::Tensor>& w_o,
-                                                        at::TensorList parents, at::TensorList heads,
-                                                        int64_t leaf_block) {
-  const PathChunk chunk = check_path_chunk(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block);
-  const int64_t batch = attn.size(0);
-  const int64_t leaves = chunk.parents.back().numel();
-  at::Tensor residual = at::empty({batch, leaves}, attn.options());
-  at::Tensor norm = at::empty({batch, leaves}, attn.options());
-  const at::Tensor attn_c = attn.contiguous();
-  const at::Tensor root_c = root.contiguous();
-  std::optional<at::Tensor> w_v_c, w_o_c;
-  if (w_v.has_value()) {
-    w_v_c = w_v->contiguous();
-    w_o_c = w_o->contiguous();
+  // leaves [n, c, m] (any row stride, unit column stride), means [c, m].
+  template <typename T>
+  void reduce(const at::Tensor& leaves, const at::Tensor& means, T* residual, T* norm) {
+    reduce_leaves(leaves.const_data_ptr<T>(), leaves.size(0), leaves.size(1), leaves.size(2), leaves.stride(0),
+                  means.const_data_ptr<T>(), means.stride(0), residual, norm);
   }
-  AT_DISPATCH_FLOATING_TYPES(attn.scalar_type(), "path_chunk_norms_cpu", [&] {
-    for (int64_t b = 0; b < batch; ++b) {
-      const Network net{attn_c[b], attn_mean[b], w_v_c, w_o_c};
-      evaluate_chunk<scalar_t>(net, root_c[b], root_mean[b].contiguous(), chunk, leaf_block,
-                               residual[b].mutable_data_ptr<scalar_t>(), norm[b].mutable_data_ptr<scalar_t>());
-    }
-  });
-  return {residual, norm};
-}
+};
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pathkernels, CPU, m) {
-  m.impl("path_chunk_norms", &path_chunk_norms_cpu);
+  m.impl("path_chunk_norms", &engine::path_chunk_norms<CpuBackend>);
 }
 
 }  // namespace pathkernels

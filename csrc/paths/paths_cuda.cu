@@ -1,0 +1,169 @@
+// CUDA backend of the path-tree engine (engine.h): the same algorithm as the tested CPU backend.
+// GEMMs go through ATen (cuBLAS) one block of nodes after another on the current stream; each leaf
+// block is reduced by three small kernels that mirror the norm kernels (norms_cuda.cu): column
+// sums, row sums, then the maxima. Leaves live only in the block's scratch buffer.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "common/cuda_reduce.cuh"
+#include "paths/engine.h"
+
+namespace pathkernels {
+namespace {
+
+using namespace cuda;
+
+constexpr int kColumnThreads = 128;
+constexpr int kRowWarps = 8;
+constexpr int kFinishThreads = 256;
+constexpr int kLeafStats = 2;  // Σ|R| (the residual) and Σ|R + μ| (the product 1μᵀ + R)
+
+// A block of `count` leaves stored as [rows, count, cols]: element (i, j) of leaf k sits at
+// k·cols + i·row_stride + j; leaf k's column means at k·mean_stride + j.
+struct LeafBlockParams {
+  const void* leaves = nullptr;
+  int64_t rows = 0;
+  int64_t count = 0;
+  int64_t cols = 0;
+  int64_t row_stride = 0;
+  const void* means = nullptr;
+  int64_t mean_stride = 0;
+  void* residual = nullptr;  // [count]
+  void* norm = nullptr;      // [count]
+};
+
+// Thread (k, j) owns column j of leaf k: both abs sums over rows 0..n−1 in order.
+template <typename T, typename A>
+__global__ void leaf_columns_kernel(LeafBlockParams p, A* col_stats) {
+  const int64_t k = blockIdx.x;
+  const int64_t j = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (j >= p.cols) {
+    return;
+  }
+  const T* col = static_cast<const T*>(p.leaves) + k * p.cols + j;
+  const A mu = static_cast<A>(static_cast<const T*>(p.means)[k * p.mean_stride + j]);
+  A residual = A(0);
+  A product = A(0);
+  for (int64_t i = 0; i < p.rows; ++i) {
+    const A v = static_cast<A>(col[i * p.row_stride]);
+    residual += ::fabs(v);
+    product += ::fabs(v + mu);
+  }
+  A* out = col_stats + (k * p.cols + j) * kLeafStats;
+  out[0] = residual;
+  out[1] = product;
+}
+
+// Warp (k, i) owns row i of leaf k: lanes stride over columns, then a shuffle tree sums.
+template <typename T, typename A>
+__global__ void leaf_rows_kernel(LeafBlockParams p, A* row_stats) {
+  const int64_t k = blockIdx.x;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t i = static_cast<int64_t>(blockIdx.y) * kRowWarps + threadIdx.x / kWarpSize;
+  if (i >= p.rows) {
+    return;
+  }
+  const T* row = static_cast<const T*>(p.leaves) + k * p.cols + i * p.row_stride;
+  const T* mean = static_cast<const T*>(p.means) + k * p.mean_stride;
+  A residual = A(0);
+  A product = A(0);
+  for (int64_t j = lane; j < p.cols; j += kWarpSize) {
+    const A v = static_cast<A>(row[j]);
+    residual += ::fabs(v);
+    product += ::fabs(v + static_cast<A>(mean[j]));
+  }
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    residual += __shfl_down_sync(0xffffffffu, residual, offset);
+    product += __shfl_down_sync(0xffffffffu, product, offset);
+  }
+  if (lane == 0) {
+    A* out = row_stats + (k * p.rows + i) * kLeafStats;
+    out[0] = residual;
+    out[1] = product;
+  }
+}
+
+// Block k owns leaf k's two outputs: the maxima of its column and row sums, combined.
+template <typename T, typename A>
+__global__ void leaf_finish_kernel(LeafBlockParams p, const A* col_stats, const A* row_stats) {
+  __shared__ A s_value[kFinishThreads];
+  __shared__ int64_t s_index[kFinishThreads];
+  const int64_t k = blockIdx.x;
+  T* outputs[kLeafStats] = {static_cast<T*>(p.residual), static_cast<T*>(p.norm)};
+  for (int target = 0; target < kLeafStats; ++target) {
+    A l1, linf;
+    int64_t col, row;
+    block_argmax(col_stats + k * p.cols * kLeafStats + target, p.cols, kLeafStats, s_value, s_index, l1, col);
+    block_argmax(row_stats + k * p.rows * kLeafStats + target, p.rows, kLeafStats, s_value, s_index, linf, row);
+    if (threadIdx.x == 0) {
+      outputs[target][k] = static_cast<T>(composite_from_parts(l1, linf));
+    }
+  }
+}
+
+struct CudaBackend {
+  int workers() const {
+    return 1;
+  }
+
+  template <typename Fn>
+  void for_each_block(int64_t count, Fn&& fn) {
+    for (int64_t k = 0; k < count; ++k) {
+      fn(k, 0);
+    }
+  }
+
+  // leaves [n, c, m] with unit column stride and leaf stride m, means [c, m]; outputs on device.
+  template <typename T>
+  void reduce(const at::Tensor& leaves, const at::Tensor& means, T* residual, T* norm) {
+    using A = norm_acc_t<T>;
+    TORCH_INTERNAL_ASSERT(leaves.stride(2) == 1 && leaves.stride(1) == leaves.size(2) && means.stride(1) == 1);
+    LeafBlockParams p;
+    p.leaves = leaves.const_data_ptr();
+    p.rows = leaves.size(0);
+    p.count = leaves.size(1);
+    p.cols = leaves.size(2);
+    p.row_stride = leaves.stride(0);
+    p.means = means.const_data_ptr();
+    p.mean_stride = means.stride(0);
+    p.residual = residual;
+    p.norm = norm;
+    if (p.count == 0) {
+      return;
+    }
+    const auto stats_options = leaves.options().dtype(c10::CppTypeToScalarType<A>::value);
+    at::Tensor col_stats = at::empty({p.count, p.cols, kLeafStats}, stats_options);
+    at::Tensor row_stats = at::empty({p.count, p.rows, kLeafStats}, stats_options);
+    const auto stream = c10::cuda::getCurrentCUDAStream();
+    const dim3 column_grid(p.count, blocks_for(p.cols, kColumnThreads, "columns"));
+    const dim3 row_grid(p.count, blocks_for(p.rows, kRowWarps, "rows"));
+    leaf_columns_kernel<T, A><<<column_grid, kColumnThreads, 0, stream>>>(p, col_stats.mutable_data_ptr<A>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    leaf_rows_kernel<T, A><<<row_grid, kRowWarps * kWarpSize, 0, stream>>>(p, row_stats.mutable_data_ptr<A>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    leaf_finish_kernel<T, A><<<p.count, kFinishThreads, 0, stream>>>(p, col_stats.const_data_ptr<A>(),
+                                                                     row_stats.const_data_ptr<A>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> path_chunk_norms_cuda(const at::Tensor& attn, const at::Tensor& attn_mean,
+                                                         const at::Tensor& root, const at::Tensor& root_mean,
+                                                         const std::optional<at::Tensor>& w_v,
+                                                         const std::optional<at::Tensor>& w_o,
+                                                         at::TensorList parents, at::TensorList heads,
+                                                         int64_t leaf_block) {
+  const c10::cuda::CUDAGuard guard(attn.device());
+  return engine::path_chunk_norms<CudaBackend>(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads,
+                                               leaf_block);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pathkernels, CUDA, m) {
+  m.impl("path_chunk_norms", &path_chunk_norms_cuda);
+}
+
+}  // namespace pathkernels
