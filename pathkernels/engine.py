@@ -181,10 +181,11 @@ def _node_bytes(net: _Network) -> int:
 
 
 def _chunks(tree: PathTree, net: _Network, memory_budget: int):
-    """Consecutive runs of leaves whose tries fit the memory budget: (start, stop, TrieChunk)."""
+    """Consecutive runs of leaves whose tries fit the memory budget: (start, stop, TrieChunk, leaf_block)."""
     node_bytes = _node_bytes(net)
-    leaf_block = max(1, min(_LEAF_BLOCK_BYTES, memory_budget // 8) // node_bytes)
-    fixed = 3 * leaf_block * node_bytes  # the leaf block, its gathered parents and W temporaries
+    workers = torch.get_num_threads() if net.attn.device.type == "cpu" else 1  # blocks run one per thread
+    leaf_block = max(1, min(_LEAF_BLOCK_BYTES, memory_budget // (8 * workers)) // node_bytes)
+    fixed = 3 * workers * leaf_block * node_bytes  # each worker's leaf block, gathered parents, W temporaries
 
     def chunk_bytes(chunk) -> int:
         # Two consecutive levels live at once, plus a gathered copy of parents, plus the index arrays.
