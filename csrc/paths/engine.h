@@ -39,13 +39,13 @@ inline std::vector<HeadRun> head_runs(const at::Tensor& heads) {
   return runs;
 }
 
-// The parents of a run: a view of the level when their positions are consecutive (always so in
-// complete trees), otherwise a gathered copy.
-// `positions` is a host tensor.
+// The parents of a block: a view of the level when their positions are consecutive (always so in
+// complete trees), otherwise a gathered copy. `positions` is on the host (for the scan);
+// `device_positions` is the same level's positions on the level's device (for the gather).
 inline std::pair<at::Tensor, at::Tensor> run_parents(const at::Tensor& level, const at::Tensor& level_mean,
-                                                     const at::Tensor& positions) {
-  const int64_t* p = positions.const_data_ptr<int64_t>();
-  const int64_t count = positions.numel();
+                                                     const at::Tensor& positions, const at::Tensor& device_positions,
+                                                     int64_t begin, int64_t count) {
+  const int64_t* p = positions.const_data_ptr<int64_t>() + begin;
   bool consecutive = true;
   for (int64_t k = 1; k < count && consecutive; ++k) {
     consecutive = p[k] == p[0] + k;
@@ -53,7 +53,7 @@ inline std::pair<at::Tensor, at::Tensor> run_parents(const at::Tensor& level, co
   if (consecutive) {
     return {level.narrow(1, p[0], count), level_mean.narrow(0, p[0], count)};
   }
-  const at::Tensor index = positions.to(level.device());
+  const at::Tensor index = device_positions.narrow(0, begin, count);
   return {level.index_select(1, index), level_mean.index_select(0, index)};
 }
 
@@ -123,6 +123,7 @@ void evaluate_chunk(const Network& net, const at::Tensor& root, const at::Tensor
   std::vector<at::Tensor> scratch(backend.workers()), scratch_mean(backend.workers());
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor& positions = chunk.parents[l];
+    const at::Tensor device_positions = positions.to(root.device());  // no copy on CPU
     const bool leaves = l + 1 == layers;
     at::Tensor next, next_mean;
     if (!leaves) {
@@ -132,7 +133,7 @@ void evaluate_chunk(const Network& net, const at::Tensor& root, const at::Tensor
     const std::vector<NodeBlock> blocks = node_blocks(chunk.heads[l], leaf_block);
     backend.for_each_block(static_cast<int64_t>(blocks.size()), [&](int64_t k, int worker) {
       const NodeBlock& blk = blocks[k];
-      auto [parents, parent_mean] = run_parents(level, level_mean, positions.slice(0, blk.begin, blk.begin + blk.count));
+      auto [parents, parent_mean] = run_parents(level, level_mean, positions, device_positions, blk.begin, blk.count);
       if (!leaves) {
         children(net, l, blk.head, parents, parent_mean, next.narrow(1, blk.begin, blk.count),
                  next_mean.narrow(0, blk.begin, blk.count));
