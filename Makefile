@@ -39,6 +39,7 @@ test: build
 
 bench: build
 	$(PY) bench/bench_norms.py
+	$(PY) bench/bench_paths.py --quick
 
 build: $(STAMPS)/built
 setup: $(STAMPS)/env
