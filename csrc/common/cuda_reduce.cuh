@@ -1,4 +1,4 @@
-// Device helpers shared by the CUDA kernels: block-wide max/argmax with the shared tie rule
+// Device helpers shared by the CUDA kernels: warp sums, block-wide max/argmax with the shared tie rule
 // (norm_math.h), the write of one norm target, and grid sizing.
 #pragma once
 
@@ -13,6 +13,15 @@ namespace pathkernels::cuda {
 
 constexpr int kWarpSize = 32;
 constexpr int64_t kMaxGridY = 65535;
+
+// Sum of v over the 32 lanes of a warp, valid on lane 0 (a shuffle tree).
+template <typename A>
+__device__ inline A warp_sum(A v) {
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    v += __shfl_down_sync(0xffffffffu, v, offset);
+  }
+  return v;
+}
 
 // Max/argmax of values[k * stride] over k < count, by the whole block; the result is valid on
 // thread 0. The tree uses the shared order (max_beats), so it picks what a sequential scan does.

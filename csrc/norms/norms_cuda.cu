@@ -77,10 +77,8 @@ __global__ void norm_rows_kernel(NormPartsParams p, const A* col_stats, A* row_s
     abs_sum += ::fabs(v);
     res_sum += ::fabs(v - stats[j * kColumnStats]);
   }
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    abs_sum += __shfl_down_sync(0xffffffffu, abs_sum, offset);
-    res_sum += __shfl_down_sync(0xffffffffu, res_sum, offset);
-  }
+  abs_sum = warp_sum(abs_sum);
+  res_sum = warp_sum(res_sum);
   if (lane == 0) {
     A* out = row_stats + (b * p.shape.rows + i) * kRowStats;
     out[0] = abs_sum;

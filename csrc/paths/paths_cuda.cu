@@ -74,10 +74,8 @@ __global__ void leaf_rows_kernel(LeafBlockParams p, A* row_stats) {
     residual += ::fabs(v);
     product += ::fabs(v + static_cast<A>(mean[j]));
   }
-  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
-    residual += __shfl_down_sync(0xffffffffu, residual, offset);
-    product += __shfl_down_sync(0xffffffffu, product, offset);
-  }
+  residual = warp_sum(residual);
+  product = warp_sum(product);
   if (lane == 0) {
     A* out = row_stats + (k * p.rows + i) * kLeafStats;
     out[0] = residual;
