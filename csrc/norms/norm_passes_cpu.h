@@ -208,17 +208,33 @@ void vector_max(const A* values, int64_t count, A& best, int64_t& best_index) {
   }
 }
 
-template <typename T, typename A>
-void write_target(T* parts, int64_t* argmax, const A* col_abs, int64_t cols, const A* row_abs, int64_t rows) {
+// The two maxima of one matrix's abs sums and where they sit: ‖v‖_1 from the column sums, ‖v‖_∞
+// from the row sums.
+template <typename A>
+struct Maxima {
   A l1, linf;
   int64_t col, row;
-  vector_max(col_abs, cols, l1, col);
-  vector_max(row_abs, rows, linf, row);
-  parts[kPartL1] = static_cast<T>(l1);
-  parts[kPartLinf] = static_cast<T>(linf);
-  parts[kPartComposite] = static_cast<T>(composite_from_parts(l1, linf));
-  argmax[kArgColumn] = col;
-  argmax[kArgRow] = row;
+  A composite() const {
+    return composite_from_parts(l1, linf);
+  }
+};
+
+template <typename A>
+Maxima<A> maxima(const A* col_abs, int64_t cols, const A* row_abs, int64_t rows) {
+  Maxima<A> out;
+  vector_max(col_abs, cols, out.l1, out.col);
+  vector_max(row_abs, rows, out.linf, out.row);
+  return out;
+}
+
+template <typename T, typename A>
+void write_target(T* parts, int64_t* argmax, const A* col_abs, int64_t cols, const A* row_abs, int64_t rows) {
+  const Maxima<A> found = maxima(col_abs, cols, row_abs, rows);
+  parts[kPartL1] = static_cast<T>(found.l1);
+  parts[kPartLinf] = static_cast<T>(found.linf);
+  parts[kPartComposite] = static_cast<T>(found.composite());
+  argmax[kArgColumn] = found.col;
+  argmax[kArgRow] = found.row;
 }
 
 // Per-thread accumulators for one matrix at a time.

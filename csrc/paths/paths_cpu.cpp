@@ -21,7 +21,6 @@ void reduce_leaves(const T* leaves, int64_t n, int64_t count, int64_t m, int64_t
   NormWork<double> w(n, m);
   std::vector<double> shift(m);
   std::vector<double> row_norm(n);
-  int64_t unused_index;
   for (int64_t k = 0; k < count; ++k) {
     for (int64_t j = 0; j < m; ++j) {
       shift[j] = -static_cast<double>(means[k * mean_stride + j]);  // |R − (−μ)| = |1μᵀ + R|
@@ -29,13 +28,8 @@ void reduce_leaves(const T* leaves, int64_t n, int64_t count, int64_t m, int64_t
     std::fill(w.col_abs, w.col_abs + 2 * m, 0.0);
     paired_matrix_pass(leaves + k * m, shape, shift.data(), w.col_abs, w.row_abs, w.col_res, row_norm.data(),
                        w.buffer);
-    double l1, linf;
-    vector_max(w.col_abs, m, l1, unused_index);
-    vector_max(w.row_abs, n, linf, unused_index);
-    residual[k] = static_cast<T>(composite_from_parts(l1, linf));
-    vector_max(w.col_res, m, l1, unused_index);
-    vector_max(row_norm.data(), n, linf, unused_index);
-    norm[k] = static_cast<T>(composite_from_parts(l1, linf));
+    residual[k] = static_cast<T>(maxima(w.col_abs, m, w.row_abs, n).composite());
+    norm[k] = static_cast<T>(maxima(w.col_res, m, row_norm.data(), n).composite());
   }
 }
 
