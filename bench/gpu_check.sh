@@ -6,9 +6,11 @@
 # 3. runs compute-sanitizer memcheck and racecheck on small cases of every CUDA kernel;
 # 4. runs the GPU benchmarks;
 # 5. writes a summary and the logs into RESULTS_DIR (default bench/results/gpu-<card>-<date>).
+# Each step is stopped after STEP_TIMEOUT seconds (default 600), so one hang cannot eat the lease.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+STEP_TIMEOUT=${STEP_TIMEOUT:-600}
 card=$($PYTHON -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))" 2>/dev/null || echo unknown)
 out=${1:-bench/results/gpu-${card}-$(date +%Y%m%d)}
 mkdir -p "$out"
@@ -17,7 +19,8 @@ status=0
 step() {  # step NAME COMMAND...: run, log to $out/NAME.log, record pass/fail
   local name=$1; shift
   local start=$SECONDS
-  if "$@" > "$out/$name.log" 2>&1; then result=pass; else result=FAIL; status=1; fi
+  if timeout "$STEP_TIMEOUT" "$@" > "$out/$name.log" 2>&1; then result=pass
+  else result="FAIL (exit $?)"; status=1; fi
   echo "| $name | $result | $((SECONDS - start)) s | \`$*\` |" >> "$summary"
   echo "$name: $result ($((SECONDS - start)) s)"
 }
@@ -27,19 +30,21 @@ step() {  # step NAME COMMAND...: run, log to $out/NAME.log, record pass/fail
   echo
   $PYTHON -c "import torch; print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}')"
   echo
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null
+  echo
   echo "| step | result | time | command |"
   echo "|---|---|---|---|"
 } > "$summary"
 
 step build env PATHKERNELS_CUDA=ON $PYTHON -m pip install --no-build-isolation --no-deps -v -e .
-step tests $PYTHON -m pytest -q tests
+step tests $PYTHON -m pytest -q -rs --durations=5 tests
 SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 for tool in memcheck racecheck; do
   step "sanitizer-$tool" "$SANITIZER" --tool "$tool" --error-exitcode 1 $PYTHON bench/sanitizer_cases.py
 done
 step bench-norms $PYTHON bench/bench_norms.py --device cuda --out "$out/norms.json"
 step bench-paths $PYTHON bench/bench_paths.py --device cuda --quick --out "$out/paths.json"
-for log in bench-norms bench-paths; do
+for log in tests bench-norms bench-paths; do
   { echo; echo "$log:"; tail -n 25 "$out/$log.log" | sed 's/^/    /'; } >> "$summary"
 done
 echo "results in $out"
