@@ -10,17 +10,19 @@ import torch
 
 
 def cuda_architectures() -> str:
-    """CMake architecture list: TORCH_CUDA_ARCH_LIST if set ("9.0;8.0+PTX"), else the local GPU's,
+    """CMake architecture list: TORCH_CUDA_ARCH_LIST if set ("9.0;8.0+PTX", "9.0a"), else the local GPU's,
     else Hopper (sm_90), the cards this project is tuned for."""
     requested = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
     if requested:
         archs = []
         for item in re.split(r"[;\s]+", requested):
-            match = re.fullmatch(r"(\d+)\.(\d+)(\+PTX)?", item)
+            # An optional a/f suffix names the architecture-specific feature set (sm_90a).
+            match = re.fullmatch(r"(\d+)\.(\d+)([af]?)(\+PTX)?", item)
             if not match:
-                raise SystemExit(f"TORCH_CUDA_ARCH_LIST: cannot parse {item!r}; expected e.g. '9.0' or '8.0+PTX'")
-            major, minor, ptx = match.groups()
-            archs.append(f"{major}{minor}" + ("" if ptx else "-real"))
+                raise SystemExit(
+                    f"TORCH_CUDA_ARCH_LIST: cannot parse {item!r}; expected e.g. '9.0', '9.0a' or '8.0+PTX'")
+            major, minor, suffix, ptx = match.groups()
+            archs.append(f"{major}{minor}{suffix}" + ("" if ptx else "-real"))
         return ";".join(archs)
     if torch.version.cuda and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
