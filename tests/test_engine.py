@@ -212,6 +212,45 @@ def test_fixed_size_calls_compile():
     torch.testing.assert_close(compiled(*operands), ratio(*operands))
 
 
+def _op_operands(device):
+    """Valid operands of path_chunk_norms for a 3-layer, 2-head complete tree with skip."""
+    from pathkernels.engine import _check_network, _engine_operands
+    from pathkernels.paths import build_trie_chunk
+
+    attn = network(1, 3, 2, 5)[0].to(device)
+    chunk = build_trie_chunk(pk.PathTree.complete(3, 2, skip=True).paths())
+    attn_c, attn_mean, root, root_mean = _engine_operands(_check_network(attn, None, None, None, "test"))
+    return dict(attn_centred=attn_c, attn_mean=attn_mean, root=root, root_mean=root_mean, w_v=None, w_o=None,
+                parents=list(chunk.parents), heads=list(chunk.heads), leaf_block=4)
+
+
+def _with_level(levels, level, value):
+    return [value if i == level else t for i, t in enumerate(levels)]
+
+
+OP_BAD_INPUTS = [
+    (lambda o: dict(attn_centred=o["attn_centred"][0]), r"expected attn \[B, L, H, n, n\], got shape \[3, 2, 5, 5\]"),
+    (lambda o: dict(root=o["root"][:, :4]), r"expected root \[B, n, m\] with B = 1 and n = 5, got \[1, 4, 5\]"),
+    (lambda o: dict(root_mean=o["root_mean"][:, :2]), r"expected root_mean \[B, m\] = \[1, 5\], got \[1, 2\]"),
+    (lambda o: dict(w_v=torch.zeros(3, 2, 5, 2, dtype=torch.float64, device=o["root"].device),
+                    w_o=torch.zeros(3, 2, 3, 5, dtype=torch.float64, device=o["root"].device)),
+     r"expected w_o \[L, H, d_head, d\] = \[3, 2, 2, 5\], got \[3, 2, 3, 5\]"),
+    (lambda o: dict(parents=o["parents"][:2]), "expected 3 levels of parents and heads, got 2 and 3"),
+    (lambda o: dict(leaf_block=0), "expected leaf_block > 0, got 0"),
+    (lambda o: dict(parents=_with_level(o["parents"], 1, o["parents"][1] + 3)),
+     r"level 2: parent positions must lie in \[0, 3\)"),
+    (lambda o: dict(heads=_with_level(o["heads"], 2, o["heads"][2] + 1)), r"level 3: heads must lie in \[-1, 2\)"),
+]
+
+
+@pytest.mark.parametrize("change, message", OP_BAD_INPUTS)
+def test_op_names_the_bad_operand(device, change, message):
+    operands = _op_operands(device)
+    operands.update(change(operands))
+    with pytest.raises(ValueError, match="pathkernels.path_chunk_norms: " + message):
+        torch.ops.pathkernels.path_chunk_norms(*operands.values())
+
+
 # --- memory ------------------------------------------------------------------------------------
 
 MEMORY_SCRIPT = textwrap.dedent("""

@@ -5,7 +5,21 @@
 
 #include <ATen/ATen.h>
 
+#include <string>
+
 namespace pathkernels {
+
+// Messages are built from strings only: integers through std::to_string, shapes through
+// shape_string. Streaming a number into a message (what TORCH_CHECK does with an int64_t or an
+// IntArrayRef) crashed with SIGSEGV in the extension built by the GPU machines' own GCC 13 (/opt/gcc)
+// against torch 2.11; strings, dtypes and devices streamed fine. "[2, 0, 3]":
+inline std::string shape_string(at::IntArrayRef sizes) {
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    out += (i ? ", " : "") + std::to_string(sizes[i]);
+  }
+  return out + "]";
+}
 
 inline bool is_supported_float(at::ScalarType dtype) {
   return dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16;
@@ -19,8 +33,9 @@ inline void check_floating(const at::Tensor& t, const char* op, const char* arg)
 
 inline void check_min_dim(const at::Tensor& t, int64_t min_dim, const char* op, const char* arg,
                           const char* layout) {
-  TORCH_CHECK_VALUE(t.dim() >= min_dim, op, ": expected ", arg, " to have at least ", min_dim,
-                    " dimensions ", layout, ", got ", t.dim(), " (shape ", t.sizes(), ")");
+  TORCH_CHECK_VALUE(t.dim() >= min_dim, op, ": expected ", arg, " to have at least ",
+                    std::to_string(min_dim), " dimensions ", layout, ", got ", std::to_string(t.dim()), " (shape ",
+                    shape_string(t.sizes()), ")");
 }
 
 inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op,

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "common/norm_math.h"
 
@@ -60,7 +61,8 @@ __device__ inline void write_target(T* parts, int64_t* argmax, A l1, int64_t col
 // Blocks of `per_block` for `count` items along grid y (at least one block), within CUDA's limit.
 inline int64_t blocks_for(int64_t count, int64_t per_block, const char* what) {
   const int64_t blocks = std::max<int64_t>(1, (count + per_block - 1) / per_block);
-  TORCH_CHECK_VALUE(blocks <= kMaxGridY, "pathkernels: too many ", what, " (", count, ") for one CUDA launch");
+  TORCH_CHECK_VALUE(blocks <= kMaxGridY, "pathkernels: too many ", what, " (", std::to_string(count),
+                    ") for one CUDA launch");
   return blocks;
 }
 

@@ -32,7 +32,7 @@ void check_norm_input(const at::Tensor& x, const char* op) {
   check_min_dim(x, 2, op, "x", "[..., n, m]");
   check_floating(x, op, "x");
   TORCH_CHECK_VALUE(x.size(-2) > 0, op, ": expected x to have at least one row (n >= 1) in [..., n, m], got shape ",
-                    x.sizes());
+                    shape_string(x.sizes()));
 }
 
 }  // namespace
@@ -65,11 +65,11 @@ NormPartsBackwardPlan prepare_norm_parts_backward(const at::Tensor& grad_parts, 
   const auto expected_argmax = leading_shape_with(x, num_targets(centered), kNumArgs);
   TORCH_CHECK_VALUE(grad_parts.sizes() == at::IntArrayRef(expected_parts) &&
                         parts.sizes() == at::IntArrayRef(expected_parts),
-                    op, " backward: expected grad_parts and parts of shape ", at::IntArrayRef(expected_parts),
-                    ", got ", grad_parts.sizes(), " and ", parts.sizes());
+                    op, " backward: expected grad_parts and parts of shape ", shape_string(expected_parts),
+                    ", got ", shape_string(grad_parts.sizes()), " and ", shape_string(parts.sizes()));
   TORCH_CHECK_VALUE(argmax.sizes() == at::IntArrayRef(expected_argmax) && argmax.scalar_type() == at::kLong,
-                    op, " backward: expected int64 argmax of shape ", at::IntArrayRef(expected_argmax),
-                    ", got ", argmax.scalar_type(), " ", argmax.sizes());
+                    op, " backward: expected int64 argmax of shape ", shape_string(expected_argmax),
+                    ", got ", argmax.scalar_type(), " ", shape_string(argmax.sizes()));
   check_same_device(grad_parts, x, op, "grad_parts", "x");
   check_same_device(parts, x, op, "parts", "x");
   check_same_device(argmax, x, op, "argmax", "x");
