@@ -37,7 +37,9 @@ step() {  # step NAME COMMAND...: run, log to $out/NAME.log, record pass/fail
 } > "$summary"
 
 step build env PATHKERNELS_CUDA=ON $PYTHON -m pip install --no-build-isolation --no-deps -v -e .
-step tests $PYTHON -m pytest -q -rs --durations=5 tests
+# With pytest-xdist a crashing test takes down one worker, not the rest of the suite.
+parallel=$($PYTHON -c "import xdist" 2>/dev/null && echo "-n 8" || true)
+step tests $PYTHON -m pytest -q -rs --durations=5 $parallel tests
 SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 for tool in memcheck racecheck; do
   step "sanitizer-$tool" "$SANITIZER" --tool "$tool" --error-exitcode 1 $PYTHON bench/sanitizer_cases.py
