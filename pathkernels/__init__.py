@@ -9,16 +9,18 @@ from pathkernels._extension import load as _load
 
 _BUILD_INFO = _load()
 
-from pathkernels.ops import MatrixNorms, composite_norm, matrix_norms, residual_norm  # noqa: E402
-from pathkernels.paths import PathTree, count_by_length, count_paths, sample_paths  # noqa: E402
-from pathkernels.engine import (  # noqa: E402
+from pathkernels import compat, metrics, nn
+from pathkernels.decompose import PathDecomposition, decompose
+from pathkernels.engine import (
     DEFAULT_MEMORY_BUDGET,
     PathResiduals,
     length_sums,
     path_residuals,
     truncated_output,
 )
-from pathkernels.decompose import PathDecomposition, decompose  # noqa: E402
+from pathkernels.ops import MatrixNorms, composite_norm, matrix_norms, residual_norm
+from pathkernels.paths import PathTree, count_by_length, count_paths, sample_paths
+from pathkernels.rollout import rollout
 
 __version__ = "0.1.0"
 
@@ -38,15 +40,19 @@ __all__ = [
     "PathDecomposition",
     "PathResiduals",
     "PathTree",
+    "build_info",
+    "compat",
+    "composite_norm",
     "count_by_length",
     "count_paths",
     "decompose",
     "length_sums",
+    "matrix_norms",
+    "metrics",
+    "nn",
     "path_residuals",
+    "residual_norm",
+    "rollout",
     "sample_paths",
     "truncated_output",
-    "build_info",
-    "composite_norm",
-    "matrix_norms",
-    "residual_norm",
 ]

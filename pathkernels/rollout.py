@@ -1,0 +1,80 @@
+"""Attention rollout (Abnar & Zuidema 2020), batched and correctly normalised."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+_FUSIONS = ("mean", "max", "min")
+
+
+def rollout(
+    attn: Tensor,
+    *,
+    head_fusion: str = "mean",
+    residual: bool = True,
+    discard_ratio: float = 0.0,
+) -> Tensor:
+    """Attention rollout: ``R = Â_L ⋯ Â_2 Â_1`` with one fused, normalised matrix per layer.
+
+    Per layer l: fuse the heads, ``F_l = mean_h A[l, h]`` (or the elementwise max or min); zero the
+    smallest ``discard_ratio`` share of each row's off-diagonal entries; with ``residual`` add the
+    skip connection, ``F_l + I``; then divide each row by its sum, ``Â_l = F_l / (F_l 1)``.
+    ``R[i, j]`` is how much token i at the output draws on token j at the input.
+
+    With mean fusion, ``residual=True`` and nothing discarded, ``Â_l = ½ (I + (1/H) Σ_h A[l, h])``,
+    so ``R = Σ_p 2^{−L} H^{−len(p)} P_p`` over the complete path tree with skip: a weighted path sum.
+
+    Unlike the popular ViT implementation, each row is normalised (it divides by the column sums,
+    without ``keepdim``) and every batch element is rolled out, not only the first.
+
+    Args:
+        attn: ``[B, L, H, n, n]`` or ``[L, H, n, n]``, non-negative (attention probabilities).
+        head_fusion: ``"mean"``, ``"max"`` or ``"min"`` over heads.
+        residual: add the identity (the skip connection) before normalising.
+        discard_ratio: in [0, 1): share of each row's off-diagonal entries to zero (the smallest).
+
+    Returns:
+        ``[B, n, n]`` (``[n, n]`` unbatched), row-stochastic.
+    """
+    where = "pathkernels.rollout"
+    if not isinstance(attn, Tensor):
+        raise TypeError(f"{where}: expected attn to be a torch.Tensor [B, L, H, n, n], got {type(attn).__name__}")
+    if attn.dim() not in (4, 5) or attn.shape[-1] != attn.shape[-2]:
+        raise ValueError(f"{where}: expected attn [B, L, H, n, n] or [L, H, n, n], got shape {list(attn.shape)}")
+    if not attn.is_floating_point():
+        raise TypeError(f"{where}: expected floating-point attention, got {attn.dtype}")
+    if head_fusion not in _FUSIONS:
+        raise ValueError(f"{where}: expected head_fusion in {_FUSIONS}, got {head_fusion!r}")
+    if not 0.0 <= discard_ratio < 1.0:
+        raise ValueError(f"{where}: expected discard_ratio in [0, 1), got {discard_ratio}")
+    batched = attn.dim() == 5
+    attn = attn if batched else attn.unsqueeze(0)
+    if attn.shape[1] == 0 or attn.shape[2] == 0:
+        raise ValueError(f"{where}: expected at least one layer and one head, got shape {list(attn.shape)}")
+    if bool((attn < 0).any()):
+        raise ValueError(f"{where}: expected non-negative attention probabilities")
+
+    n = attn.shape[-1]
+    eye = torch.eye(n, dtype=attn.dtype, device=attn.device)
+    if head_fusion == "mean":
+        fused = attn.mean(dim=2)
+    elif head_fusion == "max":
+        fused = attn.amax(dim=2)
+    else:
+        fused = attn.amin(dim=2)  # [B, L, n, n]
+    discard = int((n - 1) * discard_ratio)
+    if discard > 0:
+        # Rank each row's off-diagonal entries; the diagonal is lifted above all so it is kept.
+        ranked = fused + eye * (fused.amax() + 1)
+        smallest = ranked.topk(discard, dim=-1, largest=False).indices
+        fused = fused.scatter(-1, smallest, 0.0)
+    if residual:
+        fused = fused + eye
+    sums = fused.sum(dim=-1, keepdim=True)
+    if bool((sums <= 0).any()):
+        raise ValueError(f"{where}: a fused attention row sums to 0; use residual=True or a smaller discard_ratio")
+    fused = fused / sums
+    result = fused[:, 0]
+    for layer in range(1, fused.shape[1]):
+        result = fused[:, layer] @ result
+    return result if batched else result[0]

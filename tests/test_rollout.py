@@ -1,0 +1,69 @@
+"""pk.rollout: the weighted path sum it equals, hand-worked cases, batching, fusions, bad input."""
+import pytest
+import torch
+
+import pathkernels as pk
+from pathkernels.testing import random_attention, tolerance
+
+
+def test_mean_rollout_is_the_weighted_sum_over_the_complete_tree(device):
+    """Â_l = ½(I + mean_h A[l,h]) gives R = Σ_p 2^-L H^-len(p) P_p over every path with skip."""
+    layers, heads = 4, 3
+    attn = random_attention(2, layers, heads, 6, 6, dtype=torch.float64, device=device)
+    tree = pk.PathTree.complete(layers, heads, skip=True)
+    result = pk.path_residuals(attn, tree, materialize=True)
+    weights = 0.5**layers * float(heads) ** -result.lengths.double()
+    expected = torch.einsum("bmij,m->bij", result.products, weights.to(device))
+    torch.testing.assert_close(pk.rollout(attn), expected)
+
+
+def test_hand_worked():
+    a = torch.tensor([[[[1.0, 0.0], [0.5, 0.5]]]], dtype=torch.float64)  # L = H = 1
+    torch.testing.assert_close(pk.rollout(a), torch.tensor([[1.0, 0.0], [0.25, 0.75]], dtype=torch.float64))
+    torch.testing.assert_close(pk.rollout(a, residual=False), a[0, 0])
+    # Two layers without skip: the product A2 A1, later layer on the left.
+    a1 = torch.tensor([[0.0, 1.0], [1.0, 0.0]])
+    a2 = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    torch.testing.assert_close(pk.rollout(torch.stack([a1, a2]).unsqueeze(1), residual=False), a2 @ a1)
+
+
+@pytest.mark.parametrize("fusion", ["mean", "max", "min"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batched_fusions_match_a_plain_loop(device, fusion, dtype):
+    attn = random_attention(3, 4, 5, 7, 7, dtype=dtype, device=device)
+    out = pk.rollout(attn, head_fusion=fusion)
+    for b in range(3):
+        expected = torch.eye(7, dtype=torch.float64, device=device)
+        for layer in range(4):
+            fused = getattr(attn[b, layer].double(), {"mean": "mean", "max": "amax", "min": "amin"}[fusion])(0)
+            fused = fused + torch.eye(7, dtype=torch.float64, device=device)
+            expected = (fused / fused.sum(-1, keepdim=True)) @ expected
+        torch.testing.assert_close(out[b].double(), expected, **tolerance(dtype))
+        torch.testing.assert_close(pk.rollout(attn[b], head_fusion=fusion), out[b])
+    torch.testing.assert_close(out.sum(-1).double(), torch.ones(3, 7, dtype=torch.float64, device=device),
+                               **tolerance(dtype))
+
+
+def test_discard_ratio_zeroes_the_smallest_off_diagonal_entries():
+    a = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.4, 0.1], [0.7, 0.1, 0.1, 0.1]])
+    out = pk.rollout(a[None, None], residual=False, discard_ratio=0.34)  # one of three off-diagonal entries
+    kept = torch.tensor([[0.1, 0.0, 0.3, 0.4], [0.4, 0.3, 0.2, 0.0], [0.25, 0.25, 0.4, 0.0],
+                         [0.7, 0.0, 0.1, 0.1]])
+    # Row 3 ties at 0.1: topk drops one of the tied entries; check the row sums and the others.
+    torch.testing.assert_close(out[:3], kept[:3] / kept[:3].sum(-1, keepdim=True))
+    assert out[3, 3] > 0 and torch.isclose(out[3].sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"attn": torch.ones(2, 3, 3)}, ValueError, r"expected attn \[B, L, H, n, n\]"),
+    ({"attn": torch.ones(1, 1, 2, 3)}, ValueError, r"expected attn \[B, L, H, n, n\]"),
+    ({"attn": torch.ones(1, 1, 2, 2, dtype=torch.int64)}, TypeError, "floating-point"),
+    ({"attn": torch.ones(1, 1, 2, 2), "head_fusion": "sum"}, ValueError, "head_fusion"),
+    ({"attn": torch.ones(1, 1, 2, 2), "discard_ratio": 1.0}, ValueError, r"discard_ratio in \[0, 1\)"),
+    ({"attn": -torch.ones(1, 1, 2, 2)}, ValueError, "non-negative"),
+    ({"attn": torch.zeros(1, 1, 2, 2), "residual": False}, ValueError, "sums to 0"),
+    ({"attn": torch.ones(0, 1, 2, 2)}, ValueError, "at least one layer and one head"),
+])
+def test_bad_input(kwargs, error, message):
+    with pytest.raises(error, match="pathkernels.rollout: .*" + message):
+        pk.rollout(**kwargs)
