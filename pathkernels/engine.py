@@ -84,6 +84,20 @@ def _check_finite(t: Tensor, name: str, where: str) -> None:
         raise ValueError(f"{where}: {name} has a non-finite value ({t[index].item()}) at index {list(index)}")
 
 
+def check_row_stochastic(attn: Tensor, where: str) -> None:
+    """Raise unless every row of ``attn [B, L, H, n, n]`` sums to 1 within its dtype's tolerance."""
+    row_sums = attn.sum(-1, dtype=torch.float64)
+    bad = (row_sums - 1).abs() > ROW_SUM_TOLERANCE.get(attn.dtype, 1e-2)
+    if bool(bad.any()):
+        b, l, h, i = _first_index(bad)
+        raise ValueError(
+            f"{where}: attention rows must sum to 1 (the centring identity needs P·1 = 1), but row {i} of "
+            f"batch element {b}, layer {l}, head {h} sums to {row_sums[b, l, h, i].item():.9g}. Masked or padded "
+            "queries give zero rows and dropout in training mode rescales them: drop those tokens (or renormalise "
+            "the rows) and take attention in eval mode."
+        )
+
+
 def _check_network(attn, x, w_v, w_o, where: str) -> _Network:
     """Validate and batch the inputs; every message names the argument, the expected and the got."""
     if not isinstance(attn, Tensor):
@@ -123,15 +137,7 @@ def _check_network(attn, x, w_v, w_o, where: str) -> _Network:
         if t.device != attn.device:
             raise ValueError(f"{where}: expected {name} on attn's device {attn.device}, got {t.device}")
         _check_finite(t, name, where)
-    row_error = (attn.sum(-1, dtype=torch.float64) - 1).abs()
-    bad = row_error > ROW_SUM_TOLERANCE[attn.dtype]
-    if bool(bad.any()):
-        b, l, h, i = _first_index(bad)
-        raise ValueError(
-            f"{where}: attention rows must sum to 1 (the centring identity needs P·1 = 1), but row {i} of "
-            f"batch element {b}, layer {l}, head {h} sums to {1 + (attn[b, l, h, i].sum(dtype=torch.float64) - 1).item():.9g}. "
-            "Masked or padded queries give zero rows: drop those tokens (or renormalise the rows) first."
-        )
+    check_row_stochastic(attn, where)
     return _Network(attn, x, w_v, w_o, batched)
 
 

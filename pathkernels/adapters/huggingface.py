@@ -1,0 +1,235 @@
+"""Hugging Face transformers: attention patterns and per-head value-output maps.
+
+Supported families (``model.config.model_type``): GPT-2 (fused QKV in a Conv1D), BERT and RoBERTa,
+ViT, and Llama-style decoders with grouped-query attention (Llama, Mistral, Qwen2). Each family is
+a small table of where the layers, the attention module and the value and output projections
+live; both Linear (``y = x Wᵀ + b``) and Conv1D (``y = x W + b``) layouts are read.
+
+Attention is read by forward hooks on the attention modules, with the model switched to eager
+attention for the call (SDPA and flash kernels return no weights) and restored after.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from pathkernels.adapters.stack import AttentionStack, fold_value_bias
+from pathkernels.engine import check_row_stochastic
+
+_WHERE = "pathkernels.adapters.from_huggingface"
+
+
+@dataclass(frozen=True)
+class _AttentionLayer:
+    """Where one layer keeps what the adapter reads."""
+
+    attention: nn.Module  # its forward returns (attn_output, attn_weights [B, H, n, n])
+    value: nn.Module  # Linear or Conv1D whose output holds the values
+    value_columns: slice  # the value columns of its output (all of them unless QKV is fused)
+    output: nn.Module  # Linear or Conv1D: concatenated heads [H·d_head] -> d
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _in_out(module: nn.Module, what: str) -> tuple[Tensor, Tensor | None]:
+    """``(W [in, out], b [out] | None)`` of a Linear (weight [out, in]) or a Conv1D (weight [in, out])."""
+    if type(module).__name__ == "Conv1D":
+        return module.weight, module.bias
+    if isinstance(module, nn.Linear):
+        return module.weight.T, module.bias
+    raise TypeError(f"{_WHERE}: expected the {what} projection to be nn.Linear or Conv1D, got {type(module).__name__}")
+
+
+def _blocks(model, *paths: str) -> nn.ModuleList:
+    """The model's list of transformer blocks: the first of ``paths`` (dotted) under base_model."""
+    for path in paths:
+        module = model.base_model
+        for name in path.split("."):
+            module = getattr(module, name, None)
+        if isinstance(module, nn.ModuleList):
+            return module
+    raise ValueError(f"{_WHERE}: found no block list ({', '.join(paths)}) in {type(model).__name__}")
+
+
+def _gpt2_layers(model, config) -> list[_AttentionLayer]:
+    d, heads = config.hidden_size, config.num_attention_heads
+    return [_AttentionLayer(block.attn, block.attn.c_attn, slice(2 * d, 3 * d), block.attn.c_proj, heads, heads,
+                            d // heads) for block in _blocks(model, "h")]
+
+
+def _bert_layers(model, config) -> list[_AttentionLayer]:
+    d, heads = config.hidden_size, config.num_attention_heads
+    return [_AttentionLayer(layer.attention.self, layer.attention.self.value, slice(None), layer.attention.output.dense,
+                            heads, heads, d // heads) for layer in _blocks(model, "encoder.layer", "layer")]
+
+
+def _vit_layers(model, config) -> list[_AttentionLayer]:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    out = []
+    for layer in _blocks(model, "layers", "encoder.layer"):  # transformers 5, 4
+        block = layer.attention
+        if hasattr(block, "v_proj"):  # transformers >= 5: one module holds q/k/v/o
+            out.append(_AttentionLayer(block, block.v_proj, slice(None), block.o_proj, heads, heads, head_dim))
+        else:  # transformers 4: ViTAttention(attention=ViTSelfAttention, output=ViTSelfOutput)
+            out.append(_AttentionLayer(block.attention, block.attention.value, slice(None), block.output.dense,
+                                       heads, heads, head_dim))
+    return out
+
+
+def _llama_layers(model, config) -> list[_AttentionLayer]:
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return [_AttentionLayer(layer.self_attn, layer.self_attn.v_proj, slice(None), layer.self_attn.o_proj, heads,
+                            kv_heads, head_dim) for layer in _blocks(model, "layers")]
+
+
+_FAMILIES: dict[str, Callable] = {
+    "gpt2": _gpt2_layers,
+    "bert": _bert_layers,
+    "roberta": _bert_layers,
+    "vit": _vit_layers,
+    "llama": _llama_layers,
+    "mistral": _llama_layers,
+    "qwen2": _llama_layers,
+}
+
+
+def _attention_layers(model) -> list[_AttentionLayer]:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in _FAMILIES:
+        raise ValueError(
+            f"{_WHERE}: expected a transformers model of type {sorted(_FAMILIES)}, got "
+            f"{type(model).__name__} (model_type {model_type!r})"
+        )
+    return _FAMILIES[model_type](model, config)
+
+
+def _value_output(layer: _AttentionLayer) -> tuple[Tensor, Tensor, Tensor]:
+    """``(w_v [H, d, d_head], w_o [H, d_head, d], b_o [d])`` with the value bias folded into b_o."""
+    heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    value_weight, value_bias = _in_out(layer.value, "value")
+    value_weight = value_weight[:, layer.value_columns]  # [d, kv_heads · d_head]
+    d = value_weight.shape[0]
+    w_v = value_weight.reshape(d, kv_heads, head_dim).permute(1, 0, 2)  # [kv_heads, d, d_head]
+    b_v = None if value_bias is None else value_bias[layer.value_columns].reshape(kv_heads, head_dim)
+    if kv_heads != heads:  # grouped-query attention: query head h reads key/value head h // (H / kv_heads)
+        w_v = w_v.repeat_interleave(heads // kv_heads, dim=0)
+        b_v = None if b_v is None else b_v.repeat_interleave(heads // kv_heads, dim=0)
+    output_weight, output_bias = _in_out(layer.output, "output")  # [H · d_head, d]
+    w_o = output_weight.reshape(heads, head_dim, -1)
+    return w_v, w_o, fold_value_bias(b_v, w_o, output_bias)
+
+
+@contextmanager
+def _eager_eval(model):
+    """Eager attention and eval mode for the call; the user's settings are restored after."""
+    config = model.config
+    original = getattr(config, "_attn_implementation", None)
+    setter = getattr(model, "set_attn_implementation", None)
+
+    def set_implementation(value):
+        if setter is not None and isinstance(value, str):
+            setter(value)
+        else:
+            config._attn_implementation = value
+
+    was_training = model.training
+    if original != "eager":
+        set_implementation("eager")
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+        if original != "eager":
+            set_implementation(original)
+
+
+def stream_huggingface_attention(model: nn.Module, callback: Callable[[int, Tensor], None], **inputs):
+    """Run ``model(**inputs)`` and hand each layer's attention to ``callback`` as soon as it exists.
+
+    ``callback(layer, attn)`` gets ``attn [B, H, n, n]`` (detached) during the forward pass, layer
+    by layer, so long inputs never hold all L layers at once. Runs under ``torch.no_grad()``, in
+    eval mode and with eager attention (both restored after).
+
+    Returns:
+        The model's output.
+
+    Raises:
+        RuntimeError: if some layer produced no attention weights.
+    """
+    layers = _attention_layers(model)
+    seen = [False] * len(layers)
+
+    def make_hook(index: int):
+        def hook(module, args, output):
+            weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+            if not isinstance(weights, Tensor):
+                raise RuntimeError(
+                    f"{_WHERE}: layer {index} ({type(module).__name__}) returned no attention weights; "
+                    "it needs eager attention, which this model may not support"
+                )
+            seen[index] = True
+            callback(index, weights.detach())
+
+        return hook
+
+    handles = [layer.attention.register_forward_hook(make_hook(i)) for i, layer in enumerate(layers)]
+    try:
+        with _eager_eval(model), torch.no_grad():
+            output = model(**inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [i for i, ok in enumerate(seen) if not ok]
+    if missing:
+        raise RuntimeError(f"{_WHERE}: no attention pattern came from layer(s) {missing} of {len(layers)}")
+    return output
+
+
+def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
+    """Attention, per-head value-output maps and hidden states of one forward pass.
+
+    ``model(**inputs, output_hidden_states=True)`` runs once (no grad, eval mode, eager attention;
+    the user's settings are restored). For a GPT-2, BERT/RoBERTa, ViT or Llama-style model (or one
+    with a head on top: ``model.base_model`` is used).
+
+    Returns:
+        :class:`AttentionStack` with ``attn [B, L, H, n, n]``, ``w_v [L, H, d, d_head]``,
+        ``w_o [L, H, d_head, d]``, ``b_o [L, d]`` (value biases folded in) and ``hidden_states
+        [L+1, B, n, d]``, all in the model's dtype. A head's share of layer l's attention output
+        (before any residual add or normalisation) is ``attn[:, l, h] @ X_l @ w_v[l, h] @ w_o[l, h]``,
+        with ``X_l`` the attention module's input.
+    """
+    layers = _attention_layers(model)
+    patterns: list[Tensor | None] = [None] * len(layers)
+
+    def keep(index: int, attn: Tensor) -> None:
+        patterns[index] = attn
+
+    output = stream_huggingface_attention(model, keep, output_hidden_states=True, **inputs)
+    maps = [_value_output(layer) for layer in layers]
+    with torch.no_grad():
+        w_v = torch.stack([m[0] for m in maps]).detach().clone()
+        w_o = torch.stack([m[1] for m in maps]).detach().clone()
+        b_o = torch.stack([m[2] for m in maps]).detach().clone()
+    hidden = getattr(output, "hidden_states", None)
+    hidden = None if hidden is None else torch.stack(list(hidden)).detach()
+    attn = torch.stack(patterns, dim=1)
+    check_row_stochastic(attn, _WHERE)
+    return AttentionStack(
+        attn=attn,
+        w_v=w_v,
+        w_o=w_o,
+        b_o=b_o,
+        hidden_states=hidden,
+        source=f"huggingface:{model.config.model_type}",
+    )

@@ -1,0 +1,96 @@
+"""TransformerLens: patterns from the activation cache, ``W_V``/``W_O`` from the model.
+
+Works with a ``HookedTransformer`` and, where installed, a ``TransformerBridge``: both expose
+``run_with_cache``, ``cfg.n_layers`` and the stacked ``W_V [L, H, d, d_head]``, ``W_O [L, H,
+d_head, d]``, ``b_V [L, H, d_head]`` and ``b_O [L, d]`` (grouped-query models already repeat their
+key/value heads there). Hook names are TransformerLens's: ``blocks.{l}.attn.hook_pattern``,
+``blocks.{l}.hook_resid_pre`` and ``blocks.{L-1}.hook_resid_post``.
+"""
+from __future__ import annotations
+
+import torch
+
+from pathkernels.adapters.stack import AttentionStack, fold_value_bias
+from pathkernels.engine import check_row_stochastic
+
+_WHERE = "pathkernels.adapters.from_transformer_lens"
+
+
+def _is_cache(obj) -> bool:
+    return type(obj).__name__ == "ActivationCache" and hasattr(obj, "model")
+
+
+def _hook_names(num_layers: int) -> list[str]:
+    names = [f"blocks.{layer}.attn.hook_pattern" for layer in range(num_layers)]
+    names += [f"blocks.{layer}.hook_resid_pre" for layer in range(num_layers)]
+    return names + [f"blocks.{num_layers - 1}.hook_resid_post"]
+
+
+def from_transformer_lens(model_or_cache, tokens=None) -> AttentionStack:
+    """Attention patterns, per-head value-output maps and the residual stream from TransformerLens.
+
+    Args:
+        model_or_cache: a ``HookedTransformer`` / ``TransformerBridge`` (then ``tokens`` is run
+            through ``run_with_cache``, keeping only the hooks read here), or an
+            ``ActivationCache`` from ``model.run_with_cache`` (its ``model`` gives the weights).
+        tokens: ``[B, n]`` token ids, or text the model tokenises; only with a model. The model
+            runs once in eval mode (restored after), without gradients.
+
+    Returns:
+        :class:`AttentionStack`: ``attn [B, L, H, n, n]`` from ``hook_pattern``, ``w_v``/``w_o``
+        from ``W_V``/``W_O``, ``b_o = b_O + Σ_h b_V W_O`` and ``hidden_states [L+1, B, n, d]``
+        (``resid_pre`` of every layer, then the last ``resid_post``; None if the cache lacks them).
+        ``transformer_lens.FactoredMatrix(*stack.w_path(path))`` is a path's ``W_path``.
+
+    Raises:
+        ValueError: if an attention row does not sum to 1 (padding, or a cache made in training mode).
+    """
+    if _is_cache(model_or_cache):
+        if tokens is not None:
+            raise ValueError(f"{_WHERE}: pass tokens with a model, not with an ActivationCache")
+        cache, model = model_or_cache, model_or_cache.model
+    else:
+        model = model_or_cache
+        if not (hasattr(model, "run_with_cache") and hasattr(model, "cfg")):
+            raise TypeError(
+                f"{_WHERE}: expected a HookedTransformer, TransformerBridge or ActivationCache, "
+                f"got {type(model).__name__}"
+            )
+        if tokens is None:
+            raise ValueError(f"{_WHERE}: expected tokens to run the model on")
+        wanted = set(_hook_names(model.cfg.n_layers))
+        was_training = model.training
+        model.eval()  # a TransformerBridge wraps an HF model whose attention dropout would act
+        try:
+            with torch.no_grad():
+                _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in wanted)
+        finally:
+            model.train(was_training)
+
+    num_layers = model.cfg.n_layers
+    patterns = []
+    for layer in range(num_layers):
+        name = f"blocks.{layer}.attn.hook_pattern"
+        if name not in cache:
+            raise ValueError(f"{_WHERE}: the cache has no {name}; run the model with that hook cached")
+        pattern = cache[name]
+        patterns.append(pattern if pattern.dim() == 4 else pattern.unsqueeze(0))  # caches without batch dim
+    residual_names = _hook_names(num_layers)[num_layers:]
+    hidden = None
+    if all(name in cache for name in residual_names):
+        hidden = torch.stack([cache[name] if cache[name].dim() == 3 else cache[name].unsqueeze(0)
+                              for name in residual_names])
+    with torch.no_grad():
+        w_v, w_o = model.W_V.detach().clone(), model.W_O.detach().clone()
+        b_v, b_out = model.b_V.detach(), model.b_O.detach()
+        b_o = torch.stack([fold_value_bias(b_v[layer], w_o[layer], b_out[layer]) for layer in range(num_layers)])
+    attn = torch.stack(patterns, dim=1).detach()
+    check_row_stochastic(attn, _WHERE)
+    return AttentionStack(
+        attn=attn,
+        w_v=w_v,
+        w_o=w_o,
+        b_o=b_o,
+        hidden_states=None if hidden is None else hidden.detach(),
+        source=f"transformer_lens:{type(model).__name__}",
+    )

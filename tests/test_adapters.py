@@ -1,0 +1,202 @@
+"""pk.adapters: Hugging Face and TransformerLens models built from configs (no downloads).
+
+Each extracted map is checked against the model's own computation: a layer's attention output is
+``Σ_h A[l,h] X_l W_V[l,h] W_O[l,h] + b_O[l]``, with X_l the attention module's input.
+"""
+import copy
+
+import pytest
+import torch
+
+import pathkernels as pk
+from pathkernels import adapters
+from pathkernels.engine import check_row_stochastic
+from pathkernels.reference import (
+    composite_norm_ref,
+    path_products_ref,
+    residual_norm_ref,
+)
+
+transformers = pytest.importorskip("transformers")
+
+
+def randomise_biases(model):
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.5)
+    return model
+
+
+def hf_case(family: str):
+    """A tiny model of the family (random biases, so the folding is exercised) and its inputs."""
+    tf = transformers
+    tokens = {"input_ids": torch.randint(0, 50, (2, 7))}
+    if family == "gpt2":
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=50, n_positions=16))
+    elif family == "bert":
+        model = tf.BertModel(tf.BertConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32,
+                                           intermediate_size=64, vocab_size=50, max_position_embeddings=16))
+        tokens["attention_mask"] = torch.tensor([[1] * 7, [1] * 5 + [0] * 2])  # padded keys: rows still sum to 1
+    elif family == "vit":
+        model = tf.ViTModel(tf.ViTConfig(image_size=16, patch_size=4, num_hidden_layers=2, num_attention_heads=4,
+                                         hidden_size=32, intermediate_size=64))
+        tokens = {"pixel_values": torch.randn(2, 3, 16, 16)}
+    else:  # a Llama-style decoder with grouped-query attention: 4 query heads share 2 key/value heads
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                   hidden_size=32, intermediate_size=64, vocab_size=50,
+                                                   attention_bias=True))
+    return randomise_biases(model), tokens
+
+
+FAMILIES = ["gpt2", "bert", "vit", "llama"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_huggingface_maps_reproduce_every_attention_output(family):
+    model, inputs = hf_case(family)
+    layers = adapters.huggingface._attention_layers(model)
+    seen_inputs, seen_outputs = {}, {}
+
+    def keep_input(index):
+        def hook(module, args, kwargs):
+            seen_inputs[index] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def keep_output(index):
+        def hook(module, args, output):
+            seen_outputs[index] = output
+        return hook
+
+    handles = [layer.attention.register_forward_pre_hook(keep_input(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    handles += [layer.output.register_forward_hook(keep_output(i)) for i, layer in enumerate(layers)]
+    stack = adapters.from_huggingface(model, **inputs)
+    for handle in handles:
+        handle.remove()
+
+    n = stack.attn.shape[-1]
+    assert stack.attn.shape == (2, 2, 4, n, n) and stack.w_v.shape == (2, 4, 32, 8) and stack.w_o.shape == (2, 4, 8, 32)
+    assert stack.hidden_states.shape == (3, 2, n, 32)
+    assert stack.head_labels()[:5] == ["L0H0", "L0H1", "L0H2", "L0H3", "L1H0"]
+    for layer in range(2):
+        x = seen_inputs[layer].double()
+        expected = sum(stack.attn[:, layer, h].double() @ x @ stack.w_v[layer, h].double() @ stack.w_o[layer, h].double()
+                       for h in range(4)) + stack.b_o[layer].double()
+        torch.testing.assert_close(seen_outputs[layer].double(), expected, rtol=1e-5, atol=1e-5)
+
+    # The patterns are the model's own (eager, output_attentions=True).
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    reference.eval()
+    with torch.no_grad():
+        attentions = reference(**inputs, output_attentions=True).attentions
+    torch.testing.assert_close(stack.attn, torch.stack(attentions, dim=1))
+
+
+def test_huggingface_restores_the_users_settings():
+    model, inputs = hf_case("gpt2")
+    model.train()
+    assert model.config._attn_implementation == "sdpa"
+    stack = adapters.from_huggingface(model, **inputs)
+    assert model.training and model.config._attn_implementation == "sdpa"
+    check_row_stochastic(stack.attn, "test")  # eval mode: no dropout in the patterns
+
+
+def test_huggingface_streams_one_layer_at_a_time():
+    model, inputs = hf_case("llama")
+    received = []
+    output = adapters.stream_huggingface_attention(model, lambda layer, attn: received.append((layer, attn)), **inputs)
+    assert [layer for layer, _ in received] == [0, 1]
+    assert output.logits.shape == (2, 7, 50)
+    stack = adapters.from_huggingface(model, **inputs)
+    for layer, attn in received:
+        torch.testing.assert_close(attn, stack.attn[:, layer])
+
+
+def test_huggingface_stack_feeds_the_engine(device):
+    model, inputs = hf_case("gpt2")
+    stack = adapters.from_huggingface(model, **inputs).to(device=device, dtype=torch.float64)
+    tree = pk.PathTree.complete(2, 4, skip=True)
+    result = stack.path_residuals(tree, x=stack.residual_stream(0))
+    products = path_products_ref(stack.attn, result.paths.to(device), stack.residual_stream(0), stack.w_v, stack.w_o)
+    torch.testing.assert_close(result.residual, residual_norm_ref(products))
+    torch.testing.assert_close(result.norm, composite_norm_ref(products))
+
+
+def test_huggingface_bad_input():
+    with pytest.raises(ValueError, match=r"from_huggingface: expected a transformers model of type \["):
+        adapters.from_huggingface(torch.nn.Linear(2, 2))
+    attn = torch.full((1, 1, 1, 3, 3), 1 / 3)
+    attn[0, 0, 0, 2] = 0.0
+    with pytest.raises(ValueError, match=r"row 2 of batch element 0, layer 0, head 0 sums to 0\. Masked or padded"):
+        check_row_stochastic(attn, "test")
+
+
+# --- TransformerLens ----------------------------------------------------------------------------
+
+def hooked_transformer(**overrides):
+    tl = pytest.importorskip("transformer_lens")
+    try:
+        from transformer_lens import HookedTransformer, HookedTransformerConfig
+    except ImportError:
+        pytest.skip("this transformer_lens has no HookedTransformer (removed in 4.0)")
+    config = {"n_layers": 3, "d_model": 16, "n_ctx": 8, "d_head": 4, "n_heads": 4, "attn_only": True, "normalization_type": None,
+                  "d_vocab": 20, "act_fn": None, "dtype": torch.float64}
+    config.update(overrides)
+    return tl, HookedTransformer(HookedTransformerConfig(**config))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_transformer_lens_path_sum_is_the_residual_stream():
+    """Attention-only, no normalisation, zero biases: Σ over all paths = the final residual stream."""
+    _, model = hooked_transformer()
+    tokens = torch.randint(0, 20, (2, 8))
+    stack = adapters.from_transformer_lens(model, tokens)
+    assert stack.attn.shape == (2, 3, 4, 8, 8) and stack.hidden_states.shape == (4, 2, 8, 16)
+    torch.testing.assert_close(stack.length_sums().sum(0), stack.hidden_states[-1])
+    # The same through the engine's materialised path products.
+    tree = pk.PathTree.complete(3, 4, skip=True)
+    products = stack.path_residuals(tree, x=stack.residual_stream(0), materialize=True).products
+    torch.testing.assert_close(products.sum(1), stack.hidden_states[-1])
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_transformer_lens_maps_and_folded_biases(kv_heads):
+    tl, model = hooked_transformer(n_key_value_heads=kv_heads) if kv_heads else hooked_transformer()
+    randomise_biases(model)
+    tokens = torch.randint(0, 20, (2, 8))
+    _, cache = model.run_with_cache(tokens)
+    stack = adapters.from_transformer_lens(cache)
+    torch.testing.assert_close(stack.attn, adapters.from_transformer_lens(model, tokens).attn)
+    for layer in range(3):
+        x = cache[f"blocks.{layer}.hook_resid_pre"]
+        expected = sum(stack.attn[:, layer, h] @ x @ stack.w_v[layer, h] @ stack.w_o[layer, h] for h in range(4))
+        torch.testing.assert_close(cache[f"blocks.{layer}.hook_attn_out"], expected + stack.b_o[layer])
+    left, right = stack.w_path([1, -1, 2])
+    factored = tl.FactoredMatrix(left, right)
+    torch.testing.assert_close(factored.AB, stack.w_v[0, 1] @ stack.w_o[0, 1] @ stack.w_v[2, 2] @ stack.w_o[2, 2])
+    eye = torch.eye(16, dtype=torch.float64)
+    assert all(torch.equal(f, eye) for f in stack.w_path([-1, -1, -1]))
+
+
+def test_transformer_bridge_matches_huggingface(tmp_path):
+    pytest.importorskip("transformer_lens")
+    try:
+        from transformer_lens.model_bridge import TransformerBridge
+    except ImportError:
+        pytest.skip("this transformer_lens has no TransformerBridge")
+    model, inputs = hf_case("gpt2")
+    original = copy.deepcopy(model)  # the bridge wraps the modules of the model it is given
+    model.save_pretrained(tmp_path)
+    bridge = TransformerBridge.boot_transformers(str(tmp_path), hf_model=model)
+    from_bridge = adapters.from_transformer_lens(bridge, inputs["input_ids"])
+    from_hf = adapters.from_huggingface(original, **inputs)
+    torch.testing.assert_close(from_bridge.attn, from_hf.attn)
+    for name in ("w_v", "w_o", "b_o"):
+        torch.testing.assert_close(getattr(from_bridge, name), getattr(from_hf, name))
+
+
+def test_transformer_lens_bad_input():
+    with pytest.raises(TypeError, match="expected a HookedTransformer, TransformerBridge or ActivationCache"):
+        adapters.from_transformer_lens(torch.nn.Linear(2, 2), torch.zeros(1, 2))
