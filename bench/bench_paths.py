@@ -24,49 +24,12 @@ from pathlib import Path
 
 import torch
 
+from pathkernels.benchmarks import head_node_flops, levelwise_baseline, per_path_loop
+
 GRID = [(6, 6, 64), (4, 12, 64), (8, 4, 32), (5, 8, 128)]
 LARGE = (7, 10, 32)  # 10^7 leaves without skip
 QUICK = [(4, 6, 32), (3, 12, 64), (5, 4, 64)]
 LOOP_SAMPLE = 128
-
-
-def head_node_flops(layers: int, heads: int, n: int, skip: bool) -> int:
-    """2·n³ per node that takes a head; level l has (H + skip)^(l-1) parents, each with H such children."""
-    choices = heads + int(skip)
-    return sum(2 * n**3 * choices ** (level - 1) * heads for level in range(1, layers + 1))
-
-
-def composite(m: torch.Tensor) -> torch.Tensor:
-    a = m.abs()
-    return torch.sqrt(a.sum(-2).amax(-1) * a.sum(-1).amax(-1))
-
-
-def levelwise_baseline(attn: torch.Tensor, skip: bool):
-    """(b): every level as stacked GEMMs, materialised, then the norms, per top-level branch."""
-    layers, heads, n = attn.shape[0], attn.shape[1], attn.shape[-1]
-    eye = torch.eye(n, dtype=attn.dtype, device=attn.device)
-    residuals, norms = [], []
-    for first in ([None] if skip else []) + list(range(heads)):
-        level = (eye if first is None else attn[0, first]).unsqueeze(0)
-        for layer in range(1, layers):
-            stacked = torch.matmul(attn[layer].unsqueeze(1), level.unsqueeze(0)).flatten(0, 1)
-            level = torch.cat([level, stacked]) if skip else stacked
-        residuals.append(composite(level - level.mean(-2, keepdim=True)))
-        norms.append(composite(level))
-    return torch.cat(residuals), torch.cat(norms)
-
-
-def per_path_loop(attn: torch.Tensor, paths: torch.Tensor):
-    """(a): one product per path, then its norms."""
-    n = attn.shape[-1]
-    out = []
-    for path in paths.tolist():
-        m = torch.eye(n, dtype=attn.dtype, device=attn.device)
-        for layer, head in enumerate(path):
-            if head >= 0:
-                m = attn[layer, head] @ m
-        out.append((composite(m - m.mean(-2, keepdim=True)), composite(m)))
-    return out
 
 
 def synchronize() -> None:
@@ -149,13 +112,13 @@ def bench_case(layers, heads, n, dtype_name, skip, gemm, with_levelwise=True, de
     paths = pk.count_paths(layers, heads, skip=skip)
     engine_s, engine_mem = isolated(layers, heads, n, dtype_name, skip, "engine", device)
     flops = head_node_flops(layers, heads, n, skip)
-    row = dict(
-        device=device,
-        layers=layers, heads=heads, n=n, dtype=dtype_name, skip=skip, paths=paths,
-        engine_s=engine_s, paths_per_s=paths / engine_s, gflops=flops / engine_s / 1e9,
-        fraction_of_gemm_floor=flops / engine_s / gemm[dtype_name], engine_peak_mib=engine_mem / 2**20,
-        results_mib=2 * paths * torch.finfo(dtype).bits / 8 / 2**20,  # residual and norm [1, M]
-    )
+    row = {
+        "device": device,
+        "layers": layers, "heads": heads, "n": n, "dtype": dtype_name, "skip": skip, "paths": paths,
+        "engine_s": engine_s, "paths_per_s": paths / engine_s, "gflops": flops / engine_s / 1e9,
+        "fraction_of_gemm_floor": flops / engine_s / gemm[dtype_name], "engine_peak_mib": engine_mem / 2**20,
+        "results_mib": 2 * paths * torch.finfo(dtype).bits / 8 / 2**20,  # residual and norm [1, M]
+    }
     if with_levelwise:
         levelwise_s, levelwise_mem = isolated(layers, heads, n, dtype_name, skip, "levelwise", device)
         row.update(levelwise_s=levelwise_s, speedup_vs_levelwise=levelwise_s / engine_s,
@@ -173,7 +136,7 @@ def format_table(rows) -> str:
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r['layers']:>2} {r['heads']:>3} {r['n']:>4} {r['dtype']:<8} {str(r['skip']):<5} {r['paths']:>10,} "
+            f"{r['layers']:>2} {r['heads']:>3} {r['n']:>4} {r['dtype']:<8} {r['skip']!s:<5} {r['paths']:>10,} "
             f"{r['engine_s']:>9.3f} {r['paths_per_s']:>9.3g} {r['gflops']:>8.1f} {r['fraction_of_gemm_floor']:>8.0%} "
             + (f"{r['speedup_vs_levelwise']:>7.1f}x " if "speedup_vs_levelwise" in r else f"{'—':>8} ")
             + f"{r['speedup_vs_loop']:>7.0f}x {r['engine_peak_mib']:>9.1f} {r['results_mib']:>8.1f} "
@@ -214,8 +177,8 @@ def main(argv=None) -> int:
     print(format_table(rows))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = dict(machine=machine, torch=torch.__version__, threads=torch.get_num_threads(), build=pk.build_info(),
-                       gemm_gflops={k: v / 1e9 for k, v in gemm.items()}, results=rows)
+        payload = {"machine": machine, "torch": torch.__version__, "threads": torch.get_num_threads(), "build": pk.build_info(),
+                       "gemm_gflops": {k: v / 1e9 for k, v in gemm.items()}, "results": rows}
         args.out.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0

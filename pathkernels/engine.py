@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pathkernels._progress import progress_bar
 from pathkernels.paths import SKIP, PathTree, build_trie_chunk
 
 DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes of working memory for the engine, beyond inputs and results
@@ -216,30 +217,6 @@ def _chunks(tree: PathTree, net: _Network, memory_budget: int):
         start = stop
 
 
-def _progress_bar(total: int, enabled: bool):
-    if not enabled:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # tqdm is optional: fall back to a plain counter on stderr
-        return _PlainProgress(total)
-    return tqdm(total=total, unit="path", unit_scale=True, desc="pathkernels")
-
-
-class _PlainProgress:
-    def __init__(self, total: int):
-        self.total, self.done = total, 0
-
-    def update(self, count: int) -> None:
-        import sys
-
-        self.done += count
-        print(f"pathkernels: {self.done:,}/{self.total:,} paths", file=sys.stderr)
-
-    def close(self) -> None:
-        pass
-
-
 def path_residuals(
     attn: Tensor,
     tree: PathTree,
@@ -304,7 +281,7 @@ def path_residuals(
     device = net.attn.device
     residual = torch.empty(batch, tree.num_leaves, dtype=net.attn.dtype, device=device)
     norm = torch.empty_like(residual)
-    bar = _progress_bar(tree.num_leaves, progress)
+    bar = progress_bar(tree.num_leaves, enabled=progress)
     try:
         for start, stop, chunk, leaf_block in _chunks(tree, net, memory_budget):
             chunk_residual, chunk_norm = torch.ops.pathkernels.path_chunk_norms(

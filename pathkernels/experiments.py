@@ -1,0 +1,306 @@
+"""The paper's experiments on the embedded default, as DataFrames and matplotlib figures.
+
+- :func:`collapse_vs_depth`: residual ratio of the hidden states against depth for the four
+  variants of :mod:`pathkernels.models` at initialisation (pure attention, +MLP, +skip, transformer);
+- :func:`path_length_distribution`: how the ``(H+1)^L`` paths of common architectures spread over
+  lengths, ``C(L, k) H^k``;
+- :func:`ratio_by_length`: the exact residual ratio of every path of a network, by length;
+- :func:`path_effectiveness`: train a small attention-only model with skip connections to sort, then
+  its accuracy when only paths of length ≤ k are kept, exactly, from :func:`pathkernels.length_sums`.
+
+Plots follow one convention: labelled axes, log scales where values span decades, a legend.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from pathkernels._progress import progress_bar
+from pathkernels.decompose import _require, decompose
+from pathkernels.engine import truncated_output
+from pathkernels.metrics import residual_ratio
+from pathkernels.models import VARIANTS, SelfAttentionNetwork
+from pathkernels.paths import count_by_length
+
+# (layers, heads) of architectures people decompose.
+ARCHITECTURES: dict[str, tuple[int, int]] = {
+    "BERT-base / GPT-2 small / ViT-B": (12, 12),
+    "GPT-2 medium": (24, 16),
+    "GPT-2 XL": (48, 25),
+    "Llama-2-7B": (32, 32),
+    "Llama-3-70B": (80, 64),
+}
+
+
+def _quantiles(values: Tensor) -> dict[str, float]:
+    values = values.double().flatten()
+    return {"mean": values.mean().item(), "median": values.median().item(), "q10": values.quantile(0.1).item(),
+                "q90": values.quantile(0.9).item()}
+
+
+# --- collapse versus depth ----------------------------------------------------------------------
+
+def collapse_vs_depth(*, num_layers: int = 12, d_model: int = 64, num_heads: int = 4, n: int = 32, batch: int = 8,
+                      seeds: int = 3, variants: Sequence[str] = tuple(VARIANTS), dtype=torch.float64,
+                      progress: bool = False):
+    """Residual ratio ``‖X_l − 1μᵀ‖_{1,∞} / ‖X_l‖_{1,∞}`` of the hidden states at every depth l.
+
+    For each variant and seed: a freshly initialised :class:`~pathkernels.models.SelfAttentionNetwork`
+    of ``num_layers`` layers, fed ``batch`` standard normal inputs ``[n, d_model]``.
+
+    Returns:
+        DataFrame with columns ``variant``, ``depth`` (0 = the input), ``mean``, ``median``,
+        ``q10``, ``q90`` over batch and seeds.
+    """
+    pd = _require("pandas")
+    rows = []
+    bar = progress_bar(len(variants) * seeds, enabled=progress, unit="model", desc="collapse vs depth")
+    for variant in variants:
+        ratios = []
+        for seed in range(seeds):
+            generator = torch.Generator().manual_seed(seed)
+            torch.manual_seed(seed)
+            model = SelfAttentionNetwork.variant(variant, d_model=d_model, num_heads=num_heads,
+                                                 num_layers=num_layers).to(dtype)
+            x = torch.randn(batch, n, d_model, generator=generator, dtype=dtype)
+            with torch.no_grad():
+                ratios.append(residual_ratio(model(x).hidden_states))  # [L+1, B]
+            if bar:
+                bar.update(1)
+        ratios = torch.cat(ratios, dim=1)
+        for depth in range(num_layers + 1):
+            rows.append(dict(variant=variant, depth=depth, **_quantiles(ratios[depth])))
+    if bar:
+        bar.close()
+    return pd.DataFrame(rows)
+
+
+def plot_collapse(table, ax=None):
+    """Residual ratio against depth, one line per variant (log y). Returns the Figure."""
+    plt = _pyplot()
+    fig, ax = _axes(plt, ax)
+    for i, (variant, rows) in enumerate(table.groupby("variant", sort=False)):
+        ax.plot(rows["depth"], rows["median"].clip(lower=1e-300), "o-", ms=3, color=f"C{i}", label=variant)
+        ax.fill_between(rows["depth"], rows["q10"].clip(lower=1e-300), rows["q90"].clip(lower=1e-300),
+                        color=f"C{i}", alpha=0.2)
+    floor = 2 * torch.finfo(torch.float64).eps
+    ax.axhline(floor, color="0.5", linestyle=":", linewidth=1, label="float64 round-off (2ε)")
+    ax.set_yscale("log")
+    ax.set_xlabel("depth (layers applied)")
+    ax.set_ylabel("residual ratio ‖X − 1μᵀ‖ / ‖X‖ (ℓ1,∞)")
+    ax.set_title("Rank collapse at initialisation (median, 10–90 % band)")
+    ax.legend()
+    return fig
+
+
+# --- path-length distribution -------------------------------------------------------------------
+
+def path_length_distribution(architectures: dict[str, tuple[int, int]] | None = None):
+    """Share of the ``(H+1)^L`` paths (skip allowed at every layer) that have length k: ``C(L, k) H^k / (H+1)^L``.
+
+    Returns:
+        DataFrame with ``architecture``, ``layers``, ``heads``, ``length``, ``path_count`` (exact
+        Python int), ``share`` and ``log10_share``.
+    """
+    pd = _require("pandas")
+    rows = []
+    for name, (layers, heads) in (architectures or ARCHITECTURES).items():
+        counts = count_by_length(layers, heads, skip=True)
+        log_total = layers * math.log10(heads + 1)
+        for k, count in enumerate(counts):
+            log_share = math.log10(count) - log_total
+            rows.append({"architecture": name, "layers": layers, "heads": heads, "length": k, "path_count": count,
+                             "share": 10**log_share, "log10_share": log_share})
+    frame = pd.DataFrame(rows)
+    frame["path_count"] = frame["path_count"].astype(object)
+    return frame
+
+
+def plot_path_lengths(table, ax=None):
+    """Share of paths against relative length k / L, one line per architecture (log y)."""
+    plt = _pyplot()
+    fig, ax = _axes(plt, ax, figsize=(9.0, 4.2))
+    for name, rows in table.groupby("architecture", sort=False):
+        layers, heads = int(rows["layers"].iloc[0]), int(rows["heads"].iloc[0])
+        ax.plot(rows["length"] / layers, rows["share"].clip(lower=1e-300), label=f"{name} (L={layers}, H={heads})")
+    ax.set_yscale("log")
+    ax.set_ylim(bottom=1e-30, top=2)
+    ax.set_xlabel("relative path length k / L")
+    ax.set_ylabel("share of paths C(L,k) H^k / (H+1)^L")
+    ax.set_title("Most paths are of length ≈ L·H/(H+1)")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    return fig
+
+
+# --- exact residual ratio by path length --------------------------------------------------------
+
+def ratio_by_length(*, num_layers: int = 6, num_heads: int = 4, n: int = 32, d_model: int = 64, seed: int = 0,
+                    progress: bool = False):
+    """Exact decomposition of the attention of a "+skip" network at initialisation into all of
+    its ``(H+1)^L`` paths: the residual ratio of every ``P_p`` (see :func:`pathkernels.decompose`).
+
+    Returns:
+        The :class:`~pathkernels.PathDecomposition` (``.by_length()`` is the table, ``.plot()`` the figure).
+    """
+    torch.manual_seed(seed)
+    model = SelfAttentionNetwork.variant("+skip", d_model=d_model, num_heads=num_heads, num_layers=num_layers)
+    x = torch.randn(1, n, d_model, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        attn = model(x).attn
+    return decompose(attn, skip=True, progress=progress)
+
+
+# --- path effectiveness on sorting ----------------------------------------------------------------
+
+class SortingModel(nn.Module):
+    """Token and position embeddings, an attention-only network with skip connections and no
+    normalisation or biases (so its output is exactly the sum over its paths), and a linear readout.
+
+    ``tokens [B, n] -> logits [B, n, V]``: position i should predict the i-th smallest token.
+    """
+
+    def __init__(self, vocab: int = 16, n: int = 8, d_model: int = 64, num_heads: int = 4, num_layers: int = 3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d_model)
+        self.position = nn.Parameter(torch.randn(n, d_model) / math.sqrt(d_model))
+        self.network = SelfAttentionNetwork(d_model, num_heads, num_layers, skip=True, bias=False)
+        self.unembed = nn.Linear(d_model, vocab, bias=False)
+
+    def embedding(self, tokens: Tensor) -> Tensor:
+        return self.embed(tokens) + self.position
+
+    def forward(self, tokens: Tensor):
+        result = self.network(self.embedding(tokens))
+        return self.unembed(result.output), result
+
+
+def sorting_batch(batch: int, n: int, vocab: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    tokens = torch.randint(0, vocab, (batch, n), generator=generator)
+    return tokens, tokens.sort(dim=1).values
+
+
+@dataclass
+class EffectivenessResult:
+    table: object  # DataFrame: max_length, token_accuracy, sequence_accuracy, path_count
+    model: SortingModel
+    train_seconds: float
+    final_loss: float
+
+
+def path_effectiveness(*, vocab: int = 16, n: int = 8, d_model: int = 64, num_heads: int = 4, num_layers: int = 3,
+                       steps: int = 1000, batch: int = 128, lr: float = 3e-3, test_size: int = 2048, seed: int = 0,
+                       progress: bool = False) -> EffectivenessResult:
+    """Train :class:`SortingModel` to sort, then its accuracy using only paths of length ≤ k.
+
+    Training: Adam with a cosine learning-rate decay over ``steps`` batches of fresh random
+    sequences (about a minute on 2 CPU cores with the defaults).
+
+    The output kept is ``Σ_{len(p) ≤ k} P_p X W_p`` (attention patterns of the full forward pass,
+    computed exactly by :func:`pathkernels.length_sums` in float64), read out by the model's
+    unembedding; k = L recovers the model. Accuracy is over held-out random sequences.
+
+    Returns:
+        :class:`EffectivenessResult`; ``table`` has one row per k = 0..L with ``max_length``,
+        ``token_accuracy``, ``sequence_accuracy`` and ``path_count`` (paths of length ≤ k).
+    """
+    _require("pandas")
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    model = SortingModel(vocab, n, d_model, num_heads, num_layers)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)  # decays to 0: no late spikes
+    start = time.perf_counter()
+    loss = torch.tensor(float("nan"))
+    bar = progress_bar(steps, enabled=progress, unit="step", desc="training the sorting model")
+    for step in range(steps):
+        tokens, target = sorting_batch(batch, n, vocab, generator)
+        logits, _ = model(tokens)
+        loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if bar:
+            bar.update(1)
+            if step % 50 == 0:
+                bar.set_postfix_str(f"loss {loss.item():.4f}")
+    if bar:
+        bar.close()
+    train_seconds = time.perf_counter() - start
+
+    tokens, target = sorting_batch(test_size, n, vocab, generator)
+    return EffectivenessResult(truncation_accuracy(model, tokens, target), model, train_seconds, loss.item())
+
+
+def truncation_accuracy(model: SortingModel, tokens: Tensor, target: Tensor):
+    """Accuracy of ``model`` on ``tokens [B, n]`` when only paths of length ≤ k are kept, k = 0..L.
+
+    ``logits_k = unembed(Σ_{len(p) ≤ k} P_p X W_p)`` with the patterns of the full forward pass
+    and ``X`` the embeddings, computed in float64 by :func:`pathkernels.length_sums`.
+
+    Returns:
+        DataFrame with ``max_length``, ``token_accuracy``, ``sequence_accuracy`` and ``path_count``.
+    """
+    pd = _require("pandas")
+    network = model.network
+    num_layers, num_heads = len(network.attention), network.attention[0].num_heads
+    model64 = copy.deepcopy(model).double().eval()
+    with torch.no_grad():
+        logits, result = model64(tokens)
+        sums = model64.network.attention_stack(result).length_sums(model64.embedding(tokens))
+        # k = L keeps every path: the decomposition must give the model's own logits back.
+        torch.testing.assert_close(model64.unembed(truncated_output(sums, num_layers)), logits)
+        counts = count_by_length(num_layers, num_heads, skip=True)
+        rows = []
+        for k in range(num_layers + 1):
+            correct = model64.unembed(truncated_output(sums, k)).argmax(-1) == target
+            rows.append({"max_length": k, "token_accuracy": correct.double().mean().item(),
+                             "sequence_accuracy": correct.all(-1).double().mean().item(), "path_count": sum(counts[: k + 1])})
+    return pd.DataFrame(rows)
+
+
+def plot_effectiveness(table, ax=None):
+    """Accuracy against the longest path kept (token and whole-sequence accuracy)."""
+    plt = _pyplot()
+    fig, ax = _axes(plt, ax)
+    ax.plot(table["max_length"], table["token_accuracy"], "o-", label="token accuracy")
+    ax.plot(table["max_length"], table["sequence_accuracy"], "s--", label="sequence accuracy")
+    ax.set_xticks(list(table["max_length"]))
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("longest path kept (k): output = Σ over paths of length ≤ k")
+    ax.set_ylabel("accuracy on held-out sequences")
+    ax.set_title("Path effectiveness: sorting with an attention-only model")
+    ax.legend()
+    return fig
+
+
+# --- helpers --------------------------------------------------------------------------------------
+
+def _pyplot():
+    _require("matplotlib")
+    import matplotlib
+
+    if matplotlib.get_backend().lower() not in ("agg", "pdf", "svg") and not _has_display():
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _has_display() -> bool:
+    import os
+
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"))
+
+
+def _axes(plt, ax, figsize=(6.4, 4.2)):
+    if ax is None:
+        fig, ax = plt.subplots(figsize=figsize)
+        return fig, ax
+    return ax.figure, ax
