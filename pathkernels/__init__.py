@@ -9,7 +9,7 @@ from pathkernels._extension import load as _load
 
 _BUILD_INFO = _load()
 
-from pathkernels import compat, metrics, nn
+from pathkernels import adapters, compat, experiments, metrics, models, nn
 from pathkernels.decompose import PathDecomposition, decompose
 from pathkernels.engine import (
     DEFAULT_MEMORY_BUDGET,
@@ -40,15 +40,18 @@ __all__ = [
     "PathDecomposition",
     "PathResiduals",
     "PathTree",
+    "adapters",
     "build_info",
     "compat",
     "composite_norm",
     "count_by_length",
     "count_paths",
     "decompose",
+    "experiments",
     "length_sums",
     "matrix_norms",
     "metrics",
+    "models",
     "nn",
     "path_residuals",
     "residual_norm",

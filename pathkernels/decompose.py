@@ -8,7 +8,12 @@ import torch
 from torch import Tensor
 
 from pathkernels.engine import DEFAULT_MEMORY_BUDGET, PathResiduals, path_residuals
-from pathkernels.paths import MAX_ENUMERATED_PATHS, PathTree, count_by_length, sample_paths
+from pathkernels.paths import (
+    MAX_ENUMERATED_PATHS,
+    PathTree,
+    count_by_length,
+    sample_paths,
+)
 
 
 def _require(module: str):
@@ -53,6 +58,22 @@ class PathDecomposition:
         """``[M]``: each path's residual ratio, averaged over the batch."""
         return self.results.ratio.double().reshape(-1, self.paths.shape[0]).mean(0)
 
+    def to_frame(self):
+        """A pandas DataFrame, one row per evaluated path.
+
+        Columns: ``path`` (TransformerLens head labels of the heads taken, in layer order, e.g.
+        ``"L0H1 L2H3"``; ``"skip"`` for the all-skip path), ``length``, ``ratio``, ``residual`` and
+        ``norm`` (averaged over the batch) and ``weight`` (how many paths of the network it stands for).
+        """
+        pd = _require("pandas")
+        rows = self.results.residual.double().reshape(-1, self.paths.shape[0])
+        norms = self.results.norm.double().reshape(-1, self.paths.shape[0])
+        labels = [" ".join(f"L{layer}H{head}" for layer, head in enumerate(path) if head >= 0) or "skip"
+                  for path in self.paths.tolist()]
+        return pd.DataFrame({"path": labels, "length": self.lengths.tolist(), "ratio": self.path_ratio().tolist(),
+                                 "residual": rows.mean(0).tolist(), "norm": norms.mean(0).tolist(),
+                                 "weight": self.weights.tolist()})
+
     def by_length(self):
         """A pandas DataFrame, one row per path length k that has paths.
 
@@ -69,7 +90,7 @@ class PathDecomposition:
                 continue
             values = ratio[self.lengths == k]
             evaluated = values.numel()
-            row = dict(length=k, path_count=count, evaluated=evaluated)
+            row = {"length": k, "path_count": count, "evaluated": evaluated}
             if evaluated:
                 sampled = self.method != "exact"
                 std = values.std(correction=1).item() if evaluated > 1 else float("nan")

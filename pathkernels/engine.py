@@ -91,11 +91,17 @@ def check_row_stochastic(attn: Tensor, where: str) -> None:
     bad = (row_sums - 1).abs() > ROW_SUM_TOLERANCE.get(attn.dtype, 1e-2)
     if bool(bad.any()):
         b, l, h, i = _first_index(bad)
+        error = (row_sums - 1).abs().max().item()
+        hint = (
+            "A lower-precision pattern cast up sums to 1 only to its own precision: renormalise the rows "
+            "(attn / attn.sum(-1, keepdim=True)) after the cast, as AttentionStack.to() does."
+            if error < 1e-3 else
+            "Masked or padded queries give zero rows and dropout in training mode rescales them: drop those "
+            "tokens (or renormalise the rows) and take attention in eval mode."
+        )
         raise ValueError(
             f"{where}: attention rows must sum to 1 (the centring identity needs P·1 = 1), but row {i} of "
-            f"batch element {b}, layer {l}, head {h} sums to {row_sums[b, l, h, i].item():.9g}. Masked or padded "
-            "queries give zero rows and dropout in training mode rescales them: drop those tokens (or renormalise "
-            "the rows) and take attention in eval mode."
+            f"batch element {b}, layer {l}, head {h} sums to {row_sums[b, l, h, i].item():.9g}. {hint}"
         )
 
 

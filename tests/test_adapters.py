@@ -200,3 +200,14 @@ def test_transformer_bridge_matches_huggingface(tmp_path):
 def test_transformer_lens_bad_input():
     with pytest.raises(TypeError, match="expected a HookedTransformer, TransformerBridge or ActivationCache"):
         adapters.from_transformer_lens(torch.nn.Linear(2, 2), torch.zeros(1, 2))
+
+
+def test_casting_up_renormalises_rows():
+    model, inputs = hf_case("gpt2")
+    stack = adapters.from_huggingface(model, **inputs)
+    with pytest.raises(ValueError, match=r"renormalise the rows \(attn / attn.sum\(-1, keepdim=True\)\)"):
+        check_row_stochastic(stack.attn.double(), "test")
+    wide = stack.to(torch.float64)
+    check_row_stochastic(wide.attn, "test")
+    assert wide.w_v.dtype == wide.hidden_states.dtype == torch.float64
+    torch.testing.assert_close(wide.attn, stack.attn.double(), rtol=1e-6, atol=1e-7)

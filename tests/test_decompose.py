@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import pathkernels as pk
+from pathkernels import reference
 from pathkernels.testing import random_attention
 
 pd = pytest.importorskip("pandas")
@@ -33,6 +34,19 @@ def test_exact_decomposition_table_matches_the_per_path_results():
     assert table.loc[0, "mean"] == pytest.approx(2 * 5 / 6, rel=1e-12)
     mean, stderr = dec.mean_ratio()
     assert mean == pytest.approx(ratio.mean().item(), rel=1e-12) and stderr == 0.0
+
+
+def test_per_path_frame_uses_head_labels():
+    attn = attention(layers=3, heads=2)
+    dec = pk.decompose(attn, tree=pk.PathTree.from_paths(torch.tensor([[-1, -1, -1], [1, -1, 0], [0, 1, 1]]),
+                                                         num_heads=2))
+    frame = dec.to_frame()
+    assert frame["path"].tolist() == ["skip", "L0H1 L2H0", "L0H0 L1H1 L2H1"]
+    assert frame["length"].tolist() == [0, 2, 3]
+    products = reference.path_products_ref(attn, dec.paths)  # [B, M, n, n]
+    expected = reference.residual_norm_ref(products) / reference.composite_norm_ref(products)
+    assert frame["ratio"].tolist() == pytest.approx(expected.mean(0).tolist(), rel=1e-12)
+    assert frame["residual"].tolist() == pytest.approx(reference.residual_norm_ref(products).mean(0).tolist())
 
 
 def test_max_length_and_explicit_tree():
