@@ -18,7 +18,6 @@ import torch
 from torch import Tensor, nn
 
 from pathkernels.adapters.stack import AttentionStack, fold_value_bias
-from pathkernels.engine import check_row_stochastic
 
 _WHERE = "pathkernels.adapters.from_huggingface"
 
@@ -224,7 +223,6 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
     hidden = getattr(output, "hidden_states", None)
     hidden = None if hidden is None else torch.stack(list(hidden)).detach()
     attn = torch.stack(patterns, dim=1)
-    check_row_stochastic(attn, _WHERE)
     return AttentionStack(
         attn=attn,
         w_v=w_v,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from pathkernels.engine import PathResiduals, length_sums, path_residuals
+from pathkernels.engine import PathResiduals, check_row_stochastic, length_sums, path_residuals
 from pathkernels.paths import SKIP, PathTree
 
 
@@ -29,6 +29,9 @@ class AttentionStack:
         hidden_states: ``[L+1, B, n, d]`` as the source reports them (for Hugging Face, the
             model's ``hidden_states``), or None.
         source: where it came from, e.g. ``"huggingface:gpt2"``.
+
+    Raises:
+        ValueError: at construction, if an attention row does not sum to 1 (to the dtype's precision).
     """
 
     attn: Tensor
@@ -39,6 +42,7 @@ class AttentionStack:
     source: str = ""
 
     def __post_init__(self):
+        check_row_stochastic(self.attn, f"pathkernels.AttentionStack from {self.source or 'the caller'}")
         layers, heads = self.attn.shape[1], self.attn.shape[2]
         if self.w_v.shape[:2] != (layers, heads) or self.w_o.shape[:2] != (layers, heads):
             raise ValueError(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from pathkernels.adapters.stack import AttentionStack, fold_value_bias
-from pathkernels.engine import check_row_stochastic
 
 _WHERE = "pathkernels.adapters.from_transformer_lens"
 
@@ -85,7 +84,6 @@ def from_transformer_lens(model_or_cache, tokens=None) -> AttentionStack:
         b_v, b_out = model.b_V.detach(), model.b_O.detach()
         b_o = torch.stack([fold_value_bias(b_v[layer], w_o[layer], b_out[layer]) for layer in range(num_layers)])
     attn = torch.stack(patterns, dim=1).detach()
-    check_row_stochastic(attn, _WHERE)
     return AttentionStack(
         attn=attn,
         w_v=w_v,
