@@ -9,7 +9,7 @@ from pathkernels._extension import load as _load
 
 _BUILD_INFO = _load()
 
-from pathkernels import adapters, compat, experiments, metrics, models, nn
+from pathkernels import adapters, compat, distributed, experiments, metrics, models, nn
 from pathkernels.decompose import PathDecomposition, decompose
 from pathkernels.engine import (
     DEFAULT_MEMORY_BUDGET,
@@ -43,6 +43,7 @@ __all__ = [
     "adapters",
     "build_info",
     "compat",
+    "distributed",
     "composite_norm",
     "count_by_length",
     "count_paths",

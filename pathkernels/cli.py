@@ -142,10 +142,17 @@ def run_collapse(args) -> object:
 
 
 def run_paths(args) -> object:
+    """Under torchrun the ranks split the tree (gloo on CPU, NCCL with --device cuda); rank 0 reports."""
+    device = getattr(args, "device", "cpu")
+    if device == "cuda" and not (torch.cuda.is_available() and pk.build_info()["cuda"]):
+        raise SystemExit("pathkernels paths: --device cuda needs a GPU and pathkernels built with CUDA")
+    distributed = pk.distributed.init_from_env(device)
+    if distributed and device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
     if args.model:
         model = load_huggingface(args.model)
-        stack = pk.adapters.from_huggingface(model, **huggingface_inputs(model, args.tokens))
-        attn = stack.attn.double() / stack.attn.double().sum(-1, keepdim=True)
+        stack = pk.adapters.from_huggingface(model, **huggingface_inputs(model, args.tokens)).to(torch.float64)
+        attn = stack.attn
         source = f"{args.model} (L = {stack.num_layers}, H = {stack.num_heads}, n = {attn.shape[-1]})"
     else:
         torch.manual_seed(args.seed)
@@ -154,15 +161,21 @@ def run_paths(args) -> object:
         with torch.no_grad():
             attn = network(torch.randn(1, args.tokens, args.width)).attn
         source = f"a '+skip' network at initialisation (L = {args.layers}, H = {args.heads}, n = {args.tokens})"
+    attn = attn.to(device)
     layers, heads = attn.shape[1], attn.shape[2]
     total = pk.count_paths(layers, heads, skip=True)
+    generator = torch.Generator().manual_seed(args.seed)
     if args.samples_per_length or total > args.max_exact:
         per_length = args.samples_per_length or 200
-        dec = pk.decompose(attn, skip=True, samples_per_length=per_length, progress=True)
+        dec = pk.decompose(attn, skip=True, samples_per_length=per_length, generator=generator, progress=True)
         how = f"{per_length} paths drawn per length, of {total:,}"
     else:
         dec = pk.decompose(attn, skip=True, progress=True)
         how = f"all {total:,} paths, exactly"
+    if dec is None:  # another rank reports
+        return None
+    if distributed:
+        how += f", split over {torch.distributed.get_world_size()} processes"
     table = dec.by_length()
     print(f"Residual ratio of the attention products P_p by path length: {source}; {how}")
     columns = [c for c in ("length", "path_count", "evaluated", "mean", "stderr", "median", "q10", "q90")
@@ -269,6 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     paths.add_argument("--seed", type=int, default=0)
     paths.add_argument("--samples-per-length", type=int, help="sample this many paths per length instead of all")
     paths.add_argument("--max-exact", type=int, default=10**6, help="sample when the tree has more paths than this")
+    paths.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                       help="where to compute (under torchrun: gloo on CPU, NCCL and cuda:LOCAL_RANK with cuda)")
     paths.set_defaults(run=lambda args: _done(run_paths(args)))
 
     bench = commands.add_parser("bench", help="fused ops and the path engine against pure PyTorch")

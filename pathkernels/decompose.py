@@ -171,7 +171,9 @@ def decompose(
     generator: torch.Generator | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     progress: bool = False,
-) -> PathDecomposition:
+    group=None,
+    all_ranks: bool = False,
+) -> PathDecomposition | None:
     """Decompose an attention network into paths and measure each path's residual ratio.
 
     One call covers:
@@ -183,6 +185,12 @@ def decompose(
 
     Shapes as in :func:`pk.path_residuals`: attn ``[B, L, H, n, n]``, optional x ``[B, n, d]``,
     w_v ``[L, H, d, d_head]``, w_o ``[L, H, d_head, d]``. Returns a :class:`PathDecomposition`.
+
+    Across processes (``group``, ``all_ranks``: see :func:`pk.path_residuals`) every rank draws the
+    same sample from the same ``generator`` state and evaluates a disjoint share of it, so a run is
+    reproducible for a given seed whatever the world size, and the estimators are those of one
+    process. Ranks whose samples differ are refused up front. Returns None on ranks other than 0
+    unless ``all_ranks``.
     """
     where = "pathkernels.decompose"
     if not isinstance(attn, Tensor) or attn.dim() not in (4, 5):
@@ -231,5 +239,8 @@ def decompose(
         tree = PathTree.complete(layers, heads, skip=skip, max_length=max_length)
         weights = torch.ones(len(tree), dtype=torch.float64)
 
-    results = path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, memory_budget=memory_budget, progress=progress)
+    results = path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, memory_budget=memory_budget, progress=progress,
+                             group=group, all_ranks=all_ranks)
+    if results is None:
+        return None
     return PathDecomposition(results, method, layers, heads, skip, list(counts), weights)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pathkernels import distributed
 from pathkernels._progress import progress_bar
 from pathkernels.paths import SKIP, PathTree, build_trie_chunk
 
@@ -193,8 +194,9 @@ def _node_bytes(net: _Network) -> int:
     return net.attn.shape[-1] * net.width * net.attn.element_size()
 
 
-def _chunks(tree: PathTree, net: _Network, memory_budget: int):
-    """Consecutive runs of leaves whose tries fit the memory budget: (start, stop, TrieChunk, leaf_block)."""
+def _chunks(tree: PathTree, net: _Network, memory_budget: int, first: int, last: int):
+    """Consecutive runs of leaves ``first..last-1`` whose tries fit the memory budget:
+    (start, stop, TrieChunk, leaf_block)."""
     node_bytes = _node_bytes(net)
     workers = torch.get_num_threads() if net.attn.device.type == "cpu" else 1  # blocks run one per thread
     leaf_block = max(1, min(_LEAF_BLOCK_BYTES, memory_budget // (8 * workers)) // node_bytes)
@@ -209,11 +211,10 @@ def _chunks(tree: PathTree, net: _Network, memory_budget: int):
             f"pathkernels.path_residuals: memory_budget={memory_budget:,} bytes is too small for one leaf "
             f"block ({fixed:,} bytes at n = {net.attn.shape[-1]}, width {net.width}); raise it"
         )
-    total = tree.num_leaves
-    size = max(1, min(total, (memory_budget - fixed) // max(1, node_bytes // 2 + 32)))
-    start = 0
-    while start < total:
-        stop = min(total, start + size)
+    size = max(1, min(last - first, (memory_budget - fixed) // max(1, node_bytes // 2 + 32)))
+    start = first
+    while start < last:
+        stop = min(last, start + size)
         chunk = build_trie_chunk(tree.leaf_range(start, stop))
         while chunk_bytes(chunk) > memory_budget and stop - start > 1:
             size = max(1, (stop - start) // 2)
@@ -233,7 +234,9 @@ def path_residuals(
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     progress: bool = False,
     materialize: bool = False,
-) -> PathResiduals:
+    group=None,
+    all_ranks: bool = False,
+) -> PathResiduals | None:
     """Residual norms of every path of ``tree``, evaluated on its shared-prefix trie.
 
     Without ``x`` it measures the attention products ``M = P_p = A[L, p_L] ⋯ A[1, p_1]``; with
@@ -256,13 +259,31 @@ def path_residuals(
             chunks that fit it, whatever its size.
         progress: show a progress bar over paths (tqdm if installed).
         materialize: also return the products ``[B, M, n, n]`` or ``[B, M, n, d]``; refused when
-            they would not fit the memory budget.
+            they would not fit the memory budget (single process only).
+        group: a torch.distributed process group to split the leaves over; ``None`` (default)
+            takes the default group when one is initialised with several processes (torchrun),
+            ``False`` keeps the call on this process. Every rank passes the same inputs; each
+            evaluates a contiguous, equal share of the leaves on attn's device, within its own
+            ``memory_budget``; progress shows on rank 0 only. See :mod:`pathkernels.distributed`.
+        all_ranks: with a group, gather the results on every rank instead of rank 0 only.
 
     Returns:
         :class:`PathResiduals` with ``residual``, ``norm`` and ``ratio`` ``[B, M]``, ``paths``
-        ``[M, L]`` and ``lengths`` ``[M]`` in the tree's result order.
+        ``[M, L]`` and ``lengths`` ``[M]`` in the tree's result order. With a group, None on
+        ranks other than 0 unless ``all_ranks``.
     """
     where = "pathkernels.path_residuals"
+    group = distributed.resolve_group(group, where)
+    if group is not None:
+        return _path_residuals_across(attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks)
+    net = _check_inputs(attn, tree, x, w_v, w_o, memory_budget, where)
+    products = _materialize(net, tree, memory_budget, where) if materialize else None
+    bar = progress_bar(tree.num_leaves, enabled=progress)
+    residual, norm = _leaf_norms(net, tree, 0, tree.num_leaves, memory_budget, bar)
+    return _result(net, tree, residual, norm, products)
+
+
+def _check_inputs(attn, tree, x, w_v, w_o, memory_budget, where: str) -> _Network:
     net = _check_network(attn, x, w_v, w_o, where)
     _check_tree(tree, net, where)
     if not isinstance(memory_budget, int) or memory_budget <= 0:
@@ -270,41 +291,36 @@ def path_residuals(
     if tree.num_paths > 1 << 40:
         raise ValueError(f"{where}: the tree has {tree.num_paths:,} paths; results alone would not fit in memory")
     _check_engine_device(net.attn.device, where)
+    return net
 
-    products = None
-    if materialize:
-        need = net.attn.shape[0] * tree.num_paths * _node_bytes(net)
-        if need > memory_budget:
-            raise ValueError(
-                f"{where}: materialize=True needs {need / 2**30:.2f} GiB for [B, M, n, m] = "
-                f"{[net.attn.shape[0], tree.num_paths, net.attn.shape[-1], net.width]}, over memory_budget="
-                f"{memory_budget / 2**30:.2f} GiB; leave materialize off (the norms need no products) or raise the budget"
-            )
-        products = _materialize(net, tree)
 
+def _leaf_norms(net: _Network, tree: PathTree, first: int, last: int, memory_budget: int, bar) -> tuple[Tensor, Tensor]:
+    """Residual and norm ``[B, last - first]`` of leaves ``first..last-1``, chunk by chunk."""
     attn_centred, attn_mean, root, root_mean = _engine_operands(net)
-    batch = net.attn.shape[0]
     device = net.attn.device
-    residual = torch.empty(batch, tree.num_leaves, dtype=net.attn.dtype, device=device)
+    residual = torch.empty(net.attn.shape[0], last - first, dtype=net.attn.dtype, device=device)
     norm = torch.empty_like(residual)
-    bar = progress_bar(tree.num_leaves, enabled=progress)
     try:
-        for start, stop, chunk, leaf_block in _chunks(tree, net, memory_budget):
+        for start, stop, chunk, leaf_block in _chunks(tree, net, memory_budget, first, last):
             chunk_residual, chunk_norm = torch.ops.pathkernels.path_chunk_norms(
                 attn_centred, attn_mean, root, root_mean, net.w_v, net.w_o, chunk.parents, chunk.heads, leaf_block
             )
             leaf_position = chunk.leaf_position.to(device)
-            residual[:, start:stop] = chunk_residual[:, leaf_position]
-            norm[:, start:stop] = chunk_norm[:, leaf_position]
+            residual[:, start - first : stop - first] = chunk_residual[:, leaf_position]
+            norm[:, start - first : stop - first] = chunk_norm[:, leaf_position]
             if bar is not None:
                 bar.update(stop - start)
     finally:
         if bar is not None:
             bar.close()
+    return residual, norm
 
+
+def _result(net: _Network, tree: PathTree, residual: Tensor, norm: Tensor, products: Tensor | None) -> PathResiduals:
+    """Per-leaf results ``[B, leaves]`` in the tree's result order, unbatched if attn was."""
     leaf_of_path = tree.leaf_of_path()
     if leaf_of_path is not None:
-        leaf_of_path = leaf_of_path.to(device)
+        leaf_of_path = leaf_of_path.to(residual.device)
         residual, norm = residual[:, leaf_of_path], norm[:, leaf_of_path]
     result = PathResiduals(residual, norm, tree, products)
     if not net.batched:
@@ -313,8 +329,45 @@ def path_residuals(
     return result
 
 
-def _materialize(net: _Network, tree: PathTree) -> Tensor:
+def _path_residuals_across(attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks):
+    """path_residuals split over the ranks of ``group`` (see pathkernels.distributed)."""
+    where = "pathkernels.path_residuals"
+    import torch.distributed as dist
+
+    net, error, summary = None, None, None
+    try:
+        if materialize:
+            raise ValueError(f"{where}: materialize=True is for small trees on one process; pass group=False")
+        net = _check_inputs(attn, tree, x, w_v, w_o, memory_budget, where)
+        summary = distributed.fingerprint({"attn": net.attn, "x": net.x, "w_v": net.w_v, "w_o": net.w_o}, tree)
+    except Exception as caught:  # every rank must learn of it, or the others would wait forever
+        error = caught
+    distributed.agree(where, group, error, summary)
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    first, last = distributed.leaf_range(tree.num_leaves, world, rank)
+    parts = None
+    try:
+        bar = progress_bar(last - first, enabled=progress and rank == 0, desc=f"pathkernels (rank 0 of {world})")
+        parts = _leaf_norms(net, tree, first, last, memory_budget, bar)
+    except Exception as caught:
+        error = caught
+    distributed.agree(where, group, error)
+    gathered = distributed.gather_leaves(list(parts), tree.num_leaves, group, all_ranks)
+    if gathered is None:
+        return None
+    return _result(net, tree, gathered[0], gathered[1], None)
+
+
+def _materialize(net: _Network, tree: PathTree, memory_budget: int, where: str) -> Tensor:
     """The products themselves, ``[B, M, n, m]``, by the same trie in plain PyTorch (small trees)."""
+    need = net.attn.shape[0] * tree.num_paths * _node_bytes(net)
+    if need > memory_budget:
+        raise ValueError(
+            f"{where}: materialize=True needs {need / 2**30:.2f} GiB for [B, M, n, m] = "
+            f"{[net.attn.shape[0], tree.num_paths, net.attn.shape[-1], net.width]}, over memory_budget="
+            f"{memory_budget / 2**30:.2f} GiB; leave materialize off (the norms need no products) or raise the budget"
+        )
     chunk = build_trie_chunk(tree.leaf_range(0, tree.num_leaves))
     batch, n = net.attn.shape[0], net.attn.shape[-1]
     device = net.attn.device
