@@ -53,7 +53,7 @@ def init_from_env(device: str = "cpu") -> bool:
     if not dist.is_initialized():
         backend = "nccl" if device == "cuda" else "gloo"
         if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
     return dist.get_world_size() > 1
 
