@@ -72,6 +72,29 @@ def test_tiny_memory_budget_gives_the_same_results_in_many_chunks(device):
 
 
 @pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
+def test_fast_mode_error_is_bounded():
+    """TF32 GEMMs: a 10-bit mantissa, so about 1e-3 relative error per level, against float32."""
+    layers = 5
+    attn = random_attention(2, layers, 4, 64, 64, device="cuda")
+    x = torch.randn(2, 64, 32, device="cuda")
+    w_v, w_o = torch.randn(layers, 4, 32, 8, device="cuda") / 6, torch.randn(layers, 4, 8, 32, device="cuda") / 3
+    before = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    for args in ({}, dict(x=x, w_v=w_v, w_o=w_o)):
+        tree = pk.PathTree.complete(layers, 4, skip=True)
+        exact = pk.path_residuals(attn, tree, **args)
+        fast = pk.path_residuals(attn, tree, fast=True, **args)
+        relative = ((fast.ratio - exact.ratio).abs() / exact.ratio).max().item()
+        assert relative < 3e-3 * layers, relative
+    assert getattr(torch.backends.cuda.matmul, "fp32_precision", None) == before  # restored
+
+
+def test_fast_mode_is_for_cuda_float32():
+    attn = random_attention(1, 2, 2, 4, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match="fast=True runs the GEMMs on TF32 tensor cores, which only CUDA float32 has"):
+        pk.path_residuals(attn, pk.PathTree.complete(2, 2), fast=True)
+
+
+@pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cpu_and_cuda_agree(dtype):
     attn, x, w_v, w_o = network(2, 4, 3, 16, 8, 4, dtype=dtype)
