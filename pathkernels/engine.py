@@ -305,20 +305,14 @@ def _check_fast(attn, where: str) -> None:
 def _tf32_matmuls():
     """TF32 for float32 cuBLAS GEMMs inside the block (ATen reads the flag per call); restored after."""
     matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):
-        previous = matmul.fp32_precision
-        matmul.fp32_precision = "tf32"
-        try:
-            yield
-        finally:
-            matmul.fp32_precision = previous
-    else:
-        previous = matmul.allow_tf32
-        matmul.allow_tf32 = True
-        try:
-            yield
-        finally:
-            matmul.allow_tf32 = previous
+    # torch >= 2.9 names the setting fp32_precision; older versions have allow_tf32.
+    name, value = ("fp32_precision", "tf32") if hasattr(matmul, "fp32_precision") else ("allow_tf32", True)
+    previous = getattr(matmul, name)
+    setattr(matmul, name, value)
+    try:
+        yield
+    finally:
+        setattr(matmul, name, previous)
 
 
 def _check_inputs(attn, tree, x, w_v, w_o, memory_budget, where: str) -> _Network:
