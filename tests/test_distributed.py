@@ -64,6 +64,7 @@ def assert_same(got: dict, expected: dict):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_results_equal_a_single_process_run(world, tmp_path):
+    pytest.importorskip("pandas")  # the decompositions' tables
     ranks = launch(world, EQUAL_CASES, tmp_path)
     for case in EQUAL_CASES:
         expected = single_process(case)
@@ -113,6 +114,7 @@ def test_group_false_or_uninitialised_is_one_process():
 
 
 def test_cli_paths_under_torchrun_matches_one_process():
+    pytest.importorskip("pandas")
     args = ["paths", "--layers", "4", "--heads", "3", "--width", "16", "--tokens", "8"]
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
     one = subprocess.run([sys.executable, "-m", "pathkernels", *args], capture_output=True, text=True, timeout=120,
