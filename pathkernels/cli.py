@@ -99,7 +99,7 @@ def load_huggingface(spec: str):
     path = Path(spec)
     if not path.exists():
         raise SystemExit(f"pathkernels: --model {spec}: no such file or directory (models are never downloaded)")
-    has_weights = path.is_dir() and any(path.glob("*.safetensors")) or any(path.glob("*.bin"))
+    has_weights = path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin")))
     if has_weights:
         model = transformers.AutoModel.from_pretrained(path, local_files_only=True)
     else:
