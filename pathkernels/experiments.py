@@ -173,6 +173,7 @@ class SortingModel(nn.Module):
         self.unembed = nn.Linear(d_model, vocab, bias=False)
 
     def embedding(self, tokens: Tensor) -> Tensor:
+        """``X = E[tokens] + P``: ``[B, n] -> [B, n, d]``, the input of every path."""
         return self.embed(tokens) + self.position
 
     def forward(self, tokens: Tensor):
@@ -181,6 +182,7 @@ class SortingModel(nn.Module):
 
 
 def sorting_batch(batch: int, n: int, vocab: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Random ``tokens [batch, n]`` in ``[0, vocab)`` (repeats allowed) and their sorted ``target``."""
     tokens = torch.randint(0, vocab, (batch, n), generator=generator)
     return tokens, tokens.sort(dim=1).values
 
