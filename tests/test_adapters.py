@@ -211,3 +211,17 @@ def test_casting_up_renormalises_rows():
     check_row_stochastic(wide.attn, "test")
     assert wide.w_v.dtype == wide.hidden_states.dtype == torch.float64
     torch.testing.assert_close(wide.attn, stack.attn.double(), rtol=1e-6, atol=1e-7)
+
+
+def test_a_layer_without_weights_fails_clearly():
+    model, inputs = hf_case("bert")
+    attention = adapters.huggingface._attention_layers(model)[1].attention
+    original = attention.forward
+
+    def forward_without_weights(*args, **kwargs):
+        return original(*args, **kwargs)[0], None
+
+    attention.forward = forward_without_weights
+    with pytest.raises(RuntimeError, match=r"layer 1 \(BertSelfAttention\) returned no attention weights"):
+        adapters.from_huggingface(model, **inputs)
+    assert model.config._attn_implementation == "sdpa" and model.training  # restored after the failure
