@@ -16,6 +16,9 @@ from pathkernels.paths import (
 )
 
 
+_MAX_SCATTER = 20_000  # points drawn by PathDecomposition.plot
+
+
 def _require(module: str):
     try:
         return __import__(module)
@@ -133,8 +136,9 @@ class PathDecomposition:
         return mean, math.sqrt(variance)
 
     def plot(self, ax=None):
-        """Residual ratio against path length (log scale): every evaluated path as a point, the
-        per-length median, and the 10–90 % band. Returns the matplotlib Figure."""
+        """Residual ratio against path length (log scale): the evaluated paths as points (a random
+        20,000 of them when there are more), the per-length median and the 10–90 % band (over all
+        of them). Returns the matplotlib Figure."""
         _require("matplotlib")
         import matplotlib.pyplot as plt
 
@@ -143,8 +147,15 @@ class PathDecomposition:
         else:
             fig = ax.figure
         ratio = self.path_ratio().clamp_min(1e-300)
-        jitter = (torch.rand(ratio.shape, generator=torch.Generator().manual_seed(0)) - 0.5) * 0.3
-        ax.scatter((self.lengths + jitter).numpy(), ratio.numpy(), s=4, alpha=0.3, label="paths")
+        lengths = self.lengths
+        generator = torch.Generator().manual_seed(0)
+        label = "paths"
+        if ratio.numel() > _MAX_SCATTER:  # a readable (and fast) figure: a random subset of the points
+            keep = torch.randperm(ratio.numel(), generator=generator)[:_MAX_SCATTER]
+            ratio, lengths = ratio[keep], lengths[keep]
+            label = f"{_MAX_SCATTER:,} of {self.paths.shape[0]:,} paths"
+        jitter = (torch.rand(ratio.shape, generator=generator) - 0.5) * 0.3
+        ax.scatter((lengths + jitter).numpy(), ratio.numpy(), s=4, alpha=0.3, label=label)
         table = self.by_length()
         table = table[table["evaluated"] > 0]
         ax.plot(table["length"], table["median"], "o-", color="C3", label="median")

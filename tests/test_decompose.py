@@ -1,5 +1,6 @@
 """pk.decompose and PathDecomposition: exact, uniform and stratified decompositions, tables, plots."""
 import math
+import sys
 
 import pytest
 import torch
@@ -106,6 +107,17 @@ def test_plot_returns_a_log_scale_figure(tmp_path):
     assert ax.get_yscale() == "log" and ax.get_xlabel().startswith("path length")
     fig.savefig(tmp_path / "ratio.png")
     assert (tmp_path / "ratio.png").stat().st_size > 1000
+
+
+def test_plot_of_a_large_decomposition_draws_a_subset(monkeypatch):
+    pytest.importorskip("matplotlib")
+    module = sys.modules["pathkernels.decompose"]  # the module, not the function pk.decompose
+    monkeypatch.setattr(module, "_MAX_SCATTER", 100)
+    dec = pk.decompose(attention())  # 256 paths
+    ax = dec.plot().axes[0]
+    points = ax.collections[0].get_offsets()
+    assert len(points) == 100
+    assert ax.get_legend().get_texts()[0].get_text() == "100 of 256 paths"
 
 
 def test_bad_arguments():
