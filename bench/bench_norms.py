@@ -18,7 +18,13 @@ from pathlib import Path
 import torch
 
 import pathkernels as pk
-from pathkernels.benchmarks import NORM_CASES, QUICK_NORM_CASES, format_norm_table, machine_description, norm_benchmark
+from pathkernels.benchmarks import (
+    NORM_CASES,
+    QUICK_NORM_CASES,
+    format_norm_table,
+    machine_description,
+    norm_benchmark,
+)
 
 
 def main(argv=None) -> int:
@@ -40,7 +46,7 @@ def main(argv=None) -> int:
     print(format_norm_table(rows))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = dict(machine=machine, torch=torch.__version__, build=pk.build_info(), results=rows)
+        payload = {"machine": machine, "torch": torch.__version__, "build": pk.build_info(), "results": rows}
         args.out.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0

@@ -15,7 +15,6 @@ from pathkernels.paths import (
     sample_paths,
 )
 
-
 _MAX_SCATTER = 20_000  # points drawn by PathDecomposition.plot
 
 

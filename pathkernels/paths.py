@@ -116,7 +116,7 @@ class PathTree:
     # --- construction ----------------------------------------------------------------------------
 
     @classmethod
-    def complete(cls, num_layers: int, num_heads: int, skip: bool = False, max_length: int | None = None) -> "PathTree":
+    def complete(cls, num_layers: int, num_heads: int, skip: bool = False, max_length: int | None = None) -> PathTree:
         """All ``H^L`` paths, or ``(H+1)^L`` with the skip branch; ``max_length`` keeps only paths
         with at most that many heads (the tree is pruned, not filtered afterwards)."""
         _check_shape_args(num_layers, num_heads, max_length, "pathkernels.PathTree.complete")
@@ -133,7 +133,7 @@ class PathTree:
         return tree
 
     @classmethod
-    def from_paths(cls, paths, num_heads: int | None = None) -> "PathTree":
+    def from_paths(cls, paths, num_heads: int | None = None) -> PathTree:
         """Any ``[M, L]`` set of paths (head per layer, ``-1`` = skip), in any order, with
         duplicates; results come back in this order. ``num_heads`` defaults to the largest head + 1."""
         where = "pathkernels.PathTree.from_paths"

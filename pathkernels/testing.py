@@ -7,10 +7,10 @@ from torch import Tensor
 # One table: how close an op's output must be to the float64 reference, by the input's dtype.
 # float32 accumulates in float64 inside the kernels, so only the final rounding remains.
 TOLERANCES: dict[torch.dtype, dict[str, float]] = {
-    torch.float64: dict(rtol=1e-12, atol=1e-12),
-    torch.float32: dict(rtol=2e-6, atol=1e-6),
-    torch.float16: dict(rtol=2e-3, atol=1e-3),
-    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+    torch.float64: {"rtol": 1e-12, "atol": 1e-12},
+    torch.float32: {"rtol": 2e-6, "atol": 1e-6},
+    torch.float16: {"rtol": 2e-3, "atol": 1e-3},
+    torch.bfloat16: {"rtol": 1.6e-2, "atol": 1e-2},
 }
 
 

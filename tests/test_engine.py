@@ -27,9 +27,9 @@ def network(batch, layers, heads, n, d=None, d_head=None, dtype=torch.float64):
 
 
 def check_against_loop(result, attn, tree, x, w_v, w_o, dtype):
-    as64 = lambda t: None if t is None else t.double().cpu()  # noqa: E731
+    as64 = lambda t: None if t is None else t.double().cpu()
     products = path_products_ref(as64(attn), tree.paths(), as64(x), as64(w_v), as64(w_o))
-    tol = tolerance(dtype) if dtype == torch.float64 else dict(rtol=2e-4, atol=1e-6)
+    tol = tolerance(dtype) if dtype == torch.float64 else {"rtol": 2e-4, "atol": 1e-6}
     torch.testing.assert_close(result.residual.double().cpu(), residual_norm_ref(products), **tol)
     torch.testing.assert_close(result.norm.double().cpu(), composite_norm_ref(products), **tol)
     torch.testing.assert_close(result.ratio.double().cpu(), residual_norm_ref(products) / composite_norm_ref(products), **tol)
@@ -79,7 +79,7 @@ def test_fast_mode_error_is_bounded():
     x = torch.randn(2, 64, 32, device="cuda")
     w_v, w_o = torch.randn(layers, 4, 32, 8, device="cuda") / 6, torch.randn(layers, 4, 8, 32, device="cuda") / 3
     before = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
-    for args in ({}, dict(x=x, w_v=w_v, w_o=w_o)):
+    for args in ({}, {"x": x, "w_v": w_v, "w_o": w_o}):
         tree = pk.PathTree.complete(layers, 4, skip=True)
         exact = pk.path_residuals(attn, tree, **args)
         fast = pk.path_residuals(attn, tree, fast=True, **args)
@@ -99,10 +99,10 @@ def test_fast_mode_is_for_cuda_float32():
 def test_cpu_and_cuda_agree(dtype):
     attn, x, w_v, w_o = network(2, 4, 3, 16, 8, 4, dtype=dtype)
     for tree in (pk.PathTree.complete(4, 3, skip=True), TREES["explicit"](4, 3)):
-        for args in ({}, dict(x=x, w_v=w_v, w_o=w_o)):
+        for args in ({}, {"x": x, "w_v": w_v, "w_o": w_o}):
             cpu = pk.path_residuals(attn, tree, **args)
             gpu = pk.path_residuals(attn.cuda(), tree, **{k: v.cuda() for k, v in args.items()})
-            tol = tolerance(dtype) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+            tol = tolerance(dtype) if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-6}
             torch.testing.assert_close(gpu.residual.cpu(), cpu.residual, **tol)
             torch.testing.assert_close(gpu.norm.cpu(), cpu.norm, **tol)
 
@@ -155,7 +155,7 @@ def test_deep_float32_chain_keeps_relative_precision():
 def test_sum_of_all_path_outputs_is_the_network(dtype):
     layers, heads = 4, 3
     attn, x, w_v, w_o = network(2, layers, heads, 6, 5, 2, dtype=dtype)
-    tol = tolerance(dtype) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    tol = tolerance(dtype) if dtype == torch.float64 else {"rtol": 1e-4, "atol": 1e-5}
     for skip in (True, False):
         tree = pk.PathTree.complete(layers, heads, skip=skip)
         total = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, materialize=True).products.sum(1)
@@ -168,7 +168,7 @@ def test_sum_of_all_path_outputs_is_the_network(dtype):
 
 def bad_call(**changes):
     attn, x, w_v, w_o = network(2, 3, 2, 4, 3, 2)
-    args = dict(attn=attn, tree=pk.PathTree.complete(3, 2, skip=True), x=x, w_v=w_v, w_o=w_o)
+    args = {"attn": attn, "tree": pk.PathTree.complete(3, 2, skip=True), "x": x, "w_v": w_v, "w_o": w_o}
     args.update(changes)
     attn = args.pop("attn")
     tree = args.pop("tree")
@@ -243,8 +243,8 @@ def _op_operands(device):
     attn = network(1, 3, 2, 5)[0].to(device)
     chunk = build_trie_chunk(pk.PathTree.complete(3, 2, skip=True).paths())
     attn_c, attn_mean, root, root_mean = _engine_operands(_check_network(attn, None, None, None, "test"))
-    return dict(attn_centred=attn_c, attn_mean=attn_mean, root=root, root_mean=root_mean, w_v=None, w_o=None,
-                parents=list(chunk.parents), heads=list(chunk.heads), leaf_block=4)
+    return {"attn_centred": attn_c, "attn_mean": attn_mean, "root": root, "root_mean": root_mean, "w_v": None, "w_o": None,
+                "parents": list(chunk.parents), "heads": list(chunk.heads), "leaf_block": 4}
 
 
 def _with_level(levels, level, value):
@@ -252,17 +252,17 @@ def _with_level(levels, level, value):
 
 
 OP_BAD_INPUTS = [
-    (lambda o: dict(attn_centred=o["attn_centred"][0]), r"expected attn \[B, L, H, n, n\], got shape \[3, 2, 5, 5\]"),
-    (lambda o: dict(root=o["root"][:, :4]), r"expected root \[B, n, m\] with B = 1 and n = 5, got \[1, 4, 5\]"),
-    (lambda o: dict(root_mean=o["root_mean"][:, :2]), r"expected root_mean \[B, m\] = \[1, 5\], got \[1, 2\]"),
-    (lambda o: dict(w_v=torch.zeros(3, 2, 5, 2, dtype=torch.float64, device=o["root"].device),
-                    w_o=torch.zeros(3, 2, 3, 5, dtype=torch.float64, device=o["root"].device)),
+    (lambda o: {"attn_centred": o["attn_centred"][0]}, r"expected attn \[B, L, H, n, n\], got shape \[3, 2, 5, 5\]"),
+    (lambda o: {"root": o["root"][:, :4]}, r"expected root \[B, n, m\] with B = 1 and n = 5, got \[1, 4, 5\]"),
+    (lambda o: {"root_mean": o["root_mean"][:, :2]}, r"expected root_mean \[B, m\] = \[1, 5\], got \[1, 2\]"),
+    (lambda o: {"w_v": torch.zeros(3, 2, 5, 2, dtype=torch.float64, device=o["root"].device),
+                    "w_o": torch.zeros(3, 2, 3, 5, dtype=torch.float64, device=o["root"].device)},
      r"expected w_o \[L, H, d_head, d\] = \[3, 2, 2, 5\], got \[3, 2, 3, 5\]"),
-    (lambda o: dict(parents=o["parents"][:2]), "expected 3 levels of parents and heads, got 2 and 3"),
-    (lambda o: dict(leaf_block=0), "expected leaf_block > 0, got 0"),
-    (lambda o: dict(parents=_with_level(o["parents"], 1, o["parents"][1] + 3)),
+    (lambda o: {"parents": o["parents"][:2]}, "expected 3 levels of parents and heads, got 2 and 3"),
+    (lambda o: {"leaf_block": 0}, "expected leaf_block > 0, got 0"),
+    (lambda o: {"parents": _with_level(o["parents"], 1, o["parents"][1] + 3)},
      r"level 2: parent positions must lie in \[0, 3\)"),
-    (lambda o: dict(heads=_with_level(o["heads"], 2, o["heads"][2] + 1)), r"level 3: heads must lie in \[-1, 2\)"),
+    (lambda o: {"heads": _with_level(o["heads"], 2, o["heads"][2] + 1)}, r"level 3: heads must lie in \[-1, 2\)"),
 ]
 
 

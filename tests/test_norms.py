@@ -6,7 +6,12 @@ import pytest
 import torch
 
 import pathkernels as pk
-from pathkernels.reference import matrix_norms_ref, residual_norm_ref, residual_ref, composite_norm_ref
+from pathkernels.reference import (
+    composite_norm_ref,
+    matrix_norms_ref,
+    residual_norm_ref,
+    residual_ref,
+)
 from pathkernels.testing import devices, random_attention, random_matrices, tolerance
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]

@@ -7,7 +7,12 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from pathkernels.engine import PathResiduals, check_row_stochastic, length_sums, path_residuals
+from pathkernels.engine import (
+    PathResiduals,
+    check_row_stochastic,
+    length_sums,
+    path_residuals,
+)
 from pathkernels.paths import SKIP, PathTree
 
 
