@@ -128,9 +128,7 @@ def run_collapse(args) -> object:
         ratios = pk.metrics.residual_ratio(stack.hidden_states.double())  # [L+1, B]
         import pandas as pd
 
-        table = pd.DataFrame([{"variant": args.model, "depth": depth, "mean": r.mean().item(), "median": r.median().item(),
-                                   "q10": r.quantile(0.1).item(), "q90": r.quantile(0.9).item()}
-                              for depth, r in enumerate(ratios)])
+        table = pd.DataFrame(experiments.collapse_rows(args.model, ratios))
     else:
         table = experiments.collapse_vs_depth(num_layers=args.layers, d_model=args.width, num_heads=args.heads,
                                               n=args.tokens, batch=args.batch, seeds=args.seeds, progress=True)

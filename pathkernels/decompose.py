@@ -68,12 +68,12 @@ class PathDecomposition:
         ``norm`` (averaged over the batch) and ``weight`` (how many paths of the network it stands for).
         """
         pd = _require("pandas")
-        rows = self.results.residual.double().reshape(-1, self.paths.shape[0])
+        residuals = self.results.residual.double().reshape(-1, self.paths.shape[0])
         norms = self.results.norm.double().reshape(-1, self.paths.shape[0])
         labels = [" ".join(f"L{layer}H{head}" for layer, head in enumerate(path) if head >= 0) or "skip"
                   for path in self.paths.tolist()]
         return pd.DataFrame({"path": labels, "length": self.lengths.tolist(), "ratio": self.path_ratio().tolist(),
-                                 "residual": rows.mean(0).tolist(), "norm": norms.mean(0).tolist(),
+                                 "residual": residuals.mean(0).tolist(), "norm": norms.mean(0).tolist(),
                                  "weight": self.weights.tolist()})
 
     def by_length(self):

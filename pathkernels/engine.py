@@ -90,10 +90,11 @@ def _check_finite(t: Tensor, name: str, where: str) -> None:
 def check_row_stochastic(attn: Tensor, where: str) -> None:
     """Raise unless every row of ``attn [B, L, H, n, n]`` sums to 1 within its dtype's tolerance."""
     row_sums = attn.sum(-1, dtype=torch.float64)
-    bad = (row_sums - 1).abs() > ROW_SUM_TOLERANCE.get(attn.dtype, 1e-2)
+    deviation = (row_sums - 1).abs()
+    bad = deviation > ROW_SUM_TOLERANCE.get(attn.dtype, 1e-2)
     if bool(bad.any()):
         b, l, h, i = _first_index(bad)
-        error = (row_sums - 1).abs().max().item()
+        error = deviation.max().item()
         hint = (
             "A lower-precision pattern cast up sums to 1 only to its own precision: renormalise the rows "
             "(attn / attn.sum(-1, keepdim=True)) after the cast, as AttentionStack.to() does."

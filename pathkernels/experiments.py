@@ -38,10 +38,14 @@ ARCHITECTURES: dict[str, tuple[int, int]] = {
 }
 
 
-def _quantiles(values: Tensor) -> dict[str, float]:
-    values = values.double().flatten()
-    return {"mean": values.mean().item(), "median": values.median().item(), "q10": values.quantile(0.1).item(),
-                "q90": values.quantile(0.9).item()}
+def collapse_rows(variant: str, ratios: Tensor) -> list[dict]:
+    """Rows of :func:`collapse_vs_depth` from ``ratios [L+1, ...]``: per depth, the ``mean``,
+    ``median``, ``q10`` and ``q90`` over everything after the depth dimension."""
+    rows = []
+    for depth, values in enumerate(ratios.double().flatten(1)):
+        rows.append({"variant": variant, "depth": depth, "mean": values.mean().item(), "median": values.median().item(),
+                     "q10": values.quantile(0.1).item(), "q90": values.quantile(0.9).item()})
+    return rows
 
 
 # --- collapse versus depth ----------------------------------------------------------------------
@@ -73,9 +77,7 @@ def collapse_vs_depth(*, num_layers: int = 12, d_model: int = 64, num_heads: int
                 ratios.append(residual_ratio(model(x).hidden_states))  # [L+1, B]
             if bar:
                 bar.update(1)
-        ratios = torch.cat(ratios, dim=1)
-        for depth in range(num_layers + 1):
-            rows.append(dict(variant=variant, depth=depth, **_quantiles(ratios[depth])))
+        rows += collapse_rows(variant, torch.cat(ratios, dim=1))
     if bar:
         bar.close()
     return pd.DataFrame(rows)

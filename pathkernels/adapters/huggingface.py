@@ -165,7 +165,11 @@ def stream_huggingface_attention(model: nn.Module, callback: Callable[[int, Tens
     Raises:
         RuntimeError: if some layer produced no attention weights.
     """
-    layers = _attention_layers(model)
+    return _stream(model, _attention_layers(model), callback, inputs)
+
+
+def _stream(model: nn.Module, layers: list[_AttentionLayer], callback: Callable[[int, Tensor], None], inputs: dict):
+    """stream_huggingface_attention on layers already found."""
     seen = [False] * len(layers)
 
     def make_hook(index: int):
@@ -214,17 +218,13 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
     def keep(index: int, attn: Tensor) -> None:
         patterns[index] = attn
 
-    output = stream_huggingface_attention(model, keep, output_hidden_states=True, **inputs)
-    maps = [_value_output(layer) for layer in layers]
-    with torch.no_grad():
-        w_v = torch.stack([m[0] for m in maps]).detach().clone()
-        w_o = torch.stack([m[1] for m in maps]).detach().clone()
-        b_o = torch.stack([m[2] for m in maps]).detach().clone()
+    output = _stream(model, layers, keep, {**inputs, "output_hidden_states": True})
+    with torch.no_grad():  # stacking copies, so the stack does not alias or track the parameters
+        w_v, w_o, b_o = (torch.stack(per_layer) for per_layer in zip(*(_value_output(layer) for layer in layers)))
     hidden = getattr(output, "hidden_states", None)
     hidden = None if hidden is None else torch.stack(list(hidden)).detach()
-    attn = torch.stack(patterns, dim=1)
     return AttentionStack(
-        attn=attn,
+        attn=torch.stack(patterns, dim=1),
         w_v=w_v,
         w_o=w_o,
         b_o=b_o,
