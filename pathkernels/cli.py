@@ -144,7 +144,11 @@ def run_paths(args) -> object:
     device = getattr(args, "device", "cpu")
     if device == "cuda" and not (torch.cuda.is_available() and pk.build_info()["cuda"]):
         raise SystemExit("pathkernels paths: --device cuda needs a GPU and pathkernels built with CUDA")
-    distributed = pk.distributed.init_from_env(device)
+    with pk.distributed.launched_group(device) as distributed:
+        return _paths_table(args, device, distributed)
+
+
+def _paths_table(args, device: str, distributed: bool) -> object:
     if distributed and device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
     if args.model:

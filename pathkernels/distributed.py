@@ -13,15 +13,17 @@ the checks and after the computation, so no rank is left waiting in a collective
 from __future__ import annotations
 
 import builtins
+import contextlib
 import hashlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["init_from_env", "leaf_range", "resolve_group"]
+__all__ = ["init_from_env", "launched_group", "leaf_range", "resolve_group"]
 
 
 def resolve_group(group, where: str):
@@ -46,7 +48,9 @@ def init_from_env(device: str = "cpu") -> bool:
     """Initialise the default process group from torchrun's environment, if present.
 
     Uses NCCL (and ``cuda:LOCAL_RANK``) for ``device="cuda"``, gloo otherwise. Returns whether
-    this process is part of a multi-process run.
+    this process is part of a multi-process run. Whoever calls it owns the group and must call
+    ``torch.distributed.destroy_process_group()`` before the process exits (a gloo group still
+    alive at interpreter exit can abort the process); :func:`launched_group` does both.
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return False
@@ -56,6 +60,21 @@ def init_from_env(device: str = "cpu") -> bool:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
     return dist.get_world_size() > 1
+
+
+@contextlib.contextmanager
+def launched_group(device: str = "cpu") -> Iterator[bool]:
+    """``with launched_group(device) as distributed:`` the torchrun group for the block.
+
+    Yields :func:`init_from_env`'s answer, and destroys the default group on the way out if this
+    call created it, whether the block returns or raises.
+    """
+    created = "RANK" in os.environ and not (dist.is_available() and dist.is_initialized())
+    try:
+        yield init_from_env(device)
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def leaf_range(total: int, world: int, rank: int) -> tuple[int, int]:

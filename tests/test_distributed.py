@@ -119,9 +119,11 @@ def test_cli_paths_under_torchrun_matches_one_process():
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
     one = subprocess.run([sys.executable, "-m", "pathkernels", *args], capture_output=True, text=True, timeout=120,
                          check=True, env=env).stdout
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                           str(free_port()), "-m", "pathkernels", *args], capture_output=True, text=True, timeout=180,
-                         check=True, env=env).stdout
+                         env=env)
+    assert run.returncode == 0, run.stderr[-4000:]
+    two = run.stdout
     assert "split over 2 processes" in two
     table = lambda out: out[out.index("\n length"):].strip()
     assert table(two) == table(one)
