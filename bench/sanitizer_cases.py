@@ -6,6 +6,7 @@ column count that is not a multiple of the block, non-contiguous inputs, ties an
 import torch
 
 import pathkernels as pk
+from pathkernels import engine
 
 assert torch.cuda.is_available() and pk.build_info()["cuda"], "needs a GPU and pathkernels built with CUDA"
 shapes = [(1, 1), (1, 7), (5, 1), (3, 33, 130), (2, 129, 65), (0, 4, 4), (4, 2, 0)]
@@ -33,7 +34,19 @@ trees = [
 ]
 for tree in trees:
     for dtype in (torch.float32, torch.float64):
-        pk.path_residuals(attn.to(dtype), tree, memory_budget=1 << 16)
-        pk.path_residuals(attn.to(dtype), tree, x=x.to(dtype), w_v=w_v.to(dtype), w_o=w_o.to(dtype))
+        for fused in (True, False):  # the fused leaf kernel, and cuBLAS + the reduction kernels
+            with engine._leaf_kernel(fused=fused):
+                pk.path_residuals(attn.to(dtype), tree, memory_budget=1 << 16)
+                pk.path_residuals(attn.to(dtype), tree, x=x.to(dtype), w_v=w_v.to(dtype), w_o=w_o.to(dtype))
 torch.cuda.synchronize()
 print("path engine cases ran")
+
+# The fused leaf kernel alone: every tile height (32, 64, 128 rows), partial k-slices and column
+# tiles, several column tiles per leaf (row sums folded across tiles), strided leaves.
+for dtype in (torch.float32, torch.float64):
+    for n, count, m in [(1, 1, 1), (17, 3, 65), (64, 2, 64), (100, 2, 130), (128, 1, 129)]:
+        level = torch.randn(n, count + 2, m, device="cuda", dtype=dtype)
+        torch.ops.pathkernels._fused_leaf_norms(torch.randn(n, n, device="cuda", dtype=dtype), level[:, 1 : count + 1],
+                                                torch.randn(count, m, device="cuda", dtype=dtype))
+torch.cuda.synchronize()
+print("fused leaf kernel cases ran")

@@ -17,9 +17,17 @@ TORCH_LIBRARY(pathkernels, m) {
   // [B, L, H, n] = 1ᵀA/n, root [B, n, m] = C(X) (or C(I)), root_mean [B, m], optional factored
   // w_v [L, H, d, d_head] and w_o [L, H, d_head, d]; level l's nodes sorted by head with their parent
   // positions. Returns per leaf (last level) ‖R‖_{1,∞} and ‖1μᵀ + R‖_{1,∞}, each [B, N_L].
+  // fused_leaves: on CUDA, reduce leaves of n <= 128 rows with the fused leaf kernel (no leaf is
+  // stored); False runs cuBLAS into a scratch block and reduces that (for comparisons, fast mode).
   m.def(
       "path_chunk_norms(Tensor attn, Tensor attn_mean, Tensor root, Tensor root_mean, Tensor? w_v, "
-      "Tensor? w_o, Tensor[] parents, Tensor[] heads, int leaf_block) -> (Tensor residual, Tensor norm)");
+      "Tensor? w_o, Tensor[] parents, Tensor[] heads, int leaf_block, bool fused_leaves=True) "
+      "-> (Tensor residual, Tensor norm)");
+  // The fused leaf reduction on its own (issue 4): attn C(A) [n, n] (n <= 128), right [n, c, m],
+  // mean [c, m] -> per leaf k, ‖C(A) right_k‖_{1,∞} and ‖1 mean_kᵀ + C(A) right_k‖_{1,∞}, each [c].
+  // The CUDA kernel computes each leaf on chip and never stores it; the CPU kernel runs the same
+  // per-thread code thread by thread (a test harness, not a fast path).
+  m.def("_fused_leaf_norms(Tensor attn, Tensor right, Tensor mean) -> (Tensor residual, Tensor norm)");
 }
 
 namespace {

@@ -8,6 +8,7 @@ head or the skip branch (``-1``, ``A = I``, ``W = I``) at every layer;
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,22 @@ DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes of working memory for the engine, beyon
 # centring identity the engine relies on does not hold, and the inputs are refused.
 ROW_SUM_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}
 
-_LEAF_BLOCK_BYTES = 1 << 19  # a leaf block (computed, then reduced) is sized to stay in L2
+_LEAF_BLOCK_BYTES = 1 << 19  # CPU: a leaf block (computed, then reduced) is sized to stay in L2
+_CUDA_LEAF_BLOCK_BYTES = 1 << 27  # CUDA: one launch per block of leaves, so blocks are large
+
+# Whether CUDA leaves of n <= 128 go through the fused leaf kernel (the default) or through cuBLAS
+# and a separate reduction (fast mode's TF32 GEMMs, and benchmarks comparing the two).
+_FUSED_LEAVES: contextvars.ContextVar[bool] = contextvars.ContextVar("pathkernels_fused_leaves", default=True)
+
+
+@contextlib.contextmanager
+def _leaf_kernel(fused: bool):
+    """Within the block, CUDA leaves use the fused leaf kernel (``fused=True``) or cuBLAS + reduction."""
+    token = _FUSED_LEAVES.set(fused)
+    try:
+        yield
+    finally:
+        _FUSED_LEAVES.reset(token)
 
 
 class PathResiduals:
@@ -198,10 +214,16 @@ def _node_bytes(net: _Network) -> int:
 
 def _chunks(tree: PathTree, net: _Network, memory_budget: int, first: int, last: int):
     """Consecutive runs of leaves ``first..last-1`` whose tries fit the memory budget:
-    (start, stop, TrieChunk, leaf_block)."""
+    (start, stop, TrieChunk, leaf_block).
+
+    A complete tree (without ``max_length``) is cut into whole subtrees of ``C^depth`` leaves,
+    whose tries have a closed form (:meth:`PathTree.subtree_chunk`); only the unaligned ends of
+    the range, and other trees, are built from their paths."""
     node_bytes = _node_bytes(net)
-    workers = torch.get_num_threads() if net.attn.device.type == "cpu" else 1  # blocks run one per thread
-    leaf_block = max(1, min(_LEAF_BLOCK_BYTES, memory_budget // (8 * workers)) // node_bytes)
+    on_cpu = net.attn.device.type == "cpu"
+    workers = torch.get_num_threads() if on_cpu else 1  # blocks run one per thread
+    block_bytes = _LEAF_BLOCK_BYTES if on_cpu else _CUDA_LEAF_BLOCK_BYTES
+    leaf_block = max(1, min(block_bytes, memory_budget // (8 * workers)) // node_bytes)
     fixed = 3 * workers * leaf_block * node_bytes  # each worker's leaf block, gathered parents, W temporaries
 
     def chunk_bytes(chunk) -> int:
@@ -213,17 +235,42 @@ def _chunks(tree: PathTree, net: _Network, memory_budget: int, first: int, last:
             f"pathkernels.path_residuals: memory_budget={memory_budget:,} bytes is too small for one leaf "
             f"block ({fixed:,} bytes at n = {net.attn.shape[-1]}, width {net.width}); raise it"
         )
-    size = max(1, min(last - first, (memory_budget - fixed) // max(1, node_bytes // 2 + 32)))
-    start = first
-    while start < last:
-        stop = min(last, start + size)
-        chunk = build_trie_chunk(tree.leaf_range(start, stop))
-        while chunk_bytes(chunk) > memory_budget and stop - start > 1:
-            size = max(1, (stop - start) // 2)
-            stop = start + size
+    size_cap = max(1, (memory_budget - fixed) // max(1, node_bytes // 2 + 32))
+
+    def from_paths(start: int, last: int):
+        size = max(1, min(last - start, size_cap))
+        while start < last:
+            stop = min(last, start + size)
             chunk = build_trie_chunk(tree.leaf_range(start, stop))
-        yield start, stop, chunk, leaf_block
-        start = stop
+            while chunk_bytes(chunk) > memory_budget and stop - start > 1:
+                size = max(1, (stop - start) // 2)
+                stop = start + size
+                chunk = build_trie_chunk(tree.leaf_range(start, stop))
+            yield start, stop, chunk, leaf_block
+            start = stop
+
+    choices = tree.num_heads + int(tree.skip)
+    depth = 0
+    if tree.is_complete and tree.max_length is None and choices > 1:
+        # Subtree chunks are sized by their exact trie: L − depth prefix nodes, C^j at depth j.
+        def subtree_bytes(depth: int) -> int:
+            internal = tree.num_layers - depth + sum(choices**j for j in range(1, depth))
+            return 3 * internal * node_bytes + 32 * choices**depth + fixed
+
+        depth = tree.num_layers
+        while depth > 0 and subtree_bytes(depth) > memory_budget:
+            depth -= 1
+    if depth < 2:  # subtrees too small to pay off
+        yield from from_paths(first, last)
+        return
+    block = choices**depth
+    aligned = min(last, -(-first // block) * block)
+    yield from from_paths(first, aligned)
+    start = aligned
+    while start + block <= last:
+        yield start, start + block, tree.subtree_chunk(start, depth), leaf_block
+        start += block
+    yield from from_paths(start, last)
 
 
 def path_residuals(
@@ -270,8 +317,9 @@ def path_residuals(
             ``memory_budget``; progress shows on rank 0 only. See :mod:`pathkernels.distributed`.
         all_ranks: with a group, gather the results on every rank instead of rank 0 only.
         fast: CUDA float32 only: run the GEMMs on TF32 tensor cores (10-bit mantissa, float32
-            accumulation), about 1e-3 relative error per level instead of float32's 1e-7. Off by
-            default; the norms and the centring stay in full precision.
+            accumulation), about 1e-3 relative error per level instead of float32's 1e-7, with
+            the leaves through cuBLAS rather than the fused leaf kernel. Off by default; the norms
+            and the centring stay in full precision.
 
     Returns:
         :class:`PathResiduals` with ``residual``, ``norm`` and ``ratio`` ``[B, M]``, ``paths``
@@ -281,7 +329,7 @@ def path_residuals(
     where = "pathkernels.path_residuals"
     if fast:
         _check_fast(attn, where)
-        with _tf32_matmuls():
+        with _tf32_matmuls(), _leaf_kernel(fused=False):  # the fused leaf kernel is full float32
             return path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, memory_budget=memory_budget, progress=progress,
                                   materialize=materialize, group=group, all_ranks=all_ranks)
     group = distributed.resolve_group(group, where)
@@ -333,12 +381,14 @@ def _leaf_norms(net: _Network, tree: PathTree, first: int, last: int, memory_bud
     device = net.attn.device
     residual = torch.empty(net.attn.shape[0], last - first, dtype=net.attn.dtype, device=device)
     norm = torch.empty_like(residual)
+    device_copies: dict[int, tuple[Tensor, Tensor]] = {}
     try:
         for start, stop, chunk, leaf_block in _chunks(tree, net, memory_budget, first, last):
             chunk_residual, chunk_norm = torch.ops.pathkernels.path_chunk_norms(
-                attn_centred, attn_mean, root, root_mean, net.w_v, net.w_o, chunk.parents, chunk.heads, leaf_block
+                attn_centred, attn_mean, root, root_mean, net.w_v, net.w_o, chunk.parents, chunk.heads, leaf_block,
+                _FUSED_LEAVES.get(),
             )
-            leaf_position = chunk.leaf_position.to(device)
+            leaf_position = _on_device(chunk.leaf_position, device, device_copies)
             residual[:, start - first : stop - first] = chunk_residual[:, leaf_position]
             norm[:, start - first : stop - first] = chunk_norm[:, leaf_position]
             if bar is not None:
@@ -347,6 +397,16 @@ def _leaf_norms(net: _Network, tree: PathTree, first: int, last: int, memory_bud
         if bar is not None:
             bar.close()
     return residual, norm
+
+
+def _on_device(t: Tensor, device: torch.device, copies: dict[int, tuple[Tensor, Tensor]]) -> Tensor:
+    """``t`` on ``device``, copied once per tensor object (subtree chunks share their leaf order)."""
+    if t.device == device:
+        return t
+    if id(t) not in copies:
+        copies.clear()
+        copies[id(t)] = (t, t.to(device))  # holding t keeps its id from being reused
+    return copies[id(t)][1]
 
 
 def _result(net: _Network, tree: PathTree, residual: Tensor, norm: Tensor, products: Tensor | None) -> PathResiduals:

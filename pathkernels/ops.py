@@ -65,9 +65,14 @@ def _norm_parts_backward_fake(grad_parts, x, parts, argmax, centered):
 
 
 @torch.library.register_fake("pathkernels::path_chunk_norms")
-def _path_chunk_norms_fake(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block):
+def _path_chunk_norms_fake(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block, fused_leaves=True):
     leaves = parents[-1].shape[0]
     return attn.new_empty((attn.shape[0], leaves)), attn.new_empty((attn.shape[0], leaves))
+
+
+@torch.library.register_fake("pathkernels::_fused_leaf_norms")
+def _fused_leaf_norms_fake(attn, right, mean):
+    return right.new_empty(right.shape[1]), right.new_empty(right.shape[1])
 
 
 def _norm_parts_setup_context(ctx, inputs, output) -> None:

@@ -112,6 +112,7 @@ class PathTree:
         self.max_length = max_length
         self._paths = paths  # [M, L] in result order, or None for a lazily enumerated complete tree
         self._unique: tuple[Tensor, Tensor] | None = None
+        self._subtrees: dict[int, tuple[list[Tensor], list[Tensor], Tensor]] = {}
 
     # --- construction ----------------------------------------------------------------------------
 
@@ -229,6 +230,38 @@ class PathTree:
         if self._paths is None:
             return self.path_range(start, stop)
         return self._unique_paths()[0][start:stop]
+
+    def subtree_chunk(self, start: int, depth: int) -> TrieChunk:
+        """The trie chunk of leaves ``start..start + C^depth - 1`` of a complete tree without
+        ``max_length`` (C = H, plus 1 with skip), ``start`` a multiple of ``C^depth``: one prefix of
+        ``L - depth`` layers and every choice below it. The levels :func:`build_trie_chunk` would
+        give, in closed form: level ``L - depth + j`` has ``C^j`` nodes, node k taking choice
+        ``k // C^(j-1)`` with parent ``k % C^(j-1)``, and the leaf with free digits
+        ``d_1 … d_depth`` (most significant first) lands at ``Σ_j d_j C^(j-1)``.
+        """
+        if self._paths is not None:
+            raise ValueError("pathkernels.PathTree.subtree_chunk: only for complete trees without max_length")
+        choices = self.num_heads + int(self.skip)
+        block = choices**depth
+        if not 0 <= depth <= self.num_layers or start % block or start + block > self.num_leaves:
+            raise ValueError(f"pathkernels.PathTree.subtree_chunk: no subtree of depth {depth} starts at leaf {start}")
+        if depth not in self._subtrees:  # the levels below the prefix are the same for every start
+            choice = torch.arange(choices, dtype=torch.long) - int(self.skip)
+            parents, heads, width = [], [], 1
+            for _ in range(depth):
+                parents.append(torch.arange(width, dtype=torch.long).repeat(choices))
+                heads.append(choice.repeat_interleave(width))
+                width *= choices
+            index = torch.arange(block, dtype=torch.long)
+            position = torch.zeros(block, dtype=torch.long)
+            for j in range(depth, 0, -1):  # least significant free digit (the last layer) first
+                position += index.remainder(choices) * choices ** (j - 1)
+                index = index.div(choices, rounding_mode="floor")
+            self._subtrees = {depth: (parents, heads, position)}  # one depth at a time is in use
+        parents, heads, position = self._subtrees[depth]
+        prefix = self.path_range(start, start + 1)[0, : self.num_layers - depth]
+        root = torch.zeros(1, dtype=torch.long)
+        return TrieChunk([root] * prefix.numel() + parents, list(prefix.reshape(-1, 1)) + heads, position)
 
     def leaf_of_path(self) -> Tensor | None:
         """For each path in result order, its leaf; None when paths and leaves coincide."""

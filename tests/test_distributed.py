@@ -121,7 +121,7 @@ def test_cli_paths_under_torchrun_matches_one_process():
                          check=True, env=env).stdout
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                           str(free_port()), "-m", "pathkernels", *args], capture_output=True, text=True, timeout=180,
-                         env=env)
+                         check=False, env=env)
     assert run.returncode == 0, run.stderr[-4000:]
     two = run.stdout
     assert "split over 2 processes" in two

@@ -1,4 +1,5 @@
 """path_residuals: the CPU path-tree engine against per-path loops, closed forms and the network."""
+import itertools
 import subprocess
 import sys
 import textwrap
@@ -69,6 +70,28 @@ def test_tiny_memory_budget_gives_the_same_results_in_many_chunks(device):
         small = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, memory_budget=64 * 1024)
         torch.testing.assert_close(small.residual, big.residual, rtol=1e-13, atol=0)
         torch.testing.assert_close(small.norm, big.norm, rtol=1e-13, atol=0)
+
+
+def test_chunks_cover_a_range_with_whole_subtrees_between_built_ends():
+    from pathkernels import engine
+
+    attn = random_attention(1, 6, 3, 8, 8, dtype=torch.float64)
+    tree = pk.PathTree.complete(6, 3, skip=True)  # 4^6 leaves
+    net = engine._check_network(attn, None, None, None, "test")
+    first, last = 37, 3001
+    chunks = list(engine._chunks(tree, net, 1 << 20, first, last))
+    assert chunks[0][0] == first and chunks[-1][1] == last
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
+    sizes = [stop - start for start, stop, _, _ in chunks]
+    whole = [size for size, (start, *_) in zip(sizes, chunks) if start % size == 0 and size > 16]
+    assert whole and len(set(whole)) == 1, sizes  # one subtree size, 4^depth, in the middle
+    for start, stop, chunk, _ in chunks:
+        assert chunk.leaf_position.numel() == stop - start
+    # The engine over such a range equals the whole tree's results there.
+    full = pk.path_residuals(attn, tree)
+    residual, norm = engine._leaf_norms(net, tree, first, last, 1 << 20, None)
+    torch.testing.assert_close(residual[0], full.residual[0, first:last], rtol=1e-13, atol=0)
+    torch.testing.assert_close(norm[0], full.norm[0, first:last], rtol=1e-13, atol=0)
 
 
 @pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")

@@ -105,6 +105,27 @@ def test_trie_chunk_shares_prefixes_of_a_sparse_set():
         assert walked[::-1] == path
 
 
+@pytest.mark.parametrize(("layers", "heads", "skip"), [(4, 3, False), (4, 3, True), (6, 2, True), (3, 1, True)])
+def test_subtree_chunk_is_the_trie_of_its_leaves(layers, heads, skip):
+    tree = pk.PathTree.complete(layers, heads, skip=skip)
+    choices = heads + int(skip)
+    for depth in range(layers + 1):
+        block = choices**depth
+        start = int(torch.randint(tree.num_leaves // block, ())) * block
+        closed_form = tree.subtree_chunk(start, depth)
+        built = build_trie_chunk(tree.leaf_range(start, start + block))
+        for got, expected in [(closed_form.parents, built.parents), (closed_form.heads, built.heads)]:
+            assert [t.tolist() for t in got] == [t.tolist() for t in expected], (depth, start)
+        assert torch.equal(closed_form.leaf_position, built.leaf_position), (depth, start)
+
+
+def test_subtree_chunk_bad_arguments():
+    with pytest.raises(ValueError, match="no subtree of depth 2 starts at leaf 3"):
+        pk.PathTree.complete(3, 3).subtree_chunk(3, 2)
+    with pytest.raises(ValueError, match="only for complete trees without max_length"):
+        pk.PathTree.complete(3, 3, skip=True, max_length=1).subtree_chunk(0, 1)
+
+
 # --- sampling ----------------------------------------------------------------------------------
 
 def test_sampling_is_reproducible_from_a_generator():

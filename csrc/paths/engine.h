@@ -40,11 +40,10 @@ inline std::vector<HeadRun> head_runs(const at::Tensor& heads) {
 }
 
 // The parents of a block: a view of the level when their positions are consecutive (always so in
-// complete trees), otherwise a gathered copy. `positions` is on the host (for the scan);
-// `device_positions` is the same level's positions on the level's device (for the gather).
+// complete trees), otherwise a gathered copy. `positions` is the level's on the host (for the scan),
+// copied to the level's device only for a gather.
 inline std::pair<at::Tensor, at::Tensor> run_parents(const at::Tensor& level, const at::Tensor& level_mean,
-                                                     const at::Tensor& positions, const at::Tensor& device_positions,
-                                                     int64_t begin, int64_t count) {
+                                                     const at::Tensor& positions, int64_t begin, int64_t count) {
   const int64_t* p = positions.const_data_ptr<int64_t>() + begin;
   bool consecutive = true;
   for (int64_t k = 1; k < count && consecutive; ++k) {
@@ -53,7 +52,7 @@ inline std::pair<at::Tensor, at::Tensor> run_parents(const at::Tensor& level, co
   if (consecutive) {
     return {level.narrow(1, p[0], count), level_mean.narrow(0, p[0], count)};
   }
-  const at::Tensor index = device_positions.narrow(0, begin, count);
+  const at::Tensor index = positions.narrow(0, begin, count).to(level.device());
   return {level.index_select(1, index), level_mean.index_select(0, index)};
 }
 
@@ -65,28 +64,40 @@ struct Network {
   std::optional<at::Tensor> w_o;  // [L, H, d_head, d]
 };
 
+// What a child block multiplies C(A[layer, head]) by, and its column means: with W, right =
+// R_parent W and μ = (μ_parent + R_parentᵀ a) W; without, right = R_parent (a view) and
+// μ = μ_parent + R_parentᵀ a. `right` is [n, c, m] with unit column stride and leaf stride m.
+struct ChildOperands {
+  at::Tensor right;
+  at::Tensor mean;
+};
+
+inline ChildOperands child_operands(const Network& net, int64_t layer, int64_t head, const at::Tensor& parents,
+                                    const at::Tensor& parent_mean) {
+  const int64_t n = parents.size(0), c = parents.size(1), m = parents.size(2);
+  at::Tensor mean = parent_mean + at::mm(net.attn_mean[layer][head].unsqueeze(0), parents.flatten(1)).view({c, m});
+  if (!net.w_v.has_value()) {
+    return {parents, mean};
+  }
+  const at::Tensor w_v = (*net.w_v)[layer][head];
+  const at::Tensor w_o = (*net.w_o)[layer][head];
+  return {parents.reshape({n * c, m}).mm(w_v).mm(w_o).view({n, c, m}), mean.mm(w_v).mm(w_o)};
+}
+
 // Children of `parents` [n, c, m] (means [c, m]) through head `head` of layer `layer`, written to
 // `out` [n, c, m] and `out_mean` [c, m]. The skip branch copies.
 inline void children(const Network& net, int64_t layer, int64_t head, const at::Tensor& parents,
-              const at::Tensor& parent_mean, at::Tensor out, at::Tensor out_mean) {
+                     const at::Tensor& parent_mean, at::Tensor out, at::Tensor out_mean) {
   if (head < 0) {
     out.copy_(parents);
     out_mean.copy_(parent_mean);
     return;
   }
-  const int64_t n = parents.size(0), c = parents.size(1), m = parents.size(2);
-  at::Tensor mean = parent_mean + at::mm(net.attn_mean[layer][head].unsqueeze(0), parents.flatten(1)).view({c, m});
-  at::Tensor right = parents.flatten(1);  // [n, c·m]
-  if (net.w_v.has_value()) {
-    const at::Tensor w_v = (*net.w_v)[layer][head];
-    const at::Tensor w_o = (*net.w_o)[layer][head];
-    right = parents.reshape({n * c, m}).mm(w_v).mm(w_o).view({n, c * m});
-    mean = mean.mm(w_v).mm(w_o);
-  }
+  const ChildOperands operands = child_operands(net, layer, head, parents, parent_mean);
   at::Tensor out_rows = out.flatten(1);  // [n, c·m] with the level's row stride: a view, no copy
   TORCH_INTERNAL_ASSERT(out_rows.is_alias_of(out));
-  at::mm_out(out_rows, net.attn[layer][head], right);
-  out_mean.copy_(mean);
+  at::mm_out(out_rows, net.attn[layer][head], operands.right.flatten(1));
+  out_mean.copy_(operands.mean);
 }
 
 // A block of at most leaf_block consecutive nodes of one head run: the unit of parallel work.
@@ -108,10 +119,27 @@ inline std::vector<NodeBlock> node_blocks(const at::Tensor& heads, int64_t leaf_
   return blocks;
 }
 
+// The leaf children of `parents` through `head`, reduced by the backend's fused kernel where it
+// has one and it applies; false otherwise (the caller then multiplies and reduces).
+template <typename T, typename Backend>
+bool fused_leaf_norms(Backend& backend, const Network& net, int64_t layer, int64_t head, const at::Tensor& parents,
+                      const at::Tensor& parent_mean, T* residual, T* norm) {
+  if constexpr (Backend::kFusedLeaves) {
+    if (backend.fuses_leaves(parents.size(0))) {
+      backend.fused_leaf_norms(net.attn[layer][head], child_operands(net, layer, head, parents, parent_mean),
+                               residual, norm);
+      return true;
+    }
+  }
+  return false;
+}
+
 // One chunk for one batch element. Backend provides
 //   for_each_block(count, fn): calls fn(block, worker) for every block (in parallel or not),
 //   workers(): how many distinct `worker` values fn may see,
-//   reduce(leaves [n, c, m], means [c, m], residual, norm): the leaves' norms into c outputs each.
+//   reduce(leaves [n, c, m], means [c, m], residual, norm): the leaves' norms into c outputs each,
+// and, where kFusedLeaves, fuses_leaves(n) and fused_leaf_norms(attn [n, n], operands, residual,
+// norm): the norms of the leaves C(A) · operands.right, computed without storing them.
 template <typename T, typename Backend>
 void evaluate_chunk(const Network& net, const at::Tensor& root, const at::Tensor& root_mean, const PathChunk& chunk,
                     int64_t leaf_block, T* residual, T* norm, Backend& backend) {
@@ -123,7 +151,6 @@ void evaluate_chunk(const Network& net, const at::Tensor& root, const at::Tensor
   std::vector<at::Tensor> scratch(backend.workers()), scratch_mean(backend.workers());
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor& positions = chunk.parents[l];
-    const at::Tensor device_positions = positions.to(root.device());  // no copy on CPU
     const bool leaves = l + 1 == layers;
     at::Tensor next, next_mean;
     if (!leaves) {
@@ -133,13 +160,14 @@ void evaluate_chunk(const Network& net, const at::Tensor& root, const at::Tensor
     const std::vector<NodeBlock> blocks = node_blocks(chunk.heads[l], leaf_block);
     backend.for_each_block(static_cast<int64_t>(blocks.size()), [&](int64_t k, int worker) {
       const NodeBlock& blk = blocks[k];
-      auto [parents, parent_mean] = run_parents(level, level_mean, positions, device_positions, blk.begin, blk.count);
+      auto [parents, parent_mean] = run_parents(level, level_mean, positions, blk.begin, blk.count);
       if (!leaves) {
         children(net, l, blk.head, parents, parent_mean, next.narrow(1, blk.begin, blk.count),
                  next_mean.narrow(0, blk.begin, blk.count));
       } else if (blk.head < 0) {  // a skip leaf is its parent: reduce it where it lies
         backend.reduce(parents, parent_mean, residual + blk.begin, norm + blk.begin);
-      } else {
+      } else if (!fused_leaf_norms(backend, net, l, blk.head, parents, parent_mean, residual + blk.begin,
+                                   norm + blk.begin)) {
         if (!scratch[worker].defined()) {
           scratch[worker] = at::empty({n, leaf_block, m}, root.options());
           scratch_mean[worker] = at::empty({leaf_block, m}, root.options());
@@ -163,7 +191,7 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms(const at::Tensor& attn, cons
                                                     const at::Tensor& root, const at::Tensor& root_mean,
                                                     const std::optional<at::Tensor>& w_v,
                                                     const std::optional<at::Tensor>& w_o, at::TensorList parents,
-                                                    at::TensorList heads, int64_t leaf_block) {
+                                                    at::TensorList heads, int64_t leaf_block, bool fused_leaves) {
   const PathChunk chunk = check_path_chunk(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block);
   const int64_t batch = attn.size(0);
   const int64_t leaves = chunk.parents.back().numel();
@@ -179,7 +207,7 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms(const at::Tensor& attn, cons
     w_o_c = w_o->contiguous();
   }
   AT_DISPATCH_FLOATING_TYPES(attn.scalar_type(), "path_chunk_norms", [&] {
-    Backend backend;
+    Backend backend(fused_leaves);
     for (int64_t b = 0; b < batch; ++b) {
       const Network net{attn_c[b], attn_mean_c[b], w_v_c, w_o_c};
       evaluate_chunk<scalar_t>(net, root_c[b], root_mean_c[b], chunk, leaf_block,

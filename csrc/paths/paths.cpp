@@ -74,4 +74,55 @@ PathChunk check_path_chunk(const at::Tensor& attn, const at::Tensor& attn_mean, 
   return chunk;
 }
 
+FusedLeafOperands check_fused_leaf(const at::Tensor& attn, const at::Tensor& right, const at::Tensor& mean) {
+  constexpr const char* op = "pathkernels._fused_leaf_norms";
+  TORCH_CHECK_VALUE(attn.dim() == 2 && attn.size(0) == attn.size(1), op, ": expected attn [n, n], got shape ",
+                    shape_string(attn.sizes()));
+  const int64_t n = attn.size(0);
+  TORCH_CHECK_VALUE(n >= 1 && n <= fused_leaf::kMaxRows, op, ": expected 1 <= n <= ",
+                    std::to_string(fused_leaf::kMaxRows), " rows, got n = ", std::to_string(n));
+  TORCH_CHECK_VALUE(right.dim() == 3 && right.size(0) == n && right.size(2) >= 1, op,
+                    ": expected right [n, c, m] with n = ", std::to_string(n), " and m >= 1, got shape ",
+                    shape_string(right.sizes()));
+  const std::vector<int64_t> mean_shape{right.size(1), right.size(2)};
+  TORCH_CHECK_VALUE(mean.sizes() == at::IntArrayRef(mean_shape), op, ": expected mean [c, m] = ",
+                    shape_string(mean_shape), ", got ", shape_string(mean.sizes()));
+  TORCH_CHECK_TYPE(attn.scalar_type() == at::kFloat || attn.scalar_type() == at::kDouble, op,
+                   ": expected attn to be float32 or float64, got ", attn.scalar_type());
+  for (const at::Tensor* t : {&right, &mean}) {
+    TORCH_CHECK_TYPE(t->scalar_type() == attn.scalar_type(), op, ": expected right and mean in ",
+                     attn.scalar_type(), ", got ", t->scalar_type());
+    check_same_device(*t, attn, op, "right and mean", "attn");
+  }
+  const int64_t m = right.size(2);
+  const bool right_ok = right.stride(2) == 1 && (right.size(1) <= 1 || right.stride(1) == m);
+  const bool mean_ok = mean.stride(1) == 1 || m <= 1;
+  return {attn.contiguous(), right_ok ? right : right.contiguous(), mean_ok ? mean : mean.contiguous()};
+}
+
+fused_leaf::Params fused_leaf_params(const FusedLeafOperands& ops, const at::Tensor& col_stats,
+                                     const at::Tensor& row_stats) {
+  fused_leaf::Params p;
+  p.attn = ops.attn.const_data_ptr();
+  p.n = ops.attn.size(0);
+  p.right = ops.right.const_data_ptr();
+  p.row_stride = ops.right.stride(0);
+  p.leaf_stride = ops.right.size(2);
+  p.count = ops.right.size(1);
+  p.cols = ops.right.size(2);
+  p.means = ops.mean.const_data_ptr();
+  p.mean_stride = ops.mean.stride(0);
+  p.col_stats = col_stats.mutable_data_ptr();
+  p.row_stats = row_stats.mutable_data_ptr();
+  p.tiles = fused_leaf::column_tiles(p.cols);
+  return p;
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_leaf_buffers(const FusedLeafOperands& ops) {
+  const int64_t n = ops.attn.size(0), count = ops.right.size(1), m = ops.right.size(2);
+  const auto options = ops.right.options().dtype(at::kDouble);  // norm_acc_t of float and double
+  return {at::empty({count, m, fused_leaf::kStats}, options),
+          at::empty({count, fused_leaf::column_tiles(m), n, fused_leaf::kStats}, options)};
+}
+
 }  // namespace pathkernels

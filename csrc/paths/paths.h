@@ -4,7 +4,10 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <tuple>
 #include <vector>
+
+#include "paths/fused_leaf.h"
 
 namespace pathkernels {
 
@@ -22,5 +25,24 @@ PathChunk check_path_chunk(const at::Tensor& attn, const at::Tensor& attn_mean, 
                            const at::Tensor& root_mean, const std::optional<at::Tensor>& w_v,
                            const std::optional<at::Tensor>& w_o, at::TensorList parents, at::TensorList heads,
                            int64_t leaf_block);
+
+// The fused leaf reduction's operands: attn C(A) [n, n] contiguous, right [n, c, m] with unit
+// column stride and leaf stride m (any row stride), mean [c, m] with unit column stride.
+struct FusedLeafOperands {
+  at::Tensor attn;
+  at::Tensor right;
+  at::Tensor mean;
+};
+
+// Validates the inputs of _fused_leaf_norms (see registration.cpp) and lays them out as the
+// kernel reads them (copying only when they are not already).
+FusedLeafOperands check_fused_leaf(const at::Tensor& attn, const at::Tensor& right, const at::Tensor& mean);
+
+// The kernel's parameters for `ops`, with its column and row sum buffers.
+fused_leaf::Params fused_leaf_params(const FusedLeafOperands& ops, const at::Tensor& col_stats,
+                                     const at::Tensor& row_stats);
+
+// Column sums [c, m, kStats] and row sums [c, tiles, n, kStats] in the accumulation type of `ops`.
+std::tuple<at::Tensor, at::Tensor> fused_leaf_buffers(const FusedLeafOperands& ops);
 
 }  // namespace pathkernels

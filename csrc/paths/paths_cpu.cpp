@@ -34,6 +34,10 @@ void reduce_leaves(const T* leaves, int64_t n, int64_t count, int64_t m, int64_t
 }
 
 struct CpuBackend {
+  static constexpr bool kFusedLeaves = false;  // a leaf block is reduced while in cache instead
+
+  explicit CpuBackend(bool /*fused_leaves: a CUDA option*/) {}
+
   int workers() const {
     return at::get_num_threads();
   }

@@ -1,11 +1,16 @@
 // CUDA backend of the path-tree engine (engine.h): the same algorithm as the tested CPU backend.
-// GEMMs go through ATen (cuBLAS) one block of nodes after another on the current stream; each leaf
-// block is reduced by three small kernels that mirror the norm kernels (norms_cuda.cu): column
-// sums, row sums, then the maxima. Leaves live only in the block's scratch buffer.
+// Internal levels are GEMMs through ATen (cuBLAS), one block of nodes after another on the current
+// stream. Leaves of n <= 128 rows take the fused leaf kernel (fused_leaf.h): each CTA computes a
+// column tile of one leaf on chip and leaves only its abs sums, so no leaf matrix is ever stored.
+// Larger n (and fused_leaves=False, as in fast mode) runs cuBLAS into the block's scratch buffer and
+// reduces it with three small kernels that mirror the norm kernels: column sums, row sums, maxima.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
+
+#include <limits>
+#include <string>
 
 #include "common/cuda_reduce.cuh"
 #include "paths/engine.h"
@@ -18,7 +23,7 @@ using namespace cuda;
 constexpr int kColumnThreads = 128;
 constexpr int kRowWarps = 8;
 constexpr int kFinishThreads = 256;
-constexpr int kLeafStats = 2;  // Σ|R| (the residual) and Σ|R + μ| (the product 1μᵀ + R)
+constexpr int kLeafStats = fused_leaf::kStats;  // Σ|R| (the residual) and Σ|R + μ| (the product 1μᵀ + R)
 
 // A block of `count` leaves stored as [rows, count, cols]: element (i, j) of leaf k sits at
 // k·cols + i·row_stride + j; leaf k's column means at k·mean_stride + j.
@@ -32,6 +37,7 @@ struct LeafBlockParams {
   int64_t mean_stride = 0;
   void* residual = nullptr;  // [count]
   void* norm = nullptr;      // [count]
+  int64_t row_tiles = 1;     // row sums come in this many shares per leaf (column tiles), to be added
 };
 
 // Thread (k, j) owns column j of leaf k: both abs sums over rows 0..n−1 in order.
@@ -83,25 +89,101 @@ __global__ void leaf_rows_kernel(LeafBlockParams p, A* row_stats) {
   }
 }
 
-// Block k owns leaf k's two outputs: the maxima of its column and row sums, combined.
+// Block k owns leaf k's two outputs: the maxima of its column and row sums, combined. Row sums
+// [count, row_tiles, rows, kLeafStats] are first completed in place across their tiles.
 template <typename T, typename A>
-__global__ void leaf_finish_kernel(LeafBlockParams p, const A* col_stats, const A* row_stats) {
+__global__ void leaf_finish_kernel(LeafBlockParams p, const A* col_stats, A* row_stats) {
   __shared__ A s_value[kFinishThreads];
   __shared__ int64_t s_index[kFinishThreads];
   const int64_t k = blockIdx.x;
+  row_stats += k * p.row_tiles * p.rows * kLeafStats;
+  if (p.row_tiles > 1) {
+    for (int64_t e = threadIdx.x; e < p.rows * kLeafStats; e += blockDim.x) {
+      fused_leaf::fold_row_tiles(row_stats, p.row_tiles, p.rows, e);
+    }
+    __syncthreads();
+  }
   T* outputs[kLeafStats] = {static_cast<T*>(p.residual), static_cast<T*>(p.norm)};
   for (int target = 0; target < kLeafStats; ++target) {
     A l1, linf;
     int64_t col, row;
     block_argmax(col_stats + k * p.cols * kLeafStats + target, p.cols, kLeafStats, s_value, s_index, l1, col);
-    block_argmax(row_stats + k * p.rows * kLeafStats + target, p.rows, kLeafStats, s_value, s_index, linf, row);
+    block_argmax(row_stats + target, p.rows, kLeafStats, s_value, s_index, linf, row);
     if (threadIdx.x == 0) {
       outputs[target][k] = static_cast<T>(composite_from_parts(l1, linf));
     }
   }
 }
 
+template <typename T, typename A>
+void launch_leaf_finish(const LeafBlockParams& p, const A* col_stats, A* row_stats, cudaStream_t stream) {
+  leaf_finish_kernel<T, A><<<p.count, kFinishThreads, 0, stream>>>(p, col_stats, row_stats);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// One CTA per (leaf, column tile): the steps of fused_leaf::Tile, separated by barriers.
+template <typename T, typename A, int kRows>
+__global__ void __launch_bounds__(fused_leaf::kThreads) fused_leaf_kernel(fused_leaf::Params p) {
+  using Cta = fused_leaf::Tile<T, A, kRows>;
+  __shared__ typename Cta::Shared shared;
+  typename Cta::Registers registers;
+  const int tid = threadIdx.x;
+  const int64_t leaf = blockIdx.x;
+  const int64_t tile = blockIdx.y;
+  Cta::clear(registers);
+  Cta::load_mean(p, shared, tid, leaf, tile);
+  for (int64_t k0 = 0; k0 < p.n; k0 += fused_leaf::kTileDepth) {
+    Cta::load(p, shared, tid, leaf, tile, k0);
+    __syncthreads();
+    Cta::multiply(shared, registers, tid);
+    __syncthreads();  // the next load, or the sums, overwrite the staged operands
+  }
+  Cta::partial_sums(p, shared, registers, tid, tile);
+  __syncthreads();
+  Cta::write_sums(p, shared, tid, leaf, tile);
+}
+
+// Norms of the leaves C(A) · right_k into residual[k], norm[k] (device pointers, T).
+template <typename T>
+void fused_leaf_norms_into(const FusedLeafOperands& ops, T* residual, T* norm) {
+  using A = norm_acc_t<T>;
+  if (ops.right.size(1) == 0) {
+    return;
+  }
+  auto [col_stats, row_stats] = fused_leaf_buffers(ops);
+  const fused_leaf::Params p = fused_leaf_params(ops, col_stats, row_stats);
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  TORCH_CHECK_VALUE(p.count <= std::numeric_limits<int32_t>::max(), "pathkernels: too many leaves (",
+                    std::to_string(p.count), ") for one CUDA launch");
+  const dim3 grid(p.count, blocks_for(p.cols, fused_leaf::kTileCols, "column tiles"));
+  fused_leaf::dispatch_tile_rows(p.n, [&](auto rows) {
+    fused_leaf_kernel<T, A, decltype(rows)::value><<<grid, fused_leaf::kThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  LeafBlockParams finish;
+  finish.rows = p.n;
+  finish.count = p.count;
+  finish.cols = p.cols;
+  finish.residual = residual;
+  finish.norm = norm;
+  finish.row_tiles = p.tiles;
+  launch_leaf_finish<T>(finish, col_stats.const_data_ptr<A>(), row_stats.mutable_data_ptr<A>(), stream);
+}
+
 struct CudaBackend {
+  static constexpr bool kFusedLeaves = true;
+
+  explicit CudaBackend(bool fused_leaves) : fused_leaves_(fused_leaves) {}
+
+  bool fuses_leaves(int64_t n) const {
+    return fused_leaves_ && n <= fused_leaf::kMaxRows;
+  }
+
+  template <typename T>
+  void fused_leaf_norms(const at::Tensor& attn, const engine::ChildOperands& operands, T* residual, T* norm) {
+    fused_leaf_norms_into<T>({attn, operands.right, operands.mean}, residual, norm);
+  }
+
   int workers() const {
     return 1;
   }
@@ -141,10 +223,11 @@ struct CudaBackend {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     leaf_rows_kernel<T, A><<<row_grid, kRowWarps * kWarpSize, 0, stream>>>(p, row_stats.mutable_data_ptr<A>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    leaf_finish_kernel<T, A><<<p.count, kFinishThreads, 0, stream>>>(p, col_stats.const_data_ptr<A>(),
-                                                                     row_stats.const_data_ptr<A>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_leaf_finish<T>(p, col_stats.const_data_ptr<A>(), row_stats.mutable_data_ptr<A>(), stream);
   }
+
+ private:
+  bool fused_leaves_;
 };
 
 std::tuple<at::Tensor, at::Tensor> path_chunk_norms_cuda(const at::Tensor& attn, const at::Tensor& attn_mean,
@@ -152,16 +235,29 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms_cuda(const at::Tensor& attn,
                                                          const std::optional<at::Tensor>& w_v,
                                                          const std::optional<at::Tensor>& w_o,
                                                          at::TensorList parents, at::TensorList heads,
-                                                         int64_t leaf_block) {
+                                                         int64_t leaf_block, bool fused_leaves) {
   const c10::cuda::CUDAGuard guard(attn.device());
   return engine::path_chunk_norms<CudaBackend>(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads,
-                                               leaf_block);
+                                               leaf_block, fused_leaves);
+}
+
+std::tuple<at::Tensor, at::Tensor> fused_leaf_norms_cuda(const at::Tensor& attn, const at::Tensor& right,
+                                                         const at::Tensor& mean) {
+  const FusedLeafOperands ops = check_fused_leaf(attn, right, mean);
+  const c10::cuda::CUDAGuard guard(attn.device());
+  at::Tensor residual = at::empty({ops.right.size(1)}, ops.right.options());
+  at::Tensor norm = at::empty_like(residual);
+  AT_DISPATCH_FLOATING_TYPES(attn.scalar_type(), "_fused_leaf_norms", [&] {
+    fused_leaf_norms_into<scalar_t>(ops, residual.mutable_data_ptr<scalar_t>(), norm.mutable_data_ptr<scalar_t>());
+  });
+  return {residual, norm};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(pathkernels, CUDA, m) {
   m.impl("path_chunk_norms", &path_chunk_norms_cuda);
+  m.impl("_fused_leaf_norms", &fused_leaf_norms_cuda);
 }
 
 }  // namespace pathkernels

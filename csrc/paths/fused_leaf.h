@@ -1,0 +1,241 @@
+// The fused leaf kernel's per-thread logic (issue 4, DESIGN §1): one CTA of kThreads threads
+// computes one column tile of one leaf, R = C(A) · right_k (n ≤ kMaxRows rows, any number of
+// columns), in registers, and reduces it on chip to the column abs sums of R and of 1μᵀ + R and
+// to the tile's share of their row abs sums. No leaf matrix is ever written to memory; a finish
+// step turns the sums into the two norms (sqrt of max column sum × max row sum).
+//
+// Every step is a C10_HOST_DEVICE function of (params, shared tile, registers, thread index):
+// the CUDA kernel (paths_cuda.cu) runs the steps separated by __syncthreads(), and the CPU
+// harness (fused_leaf_cpu.cpp) runs each step for every thread in turn. The CPU tests of the
+// `_fused_leaf_norms` op therefore exercise the very code each GPU thread runs.
+//
+// Ownership: thread (ty, tx) = (tid / kThreadCols, tid % kThreadCols) owns the accumulators of
+// rows ty + kThreadRows·i and columns tx + kThreadCols·j of the tile (strided, so that a warp's
+// shared-memory reads of one k hit distinct banks or broadcast).
+#pragma once
+
+#include <c10/macros/Macros.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "common/norm_math.h"
+
+#if defined(__CUDA_ARCH__)
+#define PATHKERNELS_UNROLL _Pragma("unroll")
+#else
+#define PATHKERNELS_UNROLL
+#endif
+
+namespace pathkernels::fused_leaf {
+
+constexpr int kThreads = 128;
+constexpr int kThreadCols = 16;
+constexpr int kThreadRows = kThreads / kThreadCols;  // 8
+constexpr int kTileCols = 64;                        // columns of R per CTA
+constexpr int kTileDepth = 16;                       // k-slice of C(A) and right staged per step
+constexpr int kMaxRows = 128;                        // larger n goes through cuBLAS and a reduction
+constexpr int kStats = 2;                            // per sum: |R| (the residual), |R + μ| (the product)
+
+// Kernel boundary: plain pointers and element strides.
+struct Params {
+  const void* attn = nullptr;   // C(A) [n, n], row-major, contiguous
+  int64_t n = 0;
+  const void* right = nullptr;  // leaf k's element (i, j) at k·leaf_stride + i·row_stride + j
+  int64_t row_stride = 0;
+  int64_t leaf_stride = 0;
+  int64_t count = 0;            // leaves
+  int64_t cols = 0;             // m
+  const void* means = nullptr;  // leaf k's μ_j at k·mean_stride + j
+  int64_t mean_stride = 0;
+  void* col_stats = nullptr;    // A [count, cols, kStats]: column abs sums, complete
+  void* row_stats = nullptr;    // A [count, tiles, n, kStats]: row abs sums, one share per column tile
+  int64_t tiles = 0;            // column tiles per leaf
+};
+
+C10_HOST_DEVICE inline int64_t column_tiles(int64_t cols) {
+  return (cols + kTileCols - 1) / kTileCols;
+}
+
+// Calls fn(std::integral_constant<int, R>) with R, the CTA tile's rows: the smallest of 32, 64
+// and 128 that holds n (≤ kMaxRows).
+template <typename Fn>
+void dispatch_tile_rows(int64_t n, Fn&& fn) {
+  if (n <= 32) {
+    fn(std::integral_constant<int, 32>{});
+  } else if (n <= 64) {
+    fn(std::integral_constant<int, 64>{});
+  } else {
+    fn(std::integral_constant<int, 128>{});
+  }
+}
+
+template <typename T, typename A, int kRows>
+struct Tile {
+  static_assert(kRows % kThreadRows == 0 && kRows <= kMaxRows, "tile rows");
+  static constexpr int kRowsPerThread = kRows / kThreadRows;
+  static constexpr int kColsPerThread = kTileCols / kThreadCols;
+
+  // The GEMM's operands and the epilogue's partial sums are never live at once: they share memory.
+  struct Operands {
+    T attn[kTileDepth][kRows + 1];  // k-major; the pad spreads the transposing stores over banks
+    T right[kTileDepth][kTileCols];
+  };
+  struct Sums {
+    A col[kThreadRows][kTileCols][kStats];  // per thread row, per column
+    A row[kRows][kThreadCols][kStats];      // per row, per thread column
+  };
+  struct Shared {
+    union {
+      Operands operands;
+      Sums sums;
+    };
+    A mean[kTileCols];
+  };
+  struct Registers {
+    T acc[kRowsPerThread][kColsPerThread];
+  };
+
+  static C10_HOST_DEVICE void clear(Registers& r) {
+    PATHKERNELS_UNROLL
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      PATHKERNELS_UNROLL
+      for (int j = 0; j < kColsPerThread; ++j) {
+        r.acc[i][j] = T(0);
+      }
+    }
+  }
+
+  // The tile's column means μ (zero beyond the last column).
+  static C10_HOST_DEVICE void load_mean(const Params& p, Shared& s, int tid, int64_t leaf, int64_t tile) {
+    const T* means = static_cast<const T*>(p.means) + leaf * p.mean_stride;
+    for (int c = tid; c < kTileCols; c += kThreads) {
+      const int64_t col = tile * kTileCols + c;
+      s.mean[c] = col < p.cols ? static_cast<A>(means[col]) : A(0);
+    }
+  }
+
+  // Stage C(A)[:, k0 : k0 + kTileDepth] and right_k[k0 : k0 + kTileDepth, tile's columns], zero
+  // outside the matrices. Consecutive threads read consecutive addresses of both.
+  static C10_HOST_DEVICE void load(const Params& p, Shared& s, int tid, int64_t leaf, int64_t tile, int64_t k0) {
+    const T* attn = static_cast<const T*>(p.attn);
+    for (int e = tid; e < kRows * kTileDepth; e += kThreads) {
+      const int row = e / kTileDepth;
+      const int kk = e % kTileDepth;
+      const int64_t k = k0 + kk;
+      s.operands.attn[kk][row] = (row < p.n && k < p.n) ? attn[row * p.n + k] : T(0);
+    }
+    const T* right = static_cast<const T*>(p.right) + leaf * p.leaf_stride;
+    for (int e = tid; e < kTileDepth * kTileCols; e += kThreads) {
+      const int kk = e / kTileCols;
+      const int c = e % kTileCols;
+      const int64_t k = k0 + kk;
+      const int64_t col = tile * kTileCols + c;
+      s.operands.right[kk][c] = (k < p.n && col < p.cols) ? right[k * p.row_stride + col] : T(0);
+    }
+  }
+
+  // acc += the staged slice's contribution to the thread's outputs.
+  static C10_HOST_DEVICE void multiply(const Shared& s, Registers& r, int tid) {
+    const int ty = tid / kThreadCols;
+    const int tx = tid % kThreadCols;
+    PATHKERNELS_UNROLL
+    for (int kk = 0; kk < kTileDepth; ++kk) {
+      T a[kRowsPerThread];
+      T b[kColsPerThread];
+      PATHKERNELS_UNROLL
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        a[i] = s.operands.attn[kk][ty + kThreadRows * i];
+      }
+      PATHKERNELS_UNROLL
+      for (int j = 0; j < kColsPerThread; ++j) {
+        b[j] = s.operands.right[kk][tx + kThreadCols * j];
+      }
+      PATHKERNELS_UNROLL
+      for (int i = 0; i < kRowsPerThread; ++i) {
+        PATHKERNELS_UNROLL
+        for (int j = 0; j < kColsPerThread; ++j) {
+          r.acc[i][j] += a[i] * b[j];
+        }
+      }
+    }
+  }
+
+  // The thread's abs sums of R and of R + μ: per owned column over its rows, and per owned row
+  // over its columns, into shared memory (which the operands no longer need). Elements outside
+  // the matrix count zero.
+  static C10_HOST_DEVICE void partial_sums(const Params& p, Shared& s, const Registers& r, int tid, int64_t tile) {
+    const int ty = tid / kThreadCols;
+    const int tx = tid % kThreadCols;
+    A col_sums[kColsPerThread][kStats] = {};
+    PATHKERNELS_UNROLL
+    for (int i = 0; i < kRowsPerThread; ++i) {
+      const int row = ty + kThreadRows * i;
+      A row_sums[kStats] = {};
+      PATHKERNELS_UNROLL
+      for (int j = 0; j < kColsPerThread; ++j) {
+        const int c = tx + kThreadCols * j;
+        if (row < p.n && tile * kTileCols + c < p.cols) {
+          const A v = static_cast<A>(r.acc[i][j]);
+          const A residual = ::fabs(v);
+          const A product = ::fabs(v + s.mean[c]);
+          row_sums[0] += residual;
+          row_sums[1] += product;
+          col_sums[j][0] += residual;
+          col_sums[j][1] += product;
+        }
+      }
+      s.sums.row[row][tx][0] = row_sums[0];
+      s.sums.row[row][tx][1] = row_sums[1];
+    }
+    PATHKERNELS_UNROLL
+    for (int j = 0; j < kColsPerThread; ++j) {
+      s.sums.col[ty][tx + kThreadCols * j][0] = col_sums[j][0];
+      s.sums.col[ty][tx + kThreadCols * j][1] = col_sums[j][1];
+    }
+  }
+
+  // Combine the partial sums across threads and write the tile's column sums (complete: the CTA
+  // holds every row) and its share of the row sums.
+  static C10_HOST_DEVICE void write_sums(const Params& p, const Shared& s, int tid, int64_t leaf, int64_t tile) {
+    A* col_stats = static_cast<A*>(p.col_stats) + leaf * p.cols * kStats;
+    for (int e = tid; e < kTileCols * kStats; e += kThreads) {
+      const int c = e / kStats;
+      const int stat = e % kStats;
+      const int64_t col = tile * kTileCols + c;
+      if (col < p.cols) {
+        A sum = A(0);
+        for (int ty = 0; ty < kThreadRows; ++ty) {
+          sum += s.sums.col[ty][c][stat];
+        }
+        col_stats[col * kStats + stat] = sum;
+      }
+    }
+    A* row_stats = static_cast<A*>(p.row_stats) + (leaf * p.tiles + tile) * p.n * kStats;
+    for (int e = tid; e < kRows * kStats; e += kThreads) {
+      const int row = e / kStats;
+      const int stat = e % kStats;
+      if (row < p.n) {
+        A sum = A(0);
+        for (int tx = 0; tx < kThreadCols; ++tx) {
+          sum += s.sums.row[row][tx][stat];
+        }
+        row_stats[row * kStats + stat] = sum;
+      }
+    }
+  }
+};
+
+// Finish step, element e of one leaf's [n, kStats] row sums: add the shares of tiles 1.. into
+// tile 0's (in place), so that the row sums are complete before their maximum is taken.
+template <typename A>
+C10_HOST_DEVICE inline void fold_row_tiles(A* leaf_row_stats, int64_t tiles, int64_t n, int64_t e) {
+  A sum = leaf_row_stats[e];
+  for (int64_t t = 1; t < tiles; ++t) {
+    sum += leaf_row_stats[t * n * kStats + e];
+  }
+  leaf_row_stats[e] = sum;
+}
+
+}  // namespace pathkernels::fused_leaf

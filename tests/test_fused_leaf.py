@@ -1,0 +1,119 @@
+"""The fused leaf kernel (`_fused_leaf_norms`): on CPU its per-thread code runs thread by thread,
+on CUDA as the kernel the engine uses; both against float64 references and hand-worked values."""
+import pytest
+import torch
+
+import pathkernels as pk
+from pathkernels import engine
+from pathkernels.reference import composite_norm_ref
+from pathkernels.testing import devices, random_attention, tolerance
+
+fused_leaf_norms = torch.ops.pathkernels._fused_leaf_norms
+
+
+def reference(attn, right, mean):
+    """‖C(A) right_k‖_{1,∞} and ‖1 mean_kᵀ + C(A) right_k‖_{1,∞} per leaf k, in float64."""
+    leaves = torch.einsum("ik,kcj->cij", attn.double().cpu(), right.double().cpu())
+    return composite_norm_ref(leaves), composite_norm_ref(leaves + mean.double().cpu()[:, None, :])
+
+
+# n and m on both sides of the 32/64/128-row tiles, the 64-column tiles and the 16-deep k-slices.
+SHAPES = [(1, 1, 1), (2, 3, 2), (5, 2, 7), (16, 2, 16), (17, 3, 33), (32, 2, 64), (33, 2, 65), (64, 3, 64),
+          (65, 2, 128), (100, 2, 150), (128, 2, 129)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_float64_reference(device, dtype, shape):
+    n, count, m = shape
+    attn = torch.randn(n, n, dtype=dtype, device=device)
+    level = torch.randn(n, count + 3, m, dtype=dtype, device=device)
+    right = level[:, 2 : count + 2]  # a run of a level: row stride (count + 3)·m, as the engine passes
+    mean = torch.randn(count, m, dtype=dtype, device=device)
+    residual, norm = fused_leaf_norms(attn, right, mean)
+    assert residual.shape == norm.shape == (count,) and residual.dtype == dtype and residual.device == attn.device
+    tol = tolerance(dtype) if dtype == torch.float64 else {"rtol": 1e-5, "atol": 0}
+    expected_residual, expected_norm = reference(attn, right, mean)
+    torch.testing.assert_close(residual.double().cpu(), expected_residual, **tol)
+    torch.testing.assert_close(norm.double().cpu(), expected_norm, **tol)
+
+
+def test_hand_worked_leaf(device):
+    # C(A) = [[.5, -.5], [-.5, .5]] times I is C(A): every column and row sums to 1 in |·|, so 1;
+    # with μ = (1, 2): [[1.5, 1.5], [.5, 2.5]] has column sums (2, 4) and row sums (3, 3): √12.
+    attn = torch.tensor([[0.5, -0.5], [-0.5, 0.5]], dtype=torch.float64, device=device)
+    right = torch.eye(2, dtype=torch.float64, device=device)[:, None, :]
+    mean = torch.tensor([[1.0, 2.0]], dtype=torch.float64, device=device)
+    residual, norm = fused_leaf_norms(attn, right, mean)
+    assert residual.tolist() == [1.0]
+    assert norm.item() == pytest.approx(12**0.5, rel=1e-15)
+
+
+def test_zero_leaves_and_non_contiguous_operands(device):
+    attn = torch.randn(8, 8, dtype=torch.float64, device=device)
+    residual, norm = fused_leaf_norms(attn, torch.randn(8, 0, 5, dtype=torch.float64, device=device),
+                                      torch.randn(0, 5, dtype=torch.float64, device=device))
+    assert residual.shape == norm.shape == (0,)
+    right = torch.randn(5, 3, 8, dtype=torch.float64, device=device).permute(2, 1, 0)  # column stride 15
+    mean = torch.randn(5, 3, dtype=torch.float64, device=device).t()
+    got = fused_leaf_norms(attn.t(), right, mean)
+    for value, expected in zip(got, reference(attn.t(), right, mean)):
+        torch.testing.assert_close(value.cpu(), expected, **tolerance(torch.float64))
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "message"),
+    [
+        ((129, 129, 2, 4), ValueError, r"expected 1 <= n <= 128 rows, got n = 129"),
+        ((4, 5, 2, 4), ValueError, r"expected attn \[n, n\], got shape \[4, 5\]"),
+        ((4, 4, 2, 0), ValueError, r"expected right \[n, c, m\] with n = 4 and m >= 1"),
+    ],
+)
+def test_bad_input(device, args, error, message):
+    rows, cols, count, m = args
+    attn = torch.randn(rows, cols, device=device)
+    with pytest.raises(error, match=message):
+        fused_leaf_norms(attn, torch.randn(rows, count, m, device=device), torch.randn(count, m, device=device))
+
+
+def test_bad_dtypes_and_shapes(device):
+    attn = torch.randn(4, 4, device=device)
+    with pytest.raises(TypeError, match=r"_fused_leaf_norms: expected right and mean in Float, got Double"):
+        fused_leaf_norms(attn, torch.randn(4, 2, 3, device=device, dtype=torch.float64), torch.randn(2, 3, device=device))
+    with pytest.raises(ValueError, match=r"expected mean \[c, m\] = \[2, 3\], got \[3, 2\]"):
+        fused_leaf_norms(attn, torch.randn(4, 2, 3, device=device), torch.randn(3, 2, device=device))
+    with pytest.raises(TypeError, match="expected attn to be float32 or float64, got Half"):
+        fused_leaf_norms(attn.half(), torch.randn(4, 2, 3, device=device).half(), torch.randn(2, 3, device=device).half())
+
+
+def test_opcheck():
+    attn = torch.randn(6, 6, dtype=torch.float64)
+    torch.library.opcheck(fused_leaf_norms, (attn, torch.randn(6, 3, 5, dtype=torch.float64),
+                                             torch.randn(3, 5, dtype=torch.float64)))
+
+
+@pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_harness_and_cuda_kernel_agree(dtype):
+    attn, right, mean = torch.randn(70, 70, dtype=dtype), torch.randn(70, 5, 90, dtype=dtype), torch.randn(5, 90, dtype=dtype)
+    cpu = fused_leaf_norms(attn, right, mean)
+    gpu = fused_leaf_norms(attn.cuda(), right.cuda(), mean.cuda())
+    tol = tolerance(dtype) if dtype == torch.float64 else {"rtol": 1e-6, "atol": 0}
+    for a, b in zip(gpu, cpu):
+        torch.testing.assert_close(a.cpu(), b, **tol)
+
+
+@pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
+@pytest.mark.parametrize("n", [8, 64, 130])  # 130: beyond the fused kernel, cuBLAS and the reduction
+def test_engine_with_and_without_the_fused_kernel_agree(n):
+    layers, heads = 3, 3
+    attn = random_attention(2, layers, heads, n, n, device="cuda")
+    x = torch.randn(2, n, 24, device="cuda")
+    w_v, w_o = torch.randn(layers, heads, 24, 8, device="cuda") / 5, torch.randn(layers, heads, 8, 24, device="cuda") / 3
+    tree = pk.PathTree.complete(layers, heads, skip=True)
+    for args in ({}, {"x": x, "w_v": w_v, "w_o": w_o}):
+        fused = pk.path_residuals(attn, tree, **args)
+        with engine._leaf_kernel(fused=False):
+            unfused = pk.path_residuals(attn, tree, **args)
+        torch.testing.assert_close(fused.residual, unfused.residual, rtol=1e-5, atol=0)
+        torch.testing.assert_close(fused.norm, unfused.norm, rtol=1e-5, atol=0)
