@@ -102,6 +102,9 @@ FusedLeafOperands check_fused_leaf(const at::Tensor& attn, const at::Tensor& rig
 
 fused_leaf::Params fused_leaf_params(const FusedLeafOperands& ops, const at::Tensor& col_stats,
                                      const at::Tensor& row_stats) {
+  TORCH_INTERNAL_ASSERT(ops.attn.is_contiguous() && ops.right.stride(2) == 1 &&
+                        (ops.right.size(1) <= 1 || ops.right.stride(1) == ops.right.size(2)) &&
+                        (ops.mean.size(1) <= 1 || ops.mean.stride(1) == 1));
   fused_leaf::Params p;
   p.attn = ops.attn.const_data_ptr();
   p.n = ops.attn.size(0);
