@@ -46,7 +46,7 @@ for tool in memcheck racecheck; do
 done
 step bench-norms $PYTHON bench/bench_norms.py --device cuda --out "$out/norms.json"
 step bench-paths $PYTHON bench/bench_paths.py --device cuda --quick --out "$out/paths.json"
-step bench-gpu-leaves $PYTHON bench/bench_gpu_leaves.py --out "$out/gpu_leaves.json"
+step bench-gpu-leaves $PYTHON bench/bench_gpu_leaves.py --limit 100 --out "$out/gpu_leaves.json"
 for log in tests bench-norms bench-paths bench-gpu-leaves; do
   { echo; echo "$log:"; tail -n 25 "$out/$log.log" | sed 's/^/    /'; } >> "$summary"
 done
