@@ -127,3 +127,15 @@ def test_cli_paths_under_torchrun_matches_one_process():
     assert "split over 2 processes" in two
     table = lambda out: out[out.index("\n length"):].strip()
     assert table(two) == table(one)
+
+
+def test_launched_group_creates_and_destroys_the_torchrun_group(monkeypatch):
+    with pk.distributed.launched_group() as distributed:  # not under torchrun: nothing to do
+        assert distributed is False and not dist.is_initialized()
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(RuntimeError, match="inside"), pk.distributed.launched_group() as distributed:
+        assert distributed is False and dist.is_initialized() and dist.get_world_size() == 1
+        raise RuntimeError("inside")
+    assert not dist.is_initialized()  # destroyed on the way out, even after an error
