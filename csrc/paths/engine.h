@@ -75,7 +75,10 @@ struct ChildOperands {
 inline ChildOperands child_operands(const Network& net, int64_t layer, int64_t head, const at::Tensor& parents,
                                     const at::Tensor& parent_mean) {
   const int64_t n = parents.size(0), c = parents.size(1), m = parents.size(2);
-  at::Tensor mean = parent_mean + at::mm(net.attn_mean[layer][head].unsqueeze(0), parents.flatten(1)).view({c, m});
+  // One GEMM with beta = 1 (one launch on CUDA): [μ_parent …] + aᵀ [R_parent …], all c at once.
+  at::Tensor mean = at::addmm(parent_mean.reshape({1, c * m}), net.attn_mean[layer][head].unsqueeze(0),
+                              parents.flatten(1))
+                        .view({c, m});
   if (!net.w_v.has_value()) {
     return {parents, mean};
   }
