@@ -98,7 +98,7 @@ def test_cpu_harness_and_cuda_kernel_agree(dtype):
     attn, right, mean = torch.randn(70, 70, dtype=dtype), torch.randn(70, 5, 90, dtype=dtype), torch.randn(5, 90, dtype=dtype)
     cpu = fused_leaf_norms(attn, right, mean)
     gpu = fused_leaf_norms(attn.cuda(), right.cuda(), mean.cuda())
-    tol = tolerance(dtype) if dtype == torch.float64 else {"rtol": 1e-6, "atol": 0}
+    tol = tolerance(dtype) if dtype == torch.float64 else {"rtol": 1e-5, "atol": 0}  # FMA on the GPU, not here
     for a, b in zip(gpu, cpu):
         torch.testing.assert_close(a.cpu(), b, **tol)
 
