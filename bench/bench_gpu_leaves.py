@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_paths import best_time, gemm_rate  # bench/ is on sys.path for a script
 
 import pathkernels as pk
 from pathkernels import engine
@@ -33,35 +34,15 @@ ENGINE_CASES = [(6, 10, 64, False), (5, 12, 64, False), (4, 8, 128, False), (5, 
 BILLION = (9, 10, 64)
 
 
-def cuda_seconds(fn, min_runs: int = 3, min_seconds: float = 0.5) -> float:
-    """Best wall time of fn() with the device synchronised around each call."""
-    times, start = [], time.perf_counter()
-    while len(times) < min_runs or time.perf_counter() - start < min_seconds:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        if len(times) >= min_runs and times[-1] > min_seconds:
-            break
-    return min(times)
-
-
-def gemm_floor(size: int = 4096) -> float:
-    """FLOP/s of a size² float32 cuBLAS GEMM."""
-    a = torch.randn(size, size, device="cuda")
-    return 2 * size**3 / cuda_seconds(lambda: a @ a, min_runs=5)
-
-
 def kernel_case(n: int, leaves: int) -> dict:
     attn = random_attention(1, 1, n, n, device="cuda")[0, 0]
     centred = attn - attn.mean(0, keepdim=True)
     right = torch.randn(n, leaves, n, device="cuda")
     mean = torch.randn(leaves, n, device="cuda")
     flops = 2 * n * n * n * leaves
-    fused = cuda_seconds(lambda: torch.ops.pathkernels._fused_leaf_norms(centred, right, mean))
+    fused = best_time(lambda: torch.ops.pathkernels._fused_leaf_norms(centred, right, mean), min_seconds=0.5)
     flat = right.view(n, leaves * n)
-    gemm = cuda_seconds(lambda: centred @ flat)
+    gemm = best_time(lambda: centred @ flat, min_seconds=0.5)
     return {"n": n, "leaves": leaves, "fused_ms": fused * 1e3, "cublas_same_product_ms": gemm * 1e3,
             "fused_tflops": flops / fused / 1e12, "cublas_tflops": flops / gemm / 1e12,
             "fraction_of_cublas": gemm / fused}
@@ -91,7 +72,7 @@ def engine_case(layers: int, heads: int, n: int, skip: bool, floor: float) -> di
     for name, fn in [("fused", lambda: pk.path_residuals(attn, tree)), ("unfused", unfused),
                      ("levelwise", lambda: levelwise_baseline(attn, skip))]:
         try:
-            seconds = cuda_seconds(fn, min_runs=2, min_seconds=0.3)
+            seconds = best_time(fn, min_runs=2, min_seconds=0.3)
             row.update({f"{name}_s": seconds, f"{name}_paths_per_s": paths / seconds,
                         f"{name}_fraction_of_floor": flops / seconds / floor, f"{name}_peak_mib": peak_mib(fn)})
         except torch.OutOfMemoryError:
@@ -110,7 +91,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     assert torch.cuda.is_available() and pk.build_info()["cuda"], "needs a GPU and pathkernels built with CUDA"
     torch.backends.cuda.matmul.allow_tf32 = False
-    floor = gemm_floor()
+    floor = gemm_rate(torch.float32, "cuda")
     card = torch.cuda.get_device_name()
     print(f"{card}, torch {torch.__version__}; cuBLAS float32 4096² GEMM: {floor / 1e12:.1f} TFLOP/s", flush=True)
 

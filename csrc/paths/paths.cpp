@@ -1,5 +1,7 @@
 #include "paths/paths.h"
 
+#include <type_traits>
+
 #include "common/checks.h"
 
 namespace pathkernels {
@@ -123,7 +125,9 @@ fused_leaf::Params fused_leaf_params(const FusedLeafOperands& ops, const at::Ten
 
 std::tuple<at::Tensor, at::Tensor> fused_leaf_buffers(const FusedLeafOperands& ops) {
   const int64_t n = ops.attn.size(0), count = ops.right.size(1), m = ops.right.size(2);
-  const auto options = ops.right.options().dtype(at::kDouble);  // norm_acc_t of float and double
+  // The kernels accumulate in norm_acc_t<T> (fused_leaf.h's A), double for both float and double.
+  static_assert(std::is_same_v<norm_acc_t<float>, double> && std::is_same_v<norm_acc_t<double>, double>);
+  const auto options = ops.right.options().dtype(at::kDouble);
   return {at::empty({count, m, fused_leaf::kStats}, options),
           at::empty({count, fused_leaf::column_tiles(m), n, fused_leaf::kStats}, options)};
 }
