@@ -17,6 +17,15 @@ def reference(attn, right, mean):
     return composite_norm_ref(leaves), composite_norm_ref(leaves + mean.double().cpu()[:, None, :])
 
 
+def float32_slack(attn, right):
+    """Absolute error the float32 product C(A) right_k may carry into its norms, per leaf: the
+    dot-product bound γ_n = n·2⁻²⁴ times the largest column or row sum of |C(A)| |right_k|, ×4
+    for the composite's geometric mean. It matters where 1μᵀ + R cancels (at n = 1, one product)."""
+    magnitude = torch.einsum("ik,kcj->cij", attn.double().abs().cpu(), right.double().abs().cpu())
+    largest_sum = torch.maximum(magnitude.sum(-2).amax(-1), magnitude.sum(-1).amax(-1))
+    return 4 * attn.shape[0] * 2.0**-24 * largest_sum
+
+
 # n and m on both sides of the 32/64/128-row tiles, the 64-column tiles and the 16-deep k-slices.
 SHAPES = [(1, 1, 1), (2, 3, 2), (5, 2, 7), (16, 2, 16), (17, 3, 33), (32, 2, 64), (33, 2, 65), (64, 3, 64),
           (65, 2, 128), (100, 2, 150), (128, 2, 129)]
@@ -32,10 +41,14 @@ def test_matches_float64_reference(device, dtype, shape):
     mean = torch.randn(count, m, dtype=dtype, device=device)
     residual, norm = fused_leaf_norms(attn, right, mean)
     assert residual.shape == norm.shape == (count,) and residual.dtype == dtype and residual.device == attn.device
-    tol = tolerance(dtype) if dtype == torch.float64 else {"rtol": 1e-5, "atol": 0}
     expected_residual, expected_norm = reference(attn, right, mean)
-    torch.testing.assert_close(residual.double().cpu(), expected_residual, **tol)
-    torch.testing.assert_close(norm.double().cpu(), expected_norm, **tol)
+    for got, expected in [(residual, expected_residual), (norm, expected_norm)]:
+        if dtype == torch.float64:
+            torch.testing.assert_close(got.cpu(), expected, **tolerance(dtype))
+        else:
+            error = (got.double().cpu() - expected).abs()
+            bound = 1e-5 * expected + float32_slack(attn, right)
+            assert (error <= bound).all(), (error, bound)
 
 
 def test_hand_worked_leaf(device):
@@ -115,5 +128,6 @@ def test_engine_with_and_without_the_fused_kernel_agree(n):
         fused = pk.path_residuals(attn, tree, **args)
         with engine._leaf_kernel(fused=False):
             unfused = pk.path_residuals(attn, tree, **args)
-        torch.testing.assert_close(fused.residual, unfused.residual, rtol=1e-5, atol=0)
-        torch.testing.assert_close(fused.norm, unfused.norm, rtol=1e-5, atol=0)
+        # Two float32 summation orders, as in test_engine.py's CPU-versus-CUDA comparison.
+        torch.testing.assert_close(fused.residual, unfused.residual, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(fused.norm, unfused.norm, rtol=1e-4, atol=1e-6)
