@@ -126,7 +126,7 @@ def main(argv=None) -> int:
         result = pk.path_residuals(attn, pk.PathTree.complete(layers, heads), progress=True)
         torch.cuda.synchronize()
         billion.update(seconds=time.perf_counter() - start, peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-                       results_gib=3 * result.residual.numel() * 4 / 2**30,
+                       results_gib=2 * result.residual.numel() * result.residual.element_size() / 2**30,  # ratio is lazy
                        finite=bool(torch.isfinite(result.ratio).all()))
         print(f"\n10^9 leaves (L = {layers}, H = {heads}, n = {n}): {billion['seconds']:.1f} s, peak "
               f"{billion['peak_gib']:.1f} GiB (of which results {billion['results_gib']:.1f} GiB)")
