@@ -10,8 +10,11 @@
 // `_fused_leaf_norms` op therefore exercise the very code each GPU thread runs.
 //
 // Ownership: thread (ty, tx) = (tid / kThreadCols, tid % kThreadCols) owns the accumulators of
-// rows ty + kThreadRows·i and columns tx + kThreadCols·j of the tile (strided, so that a warp's
-// shared-memory reads of one k hit distinct banks or broadcast).
+// rows ty·R + i (i < R, R = kRows / kThreadRows) and columns tx·C + j (j < C = 4) of the tile:
+// contiguous, so that each k step reads its R + C operands from shared memory as 16-byte vectors
+// (R/4 + 1 loads for R·4 multiply-adds; with scalar loads the k loop was bound by shared-memory
+// load instructions, 12 per 32 multiply-adds at n = 64). A warp's two thread rows read two
+// addresses of C(A) (broadcast) and its 16 thread columns 256 contiguous bytes of right.
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -37,6 +40,37 @@ constexpr int kTileCols = 64;                        // columns of R per CTA
 constexpr int kTileDepth = 16;                       // k-slice of C(A) and right staged per step
 constexpr int kMaxRows = 128;                        // larger n goes through cuBLAS and a reduction
 constexpr int kStats = 2;                            // per sum: |R| (the residual), |R + μ| (the product)
+constexpr int kVectorBytes = 16;                     // shared-memory reads of the k loop
+
+// dst = src[0 : N], src 16-byte aligned (in shared memory): 16-byte vector loads on the GPU.
+template <int N, typename T>
+C10_HOST_DEVICE inline void load_vector(const T* src, T (&dst)[N]) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<T, float> && N % 4 == 0) {
+    PATHKERNELS_UNROLL
+    for (int v = 0; v < N / 4; ++v) {
+      const float4 q = reinterpret_cast<const float4*>(src)[v];
+      dst[4 * v] = q.x;
+      dst[4 * v + 1] = q.y;
+      dst[4 * v + 2] = q.z;
+      dst[4 * v + 3] = q.w;
+    }
+  } else if constexpr (std::is_same_v<T, double> && N % 2 == 0) {
+    PATHKERNELS_UNROLL
+    for (int v = 0; v < N / 2; ++v) {
+      const double2 q = reinterpret_cast<const double2*>(src)[v];
+      dst[2 * v] = q.x;
+      dst[2 * v + 1] = q.y;
+    }
+  } else  // NOLINT(readability/braces): the scalar loop below is the other types' branch
+#endif
+  {
+    PATHKERNELS_UNROLL
+    for (int i = 0; i < N; ++i) {
+      dst[i] = src[i];
+    }
+  }
+}
 
 // Kernel boundary: plain pointers and element strides.
 struct Params {
@@ -76,10 +110,14 @@ struct Tile {
   static_assert(kRows % kThreadRows == 0 && kRows <= kMaxRows, "tile rows");
   static constexpr int kRowsPerThread = kRows / kThreadRows;
   static constexpr int kColsPerThread = kTileCols / kThreadCols;
+  // Pads each k-row of the staged C(A) by one vector: rows stay 16-byte aligned, and the
+  // transposing stores of consecutive k land on different banks.
+  static constexpr int kAttnPad = kVectorBytes / sizeof(T);
+  static_assert(kRowsPerThread % kAttnPad == 0 && kColsPerThread % kAttnPad == 0, "vector reads");
 
   // The GEMM's operands and the epilogue's partial sums are never live at once: they share memory.
-  struct Operands {
-    T attn[kTileDepth][kRows + 1];  // k-major; the pad spreads the transposing stores over banks
+  struct alignas(kVectorBytes) Operands {
+    T attn[kTileDepth][kRows + kAttnPad];  // k-major
     T right[kTileDepth][kTileCols];
   };
   struct Sums {
@@ -144,14 +182,8 @@ struct Tile {
     for (int kk = 0; kk < kTileDepth; ++kk) {
       T a[kRowsPerThread];
       T b[kColsPerThread];
-      PATHKERNELS_UNROLL
-      for (int i = 0; i < kRowsPerThread; ++i) {
-        a[i] = s.operands.attn[kk][ty + kThreadRows * i];
-      }
-      PATHKERNELS_UNROLL
-      for (int j = 0; j < kColsPerThread; ++j) {
-        b[j] = s.operands.right[kk][tx + kThreadCols * j];
-      }
+      load_vector(&s.operands.attn[kk][ty * kRowsPerThread], a);
+      load_vector(&s.operands.right[kk][tx * kColsPerThread], b);
       PATHKERNELS_UNROLL
       for (int i = 0; i < kRowsPerThread; ++i) {
         PATHKERNELS_UNROLL
@@ -171,11 +203,11 @@ struct Tile {
     A col_sums[kColsPerThread][kStats] = {};
     PATHKERNELS_UNROLL
     for (int i = 0; i < kRowsPerThread; ++i) {
-      const int row = ty + kThreadRows * i;
+      const int row = ty * kRowsPerThread + i;
       A row_sums[kStats] = {};
       PATHKERNELS_UNROLL
       for (int j = 0; j < kColsPerThread; ++j) {
-        const int c = tx + kThreadCols * j;
+        const int c = tx * kColsPerThread + j;
         if (row < p.n && tile * kTileCols + c < p.cols) {
           const A v = static_cast<A>(r.acc[i][j]);
           const A residual = ::fabs(v);
@@ -191,8 +223,8 @@ struct Tile {
     }
     PATHKERNELS_UNROLL
     for (int j = 0; j < kColsPerThread; ++j) {
-      s.sums.col[ty][tx + kThreadCols * j][0] = col_sums[j][0];
-      s.sums.col[ty][tx + kThreadCols * j][1] = col_sums[j][1];
+      s.sums.col[ty][tx * kColsPerThread + j][0] = col_sums[j][0];
+      s.sums.col[ty][tx * kColsPerThread + j][1] = col_sums[j][1];
     }
   }
 
