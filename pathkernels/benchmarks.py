@@ -21,14 +21,16 @@ QUICK_NORM_CASES = [(1024, 64, 64), (32, 256, 256)]
 
 
 def median_seconds(fn: Callable[[], object], device: str, min_run_time: float) -> float:
-    """Median wall time of one call of fn(), waiting for the device to finish each call."""
+    """Median wall time of one call of fn(), waiting for the device to finish each call, with
+    torch's current number of threads (``Timer`` alone would time on one thread)."""
     wait = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def call():
         fn()
         wait()
 
-    return Timer(stmt="call()", globals={"call": call}).blocked_autorange(min_run_time=min_run_time).median
+    timer = Timer(stmt="call()", globals={"call": call}, num_threads=torch.get_num_threads())
+    return timer.blocked_autorange(min_run_time=min_run_time).median
 
 
 def machine_description(device: str) -> str:

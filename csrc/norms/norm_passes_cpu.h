@@ -14,11 +14,16 @@
 #include "common/norm_math.h"
 #include "norms/params.h"
 
-// The hot row loops are compiled for AVX-512, AVX2 and baseline x86-64, picked at load time.
+// Everything here is inlined (PATHKERNELS_INLINE) into the callers' per-matrix functions, which
+// are compiled for AVX-512, AVX2 and baseline x86-64 and picked at load time
+// (PATHKERNELS_MULTIVERSION). Dispatching per block of rows instead cost an indirect call per
+// 4 × m elements and one per row for the tails, and left the maxima in baseline code.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define PATHKERNELS_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#define PATHKERNELS_INLINE inline __attribute__((always_inline))
 #else
 #define PATHKERNELS_MULTIVERSION
+#define PATHKERNELS_INLINE inline
 #endif
 
 namespace pathkernels::cpu {
@@ -29,7 +34,7 @@ namespace pathkernels::cpu {
 // A in registers; the centring subtracts in A, so a residual tiny against the mean keeps its
 // relative precision.
 template <bool kCentred, bool kWithSum, typename S, typename A>
-PATHKERNELS_MULTIVERSION A row_sums(const S* row, int64_t m, const A* mean, A* col_sum, A* col_abs) {
+PATHKERNELS_INLINE A row_sums(const S* row, int64_t m, const A* mean, A* col_sum, A* col_abs) {
   A row_abs = A(0);
 #pragma omp simd reduction(+ : row_abs)
   for (int64_t j = 0; j < m; ++j) {
@@ -57,30 +62,55 @@ PATHKERNELS_MULTIVERSION A row_sums(const S* row, int64_t m, const A* mean, A* c
 constexpr int64_t kLanes = 4;
 constexpr int64_t kBlockRows = 4;
 using double_lanes = double __attribute__((vector_size(kLanes * sizeof(double))));
-using float_lanes = float __attribute__((vector_size(kLanes * sizeof(float))));
 using int64_lanes = int64_t __attribute__((vector_size(kLanes * sizeof(int64_t))));
 
-inline double_lanes load_lanes(const double* p) {
+PATHKERNELS_INLINE double_lanes load_lanes(const double* p) {
   double_lanes v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline double_lanes load_lanes(const float* p) {
-  float_lanes v;
-  std::memcpy(&v, p, sizeof v);
-  return __builtin_convertvector(v, double_lanes);
+// Element by element, which GCC turns into one 4-wide vcvtps2pd from memory; converting a loaded
+// 4-float vector (__builtin_convertvector) became two 2-wide conversions and an insert, ~20 % slower.
+PATHKERNELS_INLINE double_lanes load_lanes(const float* p) {
+  return double_lanes{static_cast<double>(p[0]), static_cast<double>(p[1]), static_cast<double>(p[2]),
+                      static_cast<double>(p[3])};
 }
-inline void store_lanes(double* p, double_lanes v) {
+PATHKERNELS_INLINE void store_lanes(double* p, double_lanes v) {
   std::memcpy(p, &v, sizeof v);
 }
-inline double_lanes abs_lanes(double_lanes v) {
+PATHKERNELS_INLINE double_lanes abs_lanes(double_lanes v) {
   return reinterpret_cast<double_lanes>(reinterpret_cast<int64_lanes>(v) & INT64_MAX);
 }
 
+PATHKERNELS_INLINE double horizontal_sum(double_lanes v) {
+  return (v[0] + v[1]) + (v[2] + v[3]);
+}
+
+// Asks for the cache lines of kBlockRows rows of m elements (row stride row_stride) ahead of use.
+template <typename S>
+PATHKERNELS_INLINE void prefetch_rows(const S* rows, int64_t row_stride, int64_t m) {
+  constexpr int64_t kLine = 64;
+  for (int64_t r = 0; r < kBlockRows; ++r) {
+    const char* row = reinterpret_cast<const char*>(rows + r * row_stride);
+    for (int64_t byte = 0; byte < m * static_cast<int64_t>(sizeof(S)); byte += kLine) {
+      __builtin_prefetch(row + byte);
+    }
+  }
+}
+
+// prefetch, when not null, is the same block of the next matrix: the centred pass runs from cache
+// while the memory system brings in the next matrix's first pass.
 template <bool kCentred, bool kWithSum, typename S>
-PATHKERNELS_MULTIVERSION void row_block_sums(const S* x, int64_t row_stride, int64_t m, const double* mean,
-                                             double* col_sum, double* col_abs, double* row_abs) {
-  double_lanes row_part[kBlockRows] = {};
+PATHKERNELS_INLINE void row_block_sums(const S* x, int64_t row_stride, int64_t m, const double* mean,
+                                       double* col_sum, double* col_abs, double* row_abs, const S* prefetch) {
+  if (prefetch != nullptr) {
+    prefetch_rows(prefetch, row_stride, m);
+  }
+  double_lanes row_part[kBlockRows];
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < kBlockRows; ++r) {
+    row_part[r] = double_lanes{};
+  }
   int64_t j = 0;
   for (; j + kLanes <= m; j += kLanes) {
     const double_lanes mu = kCentred ? load_lanes(mean + j) : double_lanes{};
@@ -104,20 +134,27 @@ PATHKERNELS_MULTIVERSION void row_block_sums(const S* x, int64_t row_stride, int
     }
     store_lanes(col_abs + j, abs_sum);
   }
+#pragma GCC unroll 4
   for (int64_t r = 0; r < kBlockRows; ++r) {
-    const double tail = row_sums<kCentred, kWithSum>(x + r * row_stride + j, m - j, mean + j, col_sum + j, col_abs + j);
-    row_abs[r] = (row_part[r][0] + row_part[r][1]) + (row_part[r][2] + row_part[r][3]) + tail;
+    const double tail =
+        j < m ? row_sums<kCentred, kWithSum>(x + r * row_stride + j, m - j, mean + j, col_sum + j, col_abs + j) : 0.0;
+    row_abs[r] = horizontal_sum(row_part[r]) + tail;
   }
 }
 
 // Both sums of row_block_sums in one pass: of v and of v − mean, for the path engine's leaves
 // (the residual R and the product 1μᵀ + R, with mean = −μ). One load feeds both.
 template <typename S>
-PATHKERNELS_MULTIVERSION void paired_row_block_sums(const S* x, int64_t row_stride, int64_t m, const double* mean,
-                                                    double* col_abs, double* col_abs_centred, double* row_abs,
-                                                    double* row_abs_centred) {
-  double_lanes row_part[kBlockRows] = {};
-  double_lanes row_part_centred[kBlockRows] = {};
+PATHKERNELS_INLINE void paired_row_block_sums(const S* x, int64_t row_stride, int64_t m, const double* mean,
+                                              double* col_abs, double* col_abs_centred, double* row_abs,
+                                              double* row_abs_centred) {
+  double_lanes row_part[kBlockRows];
+  double_lanes row_part_centred[kBlockRows];
+#pragma GCC unroll 4
+  for (int64_t r = 0; r < kBlockRows; ++r) {
+    row_part[r] = double_lanes{};
+    row_part_centred[r] = double_lanes{};
+  }
   int64_t j = 0;
   for (; j + kLanes <= m; j += kLanes) {
     const double_lanes mu = load_lanes(mean + j);
@@ -136,13 +173,17 @@ PATHKERNELS_MULTIVERSION void paired_row_block_sums(const S* x, int64_t row_stri
     store_lanes(col_abs + j, abs_sum);
     store_lanes(col_abs_centred + j, abs_sum_centred);
   }
+#pragma GCC unroll 4
   for (int64_t r = 0; r < kBlockRows; ++r) {
     const S* row = x + r * row_stride + j;
-    const double tail = row_sums<false, false>(row, m - j, mean + j, col_abs, col_abs + j);
-    const double tail_centred = row_sums<true, false>(row, m - j, mean + j, col_abs, col_abs_centred + j);
-    row_abs[r] = (row_part[r][0] + row_part[r][1]) + (row_part[r][2] + row_part[r][3]) + tail;
-    row_abs_centred[r] = (row_part_centred[r][0] + row_part_centred[r][1]) +
-                         (row_part_centred[r][2] + row_part_centred[r][3]) + tail_centred;
+    double tail = 0.0;
+    double tail_centred = 0.0;
+    if (j < m) {
+      tail = row_sums<false, false>(row, m - j, mean + j, col_abs, col_abs + j);
+      tail_centred = row_sums<true, false>(row, m - j, mean + j, col_abs, col_abs_centred + j);
+    }
+    row_abs[r] = horizontal_sum(row_part[r]) + tail;
+    row_abs_centred[r] = horizontal_sum(row_part_centred[r]) + tail_centred;
   }
 }
 #endif
@@ -150,9 +191,11 @@ PATHKERNELS_MULTIVERSION void paired_row_block_sums(const S* x, int64_t row_stri
 // One pass over a matrix: row_abs[i] = Σ_j |v_ij|, col_abs[j] += Σ_i |v_ij| (and col_sum[j] +=
 // Σ_i v_ij when kWithSum), with v = x, or x − mean when kCentred. float and double inputs with unit
 // column stride go by blocks of rows straight from x; the others (half, bfloat16, strided) row by row
-// through `buffer`, a copy of the row widened to A.
+// through `buffer`, a copy of the row widened to A. `prefetch`, when not null, is another matrix
+// of the same layout (the next of a batch) whose cache lines the row blocks ask for as they go.
 template <bool kCentred, bool kWithSum, typename T, typename A>
-void matrix_pass(const T* x, const MatrixBatch& s, const A* mean, A* col_sum, A* col_abs, A* row_abs, A* buffer) {
+PATHKERNELS_INLINE void matrix_pass(const T* x, const MatrixBatch& s, const A* mean, A* col_sum, A* col_abs, A* row_abs,
+                                    A* buffer, const T* prefetch = nullptr) {
   const int64_t m = s.cols;
 #ifdef PATHKERNELS_HAVE_ROW_BLOCKS
   if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, double>) && std::is_same_v<A, double>) {
@@ -160,7 +203,7 @@ void matrix_pass(const T* x, const MatrixBatch& s, const A* mean, A* col_sum, A*
       int64_t i = 0;
       for (; i + kBlockRows <= s.rows; i += kBlockRows) {
         row_block_sums<kCentred, kWithSum>(x + i * s.row_stride, s.row_stride, m, mean, col_sum, col_abs,
-                                           row_abs + i);
+                                           row_abs + i, prefetch == nullptr ? nullptr : prefetch + i * s.row_stride);
       }
       for (; i < s.rows; ++i) {
         row_abs[i] = row_sums<kCentred, kWithSum>(x + i * s.row_stride, m, mean, col_sum, col_abs);
@@ -181,7 +224,7 @@ void matrix_pass(const T* x, const MatrixBatch& s, const A* mean, A* col_sum, A*
 // matrix_pass<false, false> and matrix_pass<true, false> at once, for a matrix with unit column
 // stride: sums of |x| into (col_abs, row_abs) and of |x − mean| into the *_centred arrays.
 template <typename T>
-void paired_matrix_pass(const T* x, const MatrixBatch& s, const double* mean, double* col_abs, double* row_abs,
+PATHKERNELS_INLINE void paired_matrix_pass(const T* x, const MatrixBatch& s, const double* mean, double* col_abs, double* row_abs,
                         double* col_abs_centred, double* row_abs_centred, double* buffer) {
   int64_t i = 0;
 #ifdef PATHKERNELS_HAVE_ROW_BLOCKS
@@ -199,12 +242,27 @@ void paired_matrix_pass(const T* x, const MatrixBatch& s, const double* mean, do
   matrix_pass<true, false>(x + i * s.row_stride, rest, mean, col_abs, col_abs_centred, row_abs_centred + i, buffer);
 }
 
+// max_update over values[0 : count] from (0, 0), for values ≥ 0 or NaN (abs sums): the first NaN
+// if there is one, else the largest value at its first index. Two branch-free-able scans (the
+// maximum, then its first index) instead of max_update's branchy one: the latter took ~10 % of a
+// 64 × 64 residual norm.
 template <typename A>
-void vector_max(const A* values, int64_t count, A& best, int64_t& best_index) {
+PATHKERNELS_INLINE void vector_max(const A* values, int64_t count, A& best, int64_t& best_index) {
+  A top = A(0);
+  bool any_nan = false;
+  for (int64_t k = 0; k < count; ++k) {
+    const A v = values[k];
+    any_nan |= is_nan(v);
+    top = v > top ? v : top;
+  }
   best = A(0);
   best_index = 0;
   for (int64_t k = 0; k < count; ++k) {
-    max_update(values[k], k, best, best_index);
+    if (any_nan ? is_nan(values[k]) : values[k] == top) {
+      best = values[k];
+      best_index = k;
+      return;
+    }
   }
 }
 
@@ -220,7 +278,7 @@ struct Maxima {
 };
 
 template <typename A>
-Maxima<A> maxima(const A* col_abs, int64_t cols, const A* row_abs, int64_t rows) {
+PATHKERNELS_INLINE Maxima<A> maxima(const A* col_abs, int64_t cols, const A* row_abs, int64_t rows) {
   Maxima<A> out;
   vector_max(col_abs, cols, out.l1, out.col);
   vector_max(row_abs, rows, out.linf, out.row);
@@ -228,7 +286,7 @@ Maxima<A> maxima(const A* col_abs, int64_t cols, const A* row_abs, int64_t rows)
 }
 
 template <typename T, typename A>
-void write_target(T* parts, int64_t* argmax, const A* col_abs, int64_t cols, const A* row_abs, int64_t rows) {
+PATHKERNELS_INLINE void write_target(T* parts, int64_t* argmax, const A* col_abs, int64_t cols, const A* row_abs, int64_t rows) {
   const Maxima<A> found = maxima(col_abs, cols, row_abs, rows);
   parts[kPartL1] = static_cast<T>(found.l1);
   parts[kPartLinf] = static_cast<T>(found.linf);

@@ -14,9 +14,12 @@ namespace {
 using namespace cpu;
 
 // One matrix: pass 1 gives the norms of x and the column means, pass 2 (when centred) the norms
-// of the residual, re-reading x from cache. Column sums run over rows 0..n−1 in order, as on CUDA.
+// of the residual, re-reading x from cache while prefetching `next` (the batch's next matrix, or
+// null), so that memory and arithmetic overlap. Column sums run over rows 0..n−1 in order, as on
+// CUDA.
 template <typename T, typename A = norm_acc_t<T>>
-void norm_parts_matrix(const T* x, const MatrixBatch& s, bool centered, NormWork<A>& w, T* parts, int64_t* argmax) {
+PATHKERNELS_MULTIVERSION void norm_parts_matrix(const T* x, const T* next, const MatrixBatch& s, bool centered,
+                                                NormWork<A>& w, T* parts, int64_t* argmax) {
   const int64_t m = s.cols;
   std::fill(w.mean, w.mean + 3 * m, A(0));
   const int plain_target = centered ? 1 : 0;
@@ -32,7 +35,7 @@ void norm_parts_matrix(const T* x, const MatrixBatch& s, bool centered, NormWork
   for (int64_t j = 0; j < m; ++j) {
     w.mean[j] /= static_cast<A>(s.rows);
   }
-  matrix_pass<true, false>(x, s, w.mean, w.mean, w.col_res, w.row_abs, w.buffer);
+  matrix_pass<true, false>(x, s, w.mean, w.mean, w.col_res, w.row_abs, w.buffer, next);
   write_target(parts, argmax, w.col_res, m, w.row_abs, s.rows);
 }
 
@@ -52,7 +55,8 @@ std::tuple<at::Tensor, at::Tensor> norm_parts_cpu(const at::Tensor& x, bool cent
     at::parallel_for(0, p.shape.batch, batch_grain(p.shape), [&](int64_t begin, int64_t end) {
       NormWork<A> work(p.shape.rows, p.shape.cols);
       for (int64_t b = begin; b < end; ++b) {
-        norm_parts_matrix(xs + b * p.shape.batch_stride, p.shape, centered, work,
+        const scalar_t* next = b + 1 < end ? xs + (b + 1) * p.shape.batch_stride : nullptr;
+        norm_parts_matrix(xs + b * p.shape.batch_stride, next, p.shape, centered, work,
                           parts + b * targets * kNumParts, p.argmax + b * targets * kNumArgs);
       }
     });
@@ -63,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor> norm_parts_cpu(const at::Tensor& x, bool cent
 // One matrix of the backward pass: grad_x = C(G_0) + G_1 when centred (G_t the sparse sign
 // pattern of target t, C the centring map), grad_x = G_0 otherwise.
 template <typename T, typename A = norm_acc_t<T>>
-void norm_parts_backward_matrix(const T* x, const MatrixBatch& s, bool centered, const T* grad_parts,
+PATHKERNELS_MULTIVERSION void norm_parts_backward_matrix(const T* x, const MatrixBatch& s, bool centered, const T* grad_parts,
                                 const T* parts, const int64_t* argmax, NormWork<A>& w, T* grad_x) {
   const int64_t n = s.rows;
   const int64_t m = s.cols;
