@@ -155,22 +155,31 @@ struct Tile {
   }
 
   // Stage C(A)[:, k0 : k0 + kTileDepth] and right_k[k0 : k0 + kTileDepth, tile's columns], zero
-  // outside the matrices. Consecutive threads read consecutive addresses of both.
+  // outside the matrices. Consecutive threads read consecutive addresses of both. A thread always
+  // stages the same k of C(A) and the same column of right, at rows a fixed stride apart, so its
+  // column offset and column bounds check are set once and the loops unroll with no division.
+  static constexpr int kAttnRowsPerStep = kThreads / kTileDepth;  // rows of C(A) staged per CTA-wide step
+  static constexpr int kRightRowsPerStep = kThreads / kTileCols;  // k-rows of right staged per step
+  static_assert(kThreads % kTileDepth == 0 && kThreads % kTileCols == 0, "staging steps");
+
   static C10_HOST_DEVICE void load(const Params& p, Shared& s, int tid, int64_t leaf, int64_t tile, int64_t k0) {
-    const T* attn = static_cast<const T*>(p.attn);
-    for (int e = tid; e < kRows * kTileDepth; e += kThreads) {
-      const int row = e / kTileDepth;
-      const int kk = e % kTileDepth;
-      const int64_t k = k0 + kk;
-      s.operands.attn[kk][row] = (row < p.n && k < p.n) ? attn[row * p.n + k] : T(0);
+    const int kk = tid % kTileDepth;
+    const bool k_inside = k0 + kk < p.n;
+    const T* attn_column = static_cast<const T*>(p.attn) + (k0 + kk);
+    PATHKERNELS_UNROLL
+    for (int step = 0; step < kRows / kAttnRowsPerStep; ++step) {
+      const int row = tid / kTileDepth + kAttnRowsPerStep * step;
+      s.operands.attn[kk][row] = (k_inside && row < p.n) ? attn_column[row * p.n] : T(0);
     }
-    const T* right = static_cast<const T*>(p.right) + leaf * p.leaf_stride;
-    for (int e = tid; e < kTileDepth * kTileCols; e += kThreads) {
-      const int kk = e / kTileCols;
-      const int c = e % kTileCols;
-      const int64_t k = k0 + kk;
-      const int64_t col = tile * kTileCols + c;
-      s.operands.right[kk][c] = (k < p.n && col < p.cols) ? right[k * p.row_stride + col] : T(0);
+    const int c = tid % kTileCols;
+    const int64_t col = tile * kTileCols + c;
+    const bool col_inside = col < p.cols;
+    const T* right_column = static_cast<const T*>(p.right) + leaf * p.leaf_stride + col;
+    PATHKERNELS_UNROLL
+    for (int step = 0; step < kTileDepth / kRightRowsPerStep; ++step) {
+      const int kr = tid / kTileCols + kRightRowsPerStep * step;
+      const int64_t k = k0 + kr;
+      s.operands.right[kr][c] = (col_inside && k < p.n) ? right_column[k * p.row_stride] : T(0);
     }
   }
 
