@@ -1,6 +1,6 @@
 """One rank of the multi-process tests (tests/test_distributed.py starts one process per rank).
 
-    python tests/distributed_worker.py RANK WORLD PORT OUT CASE [CASE ...]
+    python tests/distributed_worker.py RANK WORLD STORE_FILE OUT CASE [CASE ...]
 
 Runs the cases in order in one gloo group, one thread per process, and saves per case either the
 result (rank 0, or every rank with all_ranks) or the error's type and message to OUT (torch.save).
@@ -62,9 +62,9 @@ def summary(result):
 
 
 def main():
-    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    rank, world, store, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     results = {}
     for case in sys.argv[5:]:
@@ -73,6 +73,9 @@ def main():
         except Exception as error:  # recorded; the next case runs in the same group
             results[case] = ("error", type(error).__name__, str(error))
     torch.save(results, out)
+    # Every rank done with its collectives before any tears its connections down: a gloo peer that
+    # is still working when the other closes can abort at exit (seen once in CI, 2026-11-26).
+    dist.barrier()
     dist.destroy_process_group()
 
 

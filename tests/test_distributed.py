@@ -28,17 +28,17 @@ def free_port() -> int:
 
 
 def launch(world: int, cases: list[str], tmp_path: Path, timeout: float = 180) -> list[dict]:
-    port = free_port()
+    store = tmp_path / "store"  # a file store: no rank hosts a server that could go away before the others
     outs = [tmp_path / f"rank{r}.pt" for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, worker.__file__, str(r), str(world), str(port), str(outs[r]), *cases],
+    procs = [subprocess.Popen([sys.executable, worker.__file__, str(r), str(world), str(store), str(outs[r]), *cases],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
     try:
         logs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
         for p in procs:
             p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log[-3000:]
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"rank {rank} exited with {p.returncode}:\n{log[-3000:]}"
     return [torch.load(out, weights_only=False) for out in outs]
 
 
