@@ -26,6 +26,10 @@ ROW_SUM_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}
 
 _LEAF_BLOCK_BYTES = 1 << 19  # CPU: a leaf block (computed, then reduced) is sized to stay in L2
 _CUDA_LEAF_BLOCK_BYTES = 1 << 27  # CUDA: one launch per block of leaves, so blocks are large
+# CPU: a chunk's working set is kept near the size of a last-level cache, whatever the budget (which
+# stays the upper bound). On the 2-core development VM (32 MiB L3) chunks of 32 MiB instead of the
+# default 1 GiB ran 10-50 % faster: complete trees at n = 32, 64 and 128, max_length and explicit trees.
+_CPU_CHUNK_BYTES = 1 << 25
 
 # Whether CUDA leaves of n <= 128 go through the fused leaf kernel (the default) or through cuBLAS
 # and a separate reduction (fast mode's TF32 GEMMs, and benchmarks comparing the two).
@@ -213,8 +217,8 @@ def _node_bytes(net: _Network) -> int:
 
 
 def _chunks(tree: PathTree, net: _Network, memory_budget: int, first: int, last: int):
-    """Consecutive runs of leaves ``first..last-1`` whose tries fit the memory budget:
-    (start, stop, TrieChunk, leaf_block).
+    """Consecutive runs of leaves ``first..last-1`` whose tries fit the memory budget (on CPU, the
+    smaller of it and a cache-sized working set): (start, stop, TrieChunk, leaf_block).
 
     A complete tree (without ``max_length``) is cut into whole subtrees of ``C^depth`` leaves,
     whose tries have a closed form (:meth:`PathTree.subtree_chunk`); only the unaligned ends of
@@ -225,6 +229,9 @@ def _chunks(tree: PathTree, net: _Network, memory_budget: int, first: int, last:
     block_bytes = _LEAF_BLOCK_BYTES if on_cpu else _CUDA_LEAF_BLOCK_BYTES
     leaf_block = max(1, min(block_bytes, memory_budget // (8 * workers)) // node_bytes)
     fixed = 3 * workers * leaf_block * node_bytes  # each worker's leaf block, gathered parents, W temporaries
+    chunk_budget = memory_budget
+    if on_cpu:  # never below what one chunk needs, so that a budget that works still works
+        chunk_budget = min(memory_budget, max(_CPU_CHUNK_BYTES, 4 * (fixed + 2 * node_bytes)))
 
     def chunk_bytes(chunk) -> int:
         # Two consecutive levels live at once, plus a gathered copy of parents, plus the index arrays.
@@ -235,14 +242,14 @@ def _chunks(tree: PathTree, net: _Network, memory_budget: int, first: int, last:
             f"pathkernels.path_residuals: memory_budget={memory_budget:,} bytes is too small for one leaf "
             f"block ({fixed:,} bytes at n = {net.attn.shape[-1]}, width {net.width}); raise it"
         )
-    size_cap = max(1, (memory_budget - fixed) // max(1, node_bytes // 2 + 32))
+    size_cap = max(1, (chunk_budget - fixed) // max(1, node_bytes // 2 + 32))
 
     def from_paths(start: int, last: int):
         size = max(1, min(last - start, size_cap))
         while start < last:
             stop = min(last, start + size)
             chunk = build_trie_chunk(tree.leaf_range(start, stop))
-            while chunk_bytes(chunk) > memory_budget and stop - start > 1:
+            while chunk_bytes(chunk) > chunk_budget and stop - start > 1:
                 size = max(1, (stop - start) // 2)
                 stop = start + size
                 chunk = build_trie_chunk(tree.leaf_range(start, stop))
@@ -258,7 +265,7 @@ def _chunks(tree: PathTree, net: _Network, memory_budget: int, first: int, last:
             return 3 * internal * node_bytes + 32 * choices**depth + fixed
 
         depth = tree.num_layers
-        while depth > 0 and subtree_bytes(depth) > memory_budget:
+        while depth > 0 and subtree_bytes(depth) > chunk_budget:
             depth -= 1
     if depth < 2:  # subtrees too small to pay off
         yield from from_paths(first, last)
