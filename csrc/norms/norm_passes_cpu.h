@@ -224,8 +224,9 @@ PATHKERNELS_INLINE void matrix_pass(const T* x, const MatrixBatch& s, const A* m
 // matrix_pass<false, false> and matrix_pass<true, false> at once, for a matrix with unit column
 // stride: sums of |x| into (col_abs, row_abs) and of |x − mean| into the *_centred arrays.
 template <typename T>
-PATHKERNELS_INLINE void paired_matrix_pass(const T* x, const MatrixBatch& s, const double* mean, double* col_abs, double* row_abs,
-                        double* col_abs_centred, double* row_abs_centred, double* buffer) {
+PATHKERNELS_INLINE void paired_matrix_pass(const T* x, const MatrixBatch& s, const double* mean, double* col_abs,
+                                           double* row_abs, double* col_abs_centred, double* row_abs_centred,
+                                           double* buffer) {
   int64_t i = 0;
 #ifdef PATHKERNELS_HAVE_ROW_BLOCKS
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
@@ -286,7 +287,8 @@ PATHKERNELS_INLINE Maxima<A> maxima(const A* col_abs, int64_t cols, const A* row
 }
 
 template <typename T, typename A>
-PATHKERNELS_INLINE void write_target(T* parts, int64_t* argmax, const A* col_abs, int64_t cols, const A* row_abs, int64_t rows) {
+PATHKERNELS_INLINE void write_target(T* parts, int64_t* argmax, const A* col_abs, int64_t cols, const A* row_abs,
+                                     int64_t rows) {
   const Maxima<A> found = maxima(col_abs, cols, row_abs, rows);
   parts[kPartL1] = static_cast<T>(found.l1);
   parts[kPartLinf] = static_cast<T>(found.linf);

@@ -67,8 +67,9 @@ std::tuple<at::Tensor, at::Tensor> norm_parts_cpu(const at::Tensor& x, bool cent
 // One matrix of the backward pass: grad_x = C(G_0) + G_1 when centred (G_t the sparse sign
 // pattern of target t, C the centring map), grad_x = G_0 otherwise.
 template <typename T, typename A = norm_acc_t<T>>
-PATHKERNELS_MULTIVERSION void norm_parts_backward_matrix(const T* x, const MatrixBatch& s, bool centered, const T* grad_parts,
-                                const T* parts, const int64_t* argmax, NormWork<A>& w, T* grad_x) {
+PATHKERNELS_MULTIVERSION void norm_parts_backward_matrix(const T* x, const MatrixBatch& s, bool centered,
+                                                         const T* grad_parts, const T* parts, const int64_t* argmax,
+                                                         NormWork<A>& w, T* grad_x) {
   const int64_t n = s.rows;
   const int64_t m = s.cols;
   A* mean = w.mean;

@@ -15,8 +15,8 @@ using namespace cpu;
 // Norms of `count` leaves stored as [n, count, m] with the given row stride (elements between
 // rows of one leaf): residual[k] = ‖R_k‖_{1,∞}, norm[k] = ‖1μ_kᵀ + R_k‖_{1,∞}.
 template <typename T>
-PATHKERNELS_MULTIVERSION void reduce_leaves(const T* leaves, int64_t n, int64_t count, int64_t m, int64_t row_stride, const T* means,
-                   int64_t mean_stride, T* residual, T* norm) {
+PATHKERNELS_MULTIVERSION void reduce_leaves(const T* leaves, int64_t n, int64_t count, int64_t m, int64_t row_stride,
+                                             const T* means, int64_t mean_stride, T* residual, T* norm) {
   const MatrixBatch shape{1, n, m, 0, row_stride, 1};
   NormWork<double> w(n, m);
   std::vector<double> shift(m);
