@@ -1,8 +1,9 @@
 """Benchmark of the fused norm ops against the pure-PyTorch reference.
 
-Reports, per case, the time of pk.residual_norm(x, return_norm=True) and pk.composite_norm(x), the
-speed-up over pathkernels.reference, and the achieved bandwidth (one read of x, the floor) as a
-fraction of the copy bandwidth measured in the same run (out.copy_(x): one read, one write).
+Reports, per case, the time of pk.residual_norm(x) alone, with return_norm=True (which also measures
+x itself) and of pk.composite_norm(x), the speed-up over pathkernels.reference, and the achieved
+bandwidth (one read of x, the floor) as a fraction of the copy bandwidth measured in the same run
+(out.copy_(x): one read, one write).
 
     python bench/bench_norms.py                         # CPU, default cases, table only
     python bench/bench_norms.py --out bench/results/norms-cpu.json

@@ -7,12 +7,12 @@
 
 TORCH_LIBRARY(pathkernels, m) {
   // x [..., n, m] -> parts [..., T, 3] = (‖v‖_1, ‖v‖_∞, ‖v‖_{1,∞}) and argmax [..., T, 2] =
-  // (column of ‖v‖_1, row of ‖v‖_∞), one fused pass. centered: T = 2 with v = x − 1·meanᵀ, then
-  // v = x; otherwise T = 1 with v = x.
-  m.def("norm_parts(Tensor x, bool centered) -> (Tensor parts, Tensor argmax)");
+  // (column of ‖v‖_1, row of ‖v‖_∞), one fused pass. centered: v = x − 1·meanᵀ, then (with_norm,
+  // T = 2) v = x; without with_norm T = 1 and x's own sums are skipped. Not centered: T = 1, v = x.
+  m.def("norm_parts(Tensor x, bool centered, bool with_norm=True) -> (Tensor parts, Tensor argmax)");
   m.def(
-      "norm_parts_backward(Tensor grad_parts, Tensor x, Tensor parts, Tensor argmax, bool centered) "
-      "-> Tensor");
+      "norm_parts_backward(Tensor grad_parts, Tensor x, Tensor parts, Tensor argmax, bool centered, "
+      "bool with_norm=True) -> Tensor");
   // One chunk of a path tree, breadth-first (DESIGN §2): attn [B, L, H, n, n] centred C(A), attn_mean
   // [B, L, H, n] = 1ᵀA/n, root [B, n, m] = C(X) (or C(I)), root_mean [B, m], optional factored
   // w_v [L, H, d, d_head] and w_o [L, H, d_head, d]; level l's nodes sorted by head with their parent

@@ -40,7 +40,8 @@ def machine_description(device: str) -> str:
 
 
 def norm_benchmark(shape, dtype=torch.float32, device="cpu", min_run_time=1.0) -> list[dict]:
-    """Time residual_norm (with the plain norm) and composite_norm on x = randn(shape).
+    """Time residual_norm (alone, and with the plain norm: ``return_norm=True``) and composite_norm
+    on x = randn(shape), each against its pure-PyTorch reference.
 
     Bandwidth counts one read of x, the floor for these ops; ``fraction_of_copy`` divides it by
     the bandwidth of ``out.copy_(x)`` (one read and one write) in the same run.
@@ -50,8 +51,9 @@ def norm_benchmark(shape, dtype=torch.float32, device="cpu", min_run_time=1.0) -
     bytes_read = x.numel() * x.element_size()
     copy_bandwidth = 2 * bytes_read / median_seconds(lambda: out.copy_(x), device, min_run_time)
     cases = [
+        ("residual_norm", lambda: ops.residual_norm(x), lambda: reference.residual_norm_ref(x)),
         (
-            "residual_norm",
+            "residual+norm",
             lambda: ops.residual_norm(x, return_norm=True),
             lambda: (reference.residual_norm_ref(x), reference.composite_norm_ref(x)),
         ),

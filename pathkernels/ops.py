@@ -50,16 +50,20 @@ def check_norm_input(x: Tensor, centered: bool) -> None:
         )
 
 
+def _num_targets(centered: bool, with_norm: bool) -> int:
+    return 2 if centered and with_norm else 1
+
+
 @torch.library.register_fake("pathkernels::norm_parts")
-def _norm_parts_fake(x: Tensor, centered: bool) -> tuple[Tensor, Tensor]:
+def _norm_parts_fake(x: Tensor, centered: bool, with_norm: bool = True) -> tuple[Tensor, Tensor]:
     check_norm_input(x, centered)
-    targets = 2 if centered else 1
+    targets = _num_targets(centered, with_norm)
     lead = x.shape[:-2]
     return x.new_empty((*lead, targets, 3)), x.new_empty((*lead, targets, 2), dtype=torch.long)
 
 
 @torch.library.register_fake("pathkernels::norm_parts_backward")
-def _norm_parts_backward_fake(grad_parts, x, parts, argmax, centered):
+def _norm_parts_backward_fake(grad_parts, x, parts, argmax, centered, with_norm=True):
     check_norm_input(x, centered)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
@@ -76,17 +80,18 @@ def _fused_leaf_norms_fake(attn, right, mean):
 
 
 def _norm_parts_setup_context(ctx, inputs, output) -> None:
-    x, centered = inputs
+    x, centered, with_norm = inputs
     parts, argmax = output
     ctx.save_for_backward(x, parts, argmax)
     ctx.centered = centered
+    ctx.with_norm = with_norm
     ctx.mark_non_differentiable(argmax)
 
 
 def _norm_parts_backward(ctx, grad_parts, grad_argmax):
     x, parts, argmax = ctx.saved_tensors
-    grad_x = torch.ops.pathkernels.norm_parts_backward(grad_parts, x, parts, argmax, ctx.centered)
-    return grad_x, None
+    grad_x = torch.ops.pathkernels.norm_parts_backward(grad_parts, x, parts, argmax, ctx.centered, ctx.with_norm)
+    return grad_x, None, None
 
 
 torch.library.register_autograd(
@@ -94,9 +99,12 @@ torch.library.register_autograd(
 )
 
 
-def _norm_parts(x: Tensor, centered: bool) -> Tensor:
+def _norm_parts(x: Tensor, centered: bool, with_norm: bool) -> Tensor:
+    """parts ``[..., T, 3]``: target 0 is ``x − 1·μᵀ`` when centered, else x; target 1, present only
+    when centered and with_norm, is x itself (skipping it spares the CPU kernel a third of its
+    arithmetic). with_norm is ignored when not centered."""
     check_norm_input(x, centered)
-    return torch.ops.pathkernels.norm_parts(x, centered)[0]
+    return torch.ops.pathkernels.norm_parts(x, centered, with_norm)[0]
 
 
 def matrix_norms(x: Tensor, *, residual: bool = False) -> MatrixNorms:
@@ -111,7 +119,7 @@ def matrix_norms(x: Tensor, *, residual: bool = False) -> MatrixNorms:
         ``l1 = max_j Σ_i |v_ij|``, ``linf = max_i Σ_j |v_ij|``, ``composite = sqrt(l1 · linf)``.
         Differentiable (subgradient through the maxima).
     """
-    parts = _norm_parts(x, residual)[..., _RESIDUAL_TARGET, :]
+    parts = _norm_parts(x, residual, with_norm=False)[..., _RESIDUAL_TARGET, :]
     return MatrixNorms(parts[..., _L1], parts[..., _LINF], parts[..., _COMPOSITE])
 
 
@@ -127,7 +135,7 @@ def composite_norm(x: Tensor) -> Tensor:
         ``[...]`` in x's dtype. Differentiable: the (sub)gradient flows through the maximal column
         and row; at a zero matrix it is 0.
     """
-    return _norm_parts(x, False)[..., _RESIDUAL_TARGET, _COMPOSITE]
+    return _norm_parts(x, False, with_norm=False)[..., _RESIDUAL_TARGET, _COMPOSITE]
 
 
 def residual_norm(x: Tensor, *, return_norm: bool = False) -> Tensor | tuple[Tensor, Tensor]:
@@ -145,7 +153,7 @@ def residual_norm(x: Tensor, *, return_norm: bool = False) -> Tensor | tuple[Ten
         ``[...]``, or ``(residual, norm)`` with ``return_norm=True``, in x's dtype.
         Differentiable, so it can serve as a regulariser against rank collapse.
     """
-    parts = _norm_parts(x, True)
+    parts = _norm_parts(x, True, with_norm=return_norm)
     residual = parts[..., _RESIDUAL_TARGET, _COMPOSITE]
     if return_norm:
         return residual, parts[..., _PLAIN_TARGET, _COMPOSITE]

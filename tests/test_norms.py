@@ -83,6 +83,8 @@ def test_matches_reference(device, dtype, shape):
     assert_close_to_ref(residual, residual_norm_ref(x64), dtype)
     assert_close_to_ref(norm, composite_norm_ref(x64), dtype)
     assert_close_to_ref(pk.composite_norm(x), composite_norm_ref(x64), dtype)
+    # Without return_norm the kernel skips x's own sums; the residual's arithmetic is unchanged.
+    assert torch.equal(pk.residual_norm(x), residual)
     for got, want in zip(pk.matrix_norms(x, residual=True), matrix_norms_ref(residual_ref(x64))):
         assert_close_to_ref(got, want, dtype)
 
@@ -110,13 +112,14 @@ def test_non_contiguous(device, layout):
     residual, norm = pk.residual_norm(x, return_norm=True)
     torch.testing.assert_close(residual, residual_norm_ref(x.contiguous()), **tolerance(torch.float64))
     torch.testing.assert_close(norm, composite_norm_ref(x.contiguous()), **tolerance(torch.float64))
+    assert torch.equal(pk.residual_norm(x), residual)
 
 
 @pytest.mark.parametrize("shape", [(0, 4, 5), (3, 0, 2, 2), (2, 6, 0)])
 def test_empty(device, shape):
     x = torch.zeros(shape, device=device)
     residual, norm = pk.residual_norm(x, return_norm=True)
-    assert residual.shape == norm.shape == shape[:-2]
+    assert residual.shape == norm.shape == pk.residual_norm(x).shape == shape[:-2]
     assert bool((residual == 0).all()) and bool((norm == 0).all())
     assert pk.composite_norm(x).shape == shape[:-2]
 
@@ -130,14 +133,16 @@ def test_nan_and_inf_propagate_as_in_torch(device):
     torch.testing.assert_close(residual, residual_norm_ref(x), equal_nan=True)
     torch.testing.assert_close(norm, composite_norm_ref(x), equal_nan=True)
     assert torch.isnan(residual[1]) and torch.isinf(norm[2]) and torch.isnan(residual[2])
+    torch.testing.assert_close(pk.residual_norm(x), residual, equal_nan=True)
 
 
 @pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cpu_and_cuda_agree(dtype):
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_cpu_and_cuda_agree(dtype, with_norm):
     x = random_matrices(5, 3, 37, 29, dtype=dtype)
-    cpu_parts, cpu_argmax = torch.ops.pathkernels.norm_parts(x, True)
-    cuda_parts, cuda_argmax = torch.ops.pathkernels.norm_parts(x.cuda(), True)
+    cpu_parts, cpu_argmax = torch.ops.pathkernels.norm_parts(x, True, with_norm)
+    cuda_parts, cuda_argmax = torch.ops.pathkernels.norm_parts(x.cuda(), True, with_norm)
     torch.testing.assert_close(cuda_parts.cpu(), cpu_parts, **tolerance(dtype))
     assert torch.equal(cuda_argmax.cpu(), cpu_argmax)
 
@@ -147,6 +152,7 @@ def test_cpu_and_cuda_agree(dtype):
 def test_gradcheck(device):
     x = random_matrices(3, 6, 5, dtype=torch.float64, device=device).requires_grad_()
     assert torch.autograd.gradcheck(lambda t: pk.residual_norm(t, return_norm=True), (x,))
+    assert torch.autograd.gradcheck(pk.residual_norm, (x,))
     assert torch.autograd.gradcheck(pk.composite_norm, (x,))
     assert torch.autograd.gradcheck(lambda t: tuple(pk.matrix_norms(t, residual=True)), (x,))
 
@@ -195,14 +201,15 @@ def test_as_a_regulariser_it_reduces_collapse(device):
 
 # --- torch.library and torch.compile ---------------------------------------------------------
 
-@pytest.mark.parametrize("centered", [False, True])
-def test_opcheck(device, centered):
-    x = random_matrices(3, 7, 5, dtype=torch.float64, device=device, ).requires_grad_()
-    torch.library.opcheck(torch.ops.pathkernels.norm_parts.default, (x, centered))
-    parts, argmax = torch.ops.pathkernels.norm_parts(x.detach(), centered)
+@pytest.mark.parametrize("centered, with_norm, targets", [(False, True, 1), (True, True, 2), (True, False, 1)])
+def test_opcheck(device, centered, with_norm, targets):
+    x = random_matrices(3, 7, 5, dtype=torch.float64, device=device).requires_grad_()
+    torch.library.opcheck(torch.ops.pathkernels.norm_parts.default, (x, centered, with_norm))
+    parts, argmax = torch.ops.pathkernels.norm_parts(x.detach(), centered, with_norm)
+    assert parts.shape == (3, targets, 3) and argmax.shape == (3, targets, 2)
     grad = torch.randn_like(parts)
     torch.library.opcheck(
-        torch.ops.pathkernels.norm_parts_backward.default, (grad, x.detach(), parts, argmax, centered)
+        torch.ops.pathkernels.norm_parts_backward.default, (grad, x.detach(), parts, argmax, centered, with_norm)
     )
 
 

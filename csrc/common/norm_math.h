@@ -76,7 +76,7 @@ C10_HOST_DEVICE inline A abs_grad(A v) {
 
 // Layout of the `parts` output: per matrix and target, (‖·‖_1, ‖·‖_∞, ‖·‖_{1,∞}); `argmax` holds
 // (column of ‖·‖_1, row of ‖·‖_∞). Target 0 is the residual (or x itself when not centred);
-// target 1, present when centred, is x itself.
+// target 1, present when centred with with_norm, is x itself.
 constexpr int kPartL1 = 0;
 constexpr int kPartLinf = 1;
 constexpr int kPartComposite = 2;
@@ -85,8 +85,16 @@ constexpr int kArgColumn = 0;
 constexpr int kArgRow = 1;
 constexpr int kNumArgs = 2;
 
-C10_HOST_DEVICE inline int num_targets(bool centered) {
-  return centered ? 2 : 1;
+C10_HOST_DEVICE inline int num_targets(bool centered, bool with_norm) {
+  return centered && with_norm ? 2 : 1;
+}
+
+// Whether the norms of x itself are a target, and if so which.
+C10_HOST_DEVICE inline bool measures_x(bool centered, bool with_norm) {
+  return !centered || with_norm;
+}
+C10_HOST_DEVICE inline int x_target(bool centered) {
+  return centered ? 1 : 0;
 }
 
 }  // namespace pathkernels

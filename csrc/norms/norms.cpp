@@ -41,16 +41,17 @@ const char* norm_op_name(bool centered) {
   return centered ? "pathkernels.residual_norm" : "pathkernels.composite_norm";
 }
 
-NormPartsPlan prepare_norm_parts(const at::Tensor& x, bool centered) {
+NormPartsPlan prepare_norm_parts(const at::Tensor& x, bool centered, bool with_norm) {
   const char* op = norm_op_name(centered);
   check_norm_input(x, op);
   NormPartsPlan plan;
   plan.x = as_matrix_batch(x, plan.params.shape);
-  const int64_t targets = num_targets(centered);
+  const int64_t targets = num_targets(centered, with_norm);
   plan.parts = at::empty(leading_shape_with(x, targets, kNumParts), x.options());
   plan.argmax = at::empty(leading_shape_with(x, targets, kNumArgs), x.options().dtype(at::kLong));
   plan.params.x = plan.x.const_data_ptr();
   plan.params.centered = centered;
+  plan.params.with_norm = with_norm;
   plan.params.parts = plan.parts.mutable_data_ptr();
   plan.params.argmax = plan.argmax.mutable_data_ptr<int64_t>();
   return plan;
@@ -58,11 +59,12 @@ NormPartsPlan prepare_norm_parts(const at::Tensor& x, bool centered) {
 
 NormPartsBackwardPlan prepare_norm_parts_backward(const at::Tensor& grad_parts, const at::Tensor& x,
                                                   const at::Tensor& parts, const at::Tensor& argmax,
-                                                  bool centered) {
+                                                  bool centered, bool with_norm) {
   const char* op = norm_op_name(centered);
   check_norm_input(x, op);
-  const auto expected_parts = leading_shape_with(x, num_targets(centered), kNumParts);
-  const auto expected_argmax = leading_shape_with(x, num_targets(centered), kNumArgs);
+  const int64_t targets = num_targets(centered, with_norm);
+  const auto expected_parts = leading_shape_with(x, targets, kNumParts);
+  const auto expected_argmax = leading_shape_with(x, targets, kNumArgs);
   TORCH_CHECK_VALUE(grad_parts.sizes() == at::IntArrayRef(expected_parts) &&
                         parts.sizes() == at::IntArrayRef(expected_parts),
                     op, " backward: expected grad_parts and parts of shape ", shape_string(expected_parts),
@@ -82,6 +84,7 @@ NormPartsBackwardPlan prepare_norm_parts_backward(const at::Tensor& grad_parts, 
   plan.grad_x = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   plan.params.x = plan.x.const_data_ptr();
   plan.params.centered = centered;
+  plan.params.with_norm = with_norm;
   plan.params.grad_parts = plan.grad_parts.const_data_ptr();
   plan.params.parts = plan.parts.const_data_ptr();
   plan.params.argmax = plan.argmax.const_data_ptr<int64_t>();

@@ -27,10 +27,10 @@ struct NormPartsBackwardPlan {
   NormPartsBackwardParams params;
 };
 
-NormPartsPlan prepare_norm_parts(const at::Tensor& x, bool centered);
+NormPartsPlan prepare_norm_parts(const at::Tensor& x, bool centered, bool with_norm);
 
 NormPartsBackwardPlan prepare_norm_parts_backward(const at::Tensor& grad_parts, const at::Tensor& x,
                                                   const at::Tensor& parts, const at::Tensor& argmax,
-                                                  bool centered);
+                                                  bool centered, bool with_norm);
 
 }  // namespace pathkernels

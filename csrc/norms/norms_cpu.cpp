@@ -13,22 +13,26 @@ namespace {
 
 using namespace cpu;
 
-// One matrix: pass 1 gives the norms of x and the column means, pass 2 (when centred) the norms
-// of the residual, re-reading x from cache while prefetching `next` (the batch's next matrix, or
-// null), so that memory and arithmetic overlap. Column sums run over rows 0..n−1 in order, as on
-// CUDA.
+// One matrix: pass 1 gives the column means and (unless centred without with_norm) the norms of
+// x, pass 2 (when centred) the norms of the residual, re-reading x from cache while prefetching
+// `next` (the batch's next matrix, or null), so that memory and arithmetic overlap. Column sums
+// run over rows 0..n−1 in order, as on CUDA.
 template <typename T, typename A = norm_acc_t<T>>
 PATHKERNELS_MULTIVERSION void norm_parts_matrix(const T* x, const T* next, const MatrixBatch& s, bool centered,
-                                                NormWork<A>& w, T* parts, int64_t* argmax) {
+                                                bool with_norm, NormWork<A>& w, T* parts, int64_t* argmax) {
   const int64_t m = s.cols;
   std::fill(w.mean, w.mean + 3 * m, A(0));
-  const int plain_target = centered ? 1 : 0;
-  if (centered) {
+  if (!centered) {
+    matrix_pass<false, false>(x, s, w.mean, w.mean, w.col_abs, w.row_abs, w.buffer);
+  } else if (with_norm) {
     matrix_pass<false, true>(x, s, w.mean, w.mean, w.col_abs, w.row_abs, w.buffer);
   } else {
-    matrix_pass<false, false>(x, s, w.mean, w.mean, w.col_abs, w.row_abs, w.buffer);
+    matrix_pass<false, true, /*kWithAbs=*/false>(x, s, w.mean, w.mean, w.col_abs, w.row_abs, w.buffer);
   }
-  write_target(parts + plain_target * kNumParts, argmax + plain_target * kNumArgs, w.col_abs, m, w.row_abs, s.rows);
+  if (measures_x(centered, with_norm)) {
+    const int target = x_target(centered);
+    write_target(parts + target * kNumParts, argmax + target * kNumArgs, w.col_abs, m, w.row_abs, s.rows);
+  }
   if (!centered) {
     return;
   }
@@ -44,10 +48,10 @@ int64_t batch_grain(const MatrixBatch& s) {
   return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, s.rows * s.cols));
 }
 
-std::tuple<at::Tensor, at::Tensor> norm_parts_cpu(const at::Tensor& x, bool centered) {
-  NormPartsPlan plan = prepare_norm_parts(x, centered);
+std::tuple<at::Tensor, at::Tensor> norm_parts_cpu(const at::Tensor& x, bool centered, bool with_norm) {
+  NormPartsPlan plan = prepare_norm_parts(x, centered, with_norm);
   const NormPartsParams& p = plan.params;
-  const int targets = num_targets(centered);
+  const int targets = num_targets(centered, with_norm);
   PATHKERNELS_DISPATCH_FLOATING(x.scalar_type(), "norm_parts_cpu", [&] {
     using A = norm_acc_t<scalar_t>;
     const auto* xs = static_cast<const scalar_t*>(p.x);
@@ -56,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor> norm_parts_cpu(const at::Tensor& x, bool cent
       NormWork<A> work(p.shape.rows, p.shape.cols);
       for (int64_t b = begin; b < end; ++b) {
         const scalar_t* next = b + 1 < end ? xs + (b + 1) * p.shape.batch_stride : nullptr;
-        norm_parts_matrix(xs + b * p.shape.batch_stride, next, p.shape, centered, work,
+        norm_parts_matrix(xs + b * p.shape.batch_stride, next, p.shape, centered, with_norm, work,
                           parts + b * targets * kNumParts, p.argmax + b * targets * kNumArgs);
       }
     });
@@ -65,10 +69,10 @@ std::tuple<at::Tensor, at::Tensor> norm_parts_cpu(const at::Tensor& x, bool cent
 }
 
 // One matrix of the backward pass: grad_x = C(G_0) + G_1 when centred (G_t the sparse sign
-// pattern of target t, C the centring map), grad_x = G_0 otherwise.
+// pattern of target t, C the centring map; G_1 = 0 without with_norm), grad_x = G_0 otherwise.
 template <typename T, typename A = norm_acc_t<T>>
 PATHKERNELS_MULTIVERSION void norm_parts_backward_matrix(const T* x, const MatrixBatch& s, bool centered,
-                                                         const T* grad_parts, const T* parts, const int64_t* argmax,
+                                                         bool with_norm, const T* grad_parts, const T* parts, const int64_t* argmax,
                                                          NormWork<A>& w, T* grad_x) {
   const int64_t n = s.rows;
   const int64_t m = s.cols;
@@ -93,7 +97,7 @@ PATHKERNELS_MULTIVERSION void norm_parts_backward_matrix(const T* x, const Matri
       grad_mean[j] = target_grad_column_mean(g0, j, at(g0.row, j) - mean[j], col_sign_sum, n);
     }
   }
-  const TargetGrad<A> g1 = centered ? load_target_grad(grad_parts + kNumParts, parts + kNumParts, argmax + kNumArgs)
+  const TargetGrad<A> g1 = num_targets(centered, with_norm) == 2 ? load_target_grad(grad_parts + kNumParts, parts + kNumParts, argmax + kNumArgs)
                                     : TargetGrad<A>{};
   for (int64_t i = 0; i < n; ++i) {
     T* out = grad_x + i * m;
@@ -109,10 +113,10 @@ PATHKERNELS_MULTIVERSION void norm_parts_backward_matrix(const T* x, const Matri
 }
 
 at::Tensor norm_parts_backward_cpu(const at::Tensor& grad_parts, const at::Tensor& x, const at::Tensor& parts,
-                                   const at::Tensor& argmax, bool centered) {
-  NormPartsBackwardPlan plan = prepare_norm_parts_backward(grad_parts, x, parts, argmax, centered);
+                                   const at::Tensor& argmax, bool centered, bool with_norm) {
+  NormPartsBackwardPlan plan = prepare_norm_parts_backward(grad_parts, x, parts, argmax, centered, with_norm);
   const NormPartsBackwardParams& p = plan.params;
-  const int targets = num_targets(centered);
+  const int targets = num_targets(centered, with_norm);
   const int64_t matrix = p.shape.rows * p.shape.cols;
   PATHKERNELS_DISPATCH_FLOATING(x.scalar_type(), "norm_parts_backward_cpu", [&] {
     using A = norm_acc_t<scalar_t>;
@@ -123,7 +127,7 @@ at::Tensor norm_parts_backward_cpu(const at::Tensor& grad_parts, const at::Tenso
     at::parallel_for(0, p.shape.batch, batch_grain(p.shape), [&](int64_t begin, int64_t end) {
       NormWork<A> work(p.shape.rows, p.shape.cols);
       for (int64_t b = begin; b < end; ++b) {
-        norm_parts_backward_matrix(xs + b * p.shape.batch_stride, p.shape, centered,
+        norm_parts_backward_matrix(xs + b * p.shape.batch_stride, p.shape, centered, with_norm,
                                    grad_parts_data + b * targets * kNumParts, parts_data + b * targets * kNumParts,
                                    p.argmax + b * targets * kNumArgs, work, grad_x + b * matrix);
       }

@@ -92,7 +92,7 @@ __global__ void norm_finish_kernel(NormPartsParams p, const A* col_stats, const 
   __shared__ A s_value[kFinishThreads];
   __shared__ int64_t s_index[kFinishThreads];
   const int64_t b = blockIdx.x;
-  const int targets = num_targets(p.centered);
+  const int targets = num_targets(p.centered, p.with_norm);
   const A* cols = col_stats + b * p.shape.cols * kColumnStats;
   const A* rows = row_stats + b * p.shape.rows * kRowStats;
   T* parts = static_cast<T*>(p.parts) + b * targets * kNumParts;
@@ -100,11 +100,14 @@ __global__ void norm_finish_kernel(NormPartsParams p, const A* col_stats, const 
 
   A l1, linf;
   int64_t col, row;
-  block_argmax(cols + 1, p.shape.cols, kColumnStats, s_value, s_index, l1, col);
-  block_argmax(rows + 0, p.shape.rows, kRowStats, s_value, s_index, linf, row);
-  const int plain_target = p.centered ? 1 : 0;
-  if (threadIdx.x == 0) {
-    write_target(parts + plain_target * kNumParts, argmax + plain_target * kNumArgs, l1, col, linf, row);
+  // x's own sums are always accumulated above (free beside the memory traffic), written if asked.
+  if (measures_x(p.centered, p.with_norm)) {
+    block_argmax(cols + 1, p.shape.cols, kColumnStats, s_value, s_index, l1, col);
+    block_argmax(rows + 0, p.shape.rows, kRowStats, s_value, s_index, linf, row);
+    const int target = x_target(p.centered);
+    if (threadIdx.x == 0) {
+      write_target(parts + target * kNumParts, argmax + target * kNumArgs, l1, col, linf, row);
+    }
   }
   if (p.centered) {
     block_argmax(cols + 2, p.shape.cols, kColumnStats, s_value, s_index, l1, col);
@@ -125,7 +128,7 @@ __global__ void norm_parts_backward_kernel(NormPartsBackwardParams p) {
   if (j >= p.shape.cols) {
     return;
   }
-  const int targets = num_targets(p.centered);
+  const int targets = num_targets(p.centered, p.with_norm);
   const int64_t offset = b * targets;
   const T* grad_parts = static_cast<const T*>(p.grad_parts) + offset * kNumParts;
   const T* parts = static_cast<const T*>(p.parts) + offset * kNumParts;
@@ -137,8 +140,10 @@ __global__ void norm_parts_backward_kernel(NormPartsBackwardParams p) {
   TargetGrad<A> g1;
   A mean = A(0);
   A grad_mean = A(0);
-  if (p.centered) {
+  if (targets == 2) {
     g1 = load_target_grad(grad_parts + kNumParts, parts + kNumParts, argmax + kNumArgs);
+  }
+  if (p.centered) {
     for (int64_t i = 0; i < n; ++i) {
       mean += static_cast<A>(col[i * p.shape.row_stride]);
     }
@@ -162,9 +167,9 @@ __global__ void norm_parts_backward_kernel(NormPartsBackwardParams p) {
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> norm_parts_cuda(const at::Tensor& x, bool centered) {
+std::tuple<at::Tensor, at::Tensor> norm_parts_cuda(const at::Tensor& x, bool centered, bool with_norm) {
   const c10::cuda::CUDAGuard guard(x.device());
-  NormPartsPlan plan = prepare_norm_parts(x, centered);
+  NormPartsPlan plan = prepare_norm_parts(x, centered, with_norm);
   const NormPartsParams& p = plan.params;
   if (p.shape.batch == 0) {
     return {plan.parts, plan.argmax};
@@ -190,9 +195,9 @@ std::tuple<at::Tensor, at::Tensor> norm_parts_cuda(const at::Tensor& x, bool cen
 }
 
 at::Tensor norm_parts_backward_cuda(const at::Tensor& grad_parts, const at::Tensor& x, const at::Tensor& parts,
-                                    const at::Tensor& argmax, bool centered) {
+                                    const at::Tensor& argmax, bool centered, bool with_norm) {
   const c10::cuda::CUDAGuard guard(x.device());
-  NormPartsBackwardPlan plan = prepare_norm_parts_backward(grad_parts, x, parts, argmax, centered);
+  NormPartsBackwardPlan plan = prepare_norm_parts_backward(grad_parts, x, parts, argmax, centered, with_norm);
   const NormPartsBackwardParams& p = plan.params;
   if (p.shape.batch == 0 || p.shape.cols == 0) {
     return plan.grad_x;

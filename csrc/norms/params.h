@@ -18,7 +18,8 @@ struct MatrixBatch {
 struct NormPartsParams {
   const void* x = nullptr;  // [batch, rows, cols], strides in `shape`
   MatrixBatch shape;
-  bool centered = false;    // measure x − 1·meanᵀ (target 0) and x itself (target 1)
+  bool centered = false;    // measure x − 1·meanᵀ (target 0) and, with with_norm, x itself (target 1)
+  bool with_norm = true;    // ignored unless centered: x itself is always measured when not centred
   void* parts = nullptr;    // [batch, targets, kNumParts], contiguous, x's dtype
   int64_t* argmax = nullptr;  // [batch, targets, kNumArgs], contiguous
 };
@@ -27,6 +28,7 @@ struct NormPartsBackwardParams {
   const void* x = nullptr;           // [batch, rows, cols], strides in `shape`
   MatrixBatch shape;
   bool centered = false;
+  bool with_norm = true;
   const void* grad_parts = nullptr;  // [batch, targets, kNumParts], contiguous, x's dtype
   const void* parts = nullptr;       // [batch, targets, kNumParts], contiguous, x's dtype
   const int64_t* argmax = nullptr;   // [batch, targets, kNumArgs], contiguous
