@@ -33,6 +33,24 @@ def median_seconds(fn: Callable[[], object], device: str, min_run_time: float) -
     return timer.blocked_autorange(min_run_time=min_run_time).median
 
 
+def interleaved_seconds(
+    fn: Callable[[], object], baseline: Callable[[], object], device: str, min_run_time: float, rounds: int = 8
+) -> tuple[float, float, float]:
+    """Time fn and baseline in alternation, ``rounds`` times each for ``min_run_time / rounds``.
+
+    Returns the median over rounds of fn's seconds, of baseline's seconds, and of the per-round
+    ratio ``baseline_s / fn_s``. On a shared machine whose speed drifts (a neighbour's load), a
+    ratio taken within a round is steadier than a ratio of two medians taken seconds apart.
+    """
+    per_round = min_run_time / rounds
+    fn_s, baseline_s = [], []
+    for _ in range(rounds):
+        baseline_s.append(median_seconds(baseline, device, per_round))
+        fn_s.append(median_seconds(fn, device, per_round))
+    ratios = [b / f for b, f in zip(baseline_s, fn_s)]
+    return tuple(float(torch.tensor(v, dtype=torch.float64).median()) for v in (fn_s, baseline_s, ratios))
+
+
 def machine_description(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
@@ -44,12 +62,16 @@ def norm_benchmark(shape, dtype=torch.float32, device="cpu", min_run_time=1.0) -
     on x = randn(shape), each against its pure-PyTorch reference.
 
     Bandwidth counts one read of x, the floor for these ops; ``fraction_of_copy`` divides it by
-    the bandwidth of ``out.copy_(x)`` (one read and one write) in the same run.
+    the bandwidth of ``out.copy_(x)`` (one read and one write), timed in alternation with the op
+    (the median over rounds of the per-round fraction).
     """
     x = random_matrices(*shape, dtype=dtype, device=device)
     out = torch.empty_like(x)
     bytes_read = x.numel() * x.element_size()
-    copy_bandwidth = 2 * bytes_read / median_seconds(lambda: out.copy_(x), device, min_run_time)
+
+    def copy():
+        out.copy_(x)
+
     cases = [
         ("residual_norm", lambda: ops.residual_norm(x), lambda: reference.residual_norm_ref(x)),
         (
@@ -61,9 +83,10 @@ def norm_benchmark(shape, dtype=torch.float32, device="cpu", min_run_time=1.0) -
     ]
     rows = []
     for name, fused, ref in cases:
-        fused_s = median_seconds(fused, device, min_run_time)
+        fused_s, copy_s, copy_over_fused = interleaved_seconds(fused, copy, device, 2 * min_run_time)
         ref_s = median_seconds(ref, device, min_run_time)
         bandwidth = bytes_read / fused_s
+        copy_bandwidth = 2 * bytes_read / copy_s
         rows.append(
             {
                 "op": name,
@@ -75,7 +98,8 @@ def norm_benchmark(shape, dtype=torch.float32, device="cpu", min_run_time=1.0) -
                 "speedup": ref_s / fused_s,
                 "bandwidth_gbs": bandwidth / 1e9,
                 "copy_bandwidth_gbs": copy_bandwidth / 1e9,
-                "fraction_of_copy": bandwidth / copy_bandwidth,
+                # copy moves 2 bytes per byte of x: copy_s / (2 fused_s), per round.
+                "fraction_of_copy": copy_over_fused / 2,
             }
         )
     return rows
