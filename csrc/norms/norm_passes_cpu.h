@@ -55,6 +55,55 @@ PATHKERNELS_INLINE A row_sums(const S* row, int64_t m, const A* mean, A* col_sum
   return row_abs;
 }
 
+// Rows per block of the vectorised passes (row_block_sums).
+constexpr int64_t kBlockRows = 4;
+
+// Requests the cache lines of another matrix (the next of a batch) a few at a time, in row-major
+// order, so that memory brings it in while the passes over the current matrix compute. Spread
+// over every line the passes read: requesting a whole block up front stalled wide rows, and
+// requesting only during the second pass left memory idle during the first.
+template <typename S>
+class PrefetchCursor {
+ public:
+  static constexpr int64_t kLineBytes = 64;
+  static constexpr int64_t kLineElements = kLineBytes / sizeof(S);
+
+  PrefetchCursor() = default;  // requests nothing
+  // matrix (null: request nothing) has the layout of s; only unit column strides are requested.
+  // passes: how many passes over the current matrix will call request() (1 or 2), which sets the
+  // pace so that the last line goes out near the end of the last pass.
+  PrefetchCursor(const S* matrix, const MatrixBatch& s, int64_t passes)
+      : row_(reinterpret_cast<const char*>(matrix)),
+        row_bytes_(s.cols * static_cast<int64_t>(sizeof(S))),
+        row_stride_bytes_(s.row_stride * static_cast<int64_t>(sizeof(S))),
+        rows_left_(matrix != nullptr && s.col_stride == 1 ? s.rows : 0),
+        lines_per_request_(std::max<int64_t>(1, kBlockRows / passes)) {}
+
+  // Called once per kBlockRows × kLineElements elements read: each call asks for that many lines
+  // (the same amount of the next matrix, over all passes).
+  PATHKERNELS_INLINE void request() {
+    for (int64_t k = 0; k < lines_per_request_ && rows_left_ > 0; ++k) {
+#if defined(__GNUC__)
+      __builtin_prefetch(row_ + offset_);
+#endif
+      offset_ += kLineBytes;
+      if (offset_ >= row_bytes_) {
+        offset_ = 0;
+        row_ += row_stride_bytes_;
+        --rows_left_;
+      }
+    }
+  }
+
+ private:
+  const char* row_ = nullptr;
+  int64_t offset_ = 0;
+  int64_t row_bytes_ = 0;
+  int64_t row_stride_bytes_ = 0;
+  int64_t rows_left_ = 0;
+  int64_t lines_per_request_ = 0;
+};
+
 // A block of kBlockRows consecutive rows at a time, for float or double inputs accumulated in
 // double: rows stream sequentially (prefetcher-friendly), each column accumulator is loaded and
 // stored once per block rather than once per row, and the rows' partial sums stay in registers.
@@ -63,7 +112,6 @@ PATHKERNELS_INLINE A row_sums(const S* row, int64_t m, const A* mean, A* col_sum
 #if defined(__GNUC__)
 #define PATHKERNELS_HAVE_ROW_BLOCKS 1
 constexpr int64_t kLanes = 4;
-constexpr int64_t kBlockRows = 4;
 using double_lanes = double __attribute__((vector_size(kLanes * sizeof(double))));
 using int64_lanes = int64_t __attribute__((vector_size(kLanes * sizeof(int64_t))));
 
@@ -89,14 +137,12 @@ PATHKERNELS_INLINE double horizontal_sum(double_lanes v) {
   return (v[0] + v[1]) + (v[2] + v[3]);
 }
 
-// prefetch, when not null, is the same block of the next matrix: the centred pass runs from cache
-// while the memory system brings in the next matrix's first pass. Each cache line of the next
-// block is requested as the column loop reaches it; requesting the whole block up front stalled
-// wide rows (m = 768: 0.69 → 0.54 ns/element on one thread once the requests were spread out).
+// prefetch, when not null, brings in the next matrix as the block is read (PrefetchCursor).
 template <bool kCentred, bool kWithSum, bool kWithAbs, typename S>
 PATHKERNELS_INLINE void row_block_sums(const S* x, int64_t row_stride, int64_t m, const double* mean,
-                                       double* col_sum, double* col_abs, double* row_abs, const S* prefetch) {
-  constexpr int64_t kLineElements = 64 / sizeof(S);
+                                       double* col_sum, double* col_abs, double* row_abs,
+                                       PrefetchCursor<S>* prefetch) {
+  constexpr int64_t kLineElements = PrefetchCursor<S>::kLineElements;
   double_lanes row_part[kBlockRows];
 #pragma GCC unroll 4
   for (int64_t r = 0; r < kBlockRows; ++r) {
@@ -105,10 +151,7 @@ PATHKERNELS_INLINE void row_block_sums(const S* x, int64_t row_stride, int64_t m
   int64_t j = 0;
   for (; j + kLanes <= m; j += kLanes) {
     if (prefetch != nullptr && j % kLineElements == 0) {
-#pragma GCC unroll 4
-      for (int64_t r = 0; r < kBlockRows; ++r) {
-        __builtin_prefetch(prefetch + r * row_stride + j);
-      }
+      prefetch->request();
     }
     const double_lanes mu = kCentred ? load_lanes(mean + j) : double_lanes{};
     double_lanes sum = kWithSum ? load_lanes(col_sum + j) : double_lanes{};
@@ -195,11 +238,11 @@ PATHKERNELS_INLINE void paired_row_block_sums(const S* x, int64_t row_stride, in
 // One pass over a matrix: row_abs[i] = Σ_j |v_ij|, col_abs[j] += Σ_i |v_ij| (and col_sum[j] +=
 // Σ_i v_ij when kWithSum), with v = x, or x − mean when kCentred. float and double inputs with unit
 // column stride go by blocks of rows straight from x; the others (half, bfloat16, strided) row by row
-// through `buffer`, a copy of the row widened to A. `prefetch`, when not null, is another matrix
+// through `buffer`, a copy of the row widened to A. `prefetch`, when not null, requests another matrix
 // of the same layout (the next of a batch) whose cache lines the row blocks ask for as they go.
 template <bool kCentred, bool kWithSum, bool kWithAbs = true, typename T, typename A>
 PATHKERNELS_INLINE void matrix_pass(const T* x, const MatrixBatch& s, const A* mean, A* col_sum, A* col_abs, A* row_abs,
-                                    A* buffer, const T* prefetch = nullptr) {
+                                    A* buffer, PrefetchCursor<T>* prefetch = nullptr) {
   const int64_t m = s.cols;
 #ifdef PATHKERNELS_HAVE_ROW_BLOCKS
   if constexpr ((std::is_same_v<T, float> || std::is_same_v<T, double>) && std::is_same_v<A, double>) {
@@ -207,7 +250,7 @@ PATHKERNELS_INLINE void matrix_pass(const T* x, const MatrixBatch& s, const A* m
       int64_t i = 0;
       for (; i + kBlockRows <= s.rows; i += kBlockRows) {
         row_block_sums<kCentred, kWithSum, kWithAbs>(x + i * s.row_stride, s.row_stride, m, mean, col_sum, col_abs,
-                                           row_abs + i, prefetch == nullptr ? nullptr : prefetch + i * s.row_stride);
+                                           row_abs + i, prefetch);
       }
       for (; i < s.rows; ++i) {
         const A sum = row_sums<kCentred, kWithSum, kWithAbs>(x + i * s.row_stride, m, mean, col_sum, col_abs);

@@ -14,20 +14,21 @@ namespace {
 using namespace cpu;
 
 // One matrix: pass 1 gives the column means and (unless centred without with_norm) the norms of
-// x, pass 2 (when centred) the norms of the residual, re-reading x from cache while prefetching
-// `next` (the batch's next matrix, or null), so that memory and arithmetic overlap. Column sums
-// run over rows 0..n−1 in order, as on CUDA.
+// x, pass 2 (when centred) the norms of the residual, re-reading x from cache. Both passes
+// request `next` (the batch's next matrix, or null) as they go, so that memory and arithmetic
+// overlap. Column sums run over rows 0..n−1 in order, as on CUDA.
 template <typename T, typename A = norm_acc_t<T>>
 PATHKERNELS_MULTIVERSION void norm_parts_matrix(const T* x, const T* next, const MatrixBatch& s, bool centered,
                                                 bool with_norm, NormWork<A>& w, T* parts, int64_t* argmax) {
   const int64_t m = s.cols;
   std::fill(w.mean, w.mean + 3 * m, A(0));
+  PrefetchCursor<T> prefetch(next, s, centered ? 2 : 1);
   if (!centered) {
-    matrix_pass<false, false>(x, s, w.mean, w.mean, w.col_abs, w.row_abs, w.buffer);
+    matrix_pass<false, false>(x, s, w.mean, w.mean, w.col_abs, w.row_abs, w.buffer, &prefetch);
   } else if (with_norm) {
-    matrix_pass<false, true>(x, s, w.mean, w.mean, w.col_abs, w.row_abs, w.buffer);
+    matrix_pass<false, true>(x, s, w.mean, w.mean, w.col_abs, w.row_abs, w.buffer, &prefetch);
   } else {
-    matrix_pass<false, true, /*kWithAbs=*/false>(x, s, w.mean, w.mean, w.col_abs, w.row_abs, w.buffer);
+    matrix_pass<false, true, /*kWithAbs=*/false>(x, s, w.mean, w.mean, w.col_abs, w.row_abs, w.buffer, &prefetch);
   }
   if (measures_x(centered, with_norm)) {
     const int target = x_target(centered);
@@ -39,7 +40,7 @@ PATHKERNELS_MULTIVERSION void norm_parts_matrix(const T* x, const T* next, const
   for (int64_t j = 0; j < m; ++j) {
     w.mean[j] /= static_cast<A>(s.rows);
   }
-  matrix_pass<true, false>(x, s, w.mean, w.mean, w.col_res, w.row_abs, w.buffer, next);
+  matrix_pass<true, false>(x, s, w.mean, w.mean, w.col_res, w.row_abs, w.buffer, &prefetch);
   write_target(parts, argmax, w.col_res, m, w.row_abs, s.rows);
 }
 
