@@ -6,6 +6,7 @@ Runs the cases in order in one gloo group, one thread per process, and saves per
 result (rank 0, or every rank with all_ranks) or the error's type and message to OUT (torch.save).
 Every rank builds the same inputs from fixed seeds, except where a case makes them differ.
 """
+import os
 import sys
 from datetime import timedelta
 
@@ -73,10 +74,15 @@ def main():
         except Exception as error:  # recorded; the next case runs in the same group
             results[case] = ("error", type(error).__name__, str(error))
     torch.save(results, out)
-    # Every rank done with its collectives before any tears its connections down: a gloo peer that
-    # is still working when the other closes can abort at exit (seen once in CI, 2026-11-26).
+    # Every rank done with its collectives before any tears its connections down, then no
+    # interpreter teardown: twice in CI (2026-11-26) a rank aborted after this point with
+    # "terminate called without an active exception" (a joinable C++ thread destroyed at exit, in
+    # gloo's teardown; every collective here is synchronous and complete). The results are saved.
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -238,8 +238,8 @@ PATHKERNELS_INLINE void paired_row_block_sums(const S* x, int64_t row_stride, in
 // One pass over a matrix: row_abs[i] = Σ_j |v_ij|, col_abs[j] += Σ_i |v_ij| (and col_sum[j] +=
 // Σ_i v_ij when kWithSum), with v = x, or x − mean when kCentred. float and double inputs with unit
 // column stride go by blocks of rows straight from x; the others (half, bfloat16, strided) row by row
-// through `buffer`, a copy of the row widened to A. `prefetch`, when not null, requests another matrix
-// of the same layout (the next of a batch) whose cache lines the row blocks ask for as they go.
+// through `buffer`, a copy of the row widened to A. `prefetch`, when not null, is asked for the
+// next lines of another matrix (the next of a batch) as the row blocks go.
 template <bool kCentred, bool kWithSum, bool kWithAbs = true, typename T, typename A>
 PATHKERNELS_INLINE void matrix_pass(const T* x, const MatrixBatch& s, const A* mean, A* col_sum, A* col_abs, A* row_abs,
                                     A* buffer, PrefetchCursor<T>* prefetch = nullptr) {
@@ -250,7 +250,7 @@ PATHKERNELS_INLINE void matrix_pass(const T* x, const MatrixBatch& s, const A* m
       int64_t i = 0;
       for (; i + kBlockRows <= s.rows; i += kBlockRows) {
         row_block_sums<kCentred, kWithSum, kWithAbs>(x + i * s.row_stride, s.row_stride, m, mean, col_sum, col_abs,
-                                           row_abs + i, prefetch);
+                                                     row_abs + i, prefetch);
       }
       for (; i < s.rows; ++i) {
         const A sum = row_sums<kCentred, kWithSum, kWithAbs>(x + i * s.row_stride, m, mean, col_sum, col_abs);
