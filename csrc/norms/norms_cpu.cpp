@@ -1,6 +1,7 @@
 // CPU kernels of norm_parts and its backward. Parallel over the batch; within a matrix, rows are
-// streamed twice (column means, then the centred sums) through an L1-resident row buffer, so the
-// inner loops are unit-stride and vectorised whatever the input's dtype or strides.
+// streamed twice (column means, then the centred sums) by the vectorised passes of
+// norm_passes_cpu.h: float and double straight from x in blocks of rows, other dtypes and strides
+// through an L1-resident widened row buffer.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -73,8 +74,8 @@ std::tuple<at::Tensor, at::Tensor> norm_parts_cpu(const at::Tensor& x, bool cent
 // pattern of target t, C the centring map; G_1 = 0 without with_norm), grad_x = G_0 otherwise.
 template <typename T, typename A = norm_acc_t<T>>
 PATHKERNELS_MULTIVERSION void norm_parts_backward_matrix(const T* x, const MatrixBatch& s, bool centered,
-                                                         bool with_norm, const T* grad_parts, const T* parts, const int64_t* argmax,
-                                                         NormWork<A>& w, T* grad_x) {
+                                                         bool with_norm, const T* grad_parts, const T* parts,
+                                                         const int64_t* argmax, NormWork<A>& w, T* grad_x) {
   const int64_t n = s.rows;
   const int64_t m = s.cols;
   A* mean = w.mean;
@@ -98,8 +99,9 @@ PATHKERNELS_MULTIVERSION void norm_parts_backward_matrix(const T* x, const Matri
       grad_mean[j] = target_grad_column_mean(g0, j, at(g0.row, j) - mean[j], col_sign_sum, n);
     }
   }
-  const TargetGrad<A> g1 = num_targets(centered, with_norm) == 2 ? load_target_grad(grad_parts + kNumParts, parts + kNumParts, argmax + kNumArgs)
-                                    : TargetGrad<A>{};
+  const TargetGrad<A> g1 = num_targets(centered, with_norm) == 2
+                               ? load_target_grad(grad_parts + kNumParts, parts + kNumParts, argmax + kNumArgs)
+                               : TargetGrad<A>{};
   for (int64_t i = 0; i < n; ++i) {
     T* out = grad_x + i * m;
     for (int64_t j = 0; j < m; ++j) {
