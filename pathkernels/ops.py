@@ -79,24 +79,7 @@ def _fused_leaf_norms_fake(attn, right, mean):
     return right.new_empty(right.shape[1]), right.new_empty(right.shape[1])
 
 
-def _norm_parts_setup_context(ctx, inputs, output) -> None:
-    x, centered, with_norm = inputs
-    parts, argmax = output
-    ctx.save_for_backward(x, parts, argmax)
-    ctx.centered = centered
-    ctx.with_norm = with_norm
-    ctx.mark_non_differentiable(argmax)
-
-
-def _norm_parts_backward(ctx, grad_parts, grad_argmax):
-    x, parts, argmax = ctx.saved_tensors
-    grad_x = torch.ops.pathkernels.norm_parts_backward(grad_parts, x, parts, argmax, ctx.centered, ctx.with_norm)
-    return grad_x, None, None
-
-
-torch.library.register_autograd(
-    "pathkernels::norm_parts", _norm_parts_backward, setup_context=_norm_parts_setup_context
-)
+# The autograd formula of norm_parts is registered in C++ (csrc/norms/norms_autograd.cpp).
 
 
 def _norm_parts(x: Tensor, centered: bool, with_norm: bool) -> Tensor:

@@ -226,6 +226,25 @@ def test_torch_compile_fullgraph(device):
     torch.testing.assert_close(collapse_ratio(x), residual / norm + pk.composite_norm(x))
 
 
+def test_torch_compile_fullgraph_backward(device):
+    # The regulariser use: a compiled loss, differentiated through the C++ autograd formula.
+    torch._dynamo.reset()
+
+    def loss(x):
+        residual, norm = pk.residual_norm(x, return_norm=True)
+        return (residual / norm).sum() - pk.matrix_norms(x, residual=True).linf.sum()
+
+    compiled_loss = torch.compile(loss, fullgraph=True, dynamic=False)
+    x = random_matrices(4, 12, 10, dtype=torch.float64, device=device)
+    compiled_x, eager_x, ref_x = (x.clone().requires_grad_() for _ in range(3))
+    compiled_loss(compiled_x).backward()
+    loss(eager_x).backward()
+    residual, norm = composite_norm_ref(residual_ref(ref_x)), composite_norm_ref(ref_x)
+    ((residual / norm).sum() - matrix_norms_ref(residual_ref(ref_x))[1].sum()).backward()
+    torch.testing.assert_close(compiled_x.grad, eager_x.grad)
+    torch.testing.assert_close(compiled_x.grad, ref_x.grad, **tolerance(torch.float64))
+
+
 # --- bad input --------------------------------------------------------------------------------
 
 BAD_INPUTS = [
