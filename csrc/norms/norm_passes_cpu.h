@@ -15,11 +15,11 @@
 #include "norms/params.h"
 
 // Everything here is inlined (PATHKERNELS_INLINE) into the callers' per-matrix functions, which
-// are compiled for AVX-512, AVX2 and baseline x86-64 and picked at load time
+// are compiled for AVX-512, x86-64-v3 (AVX2 and FMA) and baseline x86-64 and picked at load time
 // (PATHKERNELS_MULTIVERSION). Dispatching per block of rows instead cost an indirect call per
 // 4 × m elements and one per row for the tails, and left the maxima in baseline code.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PATHKERNELS_MULTIVERSION __attribute__((target_clones("avx512f", "avx2", "default")))
+#define PATHKERNELS_MULTIVERSION __attribute__((target_clones("avx512f", "arch=x86-64-v3", "default")))
 #define PATHKERNELS_INLINE inline __attribute__((always_inline))
 #else
 #define PATHKERNELS_MULTIVERSION
@@ -137,12 +137,29 @@ PATHKERNELS_INLINE double horizontal_sum(double_lanes v) {
   return (v[0] + v[1]) + (v[2] + v[3]);
 }
 
+// 1.0 where the compiler cannot see it (add_on_fma_pipes): read once per block of rows.
+inline volatile double opaque_one_value = 1.0;
+PATHKERNELS_INLINE double_lanes opaque_one() {
+  const double one = opaque_one_value;
+  return double_lanes{one, one, one, one};
+}
+
+// sum + a, written a·1 + sum so that targets with FMA contract it into one fused multiply-add:
+// a·1 is exact, so the FMA's single rounding gives sum + a bit for bit, but it runs on the two
+// multiply pipes instead of the two add pipes, which the float → double conversions of the loads
+// and the other sums keep busy (Zen 3: 15–30 % less time per pass in cache). `one` must come from
+// opaque_one(), else the compiler folds a·1 into a; without FMA it stays a multiply and an add.
+PATHKERNELS_INLINE double_lanes add_on_fma_pipes(double_lanes sum, double_lanes a, double_lanes one) {
+  return a * one + sum;
+}
+
 // prefetch, when not null, brings in the next matrix as the block is read (PrefetchCursor).
 template <bool kCentred, bool kWithSum, bool kWithAbs, typename S>
 PATHKERNELS_INLINE void row_block_sums(const S* x, int64_t row_stride, int64_t m, const double* mean,
                                        double* col_sum, double* col_abs, double* row_abs,
                                        PrefetchCursor<S>* prefetch) {
   constexpr int64_t kLineElements = PrefetchCursor<S>::kLineElements;
+  const double_lanes one = opaque_one();
   double_lanes row_part[kBlockRows];
 #pragma GCC unroll 4
   for (int64_t r = 0; r < kBlockRows; ++r) {
@@ -163,12 +180,12 @@ PATHKERNELS_INLINE void row_block_sums(const S* x, int64_t row_stride, int64_t m
         value -= mu;
       }
       if constexpr (kWithSum) {
-        sum += value;
+        sum = add_on_fma_pipes(sum, value, one);
       }
       if constexpr (kWithAbs) {
         const double_lanes a = abs_lanes(value);
         abs_sum += a;
-        row_part[r] += a;
+        row_part[r] = add_on_fma_pipes(row_part[r], a, one);
       }
     }
     if constexpr (kWithSum) {
@@ -195,6 +212,7 @@ template <typename S>
 PATHKERNELS_INLINE void paired_row_block_sums(const S* x, int64_t row_stride, int64_t m, const double* mean,
                                               double* col_abs, double* col_abs_centred, double* row_abs,
                                               double* row_abs_centred) {
+  const double_lanes one = opaque_one();
   double_lanes row_part[kBlockRows];
   double_lanes row_part_centred[kBlockRows];
 #pragma GCC unroll 4
@@ -214,8 +232,8 @@ PATHKERNELS_INLINE void paired_row_block_sums(const S* x, int64_t row_stride, in
       const double_lanes c = abs_lanes(value - mu);
       abs_sum += a;
       abs_sum_centred += c;
-      row_part[r] += a;
-      row_part_centred[r] += c;
+      row_part[r] = add_on_fma_pipes(row_part[r], a, one);
+      row_part_centred[r] = add_on_fma_pipes(row_part_centred[r], c, one);
     }
     store_lanes(col_abs + j, abs_sum);
     store_lanes(col_abs_centred + j, abs_sum_centred);
