@@ -16,7 +16,7 @@ from torch.utils.benchmark import Timer
 from pathkernels import ops, reference
 from pathkernels.testing import random_matrices
 
-NORM_CASES = [(4096, 64, 64), (256, 512, 512), (64, 128, 768)]
+NORM_CASES = [(4096, 64, 64), (256, 512, 512), (64, 128, 768), (256, 128, 768)]
 QUICK_NORM_CASES = [(1024, 64, 64), (32, 256, 256)]
 
 
