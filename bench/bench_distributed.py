@@ -61,7 +61,9 @@ def run(world: int, args) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, __file__, "--worker", str(world), str(port), str(args.layers), str(args.heads),
                str(args.n), str(args.repeats)]
-    procs = [subprocess.Popen([*command, str(rank)], stdout=subprocess.PIPE, text=True, env=env) for rank in range(world)]
+    procs = [
+        subprocess.Popen([*command, str(rank)], stdout=subprocess.PIPE, text=True, env=env) for rank in range(world)
+    ]
     outputs = [p.communicate(timeout=3600)[0] for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit(f"a rank failed: {outputs}")
@@ -105,7 +107,8 @@ def main(argv=None) -> int:
         raise SystemExit(f"results differ across world sizes: {[r['checksum'] for r in rows]}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"layers": args.layers, "heads": args.heads, "n": args.n, "rows": rows}, indent=2) + "\n")
+        payload = {"layers": args.layers, "heads": args.heads, "n": args.n, "rows": rows}
+        args.out.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0
 

@@ -96,12 +96,13 @@ def main(argv=None) -> int:
     print(f"{card}, torch {torch.__version__}; cuBLAS float32 4096² GEMM: {floor / 1e12:.1f} TFLOP/s", flush=True)
 
     kernels = []
-    print(f"{'n':>4} {'leaves':>7} {'fused ms':>9} {'cuBLAS ms':>9} {'fused TF/s':>10} {'cuBLAS TF/s':>11} {'of cuBLAS':>9}")
+    print(f"{'n':>4} {'leaves':>7} {'fused ms':>9} {'cuBLAS ms':>9} {'fused TF/s':>10} {'cuBLAS TF/s':>11} "
+          f"{'of cuBLAS':>9}")
     for n, leaves in KERNEL_CASES:
         r = kernel_case(n, leaves)
         kernels.append(r)
-        print(f"{n:>4} {leaves:>7} {r['fused_ms']:>9.3f} {r['cublas_same_product_ms']:>9.3f} {r['fused_tflops']:>10.1f} "
-              f"{r['cublas_tflops']:>11.1f} {r['fraction_of_cublas']:>9.0%}", flush=True)
+        print(f"{n:>4} {leaves:>7} {r['fused_ms']:>9.3f} {r['cublas_same_product_ms']:>9.3f} "
+              f"{r['fused_tflops']:>10.1f} {r['cublas_tflops']:>11.1f} {r['fraction_of_cublas']:>9.0%}", flush=True)
 
     engines = []
     print(f"\n{'L':>2} {'H':>3} {'n':>4} {'skip':<5} {'paths':>11} {'fused s':>8} {'paths/s':>9} {'of floor':>8} "
@@ -109,7 +110,10 @@ def main(argv=None) -> int:
     for case in ENGINE_CASES:
         r = engine_case(*case, floor)
         engines.append(r)
-        level = f"{r['levelwise_s']:>8.3f} {r['speedup_vs_levelwise']:>7.1f}x" if r.get("levelwise_s") else f"{'OOM':>8} {'—':>8}"
+        if r.get("levelwise_s"):
+            level = f"{r['levelwise_s']:>8.3f} {r['speedup_vs_levelwise']:>7.1f}x"
+        else:
+            level = f"{'OOM':>8} {'—':>8}"
         print(f"{r['layers']:>2} {r['heads']:>3} {r['n']:>4} {r['skip']!s:<5} {r['paths']:>11,} {r['fused_s']:>8.3f} "
               f"{r['fused_paths_per_s']:>9.3g} {r['fused_fraction_of_floor']:>8.0%} {r['unfused_s']:>9.3f} {level} "
               f"{r['fused_peak_mib']:>8.0f} {r.get('levelwise_peak_mib', float('nan')):>9.0f}", flush=True)
@@ -125,13 +129,15 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         result = pk.path_residuals(attn, pk.PathTree.complete(layers, heads), progress=True)
         torch.cuda.synchronize()
+        # residual and norm are stored; ratio is computed lazily from them.
+        results_gib = 2 * result.residual.numel() * result.residual.element_size() / 2**30
         billion.update(seconds=time.perf_counter() - start, peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-                       results_gib=2 * result.residual.numel() * result.residual.element_size() / 2**30,  # ratio is lazy
-                       finite=bool(torch.isfinite(result.ratio).all()))
+                       results_gib=results_gib, finite=bool(torch.isfinite(result.ratio).all()))
         print(f"\n10^9 leaves (L = {layers}, H = {heads}, n = {n}): {billion['seconds']:.1f} s, peak "
               f"{billion['peak_gib']:.1f} GiB (of which results {billion['results_gib']:.1f} GiB)")
     else:
-        print(f"\n10^9 leaves: predicted {predicted:.0f} s from {rate:.3g} paths/s, above --limit {args.limit:.0f} s; not run")
+        print(f"\n10^9 leaves: predicted {predicted:.0f} s from {rate:.3g} paths/s, above --limit "
+              f"{args.limit:.0f} s; not run")
 
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

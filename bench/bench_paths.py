@@ -132,7 +132,8 @@ def bench_case(layers, heads, n, dtype_name, skip, gemm, with_levelwise=True, de
 
 def format_table(rows) -> str:
     header = (f"{'L':>2} {'H':>3} {'n':>4} {'dtype':<8} {'skip':<5} {'paths':>10} {'engine s':>9} {'paths/s':>9} "
-              f"{'GFLOP/s':>8} {'of floor':>8} {'vs level':>8} {'vs loop':>8} {'peak MiB':>9} {'results':>8} {'level MiB':>9}")
+              f"{'GFLOP/s':>8} {'of floor':>8} {'vs level':>8} {'vs loop':>8} {'peak MiB':>9} {'results':>8} "
+              f"{'level MiB':>9}")
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
@@ -177,8 +178,8 @@ def main(argv=None) -> int:
     print(format_table(rows))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"machine": machine, "torch": torch.__version__, "threads": torch.get_num_threads(), "build": pk.build_info(),
-                       "gemm_gflops": {k: v / 1e9 for k, v in gemm.items()}, "results": rows}
+        payload = {"machine": machine, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                   "build": pk.build_info(), "gemm_gflops": {k: v / 1e9 for k, v in gemm.items()}, "results": rows}
         args.out.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0

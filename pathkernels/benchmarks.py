@@ -184,10 +184,10 @@ def path_benchmark(layers: int, heads: int, n: int, *, dtype=torch.float32, skip
     levelwise_s = median_seconds(lambda: levelwise_baseline(attn, skip), device, min_run_time)
     sample = sample_paths(layers, heads, min(loop_sample, paths), skip=skip)
     loop_s = median_seconds(lambda: per_path_loop(attn, sample), device, min_run_time) / sample.shape[0] * paths
-    return {"layers": layers, "heads": heads, "n": n, "dtype": str(dtype).removeprefix("torch."), "skip": skip, "device": device,
-                "paths": paths, "engine_ms": engine_s * 1e3, "levelwise_ms": levelwise_s * 1e3, "loop_ms_estimated": loop_s * 1e3,
-                "speedup_vs_levelwise": levelwise_s / engine_s, "speedup_vs_loop": loop_s / engine_s,
-                "gflops": head_node_flops(layers, heads, n, skip) / engine_s / 1e9}
+    return {"layers": layers, "heads": heads, "n": n, "dtype": str(dtype).removeprefix("torch."), "skip": skip,
+            "device": device, "paths": paths, "engine_ms": engine_s * 1e3, "levelwise_ms": levelwise_s * 1e3,
+            "loop_ms_estimated": loop_s * 1e3, "speedup_vs_levelwise": levelwise_s / engine_s,
+            "speedup_vs_loop": loop_s / engine_s, "gflops": head_node_flops(layers, heads, n, skip) / engine_s / 1e9}
 
 
 def format_path_table(rows: list[dict]) -> str:

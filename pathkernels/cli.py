@@ -43,10 +43,10 @@ def worked_example() -> str:
     res = pk.matrix_norms(x, residual=True)
     lines = [
         "Worked example: x = [[1, -2], [3, 4]], column mean μ = (2, 1), res(x) = x − 1μᵀ = [[-1, -3], [1, 3]]",
-        (f"  ‖x‖_1 = {plain.l1.item():g} (max column abs sum)   ‖x‖_∞ = {plain.linf.item():g} (max row abs sum)"
-        f"   ‖x‖_1,∞ = √42 = {plain.composite.item():.6f}"),
-        (f"  ‖res‖_1 = {res.l1.item():g}   ‖res‖_∞ = {res.linf.item():g}   ‖res‖_1,∞ = √24 = {res.composite.item():.6f}"
-        f"   (check: {math.sqrt(24):.6f})"),
+        (f"  ‖x‖_1 = {plain.l1.item():g} (max column abs sum)   ‖x‖_∞ = {plain.linf.item():g} "
+         f"(max row abs sum)   ‖x‖_1,∞ = √42 = {plain.composite.item():.6f}"),
+        (f"  ‖res‖_1 = {res.l1.item():g}   ‖res‖_∞ = {res.linf.item():g}   "
+         f"‖res‖_1,∞ = √24 = {res.composite.item():.6f}   (check: {math.sqrt(24):.6f})"),
         "",
         "Pure attention collapses to rank 1: P = A_L ⋯ A_1 for random softmax attention (n = 32, float64)",
         f"  {'depth L':>7} {'‖res(P)‖_1,∞':>14} {'‖P‖_1,∞':>10} {'ratio':>10}",
@@ -57,7 +57,8 @@ def worked_example() -> str:
         product = attn[depth - 1] @ product
         if depth in (1, 2, 3, 4, 6, 8, 12):
             residual, norm = pk.residual_norm(product, return_norm=True)
-            lines.append(f"  {depth:>7} {residual.item():>14.3e} {norm.item():>10.4f} {(residual / norm).item():>10.3e}")
+            ratio = (residual / norm).item()
+            lines.append(f"  {depth:>7} {residual.item():>14.3e} {norm.item():>10.4f} {ratio:>10.3e}")
     return "\n".join(lines)
 
 
@@ -195,7 +196,9 @@ def run_bench(args) -> tuple[object, object]:
         raise SystemExit("pathkernels bench: --device cuda needs a GPU and pathkernels built with CUDA")
     min_run_time = 0.2 if args.quick else 1.0
     print(f"Fused norms against pure PyTorch on {machine_description(device)} (float32)")
-    norm_rows = [row for shape in QUICK_NORM_CASES for row in norm_benchmark(shape, torch.float32, device, min_run_time)]
+    norm_rows = [
+        row for shape in QUICK_NORM_CASES for row in norm_benchmark(shape, torch.float32, device, min_run_time)
+    ]
     print(format_norm_table(norm_rows))
     print()
     print("Path engine (complete trees with skip) against the level-wise PyTorch baseline and the per-path loop")

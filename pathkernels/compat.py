@@ -52,7 +52,9 @@ def sample_path(depth: int, num_layers: int, num_heads: int) -> tuple[list[int],
     ``random.seed(s)`` reproduces the original's paths.
     """
     if not 0 <= depth <= num_layers:
-        raise ValueError(f"pathkernels.compat.sample_path: expected 0 <= depth <= num_layers = {num_layers}, got {depth}")
+        raise ValueError(
+            f"pathkernels.compat.sample_path: expected 0 <= depth <= num_layers = {num_layers}, got {depth}"
+        )
     if num_heads < 1:
         raise ValueError(f"pathkernels.compat.sample_path: expected num_heads >= 1, got {num_heads}")
     selected_layers = sorted(random.sample(list(range(num_layers)), depth))

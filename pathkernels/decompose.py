@@ -222,9 +222,11 @@ def decompose(
             raise ValueError(f"{where}: uniform sampling draws from all paths; for short paths use "
                              "samples_per_length with max_length")
         method = "uniform"
-        tree = PathTree.from_paths(sample_paths(layers, heads, num_samples, skip=skip, generator=generator), num_heads=heads)
+        drawn_paths = sample_paths(layers, heads, num_samples, skip=skip, generator=generator)
+        tree = PathTree.from_paths(drawn_paths, num_heads=heads)
         drawn = torch.bincount(tree.lengths(), minlength=layers + 1)
-        weights = torch.tensor([counts[k] / max(int(drawn[k]), 1) for k in range(layers + 1)], dtype=torch.float64)[tree.lengths()]
+        per_length = torch.tensor([counts[k] / max(int(drawn[k]), 1) for k in range(layers + 1)], dtype=torch.float64)
+        weights = per_length[tree.lengths()]
     elif samples_per_length is not None:
         method = "stratified"
         if isinstance(samples_per_length, int):

@@ -90,7 +90,12 @@ def _tensor_summary(t: Tensor | None) -> Any:
         return None
     flat = t.detach().reshape(-1).double()
     weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.float64).remainder_(97)
-    return {"shape": list(t.shape), "dtype": str(t.dtype), "sum": flat.sum().item(), "weighted": (flat * weights).sum().item()}
+    return {
+        "shape": list(t.shape),
+        "dtype": str(t.dtype),
+        "sum": flat.sum().item(),
+        "weighted": (flat * weights).sum().item(),
+    }
 
 
 def fingerprint(tensors: dict[str, Tensor | None], tree) -> dict:

@@ -159,9 +159,15 @@ def _check_network(attn, x, w_v, w_o, where: str) -> _Network:
             raise ValueError(f"{where}: expected x of shape [B, n, d] = [{batch}, {n}, d], got {list(x.shape)}")
         d = x.shape[2]
         if w_v.dim() != 4 or w_v.shape[:3] != (layers, heads, d):
-            raise ValueError(f"{where}: expected w_v of shape [L, H, d, d_head] = [{layers}, {heads}, {d}, d_head], got {list(w_v.shape)}")
+            raise ValueError(
+                f"{where}: expected w_v of shape [L, H, d, d_head] = [{layers}, {heads}, {d}, d_head], "
+                f"got {list(w_v.shape)}"
+            )
         if w_o.shape != (layers, heads, w_v.shape[3], d):
-            raise ValueError(f"{where}: expected w_o of shape [L, H, d_head, d] = {[layers, heads, w_v.shape[3], d]}, got {list(w_o.shape)}")
+            raise ValueError(
+                f"{where}: expected w_o of shape [L, H, d_head, d] = {[layers, heads, w_v.shape[3], d]}, "
+                f"got {list(w_o.shape)}"
+            )
         tensors.update(x=x, w_v=w_v, w_o=w_o)
     for name, t in tensors.items():
         if t.device != attn.device:

@@ -265,7 +265,8 @@ def truncation_accuracy(model: SortingModel, tokens: Tensor, target: Tensor):
         for k in range(num_layers + 1):
             correct = model64.unembed(truncated_output(sums, k)).argmax(-1) == target
             rows.append({"max_length": k, "token_accuracy": correct.double().mean().item(),
-                             "sequence_accuracy": correct.all(-1).double().mean().item(), "path_count": sum(counts[: k + 1])})
+                         "sequence_accuracy": correct.all(-1).double().mean().item(),
+                         "path_count": sum(counts[: k + 1])})
     return pd.DataFrame(rows)
 
 

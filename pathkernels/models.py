@@ -113,7 +113,9 @@ class SelfAttentionNetwork(nn.Module):
 
     def forward(self, x: Tensor) -> NetworkOutput:
         if x.dim() != 3:
-            raise ValueError(f"pathkernels.models.SelfAttentionNetwork: expected x [B, n, d], got shape {list(x.shape)}")
+            raise ValueError(
+                f"pathkernels.models.SelfAttentionNetwork: expected x [B, n, d], got shape {list(x.shape)}"
+            )
         hidden, patterns = [x], []
         for layer, attention in enumerate(self.attention):
             y, attn = attention(x)

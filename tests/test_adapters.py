@@ -68,7 +68,9 @@ def test_huggingface_maps_reproduce_every_attention_output(family):
             seen_outputs[index] = output
         return hook
 
-    handles = [layer.attention.register_forward_pre_hook(keep_input(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    handles = [
+        layer.attention.register_forward_pre_hook(keep_input(i), with_kwargs=True) for i, layer in enumerate(layers)
+    ]
     handles += [layer.output.register_forward_hook(keep_output(i)) for i, layer in enumerate(layers)]
     stack = adapters.from_huggingface(model, **inputs)
     for handle in handles:
@@ -80,8 +82,9 @@ def test_huggingface_maps_reproduce_every_attention_output(family):
     assert stack.head_labels()[:5] == ["L0H0", "L0H1", "L0H2", "L0H3", "L1H0"]
     for layer in range(2):
         x = seen_inputs[layer].double()
-        expected = sum(stack.attn[:, layer, h].double() @ x @ stack.w_v[layer, h].double() @ stack.w_o[layer, h].double()
-                       for h in range(4)) + stack.b_o[layer].double()
+        w_v, w_o = stack.w_v[layer].double(), stack.w_o[layer].double()
+        heads = sum(stack.attn[:, layer, h].double() @ x @ w_v[h] @ w_o[h] for h in range(4))
+        expected = heads + stack.b_o[layer].double()
         torch.testing.assert_close(seen_outputs[layer].double(), expected, rtol=1e-5, atol=1e-5)
 
     # The patterns are the model's own (eager, output_attentions=True).
@@ -140,8 +143,8 @@ def hooked_transformer(**overrides):
         from transformer_lens import HookedTransformer, HookedTransformerConfig
     except ImportError:
         pytest.skip("this transformer_lens has no HookedTransformer (removed in 4.0)")
-    config = {"n_layers": 3, "d_model": 16, "n_ctx": 8, "d_head": 4, "n_heads": 4, "attn_only": True, "normalization_type": None,
-                  "d_vocab": 20, "act_fn": None, "dtype": torch.float64}
+    config = {"n_layers": 3, "d_model": 16, "n_ctx": 8, "d_head": 4, "n_heads": 4, "attn_only": True,
+              "normalization_type": None, "d_vocab": 20, "act_fn": None, "dtype": torch.float64}
     config.update(overrides)
     return tl, HookedTransformer(HookedTransformerConfig(**config))
 

@@ -33,7 +33,8 @@ def check_against_loop(result, attn, tree, x, w_v, w_o, dtype):
     tol = tolerance(dtype) if dtype == torch.float64 else {"rtol": 2e-4, "atol": 1e-6}
     torch.testing.assert_close(result.residual.double().cpu(), residual_norm_ref(products), **tol)
     torch.testing.assert_close(result.norm.double().cpu(), composite_norm_ref(products), **tol)
-    torch.testing.assert_close(result.ratio.double().cpu(), residual_norm_ref(products) / composite_norm_ref(products), **tol)
+    ratio = residual_norm_ref(products) / composite_norm_ref(products)
+    torch.testing.assert_close(result.ratio.double().cpu(), ratio, **tol)
     assert torch.equal(result.paths, tree.paths())
     assert torch.equal(result.lengths, (tree.paths() >= 0).sum(1))
 
@@ -214,18 +215,24 @@ def with_nan():
     (bad_call(attn=torch.rand(3, 4, 4)), ValueError, r"expected attn of shape \[B, L, H, n, n\] or \[L, H, n, n\]"),
     (bad_call(attn=torch.rand(2, 3, 2, 4, 5)), ValueError, "expected square attention"),
     (bad_call(attn=torch.ones(2, 3, 2, 4, 4, dtype=torch.int64)), TypeError, "expected attn to be float32 or float64"),
-    (bad_call(attn=torch.full((2, 3, 2, 4, 4), 0.25, dtype=torch.float16)), TypeError, "float32 or float64, got torch.float16"),
-    (bad_call(x=torch.rand(2, 5, 3, dtype=torch.float64)), ValueError, r"expected x of shape \[B, n, d\] = \[2, 4, d\]"),
+    (bad_call(attn=torch.full((2, 3, 2, 4, 4), 0.25, dtype=torch.float16)), TypeError,
+     "float32 or float64, got torch.float16"),
+    (bad_call(x=torch.rand(2, 5, 3, dtype=torch.float64)), ValueError,
+     r"expected x of shape \[B, n, d\] = \[2, 4, d\]"),
     (bad_call(x=torch.rand(2, 4, 3)), TypeError, "expected x in attn's dtype torch.float64, got torch.float32"),
-    (bad_call(w_v=torch.rand(3, 2, 5, 2, dtype=torch.float64)), ValueError, r"expected w_v of shape \[L, H, d, d_head\]"),
+    (bad_call(w_v=torch.rand(3, 2, 5, 2, dtype=torch.float64)), ValueError,
+     r"expected w_v of shape \[L, H, d, d_head\]"),
     (bad_call(w_o=None), ValueError, "pass x, w_v and w_o together"),
-    (bad_call(x=torch.rand(2, 4, 3, dtype=torch.float64, device="meta")), ValueError, "expected x on attn's device cpu"),
+    (bad_call(x=torch.rand(2, 4, 3, dtype=torch.float64, device="meta")), ValueError,
+     "expected x on attn's device cpu"),
     (bad_call(attn=network(2, 3, 2, 4)[0].to("meta"), x=None, w_v=None, w_o=None), ValueError,
      "expected attn on a CPU or CUDA device, got meta"),
     (bad_call(attn=with_zero_row(), x=None, w_v=None, w_o=None), ValueError,
      r"row 3 of batch element 1, layer 2, head 0 sums to 0\..*Masked or padded"),
-    (bad_call(attn=with_nan(), x=None, w_v=None, w_o=None), ValueError, r"attn has a non-finite value \(nan\) at index \[0, 1, 1, 2, 0\]"),
-    (bad_call(tree=pk.PathTree.complete(4, 2)), ValueError, "the tree has 4 layers and 2 heads, attn has L = 3 and H = 2"),
+    (bad_call(attn=with_nan(), x=None, w_v=None, w_o=None), ValueError,
+     r"attn has a non-finite value \(nan\) at index \[0, 1, 1, 2, 0\]"),
+    (bad_call(tree=pk.PathTree.complete(4, 2)), ValueError,
+     "the tree has 4 layers and 2 heads, attn has L = 3 and H = 2"),
     (bad_call(tree="paths"), TypeError, "expected tree to be a pathkernels.PathTree"),
     (bad_call(memory_budget=0), ValueError, "expected memory_budget to be a positive int"),
     (bad_call(memory_budget=100), ValueError, "too small for one leaf block"),
@@ -266,8 +273,8 @@ def _op_operands(device):
     attn = network(1, 3, 2, 5)[0].to(device)
     chunk = build_trie_chunk(pk.PathTree.complete(3, 2, skip=True).paths())
     attn_c, attn_mean, root, root_mean = _engine_operands(_check_network(attn, None, None, None, "test"))
-    return {"attn_centred": attn_c, "attn_mean": attn_mean, "root": root, "root_mean": root_mean, "w_v": None, "w_o": None,
-                "parents": list(chunk.parents), "heads": list(chunk.heads), "leaf_block": 4}
+    return {"attn_centred": attn_c, "attn_mean": attn_mean, "root": root, "root_mean": root_mean, "w_v": None,
+            "w_o": None, "parents": list(chunk.parents), "heads": list(chunk.heads), "leaf_block": 4}
 
 
 def _with_level(levels, level, value):

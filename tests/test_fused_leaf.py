@@ -92,11 +92,13 @@ def test_bad_input(device, args, error, message):
 def test_bad_dtypes_and_shapes(device):
     attn = torch.randn(4, 4, device=device)
     with pytest.raises(TypeError, match=r"_fused_leaf_norms: expected right and mean in Float, got Double"):
-        fused_leaf_norms(attn, torch.randn(4, 2, 3, device=device, dtype=torch.float64), torch.randn(2, 3, device=device))
+        fused_leaf_norms(attn, torch.randn(4, 2, 3, device=device, dtype=torch.float64),
+                         torch.randn(2, 3, device=device))
     with pytest.raises(ValueError, match=r"expected mean \[c, m\] = \[2, 3\], got \[3, 2\]"):
         fused_leaf_norms(attn, torch.randn(4, 2, 3, device=device), torch.randn(3, 2, device=device))
     with pytest.raises(TypeError, match="expected attn to be float32 or float64, got Half"):
-        fused_leaf_norms(attn.half(), torch.randn(4, 2, 3, device=device).half(), torch.randn(2, 3, device=device).half())
+        fused_leaf_norms(attn.half(), torch.randn(4, 2, 3, device=device).half(),
+                         torch.randn(2, 3, device=device).half())
 
 
 def test_opcheck():
@@ -108,7 +110,8 @@ def test_opcheck():
 @pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cpu_harness_and_cuda_kernel_agree(dtype):
-    attn, right, mean = torch.randn(70, 70, dtype=dtype), torch.randn(70, 5, 90, dtype=dtype), torch.randn(5, 90, dtype=dtype)
+    attn = torch.randn(70, 70, dtype=dtype)
+    right, mean = torch.randn(70, 5, 90, dtype=dtype), torch.randn(5, 90, dtype=dtype)
     cpu = fused_leaf_norms(attn, right, mean)
     gpu = fused_leaf_norms(attn.cuda(), right.cuda(), mean.cuda())
     tol = tolerance(dtype) if dtype == torch.float64 else {"rtol": 1e-5, "atol": 0}  # FMA on the GPU, not here
@@ -122,7 +125,8 @@ def test_engine_with_and_without_the_fused_kernel_agree(n):
     layers, heads = 3, 3
     attn = random_attention(2, layers, heads, n, n, device="cuda")
     x = torch.randn(2, n, 24, device="cuda")
-    w_v, w_o = torch.randn(layers, heads, 24, 8, device="cuda") / 5, torch.randn(layers, heads, 8, 24, device="cuda") / 3
+    w_v = torch.randn(layers, heads, 24, 8, device="cuda") / 5
+    w_o = torch.randn(layers, heads, 8, 24, device="cuda") / 3
     tree = pk.PathTree.complete(layers, heads, skip=True)
     for args in ({}, {"x": x, "w_v": w_v, "w_o": w_o}):
         fused = pk.path_residuals(attn, tree, **args)

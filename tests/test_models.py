@@ -39,7 +39,8 @@ def test_biased_layers_match_their_maps():
     stack = model.attention_stack(result)
     hidden = result.hidden_states
     for layer in range(2):
-        heads = sum(stack.attn[:, layer, h] @ hidden[layer] @ stack.w_v[layer, h] @ stack.w_o[layer, h] for h in range(3))
+        heads = sum(stack.attn[:, layer, h] @ hidden[layer] @ stack.w_v[layer, h] @ stack.w_o[layer, h]
+                    for h in range(3))
         torch.testing.assert_close(hidden[layer + 1], heads + stack.b_o[layer])
 
 

@@ -248,9 +248,11 @@ def test_torch_compile_fullgraph_backward(device):
 # --- bad input --------------------------------------------------------------------------------
 
 BAD_INPUTS = [
-    (lambda d: torch.ones(5, device=d), ValueError, r"expected x to have at least 2 dimensions \[\.\.\., n, m\], got 1"),
+    (lambda d: torch.ones(5, device=d), ValueError,
+     r"expected x to have at least 2 dimensions \[\.\.\., n, m\], got 1"),
     (lambda d: torch.ones(3, 3, dtype=torch.int64, device=d), TypeError, "expected x to be a floating-point tensor"),
-    (lambda d: torch.ones(3, 3, dtype=torch.complex64, device=d), TypeError, "expected x to be a floating-point tensor"),
+    (lambda d: torch.ones(3, 3, dtype=torch.complex64, device=d), TypeError,
+     "expected x to be a floating-point tensor"),
     (lambda d: torch.ones(2, 0, 3, device=d), ValueError, r"expected x to have at least one row \(n >= 1\)"),
 ]
 
