@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from pathkernels.engine import DEFAULT_MEMORY_BUDGET, PathResiduals, path_residuals
+from pathkernels.engine import DEFAULT_MEMORY_BUDGET, PathResiduals, path_residuals, unpack_stack
 from pathkernels.paths import (
     MAX_ENUMERATED_PATHS,
     PathTree,
@@ -183,6 +183,7 @@ def decompose(
     progress: bool = False,
     group=None,
     all_ranks: bool = False,
+    token_mask: Tensor | None = None,
 ) -> PathDecomposition | None:
     """Decompose an attention network into paths and measure each path's residual ratio.
 
@@ -195,6 +196,8 @@ def decompose(
 
     Shapes as in :func:`pk.path_residuals`: attn ``[B, L, H, n, n]``, optional x ``[B, n, d]``,
     w_v ``[L, H, d, d_head]``, w_o ``[L, H, d_head, d]``. Returns a :class:`PathDecomposition`.
+    ``attn`` may be an :class:`~pathkernels.adapters.AttentionStack` (its maps and token mask are
+    then the defaults); ``token_mask [B, n]`` evaluates each batch element on its real tokens.
 
     Across processes (``group``, ``all_ranks``: see :func:`pk.path_residuals`) every rank draws the
     same sample from the same ``generator`` state and evaluates a disjoint share of it, so a run is
@@ -203,6 +206,7 @@ def decompose(
     unless ``all_ranks``.
     """
     where = "pathkernels.decompose"
+    attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask)
     if not isinstance(attn, Tensor) or attn.dim() not in (4, 5):
         raise ValueError(f"{where}: expected attn of shape [B, L, H, n, n] or [L, H, n, n], got "
                          f"{getattr(attn, 'shape', type(attn).__name__)}")
@@ -252,7 +256,7 @@ def decompose(
         weights = torch.ones(len(tree), dtype=torch.float64)
 
     results = path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, memory_budget=memory_budget, progress=progress,
-                             group=group, all_ranks=all_ranks)
+                             group=group, all_ranks=all_ranks, token_mask=token_mask)
     if results is None:
         return None
     return PathDecomposition(results, method, layers, heads, skip, list(counts), weights)

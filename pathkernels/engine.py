@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pathkernels import distributed
+from pathkernels import distributed, masking
 from pathkernels._progress import progress_bar
 from pathkernels.paths import SKIP, PathTree, build_trie_chunk
 
@@ -107,25 +107,42 @@ def _check_finite(t: Tensor, name: str, where: str) -> None:
         raise ValueError(f"{where}: {name} has a non-finite value ({t[index].item()}) at index {list(index)}")
 
 
-def check_row_stochastic(attn: Tensor, where: str) -> None:
-    """Raise unless every row of ``attn [B, L, H, n, n]`` sums to 1 within its dtype's tolerance."""
+def check_row_stochastic(attn: Tensor, where: str, *, batch_index: Tensor | None = None) -> None:
+    """Raise unless every row of ``attn [B, L, H, n, n]`` sums to 1 within its dtype's tolerance.
+
+    ``batch_index [B]``: for attention restricted to one mask group's real tokens, the elements'
+    indices in the full batch (named in the message)."""
     row_sums = attn.sum(-1, dtype=torch.float64)
     deviation = (row_sums - 1).abs()
     bad = deviation > ROW_SUM_TOLERANCE.get(attn.dtype, 1e-2)
     if bool(bad.any()):
         b, l, h, i = _first_index(bad)
         error = deviation.max().item()
-        hint = (
-            "A lower-precision pattern cast up sums to 1 only to its own precision: renormalise the rows "
-            "(attn / attn.sum(-1, keepdim=True)) after the cast, as AttentionStack.to() does."
-            if error < 1e-3 else
-            "Masked or padded queries give zero rows and dropout in training mode rescales them: drop those "
-            "tokens (or renormalise the rows) and take attention in eval mode."
-        )
+        if batch_index is not None:
+            hint = ("Restricted to the real tokens of token_mask, a real query's row must still sum to 1: its "
+                    "attention must give padded keys zero weight (pass the model the same attention_mask).")
+            element = f"real token {i} of batch element {int(batch_index[b])}"
+        else:
+            hint = (
+                "A lower-precision pattern cast up sums to 1 only to its own precision: renormalise the rows "
+                "(attn / attn.sum(-1, keepdim=True)) after the cast, as AttentionStack.to() does."
+                if error < 1e-3 else
+                "Masked or padded queries give zero rows and dropout in training mode rescales them: pass "
+                "token_mask (the attention_mask) for a padded batch, or drop those tokens, and take attention "
+                "in eval mode."
+            )
+            element = f"row {i} of batch element {b}"
         raise ValueError(
-            f"{where}: attention rows must sum to 1 (the centring identity needs P·1 = 1), but row {i} of "
-            f"batch element {b}, layer {l}, head {h} sums to {row_sums[b, l, h, i].item():.9g}. {hint}"
+            f"{where}: attention rows must sum to 1 (the centring identity needs P·1 = 1), but {element}, layer "
+            f"{l}, head {h} sums to {row_sums[b, l, h, i].item():.9g}. {hint}"
         )
+
+
+def restricted_attention(attn: Tensor, group: masking.MaskGroup, where: str) -> Tensor:
+    """``attn [B, L, H, n, n]`` at one mask group's elements and real tokens, checked row-stochastic."""
+    restricted = masking.restrict(attn, group, token_dims=(-2, -1))
+    check_row_stochastic(restricted, where, batch_index=group.batch)
+    return restricted
 
 
 def _check_network(attn, x, w_v, w_o, where: str) -> _Network:
@@ -299,6 +316,7 @@ def path_residuals(
     group=None,
     all_ranks: bool = False,
     fast: bool = False,
+    token_mask: Tensor | None = None,
 ) -> PathResiduals | None:
     """Residual norms of every path of ``tree``, evaluated on its shared-prefix trie.
 
@@ -314,7 +332,9 @@ def path_residuals(
 
     Args:
         attn: ``[B, L, H, n, n]`` or ``[L, H, n, n]``, float32 or float64, row-stochastic
-            (rows summing to 1 within 1e-4 in float32, 1e-8 in float64; others are refused).
+            (rows summing to 1 within 1e-4 in float32, 1e-8 in float64; others are refused); or an
+            :class:`~pathkernels.adapters.AttentionStack`, whose ``w_v``, ``w_o`` and
+            ``token_mask`` are then the defaults (pass ``x`` for path outputs).
         tree: a :class:`PathTree` with ``tree.num_layers == L``.
         x: ``[B, n, d]`` (``[n, d]`` for unbatched attn), with ``w_v [L, H, d, d_head]`` and
             ``w_o [L, H, d_head, d]``.
@@ -333,6 +353,10 @@ def path_residuals(
             accumulation), about 1e-3 relative error per level instead of float32's 1e-7, with
             the leaves through cuBLAS rather than the fused leaf kernel. Off by default; the norms
             and the centring stay in full precision.
+        token_mask: ``[B, n]`` (``[n]`` for unbatched attn), True (or 1) at real tokens, e.g. a
+            padded batch's ``attention_mask``: each batch element is evaluated on its real tokens
+            only, ``P_p`` restricted to them (its rows must still sum to 1 there). Elements that
+            share a mask run as one batch. Not with ``materialize`` (the products differ in size).
 
     Returns:
         :class:`PathResiduals` with ``residual``, ``norm`` and ``ratio`` ``[B, M]``, ``paths``
@@ -340,6 +364,11 @@ def path_residuals(
         ranks other than 0 unless ``all_ranks``.
     """
     where = "pathkernels.path_residuals"
+    attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask)
+    if token_mask is not None:
+        return _masked_path_residuals(attn, tree, x, token_mask, where, w_v=w_v, w_o=w_o, memory_budget=memory_budget,
+                                      progress=progress, materialize=materialize, group=group, all_ranks=all_ranks,
+                                      fast=fast)
     if fast:
         _check_fast(attn, where)
         with _tf32_matmuls(), _leaf_kernel(fused=False):  # the fused leaf kernel is full float32
@@ -353,6 +382,56 @@ def path_residuals(
     bar = progress_bar(tree.num_leaves, enabled=progress)
     residual, norm = _leaf_norms(net, tree, 0, tree.num_leaves, memory_budget, bar)
     return _result(net, tree, residual, norm, products)
+
+
+def unpack_stack(attn, x, w_v, w_o, token_mask):
+    """``(attn, x, w_v, w_o, token_mask)``, filled from an AttentionStack passed as ``attn``.
+
+    The stack's ``w_v``/``w_o`` come in only with an ``x`` (path outputs); its ``token_mask`` is the
+    default mask. Anything else passes through unchanged."""
+    from pathkernels.adapters.stack import AttentionStack
+
+    if not isinstance(attn, AttentionStack):
+        return attn, x, w_v, w_o, token_mask
+    stack = attn
+    if x is not None:
+        w_v = stack.w_v if w_v is None else w_v
+        w_o = stack.w_o if w_o is None else w_o
+    return stack.attn, x, w_v, w_o, stack.token_mask if token_mask is None else token_mask
+
+
+def _masked_path_residuals(attn, tree, x, token_mask, where: str, *, materialize: bool, **kwargs):
+    """path_residuals of each batch element on its real tokens: one call per group of equal masks."""
+    if not isinstance(attn, Tensor) or attn.dim() not in (4, 5):
+        raise ValueError(f"{where}: expected attn of shape [B, L, H, n, n] or [L, H, n, n], got "
+                         f"{getattr(attn, 'shape', type(attn).__name__)}")
+    batched = attn.dim() == 5
+    if not batched:
+        attn = attn.unsqueeze(0)
+        x = None if not isinstance(x, Tensor) else x.unsqueeze(0)
+        token_mask = token_mask.unsqueeze(0) if isinstance(token_mask, Tensor) else token_mask
+    mask = masking.check_token_mask(token_mask, attn.shape[0], attn.shape[-1], attn.device, where)
+    if mask is not None and materialize:
+        raise ValueError(f"{where}: materialize=True cannot honour token_mask (the sequences' products differ in "
+                         "size); materialise each sequence on its own")
+    if mask is None:
+        result = path_residuals(attn, tree, x=x, materialize=materialize, **kwargs)
+    else:
+        residual = norm = None
+        for group in masking.mask_groups(mask):
+            part = path_residuals(restricted_attention(attn, group, where), tree,
+                                  x=None if x is None else masking.restrict(x, group), **kwargs)
+            if part is None:  # a rank other than 0 of a process group: the results went to rank 0
+                continue
+            if residual is None:
+                residual = part.residual.new_empty(attn.shape[0], part.residual.shape[1])
+                norm = torch.empty_like(residual)
+            residual[group.batch], norm[group.batch] = part.residual, part.norm
+        result = None if residual is None else PathResiduals(residual, norm, tree)
+    if result is not None and not batched:
+        result.residual, result.norm = result.residual[0], result.norm[0]
+        result.products = None if result.products is None else result.products[0]
+    return result
 
 
 def _check_fast(attn, where: str) -> None:
@@ -499,29 +578,47 @@ def _materialize(net: _Network, tree: PathTree, memory_budget: int, where: str) 
     return leaves if leaf_of_path is None else leaves[:, leaf_of_path.to(device)]
 
 
-def length_sums(attn: Tensor, x: Tensor, w_v: Tensor, w_o: Tensor, *, skip: bool = True) -> Tensor:
+def length_sums(attn: Tensor, x: Tensor, w_v: Tensor, w_o: Tensor, *, b_o: Tensor | None = None,
+                skip: bool = True, token_mask: Tensor | None = None) -> Tensor:
     """Exact sum of the path outputs of each length, by dynamic programming over layers.
 
-    ``S_k^(l) = [skip] S_k^(l-1) + Σ_h A[l, h] S_{k-1}^(l-1) W_V[l, h] W_O[l, h]`` with
-    ``S_0^(0) = X``: ``S_k^(L) = Σ_{p : len(p) = k} Y_p``. It costs ``O(L² H)`` matrix products
-    and enumerates nothing, so it works when ``(H+1)^L`` is astronomically large. With skip the
-    total ``Σ_k S_k`` is the output of the attention-only network ``X_l = X_{l-1} + Σ_h A X_{l-1} W``
-    (biases folded out); without skip only ``k = L`` is non-zero.
+    ``S_k^(l) = [skip] S_k^(l-1) + Σ_h A[l, h] S_{k-1}^(l-1) W_V[l, h] W_O[l, h] + [k = 1] 1 b_O[l]ᵀ``
+    with ``S_0^(0) = X``: ``S_k^(L) = Σ_{p : len(p) = k} Y_p``. It costs ``O(L² H)`` matrix products
+    and enumerates nothing, so it works when ``(H+1)^L`` is astronomically large.
+
+    With ``b_o``, the output bias of each layer is a path of its own: ``1 b_O[l]ᵀ`` enters at layer
+    l as the layer's output and is carried through the later layers like any other path (a head
+    maps it to ``A 1 b_Oᵀ W = 1 (b_Oᵀ W)``, since A is row-stochastic). Its length counts layer l
+    and every head taken after it. With skip, ``Σ_k S_k`` is then the output of the attention-only
+    network ``X_l = X_{l-1} + Σ_h A X_{l-1} W + 1 b_O[l]ᵀ``; without ``b_o`` that of the same
+    network with zero biases. A bias path is a matrix of equal rows, so its residual
+    ``‖Y − 1μᵀ‖`` is exactly 0: biases shift the tokens, they never spread them apart.
+
+    The result is differentiable in every input (plain torch operations).
 
     Args:
         attn: ``[B, L, H, n, n]`` (or ``[L, H, n, n]``), row-stochastic, float32 or float64.
         x: ``[B, n, d]`` (or ``[n, d]``); ``w_v``: ``[L, H, d, d_head]``; ``w_o``: ``[L, H, d_head, d]``.
+        b_o: ``[L, d]`` output biases with the value biases folded in (``AttentionStack.b_o``), or
+            None to leave the bias paths out.
         skip: whether the network has skip connections.
+        token_mask: ``[B, n]`` (``[n]`` unbatched), True at real tokens: each batch element is
+            computed on its real tokens only, and its padded rows are 0.
 
     Returns:
         ``[L+1, B, n, d]`` (``[L+1, n, d]`` unbatched): index k holds the sum over paths of length k.
+        Without skip and biases only ``k = L`` is non-zero.
     """
     where = "pathkernels.length_sums"
     for name, t in (("x", x), ("w_v", w_v), ("w_o", w_o)):
         if t is None:
             raise ValueError(f"{where}: expected {name}; length sums are sums of path outputs P X W")
+    if token_mask is not None:
+        return _masked_length_sums(attn, x, w_v, w_o, b_o, skip, token_mask, where)
     net = _check_network(attn, x, w_v, w_o, where)
     layers = net.attn.shape[1]
+    if b_o is not None:
+        _check_bias(b_o, net, where)
     sums = net.x.new_zeros(layers + 1, *net.x.shape)  # [L+1, B, n, d]
     sums[0] = net.x
     for layer in range(layers):
@@ -533,7 +630,47 @@ def length_sums(attn: Tensor, x: Tensor, w_v: Tensor, w_o: Tensor, *, skip: bool
             sums[1 : top + 1] += heads_out
         else:
             sums = torch.cat([torch.zeros_like(sums[:1]), heads_out, torch.zeros_like(sums[top + 1 :])])
+        if b_o is not None:
+            sums[1] += b_o[layer]  # broadcast over the batch and the n rows: 1 b_O[l]ᵀ
     return sums if net.batched else sums[:, 0]
+
+
+def _masked_length_sums(attn, x, w_v, w_o, b_o, skip: bool, token_mask, where: str) -> Tensor:
+    """length_sums of each batch element on its real tokens, zeros on its padded rows."""
+    shapes_ok = (isinstance(attn, Tensor) and attn.dim() in (4, 5) and isinstance(x, Tensor)
+                 and x.dim() == attn.dim() - 2 and x.shape[:-1] == attn.shape[:-4] + attn.shape[-1:])
+    if not shapes_ok:  # the plain checks name what is wrong
+        _check_network(attn, x, w_v, w_o, where)
+        raise ValueError(f"{where}: expected attn [B, L, H, n, n] with x [B, n, d], got {list(attn.shape)} and "
+                         f"{list(x.shape)}")
+    batched = attn.dim() == 5
+    if not batched:
+        attn, x = attn.unsqueeze(0), x.unsqueeze(0)
+        token_mask = token_mask.unsqueeze(0) if isinstance(token_mask, Tensor) else token_mask
+    mask = masking.check_token_mask(token_mask, attn.shape[0], attn.shape[-1], attn.device, where)
+    if mask is None:
+        sums = length_sums(attn, x, w_v, w_o, b_o=b_o, skip=skip)
+    else:
+        sums = x.new_zeros(attn.shape[1] + 1, *x.shape)
+        for group in masking.mask_groups(mask):
+            part = length_sums(restricted_attention(attn, group, where), masking.restrict(x, group),
+                               w_v, w_o, b_o=b_o, skip=skip)  # [L+1, G, n_real, d]
+            sums[:, group.batch.unsqueeze(1), group.tokens] = part
+    return sums if batched else sums[:, 0]
+
+
+def _check_bias(b_o, net: _Network, where: str) -> None:
+    if not isinstance(b_o, Tensor):
+        raise TypeError(f"{where}: expected b_o to be a torch.Tensor [L, d], got {type(b_o).__name__}")
+    layers, d = net.attn.shape[1], net.x.shape[-1]
+    if b_o.shape != (layers, d):
+        raise ValueError(f"{where}: expected b_o of shape [L, d] = [{layers}, {d}], got {list(b_o.shape)}")
+    if b_o.dtype != net.attn.dtype or b_o.device != net.attn.device:
+        raise TypeError(
+            f"{where}: expected b_o in attn's dtype {net.attn.dtype} on {net.attn.device}, got {b_o.dtype} on "
+            f"{b_o.device}"
+        )
+    _check_finite(b_o, "b_o", where)
 
 
 def truncated_output(sums: Tensor, max_length: int) -> Tensor:

@@ -51,12 +51,16 @@ def path_products_ref(attn: Tensor, paths: Tensor, x: Tensor | None = None, w_v:
     return torch.stack(out, dim=1)
 
 
-def attention_network_ref(attn: Tensor, x: Tensor, w_v: Tensor, w_o: Tensor, *, skip: bool = True) -> Tensor:
-    """An attention-only network without biases: ``X_l = [X_{l-1}] + Σ_h A[l, h] X_{l-1} W_V W_O``.
+def attention_network_ref(attn: Tensor, x: Tensor, w_v: Tensor, w_o: Tensor, b_o: Tensor | None = None, *,
+                          skip: bool = True) -> Tensor:
+    """An attention-only network: ``X_l = [X_{l-1}] + Σ_h A[l, h] X_{l-1} W_V W_O + 1 b_O[l]ᵀ``.
 
-    attn ``[B, L, H, n, n]``, x ``[B, n, d]`` -> ``[B, n, d]``; the sum over all its paths.
+    attn ``[B, L, H, n, n]``, x ``[B, n, d]``, b_o ``[L, d]`` or None (zero biases) -> ``[B, n, d]``:
+    the sum over all its paths, the bias paths included.
     """
     for layer in range(attn.shape[1]):
         heads = sum(attn[:, layer, h] @ x @ w_v[layer, h] @ w_o[layer, h] for h in range(attn.shape[2]))
+        if b_o is not None:
+            heads = heads + b_o[layer]
         x = x + heads if skip else heads
     return x

@@ -4,6 +4,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pathkernels import masking
+from pathkernels.engine import unpack_stack
+
 _FUSIONS = ("mean", "max", "min")
 
 
@@ -13,6 +16,7 @@ def rollout(
     head_fusion: str = "mean",
     residual: bool = True,
     discard_ratio: float = 0.0,
+    token_mask: Tensor | None = None,
 ) -> Tensor:
     """Attention rollout: ``R = Â_L ⋯ Â_2 Â_1`` with one fused, normalised matrix per layer.
 
@@ -28,15 +32,20 @@ def rollout(
     without ``keepdim``) and every batch element is rolled out, not only the first.
 
     Args:
-        attn: ``[B, L, H, n, n]`` or ``[L, H, n, n]``, non-negative (attention probabilities).
+        attn: ``[B, L, H, n, n]`` or ``[L, H, n, n]``, non-negative (attention probabilities); or
+            an :class:`~pathkernels.adapters.AttentionStack` (its ``token_mask`` is the default).
         head_fusion: ``"mean"``, ``"max"`` or ``"min"`` over heads.
         residual: add the identity (the skip connection) before normalising.
         discard_ratio: in [0, 1): share of each row's off-diagonal entries to zero (the smallest).
+        token_mask: ``[B, n]`` (``[n]`` unbatched), True at real tokens: each batch element is
+            rolled out over its real tokens only (``n_real`` of them, ``discard_ratio`` counted
+            among those), and its rows and columns of padded tokens are 0.
 
     Returns:
-        ``[B, n, n]`` (``[n, n]`` unbatched), row-stochastic.
+        ``[B, n, n]`` (``[n, n]`` unbatched), row-stochastic on the real tokens.
     """
     where = "pathkernels.rollout"
+    attn, _, _, _, token_mask = unpack_stack(attn, None, None, None, token_mask)
     if not isinstance(attn, Tensor):
         raise TypeError(f"{where}: expected attn to be a torch.Tensor [B, L, H, n, n], got {type(attn).__name__}")
     if attn.dim() not in (4, 5) or attn.shape[-1] != attn.shape[-2]:
@@ -53,7 +62,23 @@ def rollout(
         raise ValueError(f"{where}: expected at least one layer and one head, got shape {list(attn.shape)}")
     if bool((attn < 0).any()):
         raise ValueError(f"{where}: expected non-negative attention probabilities")
+    if token_mask is not None:
+        mask = token_mask if batched or not isinstance(token_mask, Tensor) else token_mask.unsqueeze(0)
+        mask = masking.check_token_mask(mask, attn.shape[0], attn.shape[-1], attn.device, where)
+        if mask is not None:
+            result = attn.new_zeros(attn.shape[0], attn.shape[-1], attn.shape[-1])
+            for group in masking.mask_groups(mask):
+                part = _rollout(masking.restrict(attn, group, token_dims=(-2, -1)), head_fusion, residual,
+                                discard_ratio, where)
+                index = group.tokens
+                result[group.batch.view(-1, 1, 1), index.view(1, -1, 1), index.view(1, 1, -1)] = part
+            return result if batched else result[0]
+    result = _rollout(attn, head_fusion, residual, discard_ratio, where)
+    return result if batched else result[0]
 
+
+def _rollout(attn: Tensor, head_fusion: str, residual: bool, discard_ratio: float, where: str) -> Tensor:
+    """The rollout of checked, batched attention ``[B, L, H, n, n]`` -> ``[B, n, n]``."""
     n = attn.shape[-1]
     eye = torch.eye(n, dtype=attn.dtype, device=attn.device)
     if head_fusion == "mean":
@@ -77,4 +102,4 @@ def rollout(
     result = fused[:, 0]
     for layer in range(1, fused.shape[1]):
         result = fused[:, layer] @ result
-    return result if batched else result[0]
+    return result

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 def randomise_biases(model):
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
+            if name.endswith("bias") or name.split(".")[-1] in ("b_Q", "b_K", "b_V", "b_O"):  # HF, TransformerLens
                 parameter.normal_(0, 0.5)
     return model
 
@@ -161,6 +161,41 @@ def test_transformer_lens_path_sum_is_the_residual_stream():
     tree = pk.PathTree.complete(3, 4, skip=True)
     products = stack.path_residuals(tree, x=stack.residual_stream(0), materialize=True).products
     torch.testing.assert_close(products.sum(1), stack.hidden_states[-1])
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_transformer_lens_with_biases_sums_to_the_residual_stream():
+    """Random b_V and b_O: the bias paths close the sum (they are left out with biases=False)."""
+    _, model = hooked_transformer()
+    randomise_biases(model)
+    tokens = torch.randint(0, 20, (2, 8))
+    stack = adapters.from_transformer_lens(model, tokens)
+    assert stack.b_o.abs().max() > 0.1
+    torch.testing.assert_close(stack.length_sums().sum(0), stack.hidden_states[-1], rtol=1e-12, atol=1e-12)
+    gap = (stack.length_sums(biases=False).sum(0) - stack.hidden_states[-1]).abs().max()
+    assert gap > 0.1  # what leaving the biases out costs
+
+
+def test_gpt2_attention_sublayers_are_their_length_sums():
+    """GPT-2 with random biases: each attention sublayer's output is the sum over its paths, the bias
+    path included (one layer, no skip: the heads plus 1 b_oᵀ)."""
+    model, inputs = hf_case("gpt2")
+    model = model.double()
+    layers = adapters.huggingface._attention_layers(model)
+    seen_inputs, seen_outputs = {}, {}
+    handles = [layer.attention.register_forward_pre_hook(
+        lambda module, args, kwargs, i=i: seen_inputs.__setitem__(i, args[0] if args else kwargs["hidden_states"]),
+        with_kwargs=True) for i, layer in enumerate(layers)]
+    handles += [layer.output.register_forward_hook(lambda module, args, output, i=i: seen_outputs.__setitem__(i, output))
+                for i, layer in enumerate(layers)]
+    stack = adapters.from_huggingface(model, **inputs).to(torch.float64)
+    for handle in handles:
+        handle.remove()
+    for layer in range(2):
+        one = slice(layer, layer + 1)
+        sums = pk.length_sums(stack.attn[:, one], seen_inputs[layer], stack.w_v[one], stack.w_o[one],
+                              b_o=stack.b_o[one], skip=False)
+        torch.testing.assert_close(sums.sum(0), seen_outputs[layer], rtol=1e-9, atol=1e-9)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -30,6 +30,45 @@ def test_each_length_is_the_sum_of_its_paths(skip):
         assert bool((sums[:layers] == 0).all())
 
 
+def bias_path_outputs_ref(attn, w_v, w_o, b_o, skip):
+    """Every bias path by enumeration: ``1 b_O[l]ᵀ`` at layer l, then a head (or skip) per later
+    layer; its length counts layer l and the heads after it. -> {length: sum of outputs [B, n, d]}."""
+    batch, layers, heads, n, _ = attn.shape
+    sums = {}
+    for layer in range(layers):
+        later = layers - layer - 1
+        tails = pk.PathTree.complete(later, heads, skip=skip).paths().tolist() if later else [[]]
+        for tail in tails:
+            y = b_o[layer].expand(batch, n, -1)
+            for offset, head in enumerate(tail):
+                if head >= 0:
+                    at = layer + 1 + offset
+                    y = attn[:, at, head] @ y @ w_v[at, head] @ w_o[at, head]
+            length = 1 + sum(head >= 0 for head in tail)
+            sums[length] = sums.get(length, 0) + y
+    return sums
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_bias_paths_are_paths_of_their_own(skip):
+    layers, heads = 3, 2
+    attn, x, w_v, w_o = network(2, layers, heads, 4, 3, 2)
+    b_o = torch.randn(layers, 3, dtype=torch.float64)
+    with_bias = pk.length_sums(attn, x, w_v, w_o, b_o=b_o, skip=skip)
+    without = pk.length_sums(attn, x, w_v, w_o, skip=skip)
+    bias_sums = bias_path_outputs_ref(attn, w_v, w_o, b_o, skip)
+    for k in range(layers + 1):
+        torch.testing.assert_close(with_bias[k] - without[k], bias_sums.get(k, torch.zeros_like(x)),
+                                   **tolerance(torch.float64))
+        # A bias path has equal rows: its residual after centring is 0.
+        torch.testing.assert_close(pk.residual_norm(with_bias[k] - without[k]), torch.zeros(2, dtype=torch.float64),
+                                   rtol=0, atol=1e-12)
+    network_output = attention_network_ref(attn, x, w_v, w_o, b_o, skip=skip)
+    torch.testing.assert_close(with_bias.sum(0), network_output, **tolerance(torch.float64))
+    with pytest.raises(ValueError, match=r"length_sums: expected b_o of shape \[L, d\] = \[3, 3\], got \[3, 4\]"):
+        pk.length_sums(attn, x, w_v, w_o, b_o=torch.zeros(3, 4, dtype=torch.float64))
+
+
 def test_truncated_output_and_unbatched_inputs():
     attn, x, w_v, w_o = network(1, 5, 2, 4, 3, 2)
     sums = pk.length_sums(attn[0], x[0], w_v, w_o)

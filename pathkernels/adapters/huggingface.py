@@ -205,6 +205,12 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
     the user's settings are restored). For a GPT-2, BERT/RoBERTa, ViT or Llama-style model (or one
     with a head on top: ``model.base_model`` is used).
 
+    A padded batch passes its ``attention_mask [B, n]`` (1 = a real token) among the inputs, and
+    the stack carries it as ``token_mask``: the engine, the metrics and rollout then evaluate each
+    sequence on its real tokens only. (Padded queries get rows that sum to 1 too, GPT-2 spreading
+    them over every position, so without the mask they would count as tokens.) With left padding,
+    pass ``position_ids`` as well if each sequence should see the positions it has alone.
+
     Returns:
         :class:`AttentionStack` with ``attn [B, L, H, n, n]``, ``w_v [L, H, d, d_head]``,
         ``w_o [L, H, d_head, d]``, ``b_o [L, d]`` (value biases folded in) and ``hidden_states
@@ -223,6 +229,10 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
         w_v, w_o, b_o = (torch.stack(per_layer) for per_layer in zip(*(_value_output(layer) for layer in layers)))
     hidden = getattr(output, "hidden_states", None)
     hidden = None if hidden is None else torch.stack(list(hidden)).detach()
+    token_mask = inputs.get("attention_mask")
+    if isinstance(token_mask, Tensor) and token_mask.dim() != 2:
+        raise ValueError(f"{_WHERE}: expected attention_mask of shape [B, n] (1 = a real token) to carry as the "
+                         f"stack's token_mask, got {list(token_mask.shape)}")
     return AttentionStack(
         attn=torch.stack(patterns, dim=1),
         w_v=w_v,
@@ -230,4 +240,5 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
         b_o=b_o,
         hidden_states=hidden,
         source=f"huggingface:{model.config.model_type}",
+        token_mask=token_mask,
     )

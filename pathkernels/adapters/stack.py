@@ -12,7 +12,9 @@ from pathkernels.engine import (
     check_row_stochastic,
     length_sums,
     path_residuals,
+    restricted_attention,
 )
+from pathkernels import masking
 from pathkernels.paths import SKIP, PathTree
 
 
@@ -34,9 +36,14 @@ class AttentionStack:
         hidden_states: ``[L+1, B, n, d]`` as the source reports them (for Hugging Face, the
             model's ``hidden_states``), or None.
         source: where it came from, e.g. ``"huggingface:gpt2"``.
+        token_mask: ``[B, n]`` bool, True at real tokens (a padded batch's ``attention_mask``), or
+            None when every token is real. :func:`pathkernels.path_residuals`,
+            :func:`pathkernels.decompose`, :func:`pathkernels.rollout`, :meth:`length_sums` and the
+            metrics evaluate each batch element on its real tokens only when given a stack.
 
     Raises:
-        ValueError: at construction, if an attention row does not sum to 1 (to the dtype's precision).
+        ValueError: at construction, if an attention row of a real token, restricted to the real
+            tokens, does not sum to 1 (to the dtype's precision).
     """
 
     attn: Tensor
@@ -45,9 +52,19 @@ class AttentionStack:
     b_o: Tensor
     hidden_states: Tensor | None = None
     source: str = ""
+    token_mask: Tensor | None = None
 
     def __post_init__(self):
-        check_row_stochastic(self.attn, f"pathkernels.AttentionStack from {self.source or 'the caller'}")
+        where = f"pathkernels.AttentionStack from {self.source or 'the caller'}"
+        if self.attn.dim() != 5:
+            raise ValueError(f"{where}: expected attn of shape [B, L, H, n, n], got {list(self.attn.shape)}")
+        self.token_mask = masking.check_token_mask(self.token_mask, self.attn.shape[0], self.attn.shape[-1],
+                                                   self.attn.device, where)
+        if self.token_mask is None:
+            check_row_stochastic(self.attn, where)
+        else:
+            for group in masking.mask_groups(self.token_mask):
+                restricted_attention(self.attn, group, where)
         layers, heads = self.attn.shape[1], self.attn.shape[2]
         if self.w_v.shape[:2] != (layers, heads) or self.w_o.shape[:2] != (layers, heads):
             raise ValueError(
@@ -71,6 +88,24 @@ class AttentionStack:
     def d_head(self) -> int:
         return self.w_v.shape[3]
 
+    @property
+    def batch_size(self) -> int:
+        return self.attn.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.attn.shape[-1]
+
+    def __repr__(self) -> str:
+        hidden = "None" if self.hidden_states is None else str(list(self.hidden_states.shape))
+        mask = "None" if self.token_mask is None else f"{int(self.token_mask.sum())} of {self.token_mask.numel()} real"
+        return (
+            f"AttentionStack(source={self.source or 'the caller'!r},\n"
+            f"  attn={list(self.attn.shape)} [B, L, H, n, n], w_v={list(self.w_v.shape)}, w_o={list(self.w_o.shape)}, "
+            f"b_o={list(self.b_o.shape)},\n"
+            f"  hidden_states={hidden}, token_mask={mask}, dtype={self.attn.dtype}, device={self.attn.device})"
+        )
+
     def head_labels(self) -> list[str]:
         """``["L0H0", "L0H1", …]``: TransformerLens's labels, layer-major."""
         return [f"L{layer}H{head}" for layer in range(self.num_layers) for head in range(self.num_heads)]
@@ -83,13 +118,13 @@ class AttentionStack:
         that skips every layer gives ``(I_d, I_d)``.
 
         Args:
-            path: ``L`` head indices, ``-1`` for skip.
+            path: ``L`` entries, one per layer: a head index, or ``-1`` for skip.
         """
         heads = [int(h) for h in (path.tolist() if isinstance(path, Tensor) else path)]
         if len(heads) != self.num_layers or not all(-1 <= h < self.num_heads for h in heads):
             raise ValueError(
-                f"pathkernels.AttentionStack.w_path: expected {self.num_layers} heads in [-1, {self.num_heads}), "
-                f"got {heads}"
+                f"pathkernels.AttentionStack.w_path: expected a path of {self.num_layers} entries, one per layer, "
+                f"each a head in 0..{self.num_heads - 1} or -1 for skip; got {heads} ({len(heads)} entries)"
             )
         taken = [(layer, head) for layer, head in enumerate(heads) if head != SKIP]
         if not taken:
@@ -109,14 +144,22 @@ class AttentionStack:
 
     def path_residuals(self, tree: PathTree, *, x: Tensor | None = None, **kwargs) -> PathResiduals:
         """:func:`pathkernels.path_residuals` on this stack: attention products without ``x``,
-        path outputs ``P_p X W_p`` with ``x [B, n, d]`` (e.g. ``stack.residual_stream(0)``)."""
+        path outputs ``P_p X W_p`` with ``x [B, n, d]`` (e.g. ``stack.residual_stream(0)``).
+        A padded stack is evaluated on each sequence's real tokens."""
+        kwargs.setdefault("token_mask", self.token_mask)
         if x is None:
             return path_residuals(self.attn, tree, **kwargs)
         return path_residuals(self.attn, tree, x=x, w_v=self.w_v, w_o=self.w_o, **kwargs)
 
-    def length_sums(self, x: Tensor | None = None, *, skip: bool = True) -> Tensor:
-        """:func:`pathkernels.length_sums` from ``x`` (default ``hidden_states[0]``): ``[L+1, B, n, d]``."""
-        return length_sums(self.attn, self.residual_stream(0) if x is None else x, self.w_v, self.w_o, skip=skip)
+    def length_sums(self, x: Tensor | None = None, *, skip: bool = True, biases: bool = True) -> Tensor:
+        """:func:`pathkernels.length_sums` from ``x`` (default ``hidden_states[0]``): ``[L+1, B, n, d]``.
+
+        With ``biases`` (the default) each layer's output bias ``b_o`` is a path of its own, so
+        that for an attention-only model ``Σ_k S_k`` is its final residual stream; ``biases=False``
+        leaves them out. A padded stack is computed on each sequence's real tokens (padded rows 0).
+        """
+        return length_sums(self.attn, self.residual_stream(0) if x is None else x, self.w_v, self.w_o,
+                           b_o=self.b_o if biases else None, skip=skip, token_mask=self.token_mask)
 
     def to(self, *args, **kwargs) -> AttentionStack:
         """A copy with every tensor moved or cast like ``Tensor.to``.
@@ -128,8 +171,9 @@ class AttentionStack:
         attn = self.attn.to(*args, **kwargs)
         if attn.dtype != self.attn.dtype:
             attn = attn / attn.sum(-1, keepdim=True)
-        return replace(self, attn=attn, w_v=self.w_v.to(*args, **kwargs),
-                       w_o=self.w_o.to(*args, **kwargs), b_o=self.b_o.to(*args, **kwargs), hidden_states=hidden)
+        mask = None if self.token_mask is None else self.token_mask.to(device=attn.device)
+        return replace(self, attn=attn, w_v=self.w_v.to(*args, **kwargs), w_o=self.w_o.to(*args, **kwargs),
+                       b_o=self.b_o.to(*args, **kwargs), hidden_states=hidden, token_mask=mask)
 
 
 def fold_value_bias(b_v: Tensor | None, w_o: Tensor, b_o: Tensor | None) -> Tensor:

@@ -25,7 +25,7 @@ def _hook_names(num_layers: int) -> list[str]:
     return names + [f"blocks.{num_layers - 1}.hook_resid_post"]
 
 
-def from_transformer_lens(model_or_cache, tokens=None) -> AttentionStack:
+def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -> AttentionStack:
     """Attention patterns, per-head value-output maps and the residual stream from TransformerLens.
 
     Args:
@@ -34,6 +34,9 @@ def from_transformer_lens(model_or_cache, tokens=None) -> AttentionStack:
             ``ActivationCache`` from ``model.run_with_cache`` (its ``model`` gives the weights).
         tokens: ``[B, n]`` token ids, or text the model tokenises; only with a model. The model
             runs once in eval mode (restored after), without gradients.
+        attention_mask: ``[B, n]``, 1 at real tokens, for a padded batch: passed to the model's
+            forward (with a model) and carried as the stack's ``token_mask``, so that each
+            sequence is evaluated on its real tokens only. With a cache, the mask it was run with.
 
     Returns:
         :class:`AttentionStack`: ``attn [B, L, H, n, n]`` from ``hook_pattern``, ``w_v``/``w_o``
@@ -62,7 +65,8 @@ def from_transformer_lens(model_or_cache, tokens=None) -> AttentionStack:
         model.eval()  # a TransformerBridge wraps an HF model whose attention dropout would act
         try:
             with torch.no_grad():
-                _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in wanted)
+                extra = {} if attention_mask is None else {"attention_mask": attention_mask}
+                _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in wanted, **extra)
         finally:
             model.train(was_training)
 
@@ -91,4 +95,5 @@ def from_transformer_lens(model_or_cache, tokens=None) -> AttentionStack:
         b_o=b_o,
         hidden_states=None if hidden is None else hidden.detach(),
         source=f"transformer_lens:{type(model).__name__}",
+        token_mask=attention_mask,
     )
