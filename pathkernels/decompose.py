@@ -34,10 +34,12 @@ class PathDecomposition:
 
     ``results`` holds ``residual``, ``norm`` and ``ratio`` ``[B, M]`` for the evaluated paths.
     ``weights[i]`` is how many paths of the whole network path i stands for: 1 for an exact tree,
-    ``count_k / n_k`` for a path of length k when ``n_k`` paths of that length were drawn
-    uniformly (uniform sampling or stratified by length). ``Σ_i weights[i] f(path_i)`` is then an
-    unbiased estimate of ``Σ_p f(p)`` over all paths, and per-length sample means are unbiased
-    estimates of the per-length means.
+    ``count_k / n_k`` for a path of length k when ``n_k`` distinct paths of that length were drawn
+    uniformly without replacement (uniform sampling or stratified by length). ``Σ_i weights[i]
+    f(path_i)`` is then an unbiased estimate of ``Σ_p f(p)`` over all paths, and per-length sample
+    means are unbiased estimates of the per-length means. Standard errors carry the finite-population
+    correction ``sqrt(1 − n_k / count_k)``: a length whose every path was evaluated is exact, with
+    standard error 0.
     """
 
     results: PathResiduals
@@ -79,9 +81,10 @@ class PathDecomposition:
     def by_length(self):
         """A pandas DataFrame, one row per path length k that has paths.
 
-        Columns: ``length``, ``path_count`` (exact, a Python int), ``evaluated``, and statistics of
-        the residual ratio (averaged over the batch) over the evaluated paths of that length:
-        ``mean``, ``stderr`` (0 for exact trees; ``std/sqrt(n)`` when sampled), ``median``,
+        Columns: ``length``, ``path_count`` (exact, a Python int), ``evaluated``, ``exact`` (every
+        path of that length evaluated), and statistics of the residual ratio (averaged over the
+        batch) over the evaluated paths of that length: ``mean``, ``stderr`` (0 where exact;
+        ``std/sqrt(n) · sqrt(1 − n/count)`` when sampled without replacement), ``median``,
         ``q10``, ``q90``, ``min``, ``max`` and ``log10_mean`` (the mean of log10 ratio).
         """
         pd = _require("pandas")
@@ -92,13 +95,13 @@ class PathDecomposition:
                 continue
             values = ratio[self.lengths == k]
             evaluated = values.numel()
-            row = {"length": k, "path_count": count, "evaluated": evaluated}
+            exact = evaluated >= count  # sampled paths are distinct, so this means all of them
+            row = {"length": k, "path_count": count, "evaluated": evaluated, "exact": exact}
             if evaluated:
-                sampled = self.method != "exact"
                 std = values.std(correction=1).item() if evaluated > 1 else float("nan")
                 row.update(
                     mean=values.mean().item(),
-                    stderr=(std / math.sqrt(evaluated)) if sampled else 0.0,
+                    stderr=0.0 if exact else std / math.sqrt(evaluated) * math.sqrt(1 - evaluated / count),
                     median=values.median().item(),
                     q10=values.quantile(0.1).item(),
                     q90=values.quantile(0.9).item(),
@@ -114,13 +117,17 @@ class PathDecomposition:
     def mean_ratio(self) -> tuple[float, float]:
         """Estimate of the mean residual ratio over all paths, with its standard error.
 
-        Exact trees: the plain mean (stderr 0). Uniform sampling: the sample mean. Stratified:
-        ``Σ_k (count_k / total) · mean_k`` with ``stderr² = Σ_k (count_k / total)² s_k² / n_k``.
+        Exact trees: the plain mean (stderr 0). Uniform sampling (n of N paths, without
+        replacement): the sample mean, ``stderr = s / sqrt(n) · sqrt(1 − n/N)``. Stratified:
+        ``Σ_k (count_k / total) · mean_k`` with ``stderr² = Σ_k (count_k / total)² s_k² / n_k ·
+        (1 − n_k / count_k)``.
         """
         ratio = self.path_ratio()
         if self.method in ("exact", "uniform"):
-            n = ratio.numel()
-            stderr = 0.0 if self.method == "exact" or n < 2 else ratio.std(correction=1).item() / math.sqrt(n)
+            n, total = ratio.numel(), sum(self.path_counts)
+            if self.method == "exact" or n >= total:
+                return ratio.mean().item(), 0.0
+            stderr = ratio.std(correction=1).item() / math.sqrt(n) * math.sqrt(1 - n / total) if n > 1 else math.nan
             return ratio.mean().item(), stderr
         total = sum(self.path_counts)
         mean = variance = 0.0
@@ -130,8 +137,10 @@ class PathDecomposition:
                 continue
             share = count / total
             mean += share * values.mean().item()
-            if values.numel() > 1:
-                variance += share**2 * values.var(correction=1).item() / values.numel()
+            evaluated = values.numel()
+            if evaluated < count:  # an exactly evaluated length adds no variance
+                spread = values.var(correction=1).item() if evaluated > 1 else math.nan
+                variance += share**2 * spread / evaluated * (1 - evaluated / count)
         return mean, math.sqrt(variance)
 
     def plot(self, ax=None):
@@ -225,12 +234,19 @@ def decompose(
         if max_length is not None:
             raise ValueError(f"{where}: uniform sampling draws from all paths; for short paths use "
                              "samples_per_length with max_length")
-        method = "uniform"
-        drawn_paths = sample_paths(layers, heads, num_samples, skip=skip, generator=generator)
-        tree = PathTree.from_paths(drawn_paths, num_heads=heads)
-        drawn = torch.bincount(tree.lengths(), minlength=layers + 1)
-        per_length = torch.tensor([counts[k] / max(int(drawn[k]), 1) for k in range(layers + 1)], dtype=torch.float64)
-        weights = per_length[tree.lengths()]
+        if not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"{where}: expected num_samples to be an int >= 1, got {num_samples!r}")
+        if num_samples >= sum(counts):  # the sample would be every path: evaluate them all, exactly
+            method, tree = "exact", PathTree.complete(layers, heads, skip=skip)
+            weights = torch.ones(len(tree), dtype=torch.float64)
+        else:
+            method = "uniform"
+            drawn_paths = sample_paths(layers, heads, num_samples, skip=skip, generator=generator, replace=False)
+            tree = PathTree.from_paths(drawn_paths, num_heads=heads)
+            drawn = torch.bincount(tree.lengths(), minlength=layers + 1)
+            per_length = torch.tensor([counts[k] / max(int(drawn[k]), 1) for k in range(layers + 1)],
+                                      dtype=torch.float64)
+            weights = per_length[tree.lengths()]
     elif samples_per_length is not None:
         method = "stratified"
         if isinstance(samples_per_length, int):
@@ -239,10 +255,17 @@ def decompose(
         for k, n_k in sorted(samples_per_length.items()):
             if not 0 <= k <= top or counts[k] == 0:
                 raise ValueError(f"{where}: no paths of length {k} (lengths 0..{top} exist with skip={skip})")
-            parts.append(sample_paths(layers, heads, n_k, skip=skip, length=k, generator=generator))
+            if not isinstance(n_k, int) or n_k < 1:
+                raise ValueError(f"{where}: expected samples_per_length[{k}] to be an int >= 1, got {n_k!r}")
+            # A stratum with no more paths than asked for is evaluated whole (exactly, no repeats);
+            # the others are drawn without replacement.
+            drawn = sample_paths(layers, heads, min(n_k, counts[k]), skip=skip, length=k, generator=generator,
+                                 replace=False)
+            parts.append(drawn)
         tree = PathTree.from_paths(torch.cat(parts), num_heads=heads)
-        counts = [counts[k] if k in samples_per_length else 0 for k in range(layers + 1)]
-        weights = torch.tensor([counts[k] / max(samples_per_length.get(k, 0), 1) for k in range(layers + 1)],
+        evaluated = {k: part.shape[0] for k, part in zip(sorted(samples_per_length), parts)}
+        counts = [counts[k] if k in evaluated else 0 for k in range(layers + 1)]
+        weights = torch.tensor([counts[k] / max(evaluated.get(k, 0), 1) for k in range(layers + 1)],
                                dtype=torch.float64)[tree.lengths()]
     else:
         method = "exact"

@@ -294,25 +294,64 @@ def sample_paths(
     skip: bool = False,
     length: int | None = None,
     generator: torch.Generator | None = None,
+    replace: bool = True,
 ) -> Tensor:
     """Random paths ``[num_samples, L]`` (int64, ``-1`` = skip), reproducible from ``generator``.
 
     - ``length=None``: uniform over all paths (``H^L``, or ``(H+1)^L`` with ``skip``): each layer
       independently picks uniformly among its ``H`` (or ``H+1``) choices.
-    - ``length=k``: uniform over paths of exactly k heads, as the paper's code samples them: k
-      distinct layers chosen uniformly, a uniform head on each, skip elsewhere.
+    - ``length=k``: uniform over the ``C(L, k) H^k`` paths of exactly k heads, as the paper's code
+      samples them: k distinct layers chosen uniformly, a uniform head on each, skip elsewhere.
+
+    With ``replace=False`` the paths are distinct: a uniformly random subset of the set, in random
+    order (repeats of the draws above are dropped, or, when the samples are most of a small set,
+    the set is enumerated and permuted). Asking for more distinct paths than the set has is refused.
     """
     where = "pathkernels.sample_paths"
     _check_shape_args(num_layers, num_heads, None, where)
     if not isinstance(num_samples, int) or num_samples < 0:
         raise ValueError(f"{where}: expected num_samples to be an int >= 0, got {num_samples!r}")
+    if length is not None:
+        if not isinstance(length, int) or not 0 <= length <= num_layers:
+            raise ValueError(f"{where}: expected length to be an int in [0, {num_layers}], got {length!r}")
+        if length < num_layers and not skip:
+            raise ValueError(f"{where}: paths of length {length} < num_layers={num_layers} need skip=True")
+    if replace:
+        return _draw_paths(num_layers, num_heads, num_samples, skip, length, generator)
+    if length is None:
+        available = count_paths(num_layers, num_heads, skip=skip)
+    else:
+        available = count_by_length(num_layers, num_heads, skip=skip)[length]
+    if num_samples > available:
+        which = "paths" if length is None else f"paths of length {length}"
+        raise ValueError(f"{where}: expected num_samples <= {available:,} with replace=False (there are "
+                         f"{available:,} {which}), got {num_samples:,}")
+    if 2 * num_samples >= available:  # most of a small set: enumerate it, take a random subset
+        if length is None:
+            every = PathTree.complete(num_layers, num_heads, skip=skip).paths()
+        else:
+            every = _enumerate_short_paths(num_layers, num_heads, length)
+            every = every[(every != SKIP).sum(1) == length]
+        return every[torch.randperm(every.shape[0], generator=generator)[:num_samples]]
+    # Fewer than half of the set: draw with replacement and drop repeats (in draw order) until there
+    # are enough. Each round keeps over half of its draws in expectation, so few rounds are needed.
+    kept = torch.empty(0, num_layers, dtype=torch.long)
+    while kept.shape[0] < num_samples:
+        drawn = torch.cat([kept, _draw_paths(num_layers, num_heads, num_samples - kept.shape[0] + 16, skip, length,
+                                             generator)])
+        _, inverse = torch.unique(drawn, dim=0, return_inverse=True)
+        first = torch.full((int(inverse.max()) + 1,), drawn.shape[0], dtype=torch.long)
+        first.scatter_reduce_(0, inverse, torch.arange(drawn.shape[0]), reduce="amin")
+        kept = drawn[first.sort().values]
+    return kept[:num_samples]
+
+
+def _draw_paths(num_layers: int, num_heads: int, num_samples: int, skip: bool, length: int | None,
+                generator: torch.Generator | None) -> Tensor:
+    """sample_paths with replacement, on checked arguments."""
     if length is None:
         choices = num_heads + int(skip)
         return torch.randint(0, choices, (num_samples, num_layers), generator=generator) - int(skip)
-    if not isinstance(length, int) or not 0 <= length <= num_layers:
-        raise ValueError(f"{where}: expected length to be an int in [0, {num_layers}], got {length!r}")
-    if length < num_layers and not skip:
-        raise ValueError(f"{where}: paths of length {length} < num_layers={num_layers} need skip=True")
     keys = torch.rand(num_samples, num_layers, generator=generator)
     layers = keys.argsort(dim=1)[:, :length]  # k distinct layers, uniformly
     heads = torch.randint(0, num_heads, (num_samples, length), generator=generator)

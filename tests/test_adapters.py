@@ -263,3 +263,10 @@ def test_a_layer_without_weights_fails_clearly():
     with pytest.raises(RuntimeError, match=r"layer 1 \(BertSelfAttention\) returned no attention weights"):
         adapters.from_huggingface(model, **inputs)
     assert model.config._attn_implementation == "sdpa" and model.training  # restored after the failure
+
+
+def test_stack_repr_is_a_few_lines():
+    model, inputs = hf_case("gpt2")
+    text = repr(adapters.from_huggingface(model, **inputs))
+    assert len(text) < 400 and text.count("\n") <= 3, text
+    assert "attn=[2, 2, 4, 7, 7]" in text and "huggingface:gpt2" in text and "float32" in text

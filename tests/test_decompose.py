@@ -65,8 +65,9 @@ def test_uniform_sampling_estimates_the_exact_per_length_means():
     # exact per-length means within a few standard errors, and the weights the path counts.
     attn = attention(batch=1, layers=5, heads=3, n=5)
     exact = pk.decompose(attn).by_length().set_index("length")
-    dec = pk.decompose(attn, num_samples=3000, generator=torch.Generator().manual_seed(1))
+    dec = pk.decompose(attn, num_samples=600, generator=torch.Generator().manual_seed(1))  # of 4^5 = 1024
     assert dec.method == "uniform"
+    assert torch.unique(dec.paths, dim=0).shape[0] == 600  # drawn without replacement
     sampled = dec.by_length().set_index("length")
     for k, row in sampled.iterrows():
         if row["evaluated"] >= 30:
@@ -86,15 +87,41 @@ def test_stratified_sampling_by_length():
     dec = pk.decompose(attn, samples_per_length={1: 50, 3: 80}, generator=torch.Generator().manual_seed(2))
     table = dec.by_length()
     assert table["length"].tolist() == [1, 3]
-    assert table["evaluated"].tolist() == [50, 80]
+    # Length 1 has 24 paths, fewer than the 50 asked for: all of them, once each, exactly.
+    assert table["evaluated"].tolist() == [24, 80]
     assert table["path_count"].tolist() == [6 * 4, 20 * 64]
-    assert bool((table["stderr"] > 0).all())
-    # 60 draws per length keep the 5σ check robust (t with 59 degrees of freedom).
+    assert table["exact"].tolist() == [True, False]
+    assert table["stderr"].tolist()[0] == 0.0 and table["stderr"].tolist()[1] > 0
+    assert torch.unique(dec.paths, dim=0).shape[0] == len(dec.paths)  # no duplicates
+    exact_one = pk.decompose(attn, max_length=1).by_length().set_index("length")
+    assert table.set_index("length").loc[1, "mean"] == pytest.approx(exact_one.loc[1, "mean"], rel=1e-12)
+    # 60 draws per length keep the 5σ check robust (t with 59 degrees of freedom); lengths 0 and 1
+    # have 1 and 24 paths, evaluated whole.
     every = pk.decompose(attn, samples_per_length=60, max_length=2, generator=torch.Generator().manual_seed(3))
-    assert every.by_length()["evaluated"].tolist() == [60, 60, 60]
+    assert every.by_length()["evaluated"].tolist() == [1, 24, 60]
+    assert every.by_length()["exact"].tolist() == [True, True, False]
     exact = pk.decompose(attn, max_length=2).mean_ratio()[0]
     mean, stderr = every.mean_ratio()
     assert abs(mean - exact) <= 5 * stderr + 1e-12
+
+
+def test_samples_that_cover_the_whole_set_give_the_exact_decomposition():
+    attn = attention(batch=1, layers=3, heads=2, n=4)
+    exact = pk.decompose(attn)
+    dec = pk.decompose(attn, num_samples=10_000)  # 27 paths in all
+    assert dec.method == "exact" and dec.mean_ratio() == exact.mean_ratio()
+    table = pk.decompose(attn, samples_per_length=50).by_length()
+    assert table["evaluated"].tolist() == [1, 6, 12, 8] and table["exact"].all() and (table["stderr"] == 0).all()
+    assert pk.decompose(attn, samples_per_length=50).mean_ratio()[1] == 0.0
+
+
+def test_sampled_standard_errors_carry_the_finite_population_correction():
+    attn = attention(batch=1, layers=4, heads=3, n=4)
+    dec = pk.decompose(attn, samples_per_length={2: 30}, generator=torch.Generator().manual_seed(4))
+    values = dec.path_ratio()
+    expected = values.std().item() / 30**0.5 * (1 - 30 / 54) ** 0.5  # C(4, 2) 3^2 = 54 paths of length 2
+    assert dec.by_length()["stderr"].tolist() == [pytest.approx(expected, rel=1e-12)]
+    assert dec.mean_ratio() == (pytest.approx(values.mean().item()), pytest.approx(expected, rel=1e-12))
 
 
 def test_plot_returns_a_log_scale_figure(tmp_path):

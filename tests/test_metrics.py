@@ -119,3 +119,22 @@ def test_collapse_under_pure_attention_is_measured():
 def test_bad_input(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+def test_rank1_residual_in_both_norms_by_hand():
+    x = torch.tensor([[2.0, 0.0], [0.0, 1.0]], dtype=torch.float64)  # rank-1 part diag(2, 0), rest diag(0, 1)
+    assert pk.metrics.rank1_residual(x).item() == pytest.approx(1 / 5**0.5, rel=1e-12)
+    assert pk.metrics.rank1_residual(x, relative=False).item() == pytest.approx(1.0, rel=1e-12)
+    assert pk.metrics.rank1_residual(x, norm="composite").item() == pytest.approx(1 / 2, rel=1e-12)  # 1 / sqrt(2·2)
+    batch = torch.randn(3, 5, 4, dtype=torch.float64)
+    u, sigma, vh = torch.linalg.svd(batch)
+    rest = batch - sigma[:, :1, None] * u[:, :, :1] @ vh[:, :1, :]
+    torch.testing.assert_close(pk.metrics.rank1_residual(batch, norm="composite"),
+                               composite_norm_ref(rest) / composite_norm_ref(batch))
+    with pytest.raises(ValueError, match=r"rank1_residual: expected norm in \('frobenius', 'composite'\), got 'l2'"):
+        pk.metrics.rank1_residual(batch, norm="l2")
+
+
+def test_residual_ratio_can_exceed_one():
+    # Centring e_1 gives e_1 − 1/n, whose abs sum is 2(n − 1)/n: for X = I_4 the ratio is 1.5.
+    assert pk.metrics.residual_ratio(torch.eye(4, dtype=torch.float64)).item() == pytest.approx(1.5, rel=1e-12)

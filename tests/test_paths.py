@@ -177,3 +177,27 @@ def test_sampling_bad_arguments():
         pk.sample_paths(4, 2, 10, length=2)
     with pytest.raises(ValueError, match="expected num_samples"):
         pk.sample_paths(4, 2, -1)
+
+
+@pytest.mark.parametrize("length", [None, 2])
+def test_sampling_without_replacement_is_a_uniform_subset(length):
+    # 3 layers, 2 heads, skip: 27 paths in all, 12 of length 2. Both branches: enumerate-and-permute
+    # (most of the set) and draw-and-drop-repeats (a small part of it).
+    generator = torch.Generator().manual_seed(0)
+    size = 27 if length is None else 12
+    for num_samples in (size // 4, size - 1):
+        counts = torch.zeros(size)
+        every = pk.PathTree.complete(3, 2, skip=True).paths()
+        if length is not None:
+            every = every[(every != -1).sum(1) == length]
+        rounds = 2000
+        for _ in range(rounds):
+            drawn = pk.sample_paths(3, 2, num_samples, skip=True, length=length, generator=generator, replace=False)
+            assert drawn.shape == (num_samples, 3) and torch.unique(drawn, dim=0).shape[0] == num_samples
+            counts += (drawn[:, None, :] == every[None]).all(-1).sum(0)
+        # Each path is in the subset with probability num_samples / size.
+        expected = rounds * num_samples / size
+        spread = (rounds * num_samples / size * (1 - num_samples / size)) ** 0.5
+        assert bool(((counts - expected).abs() <= 5 * spread + 1).all()), counts
+    with pytest.raises(ValueError, match=f"expected num_samples <= {size} with replace=False"):
+        pk.sample_paths(3, 2, size + 1, skip=True, length=length, replace=False)
