@@ -2,7 +2,7 @@
 
 Each case runs in its own process, so that its peak memory is its own. Reported per case:
 - time (best of several runs: this VM's timings vary by ±30 %), paths per second;
-- GFLOP/s over the GEMM work of the head nodes (2·n³ each, DESIGN §4) and its fraction of the
+- GFLOP/s over the GEMM work of the head nodes (2·n³ each, docs/DESIGN.md §5) and its fraction of the
   GEMM floor, a 4096² float32/float64 matmul measured in the same run;
 - speed-up over (b) the best pure-PyTorch level-wise implementation (stacked GEMMs per level,
   materialised, then the norms; one top-level branch at a time to bound its memory) and over (a)

@@ -13,7 +13,7 @@ TORCH_LIBRARY(pathkernels, m) {
   m.def(
       "norm_parts_backward(Tensor grad_parts, Tensor x, Tensor parts, Tensor argmax, bool centered, "
       "bool with_norm=True) -> Tensor");
-  // One chunk of a path tree, breadth-first (DESIGN §2): attn [B, L, H, n, n] centred C(A), attn_mean
+  // One chunk of a path tree, breadth-first (docs/DESIGN.md §3): attn [B, L, H, n, n] centred C(A), attn_mean
   // [B, L, H, n] = 1ᵀA/n, root [B, n, m] = C(X) (or C(I)), root_mean [B, m], optional factored
   // w_v [L, H, d, d_head] and w_o [L, H, d_head, d]; level l's nodes sorted by head with their parent
   // positions. Returns per leaf (last level) ‖R‖_{1,∞} and ‖1μᵀ + R‖_{1,∞}, each [B, N_L].

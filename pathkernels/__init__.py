@@ -1,7 +1,7 @@
 """pathkernels: fast path decompositions of attention networks.
 
 Fused CPU and CUDA kernels, registered as ``torch.ops.pathkernels.*``, with a thin Python layer.
-See README.md and the design notes for the math.
+See README.md, and docs/DESIGN.md in the source tree for the math, the engine and the performance model.
 """
 import torch  # noqa: F401  (loads libtorch before the extension)
 

@@ -3,7 +3,7 @@
 The norm benchmarks compare a fused op with its pure-PyTorch reference (pathkernels.reference) on
 the same inputs, and relate the achieved bandwidth to the copy bandwidth measured in the same run.
 The path benchmarks compare the engine with (b) the best pure-PyTorch level-wise implementation
-and (a) the per-path loop (DESIGN §4).
+and (a) the per-path loop (docs/DESIGN.md §5).
 """
 from __future__ import annotations
 

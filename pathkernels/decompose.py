@@ -203,6 +203,10 @@ def decompose(
     - stratified sampling: ``samples_per_length`` paths of each length k (an int for every length
       ``≤ max_length``, or a dict ``{k: n_k}``), each drawn as the paper's code does.
 
+    ``skip=True`` by default: the network has skip connections, as transformers do, so its paths
+    may skip layers (``(H+1)^L`` of them). :class:`PathTree` and :func:`sample_paths` build bare
+    sets of attention products and default to ``skip=False``.
+
     Shapes as in :func:`pk.path_residuals`: attn ``[B, L, H, n, n]``, optional x ``[B, n, d]``,
     w_v ``[L, H, d, d_head]``, w_o ``[L, H, d_head, d]``. Returns a :class:`PathDecomposition`.
     ``attn`` may be an :class:`~pathkernels.adapters.AttentionStack` (its maps and token mask are

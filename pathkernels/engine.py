@@ -1,6 +1,6 @@
 """Path decompositions: per-path residual norms on a path tree, and exact sums by path length.
 
-Notation (DESIGN §1): attention ``A[b, l, h]`` is ``n × n`` and row-stochastic; a path p picks a
+Notation (docs/DESIGN.md §1): attention ``A[b, l, h]`` is ``n × n`` and row-stochastic; a path p picks a
 head or the skip branch (``-1``, ``A = I``, ``W = I``) at every layer;
 ``P_p = A[L, p_L] ⋯ A[1, p_1]`` and ``Y_p = P_p X W_p`` with ``W_p = W[1, p_1] ⋯ W[L, p_L]``,
 ``W[l, h] = W_V[l, h] W_O[l, h]`` kept factored.

@@ -119,7 +119,13 @@ class PathTree:
     @classmethod
     def complete(cls, num_layers: int, num_heads: int, skip: bool = False, max_length: int | None = None) -> PathTree:
         """All ``H^L`` paths, or ``(H+1)^L`` with the skip branch; ``max_length`` keeps only paths
-        with at most that many heads (the tree is pruned, not filtered afterwards)."""
+        with at most that many heads (the tree is pruned, not filtered afterwards).
+
+        ``skip`` is off by default here, as in :func:`count_paths` and :func:`sample_paths`: a tree
+        is a set of attention products, and the bare one is the pure-attention network's ``H^L``
+        products (the paper's object). :func:`pathkernels.decompose` describes a whole network
+        instead, and defaults to ``skip=True`` because the networks users hold have skip
+        connections; pass ``skip`` explicitly wherever it matters."""
         _check_shape_args(num_layers, num_heads, max_length, "pathkernels.PathTree.complete")
         if max_length is not None and not skip and max_length < num_layers:
             raise ValueError(

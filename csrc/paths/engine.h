@@ -3,7 +3,7 @@
 // ATen: MKL/OpenBLAS on CPU, cuBLAS on CUDA), and the leaves are reduced to their norms block by
 // block by the backend (paths_cpu.cpp, paths_cuda.cu); no leaf matrix outlives its block.
 //
-// What travels down the tree (DESIGN §1): the residual R = C(P) (or C(P X W)), never the product,
+// What travels down the tree (docs/DESIGN.md §1): the residual R = C(P) (or C(P X W)), never the product,
 // so tiny residuals keep their relative precision; R_child = C(A) R_parent (W), with C(A) given.
 // The column mean μ of the full product follows μ_child = (μ_parent + R_parentᵀ a) W, a = 1ᵀA/n,
 // and the product itself is 1μᵀ + R.
