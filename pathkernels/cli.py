@@ -8,11 +8,17 @@
 ``--model`` takes a local Hugging Face model directory (weights are loaded, nothing is downloaded)
 or a config (a ``config.json`` file, or a directory holding only one), which gives a randomly
 initialised model. Without it the commands use :mod:`pathkernels.models`.
+
+Bad options and inputs end with one line on stderr that names what is wrong (exit code 2 for the
+command line, 1 for a failure while running); ``--debug`` shows the traceback instead. Progress
+bars are drawn only when stderr is a terminal.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +38,27 @@ from pathkernels.benchmarks import (
 from pathkernels.testing import random_attention
 
 DEFAULT_OUT = "demo_output"
+DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog because it wanted to see the other side."
+
+
+class CommandLineError(Exception):
+    """A bad option or input found after parsing: reported in one line, exit code 2."""
+
+
+def _interactive() -> bool:
+    """Progress bars only on a terminal: a log file would get one line per update."""
+    return sys.stderr.isatty()
+
+
+def resolve_device(device: str, command: str) -> str:
+    """``auto``: CUDA when a GPU and the CUDA kernels are present, else CPU; ``cuda`` is checked."""
+    has_cuda = torch.cuda.is_available() and pk.build_info()["cuda"]
+    if device == "auto":
+        return "cuda" if has_cuda else "cpu"
+    if device == "cuda" and not has_cuda:
+        raise CommandLineError(f"pathkernels {command}: --device cuda needs a GPU and pathkernels built with CUDA "
+                               f"(build_info: cuda={pk.build_info()['cuda']}, GPU: {torch.cuda.is_available()})")
+    return device
 
 
 # --- printed sections ----------------------------------------------------------------------------
@@ -91,60 +118,122 @@ def _float_format(value: float) -> str:
 
 # --- models given on the command line -------------------------------------------------------------
 
-def load_huggingface(spec: str):
-    """A transformers model from a local directory (with weights) or a config (random weights)."""
+class LoadedModel:
+    """A transformers model given with ``--model``, with what the output should say about it."""
+
+    def __init__(self, spec: str, model, pretrained: bool, tokenizer):
+        self.spec, self.model, self.pretrained, self.tokenizer = spec, model, pretrained, tokenizer
+
+    @property
+    def weights(self) -> str:
+        return "pretrained weights" if self.pretrained else "at initialisation (random weights from its config)"
+
+    @property
+    def is_vision(self) -> bool:
+        return getattr(self.model.config, "model_type", "") == "vit"
+
+
+# A directory holds a tokenizer when it has one of these (fast tokenizers, GPT-2 BPE, WordPiece, SentencePiece).
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model")
+
+
+def load_huggingface(spec: str) -> LoadedModel:
+    """A transformers model from a local directory (with weights) or a config (random weights),
+    and the directory's tokenizer when it has one."""
     try:
         import transformers
-    except ImportError as error:
-        raise SystemExit("pathkernels: --model needs transformers: pip install 'pathkernels[adapters]'") from error
+    except ImportError:
+        raise CommandLineError("pathkernels: --model needs transformers: pip install 'pathkernels[adapters]'") from None
     path = Path(spec)
     if not path.exists():
-        raise SystemExit(f"pathkernels: --model {spec}: no such file or directory (models are never downloaded)")
+        raise CommandLineError(f"pathkernels: --model {spec}: no such file or directory (models are never downloaded)")
     has_weights = path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin")))
-    if has_weights:
-        model = transformers.AutoModel.from_pretrained(path, local_files_only=True)
-    else:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-        torch.manual_seed(0)
-        model = transformers.AutoModel.from_config(config)
-    return model
+    try:
+        if has_weights:
+            model = transformers.AutoModel.from_pretrained(path, local_files_only=True)
+        else:
+            config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+            torch.manual_seed(0)
+            model = transformers.AutoModel.from_config(config)
+    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CommandLineError(f"pathkernels: --model {spec}: cannot read it as a transformers model: {reason}") from None
+    try:
+        pk.adapters.huggingface._attention_layers(model)  # the architecture check, before any work
+    except ValueError as error:
+        raise CommandLineError(f"pathkernels: --model {spec}: {error}") from None
+    tokenizer = None
+    if path.is_dir() and any((path / name).exists() for name in _TOKENIZER_FILES):
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception:  # noqa: BLE001 (no tokenizer files, or files a tokenizer class cannot read)
+            tokenizer = None
+    return LoadedModel(spec, model, has_weights, tokenizer)
 
 
-def huggingface_inputs(model, tokens: int, batch: int = 1, seed: int = 0) -> dict:
-    """Random token ids (or random pixels for vision models) that fit the model's config."""
+def huggingface_inputs(loaded: LoadedModel, args, batch: int = 1, seed: int = 0) -> tuple[dict, str]:
+    """The model's inputs and a phrase that says what they are: the prompt through the model's
+    tokenizer (``--text``, else a default sentence), random token ids of ``--tokens`` (when asked
+    for, or when there is no tokenizer), or random pixels for vision models."""
     generator = torch.Generator().manual_seed(seed)
-    config = model.config
-    if getattr(config, "model_type", "") == "vit":
+    config = loaded.model.config
+    text, tokens = getattr(args, "text", None), args.tokens
+    if loaded.is_vision:
+        if text is not None or tokens is not None:
+            option = "--text" if text is not None else "--tokens"
+            raise CommandLineError(f"pathkernels: {option} does not apply to the vision model {loaded.spec}: its tokens "
+                                   "are the image patches (random pixels here)")
         size, channels = config.image_size, getattr(config, "num_channels", 3)
-        return {"pixel_values": torch.randn(batch, channels, size, size, generator=generator)}
-    return {"input_ids": torch.randint(0, config.vocab_size, (batch, tokens), generator=generator)}
+        pixels = torch.randn(batch, channels, size, size, generator=generator)
+        return {"pixel_values": pixels}, f"{batch} random image(s) of {size}×{size} pixels"
+    if text is not None and tokens is not None:
+        raise CommandLineError("pathkernels: pass --text or --tokens, not both (--tokens draws random token ids)")
+    if text is not None and loaded.tokenizer is None:
+        raise CommandLineError(f"pathkernels: --text needs a tokenizer, and {loaded.spec} has none; pass --tokens N for "
+                               "random token ids")
+    if loaded.tokenizer is not None and tokens is None:
+        prompt = DEFAULT_PROMPT if text is None else text
+        ids = loaded.tokenizer(prompt, return_tensors="pt")["input_ids"]
+        if ids.shape[-1] < 2:
+            raise CommandLineError(f"pathkernels: --text {text!r} is {ids.shape[-1]} token(s); the residual of fewer "
+                                   "than 2 tokens is 0 by definition")
+        which = "the default prompt" if text is None else "the prompt"
+        return {"input_ids": ids}, f"{which} {prompt!r} ({ids.shape[-1]} tokens, the model's tokenizer)"
+    n = 32 if tokens is None else tokens
+    why = "no tokenizer in the model directory" if loaded.tokenizer is None else "--tokens"
+    ids = torch.randint(0, config.vocab_size, (batch, n), generator=generator)
+    return {"input_ids": ids}, f"{batch} sequence(s) of {n} random token ids ({why})"
 
 
 # --- subcommands ------------------------------------------------------------------------------------
 
 def run_collapse(args) -> object:
     if args.model:
-        model = load_huggingface(args.model)
-        stack = pk.adapters.from_huggingface(model, **huggingface_inputs(model, args.tokens, batch=args.batch))
+        loaded = load_huggingface(args.model)
+        inputs, what = huggingface_inputs(loaded, args, batch=args.batch)
+        stack = pk.adapters.from_huggingface(loaded.model, **inputs)
         ratios = pk.metrics.residual_ratio(stack.hidden_states.double())  # [L+1, B]
         import pandas as pd
 
         table = pd.DataFrame(experiments.collapse_rows(args.model, ratios))
+        title = f"{args.model}, {loaded.weights}; inputs: {what}"
     else:
         table = experiments.collapse_vs_depth(num_layers=args.layers, d_model=args.width, num_heads=args.heads,
-                                              n=args.tokens, batch=args.batch, seeds=args.seeds, progress=True)
+                                              n=args.tokens, batch=args.batch, seeds=args.seeds,
+                                              progress=_interactive())
+        title = (f"pathkernels.models at initialisation (L = {args.layers}, H = {args.heads}, d = {args.width}, "
+                 f"n = {args.tokens}, {args.seeds} seed(s) × {args.batch} inputs)")
     wide = table.pivot(index="depth", columns="variant", values="median")[list(dict.fromkeys(table["variant"]))]
-    print("Median residual ratio ‖X − 1μᵀ‖_1,∞ / ‖X‖_1,∞ of the hidden states by depth")
+    print(f"Median residual ratio ‖X − 1μᵀ‖_1,∞ / ‖X‖_1,∞ of the hidden states by depth: {title}")
     print(wide.to_string(float_format=_float_format))
-    _save(args.out, "collapse", table, experiments.plot_collapse(table))
+    if args.out is not None:
+        _save(args.out, "collapse", table, experiments.plot_collapse(table))
     return table
 
 
 def run_paths(args) -> object:
     """Under torchrun the ranks split the tree (gloo on CPU, NCCL with --device cuda); rank 0 reports."""
-    device = getattr(args, "device", "cpu")
-    if device == "cuda" and not (torch.cuda.is_available() and pk.build_info()["cuda"]):
-        raise SystemExit("pathkernels paths: --device cuda needs a GPU and pathkernels built with CUDA")
+    device = resolve_device(getattr(args, "device", "cpu"), "paths")
     with pk.distributed.launched_group(device) as distributed:
         return _paths_table(args, device, distributed)
 
@@ -153,10 +242,12 @@ def _paths_table(args, device: str, distributed: bool) -> object:
     if distributed and device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
     if args.model:
-        model = load_huggingface(args.model)
-        stack = pk.adapters.from_huggingface(model, **huggingface_inputs(model, args.tokens)).to(torch.float64)
+        loaded = load_huggingface(args.model)
+        inputs, what = huggingface_inputs(loaded, args)
+        stack = pk.adapters.from_huggingface(loaded.model, **inputs).to(torch.float64)
         attn = stack.attn
-        source = f"{args.model} (L = {stack.num_layers}, H = {stack.num_heads}, n = {attn.shape[-1]})"
+        source = (f"{args.model}, {loaded.weights} (L = {stack.num_layers}, H = {stack.num_heads}, "
+                  f"n = {attn.shape[-1]}); inputs: {what}")
     else:
         torch.manual_seed(args.seed)
         network = pk.models.SelfAttentionNetwork.variant("+skip", d_model=args.width, num_heads=args.heads,
@@ -168,12 +259,13 @@ def _paths_table(args, device: str, distributed: bool) -> object:
     layers, heads = attn.shape[1], attn.shape[2]
     total = pk.count_paths(layers, heads, skip=True)
     generator = torch.Generator().manual_seed(args.seed)
+    progress = _interactive()
     if args.samples_per_length or total > args.max_exact:
         per_length = args.samples_per_length or 200
-        dec = pk.decompose(attn, skip=True, samples_per_length=per_length, generator=generator, progress=True)
-        how = f"{per_length} paths drawn per length, of {total:,}"
+        dec = pk.decompose(attn, skip=True, samples_per_length=per_length, generator=generator, progress=progress)
+        how = f"up to {per_length} distinct paths drawn per length, of {total:,} (lengths with fewer: all, exactly)"
     else:
-        dec = pk.decompose(attn, skip=True, progress=True)
+        dec = pk.decompose(attn, skip=True, progress=progress)
         how = f"all {total:,} paths, exactly"
     if dec is None:  # another rank reports
         return None
@@ -181,21 +273,23 @@ def _paths_table(args, device: str, distributed: bool) -> object:
         how += f", split over {torch.distributed.get_world_size()} processes"
     table = dec.by_length()
     print(f"Residual ratio of the attention products P_p by path length: {source}; {how}")
-    columns = [c for c in ("length", "path_count", "evaluated", "mean", "stderr", "median", "q10", "q90")
+    columns = [c for c in ("length", "path_count", "evaluated", "exact", "mean", "stderr", "median", "q10", "q90")
                if c in table.columns]
     print(table[columns].to_string(index=False, float_format=_float_format))
-    _save(args.out, "ratio_by_length", table, dec.plot())
+    if args.out is not None:
+        _save(args.out, "ratio_by_length", table, dec.plot())
     return table
 
 
 def run_bench(args) -> tuple[object, object]:
+    """Both benchmark tables; ``args.out`` is a file (JSON, or CSV by its suffix), ``args.out_dir``
+    a folder for two CSV files (the demo's)."""
     import pandas as pd
 
-    device = args.device
-    if device == "cuda" and not (torch.cuda.is_available() and pk.build_info()["cuda"]):
-        raise SystemExit("pathkernels bench: --device cuda needs a GPU and pathkernels built with CUDA")
+    device = resolve_device(args.device, "bench")
     min_run_time = 0.2 if args.quick else 1.0
-    print(f"Fused norms against pure PyTorch on {machine_description(device)} (float32)")
+    machine = machine_description(device)
+    print(f"Fused norms against pure PyTorch on {machine} (float32)")
     norm_rows = [
         row for shape in QUICK_NORM_CASES for row in norm_benchmark(shape, torch.float32, device, min_run_time)
     ]
@@ -205,15 +299,26 @@ def run_bench(args) -> tuple[object, object]:
     path_rows = [path_benchmark(*case, device=device, min_run_time=min_run_time) for case in QUICK_PATH_CASES]
     print(format_path_table(path_rows))
     norms, paths = pd.DataFrame(norm_rows), pd.DataFrame(path_rows)
-    _save(args.out, "speed_norms", norms)
-    _save(args.out, "speed_paths", paths)
+    out_dir, out_file = getattr(args, "out_dir", None), getattr(args, "out", None)
+    if out_dir is not None:
+        _save(out_dir, "speed_norms", norms)
+        _save(out_dir, "speed_paths", paths)
+    if out_file is not None:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        if out_file.suffix == ".csv":
+            pd.concat([norms.assign(table="norms"), paths.assign(table="paths")]).to_csv(out_file, index=False)
+        else:
+            payload = {"machine": machine, "torch": torch.__version__, "norms": norm_rows, "paths": path_rows}
+            out_file.write_text(json.dumps(payload, indent=1, default=str))
+        print(f"  wrote {out_file}")
     return norms, paths
 
 
 def run_demo(args) -> int:
     start = time.perf_counter()
     quick = args.quick
-    print(f"pathkernels {pk.__version__}, torch {torch.__version__}, {machine_description('cpu')}; "
+    device = resolve_device(args.device, "demo")
+    print(f"pathkernels {pk.__version__}, torch {torch.__version__}, {machine_description(device)}; "
           f"build: {pk.build_info()}")
     _heading("1. The norm")
     print(worked_example())
@@ -227,31 +332,37 @@ def run_demo(args) -> int:
     _heading("3. Residual ratio of every path, by length (exact)")
     paths_args = argparse.Namespace(model=None, layers=4 if quick else 6, heads=3 if quick else 4, width=32,
                                     tokens=16 if quick else 32, seed=0, samples_per_length=None, max_exact=10**6,
-                                    out=args.out)
+                                    out=args.out, device=device)
     run_paths(paths_args)
 
     _heading("4. How the paths of common architectures spread over lengths: C(L, k) H^k of (H+1)^L")
     lengths = experiments.path_length_distribution()
     summary = []
     for name, rows in lengths.groupby("architecture", sort=False):
-        mode = rows.loc[rows["share"].idxmax()]
+        layers, heads = int(rows["layers"].iloc[0]), int(rows["heads"].iloc[0])
+        counts = rows["path_count"].tolist()  # exact ints: ties are ties, not rounding
+        modes = [int(k) for k, count in zip(rows["length"], counts) if count == max(counts)]
+        mode = f"most common length {modes[0]}" if len(modes) == 1 else \
+            f"most common lengths {' and '.join(map(str, modes))} (tied)"
         short = rows[rows["length"] <= 3]["share"].sum()
-        summary.append(f"  {name:<34} L = {int(mode['layers']):>2}, H = {int(mode['heads']):>2}: "
-                       f"(H+1)^L = 10^{rows['layers'].iloc[0] * math.log10(rows['heads'].iloc[0] + 1):.1f} paths, "
-                       f"most common length {int(mode['length'])}, share of length ≤ 3: {short:.1e}")
+        summary.append(f"  {name:<34} L = {layers:>2}, H = {heads:>2}: "
+                       f"(H+1)^L = 10^{layers * math.log10(heads + 1):.1f} paths, {mode}, share of length ≤ 3: "
+                       f"{short:.1e}")
     print("\n".join(summary))
     _save(args.out, "path_lengths", lengths, experiments.plot_path_lengths(lengths))
 
     _heading("5. Path effectiveness: sorting with an attention-only model, keeping paths of length ≤ k")
     result = experiments.path_effectiveness(steps=200 if quick else 1000, test_size=512 if quick else 2048,
-                                            progress=True)
+                                            progress=_interactive())
     print(f"trained in {result.train_seconds:.0f} s (final loss {result.final_loss:.4f}); exact truncations by "
           "pk.length_sums; k = L is the model itself")
     print(result.table.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     _save(args.out, "path_effectiveness", result.table, experiments.plot_effectiveness(result.table))
 
     _heading("6. Speed against pure PyTorch (quick sizes; bench/ has the full suite)")
-    run_bench(argparse.Namespace(device="cpu", quick=True, out=args.out))
+    print("Quick timings of a few runs each: on a shared or busy machine they move by 10-50 % from run to run,\n"
+          "so read the speed-ups as orders of magnitude; bench/ times with repetitions and records its results.")
+    run_bench(argparse.Namespace(device=device, quick=True, out=None, out_dir=args.out))
     print()
     print(f"demo finished in {time.perf_counter() - start:.0f} s" + (f"; outputs in {args.out}/" if args.out else ""))
     return 0
@@ -259,42 +370,129 @@ def run_demo(args) -> int:
 
 # --- the parser --------------------------------------------------------------------------------------
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pathkernels", description="Path decompositions of attention networks")
-    commands = parser.add_subparsers(dest="command", required=True)
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default where there is one to show (not None, not a flag's False)."""
 
-    demo = commands.add_parser("demo", help="the main job: every experiment, with tables, CSV files and PNG plots")
-    demo.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help=f"output folder (default {DEFAULT_OUT})")
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``prog: error: message`` on stderr, exit code 2, no usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+def _integer(minimum: int):
+    """An argparse type: an int >= minimum, with a message that says so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+# Options of the built-in network, which a --model sets for itself: their defaults.
+_NETWORK_DEFAULTS = {"layers": None, "heads": 4, "width": 64, "seeds": 3}
+
+
+def _check_options(args, parser: argparse.ArgumentParser) -> None:
+    """What argparse cannot check alone: options that do not apply, and the built-in network's shape."""
+    if getattr(args, "model", None):
+        given = [f"--{name}" for name in _NETWORK_DEFAULTS if getattr(args, name, None) is not None]
+        if given:
+            verb = "sets" if len(given) == 1 else "set"
+            parser.error(f"{', '.join(given)} {verb} the built-in network and do not apply with --model "
+                         f"{args.model} (the model has its own)")
+        return
+    if getattr(args, "text", None) is not None:
+        parser.error("--text needs --model (a model directory with a tokenizer)")
+    for name, default in _NETWORK_DEFAULTS.items():
+        if hasattr(args, name) and getattr(args, name) is None:
+            setattr(args, name, default if default is not None else args.default_layers)
+    if hasattr(args, "tokens") and args.tokens is None:
+        args.tokens = args.default_tokens
+    if hasattr(args, "width") and args.width < args.heads:
+        parser.error(f"argument --width: expected at least --heads = {args.heads} (each head gets width // heads "
+                     f"columns), got {args.width}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    formatter = _HelpFormatter
+    parser = _Parser(prog="pathkernels", description="Path decompositions of attention networks: rank collapse, "
+                     "per-path residuals and benchmarks (docs/DESIGN.md has the math).", formatter_class=formatter)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show the traceback of a failure")
+
+    def command(name: str, **kwargs) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, parents=[common], formatter_class=formatter, **kwargs)
+        sub.set_defaults(command_parser=sub)
+        return sub
+
+    device_help = "where to compute: auto (CUDA when a GPU and the CUDA kernels are present), cpu or cuda"
+
+    demo = command("demo", help="the main job: every experiment, with tables, CSV files and PNG plots",
+                               description="Every experiment in six sections, with tables printed and CSV/PNG files "
+                               "written: the norm, rank collapse, path residuals by length, path-length "
+                               "distributions, path effectiveness, and speed.")
+    demo.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help="output folder")
     demo.add_argument("--quick", action="store_true", help="smaller sizes and a shorter training (about a minute)")
+    demo.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=device_help)
     demo.set_defaults(run=run_demo)
 
     def model_options(sub, layers: int, tokens: int):
-        sub.add_argument("--model", help="a local Hugging Face model directory, or a config.json (random weights)")
-        sub.add_argument("--layers", type=int, default=layers, help="depth of the built-in network")
-        sub.add_argument("--heads", type=int, default=4, help="heads per layer of the built-in network")
-        sub.add_argument("--width", type=int, default=64, help="d_model of the built-in network")
-        sub.add_argument("--tokens", type=int, default=tokens, help="sequence length n")
-        sub.add_argument("--out", type=Path, help="write CSV and PNG here")
+        sub.set_defaults(default_layers=layers, default_tokens=tokens)
+        sub.add_argument("--model", help="a local Hugging Face model directory (pretrained weights) or a config.json "
+                         "(random weights); nothing is downloaded")
+        sub.add_argument("--text", help="with --model: a prompt for the model directory's tokenizer (default: a "
+                         "fixed sentence when there is a tokenizer)")
+        sub.add_argument("--layers", type=_integer(1), help=f"depth of the built-in network (default {layers})")
+        sub.add_argument("--heads", type=_integer(1), help="heads per layer of the built-in network (default 4)")
+        sub.add_argument("--width", type=_integer(1), help="d_model of the built-in network (default 64)")
+        sub.add_argument("--tokens", type=_integer(2), help=f"sequence length n (default {tokens}; with --model, "
+                         "random token ids of this length)")
+        sub.add_argument("--out", type=Path, help="folder to write CSV and PNG files into")
 
-    collapse = commands.add_parser("collapse", help="residual ratio of the hidden states against depth")
+    collapse = command("collapse", help="residual ratio of the hidden states against depth",
+                                   description="Median residual ratio ‖X − 1μᵀ‖_1,∞ / ‖X‖_1,∞ of the hidden states "
+                                   "at every depth: the built-in pure-attention, +MLP, +skip and transformer "
+                                   "networks at initialisation, or a Hugging Face model.")
     model_options(collapse, layers=12, tokens=32)
-    collapse.add_argument("--batch", type=int, default=8, help="random inputs per model")
-    collapse.add_argument("--seeds", type=int, default=3, help="initialisations per variant")
+    collapse.add_argument("--batch", type=_integer(1), default=8, help="random inputs per model")
+    collapse.add_argument("--seeds", type=_integer(1), help="initialisations per variant (default 3)")
     collapse.set_defaults(run=lambda args: _done(run_collapse(args)))
 
-    paths = commands.add_parser("paths", help="residual ratio of every path (or a stratified sample), by length")
+    paths = command("paths", help="residual ratio of every path (or a stratified sample), by length",
+                                description="Residual ratio of the attention product of every path with skip, by "
+                                "path length: exactly when the tree is small enough, else a stratified sample "
+                                "without replacement. Under torchrun the processes split the tree.")
     model_options(paths, layers=6, tokens=32)
-    paths.add_argument("--seed", type=int, default=0)
-    paths.add_argument("--samples-per-length", type=int, help="sample this many paths per length instead of all")
-    paths.add_argument("--max-exact", type=int, default=10**6, help="sample when the tree has more paths than this")
-    paths.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                       help="where to compute (under torchrun: gloo on CPU, NCCL and cuda:LOCAL_RANK with cuda)")
+    paths.add_argument("--seed", type=_integer(0), default=0, help="seed of the network and of the sample")
+    paths.add_argument("--samples-per-length", type=_integer(1), help="draw up to this many paths per length "
+                       "instead of all")
+    paths.add_argument("--max-exact", type=_integer(1), default=10**6,
+                       help="sample when the tree has more paths than this")
+    paths.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                       help=device_help + " (under torchrun: gloo on CPU, NCCL and cuda:LOCAL_RANK with cuda)")
     paths.set_defaults(run=lambda args: _done(run_paths(args)))
 
-    bench = commands.add_parser("bench", help="fused ops and the path engine against pure PyTorch")
-    bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    bench = command("bench", help="fused ops and the path engine against pure PyTorch",
+                                description="Quick timings of the fused norms and the path engine against pure "
+                                "PyTorch; bench/ has the full suite.")
+    bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=device_help)
     bench.add_argument("--quick", action="store_true", help="shorter timing")
-    bench.add_argument("--out", type=Path, help="write CSV here")
+    bench.add_argument("--out", type=Path, help="write both tables to this file: JSON, or CSV if it ends in .csv")
     bench.set_defaults(run=lambda args: _done(run_bench(args)))
     return parser
 
@@ -305,4 +503,22 @@ def _done(_result) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    _check_options(args, args.command_parser)
+    where = args.command_parser.prog
+    try:
+        return args.run(args)
+    except CommandLineError as error:
+        if args.debug:
+            raise
+        print(str(error), file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{where}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 (one line unless --debug)
+        if args.debug:
+            raise
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else "(no message)"
+        print(f"{where}: error: {type(error).__name__}: {reason} (rerun with --debug for the traceback)",
+              file=sys.stderr)
+        return 1

@@ -23,6 +23,11 @@ def test_collapse_table_and_plot():
     fig = experiments.plot_collapse(table)
     ax = fig.axes[0]
     assert ax.get_yscale() == "log" and ax.get_xlabel() and ax.get_ylabel() and ax.get_legend()
+    assert all(float(tick).is_integer() for tick in ax.get_xticks())
+    # The float64 round-off line only where the data come near it (3 layers of pure attention do not).
+    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    near = float(table["q10"].min()) < 1e3 * 2 * torch.finfo(torch.float64).eps
+    assert ("float64 round-off" in labels) == near
 
 
 def test_path_length_distribution_is_binomial():
@@ -59,7 +64,7 @@ def test_cli_subcommands_write_tables_and_plots(tmp_path, capsys):
     assert main(["paths", "--layers", "3", "--heads", "2", "--width", "16", "--tokens", "6",
                  "--samples-per-length", "3"]) == 0
     out = capsys.readouterr().out
-    assert "Median residual ratio" in out and "all 27 paths, exactly" in out and "3 paths drawn per length" in out
+    assert "Median residual ratio" in out and "all 27 paths, exactly" in out and "up to 3 distinct paths" in out
     for name in ("collapse.csv", "collapse.png", "ratio_by_length.csv", "ratio_by_length.png"):
         assert (tmp_path / name).stat().st_size > 0
     table = pd.read_csv(tmp_path / "ratio_by_length.csv")
@@ -72,11 +77,93 @@ def test_cli_reads_huggingface_directories_and_configs(tmp_path, capsys):
     transformers.GPT2Model(config).save_pretrained(tmp_path / "weights")
     config.save_pretrained(tmp_path / "config_only")
     assert main(["collapse", "--model", str(tmp_path / "weights"), "--tokens", "6", "--batch", "2"]) == 0
-    assert main(["paths", "--model", str(tmp_path / "config_only" / "config.json"), "--tokens", "6"]) == 0
     out = capsys.readouterr().out
-    assert "weights" in out and "all 9 paths, exactly" in out
-    with pytest.raises(SystemExit, match="no such file or directory"):
-        main(["paths", "--model", str(tmp_path / "missing")])
+    assert "pretrained weights" in out and "2 sequence(s) of 6 random token ids (no tokenizer" in out
+    assert main(["paths", "--model", str(tmp_path / "config_only" / "config.json"), "--tokens", "6",
+                 "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "at initialisation (random weights from its config)" in out and "all 9 paths, exactly" in out
+    assert main(["paths", "--model", str(tmp_path / "missing")]) == 2
+    assert "no such file or directory (models are never downloaded)" in capsys.readouterr().err
+
+
+def test_cli_feeds_text_through_the_model_directorys_tokenizer(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "quick", "brown", "fox", "jumps", "over", "dog"]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+    transformers.BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
+    config = transformers.BertConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=16, intermediate_size=32,
+                                     vocab_size=len(words), max_position_embeddings=32)
+    transformers.BertModel(config).save_pretrained(tmp_path)
+    assert main(["paths", "--model", str(tmp_path), "--text", "the quick brown fox", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "the prompt 'the quick brown fox' (6 tokens, the model's tokenizer)" in out  # [CLS] … [SEP]
+    assert main(["paths", "--model", str(tmp_path), "--device", "cpu"]) == 0
+    assert "the default prompt" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["paths", "--layers", "-2"], "argument --layers: expected an integer >= 1, got -2"),
+    (["paths", "--heads", "0"], "argument --heads: expected an integer >= 1, got 0"),
+    (["collapse", "--width", "-8"], "argument --width: expected an integer >= 1, got -8"),
+    (["paths", "--tokens", "-5"], "argument --tokens: expected an integer >= 2, got -5"),
+    (["paths", "--tokens", "1"], "argument --tokens: expected an integer >= 2, got 1"),
+    (["paths", "--samples-per-length", "0"], "argument --samples-per-length: expected an integer >= 1, got 0"),
+    (["collapse", "--seeds", "x"], "argument --seeds: expected an integer >= 1, got 'x'"),
+    (["paths", "--width", "2", "--heads", "4"], "argument --width: expected at least --heads = 4"),
+    (["paths", "--text", "hello"], "--text needs --model"),
+    (["paths", "--model", "some-dir", "--layers", "3", "--heads", "2"],
+     "--layers, --heads set the built-in network and do not apply with --model some-dir"),
+])
+def test_cli_refuses_bad_options_in_one_line(argv, message):
+    run = subprocess.run([sys.executable, "-m", "pathkernels", *argv], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2
+    assert run.stderr.count("\n") == 1 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+def test_cli_reports_bad_models_in_one_line_and_tracebacks_only_with_debug(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "unknown.json").write_text('{"model_type": "no-such-architecture"}')
+    (tmp_path / "broken.json").write_text("{not json")
+    transformers.T5Config(num_layers=1, d_model=16, num_heads=2, d_kv=8, vocab_size=30).save_pretrained(tmp_path / "t5")
+    cases = {"unknown.json": "cannot read it as a transformers model", "broken.json": "not a valid JSON file",
+             "t5": "expected a transformers model of type"}
+    for name, message in cases.items():
+        run = subprocess.run([sys.executable, "-m", "pathkernels", "paths", "--model", str(tmp_path / name)],
+                             capture_output=True, text=True, timeout=120)
+        errors = [line for line in run.stderr.splitlines() if not line.startswith("[transformers]")]
+        assert run.returncode == 2 and len(errors) == 1 and message in errors[0], run.stderr
+    run = subprocess.run([sys.executable, "-m", "pathkernels", "paths", "--model", str(tmp_path / "t5"), "--debug"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "Traceback" in run.stderr
+
+
+def test_cli_help_shows_defaults_and_descriptions():
+    for command in ("demo", "collapse", "paths", "bench"):
+        run = subprocess.run([sys.executable, "-m", "pathkernels", command, "--help"], capture_output=True, text=True,
+                             timeout=120, check=True)
+        assert "(default: auto)" in run.stdout or command == "collapse", command
+        description = run.stdout.split("\n\n")[1]
+        assert len(description) > 40 and not description.startswith("options"), run.stdout
+
+
+def test_cli_bench_out_writes_that_file(tmp_path, monkeypatch):
+    from pathkernels import cli
+
+    monkeypatch.setattr(cli, "QUICK_NORM_CASES", [(2, 8, 8)])
+    monkeypatch.setattr(cli, "QUICK_PATH_CASES", [(2, 2, 8)])
+    assert main(["bench", "--quick", "--device", "cpu", "--out", str(tmp_path / "speed.json")]) == 0
+    payload = __import__("json").loads((tmp_path / "speed.json").read_text())
+    assert payload["norms"] and payload["paths"] and sorted(p.name for p in tmp_path.iterdir()) == ["speed.json"]
+    assert main(["bench", "--quick", "--device", "cpu", "--out", str(tmp_path / "speed.csv")]) == 0
+    assert set(pd.read_csv(tmp_path / "speed.csv")["table"]) == {"norms", "paths"}
+
+
+def test_progress_bars_only_on_a_terminal(tmp_path):
+    args = ["paths", "--layers", "3", "--heads", "2", "--width", "16", "--tokens", "6", "--device", "cpu"]
+    run = subprocess.run([sys.executable, "-m", "pathkernels", *args], capture_output=True, text=True, timeout=120,
+                         check=True)
+    assert run.stderr == ""  # stderr is a pipe here: no bar
 
 
 def test_demo_runs_end_to_end(tmp_path):
