@@ -1,35 +1,43 @@
 # The two commands of the README:
 #   make demo   set up (isolated .venv, CPU torch if missing, the extension) and run the demo
-#   make test   set up and run the whole test suite
+#   make test   set up (the same, plus the test-only packages) and run the whole test suite
 # PYTHON=python3 make test uses an existing interpreter that already has torch (e.g. a CUDA torch
 # on a GPU machine) instead of creating .venv. Both are quick when nothing has changed.
 
 PYTHON ?=
 TORCH_CPU_PIN := torch==2.13.0
-PY_TOOLS := scikit-build-core>=0.10 pybind11>=2.12 numpy pytest
+BUILD_TOOLS := scikit-build-core>=0.10 pybind11>=2.12 cmake>=3.27 ninja
 ANALYSIS_TOOLS := pandas matplotlib tqdm
-# transformer-lens 3.x still has HookedTransformer (the adapters' oracle tests build one); 4.0 removed it.
-ADAPTER_TOOLS := transformers>=5.9 transformer-lens>=3.9,<4
-BUILD_TOOLS := cmake>=3.27 ninja
+# Only the tests need these (the adapters' oracle tests build models from configs). transformer-lens
+# 3.x still has HookedTransformer; 4.0 removed it. It pulls in wandb, datasets and pyarrow, so the
+# demo's set-up leaves it out.
+TEST_TOOLS := pytest transformers>=5.9 transformer-lens>=3.9,<4
 
 ifeq ($(strip $(PYTHON)),)
-# Our own environment: install everything it needs.
+# Our own environment: install everything it needs. numpy comes before torch, which would otherwise
+# warn "Failed to initialize NumPy" until numpy arrives.
 PY := .venv/bin/python
 VENV := .venv/bin/python
+INSTALL_TORCH = $(PY) -c "import torch" 2>/dev/null || ($(PY) -m pip install --quiet numpy && \
+	echo "== installing $(TORCH_CPU_PIN) (CPU) into .venv" && $(PY) -m pip install "$(TORCH_CPU_PIN)")
 INSTALL_TOOLS = $(PY) -m pip install --quiet -c $(STAMPS)/torch.txt \
-	$(foreach t,$(PY_TOOLS) $(ANALYSIS_TOOLS) $(ADAPTER_TOOLS) $(BUILD_TOOLS),"$(t)")
+	$(foreach t,numpy $(BUILD_TOOLS) $(ANALYSIS_TOOLS),"$(t)")
+INSTALL_TEST_TOOLS = $(PY) -m pip install --quiet -c $(STAMPS)/torch.txt $(foreach t,$(TEST_TOOLS),"$(t)")
 else
 # The caller's environment (maybe offline, e.g. a GPU machine): install only what is missing; the
-# analysis extras are optional there (their tests are skipped without them).
+# analysis and adapter packages are optional there (their tests are skipped without them).
 PY := $(PYTHON)
 VENV :=
-INSTALL_TOOLS = ($(PY) -c "import scikit_build_core, pybind11, numpy, pytest" 2>/dev/null || \
-	$(PY) -m pip install --quiet $(foreach t,$(PY_TOOLS),"$(t)")) && \
+INSTALL_TORCH = $(PY) -c "import torch" || (echo "PYTHON=$(PYTHON) has no torch" && false)
+INSTALL_TOOLS = ($(PY) -c "import scikit_build_core, pybind11, numpy" 2>/dev/null || \
+	$(PY) -m pip install --quiet $(foreach t,numpy $(BUILD_TOOLS),"$(t)")) && \
 	($(PY) -c "import pandas, matplotlib, tqdm" 2>/dev/null || \
 	$(PY) -m pip install --quiet --retries 0 --timeout 10 $(ANALYSIS_TOOLS) || \
-	echo "note: $(ANALYSIS_TOOLS) not installed; their tests will be skipped") && \
+	echo "note: $(ANALYSIS_TOOLS) not installed; their tests will be skipped")
+INSTALL_TEST_TOOLS = ($(PY) -c "import pytest" 2>/dev/null || $(PY) -m pip install --quiet pytest) && \
 	($(PY) -c "import transformers, transformer_lens" 2>/dev/null || \
-	$(PY) -m pip install --quiet --retries 0 --timeout 10 -c $(STAMPS)/torch.txt $(foreach t,$(ADAPTER_TOOLS),"$(t)") || \
+	$(PY) -m pip install --quiet --retries 0 --timeout 10 -c $(STAMPS)/torch.txt \
+	$(foreach t,$(filter-out pytest,$(TEST_TOOLS)),"$(t)") || \
 	echo "note: transformers / transformer-lens not installed; the adapter tests will be skipped")
 endif
 STAMPS := build/stamps/$(subst /,_,$(PY))
@@ -40,7 +48,7 @@ SOURCES := CMakeLists.txt pyproject.toml $(shell find csrc -type f 2>/dev/null)
 demo: build
 	$(PY) -m pathkernels demo
 
-test: build
+test: build $(STAMPS)/test-env
 	$(PY) -m pytest -q tests
 
 bench: build
@@ -51,16 +59,24 @@ build: $(STAMPS)/built
 setup: $(STAMPS)/env
 
 .venv/bin/python:
+	@echo "== creating .venv"
 	python3 -m venv .venv
 
 $(STAMPS)/env: pyproject.toml | $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_CPU_PIN)"
+	@$(INSTALL_TORCH)
 	@mkdir -p $(STAMPS) && $(PY) -c "import torch; print('torch==' + torch.__version__)" > $(STAMPS)/torch.txt
-	$(INSTALL_TOOLS)
+	@echo "== installing the build tools and the analysis packages ($(ANALYSIS_TOOLS))"
+	@$(INSTALL_TOOLS)
 	@mkdir -p $(STAMPS) && touch $@
 
+$(STAMPS)/test-env: $(STAMPS)/env
+	@echo "== installing the test packages (pytest, transformers, transformer-lens: a few minutes the first time)"
+	@$(INSTALL_TEST_TOOLS)
+	@touch $@
+
 $(STAMPS)/built: $(STAMPS)/env $(SOURCES)
-	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+	@echo "== compiling the C++ extension (about 1-4 minutes on 2 cores; CUDA kernels too when torch has CUDA)"
+	$(PY) -m pip install --no-build-isolation --no-deps -e .
 	@mkdir -p $(STAMPS) && touch $@
 
 clean:
