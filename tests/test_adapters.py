@@ -216,6 +216,9 @@ def test_transformer_lens_maps_and_folded_biases(kv_heads):
     torch.testing.assert_close(factored.AB, stack.w_v[0, 1] @ stack.w_o[0, 1] @ stack.w_v[2, 2] @ stack.w_o[2, 2])
     eye = torch.eye(16, dtype=torch.float64)
     assert all(torch.equal(f, eye) for f in stack.w_path([-1, -1, -1]))
+    with pytest.raises(ValueError, match=r"expected a path of 3 entries, one per layer, each a head in 0..3 or -1 for "
+                                         r"skip; got \[1, -1\] \(2 entries\)"):
+        stack.w_path([1, -1])
 
 
 def test_transformer_bridge_matches_huggingface(tmp_path):

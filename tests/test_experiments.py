@@ -177,3 +177,13 @@ def test_demo_runs_end_to_end(tmp_path):
     figures = ("collapse", "ratio_by_length", "path_lengths", "path_effectiveness")
     expected = [f"{name}.{ext}" for name in figures for ext in ("csv", "png")] + ["speed_norms.csv", "speed_paths.csv"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(expected)
+
+
+def test_cli_refuses_tokens_for_a_vision_model(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    transformers.ViTConfig(image_size=16, patch_size=4, num_hidden_layers=1, num_attention_heads=2, hidden_size=16,
+                           intermediate_size=32).save_pretrained(tmp_path)
+    assert main(["paths", "--model", str(tmp_path), "--tokens", "8", "--device", "cpu"]) == 2
+    assert "--tokens does not apply to the vision model" in capsys.readouterr().err
+    assert main(["paths", "--model", str(tmp_path), "--device", "cpu"]) == 0
+    assert "1 random image(s) of 16×16 pixels" in capsys.readouterr().out

@@ -132,3 +132,22 @@ def test_bad_masks_are_refused_clearly():
         pk.metrics.dobrushin(attn, token_mask=torch.ones(2, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"residual_ratio: expected token_mask to broadcast against the rows"):
         pk.metrics.residual_ratio(torch.randn(3, 2, 4, 5), token_mask=torch.ones(3, 4, dtype=torch.bool))
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_padded_transformer_lens_batch_matches_each_sequence_alone():
+    try:
+        from transformer_lens import HookedTransformer, HookedTransformerConfig
+    except ImportError:
+        pytest.skip("transformer_lens with HookedTransformer is not installed")
+    config = HookedTransformerConfig(n_layers=2, n_heads=2, d_model=16, d_head=8, n_ctx=16, d_vocab=30, attn_only=True,
+                                     normalization_type=None, act_fn=None, dtype=torch.float64)
+    model = HookedTransformer(config)
+    ids = torch.randint(1, 30, (2, 6))
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])  # right padding: the positions are those of the sequence alone
+    padded = adapters.from_transformer_lens(model, ids, attention_mask=mask)
+    assert torch.equal(padded.token_mask, mask.bool())
+    alone = adapters.from_transformer_lens(model, ids[1:, :4])
+    torch.testing.assert_close(pk.decompose(padded, x=padded.residual_stream(0)).results.residual[1],
+                               pk.decompose(alone, x=alone.residual_stream(0)).results.residual[0])
+    torch.testing.assert_close(padded.length_sums()[:, 1, :4], alone.length_sums()[:, 0])
