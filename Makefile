@@ -11,7 +11,7 @@ ANALYSIS_TOOLS := pandas matplotlib tqdm
 # Only the tests need these (the adapters' oracle tests build models from configs). transformer-lens
 # 3.x still has HookedTransformer; 4.0 removed it. It pulls in wandb, datasets and pyarrow, so the
 # demo's set-up leaves it out.
-TEST_TOOLS := pytest transformers>=5.9 transformer-lens>=3.9,<4
+TEST_TOOLS := pytest hypothesis transformers>=5.9 transformer-lens>=3.9,<4
 
 ifeq ($(strip $(PYTHON)),)
 # Our own environment: install everything it needs. numpy comes before torch, which would otherwise
@@ -34,10 +34,10 @@ INSTALL_TOOLS = ($(PY) -c "import scikit_build_core, pybind11, numpy" 2>/dev/nul
 	($(PY) -c "import pandas, matplotlib, tqdm" 2>/dev/null || \
 	$(PY) -m pip install --quiet --retries 0 --timeout 10 $(ANALYSIS_TOOLS) || \
 	echo "note: $(ANALYSIS_TOOLS) not installed; their tests will be skipped")
-INSTALL_TEST_TOOLS = ($(PY) -c "import pytest" 2>/dev/null || $(PY) -m pip install --quiet pytest) && \
+INSTALL_TEST_TOOLS = ($(PY) -c "import pytest, hypothesis" 2>/dev/null || $(PY) -m pip install --quiet pytest hypothesis) && \
 	($(PY) -c "import transformers, transformer_lens" 2>/dev/null || \
 	$(PY) -m pip install --quiet --retries 0 --timeout 10 -c $(STAMPS)/torch.txt \
-	$(foreach t,$(filter-out pytest,$(TEST_TOOLS)),"$(t)") || \
+	$(foreach t,$(filter-out pytest hypothesis,$(TEST_TOOLS)),"$(t)") || \
 	echo "note: transformers / transformer-lens not installed; the adapter tests will be skipped")
 endif
 STAMPS := build/stamps/$(subst /,_,$(PY))
@@ -70,7 +70,7 @@ $(STAMPS)/env: pyproject.toml | $(VENV)
 	@mkdir -p $(STAMPS) && touch $@
 
 $(STAMPS)/test-env: $(STAMPS)/env
-	@echo "== installing the test packages (pytest, transformers, transformer-lens: a few minutes the first time)"
+	@echo "== installing the test packages (pytest, hypothesis, transformers, transformer-lens: a few minutes the first time)"
 	@$(INSTALL_TEST_TOOLS)
 	@touch $@
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import numbers
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,8 @@ DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes of working memory for the engine, beyon
 # centring identity the engine relies on does not hold, and the inputs are refused.
 ROW_SUM_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}
 
+_FEW_LEAVES = 256  # chunks smaller than this are dominated by per-chunk overhead: warn
+_ADVISED_BUDGET = 4 << 20
 _LEAF_BLOCK_BYTES = 1 << 19  # CPU: a leaf block (computed, then reduced) is sized to stay in L2
 _CUDA_LEAF_BLOCK_BYTES = 1 << 27  # CUDA: one launch per block of leaves, so blocks are large
 # CPU: a chunk's working set is kept near the size of a last-level cache, whatever the budget (which
@@ -94,6 +98,16 @@ class _Network:
     @property
     def width(self) -> int:
         return self.attn.shape[-1] if self.x is None else self.x.shape[-1]
+
+
+def format_bytes(count: int) -> str:
+    """``count`` bytes for a message: "512 bytes", "24.0 KiB", "3.50 GiB"."""
+    if count < 1024:
+        return f"{count:,} bytes"
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.2f} {unit} ({count:,} bytes)"
+    raise AssertionError
 
 
 def _first_index(mask: Tensor) -> tuple[int, ...]:
@@ -171,10 +185,16 @@ def _check_network(attn, x, w_v, w_o, where: str) -> _Network:
                 raise TypeError(f"{where}: expected {name} to be a torch.Tensor, got {type(t).__name__}")
             if t.dtype != attn.dtype:
                 raise TypeError(f"{where}: expected {name} in attn's dtype {attn.dtype}, got {t.dtype}")
+        given = list(x.shape)
+        expected = f"[B, n, d] = [{batch}, {n}, d]" if batched else f"[n, d] = [{n}, d] (attn has no batch dim)"
+        if x.dim() != (3 if batched else 2):
+            raise ValueError(f"{where}: expected x of shape {expected}, got {given}")
         x = x if batched else x.unsqueeze(0)
-        if x.dim() != 3 or x.shape[:2] != (batch, n):
-            raise ValueError(f"{where}: expected x of shape [B, n, d] = [{batch}, {n}, d], got {list(x.shape)}")
+        if x.shape[:2] != (batch, n):
+            raise ValueError(f"{where}: expected x of shape {expected}, got {given}")
         d = x.shape[2]
+        if d == 0:
+            raise ValueError(f"{where}: expected x with at least one column (d >= 1), got {given}")
         if w_v.dim() != 4 or w_v.shape[:3] != (layers, heads, d):
             raise ValueError(
                 f"{where}: expected w_v of shape [L, H, d, d_head] = [{layers}, {heads}, {d}, d_head], "
@@ -239,6 +259,25 @@ def _node_bytes(net: _Network) -> int:
     return net.attn.shape[-1] * net.width * net.attn.element_size()
 
 
+def _leaf_blocks(net: _Network, memory_budget: int) -> tuple[int, int, int]:
+    """``(workers, leaf_block, fixed)``: blocks run one per CPU thread (one on CUDA) of ``leaf_block``
+    leaves each, and ``fixed`` bytes are each worker's leaf block, gathered parents and W
+    temporaries (3 node-sized buffers per leaf)."""
+    node_bytes = _node_bytes(net)
+    on_cpu = net.attn.device.type == "cpu"
+    workers = torch.get_num_threads() if on_cpu else 1
+    block_bytes = _LEAF_BLOCK_BYTES if on_cpu else _CUDA_LEAF_BLOCK_BYTES
+    leaf_block = max(1, min(block_bytes, memory_budget // (8 * workers)) // node_bytes)
+    return workers, leaf_block, 3 * workers * leaf_block * node_bytes
+
+
+def minimum_budget(net: _Network) -> int:
+    """The smallest memory_budget that runs: one leaf per worker, ``fixed + 2 nodes`` with
+    ``fixed = 3 · workers · node`` (:func:`_leaf_blocks` gives one-leaf blocks at that budget)."""
+    workers = _leaf_blocks(net, 1)[0]
+    return (3 * workers + 2) * _node_bytes(net)
+
+
 def _chunks(tree: PathTree, net: _Network, memory_budget: int, first: int, last: int):
     """Consecutive runs of leaves ``first..last-1`` whose tries fit the memory budget (on CPU, the
     smaller of it and a cache-sized working set): (start, stop, TrieChunk, leaf_block).
@@ -248,10 +287,7 @@ def _chunks(tree: PathTree, net: _Network, memory_budget: int, first: int, last:
     the range, and other trees, are built from their paths."""
     node_bytes = _node_bytes(net)
     on_cpu = net.attn.device.type == "cpu"
-    workers = torch.get_num_threads() if on_cpu else 1  # blocks run one per thread
-    block_bytes = _LEAF_BLOCK_BYTES if on_cpu else _CUDA_LEAF_BLOCK_BYTES
-    leaf_block = max(1, min(block_bytes, memory_budget // (8 * workers)) // node_bytes)
-    fixed = 3 * workers * leaf_block * node_bytes  # each worker's leaf block, gathered parents, W temporaries
+    _, leaf_block, fixed = _leaf_blocks(net, memory_budget)
     chunk_budget = memory_budget
     if on_cpu:  # never below what one chunk needs, so that a budget that works still works
         chunk_budget = min(memory_budget, max(_CPU_CHUNK_BYTES, 4 * (fixed + 2 * node_bytes)))
@@ -260,12 +296,15 @@ def _chunks(tree: PathTree, net: _Network, memory_budget: int, first: int, last:
         # Two consecutive levels live at once, plus a gathered copy of parents, plus the index arrays.
         return 3 * chunk.internal_nodes() * node_bytes + 32 * chunk.leaf_position.numel() + fixed
 
-    if fixed + 2 * node_bytes > memory_budget:
-        raise ValueError(
-            f"pathkernels.path_residuals: memory_budget={memory_budget:,} bytes is too small for one leaf "
-            f"block ({fixed:,} bytes at n = {net.attn.shape[-1]}, width {net.width}); raise it"
-        )
+    if fixed + 2 * node_bytes > memory_budget:  # checked up front by _check_inputs; kept as the invariant
+        raise AssertionError(f"memory_budget={memory_budget} is below {minimum_budget(net)}")
     size_cap = max(1, (chunk_budget - fixed) // max(1, node_bytes // 2 + 32))
+    if size_cap < min(_FEW_LEAVES, last - first):
+        warnings.warn(
+            f"pathkernels.path_residuals: memory_budget={memory_budget:,} bytes allows chunks of at most {size_cap:,} "
+            f"leaves at n = {net.attn.shape[-1]}, width {net.width}; such small chunks run up to a few hundred times "
+            f"slower than a budget of {format_bytes(_ADVISED_BUDGET)} or more",
+            RuntimeWarning, stacklevel=4)
 
     def from_paths(start: int, last: int):
         size = max(1, min(last - start, size_cap))
@@ -361,9 +400,17 @@ def path_residuals(
     Returns:
         :class:`PathResiduals` with ``residual``, ``norm`` and ``ratio`` ``[B, M]``, ``paths``
         ``[M, L]`` and ``lengths`` ``[M]`` in the tree's result order. With a group, None on
-        ranks other than 0 unless ``all_ranks``.
+        ranks other than 0 unless ``all_ranks``. The results carry no gradient: inputs that
+        require grad are read as data (:func:`length_sums` and the norm ops are differentiable).
+
+    Raises:
+        ValueError: before any work, for inputs that are not row-stochastic or not finite, a
+            ``memory_budget`` below the engine's minimum (the message gives it), or results that
+            would not fit the device's available memory (the message says how much they need).
     """
     where = "pathkernels.path_residuals"
+    if isinstance(memory_budget, numbers.Integral) and not isinstance(memory_budget, bool):
+        memory_budget = int(memory_budget)  # numpy integers too
     attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask)
     if token_mask is not None:
         return _masked_path_residuals(attn, tree, x, token_mask, where, w_v=w_v, w_o=w_o, memory_budget=memory_budget,
@@ -459,14 +506,56 @@ def _tf32_matmuls():
 def _check_inputs(attn, tree, x, w_v, w_o, memory_budget, where: str) -> _Network:
     net = _check_network(attn, x, w_v, w_o, where)
     _check_tree(tree, net, where)
-    if not isinstance(memory_budget, int) or memory_budget <= 0:
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral) or memory_budget <= 0:
         raise ValueError(f"{where}: expected memory_budget to be a positive int (bytes), got {memory_budget!r}")
+    minimum = minimum_budget(net)
+    if memory_budget < minimum:
+        raise ValueError(
+            f"{where}: memory_budget={int(memory_budget):,} bytes is too small: at n = {net.attn.shape[-1]}, width "
+            f"{net.width} and {_leaf_blocks(net, 1)[0]} worker thread(s) the engine needs at least {minimum:,} bytes "
+            f"(one leaf block per worker); {format_bytes(_ADVISED_BUDGET)} or more runs at full speed"
+        )
     if tree.num_paths > 1 << 40:
         raise ValueError(f"{where}: the tree has {tree.num_paths:,} paths; results alone would not fit in memory")
     _check_engine_device(net.attn.device, where)
+    _check_results_fit(net, tree, where)
     return net
 
 
+# The results (residual and norm per path and batch element) are built twice over at the end: in leaf
+# order, then in the tree's result order.
+_RESULT_COPIES = 2
+
+
+def _check_results_fit(net: _Network, tree: PathTree, where: str) -> None:
+    """Refuse up front, before any work, results that would not fit the device's available memory."""
+    need = _RESULT_COPIES * 2 * net.attn.shape[0] * tree.num_paths * net.attn.element_size()
+    available = available_memory(net.attn.device)
+    if available is not None and need > available:
+        raise ValueError(
+            f"{where}: the results of {tree.num_paths:,} paths × B = {net.attn.shape[0]} (residual and norm in "
+            f"{net.attn.dtype}) need {format_bytes(need)}, more than the {format_bytes(available)} available on "
+            f"{net.attn.device}; evaluate fewer paths (max_length, sampling, or a share of the tree per process with "
+            "group=), or use pk.length_sums for exact sums per length"
+        )
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free on ``device`` now: the CUDA allocator's free memory, or the host's available
+    physical memory (Linux ``MemAvailable``); None where that cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@torch.no_grad()
 def _leaf_norms(net: _Network, tree: PathTree, first: int, last: int, memory_budget: int, bar) -> tuple[Tensor, Tensor]:
     """Residual and norm ``[B, last - first]`` of leaves ``first..last-1``, chunk by chunk."""
     attn_centred, attn_mean, root, root_mean = _engine_operands(net)
@@ -544,14 +633,15 @@ def _path_residuals_across(attn, tree, x, w_v, w_o, memory_budget, progress, mat
     return _result(net, tree, gathered[0], gathered[1], None)
 
 
+@torch.no_grad()
 def _materialize(net: _Network, tree: PathTree, memory_budget: int, where: str) -> Tensor:
     """The products themselves, ``[B, M, n, m]``, by the same trie in plain PyTorch (small trees)."""
     need = net.attn.shape[0] * tree.num_paths * _node_bytes(net)
     if need > memory_budget:
         raise ValueError(
-            f"{where}: materialize=True needs {need / 2**30:.2f} GiB for [B, M, n, m] = "
+            f"{where}: materialize=True needs {format_bytes(need)} for [B, M, n, m] = "
             f"{[net.attn.shape[0], tree.num_paths, net.attn.shape[-1], net.width]}, over memory_budget="
-            f"{memory_budget / 2**30:.2f} GiB; leave materialize off (the norms need no products) or raise the budget"
+            f"{format_bytes(memory_budget)}; leave materialize off (the norms need no products) or raise the budget"
         )
     chunk = build_trie_chunk(tree.leaf_range(0, tree.num_leaves))
     batch, n = net.attn.shape[0], net.attn.shape[-1]
@@ -619,19 +709,18 @@ def length_sums(attn: Tensor, x: Tensor, w_v: Tensor, w_o: Tensor, *, b_o: Tenso
     layers = net.attn.shape[1]
     if b_o is not None:
         _check_bias(b_o, net, where)
-    sums = net.x.new_zeros(layers + 1, *net.x.shape)  # [L+1, B, n, d]
-    sums[0] = net.x
+    zero = torch.zeros_like(net.x)
+    sums = [net.x] + [zero] * layers  # S_0 .. S_L, each [B, n, d]; out of place, so autograd can follow
     for layer in range(layers):
         attn_l = net.attn[:, layer]  # [B, H, n, n]
         top = layer + 1  # lengths 0..layer can feed a head at this layer
-        mixed = torch.einsum("bhij,kbjd->kbhid", attn_l, sums[:top])  # [k, B, H, n, d]
+        mixed = torch.einsum("bhij,kbjd->kbhid", attn_l, torch.stack(sums[:top]))  # [k, B, H, n, d]
         heads_out = torch.einsum("kbhid,hde,hef->kbif", mixed, net.w_v[layer], net.w_o[layer])
-        if skip:
-            sums[1 : top + 1] += heads_out
-        else:
-            sums = torch.cat([torch.zeros_like(sums[:1]), heads_out, torch.zeros_like(sums[top + 1 :])])
+        carried = sums if skip else [zero] * (layers + 1)
+        sums = carried[:1] + [carried[k] + heads_out[k - 1] for k in range(1, top + 1)] + carried[top + 1 :]
         if b_o is not None:
-            sums[1] += b_o[layer]  # broadcast over the batch and the n rows: 1 b_O[l]ᵀ
+            sums[1] = sums[1] + b_o[layer]  # broadcast over the batch and the n rows: 1 b_O[l]ᵀ
+    sums = torch.stack(sums)  # [L+1, B, n, d]
     return sums if net.batched else sums[:, 0]
 
 

@@ -28,9 +28,10 @@ def norm_op_name(centered: bool) -> str:
     return "pathkernels.residual_norm" if centered else "pathkernels.composite_norm"
 
 
-def check_norm_input(x: Tensor, centered: bool) -> None:
-    """The checks of csrc/norms/norms.cpp, for fake tensors and for non-tensor arguments."""
-    op = norm_op_name(centered)
+def check_norm_input(x: Tensor, centered: bool, op: str | None = None) -> None:
+    """The checks of csrc/norms/norms.cpp, for fake tensors and for non-tensor arguments; ``op``
+    names the public function called (default: the op's own name)."""
+    op = op or norm_op_name(centered)
     if not isinstance(x, Tensor):
         raise TypeError(f"{op}: expected x to be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 2:
@@ -82,11 +83,11 @@ def _fused_leaf_norms_fake(attn, right, mean):
 # The autograd formula of norm_parts is registered in C++ (csrc/norms/norms_autograd.cpp).
 
 
-def _norm_parts(x: Tensor, centered: bool, with_norm: bool) -> Tensor:
+def _norm_parts(x: Tensor, centered: bool, with_norm: bool, op: str | None = None) -> Tensor:
     """parts ``[..., T, 3]``: target 0 is ``x − 1·μᵀ`` when centered, else x; target 1, present only
     when centered and with_norm, is x itself (skipping it spares the CPU kernel a third of its
-    arithmetic). with_norm is ignored when not centered."""
-    check_norm_input(x, centered)
+    arithmetic). with_norm is ignored when not centered. ``op`` names the caller in errors."""
+    check_norm_input(x, centered, op)
     return torch.ops.pathkernels.norm_parts(x, centered, with_norm)[0]
 
 
@@ -102,7 +103,7 @@ def matrix_norms(x: Tensor, *, residual: bool = False) -> MatrixNorms:
         ``l1 = max_j Σ_i |v_ij|``, ``linf = max_i Σ_j |v_ij|``, ``composite = sqrt(l1 · linf)``.
         Differentiable (subgradient through the maxima).
     """
-    parts = _norm_parts(x, residual, with_norm=False)[..., _RESIDUAL_TARGET, :]
+    parts = _norm_parts(x, residual, with_norm=False, op="pathkernels.matrix_norms")[..., _RESIDUAL_TARGET, :]
     return MatrixNorms(parts[..., _L1], parts[..., _LINF], parts[..., _COMPOSITE])
 
 

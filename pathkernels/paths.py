@@ -7,8 +7,10 @@ Python ints: ``(H+1)^L`` exceeds 2^63 for real models.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -36,12 +38,30 @@ def count_by_length(num_layers: int, num_heads: int, *, skip: bool = False, max_
     return counts
 
 
-def _check_shape_args(num_layers, num_heads, max_length, where: str) -> None:
-    for name, value in (("num_layers", num_layers), ("num_heads", num_heads)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{where}: expected {name} to be a positive int, got {value!r}")
-    if max_length is not None and (not isinstance(max_length, int) or max_length < 0):
-        raise ValueError(f"{where}: expected max_length to be None or an int >= 0, got {max_length!r}")
+def check_int(value, name: str, where: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as a Python int: any integer type (numpy's too), not bool, within the bounds."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: expected {name} to be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{where}: expected {name} {bounds}, got {value}")
+    return value
+
+
+def check_flag(value, name: str, where: str) -> bool:
+    """``value`` as a bool: True/False (numpy's too), nothing else (a string such as "no" is truthy)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: expected {name} to be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def _check_shape_args(num_layers, num_heads, max_length, where: str) -> tuple[int, int, int | None]:
+    num_layers = check_int(num_layers, "num_layers", where, minimum=1)
+    num_heads = check_int(num_heads, "num_heads", where, minimum=1)
+    if max_length is not None:
+        max_length = check_int(max_length, "max_length", where, minimum=0)
+    return num_layers, num_heads, max_length
 
 
 def _too_many_paths(count: int, where: str) -> ValueError:
@@ -126,7 +146,9 @@ class PathTree:
         products (the paper's object). :func:`pathkernels.decompose` describes a whole network
         instead, and defaults to ``skip=True`` because the networks users hold have skip
         connections; pass ``skip`` explicitly wherever it matters."""
-        _check_shape_args(num_layers, num_heads, max_length, "pathkernels.PathTree.complete")
+        where = "pathkernels.PathTree.complete"
+        num_layers, num_heads, max_length = _check_shape_args(num_layers, num_heads, max_length, where)
+        skip = check_flag(skip, "skip", where)
         if max_length is not None and not skip and max_length < num_layers:
             raise ValueError(
                 f"pathkernels.PathTree.complete: without skip every path has length {num_layers}, so "
@@ -144,7 +166,15 @@ class PathTree:
         """Any ``[M, L]`` set of paths (head per layer, ``-1`` = skip), in any order, with
         duplicates; results come back in this order. ``num_heads`` defaults to the largest head + 1."""
         where = "pathkernels.PathTree.from_paths"
-        paths = torch.as_tensor(paths)
+        if num_heads is not None:
+            num_heads = check_int(num_heads, "num_heads", where, minimum=1)
+        if isinstance(paths, (list, tuple)) and len(paths) == 0:
+            raise ValueError(f"{where}: expected at least one path, got an empty {type(paths).__name__}")
+        try:
+            paths = torch.as_tensor(paths)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{where}: expected paths as an integer tensor [M, L] or a list of M lists of L ints "
+                            f"(equal lengths; -1 = skip), got {type(paths).__name__} {str(paths)[:80]}") from None
         if paths.dtype.is_floating_point or paths.dtype.is_complex or paths.dtype == torch.bool:
             raise TypeError(f"{where}: expected an integer tensor of heads, got {paths.dtype}")
         if paths.dim() != 2 or paths.shape[0] == 0 or paths.shape[1] == 0:
@@ -314,12 +344,15 @@ def sample_paths(
     the set is enumerated and permuted). Asking for more distinct paths than the set has is refused.
     """
     where = "pathkernels.sample_paths"
-    _check_shape_args(num_layers, num_heads, None, where)
-    if not isinstance(num_samples, int) or num_samples < 0:
-        raise ValueError(f"{where}: expected num_samples to be an int >= 0, got {num_samples!r}")
+    num_layers, num_heads, _ = _check_shape_args(num_layers, num_heads, None, where)
+    num_samples = check_int(num_samples, "num_samples", where, minimum=0)
+    skip = check_flag(skip, "skip", where)
+    replace = check_flag(replace, "replace", where)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"{where}: expected generator to be a torch.Generator (e.g. torch.Generator()."
+                        f"manual_seed(0)) or None, got {type(generator).__name__} {generator!r}")
     if length is not None:
-        if not isinstance(length, int) or not 0 <= length <= num_layers:
-            raise ValueError(f"{where}: expected length to be an int in [0, {num_layers}], got {length!r}")
+        length = check_int(length, "length", where, minimum=0, maximum=num_layers)
         if length < num_layers and not skip:
             raise ValueError(f"{where}: paths of length {length} < num_layers={num_layers} need skip=True")
     if replace:

@@ -28,3 +28,14 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(params=devices())
 def device(request):
     return request.param
+
+
+try:  # property-based tests: a quick profile by default, a long one for fuzzing runs
+    from hypothesis import HealthCheck, settings
+
+    _COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large]}
+    settings.register_profile("quick", max_examples=100, **_COMMON)
+    settings.register_profile("long", max_examples=2000, **_COMMON)
+    settings.load_profile(os.environ.get("PATHKERNELS_HYPOTHESIS_PROFILE", "quick"))
+except ImportError:  # tests/test_properties.py skips itself
+    pass

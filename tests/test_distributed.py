@@ -82,7 +82,7 @@ def test_a_failing_rank_stops_every_rank_and_mismatches_are_named(tmp_path):
     ranks = launch(2, FAILING_CASES, tmp_path, timeout=120)
     # rank 1's own error, and the same error type on rank 0, naming rank 1.
     assert ranks[1]["rank1_raises"][:2] == ("error", "ValueError")
-    assert "too small for one leaf block" in ranks[1]["rank1_raises"][2]
+    assert "memory_budget=100 bytes is too small" in ranks[1]["rank1_raises"][2]
     assert ranks[0]["rank1_raises"][:2] == ("error", "ValueError")
     assert "rank 1 failed: ValueError" in ranks[0]["rank1_raises"][2]
     for rank in ranks:

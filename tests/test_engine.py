@@ -4,6 +4,9 @@ import subprocess
 import sys
 import textwrap
 
+import warnings
+
+import numpy as np
 import pytest
 import torch
 
@@ -64,6 +67,7 @@ def test_matches_per_path_loop(device, kind, mode, dtype):
     check_against_loop(result, attn, tree, x, w_v, w_o, dtype)
 
 
+@pytest.mark.filterwarnings("ignore:.*allows chunks of at most")
 def test_tiny_memory_budget_gives_the_same_results_in_many_chunks(device):
     attn, x, w_v, w_o = (t.to(device) for t in network(2, 5, 3, 8, 6, 2))
     for tree in (pk.PathTree.complete(5, 3, skip=True), TREES["explicit"](5, 3)):
@@ -235,12 +239,57 @@ def with_nan():
      "the tree has 4 layers and 2 heads, attn has L = 3 and H = 2"),
     (bad_call(tree="paths"), TypeError, "expected tree to be a pathkernels.PathTree"),
     (bad_call(memory_budget=0), ValueError, "expected memory_budget to be a positive int"),
-    (bad_call(memory_budget=100), ValueError, "too small for one leaf block"),
-    (bad_call(materialize=True, memory_budget=2000), ValueError, r"materialize=True needs .* over memory_budget"),
+    (bad_call(memory_budget=100), ValueError, r"memory_budget=100 bytes is too small: .* needs at least [\d,]+ bytes"),
+    (bad_call(memory_budget=1.5e9), ValueError, "expected memory_budget to be a positive int"),
+    (bad_call(x=torch.rand(2, 4, 0, dtype=torch.float64), w_v=torch.rand(3, 2, 0, 2, dtype=torch.float64),
+              w_o=torch.rand(3, 2, 2, 0, dtype=torch.float64)), ValueError,
+     r"expected x with at least one column \(d >= 1\), got \[2, 4, 0\]"),
+    (bad_call(attn=network(2, 3, 2, 4)[0][0], x=torch.rand(1, 4, 3, dtype=torch.float64)), ValueError,
+     r"expected x of shape \[n, d\] = \[4, d\] \(attn has no batch dim\), got \[1, 4, 3\]"),
+    (bad_call(materialize=True, memory_budget=2000), ValueError,
+     r"materialize=True needs [\d.]+ KiB \([\d,]+ bytes\) .* over memory_budget=1.95 KiB \(2,000 bytes\)"),
 ])
 def test_bad_input(call, error, message):
     with pytest.raises(error, match="pathkernels.path_residuals: .*" + message):
         call()
+
+
+def test_the_minimum_budget_is_exact_and_small_budgets_warn():
+    from pathkernels.engine import _check_network, minimum_budget
+
+    attn = network(1, 3, 2, 8)[0]
+    tree = pk.PathTree.complete(3, 2, skip=True)
+    minimum = minimum_budget(_check_network(attn, None, None, None, "test"))
+    with pytest.raises(ValueError, match=f"needs at least {minimum:,} bytes"):
+        pk.path_residuals(attn, tree, memory_budget=minimum - 1)
+    with pytest.warns(RuntimeWarning, match=r"allows chunks of at most \d+ leaves .* a few hundred times slower"):
+        small = pk.path_residuals(attn, tree, memory_budget=minimum)
+    torch.testing.assert_close(small.residual, pk.path_residuals(attn, tree).residual)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the default budget does not warn
+        pk.path_residuals(attn, tree, memory_budget=np.int64(1 << 30))  # numpy integers are integers
+
+
+def test_results_that_cannot_fit_are_refused_before_any_work():
+    # 2^31 paths × B = 8, residual and norm in float32, twice over: 128 GiB, beyond any machine here.
+    attn = torch.full((8, 31, 1, 2, 2), 0.5)
+    tree = pk.PathTree.complete(31, 1, skip=True)
+    with pytest.raises(ValueError, match=r"the results of 2,147,483,648 paths × B = 8 .* need 256.00 GiB .* available"):
+        pk.path_residuals(attn, tree)
+
+
+def test_inputs_that_require_grad_give_results_without_gradient():
+    attn, x, w_v, w_o = network(2, 3, 2, 4, d=3, d_head=2)
+    x = x.clone().requires_grad_()
+    tree = pk.PathTree.complete(3, 2, skip=True)
+    result = pk.path_residuals(attn.requires_grad_(), tree, x=x, w_v=w_v, w_o=w_o)
+    assert not result.residual.requires_grad
+    expected = pk.path_residuals(attn.detach(), tree, x=x.detach(), w_v=w_v, w_o=w_o)
+    torch.testing.assert_close(result.residual, expected.residual)
+    assert pk.decompose(attn, x=x, w_v=w_v, w_o=w_o).results.ratio.shape == (2, 27)
+    # length_sums stays differentiable.
+    pk.length_sums(attn, x, w_v, w_o).sum().backward()
+    assert x.grad is not None
 
 
 # --- the op itself -----------------------------------------------------------------------------
@@ -340,3 +389,19 @@ def test_progress_reports_every_path(capsys):
     pk.path_residuals(attn, tree, progress=True, memory_budget=64 * 1024)
     err = capsys.readouterr().err
     assert "256" in err and "pathkernels" in err
+
+
+def test_condition_numbers_bound_the_float32_error():
+    from pathkernels.testing import float32_error_bound, path_condition_numbers
+
+    attn = random_attention(2, 4, 3, 6, 6, dtype=torch.float64, temperature=0.3)
+    tree = pk.PathTree.complete(4, 3, skip=True)
+    kappa = path_condition_numbers(attn, tree.paths())
+    assert kappa.shape == (2, len(tree)) and bool((kappa >= 1 - 1e-12).all())
+    exact = pk.path_residuals(attn, tree).residual
+    single = pk.path_residuals((attn / attn.sum(-1, keepdim=True)).float(), tree).residual.double()
+    error = ((single - exact).abs() / exact)
+    assert bool((error <= float32_error_bound(kappa, 4, 6) + 1e-7).all())
+    # The skip-only path is C(I): no cancellation at all; products of centred factors do cancel.
+    assert float(kappa[0, 0]) == pytest.approx(1.0)
+    assert float(kappa[:, tree.lengths() >= 2].min()) > 1

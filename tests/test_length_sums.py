@@ -95,3 +95,13 @@ def test_bad_input():
         pk.length_sums(attn, x, w_v, w_o[:, :, :1])
     with pytest.raises(ValueError, match="truncated_output: expected max_length >= 0"):
         pk.truncated_output(pk.length_sums(attn, x, w_v, w_o), -1)
+
+
+def test_length_sums_are_differentiable():
+    attn, x, w_v, w_o = network(1, 2, 2, 3, 2, 2)
+    b_o = torch.randn(2, 2, dtype=torch.float64)
+    inputs = [t.clone().requires_grad_() for t in (x, w_v, w_o, b_o)]
+    torch.autograd.gradcheck(lambda x, w_v, w_o, b_o: pk.length_sums(attn, x, w_v, w_o, b_o=b_o, skip=True),
+                             inputs)
+    torch.autograd.gradcheck(lambda x, w_v, w_o, b_o: pk.length_sums(attn, x, w_v, w_o, b_o=b_o, skip=False),
+                             inputs)

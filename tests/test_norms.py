@@ -275,3 +275,24 @@ def test_bad_input_messages(device, make, error, message):
 def test_non_tensor_input():
     with pytest.raises(TypeError, match="pathkernels.composite_norm: expected x to be a torch.Tensor, got list"):
         pk.composite_norm([[1.0, 2.0]])
+
+
+@pytest.mark.parametrize("index", [10**6, -1])
+def test_norm_backward_refuses_argmax_out_of_range(device, index):
+    # Public op, called directly: 10^6 used to read out of bounds (SIGSEGV) and -1 gave 0 silently.
+    x = torch.randn(3, 4, 5, dtype=torch.float64, device=device)
+    parts = torch.ones(3, 1, 3, dtype=torch.float64, device=device)
+    argmax = torch.full((3, 1, 2), index, device=device)
+    with pytest.raises(IndexError, match=r"pathkernels.residual_norm: expected every entry of argmax\[\.\.\., 0\] "
+                                         r"\(the column of ‖v‖_1\) in \[0, 5\)"):
+        torch.ops.pathkernels.norm_parts_backward(parts, x, parts, argmax, True, False)
+    argmax[..., 0] = 0
+    with pytest.raises(IndexError, match=r"argmax\[\.\.\., 1\] \(the row of ‖v‖_∞\) in \[0, 4\)"):
+        torch.ops.pathkernels.norm_parts_backward(parts, x, parts, argmax, False, False)
+
+
+def test_matrix_norms_errors_name_matrix_norms():
+    with pytest.raises(ValueError, match=r"pathkernels.matrix_norms: expected x to have at least 2 dimensions"):
+        pk.matrix_norms(torch.zeros(3))
+    with pytest.raises(TypeError, match=r"pathkernels.matrix_norms: expected x to be a floating-point tensor"):
+        pk.matrix_norms(torch.zeros(3, 3, dtype=torch.long), residual=True)

@@ -2,6 +2,7 @@
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -75,10 +76,27 @@ def test_from_paths_head_out_of_range_for_given_heads():
 
 
 def test_complete_bad_arguments():
-    with pytest.raises(ValueError, match="expected num_heads to be a positive int"):
+    with pytest.raises(ValueError, match="complete: expected num_heads >= 1, got 0"):
         pk.PathTree.complete(3, 0)
     with pytest.raises(ValueError, match="max_length=2 keeps no path; pass skip=True"):
         pk.PathTree.complete(3, 2, max_length=2)
+    with pytest.raises(TypeError, match="complete: expected skip to be True or False, got str 'no'"):
+        pk.PathTree.complete(3, 2, skip="no")
+    with pytest.raises(TypeError, match="complete: expected num_layers to be an int, got float 3.0"):
+        pk.PathTree.complete(3.0, 2)
+    assert pk.PathTree.complete(np.int64(3), np.int32(2), skip=np.bool_(True)).num_paths == 27
+
+
+@pytest.mark.parametrize("paths, num_heads, error, message", [
+    ([], None, ValueError, "expected at least one path, got an empty list"),
+    ([[0, 1], [1]], None, TypeError, r"expected paths as an integer tensor \[M, L\] or a list of M lists of L ints"),
+    (["ab"], None, TypeError, "expected paths as an integer tensor"),
+    ([[0, 1]], 0, ValueError, "expected num_heads >= 1, got 0"),
+    ([[0, 1]], -2, ValueError, "expected num_heads >= 1, got -2"),
+])
+def test_from_paths_refuses_what_is_not_a_path_set(paths, num_heads, error, message):
+    with pytest.raises(error, match="pathkernels.PathTree.from_paths: " + message):
+        pk.PathTree.from_paths(paths, num_heads=num_heads)
 
 
 def test_trie_chunk_of_a_complete_tree_needs_no_gather():
@@ -171,12 +189,15 @@ def test_fixed_length_sampling_picks_distinct_uniform_layers():
 
 
 def test_sampling_bad_arguments():
-    with pytest.raises(ValueError, match=r"expected length to be an int in \[0, 4\]"):
+    with pytest.raises(ValueError, match=r"expected length in \[0, 4\], got 5"):
         pk.sample_paths(4, 2, 10, skip=True, length=5)
     with pytest.raises(ValueError, match="need skip=True"):
         pk.sample_paths(4, 2, 10, length=2)
-    with pytest.raises(ValueError, match="expected num_samples"):
+    with pytest.raises(ValueError, match="expected num_samples >= 0, got -1"):
         pk.sample_paths(4, 2, -1)
+    with pytest.raises(TypeError, match=r"expected generator to be a torch.Generator .* got str 'seed'"):
+        pk.sample_paths(4, 2, 3, generator="seed")
+    assert pk.sample_paths(4, 2, np.int64(3)).shape == (3, 4)
 
 
 @pytest.mark.parametrize("length", [None, 2])

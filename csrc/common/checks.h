@@ -38,6 +38,19 @@ inline void check_min_dim(const at::Tensor& t, int64_t min_dim, const char* op, 
                     shape_string(t.sizes()), ")");
 }
 
+// Every entry of the integer tensor `index` in [low, high): op inputs that index into another tensor
+// are checked before a kernel reads through them. One min/max reduction (a host sync on CUDA); the
+// callers pass small tensors (one entry per matrix).
+inline void check_index_range(const at::Tensor& index, int64_t low, int64_t high, const char* op, const char* arg) {
+  if (index.numel() == 0) {
+    return;
+  }
+  const auto [smallest, largest] = at::aminmax(index);
+  const int64_t lo = smallest.item<int64_t>(), hi = largest.item<int64_t>();
+  TORCH_CHECK_INDEX(lo >= low && hi < high, op, ": expected every entry of ", arg, " in [", std::to_string(low), ", ",
+                    std::to_string(high), "), got entries from ", std::to_string(lo), " to ", std::to_string(hi));
+}
+
 inline void check_same_device(const at::Tensor& a, const at::Tensor& b, const char* op,
                               const char* arg_a, const char* arg_b) {
   TORCH_CHECK_VALUE(a.device() == b.device(), op, ": expected ", arg_a, " and ", arg_b,

@@ -1,5 +1,7 @@
 #include "norms/norms.h"
 
+#include <algorithm>
+
 #include "common/checks.h"
 #include "common/norm_math.h"
 
@@ -75,6 +77,10 @@ NormPartsBackwardPlan prepare_norm_parts_backward(const at::Tensor& grad_parts, 
   check_same_device(grad_parts, x, op, "grad_parts", "x");
   check_same_device(parts, x, op, "parts", "x");
   check_same_device(argmax, x, op, "argmax", "x");
+  // The kernels read x and write grad_x at these positions; an empty matrix (m = 0) reports column 0.
+  check_index_range(argmax.select(-1, kArgColumn), 0, std::max<int64_t>(x.size(-1), 1), op,
+                    "argmax[..., 0] (the column of ‖v‖_1)");
+  check_index_range(argmax.select(-1, kArgRow), 0, x.size(-2), op, "argmax[..., 1] (the row of ‖v‖_∞)");
 
   NormPartsBackwardPlan plan;
   plan.x = as_matrix_batch(x, plan.params.shape);
