@@ -1,37 +1,50 @@
 """pathkernels: fast path decompositions of attention networks.
 
 Fused CPU and CUDA kernels, registered as ``torch.ops.pathkernels.*``, with a thin Python layer.
-See README.md, and docs/DESIGN.md in the source tree for the math, the engine and the performance model.
+See README.md, and docs/DESIGN.md in the source tree for the math, the engine and the performance
+model.
+
+The library core is imported here. The application modules (``experiments``, ``models``,
+``compat``, ``benchmarks``, ``cli``) load on first use, so ``import pathkernels`` pulls in neither
+pandas, matplotlib nor the experiments.
 """
+import importlib
+
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from pathkernels._extension import load as _load
+from pathkernels._extension import build_info, load as _load
 
-_BUILD_INFO = _load()
+_load()
 
-from pathkernels import adapters, compat, distributed, experiments, metrics, models, nn
-from pathkernels.decompose import PathDecomposition, decompose
-from pathkernels.engine import (
+from pathkernels import adapters, distributed, metrics, nn  # noqa: E402
+from pathkernels.decompose import PathDecomposition, decompose  # noqa: E402
+from pathkernels.engine import (  # noqa: E402
     DEFAULT_MEMORY_BUDGET,
     PathResiduals,
     length_sums,
     path_residuals,
     truncated_output,
 )
-from pathkernels.ops import MatrixNorms, composite_norm, matrix_norms, residual_norm
-from pathkernels.paths import PathTree, count_by_length, count_paths, sample_paths
-from pathkernels.rollout import rollout
+from pathkernels.ops import MatrixNorms, composite_norm, matrix_norms, residual_norm  # noqa: E402
+from pathkernels.paths import PathTree, count_by_length, count_paths, sample_paths  # noqa: E402
+from pathkernels.rollout import rollout  # noqa: E402
 
 __version__ = "0.1.0"
 
+_LAZY_MODULES = ("benchmarks", "cli", "compat", "experiments", "models", "testing")
 
-def build_info() -> dict:
-    """How the compiled extension was built.
 
-    Returns a dict with ``torch_version`` (the torch it was compiled against), ``cuda`` (whether
-    the CUDA kernels are built), ``cuda_version`` and ``cuda_architectures`` (CMake's list).
-    """
-    return dict(_BUILD_INFO)
+def __getattr__(name: str):
+    """``pk.experiments`` and the other application modules, imported on first use."""
+    if name in _LAZY_MODULES:
+        module = importlib.import_module(f"pathkernels.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'pathkernels' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_MODULES))
 
 
 __all__ = [

@@ -21,13 +21,33 @@ def check_build_info(info: dict, torch_version: str = torch.__version__) -> dict
     return info
 
 
+_BUILD_INFO: dict | None = None
+
+
 def load() -> dict:
-    """Import ``pathkernels._C`` (which registers ``torch.ops.pathkernels``) and check it."""
-    try:
-        from pathkernels import _C
-    except ImportError as error:
-        raise ImportError(
-            f"pathkernels: the compiled extension pathkernels._C could not be loaded ({error}). "
-            f"{REBUILD_HINT}"
-        ) from error
-    return check_build_info(dict(_C.build_info()))
+    """Import ``pathkernels._C`` (which registers ``torch.ops.pathkernels``) and check it, once."""
+    global _BUILD_INFO
+    if _BUILD_INFO is None:
+        try:
+            from pathkernels import _C
+        except ImportError as error:
+            raise ImportError(
+                f"pathkernels: the compiled extension pathkernels._C could not be loaded ({error}). "
+                f"{REBUILD_HINT}"
+            ) from error
+        _BUILD_INFO = check_build_info(dict(_C.build_info()))
+    return _BUILD_INFO
+
+
+def build_info() -> dict:
+    """How the compiled extension was built.
+
+    Returns a dict with ``torch_version`` (the torch it was compiled against), ``cuda`` (whether
+    the CUDA kernels are built), ``cuda_version`` and ``cuda_architectures`` (CMake's list).
+    """
+    return dict(load())
+
+
+def has_cuda_kernels() -> bool:
+    """Whether the CUDA kernels are built (not whether a GPU is present)."""
+    return bool(load()["cuda"])

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from pathkernels import distributed, masking
+from pathkernels._extension import has_cuda_kernels
 from pathkernels._progress import progress_bar
 from pathkernels.paths import SKIP, PathTree, build_trie_chunk
 
@@ -228,9 +229,7 @@ def _check_tree(tree, net: _Network, where: str) -> None:
 def _check_engine_device(device: torch.device, where: str) -> None:
     if device.type != "cuda":
         return
-    import pathkernels
-
-    if not pathkernels.build_info()["cuda"]:
+    if not has_cuda_kernels():
         raise ValueError(
             f"{where}: the inputs are on {device}, but pathkernels was built without its CUDA kernels; "
             "rebuild it against a CUDA torch (PATHKERNELS_CUDA=ON) or move the inputs to CPU"

@@ -20,10 +20,10 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
 
 def devices() -> list[str]:
     """The devices this machine can test: CPU, plus CUDA when a GPU and CUDA kernels exist."""
-    import pathkernels
+    from pathkernels._extension import has_cuda_kernels
 
     found = ["cpu"]
-    if torch.cuda.is_available() and pathkernels.build_info()["cuda"]:
+    if torch.cuda.is_available() and has_cuda_kernels():
         found.append("cuda")
     return found
 

@@ -34,5 +34,19 @@ def test_missing_binary_says_how_to_rebuild(monkeypatch):
 
     monkeypatch.delattr(pathkernels, "_C")
     monkeypatch.setitem(sys.modules, "pathkernels._C", None)
+    monkeypatch.setattr(_extension, "_BUILD_INFO", None)  # load() checks the binary once, then remembers
     with pytest.raises(ImportError, match=r"pathkernels\._C could not be loaded .* Rebuild pathkernels"):
         _extension.load()
+
+
+def test_import_leaves_the_application_modules_unloaded():
+    """import pathkernels loads the library core only: no pandas, matplotlib or experiments."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pathkernels; print(sorted(m for m in ('pandas', 'matplotlib', 'pathkernels.experiments', "
+            "'pathkernels.models', 'pathkernels.benchmarks', 'pathkernels.compat', 'pathkernels.cli') "
+            "if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
+    assert pk.experiments.__name__ == "pathkernels.experiments"  # on first use
