@@ -25,7 +25,6 @@ import torch
 from bench_paths import best_time, gemm_rate  # bench/ is on sys.path for a script
 
 import pathkernels as pk
-from pathkernels import engine
 from pathkernels.benchmarks import head_node_flops, levelwise_baseline
 from pathkernels.testing import random_attention
 
@@ -65,8 +64,7 @@ def engine_case(layers: int, heads: int, n: int, skip: bool, floor: float) -> di
     pk.path_residuals(attn[:1], pk.PathTree.complete(1, heads, skip=skip))  # warm-up
 
     def unfused():
-        with engine._leaf_kernel(fused=False):
-            return pk.path_residuals(attn, tree)
+        return pk.path_residuals(attn, tree, leaf_kernel="gemm")
 
     row = {"layers": layers, "heads": heads, "n": n, "skip": skip, "paths": paths}
     for name, fn in [("fused", lambda: pk.path_residuals(attn, tree)), ("unfused", unfused),

@@ -6,7 +6,6 @@ column count that is not a multiple of the block, non-contiguous inputs, ties an
 import torch
 
 import pathkernels as pk
-from pathkernels import engine
 
 assert torch.cuda.is_available() and pk.build_info()["cuda"], "needs a GPU and pathkernels built with CUDA"
 shapes = [(1, 1), (1, 7), (5, 1), (3, 33, 130), (2, 129, 65), (0, 4, 4), (4, 2, 0)]
@@ -35,9 +34,10 @@ trees = [
 for tree in trees:
     for dtype in (torch.float32, torch.float64):
         for fused in (True, False):  # the fused leaf kernel, and cuBLAS + the reduction kernels
-            with engine._leaf_kernel(fused=fused):
-                pk.path_residuals(attn.to(dtype), tree, memory_budget=1 << 16)
-                pk.path_residuals(attn.to(dtype), tree, x=x.to(dtype), w_v=w_v.to(dtype), w_o=w_o.to(dtype))
+            kernel = "fused" if fused else "gemm"
+            pk.path_residuals(attn.to(dtype), tree, memory_budget=1 << 16, leaf_kernel=kernel)
+            pk.path_residuals(attn.to(dtype), tree, x=x.to(dtype), w_v=w_v.to(dtype), w_o=w_o.to(dtype),
+                              leaf_kernel=kernel)
 torch.cuda.synchronize()
 print("path engine cases ran")
 

@@ -18,15 +18,11 @@ _load()
 
 from pathkernels import adapters, distributed, metrics, nn  # noqa: E402
 from pathkernels.decompose import PathDecomposition, decompose  # noqa: E402
-from pathkernels.engine import (  # noqa: E402
-    DEFAULT_MEMORY_BUDGET,
-    PathResiduals,
-    length_sums,
-    path_residuals,
-    truncated_output,
-)
+from pathkernels.engine import PathResiduals, path_residuals  # noqa: E402
+from pathkernels.length_sums import length_sums, truncated_output  # noqa: E402
 from pathkernels.ops import MatrixNorms, composite_norm, matrix_norms, residual_norm  # noqa: E402
 from pathkernels.paths import PathTree, count_by_length, count_paths, sample_paths  # noqa: E402
+from pathkernels.planner import DEFAULT_MEMORY_BUDGET  # noqa: E402
 from pathkernels.rollout import rollout  # noqa: E402
 
 __version__ = "0.1.0"

@@ -7,13 +7,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from pathkernels.engine import DEFAULT_MEMORY_BUDGET, PathResiduals, path_residuals, unpack_stack
+from pathkernels.checks import unpack_stack
+from pathkernels.engine import PathResiduals, path_residuals
 from pathkernels.paths import (
     MAX_ENUMERATED_PATHS,
     PathTree,
     count_by_length,
     sample_paths,
 )
+from pathkernels.planner import DEFAULT_MEMORY_BUDGET
 
 _MAX_SCATTER = 20_000  # points drawn by PathDecomposition.plot
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from pathkernels._progress import progress_bar
 from pathkernels.decompose import _require, decompose
-from pathkernels.engine import truncated_output
+from pathkernels.length_sums import truncated_output
 from pathkernels.metrics import residual_ratio
 from pathkernels.models import VARIANTS, SelfAttentionNetwork
 from pathkernels.paths import count_by_length

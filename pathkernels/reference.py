@@ -64,3 +64,39 @@ def attention_network_ref(attn: Tensor, x: Tensor, w_v: Tensor, w_o: Tensor, b_o
             heads = heads + b_o[layer]
         x = x + heads if skip else heads
     return x
+
+
+def trie_products_ref(attn: Tensor, tree, x: Tensor | None = None, w_v: Tensor | None = None,
+                      w_o: Tensor | None = None) -> Tensor:
+    """Every path's product by the path tree's trie, materialised level by level in plain PyTorch.
+
+    attn ``[B, L, H, n, n]``, a :class:`~pathkernels.PathTree`, optional x ``[B, n, d]``, w_v, w_o ->
+    ``[B, M, n, n]`` (or ``[B, M, n, d]``) in the tree's result order: what
+    ``path_residuals(..., materialize=True)`` returns, and a second evaluator beside the per-path
+    loop :func:`path_products_ref`.
+    """
+    from pathkernels.paths import SKIP, build_trie_chunk
+
+    chunk = build_trie_chunk(tree.leaf_range(0, tree.num_leaves))
+    batch, n = attn.shape[0], attn.shape[-1]
+    device = attn.device
+    if x is None:
+        level = torch.eye(n, dtype=attn.dtype, device=device).expand(batch, 1, n, n)
+    else:
+        level = x.unsqueeze(1)  # [B, 1, n, d]
+    for layer, (parents, heads) in enumerate(zip(chunk.parents, chunk.heads)):
+        parents, heads = parents.to(device), heads.to(device)
+        nodes = level[:, parents]  # [B, N, n, m]
+        out = nodes.clone()
+        for head in heads.unique().tolist():
+            if head == SKIP:
+                continue
+            sel = heads == head
+            product = attn[:, layer, head].unsqueeze(1) @ nodes[:, sel]
+            if x is not None:
+                product = product @ w_v[layer, head] @ w_o[layer, head]
+            out[:, sel] = product
+        level = out
+    leaves = level[:, chunk.leaf_position.to(device)]
+    leaf_of_path = tree.leaf_of_path()
+    return leaves if leaf_of_path is None else leaves[:, leaf_of_path.to(device)]

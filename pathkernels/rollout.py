@@ -5,7 +5,7 @@ import torch
 from torch import Tensor
 
 from pathkernels import masking
-from pathkernels.engine import unpack_stack
+from pathkernels.checks import unpack_stack
 
 _FUSIONS = ("mean", "max", "min")
 

@@ -78,13 +78,13 @@ def test_tiny_memory_budget_gives_the_same_results_in_many_chunks(device):
 
 
 def test_chunks_cover_a_range_with_whole_subtrees_between_built_ends():
-    from pathkernels import engine
+    from pathkernels import checks, engine, planner
 
     attn = random_attention(1, 6, 3, 8, 8, dtype=torch.float64)
     tree = pk.PathTree.complete(6, 3, skip=True)  # 4^6 leaves
-    net = engine._check_network(attn, None, None, None, "test")
+    net = checks.check_network(attn, None, None, None, "test")
     first, last = 37, 3001
-    chunks = list(engine._chunks(tree, net, 1 << 20, first, last))
+    chunks = list(planner.chunks(tree, net, 1 << 20, first, last))
     assert chunks[0][0] == first and chunks[-1][1] == last
     assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
     sizes = [stop - start for start, stop, _, _ in chunks]
@@ -94,7 +94,7 @@ def test_chunks_cover_a_range_with_whole_subtrees_between_built_ends():
         assert chunk.leaf_position.numel() == stop - start
     # The engine over such a range equals the whole tree's results there.
     full = pk.path_residuals(attn, tree)
-    residual, norm = engine._leaf_norms(net, tree, first, last, 1 << 20, None)
+    residual, norm = engine.leaf_norms(net, tree, first, last, 1 << 20)
     torch.testing.assert_close(residual[0], full.residual[0, first:last], rtol=1e-13, atol=0)
     torch.testing.assert_close(norm[0], full.norm[0, first:last], rtol=1e-13, atol=0)
 
@@ -255,11 +255,12 @@ def test_bad_input(call, error, message):
 
 
 def test_the_minimum_budget_is_exact_and_small_budgets_warn():
-    from pathkernels.engine import _check_network, minimum_budget
+    from pathkernels.checks import check_network
+    from pathkernels.planner import minimum_budget
 
     attn = network(1, 3, 2, 8)[0]
     tree = pk.PathTree.complete(3, 2, skip=True)
-    minimum = minimum_budget(_check_network(attn, None, None, None, "test"))
+    minimum = minimum_budget(check_network(attn, None, None, None, "test"))
     with pytest.raises(ValueError, match=f"needs at least {minimum:,} bytes"):
         pk.path_residuals(attn, tree, memory_budget=minimum - 1)
     with pytest.warns(RuntimeWarning, match=r"allows chunks of at most \d+ leaves .* a few hundred times slower"):
@@ -295,13 +296,14 @@ def test_inputs_that_require_grad_give_results_without_gradient():
 # --- the op itself -----------------------------------------------------------------------------
 
 def test_fixed_size_calls_compile():
-    from pathkernels.engine import _check_network, _engine_operands
+    from pathkernels.checks import check_network
+    from pathkernels.engine import engine_operands
     from pathkernels.paths import build_trie_chunk
 
     attn = network(1, 3, 2, 5)[0]
     tree = pk.PathTree.complete(3, 2, skip=True)
     chunk = build_trie_chunk(tree.paths())
-    operands = _engine_operands(_check_network(attn, None, None, None, "test"))
+    operands = engine_operands(check_network(attn, None, None, None, "test"))
 
     def ratio(attn_c, attn_mean, root, root_mean):
         residual, norm = torch.ops.pathkernels.path_chunk_norms(
@@ -316,12 +318,13 @@ def test_fixed_size_calls_compile():
 
 def _op_operands(device):
     """Valid operands of path_chunk_norms for a 3-layer, 2-head complete tree with skip."""
-    from pathkernels.engine import _check_network, _engine_operands
+    from pathkernels.checks import check_network
+    from pathkernels.engine import engine_operands
     from pathkernels.paths import build_trie_chunk
 
     attn = network(1, 3, 2, 5)[0].to(device)
     chunk = build_trie_chunk(pk.PathTree.complete(3, 2, skip=True).paths())
-    attn_c, attn_mean, root, root_mean = _engine_operands(_check_network(attn, None, None, None, "test"))
+    attn_c, attn_mean, root, root_mean = engine_operands(check_network(attn, None, None, None, "test"))
     return {"attn_centred": attn_c, "attn_mean": attn_mean, "root": root, "root_mean": root_mean, "w_v": None,
             "w_o": None, "parents": list(chunk.parents), "heads": list(chunk.heads), "leaf_block": 4}
 

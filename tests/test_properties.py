@@ -14,7 +14,8 @@ from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import pathkernels as pk  # noqa: E402
-from pathkernels.engine import minimum_budget  # noqa: E402
+from pathkernels.checks import check_network  # noqa: E402
+from pathkernels.planner import minimum_budget  # noqa: E402
 from pathkernels.reference import (  # noqa: E402
     attention_network_ref,
     composite_norm_ref,
@@ -112,9 +113,7 @@ def test_path_residuals_match_the_per_path_float64_loop(data, network):
     layers, heads = attn.shape[1], attn.shape[2]
     tree = data.draw(trees(layers, heads))
     x, w_v, w_o = outputs if outputs is not None else (None, None, None)
-    from pathkernels.engine import _check_network
-
-    minimum = minimum_budget(_check_network(attn, x, w_v, w_o, "test"))
+    minimum = minimum_budget(check_network(attn, x, w_v, w_o, "test"))
     budget = data.draw(st.sampled_from([minimum, 4 * minimum, 1 << 20, 1 << 30]))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # small budgets warn that they are slow

@@ -7,14 +7,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from pathkernels.engine import (
-    PathResiduals,
-    check_row_stochastic,
-    length_sums,
-    path_residuals,
-    restricted_attention,
-)
 from pathkernels import masking
+from pathkernels.checks import check_row_stochastic, restricted_attention
+from pathkernels.engine import PathResiduals, path_residuals
+from pathkernels.length_sums import length_sums
 from pathkernels.paths import SKIP, PathTree
 
 

@@ -1,0 +1,198 @@
+"""Input checks shared by the engine, length sums and the adapters.
+
+Every message names the function called, the argument, what was expected and what was got.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pathkernels import masking
+from pathkernels._extension import has_cuda_kernels
+from pathkernels.paths import PathTree
+
+# Largest |row sum − 1| accepted as row-stochastic, by the attention's dtype. Beyond it the
+# centring identity the engine relies on does not hold, and the inputs are refused.
+ROW_SUM_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}
+
+
+@dataclass
+class Network:
+    """Checked, batched inputs of a path decomposition (attention products when x is None)."""
+
+    attn: Tensor  # [B, L, H, n, n]
+    x: Tensor | None  # [B, n, d]
+    w_v: Tensor | None  # [L, H, d, d_head]
+    w_o: Tensor | None  # [L, H, d_head, d]
+    batched: bool
+
+    @property
+    def width(self) -> int:
+        return self.attn.shape[-1] if self.x is None else self.x.shape[-1]
+
+
+def format_bytes(count: int) -> str:
+    """``count`` bytes for a message: "512 bytes", "24.0 KiB", "3.50 GiB"."""
+    if count < 1024:
+        return f"{count:,} bytes"
+    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.2f} {unit} ({count:,} bytes)"
+    raise AssertionError
+
+
+def first_index(mask: Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in torch.nonzero(mask)[0])
+
+
+def check_finite(t: Tensor, name: str, where: str) -> None:
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        index = first_index(bad)
+        raise ValueError(f"{where}: {name} has a non-finite value ({t[index].item()}) at index {list(index)}")
+
+
+def check_row_stochastic(attn: Tensor, where: str, *, batch_index: Tensor | None = None) -> None:
+    """Raise unless every row of ``attn [B, L, H, n, n]`` sums to 1 within its dtype's tolerance.
+
+    ``batch_index [B]``: for attention restricted to one mask group's real tokens, the elements'
+    indices in the full batch (named in the message)."""
+    row_sums = attn.sum(-1, dtype=torch.float64)
+    deviation = (row_sums - 1).abs()
+    bad = deviation > ROW_SUM_TOLERANCE.get(attn.dtype, 1e-2)
+    if bool(bad.any()):
+        b, l, h, i = first_index(bad)
+        error = deviation.max().item()
+        if batch_index is not None:
+            hint = ("Restricted to the real tokens of token_mask, a real query's row must still sum to 1: its "
+                    "attention must give padded keys zero weight (pass the model the same attention_mask).")
+            element = f"real token {i} of batch element {int(batch_index[b])}"
+        else:
+            hint = (
+                "A lower-precision pattern cast up sums to 1 only to its own precision: renormalise the rows "
+                "(attn / attn.sum(-1, keepdim=True)) after the cast, as AttentionStack.to() does."
+                if error < 1e-3 else
+                "Masked or padded queries give zero rows and dropout in training mode rescales them: pass "
+                "token_mask (the attention_mask) for a padded batch, or drop those tokens, and take attention "
+                "in eval mode."
+            )
+            element = f"row {i} of batch element {b}"
+        raise ValueError(
+            f"{where}: attention rows must sum to 1 (the centring identity needs P·1 = 1), but {element}, layer "
+            f"{l}, head {h} sums to {row_sums[b, l, h, i].item():.9g}. {hint}"
+        )
+
+
+def restricted_attention(attn: Tensor, group: masking.MaskGroup, where: str) -> Tensor:
+    """``attn [B, L, H, n, n]`` at one mask group's elements and real tokens, checked row-stochastic."""
+    restricted = masking.restrict(attn, group, token_dims=(-2, -1))
+    check_row_stochastic(restricted, where, batch_index=group.batch)
+    return restricted
+
+
+def check_network(attn, x, w_v, w_o, where: str) -> Network:
+    """Validate and batch the inputs; every message names the argument, the expected and the got."""
+    if not isinstance(attn, Tensor):
+        raise TypeError(f"{where}: expected attn to be a torch.Tensor, got {type(attn).__name__}")
+    if attn.dim() not in (4, 5):
+        raise ValueError(f"{where}: expected attn of shape [B, L, H, n, n] or [L, H, n, n], got {list(attn.shape)}")
+    if attn.dtype not in ROW_SUM_TOLERANCE:
+        raise TypeError(f"{where}: expected attn to be float32 or float64, got {attn.dtype}")
+    if attn.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{where}: expected attn on a CPU or CUDA device, got {attn.device}")
+    batched = attn.dim() == 5
+    attn = attn if batched else attn.unsqueeze(0)
+    batch, layers, heads, n, n2 = attn.shape
+    if n != n2 or n == 0:
+        raise ValueError(f"{where}: expected square attention matrices [.., n, n] with n >= 1, got {list(attn.shape)}")
+    if batch == 0 or layers == 0 or heads == 0:
+        raise ValueError(f"{where}: expected non-empty B, L and H in attn, got {list(attn.shape)}")
+    if (x is None) != (w_v is None) or (w_v is None) != (w_o is None):
+        raise ValueError(f"{where}: pass x, w_v and w_o together (path outputs) or none of them (attention products)")
+    tensors = {"attn": attn}
+    if x is not None:
+        for name, t in (("x", x), ("w_v", w_v), ("w_o", w_o)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{where}: expected {name} to be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != attn.dtype:
+                raise TypeError(f"{where}: expected {name} in attn's dtype {attn.dtype}, got {t.dtype}")
+        given = list(x.shape)
+        expected = f"[B, n, d] = [{batch}, {n}, d]" if batched else f"[n, d] = [{n}, d] (attn has no batch dim)"
+        if x.dim() != (3 if batched else 2):
+            raise ValueError(f"{where}: expected x of shape {expected}, got {given}")
+        x = x if batched else x.unsqueeze(0)
+        if x.shape[:2] != (batch, n):
+            raise ValueError(f"{where}: expected x of shape {expected}, got {given}")
+        d = x.shape[2]
+        if d == 0:
+            raise ValueError(f"{where}: expected x with at least one column (d >= 1), got {given}")
+        if w_v.dim() != 4 or w_v.shape[:3] != (layers, heads, d):
+            raise ValueError(
+                f"{where}: expected w_v of shape [L, H, d, d_head] = [{layers}, {heads}, {d}, d_head], "
+                f"got {list(w_v.shape)}"
+            )
+        if w_o.shape != (layers, heads, w_v.shape[3], d):
+            raise ValueError(
+                f"{where}: expected w_o of shape [L, H, d_head, d] = {[layers, heads, w_v.shape[3], d]}, "
+                f"got {list(w_o.shape)}"
+            )
+        tensors.update(x=x, w_v=w_v, w_o=w_o)
+    for name, t in tensors.items():
+        if t.device != attn.device:
+            raise ValueError(f"{where}: expected {name} on attn's device {attn.device}, got {t.device}")
+        check_finite(t, name, where)
+    check_row_stochastic(attn, where)
+    return Network(attn, x, w_v, w_o, batched)
+
+
+def check_tree(tree, net: Network, where: str) -> None:
+    if not isinstance(tree, PathTree):
+        raise TypeError(f"{where}: expected tree to be a pathkernels.PathTree, got {type(tree).__name__}")
+    layers, heads = net.attn.shape[1:3]
+    if tree.num_layers != layers or tree.num_heads > heads or (tree.is_complete and tree.num_heads != heads):
+        raise ValueError(
+            f"{where}: the tree has {tree.num_layers} layers and {tree.num_heads} heads, attn has "
+            f"L = {layers} and H = {heads}"
+        )
+
+
+def check_engine_device(device: torch.device, where: str) -> None:
+    if device.type != "cuda":
+        return
+    if not has_cuda_kernels():
+        raise ValueError(
+            f"{where}: the inputs are on {device}, but pathkernels was built without its CUDA kernels; "
+            "rebuild it against a CUDA torch (PATHKERNELS_CUDA=ON) or move the inputs to CPU"
+        )
+
+
+def check_bias(b_o, net: Network, where: str) -> None:
+    if not isinstance(b_o, Tensor):
+        raise TypeError(f"{where}: expected b_o to be a torch.Tensor [L, d], got {type(b_o).__name__}")
+    layers, d = net.attn.shape[1], net.x.shape[-1]
+    if b_o.shape != (layers, d):
+        raise ValueError(f"{where}: expected b_o of shape [L, d] = [{layers}, {d}], got {list(b_o.shape)}")
+    if b_o.dtype != net.attn.dtype or b_o.device != net.attn.device:
+        raise TypeError(
+            f"{where}: expected b_o in attn's dtype {net.attn.dtype} on {net.attn.device}, got {b_o.dtype} on "
+            f"{b_o.device}"
+        )
+    check_finite(b_o, "b_o", where)
+
+
+def unpack_stack(attn, x, w_v, w_o, token_mask):
+    """``(attn, x, w_v, w_o, token_mask)``, filled from an AttentionStack passed as ``attn``.
+
+    The stack's ``w_v``/``w_o`` come in only with an ``x`` (path outputs); its ``token_mask`` is the
+    default mask. Anything else passes through unchanged."""
+    from pathkernels.adapters.stack import AttentionStack
+
+    if not isinstance(attn, AttentionStack):
+        return attn, x, w_v, w_o, token_mask
+    stack = attn
+    if x is not None:
+        w_v = stack.w_v if w_v is None else w_v
+        w_o = stack.w_o if w_o is None else w_o
+    return stack.attn, x, w_v, w_o, stack.token_mask if token_mask is None else token_mask

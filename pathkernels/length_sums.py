@@ -1,0 +1,96 @@
+"""Exact sums of the path outputs of each length, by dynamic programming over layers (no
+enumeration), and the truncated outputs they give."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from pathkernels import masking
+from pathkernels.checks import check_bias, check_network, restricted_attention
+
+
+def length_sums(attn: Tensor, x: Tensor, w_v: Tensor, w_o: Tensor, *, b_o: Tensor | None = None,
+                skip: bool = True, token_mask: Tensor | None = None) -> Tensor:
+    """Exact sum of the path outputs of each length, by dynamic programming over layers.
+
+    ``S_k^(l) = [skip] S_k^(l-1) + Σ_h A[l, h] S_{k-1}^(l-1) W_V[l, h] W_O[l, h] + [k = 1] 1 b_O[l]ᵀ``
+    with ``S_0^(0) = X``: ``S_k^(L) = Σ_{p : len(p) = k} Y_p``. It costs ``O(L² H)`` matrix products
+    and enumerates nothing, so it works when ``(H+1)^L`` is astronomically large.
+
+    With ``b_o``, the output bias of each layer is a path of its own: ``1 b_O[l]ᵀ`` enters at layer
+    l as the layer's output and is carried through the later layers like any other path (a head
+    maps it to ``A 1 b_Oᵀ W = 1 (b_Oᵀ W)``, since A is row-stochastic). Its length counts layer l
+    and every head taken after it. With skip, ``Σ_k S_k`` is then the output of the attention-only
+    network ``X_l = X_{l-1} + Σ_h A X_{l-1} W + 1 b_O[l]ᵀ``; without ``b_o`` that of the same
+    network with zero biases. A bias path is a matrix of equal rows, so its residual
+    ``‖Y − 1μᵀ‖`` is exactly 0: biases shift the tokens, they never spread them apart.
+
+    The result is differentiable in every input (plain torch operations).
+
+    Args:
+        attn: ``[B, L, H, n, n]`` (or ``[L, H, n, n]``), row-stochastic, float32 or float64.
+        x: ``[B, n, d]`` (or ``[n, d]``); ``w_v``: ``[L, H, d, d_head]``; ``w_o``: ``[L, H, d_head, d]``.
+        b_o: ``[L, d]`` output biases with the value biases folded in (``AttentionStack.b_o``), or
+            None to leave the bias paths out.
+        skip: whether the network has skip connections.
+        token_mask: ``[B, n]`` (``[n]`` unbatched), True at real tokens: each batch element is
+            computed on its real tokens only, and its padded rows are 0.
+
+    Returns:
+        ``[L+1, B, n, d]`` (``[L+1, n, d]`` unbatched): index k holds the sum over paths of length k.
+        Without skip and biases only ``k = L`` is non-zero.
+    """
+    where = "pathkernels.length_sums"
+    for name, t in (("x", x), ("w_v", w_v), ("w_o", w_o)):
+        if t is None:
+            raise ValueError(f"{where}: expected {name}; length sums are sums of path outputs P X W")
+    if token_mask is not None:
+        return _masked_length_sums(attn, x, w_v, w_o, b_o, skip, token_mask, where)
+    net = check_network(attn, x, w_v, w_o, where)
+    layers = net.attn.shape[1]
+    if b_o is not None:
+        check_bias(b_o, net, where)
+    zero = torch.zeros_like(net.x)
+    sums = [net.x] + [zero] * layers  # S_0 .. S_L, each [B, n, d]; out of place, so autograd can follow
+    for layer in range(layers):
+        attn_l = net.attn[:, layer]  # [B, H, n, n]
+        top = layer + 1  # lengths 0..layer can feed a head at this layer
+        mixed = torch.einsum("bhij,kbjd->kbhid", attn_l, torch.stack(sums[:top]))  # [k, B, H, n, d]
+        heads_out = torch.einsum("kbhid,hde,hef->kbif", mixed, net.w_v[layer], net.w_o[layer])
+        carried = sums if skip else [zero] * (layers + 1)
+        sums = carried[:1] + [carried[k] + heads_out[k - 1] for k in range(1, top + 1)] + carried[top + 1 :]
+        if b_o is not None:
+            sums[1] = sums[1] + b_o[layer]  # broadcast over the batch and the n rows: 1 b_O[l]ᵀ
+    sums = torch.stack(sums)  # [L+1, B, n, d]
+    return sums if net.batched else sums[:, 0]
+
+
+def _masked_length_sums(attn, x, w_v, w_o, b_o, skip: bool, token_mask, where: str) -> Tensor:
+    """length_sums of each batch element on its real tokens, zeros on its padded rows."""
+    shapes_ok = (isinstance(attn, Tensor) and attn.dim() in (4, 5) and isinstance(x, Tensor)
+                 and x.dim() == attn.dim() - 2 and x.shape[:-1] == attn.shape[:-4] + attn.shape[-1:])
+    if not shapes_ok:  # the plain checks name what is wrong
+        check_network(attn, x, w_v, w_o, where)
+        raise ValueError(f"{where}: expected attn [B, L, H, n, n] with x [B, n, d], got {list(attn.shape)} and "
+                         f"{list(x.shape)}")
+    batched = attn.dim() == 5
+    if not batched:
+        attn, x = attn.unsqueeze(0), x.unsqueeze(0)
+        token_mask = token_mask.unsqueeze(0) if isinstance(token_mask, Tensor) else token_mask
+    mask = masking.check_token_mask(token_mask, attn.shape[0], attn.shape[-1], attn.device, where)
+    if mask is None:
+        sums = length_sums(attn, x, w_v, w_o, b_o=b_o, skip=skip)
+    else:
+        sums = x.new_zeros(attn.shape[1] + 1, *x.shape)
+        for group in masking.mask_groups(mask):
+            part = length_sums(restricted_attention(attn, group, where), masking.restrict(x, group),
+                               w_v, w_o, b_o=b_o, skip=skip)  # [L+1, G, n_real, d]
+            sums[:, group.batch.unsqueeze(1), group.tokens] = part
+    return sums if batched else sums[:, 0]
+
+
+def truncated_output(sums: Tensor, max_length: int) -> Tensor:
+    """Output of the paths of length ≤ ``max_length``: ``Σ_{k ≤ max_length} S_k`` from :func:`length_sums`."""
+    if not 0 <= max_length:
+        raise ValueError(f"pathkernels.truncated_output: expected max_length >= 0, got {max_length}")
+    return sums[: max_length + 1].sum(0)
