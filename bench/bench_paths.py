@@ -13,65 +13,48 @@ Each case runs in its own process, so that its peak memory is its own. Reported 
     python bench/bench_paths.py --quick               # three small cases
     python bench/bench_paths.py --out bench/results/paths-cpu-dev.json
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import multiprocessing
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from pathkernels.benchmarks import head_node_flops, levelwise_baseline, per_path_loop
+from pathkernels.benchmarks import (
+    format_table,
+    gemm_rate,
+    head_node_flops,
+    peak_rss,
+    reset_peak_rss,
+    seconds_per_call,
+)
+from pathkernels.reference import levelwise_ref, per_path_loop_ref
 
 GRID = [(6, 6, 64), (4, 12, 64), (8, 4, 32), (5, 8, 128)]
 LARGE = (7, 10, 32)  # 10^7 leaves without skip
 QUICK = [(4, 6, 32), (3, 12, 64), (5, 4, 64)]
 LOOP_SAMPLE = 128
-
-
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def best_time(fn, min_runs: int = 3, min_seconds: float = 1.0) -> float:
-    times, start = [], time.perf_counter()
-    while len(times) < min_runs or time.perf_counter() - start < min_seconds:
-        synchronize()
-        t0 = time.perf_counter()
-        fn()
-        synchronize()
-        times.append(time.perf_counter() - t0)
-        if len(times) >= min_runs and times[-1] > min_seconds:
-            break
-    return min(times)
-
-
-def gemm_rate(dtype: torch.dtype, device: str = "cpu") -> float:
-    a = torch.randn(4096, 4096, dtype=dtype, device=device)
-    return 2 * 4096**3 / best_time(lambda: a @ a, min_runs=5)
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def reset_peak() -> int:
-    """Reset the kernel's peak-RSS mark (Linux) and return the current RSS in bytes."""
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-    return _status_kib("VmRSS") * 1024
-
-
-def peak_bytes() -> int:
-    return _status_kib("VmHWM") * 1024
+COLUMNS = [
+    ("L", "layers", ""),
+    ("H", "heads", ""),
+    ("n", "n", ""),
+    ("dtype", "dtype", "<"),
+    ("skip", "skip", "<"),
+    ("paths", "paths", ","),
+    ("engine s", "engine_s", ".3f"),
+    ("paths/s", "paths_per_s", ".3g"),
+    ("GFLOP/s", "gflops", ".1f"),
+    ("of floor", "fraction_of_gemm_floor", ".0%"),
+    ("vs level", "speedup_vs_levelwise", ".1f", "x"),
+    ("vs loop", "speedup_vs_loop", ".0f", "x"),
+    ("peak MiB", "engine_peak_mib", ".1f"),
+    ("results", "results_mib", ".1f"),
+    ("level MiB", "levelwise_peak_mib", ".1f"),
+]
 
 
 def run_case(layers, heads, n, dtype_name, skip, what, device="cpu"):
@@ -85,17 +68,19 @@ def run_case(layers, heads, n, dtype_name, skip, what, device="cpu"):
     tree = pk.PathTree.complete(layers, heads, skip=skip)
     warm = pk.PathTree.complete(1, heads, skip=skip)
     pk.path_residuals(attn[:1], warm)
-    levelwise_baseline(attn[:2], skip)
+    levelwise_ref(attn[:2], skip)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     else:
-        before = reset_peak()
+        before = reset_peak_rss()
     if what == "engine":
-        seconds = best_time(lambda: pk.path_residuals(attn, tree))
+        seconds = seconds_per_call(lambda: pk.path_residuals(attn, tree), device, statistic="min")
     else:
-        seconds = best_time(lambda: levelwise_baseline(attn, skip), min_runs=1, min_seconds=0)
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else peak_bytes()
+        seconds = seconds_per_call(
+            lambda: levelwise_ref(attn, skip), device, min_runs=1, min_seconds=0, statistic="min"
+        )
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else peak_rss()
     return seconds, peak - before
 
 
@@ -114,36 +99,35 @@ def bench_case(layers, heads, n, dtype_name, skip, gemm, with_levelwise=True, de
     flops = head_node_flops(layers, heads, n, skip)
     row = {
         "device": device,
-        "layers": layers, "heads": heads, "n": n, "dtype": dtype_name, "skip": skip, "paths": paths,
-        "engine_s": engine_s, "paths_per_s": paths / engine_s, "gflops": flops / engine_s / 1e9,
-        "fraction_of_gemm_floor": flops / engine_s / gemm[dtype_name], "engine_peak_mib": engine_mem / 2**20,
+        "layers": layers,
+        "heads": heads,
+        "n": n,
+        "dtype": dtype_name,
+        "skip": skip,
+        "paths": paths,
+        "engine_s": engine_s,
+        "paths_per_s": paths / engine_s,
+        "gflops": flops / engine_s / 1e9,
+        "fraction_of_gemm_floor": flops / engine_s / gemm[dtype_name],
+        "engine_peak_mib": engine_mem / 2**20,
         "results_mib": 2 * paths * torch.finfo(dtype).bits / 8 / 2**20,  # residual and norm [1, M]
     }
     if with_levelwise:
         levelwise_s, levelwise_mem = isolated(layers, heads, n, dtype_name, skip, "levelwise", device)
-        row.update(levelwise_s=levelwise_s, speedup_vs_levelwise=levelwise_s / engine_s,
-                   levelwise_peak_mib=levelwise_mem / 2**20)
+        row.update(
+            levelwise_s=levelwise_s,
+            speedup_vs_levelwise=levelwise_s / engine_s,
+            levelwise_peak_mib=levelwise_mem / 2**20,
+        )
     attn = random_attention(layers, heads, n, n, dtype=dtype, device=device)
     sample = pk.sample_paths(layers, heads, min(LOOP_SAMPLE, paths), skip=skip)
-    loop_s = best_time(lambda: per_path_loop(attn, sample), min_runs=1, min_seconds=0) / sample.shape[0] * paths
+    loop_s = (
+        seconds_per_call(lambda: per_path_loop_ref(attn, sample), device, min_runs=1, min_seconds=0, statistic="min")
+        / sample.shape[0]
+        * paths
+    )
     row.update(loop_s_estimated=loop_s, speedup_vs_loop=loop_s / engine_s)
     return row
-
-
-def format_table(rows) -> str:
-    header = (f"{'L':>2} {'H':>3} {'n':>4} {'dtype':<8} {'skip':<5} {'paths':>10} {'engine s':>9} {'paths/s':>9} "
-              f"{'GFLOP/s':>8} {'of floor':>8} {'vs level':>8} {'vs loop':>8} {'peak MiB':>9} {'results':>8} "
-              f"{'level MiB':>9}")
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        lines.append(
-            f"{r['layers']:>2} {r['heads']:>3} {r['n']:>4} {r['dtype']:<8} {r['skip']!s:<5} {r['paths']:>10,} "
-            f"{r['engine_s']:>9.3f} {r['paths_per_s']:>9.3g} {r['gflops']:>8.1f} {r['fraction_of_gemm_floor']:>8.0%} "
-            + (f"{r['speedup_vs_levelwise']:>7.1f}x " if "speedup_vs_levelwise" in r else f"{'—':>8} ")
-            + f"{r['speedup_vs_loop']:>7.0f}x {r['engine_peak_mib']:>9.1f} {r['results_mib']:>8.1f} "
-            + (f"{r['levelwise_peak_mib']:>9.1f}" if "levelwise_peak_mib" in r else f"{'—':>9}")
-        )
-    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -164,7 +148,7 @@ def main(argv=None) -> int:
         for skip in (False, True):
             for layers, heads, n in cases:
                 rows.append(bench_case(layers, heads, n, dtype_name, skip, gemm, device=device))
-                print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+                print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
     if not args.quick:
         rows.append(bench_case(*LARGE, "float32", False, gemm, with_levelwise=False, device=device))
     # The floor is the best rate seen in the run.
@@ -173,13 +157,21 @@ def main(argv=None) -> int:
     for r in rows:
         r["fraction_of_gemm_floor"] = r["gflops"] * 1e9 / gemm[r["dtype"]]
     machine = torch.cuda.get_device_name() if device == "cuda" else f"CPU {torch.get_num_threads()} threads"
-    print(f"pathkernels {pk.__version__} path engine, {machine}, torch {torch.__version__}; "
-          f"GEMM floor float32 {gemm['float32'] / 1e9:.1f} GFLOP/s, float64 {gemm['float64'] / 1e9:.1f} GFLOP/s")
-    print(format_table(rows))
+    print(
+        f"pathkernels {pk.__version__} path engine, {machine}, torch {torch.__version__}; "
+        f"GEMM floor float32 {gemm['float32'] / 1e9:.1f} GFLOP/s, float64 {gemm['float64'] / 1e9:.1f} GFLOP/s"
+    )
+    print(format_table(rows, COLUMNS))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"machine": machine, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                   "build": pk.build_info(), "gemm_gflops": {k: v / 1e9 for k, v in gemm.items()}, "results": rows}
+        payload = {
+            "machine": machine,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "build": pk.build_info(),
+            "gemm_gflops": {k: v / 1e9 for k, v in gemm.items()},
+            "results": rows,
+        }
         args.out.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {args.out}")
     return 0

@@ -3,15 +3,17 @@
 The norm benchmarks compare a fused op with its pure-PyTorch reference (pathkernels.reference) on
 the same inputs, and relate the achieved bandwidth to the copy bandwidth measured in the same run.
 The path benchmarks compare the engine with (b) the best pure-PyTorch level-wise implementation
-and (a) the per-path loop (docs/DESIGN.md §5).
+and (a) the per-path loop (docs/DESIGN.md §5), both in :mod:`pathkernels.reference`. One timer
+(:func:`seconds_per_call`) and one table formatter (:func:`format_table`) serve every script.
 """
 from __future__ import annotations
 
 import platform
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
-from torch.utils.benchmark import Timer
 
 from pathkernels import ops, reference
 from pathkernels.testing import random_matrices
@@ -20,17 +22,78 @@ NORM_CASES = [(4096, 64, 64), (256, 512, 512), (64, 128, 768), (256, 128, 768)]
 QUICK_NORM_CASES = [(1024, 64, 64), (32, 256, 256)]
 
 
-def median_seconds(fn: Callable[[], object], device: str, min_run_time: float) -> float:
-    """Median wall time of one call of fn(), waiting for the device to finish each call, with
-    torch's current number of threads (``Timer`` alone would time on one thread)."""
-    wait = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+def seconds_per_call(fn: Callable[[], object], device: str = "cpu", *, min_runs: int = 3, min_seconds: float = 1.0,
+                     statistic: str = "median") -> float:
+    """Wall time of one call of ``fn()``: the median (or the best, ``statistic="min"``) over at
+    least ``min_runs`` calls and ``min_seconds`` of calls, each waited for on the device.
 
-    def call():
+    The one timer of the benchmarks. It runs with torch's current number of threads. A call that
+    alone takes longer than ``min_seconds`` ends the timing once ``min_runs`` calls are done.
+    """
+    if statistic not in ("median", "min"):
+        raise ValueError(f"seconds_per_call: expected statistic 'median' or 'min', got {statistic!r}")
+    wait = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    times: list[float] = []
+    wait()
+    start = time.perf_counter()
+    while len(times) < min_runs or time.perf_counter() - start < min_seconds:
+        t0 = time.perf_counter()
         fn()
         wait()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= min_runs and times[-1] > min_seconds:
+            break
+    if statistic == "min":
+        return min(times)
+    return statistics.median(times)
 
-    timer = Timer(stmt="call()", globals={"call": call}, num_threads=torch.get_num_threads())
-    return timer.blocked_autorange(min_run_time=min_run_time).median
+
+def gemm_rate(dtype: torch.dtype, device: str = "cpu", size: int = 4096) -> float:
+    """FLOP/s of a ``size²`` matmul in this run: the floor the engine's GEMM work is compared with."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    return 2 * size**3 / seconds_per_call(lambda: a @ a, device, min_runs=5, statistic="min")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak_rss() -> int:
+    """Reset the kernel's peak-RSS mark (Linux) and return the current resident set in bytes."""
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss() -> int:
+    """The process's peak resident set since the last :func:`reset_peak_rss`, in bytes (Linux)."""
+    return _status_kib("VmHWM") * 1024
+
+
+def format_table(rows: list[dict], columns: list[tuple]) -> str:
+    """A fixed-width text table: ``columns`` are ``(header, key, format spec[, suffix])``; the
+    spec is applied to ``row[key]`` (then the suffix, e.g. ``"x"``), and a row without the key
+    shows a dash. Columns whose spec starts with ``<`` are flush left. The one formatter of the
+    benchmarks' tables."""
+    columns = [(*column, "")[:4] for column in columns]
+    def cell(value, spec: str, suffix: str) -> str:
+        return (str(value) if isinstance(value, (bool, str)) else format(value, spec)) + suffix
+
+    cells = [[column[0] for column in columns]]
+    for row in rows:
+        cells.append([cell(row[key], spec, suffix) if key in row else "—" for _, key, spec, suffix in columns])
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    left = [spec.startswith("<") for _, _, spec, _ in columns]
+
+    def line(values):
+        return " ".join(v.ljust(w) if flush_left else v.rjust(w) for v, w, flush_left in zip(values, widths, left))
+
+    header = line(cells[0])
+    return "\n".join([header, "-" * len(header)] + [line(values) for values in cells[1:]])
 
 
 def interleaved_seconds(
@@ -45,10 +108,10 @@ def interleaved_seconds(
     per_round = min_run_time / rounds
     fn_s, baseline_s = [], []
     for _ in range(rounds):
-        baseline_s.append(median_seconds(baseline, device, per_round))
-        fn_s.append(median_seconds(fn, device, per_round))
+        baseline_s.append(seconds_per_call(baseline, device, min_seconds=per_round))
+        fn_s.append(seconds_per_call(fn, device, min_seconds=per_round))
     ratios = [b / f for b, f in zip(baseline_s, fn_s)]
-    return tuple(float(torch.tensor(v, dtype=torch.float64).median()) for v in (fn_s, baseline_s, ratios))
+    return tuple(statistics.median(v) for v in (fn_s, baseline_s, ratios))
 
 
 def machine_description(device: str) -> str:
@@ -84,7 +147,7 @@ def norm_benchmark(shape, dtype=torch.float32, device="cpu", min_run_time=1.0) -
     rows = []
     for name, fused, ref in cases:
         fused_s, copy_s, copy_over_fused = interleaved_seconds(fused, copy, device, 2 * min_run_time)
-        ref_s = median_seconds(ref, device, min_run_time)
+        ref_s = seconds_per_call(ref, device, min_seconds=min_run_time)
         bandwidth = bytes_read / fused_s
         copy_bandwidth = 2 * bytes_read / copy_s
         rows.append(
@@ -105,19 +168,13 @@ def norm_benchmark(shape, dtype=torch.float32, device="cpu", min_run_time=1.0) -
     return rows
 
 
+NORM_COLUMNS = [("op", "op", "<"), ("shape", "shape_text", "<"), ("dtype", "dtype", "<"), ("fused ms", "fused_ms", ".3f"),
+                ("torch ms", "reference_ms", ".3f"), ("speed-up", "speedup", ".1f", "x"), ("GB/s", "bandwidth_gbs", ".1f"),
+                ("of copy", "fraction_of_copy", ".0%")]
+
+
 def format_norm_table(rows: list[dict]) -> str:
-    header = (
-        f"{'op':<15} {'shape':<14} {'dtype':<8} {'fused ms':>9} {'torch ms':>9} {'speed-up':>8} "
-        f"{'GB/s':>6} {'of copy':>7}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        shape = "x".join(map(str, r["shape"]))
-        lines.append(
-            f"{r['op']:<15} {shape:<14} {r['dtype']:<8} {r['fused_ms']:>9.3f} {r['reference_ms']:>9.3f} "
-            f"{r['speedup']:>7.1f}x {r['bandwidth_gbs']:>6.1f} {r['fraction_of_copy']:>7.0%}"
-        )
-    return "\n".join(lines)
+    return format_table([{**row, "shape_text": "x".join(map(str, row["shape"]))} for row in rows], NORM_COLUMNS)
 
 
 # --- the path engine against pure PyTorch -------------------------------------------------------
@@ -126,40 +183,6 @@ def head_node_flops(layers: int, heads: int, n: int, skip: bool) -> int:
     """2·n³ per node that takes a head; level l has (H + skip)^(l-1) parents, each with H such children."""
     choices = heads + int(skip)
     return sum(2 * n**3 * choices ** (level - 1) * heads for level in range(1, layers + 1))
-
-
-def composite(m: torch.Tensor) -> torch.Tensor:
-    """``sqrt(max column abs sum · max row abs sum)`` in plain PyTorch."""
-    a = m.abs()
-    return torch.sqrt(a.sum(-2).amax(-1) * a.sum(-1).amax(-1))
-
-
-def levelwise_baseline(attn: torch.Tensor, skip: bool):
-    """(b): every level as stacked GEMMs, materialised, then the norms, per top-level branch."""
-    layers, heads, n = attn.shape[0], attn.shape[1], attn.shape[-1]
-    eye = torch.eye(n, dtype=attn.dtype, device=attn.device)
-    residuals, norms = [], []
-    for first in ([None] if skip else []) + list(range(heads)):
-        level = (eye if first is None else attn[0, first]).unsqueeze(0)
-        for layer in range(1, layers):
-            stacked = torch.matmul(attn[layer].unsqueeze(1), level.unsqueeze(0)).flatten(0, 1)
-            level = torch.cat([level, stacked]) if skip else stacked
-        residuals.append(composite(level - level.mean(-2, keepdim=True)))
-        norms.append(composite(level))
-    return torch.cat(residuals), torch.cat(norms)
-
-
-def per_path_loop(attn: torch.Tensor, paths: torch.Tensor):
-    """(a): one product per path, then its norms."""
-    n = attn.shape[-1]
-    out = []
-    for path in paths.tolist():
-        m = torch.eye(n, dtype=attn.dtype, device=attn.device)
-        for layer, head in enumerate(path):
-            if head >= 0:
-                m = attn[layer, head] @ m
-        out.append((composite(m - m.mean(-2, keepdim=True)), composite(m)))
-    return out
 
 
 QUICK_PATH_CASES = [(4, 6, 32), (3, 12, 64)]
@@ -180,24 +203,22 @@ def path_benchmark(layers: int, heads: int, n: int, *, dtype=torch.float32, skip
     attn = random_attention(layers, heads, n, n, dtype=dtype, device=device, generator=torch.Generator().manual_seed(0))
     tree = PathTree.complete(layers, heads, skip=skip)
     paths = count_paths(layers, heads, skip=skip)
-    engine_s = median_seconds(lambda: path_residuals(attn, tree), device, min_run_time)
-    levelwise_s = median_seconds(lambda: levelwise_baseline(attn, skip), device, min_run_time)
+    engine_s = seconds_per_call(lambda: path_residuals(attn, tree), device, min_seconds=min_run_time)
+    levelwise_s = seconds_per_call(lambda: reference.levelwise_ref(attn, skip), device, min_seconds=min_run_time)
     sample = sample_paths(layers, heads, min(loop_sample, paths), skip=skip)
-    loop_s = median_seconds(lambda: per_path_loop(attn, sample), device, min_run_time) / sample.shape[0] * paths
+    loop_s = seconds_per_call(lambda: reference.per_path_loop_ref(attn, sample), device,
+                              min_seconds=min_run_time) / sample.shape[0] * paths
     return {"layers": layers, "heads": heads, "n": n, "dtype": str(dtype).removeprefix("torch."), "skip": skip,
             "device": device, "paths": paths, "engine_ms": engine_s * 1e3, "levelwise_ms": levelwise_s * 1e3,
             "loop_ms_estimated": loop_s * 1e3, "speedup_vs_levelwise": levelwise_s / engine_s,
             "speedup_vs_loop": loop_s / engine_s, "gflops": head_node_flops(layers, heads, n, skip) / engine_s / 1e9}
 
 
+QUICK_PATH_COLUMNS = [("L", "layers", ""), ("H", "heads", ""), ("n", "n", ""), ("skip", "skip", "<"),
+                      ("paths", "paths", ","), ("engine ms", "engine_ms", ".2f"), ("level ms", "levelwise_ms", ".2f"),
+                      ("loop ms", "loop_ms_estimated", ".1f"), ("vs level", "speedup_vs_levelwise", ".1f", "x"),
+                      ("vs loop", "speedup_vs_loop", ".0f", "x"), ("GFLOP/s", "gflops", ".1f")]
+
+
 def format_path_table(rows: list[dict]) -> str:
-    header = (f"{'L':>2} {'H':>3} {'n':>4} {'skip':<5} {'paths':>9} {'engine ms':>10} {'level ms':>9} "
-              f"{'loop ms':>9} {'vs level':>8} {'vs loop':>8} {'GFLOP/s':>8}")
-    lines = [header, "-" * len(header)]
-    for r in rows:
-        lines.append(
-            f"{r['layers']:>2} {r['heads']:>3} {r['n']:>4} {r['skip']!s:<5} {r['paths']:>9,} {r['engine_ms']:>10.2f} "
-            f"{r['levelwise_ms']:>9.2f} {r['loop_ms_estimated']:>9.1f} {r['speedup_vs_levelwise']:>7.1f}x "
-            f"{r['speedup_vs_loop']:>7.0f}x {r['gflops']:>8.1f}"
-        )
-    return "\n".join(lines)
+    return format_table(rows, QUICK_PATH_COLUMNS)

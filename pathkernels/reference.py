@@ -14,12 +14,15 @@ def residual_ref(x: Tensor) -> Tensor:
 
 
 def matrix_norms_ref(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(‖x‖_1, ‖x‖_∞, ‖x‖_{1,∞})`` by torch.linalg: ``[..., n, m] -> 3 × [...]``."""
+    """``(‖x‖_1, ‖x‖_∞, ‖x‖_{1,∞})`` from the abs sums: ``[..., n, m] -> 3 × [...]``.
+
+    ``‖x‖_1`` is the largest column abs sum, ``‖x‖_∞`` the largest row abs sum (0 for m = 0)."""
     if x.shape[-1] == 0:
         zero = x.new_zeros(x.shape[:-2])
         return zero, zero, zero
-    l1 = torch.linalg.matrix_norm(x, ord=1)
-    linf = torch.linalg.matrix_norm(x, ord=float("inf"))
+    a = x.abs()
+    l1 = a.sum(-2).amax(-1)
+    linf = a.sum(-1).amax(-1)
     return l1, linf, torch.sqrt(l1 * linf)
 
 
@@ -100,3 +103,38 @@ def trie_products_ref(attn: Tensor, tree, x: Tensor | None = None, w_v: Tensor |
     leaves = level[:, chunk.leaf_position.to(device)]
     leaf_of_path = tree.leaf_of_path()
     return leaves if leaf_of_path is None else leaves[:, leaf_of_path.to(device)]
+
+
+def levelwise_ref(attn: Tensor, skip: bool) -> tuple[Tensor, Tensor]:
+    """The best plain-PyTorch evaluation of a complete tree: every level as stacked GEMMs,
+    materialised, then the norms, one top-level branch at a time.
+
+    attn ``[L, H, n, n]`` -> ``(residual, norm)`` of every path of the complete tree (with the skip
+    branch if ``skip``), each ``[M]``, in the engine's order within each branch. The benchmarks'
+    baseline (b).
+    """
+    layers, heads, n = attn.shape[0], attn.shape[1], attn.shape[-1]
+    eye = torch.eye(n, dtype=attn.dtype, device=attn.device)
+    residuals, norms = [], []
+    for first in ([None] if skip else []) + list(range(heads)):
+        level = (eye if first is None else attn[0, first]).unsqueeze(0)
+        for layer in range(1, layers):
+            stacked = torch.matmul(attn[layer].unsqueeze(1), level.unsqueeze(0)).flatten(0, 1)
+            level = torch.cat([level, stacked]) if skip else stacked
+        residuals.append(residual_norm_ref(level))
+        norms.append(composite_norm_ref(level))
+    return torch.cat(residuals), torch.cat(norms)
+
+
+def per_path_loop_ref(attn: Tensor, paths: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """One product per path, then its norms: attn ``[L, H, n, n]``, paths ``[M, L]`` ->
+    ``[(residual, norm)] * M``. The benchmarks' baseline (a), what a user writes first."""
+    n = attn.shape[-1]
+    out = []
+    for path in paths.tolist():
+        m = torch.eye(n, dtype=attn.dtype, device=attn.device)
+        for layer, head in enumerate(path):
+            if head >= 0:
+                m = attn[layer, head] @ m
+        out.append((residual_norm_ref(m), composite_norm_ref(m)))
+    return out
