@@ -14,7 +14,7 @@ import contextlib
 import torch
 from torch import Tensor
 
-from pathkernels import distributed, masking
+from pathkernels import distributed, masking, ops
 from pathkernels._progress import progress_bar
 from pathkernels.checks import (
     Network,
@@ -270,7 +270,7 @@ def leaf_norms(net: Network, tree: PathTree, first: int, last: int, memory_budge
     device_copies: dict[int, tuple[Tensor, Tensor]] = {}
     try:
         for start, stop, chunk, leaf_block in chunks(tree, net, memory_budget, first, last):
-            chunk_residual, chunk_norm = torch.ops.pathkernels.path_chunk_norms(
+            chunk_residual, chunk_norm = ops.path_chunk_norms(
                 attn_centred, attn_mean, root, root_mean, net.w_v, net.w_o, chunk.parents, chunk.heads, leaf_block,
                 fused_leaves,
             )

@@ -12,6 +12,9 @@ from torch import Tensor
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 # Layout of norm_parts' outputs (csrc/common/norm_math.h): parts [..., T, 3] and argmax [..., T, 2].
+# The C++ side is the source; tests/test_norms.py pins these twins to it (the layout through the
+# float64 references, the targets' count through opcheck's fake-versus-real shapes, the op names
+# and the input checks through the errors of the op called directly).
 _L1, _LINF, _COMPOSITE = 0, 1, 2
 _RESIDUAL_TARGET, _PLAIN_TARGET = 0, 1
 
@@ -81,6 +84,31 @@ def _fused_leaf_norms_fake(attn, right, mean):
 
 
 # The autograd formula of norm_parts is registered in C++ (csrc/norms/norms_autograd.cpp).
+
+
+def path_chunk_norms(attn_centred: Tensor, attn_mean: Tensor, root: Tensor, root_mean: Tensor, w_v: Tensor | None,
+                     w_o: Tensor | None, parents: list[Tensor], heads: list[Tensor], leaf_block: int,
+                     fused_leaves: bool = True) -> tuple[Tensor, Tensor]:
+    """One chunk of a path tree, breadth-first: the per-leaf residual and norm (the engine's op).
+
+    With ``C(A) = A − 1aᵀ`` and ``a = 1ᵀA/n``, every node of level l is ``R = C(A[l, h]) R_parent``
+    (times ``W_V[l, h] W_O[l, h]`` with w_v/w_o) and its column mean ``μ = (μ_parent + R_parentᵀ a) W``;
+    a leaf reports ``‖R‖_{1,∞}`` and ``‖1μᵀ + R‖_{1,∞}``.
+
+    Args:
+        attn_centred: ``[B, L, H, n, n]``, C(A); attn_mean: ``[B, L, H, n]``, a.
+        root: ``[B, n, m]``, C(X) (or C(I) for attention products); root_mean: ``[B, m]``.
+        w_v, w_o: ``[L, H, d, d_head]`` and ``[L, H, d_head, d]``, or both None.
+        parents, heads: per level, ``[N_l]`` int64 parent positions in level l − 1 and heads
+            (``-1`` = skip), the nodes sorted by head (:func:`pathkernels.paths.build_trie_chunk`).
+        leaf_block: leaves reduced per block (per CPU thread).
+        fused_leaves: CUDA: reduce leaves of n ≤ 128 in the fused on-chip kernel.
+
+    Returns:
+        ``(residual, norm)``, each ``[B, N_L]`` in the leaves' trie order.
+    """
+    return torch.ops.pathkernels.path_chunk_norms(attn_centred, attn_mean, root, root_mean, w_v, w_o, parents, heads,
+                                                  leaf_block, fused_leaves)
 
 
 def _norm_parts(x: Tensor, centered: bool, with_norm: bool, op: str | None = None) -> Tensor:

@@ -90,12 +90,12 @@ def test_bad_input(device, args, error, message):
 
 def test_bad_dtypes_and_shapes(device):
     attn = torch.randn(4, 4, device=device)
-    with pytest.raises(TypeError, match=r"_fused_leaf_norms: expected right and mean in Float, got Double"):
+    with pytest.raises(TypeError, match=r"_fused_leaf_norms: expected right and mean in torch.float32, got torch.float64"):
         fused_leaf_norms(attn, torch.randn(4, 2, 3, device=device, dtype=torch.float64),
                          torch.randn(2, 3, device=device))
     with pytest.raises(ValueError, match=r"expected mean \[c, m\] = \[2, 3\], got \[3, 2\]"):
         fused_leaf_norms(attn, torch.randn(4, 2, 3, device=device), torch.randn(3, 2, device=device))
-    with pytest.raises(TypeError, match="expected attn to be float32 or float64, got Half"):
+    with pytest.raises(TypeError, match="expected attn to be float32 or float64, got torch.float16"):
         fused_leaf_norms(attn.half(), torch.randn(4, 2, 3, device=device).half(),
                          torch.randn(2, 3, device=device).half())
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pathkernels as pk
+from pathkernels import ops
 from pathkernels.reference import (
     composite_norm_ref,
     matrix_norms_ref,
@@ -211,6 +212,37 @@ def test_opcheck(device, centered, with_norm, targets):
     torch.library.opcheck(
         torch.ops.pathkernels.norm_parts_backward.default, (grad, x.detach(), parts, argmax, centered, with_norm)
     )
+
+
+@pytest.mark.parametrize("centered", [False, True])
+@pytest.mark.parametrize("bad, error", [
+    (torch.zeros(3), ValueError),  # too few dims
+    (torch.zeros(2, 0, 3), ValueError),  # no rows
+    (torch.zeros(2, 3, dtype=torch.long), TypeError),  # not floating point
+])
+def test_python_checks_and_op_names_are_the_ops_own(centered, bad, error):
+    """ops.check_norm_input and ops.norm_op_name repeat csrc/norms/norms.cpp (the fake kernels need
+    them in Python): the op called directly, bypassing Python, raises the same error, word for word."""
+    with pytest.raises(error) as from_cpp:
+        torch.ops.pathkernels.norm_parts(bad, centered, True)
+    with pytest.raises(error) as from_python:
+        ops.check_norm_input(bad, centered)
+    assert str(from_cpp.value).splitlines()[0] == str(from_python.value)
+    assert str(from_python.value).startswith(ops.norm_op_name(centered) + ":")
+
+
+def test_parts_layout_is_the_ops_own(device):
+    """ops' _L1/_LINF/_COMPOSITE and target indices read the op's parts as csrc/common/norm_math.h
+    lays them out: checked against the float64 references, target by target."""
+    x = random_matrices(3, 6, 4, dtype=torch.float64, device=device)
+    parts, argmax = torch.ops.pathkernels.norm_parts(x, True, True)
+    for target, v in ((ops._RESIDUAL_TARGET, x - x.mean(-2, keepdim=True)), (ops._PLAIN_TARGET, x)):
+        l1, linf, composite = matrix_norms_ref(v)
+        torch.testing.assert_close(parts[:, target, ops._L1], l1)
+        torch.testing.assert_close(parts[:, target, ops._LINF], linf)
+        torch.testing.assert_close(parts[:, target, ops._COMPOSITE], composite)
+        torch.testing.assert_close(argmax[:, target, 0], v.abs().sum(-2).argmax(-1))
+        torch.testing.assert_close(argmax[:, target, 1], v.abs().sum(-1).argmax(-1))
 
 
 def test_torch_compile_fullgraph(device):

@@ -10,15 +10,32 @@
 namespace pathkernels {
 
 // Messages are built from strings only: integers through std::to_string, shapes through
-// shape_string. Streaming a number into a message (what TORCH_CHECK does with an int64_t or an
-// IntArrayRef) crashed with SIGSEGV in the extension built by the GPU machines' own GCC 13 (/opt/gcc)
-// against torch 2.11; strings, dtypes and devices streamed fine. "[2, 0, 3]":
+// shape_string, dtypes through dtype_name (docs/DESIGN.md §6 says why). "[2, 0, 3]":
 inline std::string shape_string(at::IntArrayRef sizes) {
   std::string out = "[";
   for (size_t i = 0; i < sizes.size(); ++i) {
     out += (i ? ", " : "") + std::to_string(sizes[i]);
   }
   return out + "]";
+}
+
+// A dtype as Python writes it ("torch.float32"), so that the ops' messages read like the wrappers'.
+inline std::string dtype_name(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kLong: return "torch.int64";
+    case at::kInt: return "torch.int32";
+    case at::kShort: return "torch.int16";
+    case at::kChar: return "torch.int8";
+    case at::kByte: return "torch.uint8";
+    case at::kBool: return "torch.bool";
+    case at::kComplexFloat: return "torch.complex64";
+    case at::kComplexDouble: return "torch.complex128";
+    default: return std::string("torch.") + c10::toString(dtype);
+  }
 }
 
 inline bool is_supported_float(at::ScalarType dtype) {
@@ -28,7 +45,7 @@ inline bool is_supported_float(at::ScalarType dtype) {
 inline void check_floating(const at::Tensor& t, const char* op, const char* arg) {
   TORCH_CHECK_TYPE(is_supported_float(t.scalar_type()), op, ": expected ", arg,
                    " to be a floating-point tensor (float32, float64, float16 or bfloat16), got ",
-                   t.scalar_type());
+                   dtype_name(t.scalar_type()));
 }
 
 inline void check_min_dim(const at::Tensor& t, int64_t min_dim, const char* op, const char* arg,

@@ -16,9 +16,9 @@
 
 // Everything here is inlined (PATHKERNELS_INLINE) into the callers' per-matrix functions, which
 // are compiled for AVX-512, x86-64-v3 (AVX2 and FMA) and baseline x86-64 and picked at load time
-// (PATHKERNELS_MULTIVERSION). Dispatching per block of rows instead cost an indirect call per
-// 4 × m elements and one per row for the tails, and left the maxima in baseline code. Clones for
-// x86-64 levels need GCC 12; with GCC 11 the middle clone is AVX2 alone (same results, no FMA).
+// (PATHKERNELS_MULTIVERSION): one dispatch per matrix, with every loop and the maxima inside the
+// clone. Clones for x86-64 levels need GCC 12; with GCC 11 the middle clone is AVX2 alone (same
+// results, no FMA).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #if __GNUC__ >= 12
 #define PATHKERNELS_AVX2_CLONE "arch=x86-64-v3"

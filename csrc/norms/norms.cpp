@@ -73,7 +73,7 @@ NormPartsBackwardPlan prepare_norm_parts_backward(const at::Tensor& grad_parts, 
                     ", got ", shape_string(grad_parts.sizes()), " and ", shape_string(parts.sizes()));
   TORCH_CHECK_VALUE(argmax.sizes() == at::IntArrayRef(expected_argmax) && argmax.scalar_type() == at::kLong,
                     op, " backward: expected int64 argmax of shape ", shape_string(expected_argmax),
-                    ", got ", argmax.scalar_type(), " ", shape_string(argmax.sizes()));
+                    ", got ", dtype_name(argmax.scalar_type()), " ", shape_string(argmax.sizes()));
   check_same_device(grad_parts, x, op, "grad_parts", "x");
   check_same_device(parts, x, op, "parts", "x");
   check_same_device(argmax, x, op, "argmax", "x");

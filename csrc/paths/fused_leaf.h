@@ -12,10 +12,8 @@
 // Ownership: thread (ty, tx) = (tid / kThreadCols, tid % kThreadCols) owns the accumulators of
 // rows ty·R + i (i < R, R = kRows / kThreadRows) and columns tx·C + j (j < C = 4) of the tile:
 // contiguous, so that each k step reads its R + C operands from shared memory as 16-byte vectors
-// (R/4 + 1 loads for R·4 multiply-adds instead of R + 4 scalar loads; on the H200 this changed
-// nothing measurable, as the kernel is bound by integer overhead rather than by these loads). A
-// warp's two thread rows read two addresses of C(A) (broadcast) and its 16 thread columns 256
-// contiguous bytes of right.
+// (R/4 + 1 loads for R·4 multiply-adds instead of R + 4 scalar loads). A warp's two thread rows
+// read two addresses of C(A) (broadcast) and its 16 thread columns 256 contiguous bytes of right.
 #pragma once
 
 #include <c10/macros/Macros.h>

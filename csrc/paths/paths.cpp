@@ -16,7 +16,7 @@ PathChunk check_path_chunk(const at::Tensor& attn, const at::Tensor& attn_mean, 
   TORCH_CHECK_VALUE(attn.size(4) == n, op, ": expected square attention [B, L, H, n, n], got ",
                     shape_string(attn.sizes()));
   TORCH_CHECK_TYPE(attn.scalar_type() == at::kFloat || attn.scalar_type() == at::kDouble, op,
-                   ": expected attn to be float32 or float64, got ", attn.scalar_type());
+                   ": expected attn to be float32 or float64, got ", dtype_name(attn.scalar_type()));
   const std::vector<int64_t> attn_mean_shape{batch, layers, num_heads, n};
   TORCH_CHECK_VALUE(attn_mean.sizes() == at::IntArrayRef(attn_mean_shape), op, ": expected attn_mean [B, L, H, n] = ",
                     shape_string(attn_mean_shape), ", got ", shape_string(attn_mean.sizes()));
@@ -28,8 +28,8 @@ PathChunk check_path_chunk(const at::Tensor& attn, const at::Tensor& attn_mean, 
   TORCH_CHECK_VALUE(root_mean.sizes() == at::IntArrayRef(root_mean_shape), op, ": expected root_mean [B, m] = ",
                     shape_string(root_mean_shape), ", got ", shape_string(root_mean.sizes()));
   for (const at::Tensor* t : {&attn_mean, &root, &root_mean}) {
-    TORCH_CHECK_TYPE(t->scalar_type() == attn.scalar_type(), op, ": expected every input in ", attn.scalar_type(),
-                     ", got ", t->scalar_type());
+    TORCH_CHECK_TYPE(t->scalar_type() == attn.scalar_type(), op, ": expected every input in ",
+                     dtype_name(attn.scalar_type()), ", got ", dtype_name(t->scalar_type()));
     check_same_device(*t, attn, op, "every input", "attn");
   }
   TORCH_CHECK_VALUE(w_v.has_value() == w_o.has_value(), op, ": expected both w_v and w_o, or neither");
@@ -42,7 +42,7 @@ PathChunk check_path_chunk(const at::Tensor& attn, const at::Tensor& attn_mean, 
     TORCH_CHECK_VALUE(w_o->sizes() == at::IntArrayRef(w_o_shape), op, ": expected w_o [L, H, d_head, d] = ",
                       shape_string(w_o_shape), ", got ", shape_string(w_o->sizes()));
     TORCH_CHECK_TYPE(w_v->scalar_type() == attn.scalar_type() && w_o->scalar_type() == attn.scalar_type(), op,
-                     ": expected w_v and w_o in ", attn.scalar_type());
+                     ": expected w_v and w_o in ", dtype_name(attn.scalar_type()));
   } else {
     TORCH_CHECK_VALUE(m == n, op, ": without w_v and w_o the root must be [B, n, n], got ",
                       shape_string(root.sizes()));
@@ -90,10 +90,10 @@ FusedLeafOperands check_fused_leaf(const at::Tensor& attn, const at::Tensor& rig
   TORCH_CHECK_VALUE(mean.sizes() == at::IntArrayRef(mean_shape), op, ": expected mean [c, m] = ",
                     shape_string(mean_shape), ", got ", shape_string(mean.sizes()));
   TORCH_CHECK_TYPE(attn.scalar_type() == at::kFloat || attn.scalar_type() == at::kDouble, op,
-                   ": expected attn to be float32 or float64, got ", attn.scalar_type());
+                   ": expected attn to be float32 or float64, got ", dtype_name(attn.scalar_type()));
   for (const at::Tensor* t : {&right, &mean}) {
     TORCH_CHECK_TYPE(t->scalar_type() == attn.scalar_type(), op, ": expected right and mean in ",
-                     attn.scalar_type(), ", got ", t->scalar_type());
+                     dtype_name(attn.scalar_type()), ", got ", dtype_name(t->scalar_type()));
     check_same_device(*t, attn, op, "right and mean", "attn");
   }
   const int64_t m = right.size(2);
