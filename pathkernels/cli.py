@@ -26,6 +26,7 @@ import torch
 
 import pathkernels as pk
 from pathkernels import experiments
+from pathkernels.adapters.huggingface import LocalModel
 from pathkernels.benchmarks import (
     QUICK_NORM_CASES,
     QUICK_PATH_CASES,
@@ -38,7 +39,6 @@ from pathkernels.benchmarks import (
 from pathkernels.testing import random_attention
 
 DEFAULT_OUT = "demo_output"
-DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog because it wanted to see the other side."
 
 
 class CommandLineError(Exception):
@@ -118,176 +118,116 @@ def _float_format(value: float) -> str:
 
 # --- models given on the command line -------------------------------------------------------------
 
-class LoadedModel:
-    """A transformers model given with ``--model``, with what the output should say about it."""
-
-    def __init__(self, spec: str, model, pretrained: bool, tokenizer):
-        self.spec, self.model, self.pretrained, self.tokenizer = spec, model, pretrained, tokenizer
-
-    @property
-    def weights(self) -> str:
-        return "pretrained weights" if self.pretrained else "at initialisation (random weights from its config)"
-
-    @property
-    def is_vision(self) -> bool:
-        return getattr(self.model.config, "model_type", "") == "vit"
-
-
-# A directory holds a tokenizer when it has one of these (fast tokenizers, GPT-2 BPE, WordPiece, SentencePiece).
-_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model")
-
-
-def load_huggingface(spec: str) -> LoadedModel:
-    """A transformers model from a local directory (with weights) or a config (random weights),
-    and the directory's tokenizer when it has one."""
+def _local_model(spec: str) -> LocalModel:
+    """``--model``: the adapters' reader, its errors as one command-line line."""
     try:
-        import transformers
-    except ImportError:
-        raise CommandLineError("pathkernels: --model needs transformers: pip install 'pathkernels[adapters]'") from None
-    path = Path(spec)
-    if not path.exists():
-        raise CommandLineError(f"pathkernels: --model {spec}: no such file or directory (models are never downloaded)")
-    has_weights = path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin")))
-    try:
-        if has_weights:
-            model = transformers.AutoModel.from_pretrained(path, local_files_only=True)
-        else:
-            config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-            torch.manual_seed(0)
-            model = transformers.AutoModel.from_config(config)
-    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CommandLineError(f"pathkernels: --model {spec}: cannot read it as a transformers model: {reason}") from None
-    try:
-        pk.adapters.huggingface._attention_layers(model)  # the architecture check, before any work
-    except ValueError as error:
+        return pk.adapters.load_local_model(spec)
+    except (FileNotFoundError, ImportError, ValueError) as error:
         raise CommandLineError(f"pathkernels: --model {spec}: {error}") from None
-    tokenizer = None
-    if path.is_dir() and any((path / name).exists() for name in _TOKENIZER_FILES):
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
-        except Exception:  # noqa: BLE001 (no tokenizer files, or files a tokenizer class cannot read)
-            tokenizer = None
-    return LoadedModel(spec, model, has_weights, tokenizer)
 
 
-def huggingface_inputs(loaded: LoadedModel, args, batch: int = 1, seed: int = 0) -> tuple[dict, str]:
-    """The model's inputs and a phrase that says what they are: the prompt through the model's
-    tokenizer (``--text``, else a default sentence), random token ids of ``--tokens`` (when asked
-    for, or when there is no tokenizer), or random pixels for vision models."""
-    generator = torch.Generator().manual_seed(seed)
-    config = loaded.model.config
-    text, tokens = getattr(args, "text", None), args.tokens
-    if loaded.is_vision:
-        if text is not None or tokens is not None:
-            option = "--text" if text is not None else "--tokens"
-            raise CommandLineError(f"pathkernels: {option} does not apply to the vision model {loaded.spec}: its tokens "
-                                   "are the image patches (random pixels here)")
-        size, channels = config.image_size, getattr(config, "num_channels", 3)
-        pixels = torch.randn(batch, channels, size, size, generator=generator)
-        return {"pixel_values": pixels}, f"{batch} random image(s) of {size}×{size} pixels"
+def _model_inputs(local: LocalModel, text: str | None, tokens: int | None, batch: int = 1) -> tuple[dict, str]:
+    """The inputs that ``--text`` / ``--tokens`` ask for, refusing those that do not apply."""
+    if local.is_vision and (text is not None or tokens is not None):
+        option = "--text" if text is not None else "--tokens"
+        raise CommandLineError(f"pathkernels: {option} does not apply to the vision model {local.path}: its tokens "
+                               "are the image patches (random pixels here)")
     if text is not None and tokens is not None:
         raise CommandLineError("pathkernels: pass --text or --tokens, not both (--tokens draws random token ids)")
-    if text is not None and loaded.tokenizer is None:
-        raise CommandLineError(f"pathkernels: --text needs a tokenizer, and {loaded.spec} has none; pass --tokens N for "
+    if text is not None and local.tokenizer is None:
+        raise CommandLineError(f"pathkernels: --text needs a tokenizer, and {local.path} has none; pass --tokens N for "
                                "random token ids")
-    if loaded.tokenizer is not None and tokens is None:
-        prompt = DEFAULT_PROMPT if text is None else text
-        ids = loaded.tokenizer(prompt, return_tensors="pt")["input_ids"]
-        if ids.shape[-1] < 2:
-            raise CommandLineError(f"pathkernels: --text {text!r} is {ids.shape[-1]} token(s); the residual of fewer "
-                                   "than 2 tokens is 0 by definition")
-        which = "the default prompt" if text is None else "the prompt"
-        return {"input_ids": ids}, f"{which} {prompt!r} ({ids.shape[-1]} tokens, the model's tokenizer)"
-    n = 32 if tokens is None else tokens
-    why = "no tokenizer in the model directory" if loaded.tokenizer is None else "--tokens"
-    ids = torch.randint(0, config.vocab_size, (batch, n), generator=generator)
-    return {"input_ids": ids}, f"{batch} sequence(s) of {n} random token ids ({why})"
+    try:
+        return pk.adapters.local_model_inputs(local, text=text, num_tokens=tokens, batch=batch)
+    except ValueError as error:
+        raise CommandLineError(f"pathkernels: --text: {str(error).split(': ', 1)[-1]}") from None
 
 
-# --- subcommands ------------------------------------------------------------------------------------
+# --- subcommands, as typed functions (the demo calls them too) --------------------------------------
 
-def run_collapse(args) -> object:
-    if args.model:
-        loaded = load_huggingface(args.model)
-        inputs, what = huggingface_inputs(loaded, args, batch=args.batch)
-        stack = pk.adapters.from_huggingface(loaded.model, **inputs)
+def collapse_table(*, model: str | None = None, text: str | None = None, layers: int = 12, heads: int = 4,
+                   width: int = 64, tokens: int | None = None, batch: int = 8, seeds: int = 3, out: Path | None = None):
+    """``pathkernels collapse``: print (and with ``out``, write) the median residual ratio by depth."""
+    if model:
+        local = _local_model(model)
+        inputs, what = _model_inputs(local, text, tokens, batch)
+        stack = pk.adapters.from_huggingface(local.model, **inputs)
         ratios = pk.metrics.residual_ratio(stack.hidden_states.double())  # [L+1, B]
         import pandas as pd
 
-        table = pd.DataFrame(experiments.collapse_rows(args.model, ratios))
-        title = f"{args.model}, {loaded.weights}; inputs: {what}"
+        table = pd.DataFrame(experiments.collapse_rows(model, ratios))
+        title = f"{model}, {local.weights}; inputs: {what}"
     else:
-        table = experiments.collapse_vs_depth(num_layers=args.layers, d_model=args.width, num_heads=args.heads,
-                                              n=args.tokens, batch=args.batch, seeds=args.seeds,
-                                              progress=_interactive())
-        title = (f"pathkernels.models at initialisation (L = {args.layers}, H = {args.heads}, d = {args.width}, "
-                 f"n = {args.tokens}, {args.seeds} seed(s) × {args.batch} inputs)")
+        tokens = 32 if tokens is None else tokens
+        table = experiments.collapse_vs_depth(num_layers=layers, d_model=width, num_heads=heads, n=tokens, batch=batch,
+                                              seeds=seeds, progress=_interactive())
+        title = (f"pathkernels.models at initialisation (L = {layers}, H = {heads}, d = {width}, n = {tokens}, "
+                 f"{seeds} seed(s) × {batch} inputs)")
     wide = table.pivot(index="depth", columns="variant", values="median")[list(dict.fromkeys(table["variant"]))]
     print(f"Median residual ratio ‖X − 1μᵀ‖_1,∞ / ‖X‖_1,∞ of the hidden states by depth: {title}")
     print(wide.to_string(float_format=_float_format))
-    if args.out is not None:
-        _save(args.out, "collapse", table, experiments.plot_collapse(table))
+    if out is not None:
+        _save(out, "collapse", table, experiments.plot_collapse(table))
     return table
 
 
-def run_paths(args) -> object:
-    """Under torchrun the ranks split the tree (gloo on CPU, NCCL with --device cuda); rank 0 reports."""
-    device = resolve_device(getattr(args, "device", "cpu"), "paths")
+def paths_table(*, model: str | None = None, text: str | None = None, layers: int = 6, heads: int = 4,
+                width: int = 64, tokens: int | None = None, seed: int = 0, samples_per_length: int | None = None,
+                max_exact: int = 10**6, device: str = "cpu", out: Path | None = None):
+    """``pathkernels paths``: the residual ratio of the paths by length. Under torchrun the ranks
+    split the tree (gloo on CPU, NCCL with cuda); rank 0 reports, the others return None."""
+    device = resolve_device(device, "paths")
     with pk.distributed.launched_group(device) as distributed:
-        return _paths_table(args, device, distributed)
-
-
-def _paths_table(args, device: str, distributed: bool) -> object:
-    if distributed and device == "cuda":
-        device = f"cuda:{torch.cuda.current_device()}"
-    if args.model:
-        loaded = load_huggingface(args.model)
-        inputs, what = huggingface_inputs(loaded, args)
-        stack = pk.adapters.from_huggingface(loaded.model, **inputs).to(torch.float64)
-        attn = stack.attn
-        source = (f"{args.model}, {loaded.weights} (L = {stack.num_layers}, H = {stack.num_heads}, "
-                  f"n = {attn.shape[-1]}); inputs: {what}")
-    else:
-        torch.manual_seed(args.seed)
-        network = pk.models.SelfAttentionNetwork.variant("+skip", d_model=args.width, num_heads=args.heads,
-                                                          num_layers=args.layers)
-        with torch.no_grad():
-            attn = network(torch.randn(1, args.tokens, args.width)).attn
-        source = f"a '+skip' network at initialisation (L = {args.layers}, H = {args.heads}, n = {args.tokens})"
-    attn = attn.to(device)
-    layers, heads = attn.shape[1], attn.shape[2]
-    total = pk.count_paths(layers, heads, skip=True)
-    generator = torch.Generator().manual_seed(args.seed)
-    progress = _interactive()
-    if args.samples_per_length or total > args.max_exact:
-        per_length = args.samples_per_length or 200
-        dec = pk.decompose(attn, skip=True, samples_per_length=per_length, generator=generator, progress=progress)
-        how = f"up to {per_length} distinct paths drawn per length, of {total:,} (lengths with fewer: all, exactly)"
-    else:
-        dec = pk.decompose(attn, skip=True, progress=progress)
-        how = f"all {total:,} paths, exactly"
-    if dec is None:  # another rank reports
-        return None
-    if distributed:
-        how += f", split over {torch.distributed.get_world_size()} processes"
+        if distributed and device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}"
+        if model:
+            local = _local_model(model)
+            inputs, what = _model_inputs(local, text, tokens)
+            stack = pk.adapters.from_huggingface(local.model, **inputs).to(torch.float64)
+            attn = stack.attn
+            source = (f"{model}, {local.weights} (L = {stack.num_layers}, H = {stack.num_heads}, "
+                      f"n = {attn.shape[-1]}); inputs: {what}")
+        else:
+            tokens = 32 if tokens is None else tokens
+            torch.manual_seed(seed)
+            network = pk.models.SelfAttentionNetwork.variant("+skip", d_model=width, num_heads=heads,
+                                                              num_layers=layers)
+            with torch.no_grad():
+                attn = network(torch.randn(1, tokens, width)).attn
+            source = f"a '+skip' network at initialisation (L = {layers}, H = {heads}, n = {tokens})"
+        attn = attn.to(device)
+        total = pk.count_paths(attn.shape[1], attn.shape[2], skip=True)
+        generator = torch.Generator().manual_seed(seed)
+        if samples_per_length or total > max_exact:
+            per_length = samples_per_length or 200
+            dec = pk.decompose(attn, skip=True, samples_per_length=per_length, generator=generator,
+                               progress=_interactive())
+            how = f"up to {per_length} distinct paths drawn per length, of {total:,} (lengths with fewer: all, exactly)"
+        else:
+            dec = pk.decompose(attn, skip=True, progress=_interactive())
+            how = f"all {total:,} paths, exactly"
+        if dec is None:  # another rank reports
+            return None
+        if distributed:
+            how += f", split over {torch.distributed.get_world_size()} processes"
     table = dec.by_length()
     print(f"Residual ratio of the attention products P_p by path length: {source}; {how}")
     columns = [c for c in ("length", "path_count", "evaluated", "exact", "mean", "stderr", "median", "q10", "q90")
                if c in table.columns]
     print(table[columns].to_string(index=False, float_format=_float_format))
-    if args.out is not None:
-        _save(args.out, "ratio_by_length", table, dec.plot())
+    if out is not None:
+        _save(out, "ratio_by_length", table, dec.plot())
     return table
 
 
-def run_bench(args) -> tuple[object, object]:
-    """Both benchmark tables; ``args.out`` is a file (JSON, or CSV by its suffix), ``args.out_dir``
-    a folder for two CSV files (the demo's)."""
+def bench_tables(*, device: str = "cpu", quick: bool = False, out_file: Path | None = None,
+                 out_dir: Path | None = None) -> tuple[object, object]:
+    """``pathkernels bench``: both benchmark tables; ``out_file`` is written as JSON (or CSV by
+    its suffix), ``out_dir`` gets two CSV files (the demo's)."""
     import pandas as pd
 
-    device = resolve_device(args.device, "bench")
-    min_run_time = 0.2 if args.quick else 1.0
+    device = resolve_device(device, "bench")
+    min_run_time = 0.2 if quick else 1.0
     machine = machine_description(device)
     print(f"Fused norms against pure PyTorch on {machine} (float32)")
     norm_rows = [
@@ -299,7 +239,6 @@ def run_bench(args) -> tuple[object, object]:
     path_rows = [path_benchmark(*case, device=device, min_run_time=min_run_time) for case in QUICK_PATH_CASES]
     print(format_path_table(path_rows))
     norms, paths = pd.DataFrame(norm_rows), pd.DataFrame(path_rows)
-    out_dir, out_file = getattr(args, "out_dir", None), getattr(args, "out", None)
     if out_dir is not None:
         _save(out_dir, "speed_norms", norms)
         _save(out_dir, "speed_paths", paths)
@@ -324,16 +263,12 @@ def run_demo(args) -> int:
     print(worked_example())
 
     _heading("2. Rank collapse against depth at initialisation: pure attention, +MLP, +skip, transformer")
-    collapse_args = argparse.Namespace(model=None, layers=6 if quick else 12, width=32 if quick else 64, heads=4,
-                                       tokens=16 if quick else 32, batch=4 if quick else 8, seeds=1 if quick else 3,
-                                       out=args.out)
-    run_collapse(collapse_args)
+    collapse_table(layers=6 if quick else 12, width=32 if quick else 64, heads=4, tokens=16 if quick else 32,
+                   batch=4 if quick else 8, seeds=1 if quick else 3, out=args.out)
 
     _heading("3. Residual ratio of every path, by length (exact)")
-    paths_args = argparse.Namespace(model=None, layers=4 if quick else 6, heads=3 if quick else 4, width=32,
-                                    tokens=16 if quick else 32, seed=0, samples_per_length=None, max_exact=10**6,
-                                    out=args.out, device=device)
-    run_paths(paths_args)
+    paths_table(layers=4 if quick else 6, heads=3 if quick else 4, width=32, tokens=16 if quick else 32,
+                device=device, out=args.out)
 
     _heading("4. How the paths of common architectures spread over lengths: C(L, k) H^k of (H+1)^L")
     lengths = experiments.path_length_distribution()
@@ -362,7 +297,7 @@ def run_demo(args) -> int:
     _heading("6. Speed against pure PyTorch (quick sizes; bench/ has the full suite)")
     print("Quick timings of a few runs each: on a shared or busy machine they move by 10-50 % from run to run,\n"
           "so read the speed-ups as orders of magnitude; bench/ times with repetitions and records its results.")
-    run_bench(argparse.Namespace(device=device, quick=True, out=None, out_dir=args.out))
+    bench_tables(device=device, quick=True, out_dir=args.out)
     print()
     print(f"demo finished in {time.perf_counter() - start:.0f} s" + (f"; outputs in {args.out}/" if args.out else ""))
     return 0
@@ -471,7 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(collapse, layers=12, tokens=32)
     collapse.add_argument("--batch", type=_integer(1), default=8, help="random inputs per model")
     collapse.add_argument("--seeds", type=_integer(1), help="initialisations per variant (default 3)")
-    collapse.set_defaults(run=lambda args: _done(run_collapse(args)))
+    collapse.set_defaults(run=lambda args: _done(collapse_table(
+        model=args.model, text=args.text, layers=args.layers, heads=args.heads, width=args.width, tokens=args.tokens,
+        batch=args.batch, seeds=args.seeds, out=args.out)))
 
     paths = command("paths", help="residual ratio of every path (or a stratified sample), by length",
                                 description="Residual ratio of the attention product of every path with skip, by "
@@ -485,7 +422,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sample when the tree has more paths than this")
     paths.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                        help=device_help + " (under torchrun: gloo on CPU, NCCL and cuda:LOCAL_RANK with cuda)")
-    paths.set_defaults(run=lambda args: _done(run_paths(args)))
+    paths.set_defaults(run=lambda args: _done(paths_table(
+        model=args.model, text=args.text, layers=args.layers, heads=args.heads, width=args.width, tokens=args.tokens,
+        seed=args.seed, samples_per_length=args.samples_per_length, max_exact=args.max_exact, device=args.device,
+        out=args.out)))
 
     bench = command("bench", help="fused ops and the path engine against pure PyTorch",
                                 description="Quick timings of the fused norms and the path engine against pure "
@@ -493,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=device_help)
     bench.add_argument("--quick", action="store_true", help="shorter timing")
     bench.add_argument("--out", type=Path, help="write both tables to this file: JSON, or CSV if it ends in .csv")
-    bench.set_defaults(run=lambda args: _done(run_bench(args)))
+    bench.set_defaults(run=lambda args: _done(bench_tables(device=args.device, quick=args.quick, out_file=args.out)))
     return parser
 
 

@@ -408,3 +408,21 @@ def test_condition_numbers_bound_the_float32_error():
     # The skip-only path is C(I): no cancellation at all; products of centred factors do cancel.
     assert float(kappa[0, 0]) == pytest.approx(1.0)
     assert float(kappa[:, tree.lengths() >= 2].min()) > 1
+
+
+@pytest.mark.parametrize("outputs", [False, True])
+def test_path_chunk_norms_passes_opcheck(device, outputs):
+    from pathkernels import ops
+    from pathkernels.checks import check_network
+    from pathkernels.engine import engine_operands
+    from pathkernels.paths import build_trie_chunk
+
+    attn, x, w_v, w_o = network(1, 3, 2, 5, d=3 if outputs else None, d_head=2 if outputs else None)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    attn, x, w_v, w_o = to(attn), to(x), to(w_v), to(w_o)
+    chunk = build_trie_chunk(pk.PathTree.complete(3, 2, skip=True).paths())
+    args = (*engine_operands(check_network(attn, x, w_v, w_o, "test")), w_v, w_o, list(chunk.parents),
+            list(chunk.heads), 4, True)
+    torch.library.opcheck(torch.ops.pathkernels.path_chunk_norms.default, args)
+    residual, norm = ops.path_chunk_norms(*args)
+    assert residual.shape == norm.shape == (1, 27)

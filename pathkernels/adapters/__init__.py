@@ -2,16 +2,22 @@
 
 - :func:`from_huggingface` / :func:`stream_huggingface_attention`: transformers models (GPT-2,
   BERT/RoBERTa, ViT, Llama-style with grouped-query attention);
+- :func:`load_local_model` / :func:`local_model_inputs`: a model directory (or config) on disk and
+  inputs for it (its tokenizer's, or random ids or pixels);
 - :func:`from_transformer_lens`: a ``HookedTransformer`` (or ``TransformerBridge``) with tokens,
   or an ``ActivationCache``.
 
 transformers and transformer-lens are optional; each adapter imports only what it reads.
 """
 from pathkernels.adapters.huggingface import (
+    LocalModel,
     from_huggingface,
+    load_local_model,
+    local_model_inputs,
     stream_huggingface_attention,
 )
 from pathkernels.adapters.stack import AttentionStack
 from pathkernels.adapters.transformer_lens import from_transformer_lens
 
-__all__ = ["AttentionStack", "from_huggingface", "from_transformer_lens", "stream_huggingface_attention"]
+__all__ = ["AttentionStack", "LocalModel", "from_huggingface", "from_transformer_lens", "load_local_model",
+           "local_model_inputs", "stream_huggingface_attention"]

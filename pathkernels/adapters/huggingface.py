@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -242,3 +243,106 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
         source=f"huggingface:{model.config.model_type}",
         token_mask=token_mask,
     )
+
+
+# --- local model directories ----------------------------------------------------------------------
+
+# A directory holds a tokenizer when it has one of these (fast tokenizers, GPT-2 BPE, WordPiece, SentencePiece).
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "tokenizer.model", "spiece.model")
+DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog because it wanted to see the other side."
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    """A transformers model read from the local disk, and what a report should say about it."""
+
+    path: str
+    model: nn.Module
+    pretrained: bool  # weights loaded (else randomly initialised from its config)
+    tokenizer: object | None  # the directory's tokenizer, when it has one
+
+    @property
+    def weights(self) -> str:
+        return "pretrained weights" if self.pretrained else "at initialisation (random weights from its config)"
+
+    @property
+    def is_vision(self) -> bool:
+        return getattr(self.model.config, "model_type", "") == "vit"
+
+
+def load_local_model(path) -> LocalModel:
+    """A supported transformers model from a local directory (weights loaded) or a config (a
+    ``config.json``, or a directory with no weights: random weights, seed 0), with the directory's
+    tokenizer when it has one. Nothing is downloaded.
+
+    Raises:
+        FileNotFoundError: no such path. ImportError: transformers is missing. ValueError: the path
+            is not a transformers model, or its architecture is not one the adapters read.
+    """
+    import json
+
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("reading a model needs transformers: pip install 'pathkernels[adapters]'") from None
+    location = Path(path)
+    if not location.exists():
+        raise FileNotFoundError("no such file or directory (models are never downloaded)")
+    has_weights = location.is_dir() and (any(location.glob("*.safetensors")) or any(location.glob("*.bin")))
+    try:
+        if has_weights:
+            model = transformers.AutoModel.from_pretrained(location, local_files_only=True)
+        else:
+            config = transformers.AutoConfig.from_pretrained(location, local_files_only=True)
+            torch.manual_seed(0)
+            model = transformers.AutoModel.from_config(config)
+    except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"cannot read it as a transformers model: {reason}") from None
+    _attention_layers(model)  # the architecture check, before any work
+    tokenizer = None
+    if location.is_dir() and any((location / name).exists() for name in _TOKENIZER_FILES):
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(location, local_files_only=True)
+        except Exception:  # noqa: BLE001 (files that no tokenizer class reads: treated as none)
+            tokenizer = None
+    return LocalModel(str(path), model, has_weights, tokenizer)
+
+
+def local_model_inputs(local: LocalModel, *, text: str | None = None, num_tokens: int | None = None,
+                       batch: int = 1, seed: int = 0) -> tuple[dict, str]:
+    """Inputs for ``local.model`` and a phrase that says what they are.
+
+    - a vision model: ``batch`` random images (seeded);
+    - with ``num_tokens``: ``[batch, num_tokens]`` random token ids (seeded);
+    - else with a tokenizer: ``text`` (or a fixed sentence) through it;
+    - else ``[batch, 32]`` random token ids.
+
+    Raises:
+        ValueError: ``text`` without a tokenizer, a prompt of fewer than 2 tokens, or ``text`` /
+            ``num_tokens`` for a vision model.
+    """
+    where = "pathkernels.adapters.local_model_inputs"
+    generator = torch.Generator().manual_seed(seed)
+    config = local.model.config
+    if local.is_vision:
+        if text is not None or num_tokens is not None:
+            raise ValueError(f"{where}: text and num_tokens do not apply to the vision model {local.path}: its tokens "
+                             "are the image patches")
+        size, channels = config.image_size, getattr(config, "num_channels", 3)
+        pixels = torch.randn(batch, channels, size, size, generator=generator)
+        return {"pixel_values": pixels}, f"{batch} random image(s) of {size}×{size} pixels"
+    if text is not None and local.tokenizer is None:
+        raise ValueError(f"{where}: text needs a tokenizer, and {local.path} has none")
+    if local.tokenizer is not None and num_tokens is None:
+        prompt = DEFAULT_PROMPT if text is None else text
+        ids = local.tokenizer(prompt, return_tensors="pt")["input_ids"]
+        if ids.shape[-1] < 2:
+            raise ValueError(f"{where}: the prompt {prompt!r} is {ids.shape[-1]} token(s); the residual of fewer than "
+                             "2 tokens is 0 by definition")
+        which = "the default prompt" if text is None else "the prompt"
+        return {"input_ids": ids}, f"{which} {prompt!r} ({ids.shape[-1]} tokens, the model's tokenizer)"
+    n = 32 if num_tokens is None else num_tokens
+    why = " (no tokenizer in the model directory)" if local.tokenizer is None else ""
+    ids = torch.randint(0, config.vocab_size, (batch, n), generator=generator)
+    return {"input_ids": ids}, f"{batch} sequence(s) of {n} random token ids{why}"
