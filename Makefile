@@ -41,9 +41,9 @@ INSTALL_TEST_TOOLS = ($(PY) -c "import pytest, hypothesis" 2>/dev/null || $(PY) 
 	echo "note: transformers / transformer-lens not installed; the adapter tests will be skipped")
 endif
 STAMPS := build/stamps/$(subst /,_,$(PY))
-SOURCES := CMakeLists.txt pyproject.toml $(shell find csrc -type f 2>/dev/null)
+SOURCES := CMakeLists.txt pyproject.toml $(shell find csrc cmake -type f 2>/dev/null)
 
-.PHONY: demo test build setup bench clean
+.PHONY: demo test build setup bench lint clean
 
 demo: build
 	$(PY) -m pathkernels demo
@@ -54,6 +54,11 @@ test: build $(STAMPS)/test-env
 bench: build
 	$(PY) bench/bench_norms.py
 	$(PY) bench/bench_paths.py --quick
+
+lint: $(STAMPS)/env
+	$(PY) -m pip install --quiet "ruff==0.17.6"
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 build: $(STAMPS)/built
 setup: $(STAMPS)/env

@@ -3,6 +3,7 @@
 Run at configure time with the Python that will import the extension, so that the extension is
 compiled against exactly that torch.
 """
+
 import os
 import re
 
@@ -20,7 +21,8 @@ def cuda_architectures() -> str:
             match = re.fullmatch(r"(\d+)\.(\d+)([af]?)(\+PTX)?", item)
             if not match:
                 raise SystemExit(
-                    f"TORCH_CUDA_ARCH_LIST: cannot parse {item!r}; expected e.g. '9.0', '9.0a' or '8.0+PTX'")
+                    f"TORCH_CUDA_ARCH_LIST: cannot parse {item!r}; expected e.g. '9.0', '9.0a' or '8.0+PTX'"
+                )
             major, minor, suffix, ptx = match.groups()
             archs.append(f"{major}{minor}{suffix}" + ("" if ptx else "-real"))
         return ";".join(archs)
