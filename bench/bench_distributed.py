@@ -9,6 +9,7 @@ VM's timings vary by ±30 %).
     python bench/bench_distributed.py
     python bench/bench_distributed.py --worlds 1 2 --out bench/results/distributed-cpu-dev.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,9 @@ def worker(rank: int, world: int, port: int, layers: int, heads: int, n: int, re
 
     torch.set_num_threads(1)
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=600))
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+        )
     attn = random_attention(1, layers, heads, n, n, generator=torch.Generator().manual_seed(0))
     tree = pk.PathTree.complete(layers, heads, skip=True)
     pk.path_residuals(attn[:, :3], pk.PathTree.complete(3, heads, skip=True))  # warm-up
@@ -44,8 +46,17 @@ def worker(rank: int, world: int, port: int, layers: int, heads: int, n: int, re
         result = pk.path_residuals(attn, tree)
         times.append(time.perf_counter() - start)
     if rank == 0:
-        print(json.dumps({"world": world, "seconds": min(times), "times": times, "paths": len(tree),
-                              "checksum": float(result.ratio.double().sum())}))
+        print(
+            json.dumps(
+                {
+                    "world": world,
+                    "seconds": min(times),
+                    "times": times,
+                    "paths": len(tree),
+                    "checksum": float(result.ratio.double().sum()),
+                }
+            )
+        )
     if world > 1:
         dist.destroy_process_group()
 
@@ -59,8 +70,17 @@ def free_port() -> int:
 def run(world: int, args) -> dict:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, __file__, "--worker", str(world), str(port), str(args.layers), str(args.heads),
-               str(args.n), str(args.repeats)]
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        str(world),
+        str(port),
+        str(args.layers),
+        str(args.heads),
+        str(args.n),
+        str(args.repeats),
+    ]
     procs = [
         subprocess.Popen([*command, str(rank)], stdout=subprocess.PIPE, text=True, env=env) for rank in range(world)
     ]
@@ -96,8 +116,10 @@ def main(argv=None) -> int:
                 best[world] = row
     rows = [dict(best[world], best_of_each_run=seen[world]) for world in args.worlds]
     base = rows[0]["seconds"] * rows[0]["world"]
-    print(f"complete tree with skip: L = {args.layers}, H = {args.heads}, n = {args.n}, float32, "
-          f"{rows[0]['paths']:,} paths; one thread per process, gloo")
+    print(
+        f"complete tree with skip: L = {args.layers}, H = {args.heads}, n = {args.n}, float32, "
+        f"{rows[0]['paths']:,} paths; one thread per process, gloo"
+    )
     print(f"{'processes':>9} {'best s':>8} {'speed-up':>8} {'efficiency':>10}")
     for row in rows:
         row["speedup"] = base / row["seconds"]

@@ -9,6 +9,7 @@ bandwidth (one read of x, the floor) as a fraction of the copy bandwidth measure
     python bench/bench_norms.py --out bench/results/norms-cpu.json
     python bench/bench_norms.py --device cuda --out bench/results/norms-h100.json
 """
+
 from __future__ import annotations
 
 import argparse

@@ -3,6 +3,7 @@
 Each case launches the kernels once on shapes that exercise the edges: one row, one column, a
 column count that is not a multiple of the block, non-contiguous inputs, ties and every dtype.
 """
+
 import torch
 
 import pathkernels as pk
@@ -36,8 +37,9 @@ for tree in trees:
         for fused in (True, False):  # the fused leaf kernel, and cuBLAS + the reduction kernels
             kernel = "fused" if fused else "gemm"
             pk.path_residuals(attn.to(dtype), tree, memory_budget=1 << 16, leaf_kernel=kernel)
-            pk.path_residuals(attn.to(dtype), tree, x=x.to(dtype), w_v=w_v.to(dtype), w_o=w_o.to(dtype),
-                              leaf_kernel=kernel)
+            pk.path_residuals(
+                attn.to(dtype), tree, x=x.to(dtype), w_v=w_v.to(dtype), w_o=w_o.to(dtype), leaf_kernel=kernel
+            )
 torch.cuda.synchronize()
 print("path engine cases ran")
 
@@ -46,7 +48,10 @@ print("path engine cases ran")
 for dtype in (torch.float32, torch.float64):
     for n, count, m in [(1, 1, 1), (17, 3, 65), (64, 2, 64), (100, 2, 130), (128, 1, 129)]:
         level = torch.randn(n, count + 2, m, device="cuda", dtype=dtype)
-        torch.ops.pathkernels._fused_leaf_norms(torch.randn(n, n, device="cuda", dtype=dtype), level[:, 1 : count + 1],
-                                                torch.randn(count, m, device="cuda", dtype=dtype))
+        torch.ops.pathkernels._fused_leaf_norms(
+            torch.randn(n, n, device="cuda", dtype=dtype),
+            level[:, 1 : count + 1],
+            torch.randn(count, m, device="cuda", dtype=dtype),
+        )
 torch.cuda.synchronize()
 print("fused leaf kernel cases ran")

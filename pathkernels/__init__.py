@@ -8,11 +8,13 @@ The library core is imported here. The application modules (``experiments``, ``m
 ``compat``, ``benchmarks``, ``cli``) load on first use, so ``import pathkernels`` pulls in neither
 pandas, matplotlib nor the experiments.
 """
+
 import importlib
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from pathkernels._extension import build_info, load as _load
+from pathkernels._extension import build_info
+from pathkernels._extension import load as _load
 
 _load()
 

@@ -1,4 +1,5 @@
 """Loading of the compiled extension, with errors that say how to rebuild it."""
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,7 @@ def load() -> dict:
             from pathkernels import _C
         except ImportError as error:
             raise ImportError(
-                f"pathkernels: the compiled extension pathkernels._C could not be loaded ({error}). "
-                f"{REBUILD_HINT}"
+                f"pathkernels: the compiled extension pathkernels._C could not be loaded ({error}). {REBUILD_HINT}"
             ) from error
         _BUILD_INFO = check_build_info(dict(_C.build_info()))
     return _BUILD_INFO

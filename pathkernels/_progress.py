@@ -1,4 +1,5 @@
 """Progress bars: tqdm when installed, else a plain counter on stderr (every 10 %)."""
+
 from __future__ import annotations
 
 import sys

@@ -6,6 +6,7 @@ The path benchmarks compare the engine with (b) the best pure-PyTorch level-wise
 and (a) the per-path loop (docs/DESIGN.md §5), both in :mod:`pathkernels.reference`. One timer
 (:func:`seconds_per_call`) and one table formatter (:func:`format_table`) serve every script.
 """
+
 from __future__ import annotations
 
 import platform
@@ -22,8 +23,14 @@ NORM_CASES = [(4096, 64, 64), (256, 512, 512), (64, 128, 768), (256, 128, 768)]
 QUICK_NORM_CASES = [(1024, 64, 64), (32, 256, 256)]
 
 
-def seconds_per_call(fn: Callable[[], object], device: str = "cpu", *, min_runs: int = 3, min_seconds: float = 1.0,
-                     statistic: str = "median") -> float:
+def seconds_per_call(
+    fn: Callable[[], object],
+    device: str = "cpu",
+    *,
+    min_runs: int = 3,
+    min_seconds: float = 1.0,
+    statistic: str = "median",
+) -> float:
     """Wall time of one call of ``fn()``: the median (or the best, ``statistic="min"``) over at
     least ``min_runs`` calls and ``min_seconds`` of calls, each waited for on the device.
 
@@ -80,6 +87,7 @@ def format_table(rows: list[dict], columns: list[tuple]) -> str:
     shows a dash. Columns whose spec starts with ``<`` are flush left. The one formatter of the
     benchmarks' tables."""
     columns = [(*column, "")[:4] for column in columns]
+
     def cell(value, spec: str, suffix: str) -> str:
         return (str(value) if isinstance(value, (bool, str)) else format(value, spec)) + suffix
 
@@ -168,9 +176,16 @@ def norm_benchmark(shape, dtype=torch.float32, device="cpu", min_run_time=1.0) -
     return rows
 
 
-NORM_COLUMNS = [("op", "op", "<"), ("shape", "shape_text", "<"), ("dtype", "dtype", "<"), ("fused ms", "fused_ms", ".3f"),
-                ("torch ms", "reference_ms", ".3f"), ("speed-up", "speedup", ".1f", "x"), ("GB/s", "bandwidth_gbs", ".1f"),
-                ("of copy", "fraction_of_copy", ".0%")]
+NORM_COLUMNS = [
+    ("op", "op", "<"),
+    ("shape", "shape_text", "<"),
+    ("dtype", "dtype", "<"),
+    ("fused ms", "fused_ms", ".3f"),
+    ("torch ms", "reference_ms", ".3f"),
+    ("speed-up", "speedup", ".1f", "x"),
+    ("GB/s", "bandwidth_gbs", ".1f"),
+    ("of copy", "fraction_of_copy", ".0%"),
+]
 
 
 def format_norm_table(rows: list[dict]) -> str:
@@ -178,6 +193,7 @@ def format_norm_table(rows: list[dict]) -> str:
 
 
 # --- the path engine against pure PyTorch -------------------------------------------------------
+
 
 def head_node_flops(layers: int, heads: int, n: int, skip: bool) -> int:
     """2·n³ per node that takes a head; level l has (H + skip)^(l-1) parents, each with H such children."""
@@ -188,8 +204,17 @@ def head_node_flops(layers: int, heads: int, n: int, skip: bool) -> int:
 QUICK_PATH_CASES = [(4, 6, 32), (3, 12, 64)]
 
 
-def path_benchmark(layers: int, heads: int, n: int, *, dtype=torch.float32, skip: bool = True, device: str = "cpu",
-                   min_run_time: float = 0.5, loop_sample: int = 64) -> dict:
+def path_benchmark(
+    layers: int,
+    heads: int,
+    n: int,
+    *,
+    dtype=torch.float32,
+    skip: bool = True,
+    device: str = "cpu",
+    min_run_time: float = 0.5,
+    loop_sample: int = 64,
+) -> dict:
     """Engine against (b) the level-wise baseline and (a) the per-path loop, on one complete tree.
 
     In-process and without memory accounting (``bench/bench_paths.py`` isolates each case in its
@@ -206,18 +231,41 @@ def path_benchmark(layers: int, heads: int, n: int, *, dtype=torch.float32, skip
     engine_s = seconds_per_call(lambda: path_residuals(attn, tree), device, min_seconds=min_run_time)
     levelwise_s = seconds_per_call(lambda: reference.levelwise_ref(attn, skip), device, min_seconds=min_run_time)
     sample = sample_paths(layers, heads, min(loop_sample, paths), skip=skip)
-    loop_s = seconds_per_call(lambda: reference.per_path_loop_ref(attn, sample), device,
-                              min_seconds=min_run_time) / sample.shape[0] * paths
-    return {"layers": layers, "heads": heads, "n": n, "dtype": str(dtype).removeprefix("torch."), "skip": skip,
-            "device": device, "paths": paths, "engine_ms": engine_s * 1e3, "levelwise_ms": levelwise_s * 1e3,
-            "loop_ms_estimated": loop_s * 1e3, "speedup_vs_levelwise": levelwise_s / engine_s,
-            "speedup_vs_loop": loop_s / engine_s, "gflops": head_node_flops(layers, heads, n, skip) / engine_s / 1e9}
+    loop_s = (
+        seconds_per_call(lambda: reference.per_path_loop_ref(attn, sample), device, min_seconds=min_run_time)
+        / sample.shape[0]
+        * paths
+    )
+    return {
+        "layers": layers,
+        "heads": heads,
+        "n": n,
+        "dtype": str(dtype).removeprefix("torch."),
+        "skip": skip,
+        "device": device,
+        "paths": paths,
+        "engine_ms": engine_s * 1e3,
+        "levelwise_ms": levelwise_s * 1e3,
+        "loop_ms_estimated": loop_s * 1e3,
+        "speedup_vs_levelwise": levelwise_s / engine_s,
+        "speedup_vs_loop": loop_s / engine_s,
+        "gflops": head_node_flops(layers, heads, n, skip) / engine_s / 1e9,
+    }
 
 
-QUICK_PATH_COLUMNS = [("L", "layers", ""), ("H", "heads", ""), ("n", "n", ""), ("skip", "skip", "<"),
-                      ("paths", "paths", ","), ("engine ms", "engine_ms", ".2f"), ("level ms", "levelwise_ms", ".2f"),
-                      ("loop ms", "loop_ms_estimated", ".1f"), ("vs level", "speedup_vs_levelwise", ".1f", "x"),
-                      ("vs loop", "speedup_vs_loop", ".0f", "x"), ("GFLOP/s", "gflops", ".1f")]
+QUICK_PATH_COLUMNS = [
+    ("L", "layers", ""),
+    ("H", "heads", ""),
+    ("n", "n", ""),
+    ("skip", "skip", "<"),
+    ("paths", "paths", ","),
+    ("engine ms", "engine_ms", ".2f"),
+    ("level ms", "levelwise_ms", ".2f"),
+    ("loop ms", "loop_ms_estimated", ".1f"),
+    ("vs level", "speedup_vs_levelwise", ".1f", "x"),
+    ("vs loop", "speedup_vs_loop", ".0f", "x"),
+    ("GFLOP/s", "gflops", ".1f"),
+]
 
 
 def format_path_table(rows: list[dict]) -> str:

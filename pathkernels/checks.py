@@ -2,6 +2,7 @@
 
 Every message names the function called, the argument, what was expected and what was got.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -63,25 +64,27 @@ def check_row_stochastic(attn: Tensor, where: str, *, batch_index: Tensor | None
     deviation = (row_sums - 1).abs()
     bad = deviation > ROW_SUM_TOLERANCE.get(attn.dtype, 1e-2)
     if bool(bad.any()):
-        b, l, h, i = first_index(bad)
+        b, layer, h, i = first_index(bad)
         error = deviation.max().item()
         if batch_index is not None:
-            hint = ("Restricted to the real tokens of token_mask, a real query's row must still sum to 1: its "
-                    "attention must give padded keys zero weight (pass the model the same attention_mask).")
+            hint = (
+                "Restricted to the real tokens of token_mask, a real query's row must still sum to 1: its "
+                "attention must give padded keys zero weight (pass the model the same attention_mask)."
+            )
             element = f"real token {i} of batch element {int(batch_index[b])}"
         else:
             hint = (
                 "A lower-precision pattern cast up sums to 1 only to its own precision: renormalise the rows "
                 "(attn / attn.sum(-1, keepdim=True)) after the cast, as AttentionStack.to() does."
-                if error < 1e-3 else
-                "Masked or padded queries give zero rows and dropout in training mode rescales them: pass "
+                if error < 1e-3
+                else "Masked or padded queries give zero rows and dropout in training mode rescales them: pass "
                 "token_mask (the attention_mask) for a padded batch, or drop those tokens, and take attention "
                 "in eval mode."
             )
             element = f"row {i} of batch element {b}"
         raise ValueError(
             f"{where}: attention rows must sum to 1 (the centring identity needs P·1 = 1), but {element}, layer "
-            f"{l}, head {h} sums to {row_sums[b, l, h, i].item():.9g}. {hint}"
+            f"{layer}, head {h} sums to {row_sums[b, layer, h, i].item():.9g}. {hint}"
         )
 
 

@@ -13,6 +13,7 @@ Bad options and inputs end with one line on stderr that names what is wrong (exi
 command line, 1 for a failure while running); ``--debug`` shows the traceback instead. Progress
 bars are drawn only when stderr is a terminal.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,12 +57,15 @@ def resolve_device(device: str, command: str) -> str:
     if device == "auto":
         return "cuda" if has_cuda else "cpu"
     if device == "cuda" and not has_cuda:
-        raise CommandLineError(f"pathkernels {command}: --device cuda needs a GPU and pathkernels built with CUDA "
-                               f"(build_info: cuda={pk.build_info()['cuda']}, GPU: {torch.cuda.is_available()})")
+        raise CommandLineError(
+            f"pathkernels {command}: --device cuda needs a GPU and pathkernels built with CUDA "
+            f"(build_info: cuda={pk.build_info()['cuda']}, GPU: {torch.cuda.is_available()})"
+        )
     return device
 
 
 # --- printed sections ----------------------------------------------------------------------------
+
 
 def worked_example() -> str:
     """The 2×2 example of the README, then the collapse of a product of attention matrices."""
@@ -70,10 +74,14 @@ def worked_example() -> str:
     res = pk.matrix_norms(x, residual=True)
     lines = [
         "Worked example: x = [[1, -2], [3, 4]], column mean μ = (2, 1), res(x) = x − 1μᵀ = [[-1, -3], [1, 3]]",
-        (f"  ‖x‖_1 = {plain.l1.item():g} (max column abs sum)   ‖x‖_∞ = {plain.linf.item():g} "
-         f"(max row abs sum)   ‖x‖_1,∞ = √42 = {plain.composite.item():.6f}"),
-        (f"  ‖res‖_1 = {res.l1.item():g}   ‖res‖_∞ = {res.linf.item():g}   "
-         f"‖res‖_1,∞ = √24 = {res.composite.item():.6f}   (check: {math.sqrt(24):.6f})"),
+        (
+            f"  ‖x‖_1 = {plain.l1.item():g} (max column abs sum)   ‖x‖_∞ = {plain.linf.item():g} "
+            f"(max row abs sum)   ‖x‖_1,∞ = √42 = {plain.composite.item():.6f}"
+        ),
+        (
+            f"  ‖res‖_1 = {res.l1.item():g}   ‖res‖_∞ = {res.linf.item():g}   "
+            f"‖res‖_1,∞ = √24 = {res.composite.item():.6f}   (check: {math.sqrt(24):.6f})"
+        ),
         "",
         "Pure attention collapses to rank 1: P = A_L ⋯ A_1 for random softmax attention (n = 32, float64)",
         f"  {'depth L':>7} {'‖res(P)‖_1,∞':>14} {'‖P‖_1,∞':>10} {'ratio':>10}",
@@ -118,6 +126,7 @@ def _float_format(value: float) -> str:
 
 # --- models given on the command line -------------------------------------------------------------
 
+
 def _local_model(spec: str) -> LocalModel:
     """``--model``: the adapters' reader, its errors as one command-line line."""
     try:
@@ -130,13 +139,16 @@ def _model_inputs(local: LocalModel, text: str | None, tokens: int | None, batch
     """The inputs that ``--text`` / ``--tokens`` ask for, refusing those that do not apply."""
     if local.is_vision and (text is not None or tokens is not None):
         option = "--text" if text is not None else "--tokens"
-        raise CommandLineError(f"pathkernels: {option} does not apply to the vision model {local.path}: its tokens "
-                               "are the image patches (random pixels here)")
+        raise CommandLineError(
+            f"pathkernels: {option} does not apply to the vision model {local.path}: its tokens "
+            "are the image patches (random pixels here)"
+        )
     if text is not None and tokens is not None:
         raise CommandLineError("pathkernels: pass --text or --tokens, not both (--tokens draws random token ids)")
     if text is not None and local.tokenizer is None:
-        raise CommandLineError(f"pathkernels: --text needs a tokenizer, and {local.path} has none; pass --tokens N for "
-                               "random token ids")
+        raise CommandLineError(
+            f"pathkernels: --text needs a tokenizer, and {local.path} has none; pass --tokens N for random token ids"
+        )
     try:
         return pk.adapters.local_model_inputs(local, text=text, num_tokens=tokens, batch=batch)
     except ValueError as error:
@@ -145,8 +157,19 @@ def _model_inputs(local: LocalModel, text: str | None, tokens: int | None, batch
 
 # --- subcommands, as typed functions (the demo calls them too) --------------------------------------
 
-def collapse_table(*, model: str | None = None, text: str | None = None, layers: int = 12, heads: int = 4,
-                   width: int = 64, tokens: int | None = None, batch: int = 8, seeds: int = 3, out: Path | None = None):
+
+def collapse_table(
+    *,
+    model: str | None = None,
+    text: str | None = None,
+    layers: int = 12,
+    heads: int = 4,
+    width: int = 64,
+    tokens: int | None = None,
+    batch: int = 8,
+    seeds: int = 3,
+    out: Path | None = None,
+):
     """``pathkernels collapse``: print (and with ``out``, write) the median residual ratio by depth."""
     if model:
         local = _local_model(model)
@@ -159,10 +182,19 @@ def collapse_table(*, model: str | None = None, text: str | None = None, layers:
         title = f"{model}, {local.weights}; inputs: {what}"
     else:
         tokens = 32 if tokens is None else tokens
-        table = experiments.collapse_vs_depth(num_layers=layers, d_model=width, num_heads=heads, n=tokens, batch=batch,
-                                              seeds=seeds, progress=_interactive())
-        title = (f"pathkernels.models at initialisation (L = {layers}, H = {heads}, d = {width}, n = {tokens}, "
-                 f"{seeds} seed(s) × {batch} inputs)")
+        table = experiments.collapse_vs_depth(
+            num_layers=layers,
+            d_model=width,
+            num_heads=heads,
+            n=tokens,
+            batch=batch,
+            seeds=seeds,
+            progress=_interactive(),
+        )
+        title = (
+            f"pathkernels.models at initialisation (L = {layers}, H = {heads}, d = {width}, n = {tokens}, "
+            f"{seeds} seed(s) × {batch} inputs)"
+        )
     wide = table.pivot(index="depth", columns="variant", values="median")[list(dict.fromkeys(table["variant"]))]
     print(f"Median residual ratio ‖X − 1μᵀ‖_1,∞ / ‖X‖_1,∞ of the hidden states by depth: {title}")
     print(wide.to_string(float_format=_float_format))
@@ -171,9 +203,20 @@ def collapse_table(*, model: str | None = None, text: str | None = None, layers:
     return table
 
 
-def paths_table(*, model: str | None = None, text: str | None = None, layers: int = 6, heads: int = 4,
-                width: int = 64, tokens: int | None = None, seed: int = 0, samples_per_length: int | None = None,
-                max_exact: int = 10**6, device: str = "cpu", out: Path | None = None):
+def paths_table(
+    *,
+    model: str | None = None,
+    text: str | None = None,
+    layers: int = 6,
+    heads: int = 4,
+    width: int = 64,
+    tokens: int | None = None,
+    seed: int = 0,
+    samples_per_length: int | None = None,
+    max_exact: int = 10**6,
+    device: str = "cpu",
+    out: Path | None = None,
+):
     """``pathkernels paths``: the residual ratio of the paths by length. Under torchrun the ranks
     split the tree (gloo on CPU, NCCL with cuda); rank 0 reports, the others return None."""
     device = resolve_device(device, "paths")
@@ -185,13 +228,14 @@ def paths_table(*, model: str | None = None, text: str | None = None, layers: in
             inputs, what = _model_inputs(local, text, tokens)
             stack = pk.adapters.from_huggingface(local.model, **inputs).to(torch.float64)
             attn = stack.attn
-            source = (f"{model}, {local.weights} (L = {stack.num_layers}, H = {stack.num_heads}, "
-                      f"n = {attn.shape[-1]}); inputs: {what}")
+            source = (
+                f"{model}, {local.weights} (L = {stack.num_layers}, H = {stack.num_heads}, "
+                f"n = {attn.shape[-1]}); inputs: {what}"
+            )
         else:
             tokens = 32 if tokens is None else tokens
             torch.manual_seed(seed)
-            network = pk.models.SelfAttentionNetwork.variant("+skip", d_model=width, num_heads=heads,
-                                                              num_layers=layers)
+            network = pk.models.SelfAttentionNetwork.variant("+skip", d_model=width, num_heads=heads, num_layers=layers)
             with torch.no_grad():
                 attn = network(torch.randn(1, tokens, width)).attn
             source = f"a '+skip' network at initialisation (L = {layers}, H = {heads}, n = {tokens})"
@@ -200,8 +244,9 @@ def paths_table(*, model: str | None = None, text: str | None = None, layers: in
         generator = torch.Generator().manual_seed(seed)
         if samples_per_length or total > max_exact:
             per_length = samples_per_length or 200
-            dec = pk.decompose(attn, skip=True, samples_per_length=per_length, generator=generator,
-                               progress=_interactive())
+            dec = pk.decompose(
+                attn, skip=True, samples_per_length=per_length, generator=generator, progress=_interactive()
+            )
             how = f"up to {per_length} distinct paths drawn per length, of {total:,} (lengths with fewer: all, exactly)"
         else:
             dec = pk.decompose(attn, skip=True, progress=_interactive())
@@ -212,16 +257,20 @@ def paths_table(*, model: str | None = None, text: str | None = None, layers: in
             how += f", split over {torch.distributed.get_world_size()} processes"
     table = dec.by_length()
     print(f"Residual ratio of the attention products P_p by path length: {source}; {how}")
-    columns = [c for c in ("length", "path_count", "evaluated", "exact", "mean", "stderr", "median", "q10", "q90")
-               if c in table.columns]
+    columns = [
+        c
+        for c in ("length", "path_count", "evaluated", "exact", "mean", "stderr", "median", "q10", "q90")
+        if c in table.columns
+    ]
     print(table[columns].to_string(index=False, float_format=_float_format))
     if out is not None:
         _save(out, "ratio_by_length", table, dec.plot())
     return table
 
 
-def bench_tables(*, device: str = "cpu", quick: bool = False, out_file: Path | None = None,
-                 out_dir: Path | None = None) -> tuple[object, object]:
+def bench_tables(
+    *, device: str = "cpu", quick: bool = False, out_file: Path | None = None, out_dir: Path | None = None
+) -> tuple[object, object]:
     """``pathkernels bench``: both benchmark tables; ``out_file`` is written as JSON (or CSV by
     its suffix), ``out_dir`` gets two CSV files (the demo's)."""
     import pandas as pd
@@ -257,18 +306,33 @@ def run_demo(args) -> int:
     start = time.perf_counter()
     quick = args.quick
     device = resolve_device(args.device, "demo")
-    print(f"pathkernels {pk.__version__}, torch {torch.__version__}, {machine_description(device)}; "
-          f"build: {pk.build_info()}")
+    print(
+        f"pathkernels {pk.__version__}, torch {torch.__version__}, {machine_description(device)}; "
+        f"build: {pk.build_info()}"
+    )
     _heading("1. The norm")
     print(worked_example())
 
     _heading("2. Rank collapse against depth at initialisation: pure attention, +MLP, +skip, transformer")
-    collapse_table(layers=6 if quick else 12, width=32 if quick else 64, heads=4, tokens=16 if quick else 32,
-                   batch=4 if quick else 8, seeds=1 if quick else 3, out=args.out)
+    collapse_table(
+        layers=6 if quick else 12,
+        width=32 if quick else 64,
+        heads=4,
+        tokens=16 if quick else 32,
+        batch=4 if quick else 8,
+        seeds=1 if quick else 3,
+        out=args.out,
+    )
 
     _heading("3. Residual ratio of every path, by length (exact)")
-    paths_table(layers=4 if quick else 6, heads=3 if quick else 4, width=32, tokens=16 if quick else 32,
-                device=device, out=args.out)
+    paths_table(
+        layers=4 if quick else 6,
+        heads=3 if quick else 4,
+        width=32,
+        tokens=16 if quick else 32,
+        device=device,
+        out=args.out,
+    )
 
     _heading("4. How the paths of common architectures spread over lengths: C(L, k) H^k of (H+1)^L")
     lengths = experiments.path_length_distribution()
@@ -277,26 +341,36 @@ def run_demo(args) -> int:
         layers, heads = int(rows["layers"].iloc[0]), int(rows["heads"].iloc[0])
         counts = rows["path_count"].tolist()  # exact ints: ties are ties, not rounding
         modes = [int(k) for k, count in zip(rows["length"], counts) if count == max(counts)]
-        mode = f"most common length {modes[0]}" if len(modes) == 1 else \
-            f"most common lengths {' and '.join(map(str, modes))} (tied)"
+        mode = (
+            f"most common length {modes[0]}"
+            if len(modes) == 1
+            else f"most common lengths {' and '.join(map(str, modes))} (tied)"
+        )
         short = rows[rows["length"] <= 3]["share"].sum()
-        summary.append(f"  {name:<34} L = {layers:>2}, H = {heads:>2}: "
-                       f"(H+1)^L = 10^{layers * math.log10(heads + 1):.1f} paths, {mode}, share of length ≤ 3: "
-                       f"{short:.1e}")
+        summary.append(
+            f"  {name:<34} L = {layers:>2}, H = {heads:>2}: "
+            f"(H+1)^L = 10^{layers * math.log10(heads + 1):.1f} paths, {mode}, share of length ≤ 3: "
+            f"{short:.1e}"
+        )
     print("\n".join(summary))
     _save(args.out, "path_lengths", lengths, experiments.plot_path_lengths(lengths))
 
     _heading("5. Path effectiveness: sorting with an attention-only model, keeping paths of length ≤ k")
-    result = experiments.path_effectiveness(steps=200 if quick else 1000, test_size=512 if quick else 2048,
-                                            progress=_interactive())
-    print(f"trained in {result.train_seconds:.0f} s (final loss {result.final_loss:.4f}); exact truncations by "
-          "pk.length_sums; k = L is the model itself")
+    result = experiments.path_effectiveness(
+        steps=200 if quick else 1000, test_size=512 if quick else 2048, progress=_interactive()
+    )
+    print(
+        f"trained in {result.train_seconds:.0f} s (final loss {result.final_loss:.4f}); exact truncations by "
+        "pk.length_sums; k = L is the model itself"
+    )
     print(result.table.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     _save(args.out, "path_effectiveness", result.table, experiments.plot_effectiveness(result.table))
 
     _heading("6. Speed against pure PyTorch (quick sizes; bench/ has the full suite)")
-    print("Quick timings of a few runs each: on a shared or busy machine they move by 10-50 % from run to run,\n"
-          "so read the speed-ups as orders of magnitude; bench/ times with repetitions and records its results.")
+    print(
+        "Quick timings of a few runs each: on a shared or busy machine they move by 10-50 % from run to run,\n"
+        "so read the speed-ups as orders of magnitude; bench/ times with repetitions and records its results."
+    )
     bench_tables(device=device, quick=True, out_dir=args.out)
     print()
     print(f"demo finished in {time.perf_counter() - start:.0f} s" + (f"; outputs in {args.out}/" if args.out else ""))
@@ -304,6 +378,7 @@ def run_demo(args) -> int:
 
 
 # --- the parser --------------------------------------------------------------------------------------
+
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a default where there is one to show (not None, not a flag's False)."""
@@ -347,8 +422,10 @@ def _check_options(args, parser: argparse.ArgumentParser) -> None:
         given = [f"--{name}" for name in _NETWORK_DEFAULTS if getattr(args, name, None) is not None]
         if given:
             verb = "sets" if len(given) == 1 else "set"
-            parser.error(f"{', '.join(given)} {verb} the built-in network and do not apply with --model "
-                         f"{args.model} (the model has its own)")
+            parser.error(
+                f"{', '.join(given)} {verb} the built-in network and do not apply with --model "
+                f"{args.model} (the model has its own)"
+            )
         return
     if getattr(args, "text", None) is not None:
         parser.error("--text needs --model (a model directory with a tokenizer)")
@@ -358,14 +435,20 @@ def _check_options(args, parser: argparse.ArgumentParser) -> None:
     if hasattr(args, "tokens") and args.tokens is None:
         args.tokens = args.default_tokens
     if hasattr(args, "width") and args.width < args.heads:
-        parser.error(f"argument --width: expected at least --heads = {args.heads} (each head gets width // heads "
-                     f"columns), got {args.width}")
+        parser.error(
+            f"argument --width: expected at least --heads = {args.heads} (each head gets width // heads "
+            f"columns), got {args.width}"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
     formatter = _HelpFormatter
-    parser = _Parser(prog="pathkernels", description="Path decompositions of attention networks: rank collapse, "
-                     "per-path residuals and benchmarks (docs/DESIGN.md has the math).", formatter_class=formatter)
+    parser = _Parser(
+        prog="pathkernels",
+        description="Path decompositions of attention networks: rank collapse, "
+        "per-path residuals and benchmarks (docs/DESIGN.md has the math).",
+        formatter_class=formatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show the traceback of a failure")
@@ -377,10 +460,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     device_help = "where to compute: auto (CUDA when a GPU and the CUDA kernels are present), cpu or cuda"
 
-    demo = command("demo", help="the main job: every experiment, with tables, CSV files and PNG plots",
-                               description="Every experiment in six sections, with tables printed and CSV/PNG files "
-                               "written: the norm, rank collapse, path residuals by length, path-length "
-                               "distributions, path effectiveness, and speed.")
+    demo = command(
+        "demo",
+        help="the main job: every experiment, with tables, CSV files and PNG plots",
+        description="Every experiment in six sections, with tables printed and CSV/PNG files "
+        "written: the norm, rank collapse, path residuals by length, path-length "
+        "distributions, path effectiveness, and speed.",
+    )
     demo.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help="output folder")
     demo.add_argument("--quick", action="store_true", help="smaller sizes and a shorter training (about a minute)")
     demo.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=device_help)
@@ -388,48 +474,97 @@ def build_parser() -> argparse.ArgumentParser:
 
     def model_options(sub, layers: int, tokens: int):
         sub.set_defaults(default_layers=layers, default_tokens=tokens)
-        sub.add_argument("--model", help="a local Hugging Face model directory (pretrained weights) or a config.json "
-                         "(random weights); nothing is downloaded")
-        sub.add_argument("--text", help="with --model: a prompt for the model directory's tokenizer (default: a "
-                         "fixed sentence when there is a tokenizer)")
+        sub.add_argument(
+            "--model",
+            help="a local Hugging Face model directory (pretrained weights) or a config.json "
+            "(random weights); nothing is downloaded",
+        )
+        sub.add_argument(
+            "--text",
+            help="with --model: a prompt for the model directory's tokenizer (default: a "
+            "fixed sentence when there is a tokenizer)",
+        )
         sub.add_argument("--layers", type=_integer(1), help=f"depth of the built-in network (default {layers})")
         sub.add_argument("--heads", type=_integer(1), help="heads per layer of the built-in network (default 4)")
         sub.add_argument("--width", type=_integer(1), help="d_model of the built-in network (default 64)")
-        sub.add_argument("--tokens", type=_integer(2), help=f"sequence length n (default {tokens}; with --model, "
-                         "random token ids of this length)")
+        sub.add_argument(
+            "--tokens",
+            type=_integer(2),
+            help=f"sequence length n (default {tokens}; with --model, random token ids of this length)",
+        )
         sub.add_argument("--out", type=Path, help="folder to write CSV and PNG files into")
 
-    collapse = command("collapse", help="residual ratio of the hidden states against depth",
-                                   description="Median residual ratio ‖X − 1μᵀ‖_1,∞ / ‖X‖_1,∞ of the hidden states "
-                                   "at every depth: the built-in pure-attention, +MLP, +skip and transformer "
-                                   "networks at initialisation, or a Hugging Face model.")
+    collapse = command(
+        "collapse",
+        help="residual ratio of the hidden states against depth",
+        description="Median residual ratio ‖X − 1μᵀ‖_1,∞ / ‖X‖_1,∞ of the hidden states "
+        "at every depth: the built-in pure-attention, +MLP, +skip and transformer "
+        "networks at initialisation, or a Hugging Face model.",
+    )
     model_options(collapse, layers=12, tokens=32)
     collapse.add_argument("--batch", type=_integer(1), default=8, help="random inputs per model")
     collapse.add_argument("--seeds", type=_integer(1), help="initialisations per variant (default 3)")
-    collapse.set_defaults(run=lambda args: _done(collapse_table(
-        model=args.model, text=args.text, layers=args.layers, heads=args.heads, width=args.width, tokens=args.tokens,
-        batch=args.batch, seeds=args.seeds, out=args.out)))
+    collapse.set_defaults(
+        run=lambda args: _done(
+            collapse_table(
+                model=args.model,
+                text=args.text,
+                layers=args.layers,
+                heads=args.heads,
+                width=args.width,
+                tokens=args.tokens,
+                batch=args.batch,
+                seeds=args.seeds,
+                out=args.out,
+            )
+        )
+    )
 
-    paths = command("paths", help="residual ratio of every path (or a stratified sample), by length",
-                                description="Residual ratio of the attention product of every path with skip, by "
-                                "path length: exactly when the tree is small enough, else a stratified sample "
-                                "without replacement. Under torchrun the processes split the tree.")
+    paths = command(
+        "paths",
+        help="residual ratio of every path (or a stratified sample), by length",
+        description="Residual ratio of the attention product of every path with skip, by "
+        "path length: exactly when the tree is small enough, else a stratified sample "
+        "without replacement. Under torchrun the processes split the tree.",
+    )
     model_options(paths, layers=6, tokens=32)
     paths.add_argument("--seed", type=_integer(0), default=0, help="seed of the network and of the sample")
-    paths.add_argument("--samples-per-length", type=_integer(1), help="draw up to this many paths per length "
-                       "instead of all")
-    paths.add_argument("--max-exact", type=_integer(1), default=10**6,
-                       help="sample when the tree has more paths than this")
-    paths.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                       help=device_help + " (under torchrun: gloo on CPU, NCCL and cuda:LOCAL_RANK with cuda)")
-    paths.set_defaults(run=lambda args: _done(paths_table(
-        model=args.model, text=args.text, layers=args.layers, heads=args.heads, width=args.width, tokens=args.tokens,
-        seed=args.seed, samples_per_length=args.samples_per_length, max_exact=args.max_exact, device=args.device,
-        out=args.out)))
+    paths.add_argument(
+        "--samples-per-length", type=_integer(1), help="draw up to this many paths per length instead of all"
+    )
+    paths.add_argument(
+        "--max-exact", type=_integer(1), default=10**6, help="sample when the tree has more paths than this"
+    )
+    paths.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help=device_help + " (under torchrun: gloo on CPU, NCCL and cuda:LOCAL_RANK with cuda)",
+    )
+    paths.set_defaults(
+        run=lambda args: _done(
+            paths_table(
+                model=args.model,
+                text=args.text,
+                layers=args.layers,
+                heads=args.heads,
+                width=args.width,
+                tokens=args.tokens,
+                seed=args.seed,
+                samples_per_length=args.samples_per_length,
+                max_exact=args.max_exact,
+                device=args.device,
+                out=args.out,
+            )
+        )
+    )
 
-    bench = command("bench", help="fused ops and the path engine against pure PyTorch",
-                                description="Quick timings of the fused norms and the path engine against pure "
-                                "PyTorch; bench/ has the full suite.")
+    bench = command(
+        "bench",
+        help="fused ops and the path engine against pure PyTorch",
+        description="Quick timings of the fused norms and the path engine against pure "
+        "PyTorch; bench/ has the full suite.",
+    )
     bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=device_help)
     bench.add_argument("--quick", action="store_true", help="shorter timing")
     bench.add_argument("--out", type=Path, help="write both tables to this file: JSON, or CSV if it ends in .csv")
@@ -459,6 +594,7 @@ def main(argv=None) -> int:
         if args.debug:
             raise
         reason = str(error).strip().splitlines()[0] if str(error).strip() else "(no message)"
-        print(f"{where}: error: {type(error).__name__}: {reason} (rerun with --debug for the traceback)",
-              file=sys.stderr)
+        print(
+            f"{where}: error: {type(error).__name__}: {reason} (rerun with --debug for the traceback)", file=sys.stderr
+        )
         return 1

@@ -18,6 +18,7 @@ row-stochastic, but they are different matrices. Differences from the original, 
 the identity is made in the attentions' dtype and device (the original's ``torch.eye(t)`` is CPU
 float32), and the norms take any floating dtype and device through the fused kernels.
 """
+
 from __future__ import annotations
 
 import random

@@ -1,4 +1,5 @@
 """The analysis front door: exact or sampled path decompositions with tables, estimators and plots."""
+
 from __future__ import annotations
 
 import math
@@ -74,11 +75,20 @@ class PathDecomposition:
         pd = _require("pandas")
         residuals = self.results.residual.double().reshape(-1, self.paths.shape[0])
         norms = self.results.norm.double().reshape(-1, self.paths.shape[0])
-        labels = [" ".join(f"L{layer}H{head}" for layer, head in enumerate(path) if head >= 0) or "skip"
-                  for path in self.paths.tolist()]
-        return pd.DataFrame({"path": labels, "length": self.lengths.tolist(), "ratio": self.path_ratio().tolist(),
-                                 "residual": residuals.mean(0).tolist(), "norm": norms.mean(0).tolist(),
-                                 "weight": self.weights.tolist()})
+        labels = [
+            " ".join(f"L{layer}H{head}" for layer, head in enumerate(path) if head >= 0) or "skip"
+            for path in self.paths.tolist()
+        ]
+        return pd.DataFrame(
+            {
+                "path": labels,
+                "length": self.lengths.tolist(),
+                "ratio": self.path_ratio().tolist(),
+                "residual": residuals.mean(0).tolist(),
+                "norm": norms.mean(0).tolist(),
+                "weight": self.weights.tolist(),
+            }
+        )
 
     def by_length(self):
         """A pandas DataFrame, one row per path length k that has paths.
@@ -223,11 +233,16 @@ def decompose(
     where = "pathkernels.decompose"
     attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask)
     if not isinstance(attn, Tensor) or attn.dim() not in (4, 5):
-        raise ValueError(f"{where}: expected attn of shape [B, L, H, n, n] or [L, H, n, n], got "
-                         f"{getattr(attn, 'shape', type(attn).__name__)}")
+        raise ValueError(
+            f"{where}: expected attn of shape [B, L, H, n, n] or [L, H, n, n], got "
+            f"{getattr(attn, 'shape', type(attn).__name__)}"
+        )
     layers, heads = attn.shape[-4], attn.shape[-3]
-    chosen = [name for name, value in (("tree", tree), ("num_samples", num_samples),
-                                        ("samples_per_length", samples_per_length)) if value is not None]
+    chosen = [
+        name
+        for name, value in (("tree", tree), ("num_samples", num_samples), ("samples_per_length", samples_per_length))
+        if value is not None
+    ]
     if len(chosen) > 1:
         raise ValueError(f"{where}: pass at most one of tree, num_samples and samples_per_length, got {chosen}")
     top = layers if max_length is None else min(max_length, layers)
@@ -238,8 +253,10 @@ def decompose(
         weights = torch.ones(len(tree), dtype=torch.float64)
     elif num_samples is not None:
         if max_length is not None:
-            raise ValueError(f"{where}: uniform sampling draws from all paths; for short paths use "
-                             "samples_per_length with max_length")
+            raise ValueError(
+                f"{where}: uniform sampling draws from all paths; for short paths use "
+                "samples_per_length with max_length"
+            )
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"{where}: expected num_samples to be an int >= 1, got {num_samples!r}")
         if num_samples >= sum(counts):  # the sample would be every path: evaluate them all, exactly
@@ -250,8 +267,9 @@ def decompose(
             drawn_paths = sample_paths(layers, heads, num_samples, skip=skip, generator=generator, replace=False)
             tree = PathTree.from_paths(drawn_paths, num_heads=heads)
             drawn = torch.bincount(tree.lengths(), minlength=layers + 1)
-            per_length = torch.tensor([counts[k] / max(int(drawn[k]), 1) for k in range(layers + 1)],
-                                      dtype=torch.float64)
+            per_length = torch.tensor(
+                [counts[k] / max(int(drawn[k]), 1) for k in range(layers + 1)], dtype=torch.float64
+            )
             weights = per_length[tree.lengths()]
     elif samples_per_length is not None:
         method = "stratified"
@@ -265,14 +283,16 @@ def decompose(
                 raise ValueError(f"{where}: expected samples_per_length[{k}] to be an int >= 1, got {n_k!r}")
             # A stratum with no more paths than asked for is evaluated whole (exactly, no repeats);
             # the others are drawn without replacement.
-            drawn = sample_paths(layers, heads, min(n_k, counts[k]), skip=skip, length=k, generator=generator,
-                                 replace=False)
+            drawn = sample_paths(
+                layers, heads, min(n_k, counts[k]), skip=skip, length=k, generator=generator, replace=False
+            )
             parts.append(drawn)
         tree = PathTree.from_paths(torch.cat(parts), num_heads=heads)
         evaluated = {k: part.shape[0] for k, part in zip(sorted(samples_per_length), parts)}
         counts = [counts[k] if k in evaluated else 0 for k in range(layers + 1)]
-        weights = torch.tensor([counts[k] / max(evaluated.get(k, 0), 1) for k in range(layers + 1)],
-                               dtype=torch.float64)[tree.lengths()]
+        weights = torch.tensor(
+            [counts[k] / max(evaluated.get(k, 0), 1) for k in range(layers + 1)], dtype=torch.float64
+        )[tree.lengths()]
     else:
         method = "exact"
         total = sum(counts)
@@ -284,8 +304,18 @@ def decompose(
         tree = PathTree.complete(layers, heads, skip=skip, max_length=max_length)
         weights = torch.ones(len(tree), dtype=torch.float64)
 
-    results = path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, memory_budget=memory_budget, progress=progress,
-                             group=group, all_ranks=all_ranks, token_mask=token_mask)
+    results = path_residuals(
+        attn,
+        tree,
+        x=x,
+        w_v=w_v,
+        w_o=w_o,
+        memory_budget=memory_budget,
+        progress=progress,
+        group=group,
+        all_ranks=all_ranks,
+        token_mask=token_mask,
+    )
     if results is None:
         return None
     return PathDecomposition(results, method, layers, heads, skip, list(counts), weights)

@@ -10,6 +10,7 @@ Every rank must pass the same attention (and ``x``, ``w_v``, ``w_o``) and the sa
 checked up front, and a rank that raises makes every rank raise: the ranks exchange a status after
 the checks and after the computation, so no rank is left waiting in a collective.
 """
+
 from __future__ import annotations
 
 import builtins

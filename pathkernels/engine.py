@@ -7,6 +7,7 @@ head or the skip branch (``-1``, ``A = I``, ``W = I``) at every layer;
 the tree is cut into chunks by :mod:`pathkernels.planner`, and each chunk is one call of the C++ op
 ``path_chunk_norms``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -166,21 +167,46 @@ def path_residuals(
     where = "pathkernels.path_residuals"
     attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask)
     if token_mask is not None:
-        return _masked_path_residuals(attn, tree, x, token_mask, where, w_v=w_v, w_o=w_o, memory_budget=memory_budget,
-                                      progress=progress, materialize=materialize, group=group, all_ranks=all_ranks,
-                                      fast=fast, leaf_kernel=leaf_kernel)
+        return _masked_path_residuals(
+            attn,
+            tree,
+            x,
+            token_mask,
+            where,
+            w_v=w_v,
+            w_o=w_o,
+            memory_budget=memory_budget,
+            progress=progress,
+            materialize=materialize,
+            group=group,
+            all_ranks=all_ranks,
+            fast=fast,
+            leaf_kernel=leaf_kernel,
+        )
     if leaf_kernel not in LEAF_KERNELS:
         raise ValueError(f"{where}: expected leaf_kernel in {LEAF_KERNELS}, got {leaf_kernel!r}")
     if fast:
         _check_fast(attn, where)
         with _tf32_matmuls():  # the fused leaf kernel is full float32: fast mode's leaves go through cuBLAS
-            return path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, memory_budget=memory_budget, progress=progress,
-                                  materialize=materialize, group=group, all_ranks=all_ranks, leaf_kernel="gemm")
+            return path_residuals(
+                attn,
+                tree,
+                x=x,
+                w_v=w_v,
+                w_o=w_o,
+                memory_budget=memory_budget,
+                progress=progress,
+                materialize=materialize,
+                group=group,
+                all_ranks=all_ranks,
+                leaf_kernel="gemm",
+            )
     fused = leaf_kernel == "fused"
     group = distributed.resolve_group(group, where)
     if group is not None:
-        return _path_residuals_across(attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks,
-                                      fused)
+        return _path_residuals_across(
+            attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks, fused
+        )
     net, memory_budget = check_inputs(attn, tree, x, w_v, w_o, memory_budget, where)
     products = _materialize(net, tree, memory_budget, where) if materialize else None
     bar = progress_bar(tree.num_leaves, enabled=progress)
@@ -191,8 +217,10 @@ def path_residuals(
 def _masked_path_residuals(attn, tree, x, token_mask, where: str, *, materialize: bool, **kwargs):
     """path_residuals of each batch element on its real tokens: one call per group of equal masks."""
     if not isinstance(attn, Tensor) or attn.dim() not in (4, 5):
-        raise ValueError(f"{where}: expected attn of shape [B, L, H, n, n] or [L, H, n, n], got "
-                         f"{getattr(attn, 'shape', type(attn).__name__)}")
+        raise ValueError(
+            f"{where}: expected attn of shape [B, L, H, n, n] or [L, H, n, n], got "
+            f"{getattr(attn, 'shape', type(attn).__name__)}"
+        )
     batched = attn.dim() == 5
     if not batched:
         attn = attn.unsqueeze(0)
@@ -200,15 +228,21 @@ def _masked_path_residuals(attn, tree, x, token_mask, where: str, *, materialize
         token_mask = token_mask.unsqueeze(0) if isinstance(token_mask, Tensor) else token_mask
     mask = masking.check_token_mask(token_mask, attn.shape[0], attn.shape[-1], attn.device, where)
     if mask is not None and materialize:
-        raise ValueError(f"{where}: materialize=True cannot honour token_mask (the sequences' products differ in "
-                         "size); materialise each sequence on its own")
+        raise ValueError(
+            f"{where}: materialize=True cannot honour token_mask (the sequences' products differ in "
+            "size); materialise each sequence on its own"
+        )
     if mask is None:
         result = path_residuals(attn, tree, x=x, materialize=materialize, **kwargs)
     else:
         residual = norm = None
         for group in masking.mask_groups(mask):
-            part = path_residuals(restricted_attention(attn, group, where), tree,
-                                  x=None if x is None else masking.restrict(x, group), **kwargs)
+            part = path_residuals(
+                restricted_attention(attn, group, where),
+                tree,
+                x=None if x is None else masking.restrict(x, group),
+                **kwargs,
+            )
             if part is None:  # a rank other than 0 of a process group: the results went to rank 0
                 continue
             if residual is None:
@@ -258,8 +292,9 @@ def check_inputs(attn, tree, x, w_v, w_o, memory_budget, where: str) -> tuple[Ne
 
 
 @torch.no_grad()
-def leaf_norms(net: Network, tree: PathTree, first: int, last: int, memory_budget: int, bar=None, *,
-               fused_leaves: bool = True) -> tuple[Tensor, Tensor]:
+def leaf_norms(
+    net: Network, tree: PathTree, first: int, last: int, memory_budget: int, bar=None, *, fused_leaves: bool = True
+) -> tuple[Tensor, Tensor]:
     """Residual and norm ``[B, last - first]`` of leaves ``first..last-1``, chunk by chunk, in
     leaf order (``bar``: a progress bar to update and close). ``fused_leaves``: see path_residuals'
     ``leaf_kernel``."""
@@ -271,7 +306,15 @@ def leaf_norms(net: Network, tree: PathTree, first: int, last: int, memory_budge
     try:
         for start, stop, chunk, leaf_block in chunks(tree, net, memory_budget, first, last):
             chunk_residual, chunk_norm = ops.path_chunk_norms(
-                attn_centred, attn_mean, root, root_mean, net.w_v, net.w_o, chunk.parents, chunk.heads, leaf_block,
+                attn_centred,
+                attn_mean,
+                root,
+                root_mean,
+                net.w_v,
+                net.w_o,
+                chunk.parents,
+                chunk.heads,
+                leaf_block,
                 fused_leaves,
             )
             leaf_position = _on_device(chunk.leaf_position, device, device_copies)
@@ -308,8 +351,9 @@ def _result(net: Network, tree: PathTree, residual: Tensor, norm: Tensor, produc
     return result
 
 
-def _path_residuals_across(attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks,
-                           fused_leaves: bool):
+def _path_residuals_across(
+    attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks, fused_leaves: bool
+):
     """path_residuals split over the ranks of ``group`` (see pathkernels.distributed)."""
     where = "pathkernels.path_residuals"
     import torch.distributed as dist

@@ -10,6 +10,7 @@
 
 Plots follow one convention: labelled axes, log scales where values span decades, a legend.
 """
+
 from __future__ import annotations
 
 import copy
@@ -43,16 +44,34 @@ def collapse_rows(variant: str, ratios: Tensor) -> list[dict]:
     ``median``, ``q10`` and ``q90`` over everything after the depth dimension."""
     rows = []
     for depth, values in enumerate(ratios.double().flatten(1)):
-        rows.append({"variant": variant, "depth": depth, "mean": values.mean().item(), "median": values.median().item(),
-                     "q10": values.quantile(0.1).item(), "q90": values.quantile(0.9).item()})
+        rows.append(
+            {
+                "variant": variant,
+                "depth": depth,
+                "mean": values.mean().item(),
+                "median": values.median().item(),
+                "q10": values.quantile(0.1).item(),
+                "q90": values.quantile(0.9).item(),
+            }
+        )
     return rows
 
 
 # --- collapse versus depth ----------------------------------------------------------------------
 
-def collapse_vs_depth(*, num_layers: int = 12, d_model: int = 64, num_heads: int = 4, n: int = 32, batch: int = 8,
-                      seeds: int = 3, variants: Sequence[str] = tuple(VARIANTS), dtype=torch.float64,
-                      progress: bool = False):
+
+def collapse_vs_depth(
+    *,
+    num_layers: int = 12,
+    d_model: int = 64,
+    num_heads: int = 4,
+    n: int = 32,
+    batch: int = 8,
+    seeds: int = 3,
+    variants: Sequence[str] = tuple(VARIANTS),
+    dtype=torch.float64,
+    progress: bool = False,
+):
     """Residual ratio ``‖X_l − 1μᵀ‖_{1,∞} / ‖X_l‖_{1,∞}`` of the hidden states at every depth l.
 
     For each variant and seed: a freshly initialised :class:`~pathkernels.models.SelfAttentionNetwork`
@@ -70,8 +89,9 @@ def collapse_vs_depth(*, num_layers: int = 12, d_model: int = 64, num_heads: int
         for seed in range(seeds):
             generator = torch.Generator().manual_seed(seed)
             torch.manual_seed(seed)
-            model = SelfAttentionNetwork.variant(variant, d_model=d_model, num_heads=num_heads,
-                                                 num_layers=num_layers).to(dtype)
+            model = SelfAttentionNetwork.variant(
+                variant, d_model=d_model, num_heads=num_heads, num_layers=num_layers
+            ).to(dtype)
             x = torch.randn(batch, n, d_model, generator=generator, dtype=dtype)
             with torch.no_grad():
                 ratios.append(residual_ratio(model(x).hidden_states))  # [L+1, B]
@@ -89,8 +109,9 @@ def plot_collapse(table, ax=None):
     fig, ax = _axes(plt, ax)
     for i, (variant, rows) in enumerate(table.groupby("variant", sort=False)):
         ax.plot(rows["depth"], rows["median"].clip(lower=1e-300), "o-", ms=3, color=f"C{i}", label=variant)
-        ax.fill_between(rows["depth"], rows["q10"].clip(lower=1e-300), rows["q90"].clip(lower=1e-300),
-                        color=f"C{i}", alpha=0.2)
+        ax.fill_between(
+            rows["depth"], rows["q10"].clip(lower=1e-300), rows["q90"].clip(lower=1e-300), color=f"C{i}", alpha=0.2
+        )
     floor = 2 * torch.finfo(torch.float64).eps
     if float(table["q10"].clip(lower=1e-300).min()) < 1e3 * floor:  # only where the data come near it
         ax.axhline(floor, color="0.5", linestyle=":", linewidth=1, label="float64 round-off")
@@ -111,6 +132,7 @@ def _integer_ticks():
 
 # --- path-length distribution -------------------------------------------------------------------
 
+
 def path_length_distribution(architectures: dict[str, tuple[int, int]] | None = None):
     """Share of the ``(H+1)^L`` paths (skip allowed at every layer) that have length k: ``C(L, k) H^k / (H+1)^L``.
 
@@ -125,8 +147,17 @@ def path_length_distribution(architectures: dict[str, tuple[int, int]] | None = 
         log_total = layers * math.log10(heads + 1)
         for k, count in enumerate(counts):
             log_share = math.log10(count) - log_total
-            rows.append({"architecture": name, "layers": layers, "heads": heads, "length": k, "path_count": count,
-                             "share": 10**log_share, "log10_share": log_share})
+            rows.append(
+                {
+                    "architecture": name,
+                    "layers": layers,
+                    "heads": heads,
+                    "length": k,
+                    "path_count": count,
+                    "share": 10**log_share,
+                    "log10_share": log_share,
+                }
+            )
     frame = pd.DataFrame(rows)
     frame["path_count"] = frame["path_count"].astype(object)
     return frame
@@ -150,8 +181,10 @@ def plot_path_lengths(table, ax=None):
 
 # --- exact residual ratio by path length --------------------------------------------------------
 
-def ratio_by_length(*, num_layers: int = 6, num_heads: int = 4, n: int = 32, d_model: int = 64, seed: int = 0,
-                    progress: bool = False):
+
+def ratio_by_length(
+    *, num_layers: int = 6, num_heads: int = 4, n: int = 32, d_model: int = 64, seed: int = 0, progress: bool = False
+):
     """Exact decomposition of the attention of a "+skip" network at initialisation into all of
     its ``(H+1)^L`` paths: the residual ratio of every ``P_p`` (see :func:`pathkernels.decompose`).
 
@@ -167,6 +200,7 @@ def ratio_by_length(*, num_layers: int = 6, num_heads: int = 4, n: int = 32, d_m
 
 
 # --- path effectiveness on sorting ----------------------------------------------------------------
+
 
 class SortingModel(nn.Module):
     """Token and position embeddings, an attention-only network with skip connections and no
@@ -205,9 +239,20 @@ class EffectivenessResult:
     final_loss: float
 
 
-def path_effectiveness(*, vocab: int = 16, n: int = 8, d_model: int = 64, num_heads: int = 4, num_layers: int = 3,
-                       steps: int = 1000, batch: int = 128, lr: float = 3e-3, test_size: int = 2048, seed: int = 0,
-                       progress: bool = False) -> EffectivenessResult:
+def path_effectiveness(
+    *,
+    vocab: int = 16,
+    n: int = 8,
+    d_model: int = 64,
+    num_heads: int = 4,
+    num_layers: int = 3,
+    steps: int = 1000,
+    batch: int = 128,
+    lr: float = 3e-3,
+    test_size: int = 2048,
+    seed: int = 0,
+    progress: bool = False,
+) -> EffectivenessResult:
     """Train :class:`SortingModel` to sort, then its accuracy using only paths of length ≤ k.
 
     Training: Adam with a cosine learning-rate decay over ``steps`` batches of fresh random
@@ -272,9 +317,14 @@ def truncation_accuracy(model: SortingModel, tokens: Tensor, target: Tensor):
         rows = []
         for k in range(num_layers + 1):
             correct = model64.unembed(truncated_output(sums, k)).argmax(-1) == target
-            rows.append({"max_length": k, "token_accuracy": correct.double().mean().item(),
-                         "sequence_accuracy": correct.all(-1).double().mean().item(),
-                         "path_count": sum(counts[: k + 1])})
+            rows.append(
+                {
+                    "max_length": k,
+                    "token_accuracy": correct.double().mean().item(),
+                    "sequence_accuracy": correct.all(-1).double().mean().item(),
+                    "path_count": sum(counts[: k + 1]),
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -294,6 +344,7 @@ def plot_effectiveness(table, ax=None):
 
 
 # --- helpers --------------------------------------------------------------------------------------
+
 
 def _pyplot():
     _require("matplotlib")

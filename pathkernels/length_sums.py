@@ -1,5 +1,6 @@
 """Exact sums of the path outputs of each length, by dynamic programming over layers (no
 enumeration), and the truncated outputs they give."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,16 @@ from pathkernels import masking
 from pathkernels.checks import check_bias, check_network, restricted_attention
 
 
-def length_sums(attn: Tensor, x: Tensor, w_v: Tensor, w_o: Tensor, *, b_o: Tensor | None = None,
-                skip: bool = True, token_mask: Tensor | None = None) -> Tensor:
+def length_sums(
+    attn: Tensor,
+    x: Tensor,
+    w_v: Tensor,
+    w_o: Tensor,
+    *,
+    b_o: Tensor | None = None,
+    skip: bool = True,
+    token_mask: Tensor | None = None,
+) -> Tensor:
     """Exact sum of the path outputs of each length, by dynamic programming over layers.
 
     ``S_k^(l) = [skip] S_k^(l-1) + Σ_h A[l, h] S_{k-1}^(l-1) W_V[l, h] W_O[l, h] + [k = 1] 1 b_O[l]ᵀ``
@@ -67,12 +76,18 @@ def length_sums(attn: Tensor, x: Tensor, w_v: Tensor, w_o: Tensor, *, b_o: Tenso
 
 def _masked_length_sums(attn, x, w_v, w_o, b_o, skip: bool, token_mask, where: str) -> Tensor:
     """length_sums of each batch element on its real tokens, zeros on its padded rows."""
-    shapes_ok = (isinstance(attn, Tensor) and attn.dim() in (4, 5) and isinstance(x, Tensor)
-                 and x.dim() == attn.dim() - 2 and x.shape[:-1] == attn.shape[:-4] + attn.shape[-1:])
+    shapes_ok = (
+        isinstance(attn, Tensor)
+        and attn.dim() in (4, 5)
+        and isinstance(x, Tensor)
+        and x.dim() == attn.dim() - 2
+        and x.shape[:-1] == attn.shape[:-4] + attn.shape[-1:]
+    )
     if not shapes_ok:  # the plain checks name what is wrong
         check_network(attn, x, w_v, w_o, where)
-        raise ValueError(f"{where}: expected attn [B, L, H, n, n] with x [B, n, d], got {list(attn.shape)} and "
-                         f"{list(x.shape)}")
+        raise ValueError(
+            f"{where}: expected attn [B, L, H, n, n] with x [B, n, d], got {list(attn.shape)} and {list(x.shape)}"
+        )
     batched = attn.dim() == 5
     if not batched:
         attn, x = attn.unsqueeze(0), x.unsqueeze(0)
@@ -83,8 +98,9 @@ def _masked_length_sums(attn, x, w_v, w_o, b_o, skip: bool, token_mask, where: s
     else:
         sums = x.new_zeros(attn.shape[1] + 1, *x.shape)
         for group in masking.mask_groups(mask):
-            part = length_sums(restricted_attention(attn, group, where), masking.restrict(x, group),
-                               w_v, w_o, b_o=b_o, skip=skip)  # [L+1, G, n_real, d]
+            part = length_sums(
+                restricted_attention(attn, group, where), masking.restrict(x, group), w_v, w_o, b_o=b_o, skip=skip
+            )  # [L+1, G, n_real, d]
             sums[:, group.batch.unsqueeze(1), group.tokens] = part
     return sums if batched else sums[:, 0]
 

@@ -10,6 +10,7 @@ queries give padded keys zero weight.
 The functions here group the batch elements by their mask (a batch of right-padded sequences of
 three lengths is three groups), so that each group runs as one batched call on its real tokens.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -41,13 +42,17 @@ def check_token_mask(token_mask, batch: int, n: int, device: torch.device, where
         raise ValueError(f"{where}: expected token_mask of shape [B, n] = [{batch}, {n}], got {list(token_mask.shape)}")
     if token_mask.dtype != torch.bool:
         if token_mask.is_complex() or bool(((token_mask != 0) & (token_mask != 1)).any()):
-            raise ValueError(f"{where}: expected token_mask of bools or 0/1 values (1 = a real token), got "
-                             f"{token_mask.dtype} values {torch.unique(token_mask)[:5].tolist()}")
+            raise ValueError(
+                f"{where}: expected token_mask of bools or 0/1 values (1 = a real token), got "
+                f"{token_mask.dtype} values {torch.unique(token_mask)[:5].tolist()}"
+            )
         token_mask = token_mask != 0
     empty = ~token_mask.any(-1)
     if bool(empty.any()):
-        raise ValueError(f"{where}: token_mask keeps no token of batch element {int(empty.nonzero()[0])}; every "
-                         "element needs at least one real token")
+        raise ValueError(
+            f"{where}: token_mask keeps no token of batch element {int(empty.nonzero()[0])}; every "
+            "element needs at least one real token"
+        )
     if bool(token_mask.all()):
         return None
     return token_mask.to(device)

@@ -15,6 +15,7 @@ Padded batches: every function takes ``token_mask`` (True at real tokens, e.g. a
   arXiv 2312.06182);
 - :func:`effective_rank`, :func:`stable_rank`, :func:`dobrushin`, :func:`token_cosine_similarity`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -84,8 +85,9 @@ def residual_ratio(hidden_states: Tensor | Sequence[Tensor], *, token_mask: Tens
 _RANK1_NORMS = ("frobenius", "composite")
 
 
-def rank1_residual(x: Tensor | Sequence[Tensor], *, relative: bool = True, norm: str = "frobenius",
-                   token_mask: Tensor | None = None) -> Tensor:
+def rank1_residual(
+    x: Tensor | Sequence[Tensor], *, relative: bool = True, norm: str = "frobenius", token_mask: Tensor | None = None
+) -> Tensor:
     """Distance of each matrix to its best rank-1 approximation ``σ_1 u_1 v_1ᵀ`` (SVD).
 
     - ``norm="frobenius"``: ``‖X − σ_1 u_1 v_1ᵀ‖_F = sqrt(Σ_{i≥2} σ_i²)``, divided by
@@ -249,8 +251,9 @@ def dobrushin(p: Tensor, *, token_mask: Tensor | None = None) -> Tensor:
     return per_matrix(coefficient, p, token_mask, "pathkernels.metrics.dobrushin", square=True)
 
 
-def token_cosine_similarity(x: Tensor | Sequence[Tensor], *, eps: float = 1e-12,
-                            token_mask: Tensor | None = None) -> Tensor:
+def token_cosine_similarity(
+    x: Tensor | Sequence[Tensor], *, eps: float = 1e-12, token_mask: Tensor | None = None
+) -> Tensor:
     """Mean cosine similarity over pairs of distinct tokens: ``mean_{i≠j} ⟨x_i, x_j⟩ / (‖x_i‖ ‖x_j‖)``.
 
     Args:

@@ -7,6 +7,7 @@ forward pass can return the hidden states and the attention patterns, and
 :meth:`SelfAttentionNetwork.attention_stack` hands them to the path engine with the per-head
 value-output maps.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,9 @@ class MultiHeadAttention(nn.Module):
     Weights are stored per head: ``w_q``, ``w_k``, ``w_v`` ``[H, d, d_head]``, ``w_o`` ``[H, d_head, d]``.
     """
 
-    def __init__(self, d_model: int, num_heads: int, *, d_head: int | None = None, bias: bool = True,
-                 causal: bool = False):
+    def __init__(
+        self, d_model: int, num_heads: int, *, d_head: int | None = None, bias: bool = True, causal: bool = False
+    ):
         super().__init__()
         d_head = d_head or d_model // num_heads
         self.num_heads, self.d_head, self.causal = num_heads, d_head, causal
@@ -84,9 +86,19 @@ class SelfAttentionNetwork(nn.Module):
         ``x [B, n, d] -> NetworkOutput(output [B, n, d], hidden_states [L+1, B, n, d], attn [B, L, H, n, n])``.
     """
 
-    def __init__(self, d_model: int = 64, num_heads: int = 4, num_layers: int = 6, *, skip: bool = False,
-                 mlp: bool = False, layer_norm: bool = False, d_mlp: int | None = None, bias: bool = True,
-                 causal: bool = False):
+    def __init__(
+        self,
+        d_model: int = 64,
+        num_heads: int = 4,
+        num_layers: int = 6,
+        *,
+        skip: bool = False,
+        mlp: bool = False,
+        layer_norm: bool = False,
+        d_mlp: int | None = None,
+        bias: bool = True,
+        causal: bool = False,
+    ):
         super().__init__()
         self.skip, self.use_mlp, self.use_layer_norm = skip, mlp, layer_norm
         self.attention = nn.ModuleList(
@@ -132,5 +144,11 @@ class SelfAttentionNetwork(nn.Module):
         w_o = torch.stack([a.w_o for a in self.attention]).detach()
         zeros = torch.zeros(w_o.shape[-1], dtype=w_o.dtype, device=w_o.device)
         b_o = torch.stack([zeros if a.b_o is None else a.b_o.detach() for a in self.attention])
-        return AttentionStack(attn=result.attn.detach(), w_v=w_v, w_o=w_o, b_o=b_o,
-                              hidden_states=result.hidden_states.detach(), source="pathkernels.models")
+        return AttentionStack(
+            attn=result.attn.detach(),
+            w_v=w_v,
+            w_o=w_o,
+            b_o=b_o,
+            hidden_states=result.hidden_states.detach(),
+            source="pathkernels.models",
+        )

@@ -1,4 +1,5 @@
 """Drop-in modules."""
+
 from __future__ import annotations
 
 from torch import Tensor, nn

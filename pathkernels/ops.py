@@ -2,6 +2,7 @@
 
 Shapes use ``[..., n, m]`` for a batch of n-by-m matrices: n rows (tokens), m columns.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -39,18 +40,15 @@ def check_norm_input(x: Tensor, centered: bool, op: str | None = None) -> None:
         raise TypeError(f"{op}: expected x to be a torch.Tensor, got {type(x).__name__}")
     if x.dim() < 2:
         raise ValueError(
-            f"{op}: expected x to have at least 2 dimensions [..., n, m], got {x.dim()} "
-            f"(shape {list(x.shape)})"
+            f"{op}: expected x to have at least 2 dimensions [..., n, m], got {x.dim()} (shape {list(x.shape)})"
         )
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(
-            f"{op}: expected x to be a floating-point tensor (float32, float64, float16 or "
-            f"bfloat16), got {x.dtype}"
+            f"{op}: expected x to be a floating-point tensor (float32, float64, float16 or bfloat16), got {x.dtype}"
         )
     if x.shape[-2] == 0:
         raise ValueError(
-            f"{op}: expected x to have at least one row (n >= 1) in [..., n, m], got shape "
-            f"{list(x.shape)}"
+            f"{op}: expected x to have at least one row (n >= 1) in [..., n, m], got shape {list(x.shape)}"
         )
 
 
@@ -86,9 +84,18 @@ def _fused_leaf_norms_fake(attn, right, mean):
 # The autograd formula of norm_parts is registered in C++ (csrc/norms/norms_autograd.cpp).
 
 
-def path_chunk_norms(attn_centred: Tensor, attn_mean: Tensor, root: Tensor, root_mean: Tensor, w_v: Tensor | None,
-                     w_o: Tensor | None, parents: list[Tensor], heads: list[Tensor], leaf_block: int,
-                     fused_leaves: bool = True) -> tuple[Tensor, Tensor]:
+def path_chunk_norms(
+    attn_centred: Tensor,
+    attn_mean: Tensor,
+    root: Tensor,
+    root_mean: Tensor,
+    w_v: Tensor | None,
+    w_o: Tensor | None,
+    parents: list[Tensor],
+    heads: list[Tensor],
+    leaf_block: int,
+    fused_leaves: bool = True,
+) -> tuple[Tensor, Tensor]:
     """One chunk of a path tree, breadth-first: the per-leaf residual and norm (the engine's op).
 
     With ``C(A) = A − 1aᵀ`` and ``a = 1ᵀA/n``, every node of level l is ``R = C(A[l, h]) R_parent``
@@ -107,8 +114,9 @@ def path_chunk_norms(attn_centred: Tensor, attn_mean: Tensor, root: Tensor, root
     Returns:
         ``(residual, norm)``, each ``[B, N_L]`` in the leaves' trie order.
     """
-    return torch.ops.pathkernels.path_chunk_norms(attn_centred, attn_mean, root, root_mean, w_v, w_o, parents, heads,
-                                                  leaf_block, fused_leaves)
+    return torch.ops.pathkernels.path_chunk_norms(
+        attn_centred, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block, fused_leaves
+    )
 
 
 def _norm_parts(x: Tensor, centered: bool, with_norm: bool, op: str | None = None) -> Tensor:

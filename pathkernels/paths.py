@@ -4,6 +4,7 @@ A path picks, at each of L layers, one of H heads or (with skip connections) the
 written ``-1``. Its length is the number of layers where it takes a head. Path counts are exact
 Python ints: ``(H+1)^L`` exceeds 2^63 for real models.
 """
+
 from __future__ import annotations
 
 import math
@@ -173,8 +174,10 @@ class PathTree:
         try:
             paths = torch.as_tensor(paths)
         except (TypeError, ValueError, RuntimeError):
-            raise TypeError(f"{where}: expected paths as an integer tensor [M, L] or a list of M lists of L ints "
-                            f"(equal lengths; -1 = skip), got {type(paths).__name__} {str(paths)[:80]}") from None
+            raise TypeError(
+                f"{where}: expected paths as an integer tensor [M, L] or a list of M lists of L ints "
+                f"(equal lengths; -1 = skip), got {type(paths).__name__} {str(paths)[:80]}"
+            ) from None
         if paths.dtype.is_floating_point or paths.dtype.is_complex or paths.dtype == torch.bool:
             raise TypeError(f"{where}: expected an integer tensor of heads, got {paths.dtype}")
         if paths.dim() != 2 or paths.shape[0] == 0 or paths.shape[1] == 0:
@@ -313,9 +316,7 @@ def _enumerate_short_paths(num_layers: int, num_heads: int, max_length: int) -> 
     choices = torch.arange(SKIP, num_heads)
     for _ in range(num_layers):
         count = prefixes.shape[0]
-        grown = torch.cat(
-            [prefixes.repeat_interleave(len(choices), 0), choices.repeat(count).unsqueeze(1)], dim=1
-        )
+        grown = torch.cat([prefixes.repeat_interleave(len(choices), 0), choices.repeat(count).unsqueeze(1)], dim=1)
         grown_lengths = lengths.repeat_interleave(len(choices)) + (grown[:, -1] != SKIP).long()
         keep = grown_lengths <= max_length
         prefixes, lengths = grown[keep], grown_lengths[keep]
@@ -349,8 +350,10 @@ def sample_paths(
     skip = check_flag(skip, "skip", where)
     replace = check_flag(replace, "replace", where)
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"{where}: expected generator to be a torch.Generator (e.g. torch.Generator()."
-                        f"manual_seed(0)) or None, got {type(generator).__name__} {generator!r}")
+        raise TypeError(
+            f"{where}: expected generator to be a torch.Generator (e.g. torch.Generator()."
+            f"manual_seed(0)) or None, got {type(generator).__name__} {generator!r}"
+        )
     if length is not None:
         length = check_int(length, "length", where, minimum=0, maximum=num_layers)
         if length < num_layers and not skip:
@@ -363,8 +366,10 @@ def sample_paths(
         available = count_by_length(num_layers, num_heads, skip=skip)[length]
     if num_samples > available:
         which = "paths" if length is None else f"paths of length {length}"
-        raise ValueError(f"{where}: expected num_samples <= {available:,} with replace=False (there are "
-                         f"{available:,} {which}), got {num_samples:,}")
+        raise ValueError(
+            f"{where}: expected num_samples <= {available:,} with replace=False (there are "
+            f"{available:,} {which}), got {num_samples:,}"
+        )
     if 2 * num_samples >= available:  # most of a small set: enumerate it, take a random subset
         if length is None:
             every = PathTree.complete(num_layers, num_heads, skip=skip).paths()
@@ -376,8 +381,9 @@ def sample_paths(
     # are enough. Each round keeps over half of its draws in expectation, so few rounds are needed.
     kept = torch.empty(0, num_layers, dtype=torch.long)
     while kept.shape[0] < num_samples:
-        drawn = torch.cat([kept, _draw_paths(num_layers, num_heads, num_samples - kept.shape[0] + 16, skip, length,
-                                             generator)])
+        drawn = torch.cat(
+            [kept, _draw_paths(num_layers, num_heads, num_samples - kept.shape[0] + 16, skip, length, generator)]
+        )
         _, inverse = torch.unique(drawn, dim=0, return_inverse=True)
         first = torch.full((int(inverse.max()) + 1,), drawn.shape[0], dtype=torch.long)
         first.scatter_reduce_(0, inverse, torch.arange(drawn.shape[0]), reduce="amin")
@@ -385,8 +391,9 @@ def sample_paths(
     return kept[:num_samples]
 
 
-def _draw_paths(num_layers: int, num_heads: int, num_samples: int, skip: bool, length: int | None,
-                generator: torch.Generator | None) -> Tensor:
+def _draw_paths(
+    num_layers: int, num_heads: int, num_samples: int, skip: bool, length: int | None, generator: torch.Generator | None
+) -> Tensor:
     """sample_paths with replacement, on checked arguments."""
     if length is None:
         choices = num_heads + int(skip)

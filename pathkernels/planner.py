@@ -12,6 +12,7 @@ CPU threads (one on CUDA), each reducing a block of ``leaf_block`` leaves with i
 gathered-parent and W-temporary buffers (``BUFFERS_PER_LEAF``). The smallest budget that runs is
 one leaf per worker and two nodes: ``(BUFFERS_PER_LEAF · workers + 2) · node``.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -104,7 +105,9 @@ def chunks(tree: PathTree, net: Network, memory_budget: int, first: int, last: i
             f"pathkernels.path_residuals: memory_budget={memory_budget:,} bytes allows chunks of at most {size_cap:,} "
             f"leaves at n = {net.attn.shape[-1]}, width {net.width}; such small chunks run up to a few hundred times "
             f"slower than a budget of {format_bytes(ADVISED_BUDGET)} or more",
-            RuntimeWarning, stacklevel=4)
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def from_paths(start: int, last: int):
         size = max(1, min(last - start, size_cap))

@@ -2,6 +2,7 @@
 
 They compute in the dtype they are given; tests pass float64 copies.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,8 +35,9 @@ def residual_norm_ref(x: Tensor) -> Tensor:
     return composite_norm_ref(residual_ref(x))
 
 
-def path_products_ref(attn: Tensor, paths: Tensor, x: Tensor | None = None, w_v: Tensor | None = None,
-                      w_o: Tensor | None = None) -> Tensor:
+def path_products_ref(
+    attn: Tensor, paths: Tensor, x: Tensor | None = None, w_v: Tensor | None = None, w_o: Tensor | None = None
+) -> Tensor:
     """The per-path loop: ``P_p = A[L, p_L] ⋯ A[1, p_1]`` (or ``Y_p = P_p X W_p``) for every path.
 
     attn ``[B, L, H, n, n]``, paths ``[M, L]`` (-1 = skip), x ``[B, n, d]``, w_v ``[L, H, d, d_head]``,
@@ -54,8 +56,9 @@ def path_products_ref(attn: Tensor, paths: Tensor, x: Tensor | None = None, w_v:
     return torch.stack(out, dim=1)
 
 
-def attention_network_ref(attn: Tensor, x: Tensor, w_v: Tensor, w_o: Tensor, b_o: Tensor | None = None, *,
-                          skip: bool = True) -> Tensor:
+def attention_network_ref(
+    attn: Tensor, x: Tensor, w_v: Tensor, w_o: Tensor, b_o: Tensor | None = None, *, skip: bool = True
+) -> Tensor:
     """An attention-only network: ``X_l = [X_{l-1}] + Σ_h A[l, h] X_{l-1} W_V W_O + 1 b_O[l]ᵀ``.
 
     attn ``[B, L, H, n, n]``, x ``[B, n, d]``, b_o ``[L, d]`` or None (zero biases) -> ``[B, n, d]``:
@@ -69,8 +72,9 @@ def attention_network_ref(attn: Tensor, x: Tensor, w_v: Tensor, w_o: Tensor, b_o
     return x
 
 
-def trie_products_ref(attn: Tensor, tree, x: Tensor | None = None, w_v: Tensor | None = None,
-                      w_o: Tensor | None = None) -> Tensor:
+def trie_products_ref(
+    attn: Tensor, tree, x: Tensor | None = None, w_v: Tensor | None = None, w_o: Tensor | None = None
+) -> Tensor:
     """Every path's product by the path tree's trie, materialised level by level in plain PyTorch.
 
     attn ``[B, L, H, n, n]``, a :class:`~pathkernels.PathTree`, optional x ``[B, n, d]``, w_v, w_o ->

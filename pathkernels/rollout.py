@@ -1,4 +1,5 @@
 """Attention rollout (Abnar & Zuidema 2020), batched and correctly normalised."""
+
 from __future__ import annotations
 
 import torch
@@ -68,8 +69,9 @@ def rollout(
         if mask is not None:
             result = attn.new_zeros(attn.shape[0], attn.shape[-1], attn.shape[-1])
             for group in masking.mask_groups(mask):
-                part = _rollout(masking.restrict(attn, group, token_dims=(-2, -1)), head_fusion, residual,
-                                discard_ratio, where)
+                part = _rollout(
+                    masking.restrict(attn, group, token_dims=(-2, -1)), head_fusion, residual, discard_ratio, where
+                )
                 index = group.tokens
                 result[group.batch.view(-1, 1, 1), index.view(1, -1, 1), index.view(1, 1, -1)] = part
             return result if batched else result[0]

@@ -1,4 +1,5 @@
 """Generators, devices and tolerances shared by the tests and the benchmarks."""
+
 from __future__ import annotations
 
 import torch
@@ -43,8 +44,9 @@ def random_attention(*shape: int, dtype=torch.float32, device="cpu", generator=N
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float64: 2.0**-53}
 
 
-def path_condition_numbers(attn: Tensor, paths: Tensor, x: Tensor | None = None, w_v: Tensor | None = None,
-                           w_o: Tensor | None = None) -> Tensor:
+def path_condition_numbers(
+    attn: Tensor, paths: Tensor, x: Tensor | None = None, w_v: Tensor | None = None, w_o: Tensor | None = None
+) -> Tensor:
     """Condition number of each path's residual, in float64: ``[B, M]``.
 
     ``κ_p = ‖ |C(A_L)| ⋯ |C(A_1)| ‖_{1,∞} / ‖ C(A_L) ⋯ C(A_1) ‖_{1,∞}`` for attention products, with

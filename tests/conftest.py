@@ -2,6 +2,7 @@
 
 Set PATHKERNELS_TEST_SEED=<seed> to rerun with the inputs of a failed run.
 """
+
 import os
 
 import pytest

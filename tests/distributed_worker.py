@@ -6,6 +6,7 @@ Runs the cases in order in one gloo group, one thread per process, and saves per
 result (rank 0, or every rank with all_ranks) or the error's type and message to OUT (torch.save).
 Every rank builds the same inputs from fixed seeds, except where a case makes them differ.
 """
+
 import os
 import sys
 from datetime import timedelta
@@ -57,16 +58,22 @@ def summary(result):
     if result is None:
         return None
     if isinstance(result, pk.PathDecomposition):
-        return {"residual": result.results.residual, "norm": result.results.norm, "paths": result.paths,
-                    "weights": result.weights, "table": result.by_length().to_dict("list")}
+        return {
+            "residual": result.results.residual,
+            "norm": result.results.norm,
+            "paths": result.paths,
+            "weights": result.weights,
+            "table": result.by_length().to_dict("list"),
+        }
     return {"residual": result.residual, "norm": result.norm, "paths": result.paths}
 
 
 def main():
     rank, world, store, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     results = {}
     for case in sys.argv[5:]:
         try:

@@ -3,6 +3,7 @@
 Each extracted map is checked against the model's own computation: a layer's attention output is
 ``Σ_h A[l,h] X_l W_V[l,h] W_O[l,h] + b_O[l]``, with X_l the attention module's input.
 """
+
 import copy
 
 import pytest
@@ -35,17 +36,41 @@ def hf_case(family: str):
     if family == "gpt2":
         model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=50, n_positions=16))
     elif family == "bert":
-        model = tf.BertModel(tf.BertConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32,
-                                           intermediate_size=64, vocab_size=50, max_position_embeddings=16))
+        model = tf.BertModel(
+            tf.BertConfig(
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                hidden_size=32,
+                intermediate_size=64,
+                vocab_size=50,
+                max_position_embeddings=16,
+            )
+        )
         tokens["attention_mask"] = torch.tensor([[1] * 7, [1] * 5 + [0] * 2])  # padded keys: rows still sum to 1
     elif family == "vit":
-        model = tf.ViTModel(tf.ViTConfig(image_size=16, patch_size=4, num_hidden_layers=2, num_attention_heads=4,
-                                         hidden_size=32, intermediate_size=64))
+        model = tf.ViTModel(
+            tf.ViTConfig(
+                image_size=16,
+                patch_size=4,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                hidden_size=32,
+                intermediate_size=64,
+            )
+        )
         tokens = {"pixel_values": torch.randn(2, 3, 16, 16)}
     else:  # a Llama-style decoder with grouped-query attention: 4 query heads share 2 key/value heads
-        model = tf.LlamaForCausalLM(tf.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                                   hidden_size=32, intermediate_size=64, vocab_size=50,
-                                                   attention_bias=True))
+        model = tf.LlamaForCausalLM(
+            tf.LlamaConfig(
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                hidden_size=32,
+                intermediate_size=64,
+                vocab_size=50,
+                attention_bias=True,
+            )
+        )
     return randomise_biases(model), tokens
 
 
@@ -61,11 +86,13 @@ def test_huggingface_maps_reproduce_every_attention_output(family):
     def keep_input(index):
         def hook(module, args, kwargs):
             seen_inputs[index] = args[0] if args else kwargs["hidden_states"]
+
         return hook
 
     def keep_output(index):
         def hook(module, args, output):
             seen_outputs[index] = output
+
         return hook
 
     handles = [
@@ -137,14 +164,25 @@ def test_huggingface_bad_input():
 
 # --- TransformerLens ----------------------------------------------------------------------------
 
+
 def hooked_transformer(**overrides):
     tl = pytest.importorskip("transformer_lens")
     try:
         from transformer_lens import HookedTransformer, HookedTransformerConfig
     except ImportError:
         pytest.skip("this transformer_lens has no HookedTransformer (removed in 4.0)")
-    config = {"n_layers": 3, "d_model": 16, "n_ctx": 8, "d_head": 4, "n_heads": 4, "attn_only": True,
-              "normalization_type": None, "d_vocab": 20, "act_fn": None, "dtype": torch.float64}
+    config = {
+        "n_layers": 3,
+        "d_model": 16,
+        "n_ctx": 8,
+        "d_head": 4,
+        "n_heads": 4,
+        "attn_only": True,
+        "normalization_type": None,
+        "d_vocab": 20,
+        "act_fn": None,
+        "dtype": torch.float64,
+    }
     config.update(overrides)
     return tl, HookedTransformer(HookedTransformerConfig(**config))
 
@@ -183,18 +221,25 @@ def test_gpt2_attention_sublayers_are_their_length_sums():
     model = model.double()
     layers = adapters.huggingface._attention_layers(model)
     seen_inputs, seen_outputs = {}, {}
-    handles = [layer.attention.register_forward_pre_hook(
-        lambda module, args, kwargs, i=i: seen_inputs.__setitem__(i, args[0] if args else kwargs["hidden_states"]),
-        with_kwargs=True) for i, layer in enumerate(layers)]
-    handles += [layer.output.register_forward_hook(lambda module, args, output, i=i: seen_outputs.__setitem__(i, output))
-                for i, layer in enumerate(layers)]
+    handles = [
+        layer.attention.register_forward_pre_hook(
+            lambda module, args, kwargs, i=i: seen_inputs.__setitem__(i, args[0] if args else kwargs["hidden_states"]),
+            with_kwargs=True,
+        )
+        for i, layer in enumerate(layers)
+    ]
+    handles += [
+        layer.output.register_forward_hook(lambda module, args, output, i=i: seen_outputs.__setitem__(i, output))
+        for i, layer in enumerate(layers)
+    ]
     stack = adapters.from_huggingface(model, **inputs).to(torch.float64)
     for handle in handles:
         handle.remove()
     for layer in range(2):
         one = slice(layer, layer + 1)
-        sums = pk.length_sums(stack.attn[:, one], seen_inputs[layer], stack.w_v[one], stack.w_o[one],
-                              b_o=stack.b_o[one], skip=False)
+        sums = pk.length_sums(
+            stack.attn[:, one], seen_inputs[layer], stack.w_v[one], stack.w_o[one], b_o=stack.b_o[one], skip=False
+        )
         torch.testing.assert_close(sums.sum(0), seen_outputs[layer], rtol=1e-9, atol=1e-9)
 
 
@@ -216,8 +261,11 @@ def test_transformer_lens_maps_and_folded_biases(kv_heads):
     torch.testing.assert_close(factored.AB, stack.w_v[0, 1] @ stack.w_o[0, 1] @ stack.w_v[2, 2] @ stack.w_o[2, 2])
     eye = torch.eye(16, dtype=torch.float64)
     assert all(torch.equal(f, eye) for f in stack.w_path([-1, -1, -1]))
-    with pytest.raises(ValueError, match=r"expected a path of 3 entries, one per layer, each a head in 0..3 or -1 for "
-                                         r"skip; got \[1, -1\] \(2 entries\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"expected a path of 3 entries, one per layer, each a head in 0..3 or -1 for "
+        r"skip; got \[1, -1\] \(2 entries\)",
+    ):
         stack.w_path([1, -1])
 
 

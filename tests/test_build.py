@@ -1,4 +1,5 @@
 """The compiled extension: build information and the errors for a mismatched binary."""
+
 import pytest
 import torch
 
@@ -44,9 +45,11 @@ def test_import_leaves_the_application_modules_unloaded():
     import subprocess
     import sys
 
-    code = ("import sys, pathkernels; print(sorted(m for m in ('pandas', 'matplotlib', 'pathkernels.experiments', "
-            "'pathkernels.models', 'pathkernels.benchmarks', 'pathkernels.compat', 'pathkernels.cli') "
-            "if m in sys.modules))")
+    code = (
+        "import sys, pathkernels; print(sorted(m for m in ('pandas', 'matplotlib', 'pathkernels.experiments', "
+        "'pathkernels.models', 'pathkernels.benchmarks', 'pathkernels.compat', 'pathkernels.cli') "
+        "if m in sys.modules))"
+    )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
     assert pk.experiments.__name__ == "pathkernels.experiments"  # on first use

@@ -1,4 +1,5 @@
 """pathkernels.compat: the official utilities' signatures and semantics, on the fused ops."""
+
 import random
 
 import pytest

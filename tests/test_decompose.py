@@ -1,4 +1,5 @@
 """pk.decompose and PathDecomposition: exact, uniform and stratified decompositions, tables, plots."""
+
 import math
 import sys
 
@@ -39,8 +40,9 @@ def test_exact_decomposition_table_matches_the_per_path_results():
 
 def test_per_path_frame_uses_head_labels():
     attn = attention(layers=3, heads=2)
-    dec = pk.decompose(attn, tree=pk.PathTree.from_paths(torch.tensor([[-1, -1, -1], [1, -1, 0], [0, 1, 1]]),
-                                                         num_heads=2))
+    dec = pk.decompose(
+        attn, tree=pk.PathTree.from_paths(torch.tensor([[-1, -1, -1], [1, -1, 0], [0, 1, 1]]), num_heads=2)
+    )
     frame = dec.to_frame()
     assert frame["path"].tolist() == ["skip", "L0H1 L2H0", "L0H0 L1H1 L2H1"]
     assert frame["length"].tolist() == [0, 2, 3]

@@ -1,4 +1,5 @@
 """Multi-process runs (gloo, 2 and 3 processes started by the test) equal single-process runs."""
+
 import socket
 import subprocess
 import sys
@@ -30,8 +31,15 @@ def free_port() -> int:
 def launch(world: int, cases: list[str], tmp_path: Path, timeout: float = 180) -> list[dict]:
     store = tmp_path / "store"  # a file store: no rank hosts a server that could go away before the others
     outs = [tmp_path / f"rank{r}.pt" for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, worker.__file__, str(r), str(world), str(store), str(outs[r]), *cases],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker.__file__, str(r), str(world), str(store), str(outs[r]), *cases],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
     try:
         logs = [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
@@ -107,8 +115,9 @@ def test_leaf_ranges_are_balanced_and_cover_the_leaves():
 def test_group_false_or_uninitialised_is_one_process():
     attn = worker.network()[0]
     tree = pk.PathTree.complete(4, 3, skip=True)
-    torch.testing.assert_close(pk.path_residuals(attn, tree, group=False).residual,
-                               pk.path_residuals(attn, tree).residual)
+    torch.testing.assert_close(
+        pk.path_residuals(attn, tree, group=False).residual, pk.path_residuals(attn, tree).residual
+    )
     with pytest.raises(ValueError, match="got a process group, but torch.distributed is not initialised"):
         pk.path_residuals(attn, tree, group=object())
 
@@ -117,23 +126,45 @@ def test_cli_paths_under_torchrun_matches_one_process():
     pytest.importorskip("pandas")
     args = ["paths", "--layers", "4", "--heads", "3", "--width", "16", "--tokens", "8"]
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, "-m", "pathkernels", *args], capture_output=True, text=True, timeout=120,
-                         check=True, env=env).stdout
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                          str(free_port()), "-m", "pathkernels", *args], capture_output=True, text=True, timeout=180,
-                         check=False, env=env)
+    one = subprocess.run(
+        [sys.executable, "-m", "pathkernels", *args], capture_output=True, text=True, timeout=120, check=True, env=env
+    ).stdout
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "pathkernels",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env=env,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     two = run.stdout
     assert "split over 2 processes" in two
-    table = lambda out: out[out.index("\n length"):].strip()
+    table = lambda out: out[out.index("\n length") :].strip()
     assert table(two) == table(one)
 
 
 def test_launched_group_creates_and_destroys_the_torchrun_group(monkeypatch):
     with pk.distributed.launched_group() as distributed:  # not under torchrun: nothing to do
         assert distributed is False and not dist.is_initialized()
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(free_port())}.items():
+    for name, value in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(RuntimeError, match="inside"), pk.distributed.launched_group() as distributed:
         assert distributed is False and dist.is_initialized() and dist.get_world_size() == 1

@@ -1,9 +1,9 @@
 """path_residuals: the CPU path-tree engine against per-path loops, closed forms and the network."""
+
 import itertools
 import subprocess
 import sys
 import textwrap
-
 import warnings
 
 import numpy as np
@@ -194,6 +194,7 @@ def test_sum_of_all_path_outputs_is_the_network(dtype):
 
 # --- bad input ---------------------------------------------------------------------------------
 
+
 def bad_call(**changes):
     attn, x, w_v, w_o = network(2, 3, 2, 4, 3, 2)
     args = {"attn": attn, "tree": pk.PathTree.complete(3, 2, skip=True), "x": x, "w_v": w_v, "w_o": w_o}
@@ -215,40 +216,87 @@ def with_nan():
     return attn
 
 
-@pytest.mark.parametrize("call, error, message", [
-    (bad_call(attn=torch.rand(3, 4, 4)), ValueError, r"expected attn of shape \[B, L, H, n, n\] or \[L, H, n, n\]"),
-    (bad_call(attn=torch.rand(2, 3, 2, 4, 5)), ValueError, "expected square attention"),
-    (bad_call(attn=torch.ones(2, 3, 2, 4, 4, dtype=torch.int64)), TypeError, "expected attn to be float32 or float64"),
-    (bad_call(attn=torch.full((2, 3, 2, 4, 4), 0.25, dtype=torch.float16)), TypeError,
-     "float32 or float64, got torch.float16"),
-    (bad_call(x=torch.rand(2, 5, 3, dtype=torch.float64)), ValueError,
-     r"expected x of shape \[B, n, d\] = \[2, 4, d\]"),
-    (bad_call(x=torch.rand(2, 4, 3)), TypeError, "expected x in attn's dtype torch.float64, got torch.float32"),
-    (bad_call(w_v=torch.rand(3, 2, 5, 2, dtype=torch.float64)), ValueError,
-     r"expected w_v of shape \[L, H, d, d_head\]"),
-    (bad_call(w_o=None), ValueError, "pass x, w_v and w_o together"),
-    (bad_call(x=torch.rand(2, 4, 3, dtype=torch.float64, device="meta")), ValueError,
-     "expected x on attn's device cpu"),
-    (bad_call(attn=network(2, 3, 2, 4)[0].to("meta"), x=None, w_v=None, w_o=None), ValueError,
-     "expected attn on a CPU or CUDA device, got meta"),
-    (bad_call(attn=with_zero_row(), x=None, w_v=None, w_o=None), ValueError,
-     r"row 3 of batch element 1, layer 2, head 0 sums to 0\..*Masked or padded"),
-    (bad_call(attn=with_nan(), x=None, w_v=None, w_o=None), ValueError,
-     r"attn has a non-finite value \(nan\) at index \[0, 1, 1, 2, 0\]"),
-    (bad_call(tree=pk.PathTree.complete(4, 2)), ValueError,
-     "the tree has 4 layers and 2 heads, attn has L = 3 and H = 2"),
-    (bad_call(tree="paths"), TypeError, "expected tree to be a pathkernels.PathTree"),
-    (bad_call(memory_budget=0), ValueError, "expected memory_budget to be a positive int"),
-    (bad_call(memory_budget=100), ValueError, r"memory_budget=100 bytes is too small: .* needs at least [\d,]+ bytes"),
-    (bad_call(memory_budget=1.5e9), ValueError, "expected memory_budget to be a positive int"),
-    (bad_call(x=torch.rand(2, 4, 0, dtype=torch.float64), w_v=torch.rand(3, 2, 0, 2, dtype=torch.float64),
-              w_o=torch.rand(3, 2, 2, 0, dtype=torch.float64)), ValueError,
-     r"expected x with at least one column \(d >= 1\), got \[2, 4, 0\]"),
-    (bad_call(attn=network(2, 3, 2, 4)[0][0], x=torch.rand(1, 4, 3, dtype=torch.float64)), ValueError,
-     r"expected x of shape \[n, d\] = \[4, d\] \(attn has no batch dim\), got \[1, 4, 3\]"),
-    (bad_call(materialize=True, memory_budget=2000), ValueError,
-     r"materialize=True needs [\d.]+ KiB \([\d,]+ bytes\) .* over memory_budget=1.95 KiB \(2,000 bytes\)"),
-])
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (bad_call(attn=torch.rand(3, 4, 4)), ValueError, r"expected attn of shape \[B, L, H, n, n\] or \[L, H, n, n\]"),
+        (bad_call(attn=torch.rand(2, 3, 2, 4, 5)), ValueError, "expected square attention"),
+        (
+            bad_call(attn=torch.ones(2, 3, 2, 4, 4, dtype=torch.int64)),
+            TypeError,
+            "expected attn to be float32 or float64",
+        ),
+        (
+            bad_call(attn=torch.full((2, 3, 2, 4, 4), 0.25, dtype=torch.float16)),
+            TypeError,
+            "float32 or float64, got torch.float16",
+        ),
+        (
+            bad_call(x=torch.rand(2, 5, 3, dtype=torch.float64)),
+            ValueError,
+            r"expected x of shape \[B, n, d\] = \[2, 4, d\]",
+        ),
+        (bad_call(x=torch.rand(2, 4, 3)), TypeError, "expected x in attn's dtype torch.float64, got torch.float32"),
+        (
+            bad_call(w_v=torch.rand(3, 2, 5, 2, dtype=torch.float64)),
+            ValueError,
+            r"expected w_v of shape \[L, H, d, d_head\]",
+        ),
+        (bad_call(w_o=None), ValueError, "pass x, w_v and w_o together"),
+        (
+            bad_call(x=torch.rand(2, 4, 3, dtype=torch.float64, device="meta")),
+            ValueError,
+            "expected x on attn's device cpu",
+        ),
+        (
+            bad_call(attn=network(2, 3, 2, 4)[0].to("meta"), x=None, w_v=None, w_o=None),
+            ValueError,
+            "expected attn on a CPU or CUDA device, got meta",
+        ),
+        (
+            bad_call(attn=with_zero_row(), x=None, w_v=None, w_o=None),
+            ValueError,
+            r"row 3 of batch element 1, layer 2, head 0 sums to 0\..*Masked or padded",
+        ),
+        (
+            bad_call(attn=with_nan(), x=None, w_v=None, w_o=None),
+            ValueError,
+            r"attn has a non-finite value \(nan\) at index \[0, 1, 1, 2, 0\]",
+        ),
+        (
+            bad_call(tree=pk.PathTree.complete(4, 2)),
+            ValueError,
+            "the tree has 4 layers and 2 heads, attn has L = 3 and H = 2",
+        ),
+        (bad_call(tree="paths"), TypeError, "expected tree to be a pathkernels.PathTree"),
+        (bad_call(memory_budget=0), ValueError, "expected memory_budget to be a positive int"),
+        (
+            bad_call(memory_budget=100),
+            ValueError,
+            r"memory_budget=100 bytes is too small: .* needs at least [\d,]+ bytes",
+        ),
+        (bad_call(memory_budget=1.5e9), ValueError, "expected memory_budget to be a positive int"),
+        (
+            bad_call(
+                x=torch.rand(2, 4, 0, dtype=torch.float64),
+                w_v=torch.rand(3, 2, 0, 2, dtype=torch.float64),
+                w_o=torch.rand(3, 2, 2, 0, dtype=torch.float64),
+            ),
+            ValueError,
+            r"expected x with at least one column \(d >= 1\), got \[2, 4, 0\]",
+        ),
+        (
+            bad_call(attn=network(2, 3, 2, 4)[0][0], x=torch.rand(1, 4, 3, dtype=torch.float64)),
+            ValueError,
+            r"expected x of shape \[n, d\] = \[4, d\] \(attn has no batch dim\), got \[1, 4, 3\]",
+        ),
+        (
+            bad_call(materialize=True, memory_budget=2000),
+            ValueError,
+            r"materialize=True needs [\d.]+ KiB \([\d,]+ bytes\) .* over memory_budget=1.95 KiB \(2,000 bytes\)",
+        ),
+    ],
+)
 def test_bad_input(call, error, message):
     with pytest.raises(error, match="pathkernels.path_residuals: .*" + message):
         call()
@@ -295,6 +343,7 @@ def test_inputs_that_require_grad_give_results_without_gradient():
 
 # --- the op itself -----------------------------------------------------------------------------
 
+
 def test_fixed_size_calls_compile():
     from pathkernels.checks import check_network
     from pathkernels.engine import engine_operands
@@ -325,8 +374,17 @@ def _op_operands(device):
     attn = network(1, 3, 2, 5)[0].to(device)
     chunk = build_trie_chunk(pk.PathTree.complete(3, 2, skip=True).paths())
     attn_c, attn_mean, root, root_mean = engine_operands(check_network(attn, None, None, None, "test"))
-    return {"attn_centred": attn_c, "attn_mean": attn_mean, "root": root, "root_mean": root_mean, "w_v": None,
-            "w_o": None, "parents": list(chunk.parents), "heads": list(chunk.heads), "leaf_block": 4}
+    return {
+        "attn_centred": attn_c,
+        "attn_mean": attn_mean,
+        "root": root,
+        "root_mean": root_mean,
+        "w_v": None,
+        "w_o": None,
+        "parents": list(chunk.parents),
+        "heads": list(chunk.heads),
+        "leaf_block": 4,
+    }
 
 
 def _with_level(levels, level, value):
@@ -337,13 +395,19 @@ OP_BAD_INPUTS = [
     (lambda o: {"attn_centred": o["attn_centred"][0]}, r"expected attn \[B, L, H, n, n\], got shape \[3, 2, 5, 5\]"),
     (lambda o: {"root": o["root"][:, :4]}, r"expected root \[B, n, m\] with B = 1 and n = 5, got \[1, 4, 5\]"),
     (lambda o: {"root_mean": o["root_mean"][:, :2]}, r"expected root_mean \[B, m\] = \[1, 5\], got \[1, 2\]"),
-    (lambda o: {"w_v": torch.zeros(3, 2, 5, 2, dtype=torch.float64, device=o["root"].device),
-                    "w_o": torch.zeros(3, 2, 3, 5, dtype=torch.float64, device=o["root"].device)},
-     r"expected w_o \[L, H, d_head, d\] = \[3, 2, 2, 5\], got \[3, 2, 3, 5\]"),
+    (
+        lambda o: {
+            "w_v": torch.zeros(3, 2, 5, 2, dtype=torch.float64, device=o["root"].device),
+            "w_o": torch.zeros(3, 2, 3, 5, dtype=torch.float64, device=o["root"].device),
+        },
+        r"expected w_o \[L, H, d_head, d\] = \[3, 2, 2, 5\], got \[3, 2, 3, 5\]",
+    ),
     (lambda o: {"parents": o["parents"][:2]}, "expected 3 levels of parents and heads, got 2 and 3"),
     (lambda o: {"leaf_block": 0}, "expected leaf_block > 0, got 0"),
-    (lambda o: {"parents": _with_level(o["parents"], 1, o["parents"][1] + 3)},
-     r"level 2: parent positions must lie in \[0, 3\)"),
+    (
+        lambda o: {"parents": _with_level(o["parents"], 1, o["parents"][1] + 3)},
+        r"level 2: parent positions must lie in \[0, 3\)",
+    ),
     (lambda o: {"heads": _with_level(o["heads"], 2, o["heads"][2] + 1)}, r"level 3: heads must lie in \[-1, 2\)"),
 ]
 
@@ -375,8 +439,9 @@ MEMORY_SCRIPT = textwrap.dedent("""
 
 def test_memory_budget_is_honoured_on_a_million_leaves():
     budget = 64 << 20
-    out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(budget)], capture_output=True, text=True,
-                         check=True, timeout=600).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT, str(budget)], capture_output=True, text=True, check=True, timeout=600
+    ).stdout.split()
     leaves, grown, ratio = int(out[0]), int(out[1]), float(out[2])
     assert leaves == 10**6 and ratio > 0
     # The results: residual and norm [1, M] float32, paths [M, 6] int64 with one transient copy,
@@ -403,7 +468,7 @@ def test_condition_numbers_bound_the_float32_error():
     assert kappa.shape == (2, len(tree)) and bool((kappa >= 1 - 1e-12).all())
     exact = pk.path_residuals(attn, tree).residual
     single = pk.path_residuals((attn / attn.sum(-1, keepdim=True)).float(), tree).residual.double()
-    error = ((single - exact).abs() / exact)
+    error = (single - exact).abs() / exact
     assert bool((error <= float32_error_bound(kappa, 4, 6) + 1e-7).all())
     # The skip-only path is C(I): no cancellation at all; products of centred factors do cancel.
     assert float(kappa[0, 0]) == pytest.approx(1.0)
@@ -421,8 +486,15 @@ def test_path_chunk_norms_passes_opcheck(device, outputs):
     to = lambda t: None if t is None else t.to(device)  # noqa: E731
     attn, x, w_v, w_o = to(attn), to(x), to(w_v), to(w_o)
     chunk = build_trie_chunk(pk.PathTree.complete(3, 2, skip=True).paths())
-    args = (*engine_operands(check_network(attn, x, w_v, w_o, "test")), w_v, w_o, list(chunk.parents),
-            list(chunk.heads), 4, True)
+    args = (
+        *engine_operands(check_network(attn, x, w_v, w_o, "test")),
+        w_v,
+        w_o,
+        list(chunk.parents),
+        list(chunk.heads),
+        4,
+        True,
+    )
     torch.library.opcheck(torch.ops.pathkernels.path_chunk_norms.default, args)
     residual, norm = ops.path_chunk_norms(*args)
     assert residual.shape == norm.shape == (1, 27)

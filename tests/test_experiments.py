@@ -1,4 +1,5 @@
 """pk.experiments and the command line: tables, plots, and the demo end to end."""
+
 import copy
 import math
 import subprocess
@@ -10,8 +11,8 @@ import torch
 pd = pytest.importorskip("pandas")
 pytest.importorskip("matplotlib")
 
-from pathkernels import experiments
-from pathkernels.cli import main
+from pathkernels import experiments  # noqa: E402  (after the skips above)
+from pathkernels.cli import main  # noqa: E402
 
 
 def test_collapse_table_and_plot():
@@ -42,8 +43,9 @@ def test_path_length_distribution_is_binomial():
 
 
 def test_path_effectiveness_small():
-    result = experiments.path_effectiveness(vocab=6, n=4, d_model=16, num_heads=2, num_layers=2, steps=30,
-                                            batch=32, test_size=64)
+    result = experiments.path_effectiveness(
+        vocab=6, n=4, d_model=16, num_heads=2, num_layers=2, steps=30, batch=32, test_size=64
+    )
     table = result.table
     assert list(table["max_length"]) == [0, 1, 2] and list(table["path_count"]) == [1, 5, 9]
     assert ((table["token_accuracy"] >= 0) & (table["token_accuracy"] <= 1)).all()
@@ -57,12 +59,35 @@ def test_path_effectiveness_small():
 
 
 def test_cli_subcommands_write_tables_and_plots(tmp_path, capsys):
-    assert main(["collapse", "--layers", "3", "--width", "16", "--heads", "2", "--tokens", "6", "--batch", "2",
-                 "--seeds", "1", "--out", str(tmp_path)]) == 0
-    assert main(["paths", "--layers", "3", "--heads", "2", "--width", "16", "--tokens", "6",
-                 "--out", str(tmp_path)]) == 0
-    assert main(["paths", "--layers", "3", "--heads", "2", "--width", "16", "--tokens", "6",
-                 "--samples-per-length", "3"]) == 0
+    assert (
+        main(
+            [
+                "collapse",
+                "--layers",
+                "3",
+                "--width",
+                "16",
+                "--heads",
+                "2",
+                "--tokens",
+                "6",
+                "--batch",
+                "2",
+                "--seeds",
+                "1",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
+    assert (
+        main(["paths", "--layers", "3", "--heads", "2", "--width", "16", "--tokens", "6", "--out", str(tmp_path)]) == 0
+    )
+    assert (
+        main(["paths", "--layers", "3", "--heads", "2", "--width", "16", "--tokens", "6", "--samples-per-length", "3"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "Median residual ratio" in out and "all 27 paths, exactly" in out and "up to 3 distinct paths" in out
     for name in ("collapse.csv", "collapse.png", "ratio_by_length.csv", "ratio_by_length.png"):
@@ -79,8 +104,10 @@ def test_cli_reads_huggingface_directories_and_configs(tmp_path, capsys):
     assert main(["collapse", "--model", str(tmp_path / "weights"), "--tokens", "6", "--batch", "2"]) == 0
     out = capsys.readouterr().out
     assert "pretrained weights" in out and "2 sequence(s) of 6 random token ids (no tokenizer" in out
-    assert main(["paths", "--model", str(tmp_path / "config_only" / "config.json"), "--tokens", "6",
-                 "--device", "cpu"]) == 0
+    assert (
+        main(["paths", "--model", str(tmp_path / "config_only" / "config.json"), "--tokens", "6", "--device", "cpu"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "at initialisation (random weights from its config)" in out and "all 9 paths, exactly" in out
     assert main(["paths", "--model", str(tmp_path / "missing")]) == 2
@@ -92,8 +119,14 @@ def test_cli_feeds_text_through_the_model_directorys_tokenizer(tmp_path, capsys)
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "quick", "brown", "fox", "jumps", "over", "dog"]
     (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
     transformers.BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(tmp_path)
-    config = transformers.BertConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=16, intermediate_size=32,
-                                     vocab_size=len(words), max_position_embeddings=32)
+    config = transformers.BertConfig(
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        hidden_size=16,
+        intermediate_size=32,
+        vocab_size=len(words),
+        max_position_embeddings=32,
+    )
     transformers.BertModel(config).save_pretrained(tmp_path)
     assert main(["paths", "--model", str(tmp_path), "--text", "the quick brown fox", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
@@ -102,19 +135,24 @@ def test_cli_feeds_text_through_the_model_directorys_tokenizer(tmp_path, capsys)
     assert "the default prompt" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["paths", "--layers", "-2"], "argument --layers: expected an integer >= 1, got -2"),
-    (["paths", "--heads", "0"], "argument --heads: expected an integer >= 1, got 0"),
-    (["collapse", "--width", "-8"], "argument --width: expected an integer >= 1, got -8"),
-    (["paths", "--tokens", "-5"], "argument --tokens: expected an integer >= 2, got -5"),
-    (["paths", "--tokens", "1"], "argument --tokens: expected an integer >= 2, got 1"),
-    (["paths", "--samples-per-length", "0"], "argument --samples-per-length: expected an integer >= 1, got 0"),
-    (["collapse", "--seeds", "x"], "argument --seeds: expected an integer >= 1, got 'x'"),
-    (["paths", "--width", "2", "--heads", "4"], "argument --width: expected at least --heads = 4"),
-    (["paths", "--text", "hello"], "--text needs --model"),
-    (["paths", "--model", "some-dir", "--layers", "3", "--heads", "2"],
-     "--layers, --heads set the built-in network and do not apply with --model some-dir"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["paths", "--layers", "-2"], "argument --layers: expected an integer >= 1, got -2"),
+        (["paths", "--heads", "0"], "argument --heads: expected an integer >= 1, got 0"),
+        (["collapse", "--width", "-8"], "argument --width: expected an integer >= 1, got -8"),
+        (["paths", "--tokens", "-5"], "argument --tokens: expected an integer >= 2, got -5"),
+        (["paths", "--tokens", "1"], "argument --tokens: expected an integer >= 2, got 1"),
+        (["paths", "--samples-per-length", "0"], "argument --samples-per-length: expected an integer >= 1, got 0"),
+        (["collapse", "--seeds", "x"], "argument --seeds: expected an integer >= 1, got 'x'"),
+        (["paths", "--width", "2", "--heads", "4"], "argument --width: expected at least --heads = 4"),
+        (["paths", "--text", "hello"], "--text needs --model"),
+        (
+            ["paths", "--model", "some-dir", "--layers", "3", "--heads", "2"],
+            "--layers, --heads set the built-in network and do not apply with --model some-dir",
+        ),
+    ],
+)
 def test_cli_refuses_bad_options_in_one_line(argv, message):
     run = subprocess.run([sys.executable, "-m", "pathkernels", *argv], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2
@@ -126,22 +164,38 @@ def test_cli_reports_bad_models_in_one_line_and_tracebacks_only_with_debug(tmp_p
     (tmp_path / "unknown.json").write_text('{"model_type": "no-such-architecture"}')
     (tmp_path / "broken.json").write_text("{not json")
     transformers.T5Config(num_layers=1, d_model=16, num_heads=2, d_kv=8, vocab_size=30).save_pretrained(tmp_path / "t5")
-    cases = {"unknown.json": "cannot read it as a transformers model", "broken.json": "not a valid JSON file",
-             "t5": "expected a transformers model of type"}
+    cases = {
+        "unknown.json": "cannot read it as a transformers model",
+        "broken.json": "not a valid JSON file",
+        "t5": "expected a transformers model of type",
+    }
     for name, message in cases.items():
-        run = subprocess.run([sys.executable, "-m", "pathkernels", "paths", "--model", str(tmp_path / name)],
-                             capture_output=True, text=True, timeout=120)
+        run = subprocess.run(
+            [sys.executable, "-m", "pathkernels", "paths", "--model", str(tmp_path / name)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         errors = [line for line in run.stderr.splitlines() if not line.startswith("[transformers]")]
         assert run.returncode == 2 and len(errors) == 1 and message in errors[0], run.stderr
-    run = subprocess.run([sys.executable, "-m", "pathkernels", "paths", "--model", str(tmp_path / "t5"), "--debug"],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "pathkernels", "paths", "--model", str(tmp_path / "t5"), "--debug"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode != 0 and "Traceback" in run.stderr
 
 
 def test_cli_help_shows_defaults_and_descriptions():
     for command in ("demo", "collapse", "paths", "bench"):
-        run = subprocess.run([sys.executable, "-m", "pathkernels", command, "--help"], capture_output=True, text=True,
-                             timeout=120, check=True)
+        run = subprocess.run(
+            [sys.executable, "-m", "pathkernels", command, "--help"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         assert "(default: auto)" in run.stdout or command == "collapse", command
         description = run.stdout.split("\n\n")[1]
         assert len(description) > 40 and not description.startswith("options"), run.stdout
@@ -161,18 +215,30 @@ def test_cli_bench_out_writes_that_file(tmp_path, monkeypatch):
 
 def test_progress_bars_only_on_a_terminal(tmp_path):
     args = ["paths", "--layers", "3", "--heads", "2", "--width", "16", "--tokens", "6", "--device", "cpu"]
-    run = subprocess.run([sys.executable, "-m", "pathkernels", *args], capture_output=True, text=True, timeout=120,
-                         check=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "pathkernels", *args], capture_output=True, text=True, timeout=120, check=True
+    )
     assert run.stderr == ""  # stderr is a pipe here: no bar
 
 
 def test_demo_runs_end_to_end(tmp_path):
     """The README's main job, in its quick form, in a fresh process."""
-    run = subprocess.run([sys.executable, "-m", "pathkernels", "demo", "--quick", "--out", str(tmp_path)],
-                         check=False, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-m", "pathkernels", "demo", "--quick", "--out", str(tmp_path)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
-    for section in ("1. The norm", "2. Rank collapse", "3. Residual ratio", "4. How the paths", "5. Path effectiveness",
-                    "6. Speed"):
+    for section in (
+        "1. The norm",
+        "2. Rank collapse",
+        "3. Residual ratio",
+        "4. How the paths",
+        "5. Path effectiveness",
+        "6. Speed",
+    ):
         assert section in run.stdout
     figures = ("collapse", "ratio_by_length", "path_lengths", "path_effectiveness")
     expected = [f"{name}.{ext}" for name in figures for ext in ("csv", "png")] + ["speed_norms.csv", "speed_paths.csv"]
@@ -181,8 +247,9 @@ def test_demo_runs_end_to_end(tmp_path):
 
 def test_cli_refuses_tokens_for_a_vision_model(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    transformers.ViTConfig(image_size=16, patch_size=4, num_hidden_layers=1, num_attention_heads=2, hidden_size=16,
-                           intermediate_size=32).save_pretrained(tmp_path)
+    transformers.ViTConfig(
+        image_size=16, patch_size=4, num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32
+    ).save_pretrained(tmp_path)
     assert main(["paths", "--model", str(tmp_path), "--tokens", "8", "--device", "cpu"]) == 2
     assert "--tokens does not apply to the vision model" in capsys.readouterr().err
     assert main(["paths", "--model", str(tmp_path), "--device", "cpu"]) == 0

@@ -1,5 +1,6 @@
 """The fused leaf kernel (`_fused_leaf_norms`): on CPU its per-thread code runs thread by thread,
 on CUDA as the kernel the engine uses; both against float64 references and hand-worked values."""
+
 import pytest
 import torch
 
@@ -26,8 +27,19 @@ def float32_slack(attn, right):
 
 
 # n and m on both sides of the 32/64/128-row tiles, the 64-column tiles and the 16-deep k-slices.
-SHAPES = [(1, 1, 1), (2, 3, 2), (5, 2, 7), (16, 2, 16), (17, 3, 33), (32, 2, 64), (33, 2, 65), (64, 3, 64),
-          (65, 2, 128), (100, 2, 150), (128, 2, 129)]
+SHAPES = [
+    (1, 1, 1),
+    (2, 3, 2),
+    (5, 2, 7),
+    (16, 2, 16),
+    (17, 3, 33),
+    (32, 2, 64),
+    (33, 2, 65),
+    (64, 3, 64),
+    (65, 2, 128),
+    (100, 2, 150),
+    (128, 2, 129),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -63,8 +75,11 @@ def test_hand_worked_leaf(device):
 
 def test_zero_leaves_and_non_contiguous_operands(device):
     attn = torch.randn(8, 8, dtype=torch.float64, device=device)
-    residual, norm = fused_leaf_norms(attn, torch.randn(8, 0, 5, dtype=torch.float64, device=device),
-                                      torch.randn(0, 5, dtype=torch.float64, device=device))
+    residual, norm = fused_leaf_norms(
+        attn,
+        torch.randn(8, 0, 5, dtype=torch.float64, device=device),
+        torch.randn(0, 5, dtype=torch.float64, device=device),
+    )
     assert residual.shape == norm.shape == (0,)
     right = torch.randn(5, 3, 8, dtype=torch.float64, device=device).permute(2, 1, 0)  # column stride 15
     mean = torch.randn(5, 3, dtype=torch.float64, device=device).t()
@@ -90,20 +105,25 @@ def test_bad_input(device, args, error, message):
 
 def test_bad_dtypes_and_shapes(device):
     attn = torch.randn(4, 4, device=device)
-    with pytest.raises(TypeError, match=r"_fused_leaf_norms: expected right and mean in torch.float32, got torch.float64"):
-        fused_leaf_norms(attn, torch.randn(4, 2, 3, device=device, dtype=torch.float64),
-                         torch.randn(2, 3, device=device))
+    with pytest.raises(
+        TypeError, match=r"_fused_leaf_norms: expected right and mean in torch.float32, got torch.float64"
+    ):
+        fused_leaf_norms(
+            attn, torch.randn(4, 2, 3, device=device, dtype=torch.float64), torch.randn(2, 3, device=device)
+        )
     with pytest.raises(ValueError, match=r"expected mean \[c, m\] = \[2, 3\], got \[3, 2\]"):
         fused_leaf_norms(attn, torch.randn(4, 2, 3, device=device), torch.randn(3, 2, device=device))
     with pytest.raises(TypeError, match="expected attn to be float32 or float64, got torch.float16"):
-        fused_leaf_norms(attn.half(), torch.randn(4, 2, 3, device=device).half(),
-                         torch.randn(2, 3, device=device).half())
+        fused_leaf_norms(
+            attn.half(), torch.randn(4, 2, 3, device=device).half(), torch.randn(2, 3, device=device).half()
+        )
 
 
 def test_opcheck():
     attn = torch.randn(6, 6, dtype=torch.float64)
-    torch.library.opcheck(fused_leaf_norms, (attn, torch.randn(6, 3, 5, dtype=torch.float64),
-                                             torch.randn(3, 5, dtype=torch.float64)))
+    torch.library.opcheck(
+        fused_leaf_norms, (attn, torch.randn(6, 3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64))
+    )
 
 
 @pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")

@@ -1,4 +1,5 @@
 """pk.length_sums: exact sums of path outputs by length, without enumeration."""
+
 import pytest
 import torch
 
@@ -58,11 +59,13 @@ def test_bias_paths_are_paths_of_their_own(skip):
     without = pk.length_sums(attn, x, w_v, w_o, skip=skip)
     bias_sums = bias_path_outputs_ref(attn, w_v, w_o, b_o, skip)
     for k in range(layers + 1):
-        torch.testing.assert_close(with_bias[k] - without[k], bias_sums.get(k, torch.zeros_like(x)),
-                                   **tolerance(torch.float64))
+        torch.testing.assert_close(
+            with_bias[k] - without[k], bias_sums.get(k, torch.zeros_like(x)), **tolerance(torch.float64)
+        )
         # A bias path has equal rows: its residual after centring is 0.
-        torch.testing.assert_close(pk.residual_norm(with_bias[k] - without[k]), torch.zeros(2, dtype=torch.float64),
-                                   rtol=0, atol=1e-12)
+        torch.testing.assert_close(
+            pk.residual_norm(with_bias[k] - without[k]), torch.zeros(2, dtype=torch.float64), rtol=0, atol=1e-12
+        )
     network_output = attention_network_ref(attn, x, w_v, w_o, b_o, skip=skip)
     torch.testing.assert_close(with_bias.sum(0), network_output, **tolerance(torch.float64))
     with pytest.raises(ValueError, match=r"length_sums: expected b_o of shape \[L, d\] = \[3, 3\], got \[3, 4\]"):
@@ -101,7 +104,5 @@ def test_length_sums_are_differentiable():
     attn, x, w_v, w_o = network(1, 2, 2, 3, 2, 2)
     b_o = torch.randn(2, 2, dtype=torch.float64)
     inputs = [t.clone().requires_grad_() for t in (x, w_v, w_o, b_o)]
-    torch.autograd.gradcheck(lambda x, w_v, w_o, b_o: pk.length_sums(attn, x, w_v, w_o, b_o=b_o, skip=True),
-                             inputs)
-    torch.autograd.gradcheck(lambda x, w_v, w_o, b_o: pk.length_sums(attn, x, w_v, w_o, b_o=b_o, skip=False),
-                             inputs)
+    torch.autograd.gradcheck(lambda x, w_v, w_o, b_o: pk.length_sums(attn, x, w_v, w_o, b_o=b_o, skip=True), inputs)
+    torch.autograd.gradcheck(lambda x, w_v, w_o, b_o: pk.length_sums(attn, x, w_v, w_o, b_o=b_o, skip=False), inputs)

@@ -1,5 +1,6 @@
 """Padded batches: every function that takes token_mask gives, element by element, what each
 sequence gives alone."""
+
 import pytest
 import torch
 
@@ -14,8 +15,9 @@ LENGTHS = [7, 4, 4, 5]  # two elements share a mask: one group of two
 
 def gpt2_padded_batch(padding_side: str):
     """A tiny GPT-2, a padded batch of LENGTHS and each sequence on its own (float64 stacks)."""
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=3, n_embd=24, vocab_size=50,
-                                                                 n_positions=16))
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_head=3, n_embd=24, vocab_size=50, n_positions=16)
+    )
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("bias"):
@@ -67,9 +69,16 @@ def test_padded_gpt2_batch_matches_each_sequence_alone(padding_side):
 
 
 def test_padded_bert_batch_matches_each_sequence_alone():
-    model = transformers.BertModel(transformers.BertConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=16,
-                                                           intermediate_size=32, vocab_size=50,
-                                                           max_position_embeddings=16))
+    model = transformers.BertModel(
+        transformers.BertConfig(
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            hidden_size=16,
+            intermediate_size=32,
+            vocab_size=50,
+            max_position_embeddings=16,
+        )
+    )
     ids = torch.randint(1, 50, (2, 6))
     mask = torch.tensor([[1] * 6, [1] * 3 + [0] * 3])
     padded = adapters.from_huggingface(model, input_ids=ids, attention_mask=mask).to(torch.float64)
@@ -86,7 +95,10 @@ def test_masked_metrics_and_engine_on_random_inputs():
     lengths = [5, 2, 3]
     attn = torch.rand(batch, layers, heads, n, n, dtype=torch.float64)
     x = torch.randn(batch, n, d, dtype=torch.float64)
-    w_v, w_o = torch.randn(layers, heads, d, 2, dtype=torch.float64), torch.randn(layers, heads, 2, d, dtype=torch.float64)
+    w_v, w_o = (
+        torch.randn(layers, heads, d, 2, dtype=torch.float64),
+        torch.randn(layers, heads, 2, d, dtype=torch.float64),
+    )
     mask = torch.zeros(batch, n, dtype=torch.bool)
     for b, length in enumerate(lengths):
         mask[b, :length] = True
@@ -97,7 +109,9 @@ def test_masked_metrics_and_engine_on_random_inputs():
     unbatched = pk.path_residuals(attn[1], tree, x=x[1], w_v=w_v, w_o=w_o, token_mask=mask[1])
     hidden = torch.randn(4, batch, n, d, dtype=torch.float64)
     for b, length in enumerate(lengths):
-        alone = pk.path_residuals(attn[b : b + 1, ..., :length, :length], tree, x=x[b : b + 1, :length], w_v=w_v, w_o=w_o)
+        alone = pk.path_residuals(
+            attn[b : b + 1, ..., :length, :length], tree, x=x[b : b + 1, :length], w_v=w_v, w_o=w_o
+        )
         torch.testing.assert_close(masked.residual[b], alone.residual[0])
         torch.testing.assert_close(masked.norm[b], alone.norm[0])
         real = hidden[:, b, :length]
@@ -105,8 +119,10 @@ def test_masked_metrics_and_engine_on_random_inputs():
             function = getattr(pk.metrics, metric)
             torch.testing.assert_close(function(hidden, token_mask=mask)[:, b], function(real), msg=metric)
         for norm in ("frobenius", "composite"):
-            torch.testing.assert_close(pk.metrics.rank1_residual(hidden, norm=norm, token_mask=mask)[:, b],
-                                       pk.metrics.rank1_residual(real, norm=norm))
+            torch.testing.assert_close(
+                pk.metrics.rank1_residual(hidden, norm=norm, token_mask=mask)[:, b],
+                pk.metrics.rank1_residual(real, norm=norm),
+            )
     torch.testing.assert_close(unbatched.residual, masked.residual[1])
     # An all-true mask changes nothing.
     full = pk.path_residuals(attn[:1], tree, x=x[:1], w_v=w_v, w_o=w_o, token_mask=torch.ones(1, n))
@@ -116,7 +132,9 @@ def test_masked_metrics_and_engine_on_random_inputs():
 def test_bad_masks_are_refused_clearly():
     attn = random_attention(2, 2, 2, 4, 4, dtype=torch.float64)
     tree = pk.PathTree.complete(2, 2)
-    with pytest.raises(ValueError, match=r"path_residuals: expected token_mask of shape \[B, n\] = \[2, 4\], got \[4\]"):
+    with pytest.raises(
+        ValueError, match=r"path_residuals: expected token_mask of shape \[B, n\] = \[2, 4\], got \[4\]"
+    ):
         pk.path_residuals(attn, tree, token_mask=torch.ones(4, dtype=torch.bool))
     with pytest.raises(ValueError, match="token_mask keeps no token of batch element 1"):
         pk.path_residuals(attn, tree, token_mask=torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0]]))
@@ -140,14 +158,26 @@ def test_padded_transformer_lens_batch_matches_each_sequence_alone():
         from transformer_lens import HookedTransformer, HookedTransformerConfig
     except ImportError:
         pytest.skip("transformer_lens with HookedTransformer is not installed")
-    config = HookedTransformerConfig(n_layers=2, n_heads=2, d_model=16, d_head=8, n_ctx=16, d_vocab=30, attn_only=True,
-                                     normalization_type=None, act_fn=None, dtype=torch.float64)
+    config = HookedTransformerConfig(
+        n_layers=2,
+        n_heads=2,
+        d_model=16,
+        d_head=8,
+        n_ctx=16,
+        d_vocab=30,
+        attn_only=True,
+        normalization_type=None,
+        act_fn=None,
+        dtype=torch.float64,
+    )
     model = HookedTransformer(config)
     ids = torch.randint(1, 30, (2, 6))
     mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])  # right padding: the positions are those of the sequence alone
     padded = adapters.from_transformer_lens(model, ids, attention_mask=mask)
     assert torch.equal(padded.token_mask, mask.bool())
     alone = adapters.from_transformer_lens(model, ids[1:, :4])
-    torch.testing.assert_close(pk.decompose(padded, x=padded.residual_stream(0)).results.residual[1],
-                               pk.decompose(alone, x=alone.residual_stream(0)).results.residual[0])
+    torch.testing.assert_close(
+        pk.decompose(padded, x=padded.residual_stream(0)).results.residual[1],
+        pk.decompose(alone, x=alone.residual_stream(0)).results.residual[0],
+    )
     torch.testing.assert_close(padded.length_sums()[:, 1, :4], alone.length_sums()[:, 0])

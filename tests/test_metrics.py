@@ -1,4 +1,5 @@
 """pk.metrics and pk.nn: hand-worked values, float64 references on fresh random inputs, bad input."""
+
 import math
 
 import pytest
@@ -16,12 +17,12 @@ def t(rows, device="cpu"):
 
 # --- hand-worked -------------------------------------------------------------------------------
 
+
 def test_hand_worked_values(device):
     eye = t([[1, 0], [0, 1]], device)
     corner = t([[2, 0], [0, 0]], device)
     # corner: μ = (1, 0), residual [[1, 0], [-1, 0]]: ‖·‖_1 = 2, ‖·‖_∞ = 1; ‖corner‖_{1,∞} = 2.
-    torch.testing.assert_close(metrics.residual_ratio(torch.stack([eye, corner])),
-                               t([1.0, math.sqrt(2) / 2], device))
+    torch.testing.assert_close(metrics.residual_ratio(torch.stack([eye, corner])), t([1.0, math.sqrt(2) / 2], device))
     # eye: n‖μ‖² = 2 · ½ = 1 over ‖X‖²_F = 2.
     assert metrics.token_similarity(eye).item() == pytest.approx(0.5)
     assert metrics.token_diversity(corner).item() == pytest.approx(0.5)
@@ -33,9 +34,10 @@ def test_hand_worked_values(device):
     p = torch.tensor([0.75, 0.25])
     assert metrics.effective_rank(t([[3, 0], [0, 1]], device)).item() == pytest.approx(math.exp(-(p * p.log()).sum()))
     assert metrics.effective_rank(t([[1, 2], [2, 4]], device)).item() == pytest.approx(1)
-    torch.testing.assert_close(metrics.dobrushin(torch.stack([eye, t([[0.5, 0.5], [0.5, 0.5]], device),
-                                                              t([[0.9, 0.1], [0.2, 0.8]], device)])),
-                               t([1.0, 0.0, 0.7], device))
+    torch.testing.assert_close(
+        metrics.dobrushin(torch.stack([eye, t([[0.5, 0.5], [0.5, 0.5]], device), t([[0.9, 0.1], [0.2, 0.8]], device)])),
+        t([1.0, 0.0, 0.7], device),
+    )
     # u1 = e1, u2 = e2, u3 = (e1 + e2)/√2: pair similarities 0, 1/√2, 1/√2.
     cos = metrics.token_cosine_similarity(t([[1, 0], [0, 1], [1, 1]], device))
     assert cos.item() == pytest.approx(2 / math.sqrt(2) / 3)
@@ -57,6 +59,7 @@ def test_de_escalation(device):
 
 # --- random inputs against float64 references --------------------------------------------------
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_against_references(device, dtype):
     x = random_matrices(4, 3, 9, 6, dtype=dtype, device=device)
@@ -76,8 +79,12 @@ def test_against_references(device, dtype):
         srank.append((sigma**2).sum() / sigma[0] ** 2)
         p = sigma / sigma.sum()
         erank.append(torch.exp(-(p * p.log()).sum()))
-    for got, want in [(metrics.token_similarity(x), sim), (metrics.token_cosine_similarity(x), cos),
-                      (metrics.stable_rank(x), srank), (metrics.effective_rank(x), erank)]:
+    for got, want in [
+        (metrics.token_similarity(x), sim),
+        (metrics.token_cosine_similarity(x), cos),
+        (metrics.stable_rank(x), srank),
+        (metrics.effective_rank(x), erank),
+    ]:
         torch.testing.assert_close(got.double().reshape(-1), torch.stack(want), **tol)
 
     attn = random_attention(2, 3, 5, 5, dtype=dtype, device=device).reshape(-1, 5, 5).double()
@@ -106,16 +113,20 @@ def test_collapse_under_pure_attention_is_measured():
 
 # --- bad input ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("call, error, message", [
-    (lambda: metrics.residual_ratio(torch.ones(3)), ValueError, "residual_ratio: expected x to have at least 2"),
-    (lambda: metrics.token_similarity(torch.ones(2, 2, dtype=torch.int64)), TypeError, "floating-point"),
-    (lambda: metrics.stable_rank([torch.ones(2, 2), torch.ones(3, 2)]), ValueError, "of one shape"),
-    (lambda: metrics.effective_rank([]), ValueError, "non-empty sequence"),
-    (lambda: metrics.token_cosine_similarity(torch.ones(1, 4)), ValueError, "at least 2 tokens"),
-    (lambda: metrics.escalation_rate(torch.ones(1, 3, 2)), ValueError, "at least two layers"),
-    (lambda: metrics.dobrushin("P"), TypeError, "expected x to be a torch.Tensor"),
-    (lambda: pk.nn.DeEscalation()(torch.ones(3)), ValueError, r"DeEscalation: expected x \[..., n, d\]"),
-])
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: metrics.residual_ratio(torch.ones(3)), ValueError, "residual_ratio: expected x to have at least 2"),
+        (lambda: metrics.token_similarity(torch.ones(2, 2, dtype=torch.int64)), TypeError, "floating-point"),
+        (lambda: metrics.stable_rank([torch.ones(2, 2), torch.ones(3, 2)]), ValueError, "of one shape"),
+        (lambda: metrics.effective_rank([]), ValueError, "non-empty sequence"),
+        (lambda: metrics.token_cosine_similarity(torch.ones(1, 4)), ValueError, "at least 2 tokens"),
+        (lambda: metrics.escalation_rate(torch.ones(1, 3, 2)), ValueError, "at least two layers"),
+        (lambda: metrics.dobrushin("P"), TypeError, "expected x to be a torch.Tensor"),
+        (lambda: pk.nn.DeEscalation()(torch.ones(3)), ValueError, r"DeEscalation: expected x \[..., n, d\]"),
+    ],
+)
 def test_bad_input(call, error, message):
     with pytest.raises(error, match=message):
         call()
@@ -129,8 +140,9 @@ def test_rank1_residual_in_both_norms_by_hand():
     batch = torch.randn(3, 5, 4, dtype=torch.float64)
     u, sigma, vh = torch.linalg.svd(batch)
     rest = batch - sigma[:, :1, None] * u[:, :, :1] @ vh[:, :1, :]
-    torch.testing.assert_close(pk.metrics.rank1_residual(batch, norm="composite"),
-                               composite_norm_ref(rest) / composite_norm_ref(batch))
+    torch.testing.assert_close(
+        pk.metrics.rank1_residual(batch, norm="composite"), composite_norm_ref(rest) / composite_norm_ref(batch)
+    )
     with pytest.raises(ValueError, match=r"rank1_residual: expected norm in \('frobenius', 'composite'\), got 'l2'"):
         pk.metrics.rank1_residual(batch, norm="l2")
 

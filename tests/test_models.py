@@ -1,4 +1,5 @@
 """pk.models: the four variants, and the path decomposition of their forward passes."""
+
 import pytest
 import torch
 
@@ -39,8 +40,9 @@ def test_biased_layers_match_their_maps():
     stack = model.attention_stack(result)
     hidden = result.hidden_states
     for layer in range(2):
-        heads = sum(stack.attn[:, layer, h] @ hidden[layer] @ stack.w_v[layer, h] @ stack.w_o[layer, h]
-                    for h in range(3))
+        heads = sum(
+            stack.attn[:, layer, h] @ hidden[layer] @ stack.w_v[layer, h] @ stack.w_o[layer, h] for h in range(3)
+        )
         torch.testing.assert_close(hidden[layer + 1], heads + stack.b_o[layer])
 
 
@@ -54,10 +56,12 @@ def test_pure_attention_collapses_and_skip_does_not():
     torch.manual_seed(0)
     x = torch.randn(4, 16, 32, dtype=torch.float64)
     with torch.no_grad():
-        pure = pk.metrics.residual_ratio(SelfAttentionNetwork.variant("pure attention", d_model=32, num_layers=8)
-                                         .double()(x).hidden_states)
-        skip = pk.metrics.residual_ratio(SelfAttentionNetwork.variant("+skip", d_model=32, num_layers=8)
-                                         .double()(x).hidden_states)
+        pure = pk.metrics.residual_ratio(
+            SelfAttentionNetwork.variant("pure attention", d_model=32, num_layers=8).double()(x).hidden_states
+        )
+        skip = pk.metrics.residual_ratio(
+            SelfAttentionNetwork.variant("+skip", d_model=32, num_layers=8).double()(x).hidden_states
+        )
     assert pure[-1].max() < 1e-8 < skip[-1].min()
 
 

@@ -1,5 +1,6 @@
 """composite_norm, residual_norm and matrix_norms: hand tables, float64 references, autograd,
 torch.library checks, torch.compile and bad input, on every available device."""
+
 import math
 
 import pytest
@@ -23,6 +24,7 @@ def assert_close_to_ref(actual, expected_float64, dtype):
 
 
 # --- hand-worked cases ----------------------------------------------------------------------
+
 
 def test_hand_worked_two_by_two(device):
     # x = [[1, -2], [3, 4]]: column abs sums (4, 6), row abs sums (3, 7).
@@ -73,6 +75,7 @@ def test_ties_pick_the_first_index(device):
 
 
 # --- random inputs against the float64 reference --------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(7, 5), (3, 9, 4), (2, 3, 16, 16), (4, 64, 33), (2, 200, 130)])
@@ -150,6 +153,7 @@ def test_cpu_and_cuda_agree(dtype, with_norm):
 
 # --- autograd --------------------------------------------------------------------------------
 
+
 def test_gradcheck(device):
     x = random_matrices(3, 6, 5, dtype=torch.float64, device=device).requires_grad_()
     assert torch.autograd.gradcheck(lambda t: pk.residual_norm(t, return_norm=True), (x,))
@@ -202,6 +206,7 @@ def test_as_a_regulariser_it_reduces_collapse(device):
 
 # --- torch.library and torch.compile ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("centered, with_norm, targets", [(False, True, 1), (True, True, 2), (True, False, 1)])
 def test_opcheck(device, centered, with_norm, targets):
     x = random_matrices(3, 7, 5, dtype=torch.float64, device=device).requires_grad_()
@@ -215,11 +220,14 @@ def test_opcheck(device, centered, with_norm, targets):
 
 
 @pytest.mark.parametrize("centered", [False, True])
-@pytest.mark.parametrize("bad, error", [
-    (torch.zeros(3), ValueError),  # too few dims
-    (torch.zeros(2, 0, 3), ValueError),  # no rows
-    (torch.zeros(2, 3, dtype=torch.long), TypeError),  # not floating point
-])
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (torch.zeros(3), ValueError),  # too few dims
+        (torch.zeros(2, 0, 3), ValueError),  # no rows
+        (torch.zeros(2, 3, dtype=torch.long), TypeError),  # not floating point
+    ],
+)
 def test_python_checks_and_op_names_are_the_ops_own(centered, bad, error):
     """ops.check_norm_input and ops.norm_op_name repeat csrc/norms/norms.cpp (the fake kernels need
     them in Python): the op called directly, bypassing Python, raises the same error, word for word."""
@@ -281,11 +289,17 @@ def test_torch_compile_fullgraph_backward(device):
 # --- bad input --------------------------------------------------------------------------------
 
 BAD_INPUTS = [
-    (lambda d: torch.ones(5, device=d), ValueError,
-     r"expected x to have at least 2 dimensions \[\.\.\., n, m\], got 1"),
+    (
+        lambda d: torch.ones(5, device=d),
+        ValueError,
+        r"expected x to have at least 2 dimensions \[\.\.\., n, m\], got 1",
+    ),
     (lambda d: torch.ones(3, 3, dtype=torch.int64, device=d), TypeError, "expected x to be a floating-point tensor"),
-    (lambda d: torch.ones(3, 3, dtype=torch.complex64, device=d), TypeError,
-     "expected x to be a floating-point tensor"),
+    (
+        lambda d: torch.ones(3, 3, dtype=torch.complex64, device=d),
+        TypeError,
+        "expected x to be a floating-point tensor",
+    ),
     (lambda d: torch.ones(2, 0, 3, device=d), ValueError, r"expected x to have at least one row \(n >= 1\)"),
 ]
 
@@ -315,8 +329,11 @@ def test_norm_backward_refuses_argmax_out_of_range(device, index):
     x = torch.randn(3, 4, 5, dtype=torch.float64, device=device)
     parts = torch.ones(3, 1, 3, dtype=torch.float64, device=device)
     argmax = torch.full((3, 1, 2), index, device=device)
-    with pytest.raises(IndexError, match=r"pathkernels.residual_norm: expected every entry of argmax\[\.\.\., 0\] "
-                                         r"\(the column of ‖v‖_1\) in \[0, 5\)"):
+    with pytest.raises(
+        IndexError,
+        match=r"pathkernels.residual_norm: expected every entry of argmax\[\.\.\., 0\] "
+        r"\(the column of ‖v‖_1\) in \[0, 5\)",
+    ):
         torch.ops.pathkernels.norm_parts_backward(parts, x, parts, argmax, True, False)
     argmax[..., 0] = 0
     with pytest.raises(IndexError, match=r"argmax\[\.\.\., 1\] \(the row of ‖v‖_∞\) in \[0, 4\)"):

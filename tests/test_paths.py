@@ -1,4 +1,5 @@
 """PathTree, path counts and sample_paths."""
+
 import itertools
 import math
 
@@ -18,9 +19,17 @@ def brute_force_paths(num_layers, num_heads, skip, max_length=None):
     return torch.tensor(paths, dtype=torch.long)  # itertools.product is lexicographic
 
 
-@pytest.mark.parametrize("layers, heads, skip, max_length", [
-    (3, 2, False, None), (3, 2, True, None), (4, 3, True, 2), (2, 5, True, 0), (5, 2, True, 5), (1, 4, False, None),
-])
+@pytest.mark.parametrize(
+    "layers, heads, skip, max_length",
+    [
+        (3, 2, False, None),
+        (3, 2, True, None),
+        (4, 3, True, 2),
+        (2, 5, True, 0),
+        (5, 2, True, 5),
+        (1, 4, False, None),
+    ],
+)
 def test_complete_tree_enumerates_every_path_in_lexicographic_order(layers, heads, skip, max_length):
     tree = pk.PathTree.complete(layers, heads, skip=skip, max_length=max_length)
     expected = brute_force_paths(layers, heads, skip, max_length)
@@ -59,12 +68,15 @@ def test_from_paths_keeps_order_and_duplicates():
     assert pk.PathTree.from_paths(paths, num_heads=7).num_heads == 7
 
 
-@pytest.mark.parametrize("paths, error, message", [
-    (torch.zeros(3, 2, dtype=torch.float32), TypeError, "expected an integer tensor"),
-    (torch.zeros(4, dtype=torch.long), ValueError, r"expected paths of shape \[M, L\]"),
-    (torch.zeros(0, 3, dtype=torch.long), ValueError, r"expected paths of shape \[M, L\]"),
-    (torch.tensor([[0, -2]]), ValueError, r"expected heads in \[-1, 1\)"),
-])
+@pytest.mark.parametrize(
+    "paths, error, message",
+    [
+        (torch.zeros(3, 2, dtype=torch.float32), TypeError, "expected an integer tensor"),
+        (torch.zeros(4, dtype=torch.long), ValueError, r"expected paths of shape \[M, L\]"),
+        (torch.zeros(0, 3, dtype=torch.long), ValueError, r"expected paths of shape \[M, L\]"),
+        (torch.tensor([[0, -2]]), ValueError, r"expected heads in \[-1, 1\)"),
+    ],
+)
 def test_from_paths_bad_input(paths, error, message):
     with pytest.raises(error, match="pathkernels.PathTree.from_paths: " + message):
         pk.PathTree.from_paths(paths)
@@ -87,13 +99,21 @@ def test_complete_bad_arguments():
     assert pk.PathTree.complete(np.int64(3), np.int32(2), skip=np.bool_(True)).num_paths == 27
 
 
-@pytest.mark.parametrize("paths, num_heads, error, message", [
-    ([], None, ValueError, "expected at least one path, got an empty list"),
-    ([[0, 1], [1]], None, TypeError, r"expected paths as an integer tensor \[M, L\] or a list of M lists of L ints"),
-    (["ab"], None, TypeError, "expected paths as an integer tensor"),
-    ([[0, 1]], 0, ValueError, "expected num_heads >= 1, got 0"),
-    ([[0, 1]], -2, ValueError, "expected num_heads >= 1, got -2"),
-])
+@pytest.mark.parametrize(
+    "paths, num_heads, error, message",
+    [
+        ([], None, ValueError, "expected at least one path, got an empty list"),
+        (
+            [[0, 1], [1]],
+            None,
+            TypeError,
+            r"expected paths as an integer tensor \[M, L\] or a list of M lists of L ints",
+        ),
+        (["ab"], None, TypeError, "expected paths as an integer tensor"),
+        ([[0, 1]], 0, ValueError, "expected num_heads >= 1, got 0"),
+        ([[0, 1]], -2, ValueError, "expected num_heads >= 1, got -2"),
+    ],
+)
 def test_from_paths_refuses_what_is_not_a_path_set(paths, num_heads, error, message):
     with pytest.raises(error, match="pathkernels.PathTree.from_paths: " + message):
         pk.PathTree.from_paths(paths, num_heads=num_heads)
@@ -145,6 +165,7 @@ def test_subtree_chunk_bad_arguments():
 
 
 # --- sampling ----------------------------------------------------------------------------------
+
 
 def test_sampling_is_reproducible_from_a_generator():
     a = pk.sample_paths(6, 4, 50, skip=True, generator=torch.Generator().manual_seed(3))

@@ -4,6 +4,7 @@ shapes, dtypes, trees, budgets, masks and edge values, and every op safe to call
 Two profiles (tests/conftest.py): ``quick`` (the default, part of ``make test``, under a minute)
 and ``long`` for a fuzzing run: ``pytest tests/test_properties.py --hypothesis-profile=long``.
 """
+
 import warnings
 
 import pytest
@@ -63,8 +64,9 @@ def test_norm_ops_match_the_float64_reference(x, residual):
     wide = x.double()
     # float32 rounds the result once; the kernels accumulate in float64, so only that rounding
     # and the float32 rounding of the centred entries remain (scaled by the magnitudes involved).
-    close = tolerance(x.dtype) | {"atol": tolerance(x.dtype)["atol"] * float(wide.abs().amax().clamp_min(1))
-                                  if x.numel() else 0.0}
+    close = tolerance(x.dtype) | {
+        "atol": tolerance(x.dtype)["atol"] * float(wide.abs().amax().clamp_min(1)) if x.numel() else 0.0
+    }
     l1, linf, composite = pk.matrix_norms(x, residual=residual)
     expected = matrix_norms_ref(wide - wide.mean(-2, keepdim=True) if residual else wide)
     for got, want in zip((l1, linf, composite), expected):
@@ -87,9 +89,11 @@ def networks(draw):
     outputs = None
     if draw(st.booleans()):
         d, d_head = draw(st.integers(1, 5)), draw(st.integers(1, 3))
-        outputs = (torch.randn(batch, n, d, generator=g, dtype=torch.float64).to(dtype),
-                   (torch.randn(layers, heads, d, d_head, generator=g, dtype=torch.float64) * d**-0.5).to(dtype),
-                   (torch.randn(layers, heads, d_head, d, generator=g, dtype=torch.float64) * d_head**-0.5).to(dtype))
+        outputs = (
+            torch.randn(batch, n, d, generator=g, dtype=torch.float64).to(dtype),
+            (torch.randn(layers, heads, d, d_head, generator=g, dtype=torch.float64) * d**-0.5).to(dtype),
+            (torch.randn(layers, heads, d_head, d, generator=g, dtype=torch.float64) * d_head**-0.5).to(dtype),
+        )
     return attn, outputs
 
 
@@ -102,8 +106,13 @@ def trees(draw, layers: int, heads: int):
     if kind == "max_length":
         return pk.PathTree.complete(layers, heads, skip=True, max_length=draw(st.integers(0, layers)))
     # Any set of paths, in any order, with duplicates.
-    paths = draw(st.lists(st.lists(st.integers(-1 if skip else 0, heads - 1), min_size=layers, max_size=layers),
-                          min_size=1, max_size=12))
+    paths = draw(
+        st.lists(
+            st.lists(st.integers(-1 if skip else 0, heads - 1), min_size=layers, max_size=layers),
+            min_size=1,
+            max_size=12,
+        )
+    )
     return pk.PathTree.from_paths(paths, num_heads=heads)
 
 
@@ -125,8 +134,11 @@ def test_path_residuals_match_the_per_path_float64_loop(data, network):
     # The engine measures the centred chain C(A_L)⋯C(A_1) C(X) W (docs/DESIGN.md §1); in float32 the
     # rounding of each factor enters relative to the factors' magnitudes, hence the absolute term.
     scale = 1.0 if x is None else float(products.abs().amax().clamp_min(1))
-    close = {"rtol": 1e-10, "atol": 1e-10 * scale} if attn.dtype == torch.float64 else \
-        {"rtol": 1e-4, "atol": 1e-5 * scale * layers}
+    close = (
+        {"rtol": 1e-10, "atol": 1e-10 * scale}
+        if attn.dtype == torch.float64
+        else {"rtol": 1e-4, "atol": 1e-5 * scale * layers}
+    )
     assert result.residual.shape == (attn.shape[0], len(tree))
     torch.testing.assert_close(result.residual.double(), residual_norm_ref(products), **close)
     torch.testing.assert_close(result.norm.double(), composite_norm_ref(products), **close)
@@ -148,11 +160,21 @@ def test_length_sums_with_biases_sum_to_the_network(network, skip, seed):
 @given(layers=st.integers(1, 5), heads=st.integers(1, 3), skip=st.booleans(), data=st.data())
 def test_sampling_without_replacement_gives_distinct_paths_of_the_length(layers, heads, skip, data):
     length = data.draw(st.none() | st.integers(0 if skip else layers, layers))
-    available = pk.count_paths(layers, heads, skip=skip) if length is None else \
-        pk.count_by_length(layers, heads, skip=skip)[length]
+    available = (
+        pk.count_paths(layers, heads, skip=skip)
+        if length is None
+        else pk.count_by_length(layers, heads, skip=skip)[length]
+    )
     count = data.draw(st.integers(0, available))
-    paths = pk.sample_paths(layers, heads, count, skip=skip, length=length, replace=False,
-                            generator=_generator(data.draw(st.integers(0, 2**31 - 1))))
+    paths = pk.sample_paths(
+        layers,
+        heads,
+        count,
+        skip=skip,
+        length=length,
+        replace=False,
+        generator=_generator(data.draw(st.integers(0, 2**31 - 1))),
+    )
     assert paths.shape == (count, layers) and torch.unique(paths, dim=0).shape[0] == count
     if count:
         assert int(paths.min()) >= (-1 if skip else 0) and int(paths.max()) < heads
@@ -179,8 +201,13 @@ def test_masked_batches_match_each_element_alone(network, data):
         torch.testing.assert_close(masked.residual[b], alone.residual[0], rtol=0, atol=0)
 
 
-@given(n=st.integers(1, 5), m=st.integers(0, 5), column=st.integers(-10, 10), row=st.integers(-10, 10),
-       centered=st.booleans())
+@given(
+    n=st.integers(1, 5),
+    m=st.integers(0, 5),
+    column=st.integers(-10, 10),
+    row=st.integers(-10, 10),
+    centered=st.booleans(),
+)
 def test_norm_backward_is_safe_with_any_argmax(n, m, column, row, centered):
     """The op is public: an argmax entry out of range is refused (IndexError), never read."""
     x = torch.randn(2, n, m, dtype=torch.float64)

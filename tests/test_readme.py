@@ -1,4 +1,5 @@
 """The README's Python blocks run as written: pasted in order into a fresh interpreter."""
+
 import os
 import re
 import subprocess
@@ -24,11 +25,13 @@ def test_the_readme_has_python_blocks():
 def test_readme_python_blocks_run_in_order_in_a_fresh_interpreter(tmp_path):
     for module in ("pandas", "matplotlib", "transformers", "transformer_lens"):
         pytest.importorskip(module)
-    script = "\n\n".join(f"# --- README block {i}\n{block}" for i, block in enumerate(python_blocks())
-                         if not block.startswith(NOT_RUN))
+    script = "\n\n".join(
+        f"# --- README block {i}\n{block}" for i, block in enumerate(python_blocks()) if not block.startswith(NOT_RUN)
+    )
     path = tmp_path / "readme_blocks.py"
     path.write_text(script)
     env = {**os.environ, "MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, str(path)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run(
+        [sys.executable, str(path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, f"a README block failed:\n{run.stderr[-4000:]}"

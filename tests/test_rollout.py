@@ -1,4 +1,5 @@
 """pk.rollout: the weighted path sum it equals, hand-worked cases, batching, fusions, bad input."""
+
 import pytest
 import torch
 
@@ -40,30 +41,33 @@ def test_batched_fusions_match_a_plain_loop(device, fusion, dtype):
             expected = (fused / fused.sum(-1, keepdim=True)) @ expected
         torch.testing.assert_close(out[b].double(), expected, **tolerance(dtype))
         torch.testing.assert_close(pk.rollout(attn[b], head_fusion=fusion), out[b])
-    torch.testing.assert_close(out.sum(-1).double(), torch.ones(3, 7, dtype=torch.float64, device=device),
-                               **tolerance(dtype))
+    torch.testing.assert_close(
+        out.sum(-1).double(), torch.ones(3, 7, dtype=torch.float64, device=device), **tolerance(dtype)
+    )
 
 
 def test_discard_ratio_zeroes_the_smallest_off_diagonal_entries():
     a = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.4, 0.1], [0.7, 0.1, 0.1, 0.1]])
     out = pk.rollout(a[None, None], residual=False, discard_ratio=0.34)  # one of three off-diagonal entries
-    kept = torch.tensor([[0.1, 0.0, 0.3, 0.4], [0.4, 0.3, 0.2, 0.0], [0.25, 0.25, 0.4, 0.0],
-                         [0.7, 0.0, 0.1, 0.1]])
+    kept = torch.tensor([[0.1, 0.0, 0.3, 0.4], [0.4, 0.3, 0.2, 0.0], [0.25, 0.25, 0.4, 0.0], [0.7, 0.0, 0.1, 0.1]])
     # Row 3 ties at 0.1: topk drops one of the tied entries; check the row sums and the others.
     torch.testing.assert_close(out[:3], kept[:3] / kept[:3].sum(-1, keepdim=True))
     assert out[3, 3] > 0 and torch.isclose(out[3].sum(), torch.tensor(1.0))
 
 
-@pytest.mark.parametrize("kwargs, error, message", [
-    ({"attn": torch.ones(2, 3, 3)}, ValueError, r"expected attn \[B, L, H, n, n\]"),
-    ({"attn": torch.ones(1, 1, 2, 3)}, ValueError, r"expected attn \[B, L, H, n, n\]"),
-    ({"attn": torch.ones(1, 1, 2, 2, dtype=torch.int64)}, TypeError, "floating-point"),
-    ({"attn": torch.ones(1, 1, 2, 2), "head_fusion": "sum"}, ValueError, "head_fusion"),
-    ({"attn": torch.ones(1, 1, 2, 2), "discard_ratio": 1.0}, ValueError, r"discard_ratio in \[0, 1\)"),
-    ({"attn": -torch.ones(1, 1, 2, 2)}, ValueError, "non-negative"),
-    ({"attn": torch.zeros(1, 1, 2, 2), "residual": False}, ValueError, "sums to 0"),
-    ({"attn": torch.ones(0, 1, 2, 2)}, ValueError, "at least one layer and one head"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"attn": torch.ones(2, 3, 3)}, ValueError, r"expected attn \[B, L, H, n, n\]"),
+        ({"attn": torch.ones(1, 1, 2, 3)}, ValueError, r"expected attn \[B, L, H, n, n\]"),
+        ({"attn": torch.ones(1, 1, 2, 2, dtype=torch.int64)}, TypeError, "floating-point"),
+        ({"attn": torch.ones(1, 1, 2, 2), "head_fusion": "sum"}, ValueError, "head_fusion"),
+        ({"attn": torch.ones(1, 1, 2, 2), "discard_ratio": 1.0}, ValueError, r"discard_ratio in \[0, 1\)"),
+        ({"attn": -torch.ones(1, 1, 2, 2)}, ValueError, "non-negative"),
+        ({"attn": torch.zeros(1, 1, 2, 2), "residual": False}, ValueError, "sums to 0"),
+        ({"attn": torch.ones(0, 1, 2, 2)}, ValueError, "at least one layer and one head"),
+    ],
+)
 def test_bad_input(kwargs, error, message):
     with pytest.raises(error, match="pathkernels.rollout: .*" + message):
         pk.rollout(**kwargs)

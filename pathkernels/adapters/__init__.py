@@ -9,6 +9,7 @@
 
 transformers and transformer-lens are optional; each adapter imports only what it reads.
 """
+
 from pathkernels.adapters.huggingface import (
     LocalModel,
     from_huggingface,
@@ -19,5 +20,12 @@ from pathkernels.adapters.huggingface import (
 from pathkernels.adapters.stack import AttentionStack
 from pathkernels.adapters.transformer_lens import from_transformer_lens
 
-__all__ = ["AttentionStack", "LocalModel", "from_huggingface", "from_transformer_lens", "load_local_model",
-           "local_model_inputs", "stream_huggingface_attention"]
+__all__ = [
+    "AttentionStack",
+    "LocalModel",
+    "from_huggingface",
+    "from_transformer_lens",
+    "load_local_model",
+    "local_model_inputs",
+    "stream_huggingface_attention",
+]

@@ -8,6 +8,7 @@ live; both Linear (``y = x Wᵀ + b``) and Conv1D (``y = x W + b``) layouts are 
 Attention is read by forward hooks on the attention modules, with the model switched to eager
 attention for the call (SDPA and flash kernels return no weights) and restored after.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -58,14 +59,26 @@ def _blocks(model, *paths: str) -> nn.ModuleList:
 
 def _gpt2_layers(model, config) -> list[_AttentionLayer]:
     d, heads = config.hidden_size, config.num_attention_heads
-    return [_AttentionLayer(block.attn, block.attn.c_attn, slice(2 * d, 3 * d), block.attn.c_proj, heads, heads,
-                            d // heads) for block in _blocks(model, "h")]
+    return [
+        _AttentionLayer(block.attn, block.attn.c_attn, slice(2 * d, 3 * d), block.attn.c_proj, heads, heads, d // heads)
+        for block in _blocks(model, "h")
+    ]
 
 
 def _bert_layers(model, config) -> list[_AttentionLayer]:
     d, heads = config.hidden_size, config.num_attention_heads
-    return [_AttentionLayer(layer.attention.self, layer.attention.self.value, slice(None), layer.attention.output.dense,
-                            heads, heads, d // heads) for layer in _blocks(model, "encoder.layer", "layer")]
+    return [
+        _AttentionLayer(
+            layer.attention.self,
+            layer.attention.self.value,
+            slice(None),
+            layer.attention.output.dense,
+            heads,
+            heads,
+            d // heads,
+        )
+        for layer in _blocks(model, "encoder.layer", "layer")
+    ]
 
 
 def _vit_layers(model, config) -> list[_AttentionLayer]:
@@ -77,8 +90,11 @@ def _vit_layers(model, config) -> list[_AttentionLayer]:
         if hasattr(block, "v_proj"):  # transformers >= 5: one module holds q/k/v/o
             out.append(_AttentionLayer(block, block.v_proj, slice(None), block.o_proj, heads, heads, head_dim))
         else:  # transformers 4: ViTAttention(attention=ViTSelfAttention, output=ViTSelfOutput)
-            out.append(_AttentionLayer(block.attention, block.attention.value, slice(None), block.output.dense,
-                                       heads, heads, head_dim))
+            out.append(
+                _AttentionLayer(
+                    block.attention, block.attention.value, slice(None), block.output.dense, heads, heads, head_dim
+                )
+            )
     return out
 
 
@@ -86,8 +102,12 @@ def _llama_layers(model, config) -> list[_AttentionLayer]:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return [_AttentionLayer(layer.self_attn, layer.self_attn.v_proj, slice(None), layer.self_attn.o_proj, heads,
-                            kv_heads, head_dim) for layer in _blocks(model, "layers")]
+    return [
+        _AttentionLayer(
+            layer.self_attn, layer.self_attn.v_proj, slice(None), layer.self_attn.o_proj, heads, kv_heads, head_dim
+        )
+        for layer in _blocks(model, "layers")
+    ]
 
 
 _FAMILIES: dict[str, Callable] = {
@@ -232,8 +252,10 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
     hidden = None if hidden is None else torch.stack(list(hidden)).detach()
     token_mask = inputs.get("attention_mask")
     if isinstance(token_mask, Tensor) and token_mask.dim() != 2:
-        raise ValueError(f"{_WHERE}: expected attention_mask of shape [B, n] (1 = a real token) to carry as the "
-                         f"stack's token_mask, got {list(token_mask.shape)}")
+        raise ValueError(
+            f"{_WHERE}: expected attention_mask of shape [B, n] (1 = a real token) to carry as the "
+            f"stack's token_mask, got {list(token_mask.shape)}"
+        )
     return AttentionStack(
         attn=torch.stack(patterns, dim=1),
         w_v=w_v,
@@ -309,8 +331,9 @@ def load_local_model(path) -> LocalModel:
     return LocalModel(str(path), model, has_weights, tokenizer)
 
 
-def local_model_inputs(local: LocalModel, *, text: str | None = None, num_tokens: int | None = None,
-                       batch: int = 1, seed: int = 0) -> tuple[dict, str]:
+def local_model_inputs(
+    local: LocalModel, *, text: str | None = None, num_tokens: int | None = None, batch: int = 1, seed: int = 0
+) -> tuple[dict, str]:
     """Inputs for ``local.model`` and a phrase that says what they are.
 
     - a vision model: ``batch`` random images (seeded);
@@ -327,8 +350,10 @@ def local_model_inputs(local: LocalModel, *, text: str | None = None, num_tokens
     config = local.model.config
     if local.is_vision:
         if text is not None or num_tokens is not None:
-            raise ValueError(f"{where}: text and num_tokens do not apply to the vision model {local.path}: its tokens "
-                             "are the image patches")
+            raise ValueError(
+                f"{where}: text and num_tokens do not apply to the vision model {local.path}: its tokens "
+                "are the image patches"
+            )
         size, channels = config.image_size, getattr(config, "num_channels", 3)
         pixels = torch.randn(batch, channels, size, size, generator=generator)
         return {"pixel_values": pixels}, f"{batch} random image(s) of {size}×{size} pixels"
@@ -338,8 +363,10 @@ def local_model_inputs(local: LocalModel, *, text: str | None = None, num_tokens
         prompt = DEFAULT_PROMPT if text is None else text
         ids = local.tokenizer(prompt, return_tensors="pt")["input_ids"]
         if ids.shape[-1] < 2:
-            raise ValueError(f"{where}: the prompt {prompt!r} is {ids.shape[-1]} token(s); the residual of fewer than "
-                             "2 tokens is 0 by definition")
+            raise ValueError(
+                f"{where}: the prompt {prompt!r} is {ids.shape[-1]} token(s); the residual of fewer than "
+                "2 tokens is 0 by definition"
+            )
         which = "the default prompt" if text is None else "the prompt"
         return {"input_ids": ids}, f"{which} {prompt!r} ({ids.shape[-1]} tokens, the model's tokenizer)"
     n = 32 if num_tokens is None else num_tokens

@@ -1,4 +1,5 @@
 """AttentionStack: what the adapters extract from a model, in the engine's layout."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -54,8 +55,9 @@ class AttentionStack:
         where = f"pathkernels.AttentionStack from {self.source or 'the caller'}"
         if self.attn.dim() != 5:
             raise ValueError(f"{where}: expected attn of shape [B, L, H, n, n], got {list(self.attn.shape)}")
-        self.token_mask = masking.check_token_mask(self.token_mask, self.attn.shape[0], self.attn.shape[-1],
-                                                   self.attn.device, where)
+        self.token_mask = masking.check_token_mask(
+            self.token_mask, self.attn.shape[0], self.attn.shape[-1], self.attn.device, where
+        )
         if self.token_mask is None:
             check_row_stochastic(self.attn, where)
         else:
@@ -154,8 +156,15 @@ class AttentionStack:
         that for an attention-only model ``Σ_k S_k`` is its final residual stream; ``biases=False``
         leaves them out. A padded stack is computed on each sequence's real tokens (padded rows 0).
         """
-        return length_sums(self.attn, self.residual_stream(0) if x is None else x, self.w_v, self.w_o,
-                           b_o=self.b_o if biases else None, skip=skip, token_mask=self.token_mask)
+        return length_sums(
+            self.attn,
+            self.residual_stream(0) if x is None else x,
+            self.w_v,
+            self.w_o,
+            b_o=self.b_o if biases else None,
+            skip=skip,
+            token_mask=self.token_mask,
+        )
 
     def to(self, *args, **kwargs) -> AttentionStack:
         """A copy with every tensor moved or cast like ``Tensor.to``.
@@ -168,8 +177,15 @@ class AttentionStack:
         if attn.dtype != self.attn.dtype:
             attn = attn / attn.sum(-1, keepdim=True)
         mask = None if self.token_mask is None else self.token_mask.to(device=attn.device)
-        return replace(self, attn=attn, w_v=self.w_v.to(*args, **kwargs), w_o=self.w_o.to(*args, **kwargs),
-                       b_o=self.b_o.to(*args, **kwargs), hidden_states=hidden, token_mask=mask)
+        return replace(
+            self,
+            attn=attn,
+            w_v=self.w_v.to(*args, **kwargs),
+            w_o=self.w_o.to(*args, **kwargs),
+            b_o=self.b_o.to(*args, **kwargs),
+            hidden_states=hidden,
+            token_mask=mask,
+        )
 
 
 def fold_value_bias(b_v: Tensor | None, w_o: Tensor, b_o: Tensor | None) -> Tensor:

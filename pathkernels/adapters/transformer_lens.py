@@ -6,6 +6,7 @@ d_head, d]``, ``b_V [L, H, d_head]`` and ``b_O [L, d]`` (grouped-query models al
 key/value heads there). Hook names are TransformerLens's: ``blocks.{l}.attn.hook_pattern``,
 ``blocks.{l}.hook_resid_pre`` and ``blocks.{L-1}.hook_resid_post``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -81,8 +82,9 @@ def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -
     residual_names = _hook_names(num_layers)[num_layers:]
     hidden = None
     if all(name in cache for name in residual_names):
-        hidden = torch.stack([cache[name] if cache[name].dim() == 3 else cache[name].unsqueeze(0)
-                              for name in residual_names])
+        hidden = torch.stack(
+            [cache[name] if cache[name].dim() == 3 else cache[name].unsqueeze(0) for name in residual_names]
+        )
     with torch.no_grad():
         w_v, w_o = model.W_V.detach().clone(), model.W_O.detach().clone()
         b_v, b_out = model.b_V.detach(), model.b_O.detach()
