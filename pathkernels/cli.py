@@ -180,6 +180,7 @@ def collapse_table(
 
         table = pd.DataFrame(experiments.collapse_rows(model, ratios))
         title = f"{model}, {local.weights}; inputs: {what}"
+        plot_title = f"Rank collapse: {model}, {local.weights}"
     else:
         tokens = 32 if tokens is None else tokens
         table = experiments.collapse_vs_depth(
@@ -195,11 +196,12 @@ def collapse_table(
             f"pathkernels.models at initialisation (L = {layers}, H = {heads}, d = {width}, n = {tokens}, "
             f"{seeds} seed(s) × {batch} inputs)"
         )
+        plot_title = "Rank collapse at initialisation"
     wide = table.pivot(index="depth", columns="variant", values="median")[list(dict.fromkeys(table["variant"]))]
     print(f"Median residual ratio ‖X − 1μᵀ‖_1,∞ / ‖X‖_1,∞ of the hidden states by depth: {title}")
     print(wide.to_string(float_format=_float_format))
     if out is not None:
-        _save(out, "collapse", table, experiments.plot_collapse(table))
+        _save(out, "collapse", table, experiments.plot_collapse(table, title=plot_title))
     return table
 
 

@@ -103,8 +103,9 @@ def collapse_vs_depth(
     return pd.DataFrame(rows)
 
 
-def plot_collapse(table, ax=None):
-    """Residual ratio against depth, one line per variant (log y). Returns the Figure."""
+def plot_collapse(table, ax=None, *, title: str = "Rank collapse at initialisation"):
+    """Residual ratio against depth, one line per variant (log y), under ``title`` (say what the
+    weights are). Returns the Figure."""
     plt = _pyplot()
     fig, ax = _axes(plt, ax)
     for i, (variant, rows) in enumerate(table.groupby("variant", sort=False)):
@@ -119,7 +120,7 @@ def plot_collapse(table, ax=None):
     ax.xaxis.set_major_locator(_integer_ticks())
     ax.set_xlabel("depth (layers applied)")
     ax.set_ylabel("residual ratio ‖X − 1μᵀ‖ / ‖X‖ (ℓ1,∞)")
-    ax.set_title("Rank collapse (median, 10–90 % band)")
+    ax.set_title(f"{title} (median, 10–90 % band)", fontsize="medium")
     ax.legend(fontsize="small", ncol=2 if table["variant"].nunique() > 2 else 1)
     return fig
 
