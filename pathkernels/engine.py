@@ -226,7 +226,13 @@ def _masked_path_residuals(attn, tree, x, token_mask, where: str, *, materialize
         attn = attn.unsqueeze(0)
         x = None if not isinstance(x, Tensor) else x.unsqueeze(0)
         token_mask = token_mask.unsqueeze(0) if isinstance(token_mask, Tensor) else token_mask
-    mask = masking.check_token_mask(token_mask, attn.shape[0], attn.shape[-1], attn.device, where)
+    batch, n = attn.shape[0], attn.shape[-1]
+    if attn.shape[-2] != n:
+        raise ValueError(f"{where}: expected square attention matrices [.., n, n], got {list(attn.shape)}")
+    if isinstance(x, Tensor) and (x.dim() != 3 or x.shape[:2] != (batch, n)):
+        expected = f"[B, n, d] = [{batch}, {n}, d]" if batched else f"[n, d] = [{n}, d]"
+        raise ValueError(f"{where}: expected x of shape {expected}, got {list(x.shape if batched else x.shape[1:])}")
+    mask = masking.check_token_mask(token_mask, batch, n, attn.device, where)
     if mask is not None and materialize:
         raise ValueError(
             f"{where}: materialize=True cannot honour token_mask (the sequences' products differ in "
@@ -246,7 +252,7 @@ def _masked_path_residuals(attn, tree, x, token_mask, where: str, *, materialize
             if part is None:  # a rank other than 0 of a process group: the results went to rank 0
                 continue
             if residual is None:
-                residual = part.residual.new_empty(attn.shape[0], part.residual.shape[1])
+                residual = part.residual.new_empty(batch, part.residual.shape[1])
                 norm = torch.empty_like(residual)
             residual[group.batch], norm[group.batch] = part.residual, part.norm
         result = None if residual is None else PathResiduals(residual, norm, tree)

@@ -181,3 +181,14 @@ def test_padded_transformer_lens_batch_matches_each_sequence_alone():
         pk.decompose(alone, x=alone.residual_stream(0)).results.residual[0],
     )
     torch.testing.assert_close(padded.length_sums()[:, 1, :4], alone.length_sums()[:, 0])
+
+
+def test_masked_calls_check_shapes_before_restricting():
+    attn = random_attention(2, 2, 2, 4, 4, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    tree = pk.PathTree.complete(2, 2)
+    w_v, w_o = torch.randn(2, 2, 3, 2, dtype=torch.float64), torch.randn(2, 2, 2, 3, dtype=torch.float64)
+    with pytest.raises(
+        ValueError, match=r"path_residuals: expected x of shape \[B, n, d\] = \[2, 4, d\], got \[1, 4, 3\]"
+    ):
+        pk.path_residuals(attn, tree, x=torch.randn(1, 4, 3, dtype=torch.float64), w_v=w_v, w_o=w_o, token_mask=mask)
