@@ -26,6 +26,7 @@ from pathkernels.ops import MatrixNorms, composite_norm, matrix_norms, residual_
 from pathkernels.paths import PathTree, count_by_length, count_paths, sample_paths  # noqa: E402
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET  # noqa: E402
 from pathkernels.rollout import rollout  # noqa: E402
+from pathkernels.statistics import PathStatistics, path_statistics  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,7 @@ __all__ = [
     "MatrixNorms",
     "PathDecomposition",
     "PathResiduals",
+    "PathStatistics",
     "PathTree",
     "adapters",
     "build_info",
@@ -66,6 +68,7 @@ __all__ = [
     "models",
     "nn",
     "path_residuals",
+    "path_statistics",
     "residual_norm",
     "rollout",
     "sample_paths",

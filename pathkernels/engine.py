@@ -284,16 +284,18 @@ def _tf32_matmuls():
         setattr(matmul, name, previous)
 
 
-def check_inputs(attn, tree, x, w_v, w_o, memory_budget, where: str) -> tuple[Network, int]:
+def check_inputs(attn, tree, x, w_v, w_o, memory_budget, where: str, *, results: bool = True) -> tuple[Network, int]:
     """Everything path_residuals checks before any work: the inputs, the tree, the budget, the
-    device and the size of the results. Returns the checked inputs and the budget as an int."""
+    device and (with ``results``: per-path results are kept) the size of the results. Returns the
+    checked inputs and the budget as an int."""
     net = check_network(attn, x, w_v, w_o, where)
     check_tree(tree, net, where)
     memory_budget = check_budget(memory_budget, net, where)
-    if tree.num_paths > 1 << 40:
-        raise ValueError(f"{where}: the tree has {tree.num_paths:,} paths; results alone would not fit in memory")
     check_engine_device(net.attn.device, where)
-    check_results_fit(net, tree, where)
+    if results:
+        if tree.num_paths > 1 << 40:
+            raise ValueError(f"{where}: the tree has {tree.num_paths:,} paths; results alone would not fit in memory")
+        check_results_fit(net, tree, where)
     return net, memory_budget
 
 

@@ -1,0 +1,471 @@
+"""Exact statistics of every path of trees too large to store: streaming per-length reductions.
+
+:func:`path_statistics` walks the tree in the engine's memory-bounded chunks and folds each
+chunk's per-path residuals and norms into per-(batch element, path length) accumulators on the
+device where they were computed: counts, float64 sums and sums of squares, minima and maxima with
+the paths where they occur, log-binned histograms and, optionally, the ``top_k`` paths by ratio.
+Memory is ``O(B · (L+1) · bins + top_k)`` beyond one chunk, whatever the number of paths.
+
+The statistics run over the tree's leaves: its distinct paths (every path of a complete tree).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import Tensor
+
+from pathkernels import ops
+from pathkernels._progress import progress_bar
+from pathkernels.engine import check_inputs, engine_operands
+from pathkernels.paths import SKIP, PathTree
+from pathkernels.planner import DEFAULT_MEMORY_BUDGET, chunks
+
+QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
+_MEASURES = ("ratio", "residual", "norm")
+_HISTOGRAMS = ("ratio", "residual")
+_HISTOGRAM_TOP = 10.0  # the last regular edge; above it is the overflow bin
+_NO_PATH = -2  # a path row where a length has no path
+
+
+def histogram_edges(dtype: torch.dtype, bins_per_decade: int) -> Tensor:
+    """Regular log-spaced edges from the dtype's smallest normal number to 10, ``bins_per_decade``
+    per decade (float64). Bin 0 counts values below the first edge (0 included), the last bin
+    values above the last edge."""
+    low = math.log10(torch.finfo(dtype).tiny)
+    decades = math.log10(_HISTOGRAM_TOP) - low
+    count = math.ceil(decades * bins_per_decade)
+    return torch.logspace(
+        math.log10(_HISTOGRAM_TOP) - count / bins_per_decade, math.log10(_HISTOGRAM_TOP), count + 1, dtype=torch.float64
+    )
+
+
+def histogram_quantiles(histogram: Tensor, edges: Tensor, q=QUANTILES) -> Tensor:
+    """Quantiles ``[..., len(q)]`` of counts ``histogram [..., E+1]`` over ``edges [E]`` (bin 0
+    below the first edge, bin E from the last one up), log-interpolated within the bin that holds
+    each: exact to within one bin. 0 for the underflow bin, inf for the overflow bin, NaN where
+    there are no counts."""
+    histogram = histogram.double().cpu()
+    cumulative = histogram.cumsum(-1)
+    total = cumulative[..., -1:]
+    logs = edges.log10()
+    last = edges.numel()  # the overflow bin
+    out = torch.full((*histogram.shape[:-1], len(q)), math.nan, dtype=torch.float64)
+    for i, level in enumerate(q):
+        target = level * total
+        index = torch.searchsorted(cumulative, target).clamp(max=last)
+        below = torch.where(index > 0, cumulative.gather(-1, (index - 1).clamp_min(0)), 0.0)
+        inside = histogram.gather(-1, index)
+        fraction = torch.where(inside > 0, (target - below) / inside, 0.0).clamp(0, 1)
+        low, high = logs[(index - 1).clamp(0, last - 1)], logs[index.clamp(max=last - 1)]
+        value = 10 ** (low + fraction * (high - low))
+        value = torch.where(index == 0, 0.0, torch.where(index == last, math.inf, value))
+        out[..., i] = torch.where(total > 0, value, math.nan)[..., 0]
+    return out
+
+
+@dataclass
+class PathStatistics:
+    """Exact per-length statistics of the paths of one tree (see :func:`path_statistics`).
+
+    Every tensor is indexed ``[b, k]`` (batch element, path length ``0..L``) first. ``sums`` and
+    ``sums_of_squares`` hold, per measure (``ratio``, ``residual``, ``norm``), float64 totals;
+    ``minima``/``maxima`` the extreme values and ``argmin``/``argmax`` ``[B, L+1, L]`` the path
+    where each occurs (the first in the tree's leaf order; rows of -2 where a length has no path);
+    ``histograms`` ``[B, L+1, bins+1]`` counts of the ratio and the residual over
+    :func:`histogram_edges`, with under- and overflow bins; ``top_values`` ``[B, L+1, top_k]``
+    the largest ratios per length (``-inf`` where a length has fewer paths) and ``top_paths``
+    ``[B, L+1, top_k, L]`` their paths.
+    """
+
+    num_layers: int
+    num_heads: int
+    skip: bool
+    dtype: torch.dtype
+    bins_per_decade: int
+    top_k: int
+    counts: Tensor  # [B, L+1] int64
+    sums: dict[str, Tensor] = field(repr=False)  # measure -> [B, L+1] float64
+    sums_of_squares: dict[str, Tensor] = field(repr=False)
+    minima: dict[str, Tensor] = field(repr=False)
+    maxima: dict[str, Tensor] = field(repr=False)
+    argmin: dict[str, Tensor] = field(repr=False)  # measure -> [B, L+1, L] int64 paths
+    argmax: dict[str, Tensor] = field(repr=False)
+    histograms: dict[str, Tensor] = field(repr=False)  # "ratio"/"residual" -> [B, L+1, bins+1] int64
+    top_values: Tensor = field(repr=False)  # [B, L+1, top_k] float64
+    top_paths: Tensor = field(repr=False)  # [B, L+1, top_k, L] int64
+
+    @property
+    def edges(self) -> Tensor:
+        return histogram_edges(self.dtype, self.bins_per_decade)
+
+    @classmethod
+    def empty(
+        cls, batch: int, tree: PathTree, dtype: torch.dtype, bins_per_decade: int, top_k: int, device
+    ) -> PathStatistics:
+        layers = tree.num_layers
+        shape = (batch, layers + 1)
+        bins = histogram_edges(dtype, bins_per_decade).numel() + 1  # regular bins + under- and overflow
+
+        def per_measure(fill, kind=torch.float64):
+            return {name: torch.full(shape, fill, dtype=kind, device=device) for name in _MEASURES}
+
+        return cls(
+            num_layers=tree.num_layers,
+            num_heads=tree.num_heads,
+            skip=tree.skip,
+            dtype=dtype,
+            bins_per_decade=bins_per_decade,
+            top_k=top_k,
+            counts=torch.zeros(shape, dtype=torch.long, device=device),
+            sums=per_measure(0.0),
+            sums_of_squares=per_measure(0.0),
+            minima=per_measure(math.inf),
+            maxima=per_measure(-math.inf),
+            argmin={
+                name: torch.full((*shape, layers), _NO_PATH, dtype=torch.long, device=device) for name in _MEASURES
+            },
+            argmax={
+                name: torch.full((*shape, layers), _NO_PATH, dtype=torch.long, device=device) for name in _MEASURES
+            },
+            histograms={name: torch.zeros(*shape, bins, dtype=torch.long, device=device) for name in _HISTOGRAMS},
+            top_values=torch.full((*shape, top_k), -math.inf, dtype=torch.float64, device=device),
+            top_paths=torch.full((*shape, top_k, layers), _NO_PATH, dtype=torch.long, device=device),
+        )
+
+    # --- accumulation ------------------------------------------------------------------------
+
+    def add(self, residual: Tensor, norm: Tensor, paths: Tensor) -> None:
+        """Fold one chunk in: ``residual``/``norm`` ``[B, c]`` of ``paths`` ``[c, L]``, in the
+        tree's leaf order (so that the first path reaching an extreme is the one kept)."""
+        batch, count = residual.shape
+        levels = self.num_layers + 1
+        paths = paths.to(residual.device)
+        lengths = (paths != SKIP).sum(1)
+        slot = (torch.arange(batch, device=residual.device).unsqueeze(1) * levels + lengths).flatten()  # [B·c]
+        leaves = torch.arange(count, device=residual.device).expand(batch, count).flatten()  # within the chunk
+        values = {"residual": residual.double(), "norm": norm.double()}
+        values["ratio"] = values["residual"] / values["norm"]
+        self.counts.view(-1).index_add_(0, slot, torch.ones_like(slot))
+        for name, value in values.items():
+            flat = value.flatten()
+            self.sums[name].view(-1).index_add_(0, slot, flat)
+            self.sums_of_squares[name].view(-1).index_add_(0, slot, flat * flat)
+            number = ~flat.isnan()  # a zero norm gives a NaN ratio: it has no place among the extremes
+            for extreme, best, where, take in (
+                (self.minima, torch.minimum, self.argmin, "amin"),
+                (self.maxima, torch.maximum, self.argmax, "amax"),
+            ):
+                chunk_best = torch.full(
+                    (batch * levels,),
+                    math.inf if take == "amin" else -math.inf,
+                    dtype=torch.float64,
+                    device=flat.device,
+                )
+                chunk_best.scatter_reduce_(0, slot[number], flat[number], reduce=take, include_self=True)
+                # The first leaf of the chunk that reaches the chunk's extreme of its slot.
+                hit = number & (flat == chunk_best[slot])
+                first = torch.full((batch * levels,), torch.iinfo(torch.long).max, dtype=torch.long, device=flat.device)
+                first.scatter_reduce_(0, slot[hit], leaves[hit], reduce="amin", include_self=True)
+                current = extreme[name].view(-1)
+                better = (chunk_best < current) if take == "amin" else (chunk_best > current)
+                better &= first != torch.iinfo(torch.long).max
+                found = paths[first.clamp(max=count - 1)]  # [B·(L+1), L]
+                kept = where[name].view(-1, self.num_layers)
+                kept.copy_(torch.where(better.unsqueeze(1), found, kept))
+                current.copy_(best(current, chunk_best))
+        edges = self.edges.to(residual.device)
+        for name in _HISTOGRAMS:
+            flat = values[name].flatten()
+            # Bin 0: below the first edge (0 too); bins 1..E-1 regular; bin E: from the last edge up
+            # (and NaN, a zero norm's ratio).
+            index = torch.bucketize(flat, edges, right=True)
+            histogram = self.histograms[name].view(-1, edges.numel() + 1)
+            histogram.view(-1).index_add_(0, slot * (edges.numel() + 1) + index, torch.ones_like(index))
+        if self.top_k:
+            self._add_top(values["ratio"], lengths, paths)
+
+    def _add_top(self, ratio: Tensor, lengths: Tensor, paths: Tensor) -> None:
+        batch, layers = ratio.shape[0], self.num_layers
+        for k in torch.unique(lengths).tolist():
+            chosen = lengths == k
+            values = torch.cat([self.top_values[:, k], ratio[:, chosen]], dim=1)  # [B, top_k + c_k]
+            candidates = torch.cat([self.top_paths[:, k], paths[chosen].expand(batch, -1, -1)], dim=1)
+            best = values.topk(self.top_k, dim=1)
+            self.top_values[:, k] = best.values
+            self.top_paths[:, k] = candidates.gather(1, best.indices.unsqueeze(-1).expand(-1, -1, layers))
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def mean(self, measure: str = "ratio") -> Tensor:
+        """``[B, L+1]`` float64 means (NaN where a length has no path)."""
+        return self.sums[measure] / self.counts
+
+    def std(self, measure: str = "ratio") -> Tensor:
+        """``[B, L+1]`` sample standard deviations (n − 1), from the float64 sums."""
+        n = self.counts.double()
+        variance = (self.sums_of_squares[measure] - self.sums[measure] ** 2 / n) / (n - 1)
+        return variance.clamp_min(0).sqrt()
+
+    def quantiles(self, measure: str = "ratio", q=QUANTILES) -> tuple[Tensor, float]:
+        """Quantiles ``[B, L+1, len(q)]`` read from the histogram (log-interpolated within a bin),
+        and their relative error bound: the bin width, a factor ``10^(1/bins_per_decade)``."""
+        if measure not in self.histograms:
+            raise ValueError(
+                f"pathkernels.PathStatistics.quantiles: histograms exist for {_HISTOGRAMS}, got {measure!r}"
+            )
+        return histogram_quantiles(self.histograms[measure], self.edges, q), 10 ** (1 / self.bins_per_decade) - 1
+
+    def path_counts(self) -> list[int]:
+        """Exact number of leaves of each length in the tree (Python ints), from batch element 0."""
+        return [int(c) for c in self.counts[0].tolist()]
+
+    def by_length(self, batch_element: int | None = None):
+        """A pandas DataFrame, one row per length that has paths, as :meth:`PathDecomposition.by_length`.
+
+        Columns: ``length``, ``path_count``, ``mean``, ``std``, ``min``, ``max`` of the residual
+        ratio, the quantiles ``q05 … q95`` read from the histogram, ``quantile_rel_error`` (their
+        bin-width bound) and ``from_histogram`` (True: the quantiles are not exact). Over all batch
+        elements pooled (counts, sums and histograms add), or one with ``batch_element``.
+        """
+        from pathkernels.decompose import _require
+
+        pd = _require("pandas")
+        pick = slice(None) if batch_element is None else slice(batch_element, batch_element + 1)
+        counts = self.counts[pick].sum(0).cpu()
+        sums = {name: self.sums[name][pick].sum(0).cpu() for name in ("ratio",)}
+        squares = self.sums_of_squares["ratio"][pick].sum(0).cpu()
+        minima = self.minima["ratio"][pick].amin(0).cpu()
+        maxima = self.maxima["ratio"][pick].amax(0).cpu()
+        quantiles = histogram_quantiles(self.histograms["ratio"][pick].sum(0, keepdim=True), self.edges)
+        error = 10 ** (1 / self.bins_per_decade) - 1
+        per_element = self.counts.shape[0] if batch_element is None else 1
+        rows = []
+        for k in range(self.num_layers + 1):
+            n = int(counts[k])
+            if n == 0:
+                continue
+            mean = float(sums["ratio"][k]) / n
+            variance = (float(squares[k]) - float(sums["ratio"][k]) ** 2 / n) / (n - 1) if n > 1 else math.nan
+            row = {
+                "length": k,
+                "path_count": n // per_element,
+                "mean": mean,
+                "std": math.sqrt(max(variance, 0.0)),
+                "min": float(minima[k]),
+                "max": float(maxima[k]),
+            }
+            row.update({f"q{round(level * 100):02d}": float(quantiles[0, k, i]) for i, level in enumerate(QUANTILES)})
+            row.update(quantile_rel_error=error, from_histogram=True)
+            rows.append(row)
+        frame = pd.DataFrame(rows)
+        frame["path_count"] = frame["path_count"].astype(object)
+        return frame
+
+    def top(self, k: int | None = None, *, length: int | None = None, batch_element: int = 0):
+        """The ``k`` paths with the largest ratio (of one ``length``, or overall) for one batch
+        element: a list of ``(ratio, path)``, largest first; a path is a list of L heads, -1 = skip."""
+        k = self.top_k if k is None else k
+        if not 0 <= k <= self.top_k:
+            raise ValueError(
+                f"pathkernels.PathStatistics.top: expected k in [0, {self.top_k}] (the top_k collected), got {k}"
+            )
+        values, paths = self.top_values[batch_element].cpu(), self.top_paths[batch_element].cpu()
+        if length is not None:
+            values, paths = values[length : length + 1], paths[length : length + 1]
+        values, paths = values.flatten(), paths.reshape(-1, self.num_layers)
+        order = values.argsort(descending=True, stable=True)[:k]
+        return [(float(values[i]), paths[i].tolist()) for i in order.tolist() if values[i] > -math.inf]
+
+    def to_frame(self):
+        """A pandas DataFrame, one row per (batch element, length): count and the per-measure
+        mean, std, min, max (with the paths where they occur)."""
+        from pathkernels.decompose import _require
+
+        pd = _require("pandas")
+        rows = []
+        for b in range(self.counts.shape[0]):
+            for k in range(self.num_layers + 1):
+                if int(self.counts[b, k]) == 0:
+                    continue
+                row = {"batch": b, "length": k, "count": int(self.counts[b, k])}
+                for name in _MEASURES:
+                    row.update(
+                        {
+                            f"{name}_mean": float(self.mean(name)[b, k]),
+                            f"{name}_std": float(self.std(name)[b, k]),
+                            f"{name}_min": float(self.minima[name][b, k]),
+                            f"{name}_argmin": self.argmin[name][b, k].tolist(),
+                            f"{name}_max": float(self.maxima[name][b, k]),
+                            f"{name}_argmax": self.argmax[name][b, k].tolist(),
+                        }
+                    )
+                rows.append(row)
+        return pd.DataFrame(rows)
+
+    def plot(self, ax=None, *, batch_element: int | None = None):
+        """Ratio against length (log scale): the histogram's median and 5–95 % band, and the
+        minimum and maximum. Returns the matplotlib Figure."""
+        from pathkernels.decompose import _require
+
+        _require("matplotlib")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4)) if ax is None else (ax.figure, ax)
+        table = self.by_length(batch_element)
+        ax.plot(table["length"], table["q50"].clip(lower=1e-300), "o-", color="C3", label="median (histogram)")
+        ax.fill_between(
+            table["length"],
+            table["q05"].clip(lower=1e-300),
+            table["q95"].clip(lower=1e-300),
+            color="C3",
+            alpha=0.2,
+            label="5–95 %",
+        )
+        ax.plot(table["length"], table["min"].clip(lower=1e-300), "v", color="C0", ms=4, label="min")
+        ax.plot(table["length"], table["max"].clip(lower=1e-300), "^", color="C0", ms=4, label="max")
+        ax.set_yscale("log")
+        ax.set_xlabel("path length (heads taken)")
+        ax.set_ylabel("residual ratio ‖res‖ / ‖·‖ (ℓ1,∞)")
+        ax.set_title(f"All paths, streamed: L = {self.num_layers}, H = {self.num_heads}")
+        ax.legend(fontsize="small")
+        return fig
+
+    # --- combining and storing -----------------------------------------------------------------
+
+    def merge(self, other: PathStatistics) -> PathStatistics:
+        """The statistics of two disjoint sets of leaves of the same network, exactly: counts,
+        sums and histograms add, extremes compare, top paths merge. Leaf indices stay those of the
+        path where each occurs (ties in extremes keep this one's)."""
+        for name in ("num_layers", "num_heads", "dtype", "bins_per_decade", "top_k"):
+            if getattr(self, name) != getattr(other, name):
+                raise ValueError(
+                    f"pathkernels.PathStatistics.merge: {name} differs ({getattr(self, name)} and "
+                    f"{getattr(other, name)})"
+                )
+        if self.counts.shape != other.counts.shape:
+            raise ValueError(
+                f"pathkernels.PathStatistics.merge: batch sizes differ ({self.counts.shape[0]} and "
+                f"{other.counts.shape[0]})"
+            )
+        out = PathStatistics.empty(
+            self.counts.shape[0],
+            _TreeShape(self.num_layers, self.num_heads, self.skip),
+            self.dtype,
+            self.bins_per_decade,
+            self.top_k,
+            self.counts.device,
+        )
+        out.counts = self.counts + other.counts
+        for name in _MEASURES:
+            out.sums[name] = self.sums[name] + other.sums[name]
+            out.sums_of_squares[name] = self.sums_of_squares[name] + other.sums_of_squares[name]
+            for extreme, where, smaller in ((out.minima, out.argmin, True), (out.maxima, out.argmax, False)):
+                mine = (self.minima if smaller else self.maxima)[name]
+                theirs = (other.minima if smaller else other.maxima)[name]
+                my_path = (self.argmin if smaller else self.argmax)[name]
+                their_path = (other.argmin if smaller else other.argmax)[name]
+                take_theirs = (theirs < mine) if smaller else (theirs > mine)
+                extreme[name] = torch.where(take_theirs, theirs, mine)
+                where[name] = torch.where(take_theirs.unsqueeze(-1), their_path, my_path)
+        for name in _HISTOGRAMS:
+            out.histograms[name] = self.histograms[name] + other.histograms[name]
+        if self.top_k:
+            values = torch.cat([self.top_values, other.top_values], dim=-1)
+            paths = torch.cat([self.top_paths, other.top_paths], dim=-2)
+            best = values.topk(self.top_k, dim=-1)
+            out.top_values = best.values
+            out.top_paths = paths.gather(-2, best.indices.unsqueeze(-1).expand(-1, -1, -1, self.num_layers))
+        return out
+
+    def save(self, path) -> None:
+        """Write to ``path`` (a ``torch.save`` file of plain tensors and numbers, on the CPU)."""
+        state = {}
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if isinstance(value, Tensor):
+                value = value.cpu()
+            elif isinstance(value, dict):
+                value = {key: tensor.cpu() for key, tensor in value.items()}
+            elif isinstance(value, torch.dtype):
+                value = str(value).removeprefix("torch.")
+            state[item.name] = value
+        torch.save({"pathkernels.PathStatistics": 1, **state}, path)
+
+    @classmethod
+    def load(cls, path) -> PathStatistics:
+        """Read what :meth:`save` wrote."""
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if state.pop("pathkernels.PathStatistics", None) != 1:
+            raise ValueError(f"pathkernels.PathStatistics.load: {path} was not written by PathStatistics.save")
+        state["dtype"] = getattr(torch, state["dtype"])
+        return cls(**state)
+
+
+@dataclass(frozen=True)
+class _TreeShape:
+    """What :meth:`PathStatistics.empty` reads of a tree."""
+
+    num_layers: int
+    num_heads: int
+    skip: bool
+
+
+def path_statistics(
+    attn: Tensor,
+    tree: PathTree,
+    *,
+    x: Tensor | None = None,
+    w_v: Tensor | None = None,
+    w_o: Tensor | None = None,
+    top_k: int = 0,
+    bins_per_decade: int = 10,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    progress: bool = False,
+) -> PathStatistics:
+    """Exact per-length statistics of the residual ratio, residual and norm of every path.
+
+    The same quantities as :func:`pathkernels.path_residuals` (attention products, or path outputs
+    ``P_p X W_p`` with ``x``, ``w_v`` and ``w_o``), reduced chunk by chunk on attn's device as the
+    engine produces them, so that no per-path result outlives its chunk: memory is
+    ``O(B · (L+1) · bins + B · (L+1) · top_k)`` beyond one chunk, for trees of any size.
+
+    For each batch element b and path length k: the count, float64 sums and sums of squares of the
+    ratio, the residual and the norm; their minima and maxima with the path where each first
+    occurs; log-binned histograms of the ratio and the residual (``bins_per_decade`` bins per
+    decade from the dtype's smallest normal number to 10, plus an underflow and an overflow bin);
+    and, with ``top_k > 0``, the ``top_k`` largest ratios and their leaves.
+
+    Args:
+        attn, tree, x, w_v, w_o, memory_budget, progress: as in :func:`pathkernels.path_residuals`.
+        top_k: how many of the largest ratios to keep per batch element and length.
+        bins_per_decade: histogram resolution (quantiles are read to within ``10^(1/bins) − 1``).
+
+    Returns:
+        :class:`PathStatistics`, with the paths of the extremes and of the largest ratios.
+    """
+    where = "pathkernels.path_statistics"
+    from pathkernels.paths import check_int
+
+    top_k = check_int(top_k, "top_k", where, minimum=0)
+    bins_per_decade = check_int(bins_per_decade, "bins_per_decade", where, minimum=1, maximum=1000)
+    net, memory_budget = check_inputs(attn, tree, x, w_v, w_o, memory_budget, where, results=False)
+    stats = PathStatistics.empty(net.attn.shape[0], tree, net.attn.dtype, bins_per_decade, top_k, net.attn.device)
+    attn_centred, attn_mean, root, root_mean = engine_operands(net)
+    bar = progress_bar(tree.num_leaves, enabled=progress, desc="pathkernels statistics")
+    try:
+        with torch.no_grad():
+            for start, stop, chunk, leaf_block in chunks(tree, net, memory_budget, 0, tree.num_leaves):
+                residual, norm = ops.path_chunk_norms(
+                    attn_centred, attn_mean, root, root_mean, net.w_v, net.w_o, chunk.parents, chunk.heads, leaf_block
+                )
+                order = chunk.leaf_position.to(residual.device)
+                stats.add(residual[:, order], norm[:, order], tree.leaf_range(start, stop))
+                if bar is not None:
+                    bar.update(stop - start)
+    finally:
+        if bar is not None:
+            bar.close()
+    return stats

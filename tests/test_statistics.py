@@ -1,0 +1,156 @@
+"""pk.path_statistics: streamed per-length statistics against the per-path results they summarise."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import pathkernels as pk
+from pathkernels.statistics import QUANTILES, PathStatistics, histogram_edges
+from pathkernels.testing import random_attention
+
+
+def exact(attn, tree, **outputs):
+    """Per-path residual, norm and ratio [B, M], the paths [M, L] and lengths [M], from the engine."""
+    result = pk.path_residuals(attn, tree, **outputs)
+    return result, tree.paths(), tree.lengths()
+
+
+def trees():
+    sampled = pk.sample_paths(4, 3, 60, skip=True, generator=torch.Generator().manual_seed(0))
+    return [
+        pk.PathTree.complete(4, 3, skip=True),
+        pk.PathTree.complete(4, 3),
+        pk.PathTree.complete(4, 3, skip=True, max_length=2),
+        pk.PathTree.from_paths(torch.unique(sampled, dim=0)),
+    ]
+
+
+@pytest.mark.parametrize("tree", trees(), ids=["complete", "no-skip", "max_length", "explicit"])
+@pytest.mark.parametrize("budget", [1 << 30, 1 << 14])
+def test_statistics_equal_those_of_the_per_path_results(device, tree, budget):
+    attn = random_attention(2, 4, 3, 6, 6, dtype=torch.float64, temperature=0.5).to(device)
+    x = torch.randn(2, 6, 5, dtype=torch.float64, device=device)
+    w_v = torch.randn(4, 3, 5, 2, dtype=torch.float64, device=device) / 2
+    w_o = torch.randn(4, 3, 2, 5, dtype=torch.float64, device=device) / 2
+    for outputs in ({}, {"x": x, "w_v": w_v, "w_o": w_o}):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the small budget warns that it is slow
+            stats = pk.path_statistics(attn, tree, top_k=4, memory_budget=budget, **outputs)
+        result, paths, lengths = exact(attn, tree, **outputs)
+        values = {"ratio": result.ratio, "residual": result.residual, "norm": result.norm}
+        for k in range(5):
+            chosen = lengths == k
+            assert stats.counts[:, k].tolist() == [int(chosen.sum())] * 2
+            if not chosen.any():
+                assert bool((stats.argmin["ratio"][:, k] == -2).all())
+                continue
+            for name, value in values.items():
+                v = value[:, chosen.to(value.device)].double()
+                torch.testing.assert_close(stats.mean(name)[:, k], v.mean(1), rtol=1e-12, atol=0)
+                if v.shape[1] > 1:
+                    torch.testing.assert_close(stats.std(name)[:, k], v.std(1), rtol=1e-8, atol=1e-15)
+                torch.testing.assert_close(stats.minima[name][:, k], v.min(1).values, rtol=0, atol=0)
+                torch.testing.assert_close(stats.maxima[name][:, k], v.max(1).values, rtol=0, atol=0)
+                # The path of the extreme is the first one (in leaf order) that reaches it.
+                for b in range(2):
+                    path = stats.argmin[name][b, k].cpu()
+                    i = int((paths == path).all(1).nonzero()[0])
+                    assert float(value[b, i]) == float(stats.minima[name][b, k])
+            # The top ratios are the largest, and their paths carry them.
+            for b in range(2):
+                ratio = result.ratio[b, chosen.to(result.ratio.device)].double()
+                top = stats.top(4, length=k, batch_element=b)
+                expected = ratio.sort(descending=True).values[:4].tolist()
+                assert [value for value, _ in top] == expected
+                for value, path in top:
+                    i = int((paths == torch.tensor(path)).all(1).nonzero()[0])
+                    assert float(result.ratio[b, i]) == value
+
+
+def test_histograms_count_every_path_in_its_bin():
+    attn = random_attention(1, 5, 3, 5, 5, dtype=torch.float64, temperature=0.3)
+    tree = pk.PathTree.complete(5, 3, skip=True)
+    stats = pk.path_statistics(attn, tree, bins_per_decade=4)
+    result, _, lengths = exact(attn, tree)
+    edges = histogram_edges(torch.float64, 4)
+    assert edges[-1] == 10 and edges[0] <= torch.finfo(torch.float64).tiny
+    for name, value in (("ratio", result.ratio[0]), ("residual", result.residual[0])):
+        for k in range(6):
+            v = value[lengths == k]
+            # Independent binning: the number of edges at or below each value.
+            expected = torch.zeros(edges.numel() + 1, dtype=torch.long)
+            for item in v.tolist():
+                expected[sum(1 for edge in edges.tolist() if edge <= item)] += 1
+            assert torch.equal(stats.histograms[name][0, k], expected), (name, k)
+
+
+def test_quantiles_from_the_histogram_are_within_one_bin():
+    attn = random_attention(1, 6, 3, 6, 6, dtype=torch.float64, temperature=0.5)
+    tree = pk.PathTree.complete(6, 3, skip=True)
+    stats = pk.path_statistics(attn, tree, bins_per_decade=20)
+    result, _, lengths = exact(attn, tree)
+    quantiles, error = stats.quantiles("ratio")
+    assert error == pytest.approx(10 ** (1 / 20) - 1)
+    for k in range(2, 7):  # lengths with enough paths for quantiles to mean something
+        v = result.ratio[0, lengths == k]
+        for i, level in enumerate(QUANTILES):
+            truth = float(v.quantile(level))
+            # Within the bin that holds it, give or take the interpolation between neighbours.
+            assert abs(math.log10(float(quantiles[0, k, i])) - math.log10(truth)) <= 2 / 20 + 1e-12, (k, level)
+    table = stats.by_length()
+    assert list(table["length"]) == list(range(7)) and bool(table["from_histogram"].all())
+    assert table["path_count"].tolist() == pk.count_by_length(6, 3, skip=True)
+    assert {"mean", "std", "min", "max", "q05", "q50", "q95", "quantile_rel_error"} <= set(table.columns)
+    decomposition = pk.decompose(attn, skip=True).by_length()
+    torch.testing.assert_close(torch.tensor(table["mean"].tolist()), torch.tensor(decomposition["mean"].tolist()))
+
+
+def test_merge_of_disjoint_trees_equals_the_whole(tmp_path):
+    attn = random_attention(2, 4, 3, 5, 5, dtype=torch.float64)
+    every = pk.PathTree.complete(4, 3, skip=True).paths()
+    shuffled = every[torch.randperm(every.shape[0])]
+    halves = [pk.PathTree.from_paths(part, num_heads=3) for part in (shuffled[:100], shuffled[100:])]
+    whole = pk.path_statistics(attn, pk.PathTree.complete(4, 3, skip=True), top_k=3)
+    merged = pk.path_statistics(attn, halves[0], top_k=3).merge(pk.path_statistics(attn, halves[1], top_k=3))
+    assert torch.equal(merged.counts, whole.counts)
+    for name in ("ratio", "residual", "norm"):
+        torch.testing.assert_close(merged.sums[name], whole.sums[name], rtol=1e-13, atol=0)
+        assert torch.equal(merged.minima[name], whole.minima[name]) and torch.equal(
+            merged.maxima[name], whole.maxima[name]
+        )
+    for name in ("ratio", "residual"):
+        assert torch.equal(merged.histograms[name], whole.histograms[name])
+    assert torch.equal(merged.top_values, whole.top_values)
+    # save / load round trip
+    merged.save(tmp_path / "stats.pt")
+    loaded = PathStatistics.load(tmp_path / "stats.pt")
+    assert torch.equal(loaded.counts, merged.counts) and loaded.dtype == merged.dtype
+    assert loaded.top(3) == merged.top(3)
+    assert len(loaded.to_frame()) == 2 * 5
+    with pytest.raises(ValueError, match="merge: bins_per_decade differs"):
+        merged.merge(pk.path_statistics(attn, halves[0], top_k=3, bins_per_decade=5))
+
+
+def test_statistics_of_a_tree_beyond_per_path_results():
+    """A tree whose per-path results path_residuals would refuse (over 2^40 paths) streams in
+    bounded memory; here a cut-down check of the same code path: no per-path result is kept."""
+    attn = random_attention(1, 8, 4, 4, 4, dtype=torch.float32)
+    tree = pk.PathTree.complete(8, 4, skip=True)  # 390,625 paths
+    stats = pk.path_statistics(attn, tree, top_k=2)
+    assert stats.counts.sum().item() == tree.num_paths
+    assert stats.histograms["ratio"].sum().item() == tree.num_paths
+    fig = pytest.importorskip("matplotlib") and stats.plot()
+    assert fig.axes[0].get_yscale() == "log"
+
+
+def test_bad_arguments():
+    attn = random_attention(1, 2, 2, 3, 3, dtype=torch.float64)
+    tree = pk.PathTree.complete(2, 2)
+    with pytest.raises(ValueError, match="path_statistics: expected top_k >= 0, got -1"):
+        pk.path_statistics(attn, tree, top_k=-1)
+    with pytest.raises(ValueError, match=r"path_statistics: expected bins_per_decade in \[1, 1000\], got 0"):
+        pk.path_statistics(attn, tree, bins_per_decade=0)
+    with pytest.raises(ValueError, match="top: expected k in"):
+        pk.path_statistics(attn, tree, top_k=1).top(2)
