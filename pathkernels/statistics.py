@@ -12,15 +12,18 @@ The statistics run over the tree's leaves: its distinct paths (every path of a c
 from __future__ import annotations
 
 import math
+import os
+import time
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from pathkernels import ops
+from pathkernels import distributed, ops
 from pathkernels._progress import progress_bar
 from pathkernels.engine import check_inputs, engine_operands
-from pathkernels.paths import SKIP, PathTree
+from pathkernels.paths import SKIP, PathTree, check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET, chunks
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
@@ -380,8 +383,12 @@ class PathStatistics:
             out.top_paths = paths.gather(-2, best.indices.unsqueeze(-1).expand(-1, -1, -1, self.num_layers))
         return out
 
-    def save(self, path) -> None:
-        """Write to ``path`` (a ``torch.save`` file of plain tensors and numbers, on the CPU)."""
+    def to(self, device) -> PathStatistics:
+        """A copy with every tensor on ``device``."""
+        return PathStatistics.from_state(self.state(), device)
+
+    def state(self) -> dict:
+        """Plain tensors (on the CPU) and numbers: what :meth:`save` writes."""
         state = {}
         for item in fields(self):
             value = getattr(self, item.name)
@@ -392,7 +399,22 @@ class PathStatistics:
             elif isinstance(value, torch.dtype):
                 value = str(value).removeprefix("torch.")
             state[item.name] = value
-        torch.save({"pathkernels.PathStatistics": 1, **state}, path)
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict, device="cpu") -> PathStatistics:
+        state = dict(state)
+        state["dtype"] = getattr(torch, state["dtype"])
+        for key, value in state.items():
+            if isinstance(value, Tensor):
+                state[key] = value.to(device)
+            elif isinstance(value, dict):
+                state[key] = {name: tensor.to(device) for name, tensor in value.items()}
+        return cls(**state)
+
+    def save(self, path) -> None:
+        """Write to ``path`` (a ``torch.save`` file of plain tensors and numbers, on the CPU)."""
+        torch.save({"pathkernels.PathStatistics": 1, **self.state()}, path)
 
     @classmethod
     def load(cls, path) -> PathStatistics:
@@ -400,8 +422,7 @@ class PathStatistics:
         state = torch.load(path, map_location="cpu", weights_only=True)
         if state.pop("pathkernels.PathStatistics", None) != 1:
             raise ValueError(f"pathkernels.PathStatistics.load: {path} was not written by PathStatistics.save")
-        state["dtype"] = getattr(torch, state["dtype"])
-        return cls(**state)
+        return cls.from_state(state)
 
 
 @dataclass(frozen=True)
@@ -424,7 +445,11 @@ def path_statistics(
     bins_per_decade: int = 10,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     progress: bool = False,
-) -> PathStatistics:
+    group=None,
+    all_ranks: bool = False,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: float = 180.0,
+) -> PathStatistics | None:
     """Exact per-length statistics of the residual ratio, residual and norm of every path.
 
     The same quantities as :func:`pathkernels.path_residuals` (attention products, or path outputs
@@ -436,36 +461,159 @@ def path_statistics(
     ratio, the residual and the norm; their minima and maxima with the path where each first
     occurs; log-binned histograms of the ratio and the residual (``bins_per_decade`` bins per
     decade from the dtype's smallest normal number to 10, plus an underflow and an overflow bin);
-    and, with ``top_k > 0``, the ``top_k`` largest ratios and their leaves.
+    and, with ``top_k > 0``, the ``top_k`` largest ratios and their paths.
 
     Args:
         attn, tree, x, w_v, w_o, memory_budget, progress: as in :func:`pathkernels.path_residuals`.
         top_k: how many of the largest ratios to keep per batch element and length.
         bins_per_decade: histogram resolution (quantiles are read to within ``10^(1/bins) − 1``).
+        group, all_ranks: as in :func:`pathkernels.path_residuals`: every rank streams its
+            contiguous share of the leaves and keeps its own statistics; one gather combines them
+            in rank order (counts, sums and histograms add, extremes compare, top paths merge).
+            The result is the one-process result except for the float64 summation order of the
+            sums (the ranks' partial sums are added last), a relative difference of about 1e-16.
+        checkpoint: a folder: every ``checkpoint_every`` seconds (and at the end) each rank writes
+            its partial statistics and the leaf it has reached there, atomically (write, then
+            rename). A rerun with the same inputs and folder resumes where it stopped and gives
+            exactly the statistics of an uninterrupted run; different inputs (or a different
+            budget, bins, top_k, thread count or number of ranks) are refused.
 
     Returns:
-        :class:`PathStatistics`, with the paths of the extremes and of the largest ratios.
+        :class:`PathStatistics`, with the paths of the extremes and of the largest ratios; with a
+        group, None on ranks other than 0 unless ``all_ranks``.
     """
     where = "pathkernels.path_statistics"
-    from pathkernels.paths import check_int
-
     top_k = check_int(top_k, "top_k", where, minimum=0)
     bins_per_decade = check_int(bins_per_decade, "bins_per_decade", where, minimum=1, maximum=1000)
-    net, memory_budget = check_inputs(attn, tree, x, w_v, w_o, memory_budget, where, results=False)
-    stats = PathStatistics.empty(net.attn.shape[0], tree, net.attn.dtype, bins_per_decade, top_k, net.attn.device)
+    group = distributed.resolve_group(group, where)
+    if group is None:
+        net, memory_budget = check_inputs(attn, tree, x, w_v, w_o, memory_budget, where, results=False)
+        settings = _Settings(memory_budget, bins_per_decade, top_k, checkpoint, checkpoint_every, progress, 0, 1)
+        return _stream(net, tree, 0, tree.num_leaves, settings, where)
+
+    import torch.distributed as dist
+
+    net, error, summary = None, None, None
+    try:
+        net, memory_budget = check_inputs(attn, tree, x, w_v, w_o, memory_budget, where, results=False)
+        summary = distributed.fingerprint({"attn": net.attn, "x": net.x, "w_v": net.w_v, "w_o": net.w_o}, tree)
+    except Exception as caught:  # every rank must learn of it, or the others would wait forever
+        error = caught
+    distributed.agree(where, group, error, summary)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    first, last = distributed.leaf_range(tree.num_leaves, world, rank)
+    settings = _Settings(
+        memory_budget, bins_per_decade, top_k, checkpoint, checkpoint_every, progress and rank == 0, rank, world
+    )
+    stats = None
+    try:
+        stats = _stream(net, tree, first, last, settings, where)
+    except Exception as caught:
+        error = caught
+    distributed.agree(where, group, error)
+    local = stats.to("cpu")
+    gathered: list = [None] * world
+    if all_ranks:
+        dist.all_gather_object(gathered, local, group=group)
+    else:
+        dist.gather_object(local, gathered if rank == 0 else None, dst=dist.get_global_rank(group, 0), group=group)
+        if rank != 0:
+            return None
+    merged = gathered[0]
+    for part in gathered[1:]:
+        merged = merged.merge(part)
+    return merged.to(net.attn.device)
+
+
+@dataclass(frozen=True)
+class _Settings:
+    memory_budget: int
+    bins_per_decade: int
+    top_k: int
+    checkpoint: str | os.PathLike | None
+    checkpoint_every: float
+    progress: bool
+    rank: int
+    world: int
+
+
+def _stream(net, tree: PathTree, first: int, last: int, settings: _Settings, where: str) -> PathStatistics:
+    """The statistics of leaves ``first..last-1``, chunk by chunk, resuming from a checkpoint."""
+    stats = PathStatistics.empty(
+        net.attn.shape[0], tree, net.attn.dtype, settings.bins_per_decade, settings.top_k, net.attn.device
+    )
+    reached = first
+    store = None
+    if settings.checkpoint is not None:
+        store = _Checkpoint(settings, net, tree, first, last, where)
+        resumed = store.load()
+        if resumed is not None:
+            stats, reached = resumed[0].to(net.attn.device), resumed[1]
     attn_centred, attn_mean, root, root_mean = engine_operands(net)
-    bar = progress_bar(tree.num_leaves, enabled=progress, desc="pathkernels statistics")
+    bar = progress_bar(last - first, enabled=settings.progress, desc="pathkernels statistics")
+    if bar is not None and reached > first:
+        bar.update(reached - first)
+    saved_at = time.monotonic()
     try:
         with torch.no_grad():
-            for start, stop, chunk, leaf_block in chunks(tree, net, memory_budget, 0, tree.num_leaves):
+            # The chunks are those of an uninterrupted run (the same boundaries, so the same float64
+            # summation order); those already folded into a checkpoint are skipped.
+            for start, stop, chunk, leaf_block in chunks(tree, net, settings.memory_budget, first, last):
+                if stop <= reached:
+                    continue
+                if start != reached:
+                    raise RuntimeError(f"{where}: the checkpoint stops at leaf {reached:,}, inside a chunk")
                 residual, norm = ops.path_chunk_norms(
                     attn_centred, attn_mean, root, root_mean, net.w_v, net.w_o, chunk.parents, chunk.heads, leaf_block
                 )
                 order = chunk.leaf_position.to(residual.device)
                 stats.add(residual[:, order], norm[:, order], tree.leaf_range(start, stop))
+                reached = stop
                 if bar is not None:
                     bar.update(stop - start)
+                if store is not None and time.monotonic() - saved_at >= settings.checkpoint_every:
+                    store.save(stats, reached)
+                    saved_at = time.monotonic()
     finally:
         if bar is not None:
             bar.close()
+    if store is not None:
+        store.save(stats, reached)
     return stats
+
+
+class _Checkpoint:
+    """One rank's partial statistics in ``folder/rank<r>-of-<world>.pt``, with what they are of."""
+
+    def __init__(self, settings: _Settings, net, tree: PathTree, first: int, last: int, where: str):
+        self.where = where
+        folder = Path(settings.checkpoint)
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"rank{settings.rank}-of-{settings.world}.pt"
+        identity = distributed.fingerprint({"attn": net.attn, "x": net.x, "w_v": net.w_v, "w_o": net.w_o}, tree)
+        identity.update(
+            leaves=[first, last],
+            memory_budget=settings.memory_budget,
+            bins_per_decade=settings.bins_per_decade,
+            top_k=settings.top_k,
+            device=net.attn.device.type,
+            threads=torch.get_num_threads() if net.attn.device.type == "cpu" else 1,
+        )
+        self.identity = identity
+
+    def load(self) -> tuple[PathStatistics, int] | None:
+        if not self.path.exists():
+            return None
+        state = torch.load(self.path, map_location="cpu", weights_only=True)
+        differing = [key for key in self.identity if state["identity"].get(key) != self.identity[key]]
+        if differing:
+            raise ValueError(
+                f"{self.where}: the checkpoint {self.path} was written for other inputs or settings "
+                f"({', '.join(differing)} differ); use another folder, or delete it to start afresh"
+            )
+        return PathStatistics.from_state(state["statistics"]), state["reached"]
+
+    def save(self, stats: PathStatistics, reached: int) -> None:
+        partial = self.path.with_name(self.path.name + ".partial")
+        torch.save({"identity": self.identity, "reached": reached, "statistics": stats.state()}, partial)
+        os.replace(partial, self.path)  # atomic: a reader sees the old file or the new, never half

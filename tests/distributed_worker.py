@@ -44,6 +44,9 @@ def run(case: str, rank: int):
         return pk.decompose(attn, samples_per_length=5, generator=torch.Generator().manual_seed(7))
     if case == "uniform":
         return pk.decompose(attn, num_samples=40, generator=torch.Generator().manual_seed(8))
+    if case == "statistics":
+        tree = pk.PathTree.complete(4, 3, skip=True)
+        return pk.path_statistics(attn, tree, x=x, w_v=w_v, w_o=w_o, top_k=3, memory_budget=1 << 16)
     if case == "rank1_raises":
         budget = 100 if rank == 1 else 1 << 20
         return pk.path_residuals(attn, pk.PathTree.complete(4, 3, skip=True), memory_budget=budget)
@@ -57,6 +60,20 @@ def run(case: str, rank: int):
 def summary(result):
     if result is None:
         return None
+    if isinstance(result, pk.PathStatistics):
+        out = {"counts": result.counts, "top_values": result.top_values, "top_paths": result.top_paths}
+        for name in ("ratio", "residual", "norm"):
+            out.update(
+                {
+                    f"sum_{name}": result.sums[name],
+                    f"min_{name}": result.minima[name],
+                    f"max_{name}": result.maxima[name],
+                    f"argmin_{name}": result.argmin[name],
+                    f"argmax_{name}": result.argmax[name],
+                }
+            )
+        out.update({f"histogram_{name}": result.histograms[name] for name in ("ratio", "residual")})
+        return out
     if isinstance(result, pk.PathDecomposition):
         return {
             "residual": result.results.residual,

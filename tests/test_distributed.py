@@ -18,7 +18,7 @@ import itertools
 import distributed_worker as worker
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
-EQUAL_CASES = ["skip", "max_length", "explicit", "no_skip_all_ranks", "stratified", "uniform"]
+EQUAL_CASES = ["skip", "max_length", "explicit", "no_skip_all_ranks", "stratified", "uniform", "statistics"]
 FAILING_CASES = ["rank1_raises", "mismatched_attn", "mismatched_seed", "skip"]  # the group survives errors
 
 

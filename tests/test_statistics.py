@@ -1,6 +1,11 @@
 """pk.path_statistics: streamed per-length statistics against the per-path results they summarise."""
 
 import math
+import random
+import signal
+import subprocess
+import sys
+import time
 import warnings
 
 import pytest
@@ -154,3 +159,63 @@ def test_bad_arguments():
         pk.path_statistics(attn, tree, bins_per_decade=0)
     with pytest.raises(ValueError, match="top: expected k in"):
         pk.path_statistics(attn, tree, top_k=1).top(2)
+
+
+RESUMABLE_RUN = """
+import sys, warnings
+import torch
+import pathkernels as pk
+from pathkernels.testing import random_attention
+
+warnings.simplefilter("ignore")
+torch.set_num_threads(1)
+attn = random_attention(2, 7, 4, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+folder = None if sys.argv[1] == "-" else sys.argv[1]
+stats = pk.path_statistics(attn, pk.PathTree.complete(7, 4, skip=True), top_k=3, memory_budget=1 << 16,
+                           checkpoint=folder, checkpoint_every=0)
+stats.save(sys.argv[2])
+"""
+
+
+def _run(script, *args, **kwargs):
+    return subprocess.Popen([sys.executable, str(script), *map(str, args)], **kwargs)
+
+
+def test_a_killed_run_resumes_to_exactly_the_uninterrupted_statistics(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(RESUMABLE_RUN)
+    assert _run(script, "-", tmp_path / "whole.pt").wait(timeout=300) == 0
+    folder = tmp_path / "checkpoint"
+    killed = _run(script, folder, tmp_path / "never.pt")
+    deadline = time.monotonic() + 120
+    while not (folder / "rank0-of-1.pt").exists() and time.monotonic() < deadline and killed.poll() is None:
+        time.sleep(0.01)
+    time.sleep(random.uniform(0.0, 0.3))  # a random moment after the first checkpoint
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    assert killed.returncode == -signal.SIGKILL and not (tmp_path / "never.pt").exists()
+    state = torch.load(folder / "rank0-of-1.pt", weights_only=True)
+    assert 0 < state["reached"] < 5**7  # stopped part-way: the rerun resumes
+    assert _run(script, folder, tmp_path / "resumed.pt").wait(timeout=300) == 0
+    whole, resumed = PathStatistics.load(tmp_path / "whole.pt"), PathStatistics.load(tmp_path / "resumed.pt")
+    for name, value in whole.state().items():
+        other = resumed.state()[name]
+        if isinstance(value, dict):
+            assert all(torch.equal(value[key], other[key]) for key in value), name  # bit for bit
+        elif isinstance(value, torch.Tensor):
+            assert torch.equal(value, other), name
+        else:
+            assert value == other, name
+
+
+def test_a_checkpoint_refuses_other_inputs(tmp_path):
+    attn = random_attention(1, 3, 2, 4, 4, dtype=torch.float64)
+    tree = pk.PathTree.complete(3, 2, skip=True)
+    first = pk.path_statistics(attn, tree, checkpoint=tmp_path)
+    again = pk.path_statistics(attn, tree, checkpoint=tmp_path)  # finished: read back, nothing recomputed
+    assert torch.equal(first.counts, again.counts) and torch.equal(first.sums["ratio"], again.sums["ratio"])
+    other = random_attention(1, 3, 2, 4, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"was written for other inputs or settings \(attn differ"):
+        pk.path_statistics(other, tree, checkpoint=tmp_path)
+    with pytest.raises(ValueError, match=r"\(bins_per_decade differ"):
+        pk.path_statistics(attn, tree, checkpoint=tmp_path, bins_per_decade=5)
