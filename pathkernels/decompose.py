@@ -17,6 +17,10 @@ from pathkernels.paths import (
     sample_paths,
 )
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET
+from pathkernels.statistics import PathStatistics, path_statistics
+
+# Exact decompositions whose per-path results would take more than this stream to PathStatistics.
+DEFAULT_MAX_RESULT_BYTES = 1 << 30
 
 _MAX_SCATTER = 20_000  # points drawn by PathDecomposition.plot
 
@@ -205,7 +209,8 @@ def decompose(
     group=None,
     all_ranks: bool = False,
     token_mask: Tensor | None = None,
-) -> PathDecomposition | None:
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+) -> PathDecomposition | PathStatistics | None:
     """Decompose an attention network into paths and measure each path's residual ratio.
 
     One call covers:
@@ -223,6 +228,12 @@ def decompose(
     w_v ``[L, H, d, d_head]``, w_o ``[L, H, d_head, d]``. Returns a :class:`PathDecomposition`.
     ``attn`` may be an :class:`~pathkernels.adapters.AttentionStack` (its maps and token mask are
     then the defaults); ``token_mask [B, n]`` evaluates each batch element on its real tokens.
+
+    An exact decomposition of a complete tree whose per-path results (residual and norm per path
+    and batch element) would exceed ``max_result_bytes`` (1 GiB by default), or 2^31 paths,
+    returns the :class:`~pathkernels.PathStatistics` of every path instead, streamed in bounded
+    memory: the same ``by_length()`` table, exact except its median and quantiles, which come
+    from histograms (``from_histogram`` True, with their error bound).
 
     Across processes (``group``, ``all_ranks``: see :func:`pk.path_residuals`) every rank draws the
     same sample from the same ``generator`` state and evaluates a disjoint share of it, so a run is
@@ -296,9 +307,29 @@ def decompose(
     else:
         method = "exact"
         total = sum(counts)
+        batch = attn.shape[0] if attn.dim() == 5 else 1
+        result_bytes = 2 * batch * total * attn.element_size()  # residual and norm per path and batch element
+        if max_length is None and (total > MAX_ENUMERATED_PATHS or result_bytes > max_result_bytes):
+            if token_mask is not None:
+                raise ValueError(
+                    f"{where}: the exact tree has {total:,} paths, too many to keep per path, and the streamed "
+                    "statistics do not take token_mask yet; decompose each sequence on its own"
+                )
+            # Too many paths to keep one result each: the same table from streamed statistics.
+            return path_statistics(
+                attn,
+                PathTree.complete(layers, heads, skip=skip),
+                x=x,
+                w_v=w_v,
+                w_o=w_o,
+                memory_budget=memory_budget,
+                progress=progress,
+                group=group,
+                all_ranks=all_ranks,
+            )
         if total > MAX_ENUMERATED_PATHS:
             raise ValueError(
-                f"{where}: the exact tree has {total:,} paths; pass max_length, num_samples or "
+                f"{where}: the exact tree has {total:,} paths; pass a smaller max_length, num_samples or "
                 "samples_per_length, or use pk.length_sums for exact sums per length"
             )
         tree = PathTree.complete(layers, heads, skip=skip, max_length=max_length)

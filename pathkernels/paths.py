@@ -19,7 +19,8 @@ SKIP = -1
 
 # A tree whose path list would exceed this many paths is not enumerated (paths() and evaluation
 # refuse with the count); sampling and length_sums handle such networks.
-MAX_ENUMERATED_PATHS = 1 << 31
+MAX_ENUMERATED_PATHS = 1 << 31  # path lists and per-path results
+MAX_LEAVES = 1 << 62  # leaf indices are int64: a complete tree streamed by path_statistics stays below
 
 
 def count_paths(num_layers: int, num_heads: int, *, skip: bool = False, max_length: int | None = None) -> int:
@@ -65,11 +66,17 @@ def _check_shape_args(num_layers, num_heads, max_length, where: str) -> tuple[in
     return num_layers, num_heads, max_length
 
 
-def _too_many_paths(count: int, where: str) -> ValueError:
+def _too_many_paths(count: int, where: str, limit: int | None = None) -> ValueError:
+    if limit is not None:
+        return ValueError(
+            f"{where}: the tree has {count:,} paths, more than int64 leaf indices reach ({limit:,}). Use "
+            "max_length, sample paths, or pk.length_sums for exact sums per path length."
+        )
     return ValueError(
         f"{where}: the tree has {count:,} paths, more than can be enumerated ({MAX_ENUMERATED_PATHS:,}). "
-        "Use max_length to keep only short paths, sample paths (pk.sample_paths / pk.decompose with "
-        "num_samples), or pk.length_sums for exact sums per path length."
+        "Use pk.path_statistics for exact per-length statistics of all of them, max_length to keep only "
+        "short paths, sampling (pk.sample_paths / pk.decompose with num_samples), or pk.length_sums for "
+        "exact sums per path length."
     )
 
 
@@ -156,9 +163,10 @@ class PathTree:
                 f"max_length={max_length} keeps no path; pass skip=True"
             )
         tree = cls(num_layers, num_heads, skip=skip, max_length=max_length, paths=None)
-        if tree.num_paths > MAX_ENUMERATED_PATHS:
-            raise _too_many_paths(tree.num_paths, "pathkernels.PathTree.complete")
-        if max_length is not None and max_length < num_layers:
+        short = max_length is not None and max_length < num_layers
+        if tree.num_paths > MAX_LEAVES or (short and tree.num_paths > MAX_ENUMERATED_PATHS):
+            raise _too_many_paths(tree.num_paths, where, MAX_LEAVES if tree.num_paths > MAX_LEAVES else None)
+        if short:
             tree._paths = _enumerate_short_paths(num_layers, num_heads, max_length)
         return tree
 
@@ -228,9 +236,13 @@ class PathTree:
         return [1] + [int(torch.unique(unique[:, :level], dim=0).shape[0]) for level in range(1, self.num_layers + 1)]
 
     def paths(self) -> Tensor:
-        """``[M, L]`` int64 paths in result order."""
+        """``[M, L]`` int64 paths in result order; refused beyond ``MAX_ENUMERATED_PATHS`` (a
+        complete tree that large is for :func:`pathkernels.path_statistics`, which reads its
+        paths a chunk at a time)."""
         if self._paths is not None:
             return self._paths
+        if self.num_paths > MAX_ENUMERATED_PATHS:
+            raise _too_many_paths(self.num_paths, "pathkernels.PathTree.paths")
         return self.path_range(0, self.num_paths)
 
     def lengths(self) -> Tensor:

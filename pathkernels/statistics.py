@@ -26,7 +26,7 @@ from pathkernels.engine import check_inputs, engine_operands
 from pathkernels.paths import SKIP, PathTree, check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET, chunks
 
-QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
+QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
 _MEASURES = ("ratio", "residual", "norm")
 _HISTOGRAMS = ("ratio", "residual")
 _HISTOGRAM_TOP = 10.0  # the last regular edge; above it is the overflow bin
@@ -90,6 +90,7 @@ class PathStatistics:
     bins_per_decade: int
     top_k: int
     counts: Tensor  # [B, L+1] int64
+    log10_ratio_sums: Tensor = field(repr=False)  # [B, L+1] float64: Σ log10 ratio (ratios clamped at 1e-300)
     sums: dict[str, Tensor] = field(repr=False)  # measure -> [B, L+1] float64
     sums_of_squares: dict[str, Tensor] = field(repr=False)
     minima: dict[str, Tensor] = field(repr=False)
@@ -123,6 +124,7 @@ class PathStatistics:
             bins_per_decade=bins_per_decade,
             top_k=top_k,
             counts=torch.zeros(shape, dtype=torch.long, device=device),
+            log10_ratio_sums=torch.zeros(shape, dtype=torch.float64, device=device),
             sums=per_measure(0.0),
             sums_of_squares=per_measure(0.0),
             minima=per_measure(math.inf),
@@ -152,6 +154,7 @@ class PathStatistics:
         values = {"residual": residual.double(), "norm": norm.double()}
         values["ratio"] = values["residual"] / values["norm"]
         self.counts.view(-1).index_add_(0, slot, torch.ones_like(slot))
+        self.log10_ratio_sums.view(-1).index_add_(0, slot, values["ratio"].clamp_min(1e-300).log10().flatten())
         for name, value in values.items():
             flat = value.flatten()
             self.sums[name].view(-1).index_add_(0, slot, flat)
@@ -226,23 +229,28 @@ class PathStatistics:
         return [int(c) for c in self.counts[0].tolist()]
 
     def by_length(self, batch_element: int | None = None):
-        """A pandas DataFrame, one row per length that has paths, as :meth:`PathDecomposition.by_length`.
+        """A pandas DataFrame, one row per length that has paths: the columns of
+        :meth:`PathDecomposition.by_length`, over every path exactly, then more.
 
-        Columns: ``length``, ``path_count``, ``mean``, ``std``, ``min``, ``max`` of the residual
-        ratio, the quantiles ``q05 … q95`` read from the histogram, ``quantile_rel_error`` (their
-        bin-width bound) and ``from_histogram`` (True: the quantiles are not exact). Over all batch
-        elements pooled (counts, sums and histograms add), or one with ``batch_element``.
+        ``length``, ``path_count``, ``evaluated`` (every path), ``exact`` (True), ``mean``,
+        ``stderr`` (0), ``median``, ``q10``, ``q90``, ``min``, ``max``, ``log10_mean`` of the
+        residual ratio; then ``std`` and ``q05 … q95``. The median and the quantiles are read from
+        the histogram: ``from_histogram`` is True and ``quantile_rel_error`` is their bound (one
+        bin's width); the rest is exact. Over all batch elements pooled (counts, sums and
+        histograms add), or one with ``batch_element``.
         """
         from pathkernels.decompose import _require
 
         pd = _require("pandas")
         pick = slice(None) if batch_element is None else slice(batch_element, batch_element + 1)
         counts = self.counts[pick].sum(0).cpu()
-        sums = {name: self.sums[name][pick].sum(0).cpu() for name in ("ratio",)}
+        sums = self.sums["ratio"][pick].sum(0).cpu()
         squares = self.sums_of_squares["ratio"][pick].sum(0).cpu()
+        logs = self.log10_ratio_sums[pick].sum(0).cpu()
         minima = self.minima["ratio"][pick].amin(0).cpu()
         maxima = self.maxima["ratio"][pick].amax(0).cpu()
-        quantiles = histogram_quantiles(self.histograms["ratio"][pick].sum(0, keepdim=True), self.edges)
+        quantiles = histogram_quantiles(self.histograms["ratio"][pick].sum(0, keepdim=True), self.edges)[0]
+        named = {f"q{round(level * 100):02d}": i for i, level in enumerate(QUANTILES)}
         error = 10 ** (1 / self.bins_per_decade) - 1
         per_element = self.counts.shape[0] if batch_element is None else 1
         rows = []
@@ -250,22 +258,35 @@ class PathStatistics:
             n = int(counts[k])
             if n == 0:
                 continue
-            mean = float(sums["ratio"][k]) / n
-            variance = (float(squares[k]) - float(sums["ratio"][k]) ** 2 / n) / (n - 1) if n > 1 else math.nan
+            mean = float(sums[k]) / n
+            variance = (float(squares[k]) - float(sums[k]) ** 2 / n) / (n - 1) if n > 1 else math.nan
+            paths = n // per_element
             row = {
                 "length": k,
-                "path_count": n // per_element,
+                "path_count": paths,
+                "evaluated": paths,
+                "exact": True,
                 "mean": mean,
-                "std": math.sqrt(max(variance, 0.0)),
+                "stderr": 0.0,
+                "median": float(quantiles[k, named["q50"]]),
+                "q10": float(quantiles[k, named["q10"]]),
+                "q90": float(quantiles[k, named["q90"]]),
                 "min": float(minima[k]),
                 "max": float(maxima[k]),
+                "log10_mean": float(logs[k]) / n,
+                "std": math.sqrt(max(variance, 0.0)),
             }
-            row.update({f"q{round(level * 100):02d}": float(quantiles[0, k, i]) for i, level in enumerate(QUANTILES)})
+            row.update({name: float(quantiles[k, i]) for name, i in named.items() if name not in ("q10", "q50", "q90")})
             row.update(quantile_rel_error=error, from_histogram=True)
             rows.append(row)
         frame = pd.DataFrame(rows)
         frame["path_count"] = frame["path_count"].astype(object)
         return frame
+
+    def mean_ratio(self) -> tuple[float, float]:
+        """The mean residual ratio over every path and batch element, and its standard error: 0,
+        as in :meth:`PathDecomposition.mean_ratio` for an exact tree."""
+        return float(self.sums["ratio"].sum() / self.counts.sum()), 0.0
 
     def top(self, k: int | None = None, *, length: int | None = None, batch_element: int = 0):
         """The ``k`` paths with the largest ratio (of one ``length``, or overall) for one batch
@@ -318,7 +339,7 @@ class PathStatistics:
 
         fig, ax = plt.subplots(figsize=(6, 4)) if ax is None else (ax.figure, ax)
         table = self.by_length(batch_element)
-        ax.plot(table["length"], table["q50"].clip(lower=1e-300), "o-", color="C3", label="median (histogram)")
+        ax.plot(table["length"], table["median"].clip(lower=1e-300), "o-", color="C3", label="median (histogram)")
         ax.fill_between(
             table["length"],
             table["q05"].clip(lower=1e-300),
@@ -362,6 +383,7 @@ class PathStatistics:
             self.counts.device,
         )
         out.counts = self.counts + other.counts
+        out.log10_ratio_sums = self.log10_ratio_sums + other.log10_ratio_sums
         for name in _MEASURES:
             out.sums[name] = self.sums[name] + other.sums[name]
             out.sums_of_squares[name] = self.sums_of_squares[name] + other.sums_of_squares[name]

@@ -156,5 +156,16 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="no paths of length 7"):
         pk.decompose(attn, samples_per_length={7: 3})
     big = random_attention(1, 12, 12, 3, 3, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"23,298,085,122,481 paths; pass max_length, num_samples"):
-        pk.decompose(big)
+    with pytest.raises(ValueError, match=r"the exact tree has 14,381,984,674,225 paths; pass a smaller max_length"):
+        pk.decompose(big, max_length=11)  # short paths are listed, and these are too many to list
+
+
+def test_decompose_of_a_huge_tree_streams_its_statistics(monkeypatch):
+    """13^12 paths: too many to keep one result each, so decompose hands the complete tree to
+    path_statistics (stubbed here: the real run takes hours on 2 cores)."""
+    module = sys.modules["pathkernels.decompose"]
+    calls = []
+    monkeypatch.setattr(module, "path_statistics", lambda attn, tree, **kwargs: calls.append(tree) or "streamed")
+    big = random_attention(1, 12, 12, 3, 3, dtype=torch.float64)
+    assert pk.decompose(big) == "streamed"
+    assert calls[0].num_paths == 13**12 and calls[0].is_complete

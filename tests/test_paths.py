@@ -51,8 +51,12 @@ def test_counts_are_exact_python_ints_beyond_int64():
 
 
 def test_too_large_tree_says_how_many_and_what_to_do():
-    with pytest.raises(ValueError, match=r"23,298,085,122,481 paths.*max_length.*sampl.*length_sums"):
-        pk.PathTree.complete(12, 12, skip=True)
+    tree = pk.PathTree.complete(12, 12, skip=True)  # fine to stream (path_statistics), not to list
+    with pytest.raises(ValueError, match=r"23,298,085,122,481 paths.*path_statistics.*max_length.*sampl.*length_sums"):
+        tree.paths()
+    assert tree.path_range(10**13, 10**13 + 2).shape == (2, 12)
+    with pytest.raises(ValueError, match=r"more than int64 leaf indices reach"):
+        pk.PathTree.complete(48, 25, skip=True)
     # The same network with a length cap is fine: 1 + 12·12 + 66·144 paths.
     assert len(pk.PathTree.complete(12, 12, skip=True, max_length=2)) == 1 + 144 + 66 * 144
     assert pk.count_paths(12, 12, skip=True) > MAX_ENUMERATED_PATHS

@@ -107,7 +107,7 @@ def test_quantiles_from_the_histogram_are_within_one_bin():
     table = stats.by_length()
     assert list(table["length"]) == list(range(7)) and bool(table["from_histogram"].all())
     assert table["path_count"].tolist() == pk.count_by_length(6, 3, skip=True)
-    assert {"mean", "std", "min", "max", "q05", "q50", "q95", "quantile_rel_error"} <= set(table.columns)
+    assert {"mean", "std", "min", "max", "q05", "median", "q95", "quantile_rel_error"} <= set(table.columns)
     decomposition = pk.decompose(attn, skip=True).by_length()
     torch.testing.assert_close(torch.tensor(table["mean"].tolist()), torch.tensor(decomposition["mean"].tolist()))
 
@@ -219,3 +219,19 @@ def test_a_checkpoint_refuses_other_inputs(tmp_path):
         pk.path_statistics(other, tree, checkpoint=tmp_path)
     with pytest.raises(ValueError, match=r"\(bins_per_decade differ"):
         pk.path_statistics(attn, tree, checkpoint=tmp_path, bins_per_decade=5)
+
+
+def test_decompose_streams_when_per_path_results_would_be_too_large():
+    attn = random_attention(2, 4, 3, 5, 5, dtype=torch.float64)
+    kept = pk.decompose(attn)  # 256 paths × 2 × 2 float64: 8 KiB
+    streamed = pk.decompose(attn, max_result_bytes=4096)
+    assert isinstance(kept, pk.PathDecomposition) and isinstance(streamed, PathStatistics)
+    exact_table, table = kept.by_length(), streamed.by_length()
+    assert set(exact_table.columns) <= set(table.columns)  # the same table, and more
+    assert bool(table["from_histogram"].all())
+    for column in ("length", "path_count", "evaluated", "exact", "stderr"):
+        assert table[column].tolist() == exact_table[column].tolist(), column
+    torch.testing.assert_close(torch.tensor(table["mean"].tolist()), torch.tensor(exact_table["mean"].tolist()))
+    assert streamed.mean_ratio()[0] == pytest.approx(kept.mean_ratio()[0], rel=1e-12)
+    with pytest.raises(ValueError, match="streamed statistics do not take token_mask yet"):
+        pk.decompose(attn, max_result_bytes=4096, token_mask=torch.ones(2, 5))
