@@ -92,6 +92,7 @@ def test_histograms_count_every_path_in_its_bin():
 
 
 def test_quantiles_from_the_histogram_are_within_one_bin():
+    pytest.importorskip("pandas")  # the by_length() and to_frame() tables
     attn = random_attention(1, 6, 3, 6, 6, dtype=torch.float64, temperature=0.5)
     tree = pk.PathTree.complete(6, 3, skip=True)
     stats = pk.path_statistics(attn, tree, bins_per_decade=20)
@@ -113,6 +114,7 @@ def test_quantiles_from_the_histogram_are_within_one_bin():
 
 
 def test_merge_of_disjoint_trees_equals_the_whole(tmp_path):
+    pytest.importorskip("pandas")  # the by_length() and to_frame() tables
     attn = random_attention(2, 4, 3, 5, 5, dtype=torch.float64)
     every = pk.PathTree.complete(4, 3, skip=True).paths()
     shuffled = every[torch.randperm(every.shape[0])]
@@ -146,8 +148,17 @@ def test_statistics_of_a_tree_beyond_per_path_results():
     stats = pk.path_statistics(attn, tree, top_k=2)
     assert stats.counts.sum().item() == tree.num_paths
     assert stats.histograms["ratio"].sum().item() == tree.num_paths
-    fig = pytest.importorskip("matplotlib") and stats.plot()
-    assert fig.axes[0].get_yscale() == "log"
+
+
+def test_plot_draws_the_table_on_a_log_scale():
+    pytest.importorskip("pandas")
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    attn = random_attention(1, 4, 2, 4, 4, dtype=torch.float64)
+    figure = pk.path_statistics(attn, pk.PathTree.complete(4, 2, skip=True)).plot()
+    assert figure.axes[0].get_yscale() == "log" and figure.axes[0].get_legend()
 
 
 def test_bad_arguments():
@@ -222,6 +233,7 @@ def test_a_checkpoint_refuses_other_inputs(tmp_path):
 
 
 def test_decompose_streams_when_per_path_results_would_be_too_large():
+    pytest.importorskip("pandas")  # the by_length() and to_frame() tables
     attn = random_attention(2, 4, 3, 5, 5, dtype=torch.float64)
     kept = pk.decompose(attn)  # 256 paths × 2 × 2 float64: 8 KiB
     streamed = pk.decompose(attn, max_result_bytes=4096)
