@@ -506,21 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(collapse, layers=12, tokens=32)
     collapse.add_argument("--batch", type=_integer(1), default=8, help="random inputs per model")
     collapse.add_argument("--seeds", type=_integer(1), help="initialisations per variant (default 3)")
-    collapse.set_defaults(
-        run=lambda args: _done(
-            collapse_table(
-                model=args.model,
-                text=args.text,
-                layers=args.layers,
-                heads=args.heads,
-                width=args.width,
-                tokens=args.tokens,
-                batch=args.batch,
-                seeds=args.seeds,
-                out=args.out,
-            )
-        )
-    )
+    collapse.set_defaults(run=_runner(collapse_table, *_MODEL_OPTIONS, "batch", "seeds"))
 
     paths = command(
         "paths",
@@ -543,23 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "cpu", "cuda"],
         help=device_help + " (under torchrun: gloo on CPU, NCCL and cuda:LOCAL_RANK with cuda)",
     )
-    paths.set_defaults(
-        run=lambda args: _done(
-            paths_table(
-                model=args.model,
-                text=args.text,
-                layers=args.layers,
-                heads=args.heads,
-                width=args.width,
-                tokens=args.tokens,
-                seed=args.seed,
-                samples_per_length=args.samples_per_length,
-                max_exact=args.max_exact,
-                device=args.device,
-                out=args.out,
-            )
-        )
-    )
+    paths.set_defaults(run=_runner(paths_table, *_MODEL_OPTIONS, "seed", "samples_per_length", "max_exact", "device"))
 
     bench = command(
         "bench",
@@ -576,6 +546,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _done(_result) -> int:
     return 0
+
+
+# The options that model_options adds, passed on by name to collapse_table and paths_table.
+_MODEL_OPTIONS = ("model", "text", "layers", "heads", "width", "tokens", "out")
+
+
+def _runner(function, *names: str):
+    """A subcommand's ``run``: ``function`` called with the parsed options of those names."""
+    return lambda args: _done(function(**{name: getattr(args, name) for name in names}))
 
 
 def main(argv=None) -> int:

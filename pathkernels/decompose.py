@@ -249,6 +249,15 @@ def decompose(
             f"{getattr(attn, 'shape', type(attn).__name__)}"
         )
     layers, heads = attn.shape[-4], attn.shape[-3]
+    engine_options = {
+        "x": x,
+        "w_v": w_v,
+        "w_o": w_o,
+        "memory_budget": memory_budget,
+        "progress": progress,
+        "group": group,
+        "all_ranks": all_ranks,
+    }
     chosen = [
         name
         for name, value in (("tree", tree), ("num_samples", num_samples), ("samples_per_length", samples_per_length))
@@ -316,17 +325,7 @@ def decompose(
                     "statistics do not take token_mask yet; decompose each sequence on its own"
                 )
             # Too many paths to keep one result each: the same table from streamed statistics.
-            return path_statistics(
-                attn,
-                PathTree.complete(layers, heads, skip=skip),
-                x=x,
-                w_v=w_v,
-                w_o=w_o,
-                memory_budget=memory_budget,
-                progress=progress,
-                group=group,
-                all_ranks=all_ranks,
-            )
+            return path_statistics(attn, PathTree.complete(layers, heads, skip=skip), **engine_options)
         if total > MAX_ENUMERATED_PATHS:
             raise ValueError(
                 f"{where}: the exact tree has {total:,} paths; pass a smaller max_length, num_samples or "
@@ -335,18 +334,7 @@ def decompose(
         tree = PathTree.complete(layers, heads, skip=skip, max_length=max_length)
         weights = torch.ones(len(tree), dtype=torch.float64)
 
-    results = path_residuals(
-        attn,
-        tree,
-        x=x,
-        w_v=w_v,
-        w_o=w_o,
-        memory_budget=memory_budget,
-        progress=progress,
-        group=group,
-        all_ranks=all_ranks,
-        token_mask=token_mask,
-    )
+    results = path_residuals(attn, tree, token_mask=token_mask, **engine_options)
     if results is None:
         return None
     return PathDecomposition(results, method, layers, heads, skip, list(counts), weights)
