@@ -95,8 +95,11 @@ def restricted_attention(attn: Tensor, group: masking.MaskGroup, where: str) -> 
     return restricted
 
 
-def check_network(attn, x, w_v, w_o, where: str) -> Network:
-    """Validate and batch the inputs; every message names the argument, the expected and the got."""
+def check_network(attn, x, w_v, w_o, where: str, *, attn_values: bool = True) -> Network:
+    """Validate and batch the inputs; every message names the argument, the expected and the got.
+
+    ``attn_values=False`` leaves attn's values unchecked (finite, rows summing to 1): with a token
+    mask they are checked on each mask group's real tokens (:func:`restricted_attention`)."""
     if not isinstance(attn, Tensor):
         raise TypeError(f"{where}: expected attn to be a torch.Tensor, got {type(attn).__name__}")
     if attn.dim() not in (4, 5):
@@ -145,8 +148,10 @@ def check_network(attn, x, w_v, w_o, where: str) -> Network:
     for name, t in tensors.items():
         if t.device != attn.device:
             raise ValueError(f"{where}: expected {name} on attn's device {attn.device}, got {t.device}")
-        check_finite(t, name, where)
-    check_row_stochastic(attn, where)
+        if name != "attn" or attn_values:
+            check_finite(t, name, where)
+    if attn_values:
+        check_row_stochastic(attn, where)
     return Network(attn, x, w_v, w_o, batched)
 
 

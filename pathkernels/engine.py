@@ -216,23 +216,10 @@ def path_residuals(
 
 def _masked_path_residuals(attn, tree, x, token_mask, where: str, *, materialize: bool, **kwargs):
     """path_residuals of each batch element on its real tokens: one call per group of equal masks."""
-    if not isinstance(attn, Tensor) or attn.dim() not in (4, 5):
-        raise ValueError(
-            f"{where}: expected attn of shape [B, L, H, n, n] or [L, H, n, n], got "
-            f"{getattr(attn, 'shape', type(attn).__name__)}"
-        )
-    batched = attn.dim() == 5
-    if not batched:
-        attn = attn.unsqueeze(0)
-        x = None if not isinstance(x, Tensor) else x.unsqueeze(0)
-        token_mask = token_mask.unsqueeze(0) if isinstance(token_mask, Tensor) else token_mask
+    net = check_network(attn, x, kwargs.get("w_v"), kwargs.get("w_o"), where, attn_values=False)
+    batched, attn, x = net.batched, net.attn, net.x
     batch, n = attn.shape[0], attn.shape[-1]
-    if attn.shape[-2] != n:
-        raise ValueError(f"{where}: expected square attention matrices [.., n, n], got {list(attn.shape)}")
-    if isinstance(x, Tensor) and (x.dim() != 3 or x.shape[:2] != (batch, n)):
-        expected = f"[B, n, d] = [{batch}, {n}, d]" if batched else f"[n, d] = [{n}, d]"
-        raise ValueError(f"{where}: expected x of shape {expected}, got {list(x.shape if batched else x.shape[1:])}")
-    mask = masking.check_token_mask(token_mask, batch, n, attn.device, where)
+    mask = masking.check_token_mask(masking.batched_mask(token_mask, batched), batch, n, attn.device, where)
     if mask is not None and materialize:
         raise ValueError(
             f"{where}: materialize=True cannot honour token_mask (the sequences' products differ in "

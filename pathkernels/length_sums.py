@@ -76,23 +76,11 @@ def length_sums(
 
 def _masked_length_sums(attn, x, w_v, w_o, b_o, skip: bool, token_mask, where: str) -> Tensor:
     """length_sums of each batch element on its real tokens, zeros on its padded rows."""
-    shapes_ok = (
-        isinstance(attn, Tensor)
-        and attn.dim() in (4, 5)
-        and isinstance(x, Tensor)
-        and x.dim() == attn.dim() - 2
-        and x.shape[:-1] == attn.shape[:-4] + attn.shape[-1:]
+    net = check_network(attn, x, w_v, w_o, where, attn_values=False)
+    batched, attn, x = net.batched, net.attn, net.x
+    mask = masking.check_token_mask(
+        masking.batched_mask(token_mask, batched), attn.shape[0], attn.shape[-1], attn.device, where
     )
-    if not shapes_ok:  # the plain checks name what is wrong
-        check_network(attn, x, w_v, w_o, where)
-        raise ValueError(
-            f"{where}: expected attn [B, L, H, n, n] with x [B, n, d], got {list(attn.shape)} and {list(x.shape)}"
-        )
-    batched = attn.dim() == 5
-    if not batched:
-        attn, x = attn.unsqueeze(0), x.unsqueeze(0)
-        token_mask = token_mask.unsqueeze(0) if isinstance(token_mask, Tensor) else token_mask
-    mask = masking.check_token_mask(token_mask, attn.shape[0], attn.shape[-1], attn.device, where)
     if mask is None:
         sums = length_sums(attn, x, w_v, w_o, b_o=b_o, skip=skip)
     else:

@@ -58,6 +58,11 @@ def check_token_mask(token_mask, batch: int, n: int, device: torch.device, where
     return token_mask.to(device)
 
 
+def batched_mask(token_mask, batched: bool):
+    """``token_mask`` of unbatched inputs (``[n]``) as a batch of one; anything else unchanged."""
+    return token_mask.unsqueeze(0) if not batched and isinstance(token_mask, Tensor) else token_mask
+
+
 def mask_groups(token_mask: Tensor) -> Iterator[MaskGroup]:
     """The batch elements of ``token_mask [B, n]`` grouped by identical masks, in first-seen order."""
     patterns, inverse = torch.unique(token_mask.cpu(), dim=0, return_inverse=True)

@@ -64,8 +64,9 @@ def rollout(
     if bool((attn < 0).any()):
         raise ValueError(f"{where}: expected non-negative attention probabilities")
     if token_mask is not None:
-        mask = token_mask if batched or not isinstance(token_mask, Tensor) else token_mask.unsqueeze(0)
-        mask = masking.check_token_mask(mask, attn.shape[0], attn.shape[-1], attn.device, where)
+        mask = masking.check_token_mask(
+            masking.batched_mask(token_mask, batched), attn.shape[0], attn.shape[-1], attn.device, where
+        )
         if mask is not None:
             result = attn.new_zeros(attn.shape[0], attn.shape[-1], attn.shape[-1])
             for group in masking.mask_groups(mask):
