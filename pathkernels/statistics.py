@@ -11,6 +11,7 @@ The statistics run over the tree's leaves: its distinct paths (every path of a c
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -33,6 +34,7 @@ _HISTOGRAM_TOP = 10.0  # the last regular edge; above it is the overflow bin
 _NO_PATH = -2  # a path row where a length has no path
 
 
+@functools.lru_cache(maxsize=8)
 def histogram_edges(dtype: torch.dtype, bins_per_decade: int) -> Tensor:
     """Regular log-spaced edges from the dtype's smallest normal number to 10, ``bins_per_decade``
     per decade (float64). Bin 0 counts values below the first edge (0 included), the last bin
@@ -511,7 +513,7 @@ def path_statistics(
     if group is None:
         net, memory_budget = check_inputs(attn, tree, x, w_v, w_o, memory_budget, where, results=False)
         settings = _Settings(memory_budget, bins_per_decade, top_k, checkpoint, checkpoint_every, progress, 0, 1)
-        return _stream(net, tree, 0, tree.num_leaves, settings, where)
+        return _stream(net, tree, 0, tree.num_leaves, settings, where, None)
 
     import torch.distributed as dist
 
@@ -529,7 +531,7 @@ def path_statistics(
     )
     stats = None
     try:
-        stats = _stream(net, tree, first, last, settings, where)
+        stats = _stream(net, tree, first, last, settings, where, summary)
     except Exception as caught:
         error = caught
     distributed.agree(where, group, error)
@@ -559,15 +561,18 @@ class _Settings:
     world: int
 
 
-def _stream(net, tree: PathTree, first: int, last: int, settings: _Settings, where: str) -> PathStatistics:
-    """The statistics of leaves ``first..last-1``, chunk by chunk, resuming from a checkpoint."""
+def _stream(
+    net, tree: PathTree, first: int, last: int, settings: _Settings, where: str, fingerprint: dict | None
+) -> PathStatistics:
+    """The statistics of leaves ``first..last-1``, chunk by chunk, resuming from a checkpoint.
+    ``fingerprint``: the inputs' :func:`distributed.fingerprint`, when the caller has it."""
     stats = PathStatistics.empty(
         net.attn.shape[0], tree, net.attn.dtype, settings.bins_per_decade, settings.top_k, net.attn.device
     )
     reached = first
     store = None
     if settings.checkpoint is not None:
-        store = _Checkpoint(settings, net, tree, first, last, where)
+        store = _Checkpoint(settings, net, tree, first, last, where, fingerprint)
         resumed = store.load()
         if resumed is not None:
             stats, reached = resumed[0].to(net.attn.device), resumed[1]
@@ -607,12 +612,16 @@ def _stream(net, tree: PathTree, first: int, last: int, settings: _Settings, whe
 class _Checkpoint:
     """One rank's partial statistics in ``folder/rank<r>-of-<world>.pt``, with what they are of."""
 
-    def __init__(self, settings: _Settings, net, tree: PathTree, first: int, last: int, where: str):
+    def __init__(
+        self, settings: _Settings, net, tree: PathTree, first: int, last: int, where: str, fingerprint: dict | None
+    ):
         self.where = where
         folder = Path(settings.checkpoint)
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"rank{settings.rank}-of-{settings.world}.pt"
-        identity = distributed.fingerprint({"attn": net.attn, "x": net.x, "w_v": net.w_v, "w_o": net.w_o}, tree)
+        if fingerprint is None:
+            fingerprint = distributed.fingerprint({"attn": net.attn, "x": net.x, "w_v": net.w_v, "w_o": net.w_o}, tree)
+        identity = dict(fingerprint)
         identity.update(
             leaves=[first, last],
             memory_budget=settings.memory_budget,
