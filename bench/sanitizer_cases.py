@@ -40,6 +40,11 @@ for tree in trees:
             pk.path_residuals(
                 attn.to(dtype), tree, x=x.to(dtype), w_v=w_v.to(dtype), w_o=w_o.to(dtype), leaf_kernel=kernel
             )
+# float32 nodes renormalised on the way down (residuals far below float32's range).
+e = torch.randint(-4, 5, (2, 6, 2, 8, 8), device="cuda").double()
+e[..., -1] = -e[..., :-1].sum(-1)
+for kernel in ("fused", "gemm"):
+    pk.path_residuals((1 / 8 + 2.0**-22 * e).float(), pk.PathTree.complete(6, 2, skip=True), leaf_kernel=kernel)
 torch.cuda.synchronize()
 print("path engine cases ran")
 
@@ -48,10 +53,12 @@ print("path engine cases ran")
 for dtype in (torch.float32, torch.float64):
     for n, count, m in [(1, 1, 1), (17, 3, 65), (64, 2, 64), (100, 2, 130), (128, 1, 129)]:
         level = torch.randn(n, count + 2, m, device="cuda", dtype=dtype)
+        scale = 2.0 ** torch.randint(-300, 4, (count,), device="cuda", dtype=torch.float64)
         torch.ops.pathkernels._fused_leaf_norms(
             torch.randn(n, n, device="cuda", dtype=dtype),
             level[:, 1 : count + 1],
             torch.randn(count, m, device="cuda", dtype=dtype),
+            scale,
         )
 torch.cuda.synchronize()
 print("fused leaf kernel cases ran")

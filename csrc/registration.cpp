@@ -16,7 +16,8 @@ TORCH_LIBRARY(pathkernels, m) {
   // One chunk of a path tree, breadth-first (docs/DESIGN.md §3): attn [B, L, H, n, n] centred C(A), attn_mean
   // [B, L, H, n] = 1ᵀA/n, root [B, n, m] = C(X) (or C(I)), root_mean [B, m], optional factored
   // w_v [L, H, d, d_head] and w_o [L, H, d_head, d]; level l's nodes sorted by head with their parent
-  // positions. Returns per leaf (last level) ‖R‖_{1,∞} and ‖1μᵀ + R‖_{1,∞}, each [B, N_L].
+  // positions. Returns per leaf (last level) ‖R‖_{1,∞} and ‖1μᵀ + R‖_{1,∞}, each [B, N_L] in float64
+  // (float32 trees carry power-of-two scales so that tiny residuals keep their digits; engine.h).
   // fused_leaves: on CUDA, reduce leaves of n <= 128 rows with the fused leaf kernel (no leaf is
   // stored); False runs cuBLAS into a scratch block and reduces that (for comparisons, fast mode).
   m.def(
@@ -24,10 +25,13 @@ TORCH_LIBRARY(pathkernels, m) {
       "Tensor? w_o, Tensor[] parents, Tensor[] heads, int leaf_block, bool fused_leaves=True) "
       "-> (Tensor residual, Tensor norm)");
   // The fused leaf reduction on its own (issue 4): attn C(A) [n, n] (n <= 128), right [n, c, m],
-  // mean [c, m] -> per leaf k, ‖C(A) right_k‖_{1,∞} and ‖1 mean_kᵀ + C(A) right_k‖_{1,∞}, each [c].
+  // mean [c, m], optional scale [c] (float64 powers of two, default 1) -> per leaf k, with
+  // R_k = scale_k · C(A) right_k, ‖R_k‖_{1,∞} and ‖1 mean_kᵀ + R_k‖_{1,∞}, each [c] in float64.
   // The CUDA kernel computes each leaf on chip and never stores it; the CPU kernel runs the same
   // per-thread code thread by thread (a test harness, not a fast path).
-  m.def("_fused_leaf_norms(Tensor attn, Tensor right, Tensor mean) -> (Tensor residual, Tensor norm)");
+  m.def(
+      "_fused_leaf_norms(Tensor attn, Tensor right, Tensor mean, Tensor? scale=None) "
+      "-> (Tensor residual, Tensor norm)");
 }
 
 namespace {

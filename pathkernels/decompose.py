@@ -319,13 +319,9 @@ def decompose(
         batch = attn.shape[0] if attn.dim() == 5 else 1
         result_bytes = 2 * batch * total * attn.element_size()  # residual and norm per path and batch element
         if max_length is None and (total > MAX_ENUMERATED_PATHS or result_bytes > max_result_bytes):
-            if token_mask is not None:
-                raise ValueError(
-                    f"{where}: the exact tree has {total:,} paths, too many to keep per path, and the streamed "
-                    "statistics do not take token_mask yet; decompose each sequence on its own"
-                )
             # Too many paths to keep one result each: the same table from streamed statistics.
-            return path_statistics(attn, PathTree.complete(layers, heads, skip=skip), **engine_options)
+            tree = PathTree.complete(layers, heads, skip=skip)
+            return path_statistics(attn, tree, token_mask=token_mask, **engine_options)
         if total > MAX_ENUMERATED_PATHS:
             raise ValueError(
                 f"{where}: the exact tree has {total:,} paths; pass a smaller max_length, num_samples or "

@@ -149,8 +149,12 @@ def agree(where: str, group, error: BaseException | None, summary: dict | None =
 
 def gather_leaves(parts: list[Tensor], total: int, group, all_ranks: bool) -> list[Tensor] | None:
     """Concatenate every rank's ``[B, count_r]`` tensors along dim 1, in rank order, on rank 0
-    (or on every rank). Returns None on the other ranks."""
+    (or on every rank). Returns None on the other ranks. Each tensor is gathered in float64 when
+    any rank holds it in float64 (float32 results widen where residuals leave float32's range)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    wide = torch.tensor([part.dtype == torch.float64 for part in parts], dtype=torch.int32, device=parts[0].device)
+    dist.all_reduce(wide, op=dist.ReduceOp.MAX, group=group)
+    parts = [part.double() if flag else part for part, flag in zip(parts, wide.tolist())]
     counts = [leaf_range(total, world, r) for r in range(world)]
     width = max(stop - start for start, stop in counts)
     out = []

@@ -11,6 +11,7 @@ the tree is cut into chunks by :mod:`pathkernels.planner`, and each chunk is one
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch import Tensor
@@ -29,6 +30,7 @@ from pathkernels.checks import (
 from pathkernels.paths import SKIP, PathTree
 from pathkernels.planner import (
     DEFAULT_MEMORY_BUDGET,
+    available_memory,
     check_budget,
     check_results_fit,
     chunks,
@@ -240,7 +242,10 @@ def _masked_path_residuals(attn, tree, x, token_mask, where: str, *, materialize
                 continue
             if residual is None:
                 residual = part.residual.new_empty(batch, part.residual.shape[1])
-                norm = torch.empty_like(residual)
+                norm = part.norm.new_empty(batch, part.norm.shape[1])
+            # A group whose float32 results widened (values outside float32's range) widens all.
+            residual = _widened(residual, part.residual.dtype, where)
+            norm = _widened(norm, part.norm.dtype, where)
             residual[group.batch], norm[group.batch] = part.residual, part.norm
         result = None if residual is None else PathResiduals(residual, norm, tree)
     if result is not None and not batched:
@@ -286,18 +291,79 @@ def check_inputs(attn, tree, x, w_v, w_o, memory_budget, where: str, *, results:
     return net, memory_budget
 
 
+_FLOAT32 = torch.finfo(torch.float32)
+
+
+def engine_reports(values: Tensor, dtype: torch.dtype) -> Tensor:
+    """The engine's float64 reports as results of ``dtype``.
+
+    float32: the values rounded to float32, in a float32 tensor, when float32 holds every one of
+    them (0, a normal number, inf or NaN); otherwise a float64 tensor, rounded to float32 where
+    float32 holds the value and exact where it lies outside float32's range, as residuals of deep
+    trees do (below 1.2e-38). float64 reports are returned as they are.
+    """
+    if dtype == torch.float64:
+        return values
+    rounded = values.to(dtype)
+    if values.numel() > 0:
+        smallest, largest = torch.aminmax(values.abs())  # one pass and one sync settle the common case
+        if smallest >= _FLOAT32.tiny and largest <= _FLOAT32.max:
+            return rounded
+    magnitude = values.abs()
+    outside = torch.isfinite(values) & (magnitude > 0) & ((magnitude < _FLOAT32.tiny) | (magnitude > _FLOAT32.max))
+    if not bool(outside.any()):
+        return rounded
+    return torch.where(outside, values, rounded.double())
+
+
+# float32 column means below this lose digits to the float32 range (the residuals carry scales,
+# the means do not: docs/DESIGN.md §3), so such tiny products' norms are flagged.
+SMALLEST_ACCURATE_FLOAT32_NORM = 1e-30
+
+
+def warn_tiny_norms(norm: Tensor, dtype: torch.dtype, where: str) -> bool:
+    """Warn when float32 products are so small that their norms may have lost digits; True if so."""
+    tiny = dtype == torch.float32 and bool((norm < SMALLEST_ACCURATE_FLOAT32_NORM).any())
+    if tiny:
+        warnings.warn(
+            f"{where}: some path products have norms below {SMALLEST_ACCURATE_FLOAT32_NORM:g}; in float32 their "
+            "column means approach float32's range (1.2e-38) and may have lost digits (their residuals have not). "
+            "Compute in float64 for exact norms and ratios there",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return tiny
+
+
+def _widened(results: Tensor, dtype: torch.dtype, where: str) -> Tensor:
+    """``results``, as float64 once a chunk of ``dtype`` float64 arrives for float32 results (a
+    report outside float32's range), checked against the memory available first."""
+    if dtype != torch.float64 or results.dtype == torch.float64:
+        return results
+    need = results.numel() * 8
+    available = available_memory(results.device)
+    if available is not None and need > available:
+        raise MemoryError(
+            f"{where}: residuals below float32's range (1.2e-38) need float64 results, {format_bytes(need)}, more "
+            f"than the {format_bytes(available)} available on {results.device}; use pk.path_statistics, or fewer paths"
+        )
+    return results.double()
+
+
 @torch.no_grad()
 def leaf_norms(
     net: Network, tree: PathTree, first: int, last: int, memory_budget: int, bar=None, *, fused_leaves: bool = True
 ) -> tuple[Tensor, Tensor]:
     """Residual and norm ``[B, last - first]`` of leaves ``first..last-1``, chunk by chunk, in
     leaf order (``bar``: a progress bar to update and close). ``fused_leaves``: see path_residuals'
-    ``leaf_kernel``."""
+    ``leaf_kernel``. Each is in attn's dtype, or float64 when a float32 value lies outside float32's
+    range (:func:`engine_reports`)."""
     attn_centred, attn_mean, root, root_mean = engine_operands(net)
     device = net.attn.device
     residual = torch.empty(net.attn.shape[0], last - first, dtype=net.attn.dtype, device=device)
     norm = torch.empty_like(residual)
     device_copies: dict[int, tuple[Tensor, Tensor]] = {}
+    warned = False
     try:
         for start, stop, chunk, leaf_block in chunks(tree, net, memory_budget, first, last):
             chunk_residual, chunk_norm = ops.path_chunk_norms(
@@ -313,6 +379,11 @@ def leaf_norms(
                 fused_leaves,
             )
             leaf_position = _on_device(chunk.leaf_position, device, device_copies)
+            chunk_residual = engine_reports(chunk_residual, net.attn.dtype)
+            chunk_norm = engine_reports(chunk_norm, net.attn.dtype)
+            warned = warned or warn_tiny_norms(chunk_norm, net.attn.dtype, "pathkernels.path_residuals")
+            residual = _widened(residual, chunk_residual.dtype, "pathkernels.path_residuals")
+            norm = _widened(norm, chunk_norm.dtype, "pathkernels.path_residuals")
             residual[:, start - first : stop - first] = chunk_residual[:, leaf_position]
             norm[:, start - first : stop - first] = chunk_norm[:, leaf_position]
             if bar is not None:

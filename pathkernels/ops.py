@@ -73,12 +73,13 @@ def _norm_parts_backward_fake(grad_parts, x, parts, argmax, centered, with_norm=
 @torch.library.register_fake("pathkernels::path_chunk_norms")
 def _path_chunk_norms_fake(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block, fused_leaves=True):
     leaves = parents[-1].shape[0]
-    return attn.new_empty((attn.shape[0], leaves)), attn.new_empty((attn.shape[0], leaves))
+    shape = (attn.shape[0], leaves)
+    return attn.new_empty(shape, dtype=torch.float64), attn.new_empty(shape, dtype=torch.float64)
 
 
 @torch.library.register_fake("pathkernels::_fused_leaf_norms")
-def _fused_leaf_norms_fake(attn, right, mean):
-    return right.new_empty(right.shape[1]), right.new_empty(right.shape[1])
+def _fused_leaf_norms_fake(attn, right, mean, scale=None):
+    return right.new_empty(right.shape[1], dtype=torch.float64), right.new_empty(right.shape[1], dtype=torch.float64)
 
 
 # The autograd formula of norm_parts is registered in C++ (csrc/norms/norms_autograd.cpp).
@@ -100,7 +101,9 @@ def path_chunk_norms(
 
     With ``C(A) = A − 1aᵀ`` and ``a = 1ᵀA/n``, every node of level l is ``R = C(A[l, h]) R_parent``
     (times ``W_V[l, h] W_O[l, h]`` with w_v/w_o) and its column mean ``μ = (μ_parent + R_parentᵀ a) W``;
-    a leaf reports ``‖R‖_{1,∞}`` and ``‖1μᵀ + R‖_{1,∞}``.
+    a leaf reports ``‖R‖_{1,∞}`` and ``‖1μᵀ + R‖_{1,∞}``. float32 nodes carry power-of-two scales,
+    so that residuals far below float32's range keep their relative precision; the reports are
+    float64 for every dtype.
 
     Args:
         attn_centred: ``[B, L, H, n, n]``, C(A); attn_mean: ``[B, L, H, n]``, a.
@@ -112,7 +115,7 @@ def path_chunk_norms(
         fused_leaves: CUDA: reduce leaves of n ≤ 128 in the fused on-chip kernel.
 
     Returns:
-        ``(residual, norm)``, each ``[B, N_L]`` in the leaves' trie order.
+        ``(residual, norm)``, each ``[B, N_L]`` float64, in the leaves' trie order.
     """
     return torch.ops.pathkernels.path_chunk_norms(
         attn_centred, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block, fused_leaves

@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pathkernels import distributed, ops
+from pathkernels import distributed, masking, ops
 from pathkernels._progress import progress_bar
-from pathkernels.engine import check_inputs, engine_operands
+from pathkernels.checks import check_network, restricted_attention, unpack_stack
+from pathkernels.engine import check_inputs, engine_operands, engine_reports, warn_tiny_norms
 from pathkernels.paths import SKIP, PathTree, check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET, chunks
 
@@ -407,6 +408,19 @@ class PathStatistics:
             out.top_paths = paths.gather(-2, best.indices.unsqueeze(-1).expand(-1, -1, -1, self.num_layers))
         return out
 
+    def place(self, batch: Tensor, part: PathStatistics) -> None:
+        """Write ``part``, the statistics of batch elements ``batch`` [G] of the same tree, into
+        those rows of this one (in place): how a padded batch is assembled from its mask groups."""
+        for item in fields(self):
+            mine, theirs = getattr(self, item.name), getattr(part, item.name)
+            if isinstance(mine, Tensor):
+                mine[batch.to(mine.device)] = theirs.to(mine.device)
+            elif isinstance(mine, dict):
+                for key, tensor in mine.items():
+                    tensor[batch.to(tensor.device)] = theirs[key].to(tensor.device)
+            elif mine != theirs:
+                raise ValueError(f"pathkernels.PathStatistics.place: {item.name} differs ({mine} and {theirs})")
+
     def to(self, device) -> PathStatistics:
         """A copy with every tensor on ``device``."""
         return PathStatistics.from_state(self.state(), device)
@@ -473,6 +487,7 @@ def path_statistics(
     all_ranks: bool = False,
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: float = 180.0,
+    token_mask: Tensor | None = None,
 ) -> PathStatistics | None:
     """Exact per-length statistics of the residual ratio, residual and norm of every path.
 
@@ -501,6 +516,10 @@ def path_statistics(
             rename). A rerun with the same inputs and folder resumes where it stopped and gives
             exactly the statistics of an uninterrupted run; different inputs (or a different
             budget, bins, top_k, thread count or number of ranks) are refused.
+        token_mask: ``[B, n]`` (1 = a real token), or taken from an AttentionStack: each batch
+            element is measured on its real tokens, as in :func:`pathkernels.path_residuals`
+            (one stream per group of equal masks; with a checkpoint, each group keeps its files
+            in a subfolder ``mask-group-<i>``).
 
     Returns:
         :class:`PathStatistics`, with the paths of the extremes and of the largest ratios; with a
@@ -509,6 +528,20 @@ def path_statistics(
     where = "pathkernels.path_statistics"
     top_k = check_int(top_k, "top_k", where, minimum=0)
     bins_per_decade = check_int(bins_per_decade, "bins_per_decade", where, minimum=1, maximum=1000)
+    attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask)
+    options = {
+        "w_v": w_v,
+        "w_o": w_o,
+        "top_k": top_k,
+        "bins_per_decade": bins_per_decade,
+        "memory_budget": memory_budget,
+        "progress": progress,
+        "group": group,
+        "all_ranks": all_ranks,
+        "checkpoint_every": checkpoint_every,
+    }
+    if token_mask is not None:
+        return _masked_statistics(attn, tree, x, token_mask, checkpoint, where, options)
     group = distributed.resolve_group(group, where)
     if group is None:
         net, memory_budget = check_inputs(attn, tree, x, w_v, w_o, memory_budget, where, results=False)
@@ -549,6 +582,31 @@ def path_statistics(
     return merged.to(net.attn.device)
 
 
+def _masked_statistics(attn, tree: PathTree, x, token_mask, checkpoint, where: str, options: dict):
+    """path_statistics of each batch element on its real tokens: one stream per group of equal
+    masks, placed into the batch's rows."""
+    net = check_network(attn, x, options["w_v"], options["w_o"], where, attn_values=False)
+    batch, n = net.attn.shape[0], net.attn.shape[-1]
+    mask = masking.check_token_mask(masking.batched_mask(token_mask, net.batched), batch, n, net.attn.device, where)
+    if mask is None:
+        return path_statistics(net.attn, tree, x=net.x, checkpoint=checkpoint, **options)
+    out = None
+    for index, group in enumerate(masking.mask_groups(mask)):
+        part = path_statistics(
+            restricted_attention(net.attn, group, where),
+            tree,
+            x=None if net.x is None else masking.restrict(net.x, group),
+            checkpoint=None if checkpoint is None else Path(checkpoint) / f"mask-group-{index}",
+            **options,
+        )
+        if part is None:  # a rank other than 0 of a process group: the statistics went to rank 0
+            continue
+        if out is None:
+            out = PathStatistics.empty(batch, tree, part.dtype, part.bins_per_decade, part.top_k, part.counts.device)
+        out.place(group.batch, part)
+    return out
+
+
 @dataclass(frozen=True)
 class _Settings:
     memory_budget: int
@@ -581,6 +639,7 @@ def _stream(
     if bar is not None and reached > first:
         bar.update(reached - first)
     saved_at = time.monotonic()
+    warned = False
     try:
         with torch.no_grad():
             # The chunks are those of an uninterrupted run (the same boundaries, so the same float64
@@ -594,6 +653,9 @@ def _stream(
                     attn_centred, attn_mean, root, root_mean, net.w_v, net.w_o, chunk.parents, chunk.heads, leaf_block
                 )
                 order = chunk.leaf_position.to(residual.device)
+                # The values path_residuals would report (float32-rounded where float32 holds them).
+                residual, norm = engine_reports(residual, net.attn.dtype), engine_reports(norm, net.attn.dtype)
+                warned = warned or warn_tiny_norms(norm, net.attn.dtype, where)
                 stats.add(residual[:, order], norm[:, order], tree.leaf_range(start, stop))
                 reached = stop
                 if bar is not None:

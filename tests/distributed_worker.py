@@ -47,6 +47,11 @@ def run(case: str, rank: int):
     if case == "statistics":
         tree = pk.PathTree.complete(4, 3, skip=True)
         return pk.path_statistics(attn, tree, x=x, w_v=w_v, w_o=w_o, top_k=3, memory_budget=1 << 16)
+    if case == "float32_range":  # residuals below float32's range from leaf 3,281 on: rank 0 holds none
+        e = torch.randint(-4, 5, (1, 8, 2, 8, 8), generator=torch.Generator().manual_seed(3)).double()
+        e[..., -1] = -e[..., :-1].sum(-1)
+        tree = pk.PathTree.complete(8, 2, skip=True)
+        return pk.path_residuals((1 / 8 + 2.0**-19 * e).float(), tree, memory_budget=1 << 16)
     if case == "rank1_raises":
         budget = 100 if rank == 1 else 1 << 20
         return pk.path_residuals(attn, pk.PathTree.complete(4, 3, skip=True), memory_budget=budget)

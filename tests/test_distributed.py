@@ -18,7 +18,16 @@ import itertools
 import distributed_worker as worker
 
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs gloo")
-EQUAL_CASES = ["skip", "max_length", "explicit", "no_skip_all_ranks", "stratified", "uniform", "statistics"]
+EQUAL_CASES = [
+    "skip",
+    "max_length",
+    "explicit",
+    "no_skip_all_ranks",
+    "stratified",
+    "uniform",
+    "statistics",
+    "float32_range",
+]
 FAILING_CASES = ["rank1_raises", "mismatched_attn", "mismatched_seed", "skip"]  # the group survives errors
 
 

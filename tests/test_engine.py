@@ -1,6 +1,7 @@
 """path_residuals: the CPU path-tree engine against per-path loops, closed forms and the network."""
 
 import itertools
+import math
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,13 @@ from pathkernels.reference import (
     path_products_ref,
     residual_norm_ref,
 )
-from pathkernels.testing import devices, random_attention, tolerance
+from pathkernels.testing import (
+    devices,
+    float32_error_bound,
+    path_condition_numbers,
+    random_attention,
+    tolerance,
+)
 
 
 def network(batch, layers, heads, n, d=None, d_head=None, dtype=torch.float64):
@@ -177,6 +184,118 @@ def test_deep_float32_chain_keeps_relative_precision():
     assert abs(single - truth) <= 1e-4 * truth, (single, truth)
     naive = residual_norm_ref(path_products_ref(attn.float(), tree.paths()).double()).item()
     assert abs(naive - truth) > 1e-4 * truth  # the naive route does lose it
+
+
+def zero_sum_integers(batch, layers, heads, n, spread):
+    """``E [B, L, H, n, n]``: integers in [-spread, spread] (the last column balances), rows summing to 0."""
+    e = torch.randint(-spread, spread + 1, (batch, layers, heads, n, n), dtype=torch.float64)
+    e[..., -1] = -e[..., :-1].sum(-1)
+    return e
+
+
+def dyadic_attention(e, delta):
+    """``A = 11ᵀ/n + δE`` with δ a power of two: every entry is exact in float32 and float64 alike,
+    so both engines see the same matrices, and ``C(A) = δ C(E)`` shrinks residuals by about
+    δ‖C(E)‖ per head."""
+    n = e.shape[-1]
+    assert 1.0 / n - delta * e.abs().max() >= 0
+    return 1.0 / n + delta * e
+
+
+def test_float32_range_sixty_layer_chain():
+    """A residual of about 1e-80 (float32's range ends at 1.2e-38): the float32 engine carries
+    power-of-two scales and reports it in float64, to float32's relative precision."""
+    n, layers = 8, 60
+    e = zero_sum_integers(1, layers, 1, n, spread=2)
+    chain = torch.eye(n, dtype=torch.float64) - 1.0 / n
+    for layer in range(layers):
+        chain = (e[0, layer, 0] - e[0, layer, 0].mean(0)) @ chain
+    # C(A) = δ C(E): pick the power of two δ that puts the residual nearest 1e-80.
+    delta = 2.0 ** round(math.log2((1e-80 / residual_norm_ref(chain).item()) ** (1 / layers)))
+    attn = dyadic_attention(e, delta)
+    tree = pk.PathTree.complete(layers, 1)
+    truth = pk.path_residuals(attn, tree).residual.item()
+    assert 1e-95 < truth < 1e-65, truth
+    single = pk.path_residuals(attn.float(), tree)
+    assert single.residual.dtype == torch.float64  # float32 cannot hold it
+    assert single.norm.dtype == torch.float32  # the product's norm (1) can
+    assert abs(single.residual.item() - truth) <= 1e-4 * truth, (single.residual.item(), truth)
+    assert single.ratio.item() == pytest.approx(truth, rel=1e-4)
+
+
+@pytest.mark.parametrize("leaf_kernel", ["fused", "gemm"])
+@pytest.mark.parametrize("mode", ["products", "outputs"])
+def test_float32_range_across_a_tree(device, mode, leaf_kernel):
+    """Paths of every length, from residuals near 1 to far below 1e-38, in one float32 run: each
+    within 1e-4 of the float64 engine on the same (exact) inputs, the norms too, whichever leaf
+    kernel; and path_statistics sees the very same values."""
+    layers, heads, n = 9, 2, 8
+    attn = dyadic_attention(zero_sum_integers(2, layers, heads, n, spread=4), 2.0**-20)
+    args = {}
+    if mode == "outputs":
+        _, x, w_v, w_o = network(2, layers, heads, n, 6, 3, dtype=torch.float32)
+        args = {"x": x, "w_v": w_v, "w_o": w_o}
+    tree = pk.PathTree.complete(layers, heads, skip=True)
+    truth = pk.path_residuals(attn.to(device), tree, **{k: v.double().to(device) for k, v in args.items()})
+    single = pk.path_residuals(
+        attn.float().to(device), tree, leaf_kernel=leaf_kernel, **{k: v.to(device) for k, v in args.items()}
+    )
+    assert truth.residual.min() < 1e-42 and truth.residual.max() > 1e-3
+    assert single.residual.dtype == torch.float64
+    # 1e-4, or the κ bound where a path's factors cancel (random W can do that): see docs §6.
+    error = ((single.residual - truth.residual).abs() / truth.residual).cpu()
+    batch, path = torch.nonzero(error > 1e-4, as_tuple=True)
+    if len(path):
+        kappa = path_condition_numbers(attn, tree.paths()[path], **{k: v.double() for k, v in args.items()})
+        bound = float32_error_bound(kappa[batch, torch.arange(len(path))], layers, n)
+        assert (error[batch, path] <= bound).all(), (error[batch, path], bound)
+    torch.testing.assert_close(single.norm.double(), truth.norm, rtol=2e-4, atol=1e-6)  # as check_against_loop
+    stats = pk.path_statistics(attn.float().to(device), tree, **{k: v.to(device) for k, v in args.items()})
+    lengths = tree.paths().ne(-1).sum(1)
+    for b in range(2):
+        for length in range(layers + 1):
+            values = single.residual[b, lengths == length]
+            assert stats.minima["residual"][b, length].item() == values.min().item()
+            assert stats.maxima["residual"][b, length].item() == values.max().item()
+
+
+def test_float32_range_in_a_padded_batch():
+    """A padded batch whose second group of masks holds residuals below float32's range: the
+    first group's float32 results widen with it, and no value is rounded away."""
+    layers, n = 30, 8
+    e = zero_sum_integers(1, layers, 1, n, spread=2)
+    deep = dyadic_attention(e, 2.0**-9)[0]  # [L, 1, 8, 8]: residuals far below 1e-38
+    attn = torch.zeros(2, layers, 1, n + 1, n + 1, dtype=torch.float64)
+    attn[0] = random_attention(layers, 1, n + 1, n + 1, dtype=torch.float64)  # every token real
+    attn[1, ..., :n, :n] = deep  # token n is padding
+    attn[1, ..., n, :] = 1.0 / (n + 1)
+    mask = torch.ones(2, n + 1, dtype=torch.bool)
+    mask[1, n] = False
+    tree = pk.PathTree.complete(layers, 1)
+    result = pk.path_residuals(attn.float(), tree, token_mask=mask)
+    assert result.residual.dtype == torch.float64
+    alone = [pk.path_residuals(attn[:1].float(), tree), pk.path_residuals(deep[None].float(), tree)]
+    assert alone[0].residual.dtype == torch.float32 and alone[1].residual.item() < 1e-40
+    for b in range(2):
+        assert result.residual[b].item() == alone[b].residual.double().item()
+
+
+def test_float32_products_near_the_range_are_warned_about():
+    """The column means carry no scale: a float32 product below 1e-30 (here a tiny X) is flagged,
+    while its residual keeps its digits; float64 and ordinary float32 products are not flagged."""
+    attn, x, w_v, w_o = network(1, 3, 2, 6, 5, 2, dtype=torch.float32)
+    attn64 = attn.double() / attn.double().sum(-1, keepdim=True)
+    tree = pk.PathTree.complete(3, 2, skip=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o)
+        pk.path_residuals(attn64, tree, x=x.double() * 1e-33, w_v=w_v.double(), w_o=w_o.double())
+    with pytest.warns(RuntimeWarning, match=r"norms below 1e-30; in float32 their column means approach"):
+        tiny = pk.path_residuals(attn, tree, x=x * 1e-33, w_v=w_v, w_o=w_o)
+    with pytest.warns(RuntimeWarning, match="norms below 1e-30"):
+        pk.path_statistics(attn, tree, x=x * 1e-33, w_v=w_v, w_o=w_o)
+    exact = pk.path_residuals(attn64, tree, x=x.double() * 1e-33, w_v=w_v.double(), w_o=w_o.double())
+    torch.testing.assert_close(tiny.residual.double(), exact.residual, rtol=2e-4, atol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -11,9 +11,11 @@ from pathkernels.testing import devices, random_attention, tolerance
 fused_leaf_norms = torch.ops.pathkernels._fused_leaf_norms
 
 
-def reference(attn, right, mean):
-    """‖C(A) right_k‖_{1,∞} and ‖1 mean_kᵀ + C(A) right_k‖_{1,∞} per leaf k, in float64."""
+def reference(attn, right, mean, scale=None):
+    """‖R_k‖_{1,∞} and ‖1 mean_kᵀ + R_k‖_{1,∞} per leaf k, R_k = scale_k C(A) right_k, in float64."""
     leaves = torch.einsum("ik,kcj->cij", attn.double().cpu(), right.double().cpu())
+    if scale is not None:
+        leaves = leaves * scale.cpu()[:, None, None]
     return composite_norm_ref(leaves), composite_norm_ref(leaves + mean.double().cpu()[:, None, :])
 
 
@@ -51,7 +53,8 @@ def test_matches_float64_reference(device, dtype, shape):
     right = level[:, 2 : count + 2]  # a run of a level: row stride (count + 3)·m, as the engine passes
     mean = torch.randn(count, m, dtype=dtype, device=device)
     residual, norm = fused_leaf_norms(attn, right, mean)
-    assert residual.shape == norm.shape == (count,) and residual.dtype == dtype and residual.device == attn.device
+    assert residual.shape == norm.shape == (count,) and residual.device == attn.device
+    assert residual.dtype == norm.dtype == torch.float64  # the reports are float64 for every dtype
     expected_residual, expected_norm = reference(attn, right, mean)
     for got, expected in [(residual, expected_residual), (norm, expected_norm)]:
         if dtype == torch.float64:
@@ -60,6 +63,33 @@ def test_matches_float64_reference(device, dtype, shape):
             error = (got.double().cpu() - expected).abs()
             bound = 1e-5 * expected + float32_slack(attn, right)
             assert (error <= bound).all(), (error, bound)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_scaled_leaves(device, dtype):
+    """Leaf k is scale_k · C(A) right_k (the engine's renormalised nodes): the residual is scale_k
+    times the unscaled one, bit for bit, and the product 1μᵀ + R is taken at the true scale, also
+    where scale_k · right_k lies far below float32's range."""
+    n, count, m = 40, 5, 70
+    attn = torch.randn(n, n, dtype=dtype, device=device)
+    right = torch.randn(n, count, m, dtype=dtype, device=device)
+    mean = torch.randn(count, m, dtype=dtype, device=device) * 1e-3
+    mean[1] = 0  # a product that is its residual alone
+    scale = torch.tensor([2.0**-300, 1e0, 2.0**-10, 2.0**40, 2.0**-60], dtype=torch.float64, device=device)
+    scale[1] = 2.0**-200
+    residual, norm = fused_leaf_norms(attn, right, mean, scale)
+    unscaled_residual, _ = fused_leaf_norms(attn, right, mean)
+    assert torch.equal(residual, unscaled_residual * scale)
+    expected_residual, expected_norm = reference(attn, right, mean, scale)
+    assert residual[0].item() < 1e-80 and norm[1].item() < 1e-50  # far outside float32's range
+    rtol = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(residual.cpu(), expected_residual, rtol=rtol, atol=0)
+    # Leaves 0 and 4: R is negligible against 1μᵀ; leaf 1: the product is R; leaf 3: R dominates.
+    torch.testing.assert_close(norm.cpu(), expected_norm, rtol=rtol, atol=0)
+    with pytest.raises(ValueError, match=r"expected scale \[c\] = \[5\], got \[4\]"):
+        fused_leaf_norms(attn, right, mean, scale[:4])
+    with pytest.raises(TypeError, match="expected scale in torch.float64, got torch.float32"):
+        fused_leaf_norms(attn, right, mean, scale.float())
 
 
 def test_hand_worked_leaf(device):
@@ -131,8 +161,9 @@ def test_opcheck():
 def test_cpu_harness_and_cuda_kernel_agree(dtype):
     attn = torch.randn(70, 70, dtype=dtype)
     right, mean = torch.randn(70, 5, 90, dtype=dtype), torch.randn(5, 90, dtype=dtype)
-    cpu = fused_leaf_norms(attn, right, mean)
-    gpu = fused_leaf_norms(attn.cuda(), right.cuda(), mean.cuda())
+    scale = 2.0 ** torch.tensor([-200.0, 0.0, 3.0, -20.0, -1000.0], dtype=torch.float64)
+    cpu = fused_leaf_norms(attn, right, mean, scale)
+    gpu = fused_leaf_norms(attn.cuda(), right.cuda(), mean.cuda(), scale.cuda())
     tol = tolerance(dtype) if dtype == torch.float64 else {"rtol": 1e-5, "atol": 0}  # FMA on the GPU, not here
     for a, b in zip(gpu, cpu):
         torch.testing.assert_close(a.cpu(), b, **tol)

@@ -245,5 +245,46 @@ def test_decompose_streams_when_per_path_results_would_be_too_large():
         assert table[column].tolist() == exact_table[column].tolist(), column
     torch.testing.assert_close(torch.tensor(table["mean"].tolist()), torch.tensor(exact_table["mean"].tolist()))
     assert streamed.mean_ratio()[0] == pytest.approx(kept.mean_ratio()[0], rel=1e-12)
-    with pytest.raises(ValueError, match="streamed statistics do not take token_mask yet"):
-        pk.decompose(attn, max_result_bytes=4096, token_mask=torch.ones(2, 5))
+
+
+def assert_rows_equal(stats: PathStatistics, b: int, alone: PathStatistics):
+    """Row b of ``stats`` holds the statistics ``alone`` has for its only batch element."""
+    for name in ("counts", "log10_ratio_sums", "top_values", "top_paths"):
+        torch.testing.assert_close(getattr(stats, name)[b], getattr(alone, name)[0], rtol=1e-12, atol=0, msg=name)
+    for name in ("sums", "sums_of_squares", "minima", "maxima", "argmin", "argmax", "histograms"):
+        for key, tensor in getattr(stats, name).items():
+            torch.testing.assert_close(tensor[b], getattr(alone, name)[key][0], rtol=1e-12, atol=0, msg=name)
+
+
+def test_statistics_of_a_padded_batch_are_those_of_each_sequence_alone(tmp_path):
+    """token_mask (or a stack's): each element on its real tokens, one stream per group of equal
+    masks, checkpointed per group; decompose streams padded batches too."""
+    batch, layers, heads, n, d = 3, 3, 2, 5, 3
+    lengths = [5, 2, 2]  # elements 1 and 2 share a mask
+    attn = torch.rand(batch, layers, heads, n, n, dtype=torch.float64)  # junk in the padded entries
+    x = torch.randn(batch, n, d, dtype=torch.float64)
+    w_v = torch.randn(layers, heads, d, 2, dtype=torch.float64)
+    w_o = torch.randn(layers, heads, 2, d, dtype=torch.float64)
+    mask = torch.zeros(batch, n, dtype=torch.bool)
+    for b, length in enumerate(lengths):
+        mask[b, :length] = True
+        attn[b, ..., :length] = random_attention(layers, heads, n, length, dtype=torch.float64)
+        attn[b, ..., :length, length:] = 0
+    tree = pk.PathTree.complete(layers, heads, skip=True)
+    outputs = {"x": x, "w_v": w_v, "w_o": w_o}
+    stats = pk.path_statistics(attn, tree, **outputs, token_mask=mask, top_k=3, checkpoint=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mask-group-0", "mask-group-1"]
+    for b, length in enumerate(lengths):
+        alone = pk.path_statistics(
+            attn[b : b + 1, ..., :length, :length], tree, x=x[b : b + 1, :length], w_v=w_v, w_o=w_o, top_k=3
+        )
+        assert_rows_equal(stats, b, alone)
+    with pytest.raises(ValueError, match="attention rows must sum to 1"):  # the padding's junk, unmasked
+        pk.path_statistics(attn, tree, **outputs)
+    resumed = pk.path_statistics(attn, tree, **outputs, token_mask=mask, top_k=3, checkpoint=tmp_path)
+    assert torch.equal(resumed.sums["ratio"], stats.sums["ratio"])  # read back from the group files
+    streamed = pk.decompose(attn, max_result_bytes=1024, token_mask=mask)
+    assert isinstance(streamed, PathStatistics) and torch.equal(streamed.counts, stats.counts)
+    torch.testing.assert_close(
+        streamed.maxima["ratio"], pk.path_statistics(attn, tree, token_mask=mask).maxima["ratio"]
+    )

@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common/norm_math.h"
@@ -59,6 +61,26 @@ PATHKERNELS_INLINE A row_sums(const S* row, int64_t m, const A* mean, A* col_sum
     }
   }
   return row_abs;
+}
+
+// One row of paired_matrix_pass: returns (Σ_j |x_j|, Σ_j |scale·x_j − shift_j|) and adds the
+// terms to col_abs and col_abs_shifted.
+template <bool kScaled, typename S>
+PATHKERNELS_INLINE std::pair<double, double> paired_row_sums(const S* row, int64_t m, const double* shift,
+                                                             double scale, double* col_abs,
+                                                             double* col_abs_shifted) {
+  double row_abs = 0.0;
+  double row_abs_shifted = 0.0;
+  for (int64_t j = 0; j < m; ++j) {
+    const double v = static_cast<double>(row[j]);
+    const double a = std::abs(v);
+    const double c = std::abs((kScaled ? v * scale : v) - shift[j]);
+    col_abs[j] += a;
+    col_abs_shifted[j] += c;
+    row_abs += a;
+    row_abs_shifted += c;
+  }
+  return {row_abs, row_abs_shifted};
 }
 
 // Rows per block of the vectorised passes (row_block_sums).
@@ -212,49 +234,44 @@ PATHKERNELS_INLINE void row_block_sums(const S* x, int64_t row_stride, int64_t m
   }
 }
 
-// Both sums of row_block_sums in one pass: of v and of v − mean, for the path engine's leaves
-// (the residual R and the product 1μᵀ + R, with mean = −μ). One load feeds both.
-template <typename S>
-PATHKERNELS_INLINE void paired_row_block_sums(const S* x, int64_t row_stride, int64_t m, const double* mean,
-                                              double* col_abs, double* col_abs_centred, double* row_abs,
-                                              double* row_abs_centred) {
+// Both sums of paired_matrix_pass for kBlockRows rows at once (see there). One load feeds both.
+template <bool kScaled, typename S>
+PATHKERNELS_INLINE void paired_row_block_sums(const S* x, int64_t row_stride, int64_t m, const double* shift,
+                                              double scale, double* col_abs, double* col_abs_shifted,
+                                              double* row_abs, double* row_abs_shifted) {
   const double_lanes one = opaque_one();
+  const double_lanes scale_lanes = double_lanes{scale, scale, scale, scale};
   double_lanes row_part[kBlockRows];
-  double_lanes row_part_centred[kBlockRows];
+  double_lanes row_part_shifted[kBlockRows];
 #pragma GCC unroll 4
   for (int64_t r = 0; r < kBlockRows; ++r) {
     row_part[r] = double_lanes{};
-    row_part_centred[r] = double_lanes{};
+    row_part_shifted[r] = double_lanes{};
   }
   int64_t j = 0;
   for (; j + kLanes <= m; j += kLanes) {
-    const double_lanes mu = load_lanes(mean + j);
+    const double_lanes mu = load_lanes(shift + j);
     double_lanes abs_sum = load_lanes(col_abs + j);
-    double_lanes abs_sum_centred = load_lanes(col_abs_centred + j);
+    double_lanes abs_sum_shifted = load_lanes(col_abs_shifted + j);
 #pragma GCC unroll 4
     for (int64_t r = 0; r < kBlockRows; ++r) {
       const double_lanes value = load_lanes(x + r * row_stride + j);
       const double_lanes a = abs_lanes(value);
-      const double_lanes c = abs_lanes(value - mu);
+      const double_lanes c = abs_lanes((kScaled ? value * scale_lanes : value) - mu);
       abs_sum += a;
-      abs_sum_centred += c;
+      abs_sum_shifted += c;
       row_part[r] = add_on_fma_pipes(row_part[r], a, one);
-      row_part_centred[r] = add_on_fma_pipes(row_part_centred[r], c, one);
+      row_part_shifted[r] = add_on_fma_pipes(row_part_shifted[r], c, one);
     }
     store_lanes(col_abs + j, abs_sum);
-    store_lanes(col_abs_centred + j, abs_sum_centred);
+    store_lanes(col_abs_shifted + j, abs_sum_shifted);
   }
 #pragma GCC unroll 4
   for (int64_t r = 0; r < kBlockRows; ++r) {
-    const S* row = x + r * row_stride + j;
-    double tail = 0.0;
-    double tail_centred = 0.0;
-    if (j < m) {
-      tail = row_sums<false, false>(row, m - j, mean + j, col_abs, col_abs + j);
-      tail_centred = row_sums<true, false>(row, m - j, mean + j, col_abs, col_abs_centred + j);
-    }
+    const auto [tail, tail_shifted] =
+        paired_row_sums<kScaled>(x + r * row_stride + j, m - j, shift + j, scale, col_abs + j, col_abs_shifted + j);
     row_abs[r] = horizontal_sum(row_part[r]) + tail;
-    row_abs_centred[r] = horizontal_sum(row_part_centred[r]) + tail_centred;
+    row_abs_shifted[r] = horizontal_sum(row_part_shifted[r]) + tail_shifted;
   }
 }
 #endif
@@ -298,26 +315,28 @@ PATHKERNELS_INLINE void matrix_pass(const T* x, const MatrixBatch& s, const A* m
   }
 }
 
-// matrix_pass<false, false> and matrix_pass<true, false> at once, for a matrix with unit column
-// stride: sums of |x| into (col_abs, row_abs) and of |x − mean| into the *_centred arrays.
-template <typename T>
-PATHKERNELS_INLINE void paired_matrix_pass(const T* x, const MatrixBatch& s, const double* mean, double* col_abs,
-                                           double* row_abs, double* col_abs_centred, double* row_abs_centred,
-                                           double* buffer) {
+// The path engine's leaf reduction, for a matrix with unit column stride holding R' (a leaf's
+// residual divided by its scale, engine.h): sums of |x| into (col_abs, row_abs), and of
+// |scale·x − shift| into the *_shifted arrays; with shift = −μ the latter are the abs sums of the
+// product 1μᵀ + R at its true scale. A power-of-two scale makes scale·x exact, so scale = 1 and any
+// other scale round alike; kScaled = false assumes scale = 1 and skips the multiply.
+template <bool kScaled, typename T>
+PATHKERNELS_INLINE void paired_matrix_pass(const T* x, int64_t rows, int64_t cols, int64_t row_stride,
+                                           const double* shift, double scale, double* col_abs, double* row_abs,
+                                           double* col_abs_shifted, double* row_abs_shifted) {
   int64_t i = 0;
 #ifdef PATHKERNELS_HAVE_ROW_BLOCKS
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
-    if (s.col_stride == 1) {
-      for (; i + kBlockRows <= s.rows; i += kBlockRows) {
-        paired_row_block_sums(x + i * s.row_stride, s.row_stride, s.cols, mean, col_abs, col_abs_centred,
-                              row_abs + i, row_abs_centred + i);
-      }
+    for (; i + kBlockRows <= rows; i += kBlockRows) {
+      paired_row_block_sums<kScaled>(x + i * row_stride, row_stride, cols, shift, scale, col_abs, col_abs_shifted,
+                            row_abs + i, row_abs_shifted + i);
     }
   }
 #endif
-  const MatrixBatch rest{1, s.rows - i, s.cols, 0, s.row_stride, s.col_stride};
-  matrix_pass<false, false>(x + i * s.row_stride, rest, mean, col_abs, col_abs, row_abs + i, buffer);
-  matrix_pass<true, false>(x + i * s.row_stride, rest, mean, col_abs, col_abs_centred, row_abs_centred + i, buffer);
+  for (; i < rows; ++i) {
+    std::tie(row_abs[i], row_abs_shifted[i]) =
+        paired_row_sums<kScaled>(x + i * row_stride, cols, shift, scale, col_abs, col_abs_shifted);
+  }
 }
 
 // max_update over values[0 : count] from (0, 0), for values ≥ 0 or NaN (abs sums): the first NaN

@@ -7,11 +7,21 @@
 // so tiny residuals keep their relative precision; R_child = C(A) R_parent (W), with C(A) given.
 // The column mean μ of the full product follows μ_child = (μ_parent + R_parentᵀ a) W, a = 1ᵀA/n,
 // and the product itself is 1μᵀ + R.
+//
+// float32 range (docs/DESIGN.md §6): R shrinks with every head a path takes and would fall below
+// float32's smallest normal (1.2e-38) in deep trees. Each node therefore stores R' = R / s with a
+// power-of-two scale s in float64: a child whose largest |R'| leaves [2^-32, 2^32] is renormalised
+// (exactly: a power of two), and its scale takes the factor. The leaves report ‖R‖ = s‖R'‖ and
+// ‖1μᵀ + s R'‖ in float64, so float32 trees keep their relative precision down to float64's range.
+// μ needs no scale: it is the column mean of the product, not of the residual. float64 trees keep
+// s = 1 (their range is the reports' own).
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -39,21 +49,37 @@ inline std::vector<HeadRun> head_runs(const at::Tensor& heads) {
   return runs;
 }
 
+// Nodes of a level (or of a block of it): residuals R' [n, N, m] (R = s R'), column means
+// μ [N, m] and scales s [N] in float64.
+struct Nodes {
+  at::Tensor residual;
+  at::Tensor mean;
+  at::Tensor scale;
+
+  Nodes narrow(int64_t begin, int64_t count) const {
+    return {residual.narrow(1, begin, count), mean.narrow(0, begin, count), scale.narrow(0, begin, count)};
+  }
+  Nodes index_select(const at::Tensor& index) const {
+    return {residual.index_select(1, index), mean.index_select(0, index), scale.index_select(0, index)};
+  }
+  int64_t count() const {
+    return residual.size(1);
+  }
+};
+
 // The parents of a block: a view of the level when their positions are consecutive (always so in
 // complete trees), otherwise a gathered copy. `positions` is the level's on the host (for the scan),
 // copied to the level's device only for a gather.
-inline std::pair<at::Tensor, at::Tensor> run_parents(const at::Tensor& level, const at::Tensor& level_mean,
-                                                     const at::Tensor& positions, int64_t begin, int64_t count) {
+inline Nodes run_parents(const Nodes& level, const at::Tensor& positions, int64_t begin, int64_t count) {
   const int64_t* p = positions.const_data_ptr<int64_t>() + begin;
   bool consecutive = true;
   for (int64_t k = 1; k < count && consecutive; ++k) {
     consecutive = p[k] == p[0] + k;
   }
   if (consecutive) {
-    return {level.narrow(1, p[0], count), level_mean.narrow(0, p[0], count)};
+    return level.narrow(p[0], count);
   }
-  const at::Tensor index = positions.narrow(0, begin, count).to(level.device());
-  return {level.index_select(1, index), level_mean.index_select(0, index)};
+  return level.index_select(positions.narrow(0, begin, count).to(level.residual.device()));
 }
 
 // The operands of one batch element.
@@ -62,45 +88,113 @@ struct Network {
   at::Tensor attn_mean;  // [L, H, n], a = 1ᵀA/n
   std::optional<at::Tensor> w_v;  // [L, H, d, d_head]
   std::optional<at::Tensor> w_o;  // [L, H, d_head, d]
+  bool renormalises;              // float32: nodes carry scales (see the top of this file)
 };
 
 // What a child block multiplies C(A[layer, head]) by, and its column means: with W, right =
-// R_parent W and μ = (μ_parent + R_parentᵀ a) W; without, right = R_parent (a view) and
-// μ = μ_parent + R_parentᵀ a. `right` is [n, c, m] with unit column stride and leaf stride m.
+// R'_parent W and μ = (μ_parent + s R'_parentᵀ a) W; without, right = R'_parent (a view) and
+// μ = μ_parent + s R'_parentᵀ a. `right` is [n, c, m] with unit column stride and leaf stride m;
+// the children's residuals are C(A) right, with the parents' scales.
 struct ChildOperands {
   at::Tensor right;
   at::Tensor mean;
+  at::Tensor scale;
 };
 
-inline ChildOperands child_operands(const Network& net, int64_t layer, int64_t head, const at::Tensor& parents,
-                                    const at::Tensor& parent_mean) {
-  const int64_t n = parents.size(0), c = parents.size(1), m = parents.size(2);
-  // One GEMM with beta = 1 (one launch on CUDA): [μ_parent …] + aᵀ [R_parent …], all c at once.
-  at::Tensor mean = at::addmm(parent_mean.reshape({1, c * m}), net.attn_mean[layer][head].unsqueeze(0),
-                              parents.flatten(1))
-                        .view({c, m});
+template <typename T, typename Backend>
+ChildOperands child_operands(Backend& backend, const Network& net, int64_t layer, int64_t head, const Nodes& parents) {
+  const int64_t n = parents.residual.size(0), c = parents.count(), m = parents.residual.size(2);
+  const at::Tensor a = net.attn_mean[layer][head].unsqueeze(0);
+  at::Tensor mean;
+  if (net.renormalises) {
+    // s R'ᵀ a per node: the GEMV on R', then each node's scale.
+    mean = backend.template add_scaled<T>(parents.mean, a.mm(parents.residual.flatten(1)).view({c, m}), parents.scale);
+  } else {
+    // s = 1: one GEMM with beta = 1 (one launch on CUDA), all c at once.
+    mean = at::addmm(parents.mean.reshape({1, c * m}), a, parents.residual.flatten(1)).view({c, m});
+  }
   if (!net.w_v.has_value()) {
-    return {parents, mean};
+    return {parents.residual, mean, parents.scale};
   }
   const at::Tensor w_v = (*net.w_v)[layer][head];
   const at::Tensor w_o = (*net.w_o)[layer][head];
-  return {parents.reshape({n * c, m}).mm(w_v).mm(w_o).view({n, c, m}), mean.mm(w_v).mm(w_o)};
+  return {parents.residual.reshape({n * c, m}).mm(w_v).mm(w_o).view({n, c, m}), mean.mm(w_v).mm(w_o), parents.scale};
 }
 
-// Children of `parents` [n, c, m] (means [c, m]) through head `head` of layer `layer`, written to
-// `out` [n, c, m] and `out_mean` [c, m]. The skip branch copies.
-inline void children(const Network& net, int64_t layer, int64_t head, const at::Tensor& parents,
-                     const at::Tensor& parent_mean, at::Tensor out, at::Tensor out_mean) {
+// The renormalisation rule: a node whose largest |R'| is finite, nonzero and outside
+// [2^-32, 2^32] is divided by 2^e, e its frexp exponent (clamped so that 2^±e stays a normal
+// float32), and its scale multiplied by 2^e. Both are exact.
+constexpr double kRenormaliseBelow = 0x1p-32;
+constexpr double kRenormaliseAbove = 0x1p32;
+constexpr int kMaxRenormaliseExponent = 120;
+
+// 2^e for integer tensors e, built from the exponent bits: exact, unlike exp2 on some devices.
+// e must lie in the dtype's normal exponent range.
+inline at::Tensor power_of_two(const at::Tensor& e, at::ScalarType dtype) {
+  if (dtype == at::kFloat) {
+    return at::bitwise_left_shift(e.to(at::kInt) + 127, 23).view(at::kFloat);
+  }
+  TORCH_INTERNAL_ASSERT(dtype == at::kDouble);
+  return at::bitwise_left_shift(e.to(at::kLong) + 1023, 52).view(at::kDouble);
+}
+
+// The per-node steps of the scales as ATen ops, which run on any device without a host sync.
+// The CPU backend replaces them with loops over the block, which it holds in cache.
+struct AtenNodeSteps {
+  // mean + scale · shift per node: mean and shift [c, m] (T), scale [c] (float64). A scale below
+  // T's range makes its term 0: negligible against μ, the product's own column mean.
+  template <typename T>
+  at::Tensor add_scaled(const at::Tensor& mean, const at::Tensor& shift, const at::Tensor& scale) {
+    return at::addcmul(mean, shift, scale.to(shift.scalar_type()).unsqueeze(1));
+  }
+
+  // out.scale = parent_scale, then, with `renormalise`, the rule above applied to out.
+  template <typename T>
+  void carry_scales(const Nodes& out, const at::Tensor& parent_scale, bool renormalise) {
+    out.scale.copy_(parent_scale);
+    if (!renormalise) {
+      return;
+    }
+    const at::Tensor largest = at::linalg_vector_norm(out.residual, INFINITY, {0, 2});  // [c]
+    const at::Tensor outside =
+        at::isfinite(largest) & (largest > 0) & ((largest < kRenormaliseBelow) | (largest > kRenormaliseAbove));
+    const at::Tensor exponent = at::where(outside, std::get<1>(at::frexp(largest)), 0)
+                                    .clamp(-kMaxRenormaliseExponent, kMaxRenormaliseExponent);
+    out.residual.mul_(power_of_two(-exponent, out.residual.scalar_type()).unsqueeze(0).unsqueeze(2));
+    out.scale.mul_(power_of_two(exponent, at::kDouble));
+  }
+};
+
+// Children of `parents` through head `head` of layer `layer`, written to `out` (views of the next
+// level), renormalised where the tree carries scales. The skip branch copies.
+template <typename T, typename Backend>
+void children(Backend& backend, const Network& net, int64_t layer, int64_t head, const Nodes& parents,
+              const Nodes& out) {
   if (head < 0) {
-    out.copy_(parents);
-    out_mean.copy_(parent_mean);
+    out.residual.copy_(parents.residual);
+    out.mean.copy_(parents.mean);
+    backend.template carry_scales<T>(out, parents.scale, false);
     return;
   }
-  const ChildOperands operands = child_operands(net, layer, head, parents, parent_mean);
-  at::Tensor out_rows = out.flatten(1);  // [n, c·m] with the level's row stride: a view, no copy
-  TORCH_INTERNAL_ASSERT(out_rows.is_alias_of(out));
+  const ChildOperands operands = child_operands<T>(backend, net, layer, head, parents);
+  at::Tensor out_rows = out.residual.flatten(1);  // [n, c·m] with the level's row stride: a view, no copy
+  TORCH_INTERNAL_ASSERT(out_rows.is_alias_of(out.residual));
   at::mm_out(out_rows, net.attn[layer][head], operands.right.flatten(1));
-  out_mean.copy_(operands.mean);
+  out.mean.copy_(operands.mean);
+  backend.template carry_scales<T>(out, operands.scale, net.renormalises);
+}
+
+// Leaf children of `parents` through head `head` into `out` (a scratch block: R' and μ; the
+// scales are the parents', used where they lie), returned with those scales for the reduction.
+template <typename T, typename Backend>
+Nodes leaf_children(Backend& backend, const Network& net, int64_t layer, int64_t head, const Nodes& parents,
+                    const Nodes& out) {
+  const ChildOperands operands = child_operands<T>(backend, net, layer, head, parents);
+  at::Tensor out_rows = out.residual.flatten(1);
+  TORCH_INTERNAL_ASSERT(out_rows.is_alias_of(out.residual));
+  at::mm_out(out_rows, net.attn[layer][head], operands.right.flatten(1));
+  out.mean.copy_(operands.mean);
+  return {out.residual, out.mean, operands.scale};
 }
 
 // A block of at most leaf_block consecutive nodes of one head run: the unit of parallel work.
@@ -125,65 +219,64 @@ inline std::vector<NodeBlock> node_blocks(const at::Tensor& heads, int64_t leaf_
 // The leaf children of `parents` through `head`, reduced by the backend's fused kernel where it
 // has one and it applies; false otherwise (the caller then multiplies and reduces).
 template <typename T, typename Backend>
-bool fused_leaf_norms(Backend& backend, const Network& net, int64_t layer, int64_t head, const at::Tensor& parents,
-                      const at::Tensor& parent_mean, T* residual, T* norm) {
+bool fused_leaf_norms(Backend& backend, const Network& net, int64_t layer, int64_t head, const Nodes& parents,
+                      double* residual, double* norm) {
   if constexpr (Backend::kFusedLeaves) {
-    if (backend.fuses_leaves(parents.size(0))) {
-      backend.fused_leaf_norms(net.attn[layer][head], child_operands(net, layer, head, parents, parent_mean),
-                               residual, norm);
+    if (backend.fuses_leaves(parents.residual.size(0))) {
+      backend.template fused_leaf_norms<T>(net.attn[layer][head],
+                                           child_operands<T>(backend, net, layer, head, parents), residual, norm);
       return true;
     }
   }
   return false;
 }
 
-// One chunk for one batch element. Backend provides
+// One chunk for one batch element, into residual and norm (float64, one per leaf). Backend provides
 //   for_each_block(count, fn): calls fn(block, worker) for every block (in parallel or not),
 //   workers(): how many distinct `worker` values fn may see,
-//   reduce(leaves [n, c, m], means [c, m], residual, norm): the leaves' norms into c outputs each,
-// and, where kFusedLeaves, fuses_leaves(n) and fused_leaf_norms(attn [n, n], operands, residual,
+//   reduce<T>(leaves, residual, norm): the norms of the leaves (Nodes: R' [n, c, m], μ, s) into c
+//   outputs each,
+//   add_scaled<T> and carry_scales<T>: the per-node steps of the scales (AtenNodeSteps),
+// and, where kFusedLeaves, fuses_leaves(n) and fused_leaf_norms<T>(attn [n, n], operands, residual,
 // norm): the norms of the leaves C(A) · operands.right, computed without storing them.
 template <typename T, typename Backend>
 void evaluate_chunk(const Network& net, const at::Tensor& root, const at::Tensor& root_mean, const PathChunk& chunk,
-                    int64_t leaf_block, T* residual, T* norm, Backend& backend) {
+                    int64_t leaf_block, double* residual, double* norm, Backend& backend) {
   const int64_t layers = static_cast<int64_t>(chunk.parents.size());
   const int64_t n = root.size(0), m = root.size(1);
-  at::Tensor level = root.unsqueeze(1);            // [n, N_l, m]
-  at::Tensor level_mean = root_mean.unsqueeze(0);  // [N_l, m]
+  const auto scale_options = root.options().dtype(at::kDouble);
+  Nodes level{root.unsqueeze(1), root_mean.unsqueeze(0), at::ones({1}, scale_options)};
   // Per-worker leaf blocks: computed, reduced, overwritten; never a whole level of leaves.
-  std::vector<at::Tensor> scratch(backend.workers()), scratch_mean(backend.workers());
+  std::vector<Nodes> scratch(backend.workers());
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor& positions = chunk.parents[l];
     const bool leaves = l + 1 == layers;
-    at::Tensor next, next_mean;
+    Nodes next;
     if (!leaves) {
-      next = at::empty({n, positions.numel(), m}, root.options());
-      next_mean = at::empty({positions.numel(), m}, root.options());
+      next = {at::empty({n, positions.numel(), m}, root.options()), at::empty({positions.numel(), m}, root.options()),
+              at::empty({positions.numel()}, scale_options)};
     }
     const std::vector<NodeBlock> blocks = node_blocks(chunk.heads[l], leaf_block);
     backend.for_each_block(static_cast<int64_t>(blocks.size()), [&](int64_t k, int worker) {
       const NodeBlock& blk = blocks[k];
-      auto [parents, parent_mean] = run_parents(level, level_mean, positions, blk.begin, blk.count);
+      const Nodes parents = run_parents(level, positions, blk.begin, blk.count);
       if (!leaves) {
-        children(net, l, blk.head, parents, parent_mean, next.narrow(1, blk.begin, blk.count),
-                 next_mean.narrow(0, blk.begin, blk.count));
+        children<T>(backend, net, l, blk.head, parents, next.narrow(blk.begin, blk.count));
       } else if (blk.head < 0) {  // a skip leaf is its parent: reduce it where it lies
-        backend.reduce(parents, parent_mean, residual + blk.begin, norm + blk.begin);
-      } else if (!fused_leaf_norms(backend, net, l, blk.head, parents, parent_mean, residual + blk.begin,
-                                   norm + blk.begin)) {
-        if (!scratch[worker].defined()) {
-          scratch[worker] = at::empty({n, leaf_block, m}, root.options());
-          scratch_mean[worker] = at::empty({leaf_block, m}, root.options());
+        backend.template reduce<T>(parents, residual + blk.begin, norm + blk.begin);
+      } else if (!fused_leaf_norms<T>(backend, net, l, blk.head, parents, residual + blk.begin, norm + blk.begin)) {
+        if (!scratch[worker].residual.defined()) {
+          scratch[worker] = {at::empty({n, leaf_block, m}, root.options()), at::empty({leaf_block, m}, root.options()),
+                             at::Tensor()};
         }
-        at::Tensor out = scratch[worker].narrow(1, 0, blk.count);
-        at::Tensor out_mean = scratch_mean[worker].narrow(0, 0, blk.count);
-        children(net, l, blk.head, parents, parent_mean, out, out_mean);
-        backend.reduce(out, out_mean, residual + blk.begin, norm + blk.begin);
+        const Nodes out = {scratch[worker].residual.narrow(1, 0, blk.count),
+                           scratch[worker].mean.narrow(0, 0, blk.count), at::Tensor()};
+        backend.template reduce<T>(leaf_children<T>(backend, net, l, blk.head, parents, out), residual + blk.begin,
+                                   norm + blk.begin);
       }
     });
     if (!leaves) {
       level = next;
-      level_mean = next_mean;
     }
   }
 }
@@ -198,8 +291,9 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms(const at::Tensor& attn, cons
   const PathChunk chunk = check_path_chunk(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block);
   const int64_t batch = attn.size(0);
   const int64_t leaves = chunk.parents.back().numel();
-  at::Tensor residual = at::empty({batch, leaves}, attn.options());
-  at::Tensor norm = at::empty({batch, leaves}, attn.options());
+  // float64 reports for every dtype: a float32 tree's residuals may lie below float32's range.
+  at::Tensor residual = at::empty({batch, leaves}, attn.options().dtype(at::kDouble));
+  at::Tensor norm = at::empty({batch, leaves}, attn.options().dtype(at::kDouble));
   const at::Tensor attn_c = attn.contiguous();
   const at::Tensor attn_mean_c = attn_mean.contiguous();
   const at::Tensor root_c = root.contiguous();
@@ -212,9 +306,9 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms(const at::Tensor& attn, cons
   AT_DISPATCH_FLOATING_TYPES(attn.scalar_type(), "path_chunk_norms", [&] {
     Backend backend(fused_leaves);
     for (int64_t b = 0; b < batch; ++b) {
-      const Network net{attn_c[b], attn_mean_c[b], w_v_c, w_o_c};
+      const Network net{attn_c[b], attn_mean_c[b], w_v_c, w_o_c, std::is_same_v<scalar_t, float>};
       evaluate_chunk<scalar_t>(net, root_c[b], root_mean_c[b], chunk, leaf_block,
-                               residual[b].mutable_data_ptr<scalar_t>(), norm[b].mutable_data_ptr<scalar_t>(), backend);
+                               residual[b].mutable_data_ptr<double>(), norm[b].mutable_data_ptr<double>(), backend);
     }
   });
   return {residual, norm};

@@ -1,7 +1,7 @@
 // The fused leaf kernel's per-thread logic (issue 4, docs/DESIGN.md §1): one CTA of kThreads threads
-// computes one column tile of one leaf, R = C(A) · right_k (n ≤ kMaxRows rows, any number of
-// columns), in registers, and reduces it on chip to the column abs sums of R and of 1μᵀ + R and
-// to the tile's share of their row abs sums. No leaf matrix is ever written to memory; a finish
+// computes one column tile of one leaf, R' = C(A) · right_k (n ≤ kMaxRows rows, any number of
+// columns), in registers, and reduces it on chip to the column abs sums of R' and of 1μᵀ + sR'
+// (s the leaf's scale, so that sR' = R) and to the tile's share of their row abs sums. No leaf matrix is ever written to memory; a finish
 // step turns the sums into the two norms (sqrt of max column sum × max row sum).
 //
 // Every step is a C10_HOST_DEVICE function of (params, shared tile, registers, thread index):
@@ -82,6 +82,7 @@ struct Params {
   int64_t cols = 0;             // m
   const void* means = nullptr;  // leaf k's μ_j at k·mean_stride + j
   int64_t mean_stride = 0;
+  const double* scales = nullptr;  // [count]: leaf k is R_k = scales[k] · C(A) right_k (engine.h)
   void* col_stats = nullptr;    // A [count, cols, kStats]: column abs sums, complete
   void* row_stats = nullptr;    // A [count, tiles, n, kStats]: row abs sums, one share per column tile
   int64_t tiles = 0;            // column tiles per leaf
@@ -202,12 +203,14 @@ struct Tile {
     }
   }
 
-  // The thread's abs sums of R and of R + μ: per owned column over its rows, and per owned row
+  // The thread's abs sums of R' and of sR' + μ: per owned column over its rows, and per owned row
   // over its columns, into shared memory (which the operands no longer need). Elements outside
-  // the matrix count zero.
-  static C10_HOST_DEVICE void partial_sums(const Params& p, Shared& s, const Registers& r, int tid, int64_t tile) {
+  // the matrix count zero. s is a power of two, so s·v is exact.
+  static C10_HOST_DEVICE void partial_sums(const Params& p, Shared& s, const Registers& r, int tid, int64_t leaf,
+                                           int64_t tile) {
     const int ty = tid / kThreadCols;
     const int tx = tid % kThreadCols;
+    const A scale = static_cast<A>(p.scales[leaf]);
     A col_sums[kColsPerThread][kStats] = {};
     PATHKERNELS_UNROLL
     for (int i = 0; i < kRowsPerThread; ++i) {
@@ -219,7 +222,7 @@ struct Tile {
         if (row < p.n && tile * kTileCols + c < p.cols) {
           const A v = static_cast<A>(r.acc[i][j]);
           const A residual = ::fabs(v);
-          const A product = ::fabs(v + s.mean[c]);
+          const A product = ::fabs(v * scale + s.mean[c]);
           row_sums[0] += residual;
           row_sums[1] += product;
           col_sums[j][0] += residual;
@@ -266,6 +269,13 @@ struct Tile {
     }
   }
 };
+
+// Finish step, a leaf's report of stat `stat` from the composite of its sums: the residual's sums
+// are of R' (times the leaf's scale s), the product's already of 1μᵀ + sR'.
+template <typename A>
+C10_HOST_DEVICE inline double leaf_report(A composite, int stat, double scale) {
+  return stat == 0 ? scale * static_cast<double>(composite) : static_cast<double>(composite);
+}
 
 // Finish step, element e of one leaf's [n, kStats] row sums: add the shares of tiles 1.. into
 // tile 0's (in place), so that the row sums are complete before their maximum is taken.

@@ -34,7 +34,7 @@ void run_cta(const Params& p, int64_t leaf, int64_t tile) {
     }
   }
   for (int tid = 0; tid < kThreads; ++tid) {
-    Cta::partial_sums(p, *shared, registers[tid], tid, tile);
+    Cta::partial_sums(p, *shared, registers[tid], tid, leaf, tile);
   }
   for (int tid = 0; tid < kThreads; ++tid) {
     Cta::write_sums(p, *shared, tid, leaf, tile);
@@ -42,9 +42,9 @@ void run_cta(const Params& p, int64_t leaf, int64_t tile) {
 }
 
 // Per leaf: row sums completed across tiles, then sqrt(max column sum · max row sum) per stat.
-template <typename T, typename A>
-void finish(const Params& p, T* residual, T* norm) {
-  T* outputs[kStats] = {residual, norm};
+template <typename A>
+void finish(const Params& p, double* residual, double* norm) {
+  double* outputs[kStats] = {residual, norm};
   for (int64_t leaf = 0; leaf < p.count; ++leaf) {
     const A* cols = static_cast<const A*>(p.col_stats) + leaf * p.cols * kStats;
     A* rows = static_cast<A*>(p.row_stats) + leaf * p.tiles * p.n * kStats;
@@ -60,15 +60,15 @@ void finish(const Params& p, T* residual, T* norm) {
       for (int64_t i = 0; i < p.n; ++i) {
         max_update(rows[i * kStats + stat], i, linf, row);
       }
-      outputs[stat][leaf] = static_cast<T>(composite_from_parts(l1, linf));
+      outputs[stat][leaf] = leaf_report(composite_from_parts(l1, linf), stat, p.scales[leaf]);
     }
   }
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_leaf_norms_cpu(const at::Tensor& attn, const at::Tensor& right,
-                                                        const at::Tensor& mean) {
-  const FusedLeafOperands ops = check_fused_leaf(attn, right, mean);
-  at::Tensor residual = at::empty({ops.right.size(1)}, ops.right.options());
+                                                        const at::Tensor& mean, const std::optional<at::Tensor>& scale) {
+  const FusedLeafOperands ops = check_fused_leaf(attn, right, mean, scale);
+  at::Tensor residual = at::empty({ops.right.size(1)}, ops.right.options().dtype(at::kDouble));
   at::Tensor norm = at::empty_like(residual);
   auto [col_stats, row_stats] = fused_leaf_buffers(ops);
   const Params p = fused_leaf_params(ops, col_stats, row_stats);
@@ -81,7 +81,7 @@ std::tuple<at::Tensor, at::Tensor> fused_leaf_norms_cpu(const at::Tensor& attn, 
         }
       }
     });
-    finish<scalar_t, A>(p, residual.mutable_data_ptr<scalar_t>(), norm.mutable_data_ptr<scalar_t>());
+    finish<A>(p, residual.mutable_data_ptr<double>(), norm.mutable_data_ptr<double>());
   });
   return {residual, norm};
 }

@@ -76,7 +76,8 @@ PathChunk check_path_chunk(const at::Tensor& attn, const at::Tensor& attn_mean, 
   return chunk;
 }
 
-FusedLeafOperands check_fused_leaf(const at::Tensor& attn, const at::Tensor& right, const at::Tensor& mean) {
+FusedLeafOperands check_fused_leaf(const at::Tensor& attn, const at::Tensor& right, const at::Tensor& mean,
+                                   const std::optional<at::Tensor>& scale) {
   constexpr const char* op = "pathkernels._fused_leaf_norms";
   TORCH_CHECK_VALUE(attn.dim() == 2 && attn.size(0) == attn.size(1), op, ": expected attn [n, n], got shape ",
                     shape_string(attn.sizes()));
@@ -96,17 +97,30 @@ FusedLeafOperands check_fused_leaf(const at::Tensor& attn, const at::Tensor& rig
                      dtype_name(attn.scalar_type()), ", got ", dtype_name(t->scalar_type()));
     check_same_device(*t, attn, op, "right and mean", "attn");
   }
+  const int64_t count = right.size(1);
+  at::Tensor leaf_scale;
+  if (scale.has_value()) {
+    TORCH_CHECK_VALUE(scale->dim() == 1 && scale->size(0) == count, op, ": expected scale [c] = [",
+                      std::to_string(count), "], got ", shape_string(scale->sizes()));
+    TORCH_CHECK_TYPE(scale->scalar_type() == at::kDouble, op, ": expected scale in torch.float64, got ",
+                     dtype_name(scale->scalar_type()));
+    check_same_device(*scale, attn, op, "scale", "attn");
+    leaf_scale = scale->contiguous();
+  } else {
+    leaf_scale = at::ones({count}, right.options().dtype(at::kDouble));
+  }
   const int64_t m = right.size(2);
   const bool right_ok = right.stride(2) == 1 && (right.size(1) <= 1 || right.stride(1) == m);
   const bool mean_ok = mean.stride(1) == 1 || m <= 1;
-  return {attn.contiguous(), right_ok ? right : right.contiguous(), mean_ok ? mean : mean.contiguous()};
+  return {attn.contiguous(), right_ok ? right : right.contiguous(), mean_ok ? mean : mean.contiguous(), leaf_scale};
 }
 
 fused_leaf::Params fused_leaf_params(const FusedLeafOperands& ops, const at::Tensor& col_stats,
                                      const at::Tensor& row_stats) {
   TORCH_INTERNAL_ASSERT(ops.attn.is_contiguous() && ops.right.stride(2) == 1 &&
                         (ops.right.size(1) <= 1 || ops.right.stride(1) == ops.right.size(2)) &&
-                        (ops.mean.size(1) <= 1 || ops.mean.stride(1) == 1));
+                        (ops.mean.size(1) <= 1 || ops.mean.stride(1) == 1) && ops.scale.is_contiguous() &&
+                        ops.scale.scalar_type() == at::kDouble);
   fused_leaf::Params p;
   p.attn = ops.attn.const_data_ptr();
   p.n = ops.attn.size(0);
@@ -117,6 +131,7 @@ fused_leaf::Params fused_leaf_params(const FusedLeafOperands& ops, const at::Ten
   p.cols = ops.right.size(2);
   p.means = ops.mean.const_data_ptr();
   p.mean_stride = ops.mean.stride(0);
+  p.scales = ops.scale.const_data_ptr<double>();
   p.col_stats = col_stats.mutable_data_ptr();
   p.row_stats = row_stats.mutable_data_ptr();
   p.tiles = fused_leaf::column_tiles(p.cols);

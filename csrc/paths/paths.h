@@ -27,16 +27,20 @@ PathChunk check_path_chunk(const at::Tensor& attn, const at::Tensor& attn_mean, 
                            int64_t leaf_block);
 
 // The fused leaf reduction's operands: attn C(A) [n, n] contiguous, right [n, c, m] with unit
-// column stride and leaf stride m (any row stride), mean [c, m] with unit column stride.
+// column stride and leaf stride m (any row stride), mean [c, m] with unit column stride, and the
+// leaves' scales [c], float64, contiguous (leaf k is R_k = scale[k] · C(A) right_k).
 struct FusedLeafOperands {
   at::Tensor attn;
   at::Tensor right;
   at::Tensor mean;
+  at::Tensor scale;
 };
 
 // Validates the inputs of _fused_leaf_norms (see registration.cpp) and lays them out as the
 // kernel reads them (copying only when they are not already).
-FusedLeafOperands check_fused_leaf(const at::Tensor& attn, const at::Tensor& right, const at::Tensor& mean);
+// `scale` absent means 1 for every leaf.
+FusedLeafOperands check_fused_leaf(const at::Tensor& attn, const at::Tensor& right, const at::Tensor& mean,
+                                   const std::optional<at::Tensor>& scale);
 
 // The kernel's parameters for `ops`, with its column and row sum buffers.
 fused_leaf::Params fused_leaf_params(const FusedLeafOperands& ops, const at::Tensor& col_stats,

@@ -4,6 +4,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
 #include "norms/norm_passes_cpu.h"
 #include "paths/engine.h"
 
@@ -13,24 +19,70 @@ namespace {
 using namespace cpu;
 
 // Norms of `count` leaves stored as [n, count, m] with the given row stride (elements between
-// rows of one leaf): residual[k] = ‖R_k‖_{1,∞}, norm[k] = ‖1μ_kᵀ + R_k‖_{1,∞}.
+// rows of one leaf), leaf k holding R'_k = R_k / scale[k]: residual[k] = ‖R_k‖_{1,∞} and
+// norm[k] = ‖1μ_kᵀ + R_k‖_{1,∞}, in double.
 template <typename T>
 PATHKERNELS_MULTIVERSION void reduce_leaves(const T* leaves, int64_t n, int64_t count, int64_t m, int64_t row_stride,
-                                             const T* means, int64_t mean_stride, T* residual, T* norm) {
-  const MatrixBatch shape{1, n, m, 0, row_stride, 1};
+                                             const T* means, int64_t mean_stride, const double* scale,
+                                             double* residual, double* norm) {
   NormWork<double> w(n, m);
   std::vector<double> shift(m);
   std::vector<double> row_norm(n);
   for (int64_t k = 0; k < count; ++k) {
     for (int64_t j = 0; j < m; ++j) {
-      shift[j] = -static_cast<double>(means[k * mean_stride + j]);  // |R − (−μ)| = |1μᵀ + R|
+      shift[j] = -static_cast<double>(means[k * mean_stride + j]);  // |s·R' − (−μ)| = |1μᵀ + R|
     }
     std::fill(w.col_abs, w.col_abs + 2 * m, 0.0);
-    paired_matrix_pass(leaves + k * m, shape, shift.data(), w.col_abs, w.row_abs, w.col_res, row_norm.data(),
-                       w.buffer);
-    residual[k] = static_cast<T>(maxima(w.col_abs, m, w.row_abs, n).composite());
-    norm[k] = static_cast<T>(maxima(w.col_res, m, row_norm.data(), n).composite());
+    if (scale[k] == 1.0) {  // unscaled nodes (all of float64's, most of float32's) skip a multiply
+      paired_matrix_pass<false>(leaves + k * m, n, m, row_stride, shift.data(), 1.0, w.col_abs, w.row_abs, w.col_res,
+                                row_norm.data());
+    } else {
+      paired_matrix_pass<true>(leaves + k * m, n, m, row_stride, shift.data(), scale[k], w.col_abs, w.row_abs,
+                               w.col_res, row_norm.data());
+    }
+    residual[k] = scale[k] * maxima(w.col_abs, m, w.row_abs, n).composite();
+    norm[k] = maxima(w.col_res, m, row_norm.data(), n).composite();
   }
+}
+
+// The bits of |v| as an unsigned integer: ordered as |v| is, with every NaN above inf. Integer
+// maxima vectorise where floating-point ones (NaN rules) do not.
+template <typename T>
+using MagnitudeBits = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
+
+template <typename T>
+inline MagnitudeBits<T> magnitude_bits(T v) {
+  constexpr MagnitudeBits<T> kSign = MagnitudeBits<T>(1) << (8 * sizeof(T) - 1);
+  return std::bit_cast<MagnitudeBits<T>>(v) & ~kSign;
+}
+
+// engine.h's renormalisation rule for one node R' ([n, m], row stride given), in place; returns
+// the factor 2^e its scale takes (1 when the node is left alone, as a node holding NaN or inf is).
+template <typename T>
+PATHKERNELS_MULTIVERSION double renormalise_node(T* x, int64_t n, int64_t m, int64_t row_stride) {
+  MagnitudeBits<T> largest_bits = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = x + i * row_stride;
+    for (int64_t j = 0; j < m; ++j) {
+      largest_bits = std::max(largest_bits, magnitude_bits(row[j]));
+    }
+  }
+  const T largest = std::bit_cast<T>(largest_bits);
+  if (!(largest > 0) || !std::isfinite(largest) ||
+      (largest >= engine::kRenormaliseBelow && largest <= engine::kRenormaliseAbove)) {
+    return 1.0;
+  }
+  int e = 0;
+  std::frexp(largest, &e);
+  e = std::clamp(e, -engine::kMaxRenormaliseExponent, engine::kMaxRenormaliseExponent);
+  const T factor = std::ldexp(T(1), -e);
+  for (int64_t i = 0; i < n; ++i) {
+    T* row = x + i * row_stride;
+    for (int64_t j = 0; j < m; ++j) {
+      row[j] *= factor;
+    }
+  }
+  return std::ldexp(1.0, e);
 }
 
 struct CpuBackend {
@@ -52,11 +104,48 @@ struct CpuBackend {
     });
   }
 
-  // leaves [n, c, m] (any row stride, unit column stride), means [c, m].
+  // engine::AtenNodeSteps' two steps as loops over a block the thread holds in cache: ATen calls on
+  // blocks of a few nodes cost more in dispatch than in work.
   template <typename T>
-  void reduce(const at::Tensor& leaves, const at::Tensor& means, T* residual, T* norm) {
-    reduce_leaves(leaves.const_data_ptr<T>(), leaves.size(0), leaves.size(1), leaves.size(2), leaves.stride(0),
-                  means.const_data_ptr<T>(), means.stride(0), residual, norm);
+  at::Tensor add_scaled(const at::Tensor& mean, const at::Tensor& shift, const at::Tensor& scale) {
+    TORCH_INTERNAL_ASSERT(mean.stride(1) == 1 && shift.is_contiguous() && scale.is_contiguous());
+    const int64_t c = shift.size(0), m = shift.size(1);
+    at::Tensor out = at::empty_like(shift);
+    const T* mu = mean.const_data_ptr<T>();
+    const T* sh = shift.const_data_ptr<T>();
+    const double* s = scale.const_data_ptr<double>();
+    T* o = out.mutable_data_ptr<T>();
+    for (int64_t k = 0; k < c; ++k) {
+      const T factor = static_cast<T>(s[k]);
+      for (int64_t j = 0; j < m; ++j) {
+        o[k * m + j] = mu[k * mean.stride(0) + j] + factor * sh[k * m + j];
+      }
+    }
+    return out;
+  }
+
+  template <typename T>
+  void carry_scales(const engine::Nodes& out, const at::Tensor& parent_scale, bool renormalise) {
+    const at::Tensor& r = out.residual;
+    TORCH_INTERNAL_ASSERT(r.stride(2) == 1 && r.stride(1) == r.size(2) && parent_scale.is_contiguous() &&
+                          out.scale.is_contiguous());
+    const double* parent = parent_scale.const_data_ptr<double>();
+    double* scale = out.scale.mutable_data_ptr<double>();
+    T* nodes = r.mutable_data_ptr<T>();
+    for (int64_t k = 0; k < r.size(1); ++k) {
+      scale[k] = parent[k];
+      if (renormalise) {
+        scale[k] *= renormalise_node(nodes + k * r.size(2), r.size(0), r.size(2), r.stride(0));
+      }
+    }
+  }
+
+  // leaves [n, c, m] (any row stride, unit column stride), means [c, m], scales [c] (double).
+  template <typename T>
+  void reduce(const engine::Nodes& leaves, double* residual, double* norm) {
+    reduce_leaves(leaves.residual.const_data_ptr<T>(), leaves.residual.size(0), leaves.residual.size(1),
+                  leaves.residual.size(2), leaves.residual.stride(0), leaves.mean.const_data_ptr<T>(),
+                  leaves.mean.stride(0), leaves.scale.const_data_ptr<double>(), residual, norm);
   }
 };
 

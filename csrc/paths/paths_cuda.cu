@@ -25,8 +25,9 @@ constexpr int kRowWarps = 8;
 constexpr int kFinishThreads = 256;
 constexpr int kLeafStats = fused_leaf::kStats;  // Σ|R| (the residual) and Σ|R + μ| (the product 1μᵀ + R)
 
-// A block of `count` leaves stored as [rows, count, cols]: element (i, j) of leaf k sits at
-// k·cols + i·row_stride + j; leaf k's column means at k·mean_stride + j.
+// A block of `count` leaves stored as [rows, count, cols]: element (i, j) of leaf k's R' sits at
+// k·cols + i·row_stride + j; leaf k's column means at k·mean_stride + j, its scale at scales[k]
+// (R = scales[k] · R', engine.h). The outputs are float64.
 struct LeafBlockParams {
   const void* leaves = nullptr;
   int64_t rows = 0;
@@ -35,8 +36,9 @@ struct LeafBlockParams {
   int64_t row_stride = 0;
   const void* means = nullptr;
   int64_t mean_stride = 0;
-  void* residual = nullptr;  // [count]
-  void* norm = nullptr;      // [count]
+  const double* scales = nullptr;  // [count]
+  double* residual = nullptr;      // [count]
+  double* norm = nullptr;          // [count]
   int64_t row_tiles = 1;     // row sums come in this many shares per leaf (column tiles), to be added
 };
 
@@ -50,12 +52,13 @@ __global__ void leaf_columns_kernel(LeafBlockParams p, A* col_stats) {
   }
   const T* col = static_cast<const T*>(p.leaves) + k * p.cols + j;
   const A mu = static_cast<A>(static_cast<const T*>(p.means)[k * p.mean_stride + j]);
+  const A scale = static_cast<A>(p.scales[k]);
   A residual = A(0);
   A product = A(0);
   for (int64_t i = 0; i < p.rows; ++i) {
     const A v = static_cast<A>(col[i * p.row_stride]);
     residual += ::fabs(v);
-    product += ::fabs(v + mu);
+    product += ::fabs(v * scale + mu);
   }
   A* out = col_stats + (k * p.cols + j) * kLeafStats;
   out[0] = residual;
@@ -73,12 +76,13 @@ __global__ void leaf_rows_kernel(LeafBlockParams p, A* row_stats) {
   }
   const T* row = static_cast<const T*>(p.leaves) + k * p.cols + i * p.row_stride;
   const T* mean = static_cast<const T*>(p.means) + k * p.mean_stride;
+  const A scale = static_cast<A>(p.scales[k]);
   A residual = A(0);
   A product = A(0);
   for (int64_t j = lane; j < p.cols; j += kWarpSize) {
     const A v = static_cast<A>(row[j]);
     residual += ::fabs(v);
-    product += ::fabs(v + static_cast<A>(mean[j]));
+    product += ::fabs(v * scale + static_cast<A>(mean[j]));
   }
   residual = warp_sum(residual);
   product = warp_sum(product);
@@ -91,7 +95,7 @@ __global__ void leaf_rows_kernel(LeafBlockParams p, A* row_stats) {
 
 // Block k owns leaf k's two outputs: the maxima of its column and row sums, combined. Row sums
 // [count, row_tiles, rows, kLeafStats] are first completed in place across their tiles.
-template <typename T, typename A>
+template <typename A>
 __global__ void leaf_finish_kernel(LeafBlockParams p, const A* col_stats, A* row_stats) {
   __shared__ A s_value[kFinishThreads];
   __shared__ int64_t s_index[kFinishThreads];
@@ -103,21 +107,21 @@ __global__ void leaf_finish_kernel(LeafBlockParams p, const A* col_stats, A* row
     }
     __syncthreads();
   }
-  T* outputs[kLeafStats] = {static_cast<T*>(p.residual), static_cast<T*>(p.norm)};
+  double* outputs[kLeafStats] = {p.residual, p.norm};
   for (int target = 0; target < kLeafStats; ++target) {
     A l1, linf;
     int64_t col, row;
     block_argmax(col_stats + k * p.cols * kLeafStats + target, p.cols, kLeafStats, s_value, s_index, l1, col);
     block_argmax(row_stats + target, p.rows, kLeafStats, s_value, s_index, linf, row);
     if (threadIdx.x == 0) {
-      outputs[target][k] = static_cast<T>(composite_from_parts(l1, linf));
+      outputs[target][k] = fused_leaf::leaf_report(composite_from_parts(l1, linf), target, p.scales[k]);
     }
   }
 }
 
-template <typename T, typename A>
+template <typename A>
 void launch_leaf_finish(const LeafBlockParams& p, const A* col_stats, A* row_stats, cudaStream_t stream) {
-  leaf_finish_kernel<T, A><<<p.count, kFinishThreads, 0, stream>>>(p, col_stats, row_stats);
+  leaf_finish_kernel<A><<<p.count, kFinishThreads, 0, stream>>>(p, col_stats, row_stats);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -138,14 +142,14 @@ __global__ void __launch_bounds__(fused_leaf::kThreads) fused_leaf_kernel(fused_
     Cta::multiply(shared, registers, tid);
     __syncthreads();  // the next load, or the sums, overwrite the staged operands
   }
-  Cta::partial_sums(p, shared, registers, tid, tile);
+  Cta::partial_sums(p, shared, registers, tid, leaf, tile);
   __syncthreads();
   Cta::write_sums(p, shared, tid, leaf, tile);
 }
 
-// Norms of the leaves C(A) · right_k into residual[k], norm[k] (device pointers, T).
+// Norms of the leaves scale_k · C(A) · right_k into residual[k], norm[k] (device pointers, float64).
 template <typename T>
-void fused_leaf_norms_into(const FusedLeafOperands& ops, T* residual, T* norm) {
+void fused_leaf_norms_into(const FusedLeafOperands& ops, double* residual, double* norm) {
   using A = norm_acc_t<T>;
   if (ops.right.size(1) == 0) {
     return;
@@ -164,13 +168,14 @@ void fused_leaf_norms_into(const FusedLeafOperands& ops, T* residual, T* norm) {
   finish.rows = p.n;
   finish.count = p.count;
   finish.cols = p.cols;
+  finish.scales = p.scales;
   finish.residual = residual;
   finish.norm = norm;
   finish.row_tiles = p.tiles;
-  launch_leaf_finish<T>(finish, col_stats.const_data_ptr<A>(), row_stats.mutable_data_ptr<A>(), stream);
+  launch_leaf_finish(finish, col_stats.const_data_ptr<A>(), row_stats.mutable_data_ptr<A>(), stream);
 }
 
-struct CudaBackend {
+struct CudaBackend : engine::AtenNodeSteps {
   static constexpr bool kFusedLeaves = true;
 
   explicit CudaBackend(bool fused_leaves) : fused_leaves_(fused_leaves) {}
@@ -180,8 +185,9 @@ struct CudaBackend {
   }
 
   template <typename T>
-  void fused_leaf_norms(const at::Tensor& attn, const engine::ChildOperands& operands, T* residual, T* norm) {
-    fused_leaf_norms_into<T>({attn, operands.right, operands.mean}, residual, norm);
+  void fused_leaf_norms(const at::Tensor& attn, const engine::ChildOperands& operands, double* residual,
+                        double* norm) {
+    fused_leaf_norms_into<T>({attn, operands.right, operands.mean, operands.scale.contiguous()}, residual, norm);
   }
 
   int workers() const {
@@ -195,10 +201,14 @@ struct CudaBackend {
     }
   }
 
-  // leaves [n, c, m] with unit column stride and leaf stride m, means [c, m]; outputs on device.
+  // leaves: R' [n, c, m] with unit column stride and leaf stride m, means [c, m], scales [c];
+  // outputs on device.
   template <typename T>
-  void reduce(const at::Tensor& leaves, const at::Tensor& means, T* residual, T* norm) {
+  void reduce(const engine::Nodes& nodes, double* residual, double* norm) {
     using A = norm_acc_t<T>;
+    const at::Tensor& leaves = nodes.residual;
+    const at::Tensor& means = nodes.mean;
+    const at::Tensor scales = nodes.scale.contiguous();
     TORCH_INTERNAL_ASSERT(leaves.stride(2) == 1 && leaves.stride(1) == leaves.size(2) && means.stride(1) == 1);
     LeafBlockParams p;
     p.leaves = leaves.const_data_ptr();
@@ -208,6 +218,7 @@ struct CudaBackend {
     p.row_stride = leaves.stride(0);
     p.means = means.const_data_ptr();
     p.mean_stride = means.stride(0);
+    p.scales = scales.const_data_ptr<double>();
     p.residual = residual;
     p.norm = norm;
     if (p.count == 0) {
@@ -223,7 +234,7 @@ struct CudaBackend {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     leaf_rows_kernel<T, A><<<row_grid, kRowWarps * kWarpSize, 0, stream>>>(p, row_stats.mutable_data_ptr<A>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    launch_leaf_finish<T>(p, col_stats.const_data_ptr<A>(), row_stats.mutable_data_ptr<A>(), stream);
+    launch_leaf_finish(p, col_stats.const_data_ptr<A>(), row_stats.mutable_data_ptr<A>(), stream);
   }
 
  private:
@@ -242,13 +253,14 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms_cuda(const at::Tensor& attn,
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_leaf_norms_cuda(const at::Tensor& attn, const at::Tensor& right,
-                                                         const at::Tensor& mean) {
-  const FusedLeafOperands ops = check_fused_leaf(attn, right, mean);
+                                                         const at::Tensor& mean,
+                                                         const std::optional<at::Tensor>& scale) {
   const c10::cuda::CUDAGuard guard(attn.device());
-  at::Tensor residual = at::empty({ops.right.size(1)}, ops.right.options());
+  const FusedLeafOperands ops = check_fused_leaf(attn, right, mean, scale);
+  at::Tensor residual = at::empty({ops.right.size(1)}, ops.right.options().dtype(at::kDouble));
   at::Tensor norm = at::empty_like(residual);
   AT_DISPATCH_FLOATING_TYPES(attn.scalar_type(), "_fused_leaf_norms", [&] {
-    fused_leaf_norms_into<scalar_t>(ops, residual.mutable_data_ptr<scalar_t>(), norm.mutable_data_ptr<scalar_t>());
+    fused_leaf_norms_into<scalar_t>(ops, residual.mutable_data_ptr<double>(), norm.mutable_data_ptr<double>());
   });
   return {residual, norm};
 }
