@@ -32,6 +32,12 @@ TORCH_LIBRARY(pathkernels, m) {
   m.def(
       "_fused_leaf_norms(Tensor attn, Tensor right, Tensor mean, Tensor? scale=None) "
       "-> (Tensor residual, Tensor norm)");
+  // pk.path_statistics' fold of one chunk of per-leaf results into its accumulators, in place
+  // (CPU; csrc/paths/statistics_cpu.cpp documents the arguments). Other devices use torch ops.
+  m.def(
+      "_statistics_update(Tensor residual, Tensor norm, Tensor lengths, Tensor edges, Tensor(a!) counts, "
+      "Tensor(b!) log10_ratio_sums, Tensor(c!) sums, Tensor(d!) sums_of_squares, Tensor(e!) minima, "
+      "Tensor(f!) maxima, Tensor(g!) argmin, Tensor(h!) argmax, Tensor(i!) histograms) -> ()");
 }
 
 namespace {

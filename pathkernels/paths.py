@@ -7,6 +7,7 @@ Python ints: ``(H+1)^L`` exceeds 2^63 for real models.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
@@ -123,6 +124,18 @@ def build_trie_chunk(sorted_paths: Tensor) -> TrieChunk:
         heads.append(head[order])
         node_of_path, position_of_node = node, rank
     return TrieChunk(parents, heads, position_of_node[node_of_path])
+
+
+@functools.lru_cache(maxsize=16)
+def _heads_taken(choices: int, depth: int) -> Tensor:
+    """``[choices^depth]``: how many of its ``depth`` base-``choices`` digits are not 0 (skip), per
+    index."""
+    index = torch.arange(choices**depth, dtype=torch.long)
+    taken = torch.zeros_like(index)
+    for _ in range(depth):
+        taken += (index % choices != 0).long()
+        index = index // choices
+    return taken
 
 
 class PathTree:
@@ -255,13 +268,45 @@ class PathTree:
         """Paths ``start..stop-1`` in result order, as ``[stop - start, L]``."""
         if self._paths is not None:
             return self._paths[start:stop]
+        return self._complete_paths(torch.arange(start, stop, dtype=torch.long))
+
+    def _complete_paths(self, index: Tensor) -> Tensor:
+        """Paths ``index [k]`` of a complete tree: the base-C digits of each index (C choices per
+        layer, the most significant first), shifted so that skip is -1."""
         choices = self.num_heads + int(self.skip)
-        index = torch.arange(start, stop, dtype=torch.long)
-        digits = torch.empty(stop - start, self.num_layers, dtype=torch.long)
+        index = index.clone()
+        digits = torch.empty(index.shape[0], self.num_layers, dtype=torch.long)
         for layer in range(self.num_layers - 1, -1, -1):
             torch.remainder(index, choices, out=digits[:, layer])
             index = index.div_(choices, rounding_mode="floor")
         return digits.sub_(int(self.skip))
+
+    def leaf_paths(self, leaves: Tensor) -> Tensor:
+        """Paths ``[k, L]`` of the leaves ``leaves [k]`` (int64 positions in leaf order)."""
+        if self._paths is None:
+            return self._complete_paths(leaves.cpu())
+        return self._unique_paths()[0][leaves.cpu()]
+
+    def leaf_lengths(self, start: int, stop: int) -> Tensor:
+        """``[stop - start]`` int64: heads taken by leaves ``start..stop-1``. For the aligned
+        blocks of ``C^depth`` leaves that complete trees are streamed in, the low digits' pattern
+        is computed once and the block's prefix adds its own count."""
+        if self._paths is not None:
+            return (self.leaf_range(start, stop) != SKIP).sum(1)
+        if not self.skip:
+            return torch.full((stop - start,), self.num_layers, dtype=torch.long)
+        choices = self.num_heads + 1
+        depth = 0
+        while choices**depth < stop - start:
+            depth += 1
+        block = choices**depth
+        if block != stop - start or start % block != 0:
+            return (self.path_range(start, stop) != SKIP).sum(1)
+        prefix, prefix_heads = start // block, 0
+        for _ in range(self.num_layers - depth):
+            prefix, digit = divmod(prefix, choices)
+            prefix_heads += int(digit != 0)
+        return _heads_taken(choices, depth) + prefix_heads
 
     def _unique_paths(self) -> tuple[Tensor, Tensor]:
         """Sorted unique paths and, for each path in result order, its row among them."""

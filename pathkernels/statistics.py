@@ -15,6 +15,7 @@ import functools
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from pathkernels.planner import DEFAULT_MEMORY_BUDGET, chunks
 QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
 _MEASURES = ("ratio", "residual", "norm")
 _HISTOGRAMS = ("ratio", "residual")
+_EXTREMES = ("argmin", "argmax")
 _HISTOGRAM_TOP = 10.0  # the last regular edge; above it is the overflow bin
 _NO_PATH = -2  # a path row where a length has no path
 
@@ -145,9 +147,51 @@ class PathStatistics:
 
     # --- accumulation ------------------------------------------------------------------------
 
-    def add(self, residual: Tensor, norm: Tensor, paths: Tensor) -> None:
-        """Fold one chunk in: ``residual``/``norm`` ``[B, c]`` of ``paths`` ``[c, L]``, in the
-        tree's leaf order (so that the first path reaching an extreme is the one kept)."""
+    def add(self, residual: Tensor, norm: Tensor, lengths: Tensor, paths_of: Callable[[Tensor], Tensor]) -> None:
+        """Fold one chunk in: ``residual``/``norm`` ``[B, c]`` of leaves with ``lengths [c]``, in
+        the tree's leaf order (so that the first path reaching an extreme is the one kept);
+        ``paths_of(leaves)`` gives the paths ``[k, L]`` of chunk leaves ``leaves [k]``, asked only
+        for those that reach an extreme or the top. On the CPU one pass of the C++ op
+        ``_statistics_update``; elsewhere torch ops (:meth:`_add_torch`), with the same numbers."""
+        if residual.device.type != "cpu":
+            self._add_torch(residual, norm, paths_of(torch.arange(residual.shape[1])))
+            return
+        residual, norm = residual.double().contiguous(), norm.double().contiguous()
+        stacked = {
+            name: torch.stack([getattr(self, name)[measure] for measure in _MEASURES])
+            for name in ("sums", "sums_of_squares", "minima", "maxima")
+        }
+        first = {name: torch.full_like(self.counts, -1).expand(len(_MEASURES), -1, -1).clone() for name in _EXTREMES}
+        histograms = torch.stack([self.histograms[name] for name in _HISTOGRAMS])
+        torch.ops.pathkernels._statistics_update(
+            residual,
+            norm,
+            lengths,
+            self.edges,
+            self.counts,
+            self.log10_ratio_sums,
+            stacked["sums"],
+            stacked["sums_of_squares"],
+            stacked["minima"],
+            stacked["maxima"],
+            first["argmin"],
+            first["argmax"],
+            histograms,
+        )
+        for i, measure in enumerate(_MEASURES):
+            for name, values in stacked.items():
+                getattr(self, name)[measure].copy_(values[i])
+            for name, leaves in first.items():
+                found = leaves[i] >= 0  # [B, L+1]: a new extreme in this chunk, first reached at that leaf
+                if bool(found.any()):
+                    getattr(self, name)[measure][found] = paths_of(leaves[i][found])
+        for i, name in enumerate(_HISTOGRAMS):
+            self.histograms[name].copy_(histograms[i])
+        if self.top_k:
+            self._add_top(residual / norm, lengths, paths_of)
+
+    def _add_torch(self, residual: Tensor, norm: Tensor, paths: Tensor) -> None:
+        """:meth:`add` in torch ops, for any device."""
         batch, count = residual.shape
         levels = self.num_layers + 1
         paths = paths.to(residual.device)
@@ -194,14 +238,15 @@ class PathStatistics:
             histogram = self.histograms[name].view(-1, edges.numel() + 1)
             histogram.view(-1).index_add_(0, slot * (edges.numel() + 1) + index, torch.ones_like(index))
         if self.top_k:
-            self._add_top(values["ratio"], lengths, paths)
+            self._add_top(values["ratio"], lengths, lambda leaves: paths[leaves.to(paths.device)])
 
-    def _add_top(self, ratio: Tensor, lengths: Tensor, paths: Tensor) -> None:
+    def _add_top(self, ratio: Tensor, lengths: Tensor, paths_of: Callable[[Tensor], Tensor]) -> None:
         batch, layers = ratio.shape[0], self.num_layers
         for k in torch.unique(lengths).tolist():
             chosen = lengths == k
             values = torch.cat([self.top_values[:, k], ratio[:, chosen]], dim=1)  # [B, top_k + c_k]
-            candidates = torch.cat([self.top_paths[:, k], paths[chosen].expand(batch, -1, -1)], dim=1)
+            chosen_paths = paths_of(chosen.nonzero().flatten()).to(ratio.device)
+            candidates = torch.cat([self.top_paths[:, k], chosen_paths.expand(batch, -1, -1)], dim=1)
             best = values.topk(self.top_k, dim=1)
             self.top_values[:, k] = best.values
             self.top_paths[:, k] = candidates.gather(1, best.indices.unsqueeze(-1).expand(-1, -1, layers))
@@ -656,7 +701,13 @@ def _stream(
                 # The values path_residuals would report (float32-rounded where float32 holds them).
                 residual, norm = engine_reports(residual, net.attn.dtype), engine_reports(norm, net.attn.dtype)
                 warned = warned or warn_tiny_norms(norm, net.attn.dtype, where)
-                stats.add(residual[:, order], norm[:, order], tree.leaf_range(start, stop))
+                lengths = tree.leaf_lengths(start, stop).to(residual.device)
+                stats.add(
+                    residual[:, order],
+                    norm[:, order],
+                    lengths,
+                    lambda leaves, start=start: tree.leaf_paths(leaves + start),
+                )
                 reached = stop
                 if bar is not None:
                     bar.update(stop - start)

@@ -288,3 +288,56 @@ def test_statistics_of_a_padded_batch_are_those_of_each_sequence_alone(tmp_path)
     torch.testing.assert_close(
         streamed.maxima["ratio"], pk.path_statistics(attn, tree, token_mask=mask).maxima["ratio"]
     )
+
+
+def test_the_cpu_fold_equals_the_torch_fold():
+    """The C++ fold (_statistics_update) against the torch ops the other devices use, bit for bit:
+    chunk after chunk, with ties, a zero norm (NaN ratio), values beyond both histogram ends."""
+    tree = pk.PathTree.complete(4, 3, skip=True)
+    paths = tree.paths()
+    ops_fold = PathStatistics.empty(2, tree, torch.float32, 7, 3, "cpu")
+    torch_fold = PathStatistics.empty(2, tree, torch.float32, 7, 3, "cpu")
+    for start in range(0, paths.shape[0], 37):
+        chunk = paths[start : start + 37]
+        residual = torch.rand(2, chunk.shape[0], dtype=torch.float64) ** 12
+        norm = torch.rand(2, chunk.shape[0], dtype=torch.float64) + 0.5
+        residual[0, 0], norm[1, 1], residual[1, 1] = 0.0, 0.0, 0.0  # a zero residual; 0/0
+        residual[1, -1], norm[1, -1] = 1e-45, 1e3  # below float32's range; ratio below the edges
+        if chunk.shape[0] > 6:
+            residual[0, 4:6], norm[0, 4:6] = 0.25, 0.125  # a tie; ratio 2, residual 0.25
+        ops_fold.add(residual, norm, (chunk != -1).sum(1), lambda leaves, chunk=chunk: chunk[leaves])
+        torch_fold._add_torch(residual, norm, chunk)
+    for item in ("counts", "log10_ratio_sums", "top_values", "top_paths"):
+        torch.testing.assert_close(getattr(ops_fold, item), getattr(torch_fold, item), rtol=0, atol=0, equal_nan=True)
+    for item in ("sums", "sums_of_squares", "minima", "maxima", "argmin", "argmax", "histograms"):
+        for key, value in getattr(ops_fold, item).items():
+            expected = getattr(torch_fold, item)[key]
+            torch.testing.assert_close(value, expected, rtol=0, atol=0, equal_nan=True, msg=f"{item}[{key}]")
+    assert int(ops_fold.histograms["ratio"][..., 0].sum()) > 0 and int(ops_fold.histograms["ratio"][..., -1].sum()) > 0
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        pk.PathTree.complete(5, 2, skip=True),
+        pk.PathTree.complete(4, 3),
+        pk.PathTree.complete(4, 2, skip=True, max_length=2),
+    ],
+    ids=["skip", "no-skip", "max_length"],
+)
+def test_leaf_lengths_and_paths_of_blocks(tree):
+    """The streamed chunks' lengths (aligned blocks from a cached pattern, other ranges directly)
+    and paths of chosen leaves equal those of the enumerated tree."""
+    leaves = tree.leaf_range(0, tree.num_leaves)
+    lengths = (leaves != -1).sum(1)
+    choices = tree.num_heads + int(tree.skip)
+    for start, stop in [
+        (0, tree.num_leaves),
+        (choices**2, 2 * choices**2),
+        (3, 11),
+        (tree.num_leaves - 1, tree.num_leaves),
+    ]:
+        stop = min(stop, tree.num_leaves)
+        assert torch.equal(tree.leaf_lengths(start, stop), lengths[start:stop]), (start, stop)
+    picked = torch.tensor([0, 5, tree.num_leaves - 1])
+    assert torch.equal(tree.leaf_paths(picked), leaves[picked])

@@ -1,0 +1,150 @@
+// CPU fold of one chunk of per-leaf results into pk.path_statistics' accumulators (issue 17): one
+// pass over the leaves in leaf order, where the torch code it replaces on CPU
+// (PathStatistics._add_torch, kept for other devices and as this kernel's test oracle) takes ~40
+// passes of index_add_ and scatter_reduce_. The accumulation order is the same (batch element,
+// then leaf), so the float64 sums agree bit for bit.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "common/checks.h"
+
+namespace pathkernels {
+namespace {
+
+constexpr int kMeasures = 3;    // ratio, residual, norm (statistics.py's _MEASURES)
+constexpr int kHistograms = 2;  // ratio, residual (_HISTOGRAMS)
+constexpr double kSmallestLogRatio = 1e-300;
+
+void check_accumulator(const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef shape, const char* name) {
+  constexpr const char* op = "pathkernels._statistics_update";
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() && t.sizes() == shape, op,
+                    ": expected ", name, " ", shape_string(shape), " contiguous ", dtype_name(dtype), " on the CPU, got ",
+                    shape_string(t.sizes()), " ", dtype_name(t.scalar_type()), " on ", t.device().str());
+}
+
+// log10(v) to within 0.03 for v > 0 (-inf for 0), from the binary exponent and a chord of
+// log2 over the mantissa: a bin guess for bin_of, at a fraction of std::log10's cost.
+inline double rough_log10(double v) {
+  if (!(v > 0.0)) {
+    return v == 0.0 ? -INFINITY : v;
+  }
+  int e = 0;
+  const double m = std::frexp(v, &e);  // v = m · 2^e, m in [0.5, 1)
+  constexpr double kLog10Of2 = 0.30102999566398120;
+  return (e - 2.0 + 2.0 * m) * kLog10Of2;  // log2(m) ≈ 2m − 2 on [0.5, 1), off by at most 0.09
+}
+
+// torch.bucketize(v, edges, right=True): the number of edges <= v (NaN: all of them, the last
+// bin). The guess from (a rough) log10(v) is off by a bin or two at most, which the two scans fix;
+// any ascending edges give the right bin, only more slowly if they are not log-spaced.
+inline int64_t bin_of(double v, double log_v, const double* edge, int64_t num_edges, double log_first,
+                      double per_decade) {
+  if (std::isnan(v)) {
+    return num_edges;
+  }
+  const double guess = std::floor((log_v - log_first) * per_decade) + 1.0;
+  int64_t index = guess < 0.0 ? 0 : guess > static_cast<double>(num_edges) ? num_edges : static_cast<int64_t>(guess);
+  while (index > 0 && edge[index - 1] > v) {
+    --index;
+  }
+  while (index < num_edges && edge[index] <= v) {
+    ++index;
+  }
+  return index;
+}
+
+// residual, norm [B, c] float64 (leaf order); lengths [c] int64 in [0, L]; edges [E] float64,
+// ascending. Accumulators, updated in place: counts [B, L+1] int64, log10_ratio_sums [B, L+1],
+// sums, sums_of_squares, minima, maxima [3, B, L+1] float64, histograms [2, B, L+1, E+1] int64;
+// argmin, argmax [3, B, L+1] int64 are set to the chunk's first leaf reaching a new extreme (one
+// strictly beyond the accumulator's before the chunk), and left as they are elsewhere.
+void statistics_update(const at::Tensor& residual, const at::Tensor& norm, const at::Tensor& lengths,
+                       const at::Tensor& edges, const at::Tensor& counts, const at::Tensor& log10_ratio_sums,
+                       const at::Tensor& sums, const at::Tensor& sums_of_squares, const at::Tensor& minima,
+                       const at::Tensor& maxima, const at::Tensor& argmin, const at::Tensor& argmax,
+                       const at::Tensor& histograms) {
+  constexpr const char* op = "pathkernels._statistics_update";
+  TORCH_CHECK_VALUE(residual.dim() == 2, op, ": expected residual [B, c], got ", shape_string(residual.sizes()));
+  const int64_t batch = residual.size(0), count = residual.size(1);
+  TORCH_CHECK_VALUE(counts.dim() == 2 && counts.size(0) == batch, op, ": expected counts [B, L+1] with B = ",
+                    std::to_string(batch), ", got ", shape_string(counts.sizes()));
+  const int64_t levels = counts.size(1);
+  const int64_t bins = edges.numel() + 1;
+  check_accumulator(residual, at::kDouble, {batch, count}, "residual");
+  check_accumulator(norm, at::kDouble, {batch, count}, "norm");
+  check_accumulator(lengths, at::kLong, {count}, "lengths");
+  check_accumulator(edges, at::kDouble, {bins - 1}, "edges");
+  check_accumulator(counts, at::kLong, {batch, levels}, "counts");
+  check_accumulator(log10_ratio_sums, at::kDouble, {batch, levels}, "log10_ratio_sums");
+  for (const auto& [t, name] : {std::pair{&sums, "sums"}, {&sums_of_squares, "sums_of_squares"},
+                                {&minima, "minima"}, {&maxima, "maxima"}}) {
+    check_accumulator(*t, at::kDouble, {kMeasures, batch, levels}, name);
+  }
+  check_accumulator(argmin, at::kLong, {kMeasures, batch, levels}, "argmin");
+  check_accumulator(argmax, at::kLong, {kMeasures, batch, levels}, "argmax");
+  check_accumulator(histograms, at::kLong, {kHistograms, batch, levels, bins}, "histograms");
+  const int64_t* length = lengths.const_data_ptr<int64_t>();
+  for (int64_t k = 0; k < count; ++k) {
+    TORCH_CHECK_INDEX(length[k] >= 0 && length[k] < levels, op, ": lengths must lie in [0, ",
+                      std::to_string(levels), "), got ", std::to_string(length[k]), " at leaf ", std::to_string(k));
+  }
+
+  const double* edge = edges.const_data_ptr<double>();
+  // The edges are log-spaced (statistics.histogram_edges): a value's bin is guessed from its log.
+  const int64_t num_edges = bins - 1;
+  const double log_first = num_edges > 0 ? std::log10(edge[0]) : 0.0;
+  const double per_decade =
+      num_edges > 1 ? static_cast<double>(num_edges - 1) / (std::log10(edge[num_edges - 1]) - log_first) : 0.0;
+  const int64_t plane = batch * levels;  // one measure's [B, L+1]
+  int64_t* count_of = counts.mutable_data_ptr<int64_t>();
+  double* log_sum = log10_ratio_sums.mutable_data_ptr<double>();
+  double* sum = sums.mutable_data_ptr<double>();
+  double* square = sums_of_squares.mutable_data_ptr<double>();
+  double* low = minima.mutable_data_ptr<double>();
+  double* high = maxima.mutable_data_ptr<double>();
+  int64_t* low_leaf = argmin.mutable_data_ptr<int64_t>();
+  int64_t* high_leaf = argmax.mutable_data_ptr<int64_t>();
+  int64_t* histogram = histograms.mutable_data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    const double* r = residual.const_data_ptr<double>() + b * count;
+    const double* nm = norm.const_data_ptr<double>() + b * count;
+    for (int64_t k = 0; k < count; ++k) {
+      const int64_t slot = b * levels + length[k];
+      const double values[kMeasures] = {r[k] / nm[k], r[k], nm[k]};
+      count_of[slot] += 1;
+      const double log_ratio = std::log10(std::max(values[0], kSmallestLogRatio));  // NaN stays NaN
+      log_sum[slot] += log_ratio;
+      for (int m = 0; m < kMeasures; ++m) {
+        const double v = values[m];
+        const int64_t at = m * plane + slot;
+        sum[at] += v;
+        square[at] += v * v;
+        if (v < low[at]) {  // strict: the first leaf reaching an extreme keeps it; NaN never does
+          low[at] = v;
+          low_leaf[at] = k;
+        }
+        if (v > high[at]) {
+          high[at] = v;
+          high_leaf[at] = k;
+        }
+      }
+      for (int h = 0; h < kHistograms; ++h) {
+        const double v = values[h];
+        const double log_v = (h == 0 && v >= kSmallestLogRatio) ? log_ratio : rough_log10(v);
+        histogram[(h * plane + slot) * bins + bin_of(v, log_v, edge, bins - 1, log_first, per_decade)] += 1;
+      }
+    }
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pathkernels, CPU, m) {
+  m.impl("_statistics_update", &statistics_update);
+}
+
+}  // namespace pathkernels
