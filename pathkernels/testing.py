@@ -40,6 +40,23 @@ def random_attention(*shape: int, dtype=torch.float32, device="cpu", generator=N
     return scores.softmax(dim=-1).to(device=device, dtype=dtype)
 
 
+def padded_network(lengths: list[int], layers: int, heads: int, n: int, d: int, d_head: int = 2):
+    """A hand-padded batch, float64: ``attn [B, L, H, n, n]`` whose block of real tokens is
+    row-stochastic for each sequence (its first ``lengths[b]`` tokens) and whose padded entries
+    are junk, ``x [B, n, d]``, ``w_v``/``w_o`` and the ``token_mask [B, n]`` (bool)."""
+    batch = len(lengths)
+    attn = torch.rand(batch, layers, heads, n, n, dtype=torch.float64)
+    x = torch.randn(batch, n, d, dtype=torch.float64)
+    w_v = torch.randn(layers, heads, d, d_head, dtype=torch.float64)
+    w_o = torch.randn(layers, heads, d_head, d, dtype=torch.float64)
+    mask = torch.zeros(batch, n, dtype=torch.bool)
+    for b, length in enumerate(lengths):
+        mask[b, :length] = True
+        attn[b, ..., :length] = random_attention(layers, heads, n, length, dtype=torch.float64)
+        attn[b, ..., :length, length:] = 0
+    return attn, x, w_v, w_o, mask
+
+
 # Unit round-off of each dtype the engine computes in.
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float64: 2.0**-53}
 

@@ -6,7 +6,7 @@ import torch
 
 import pathkernels as pk
 from pathkernels import adapters
-from pathkernels.testing import random_attention
+from pathkernels.testing import padded_network, random_attention
 
 transformers = pytest.importorskip("transformers")
 
@@ -93,17 +93,7 @@ def test_masked_metrics_and_engine_on_random_inputs():
     """Hand-made padding: each element's real block is row-stochastic, padded entries are junk."""
     batch, layers, heads, n, d = 3, 2, 2, 5, 3
     lengths = [5, 2, 3]
-    attn = torch.rand(batch, layers, heads, n, n, dtype=torch.float64)
-    x = torch.randn(batch, n, d, dtype=torch.float64)
-    w_v, w_o = (
-        torch.randn(layers, heads, d, 2, dtype=torch.float64),
-        torch.randn(layers, heads, 2, d, dtype=torch.float64),
-    )
-    mask = torch.zeros(batch, n, dtype=torch.bool)
-    for b, length in enumerate(lengths):
-        mask[b, :length] = True
-        attn[b, ..., :length] = random_attention(layers, heads, n, length, dtype=torch.float64)
-        attn[b, ..., :length, length:] = 0
+    attn, x, w_v, w_o, mask = padded_network(lengths, layers, heads, n, d)
     tree = pk.PathTree.complete(layers, heads, skip=True)
     masked = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, token_mask=mask)
     unbatched = pk.path_residuals(attn[1], tree, x=x[1], w_v=w_v, w_o=w_o, token_mask=mask[1])

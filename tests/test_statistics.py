@@ -13,7 +13,7 @@ import torch
 
 import pathkernels as pk
 from pathkernels.statistics import QUANTILES, PathStatistics, histogram_edges
-from pathkernels.testing import random_attention
+from pathkernels.testing import padded_network, random_attention
 
 
 def exact(attn, tree, **outputs):
@@ -176,7 +176,7 @@ RESUMABLE_RUN = """
 import sys, warnings
 import torch
 import pathkernels as pk
-from pathkernels.testing import random_attention
+from pathkernels.testing import padded_network, random_attention
 
 warnings.simplefilter("ignore")
 torch.set_num_threads(1)
@@ -259,17 +259,9 @@ def assert_rows_equal(stats: PathStatistics, b: int, alone: PathStatistics):
 def test_statistics_of_a_padded_batch_are_those_of_each_sequence_alone(tmp_path):
     """token_mask (or a stack's): each element on its real tokens, one stream per group of equal
     masks, checkpointed per group; decompose streams padded batches too."""
-    batch, layers, heads, n, d = 3, 3, 2, 5, 3
+    layers, heads = 3, 2
     lengths = [5, 2, 2]  # elements 1 and 2 share a mask
-    attn = torch.rand(batch, layers, heads, n, n, dtype=torch.float64)  # junk in the padded entries
-    x = torch.randn(batch, n, d, dtype=torch.float64)
-    w_v = torch.randn(layers, heads, d, 2, dtype=torch.float64)
-    w_o = torch.randn(layers, heads, 2, d, dtype=torch.float64)
-    mask = torch.zeros(batch, n, dtype=torch.bool)
-    for b, length in enumerate(lengths):
-        mask[b, :length] = True
-        attn[b, ..., :length] = random_attention(layers, heads, n, length, dtype=torch.float64)
-        attn[b, ..., :length, length:] = 0
+    attn, x, w_v, w_o, mask = padded_network(lengths, layers, heads, n=5, d=3)
     tree = pk.PathTree.complete(layers, heads, skip=True)
     outputs = {"x": x, "w_v": w_v, "w_o": w_o}
     stats = pk.path_statistics(attn, tree, **outputs, token_mask=mask, top_k=3, checkpoint=tmp_path)
