@@ -8,7 +8,7 @@
 // The column mean μ of the full product follows μ_child = (μ_parent + R_parentᵀ a) W, a = 1ᵀA/n,
 // and the product itself is 1μᵀ + R.
 //
-// float32 range (docs/DESIGN.md §6): R shrinks with every head a path takes and would fall below
+// float32 range (docs/DESIGN.md §3, Precision): R shrinks with every head a path takes and would fall below
 // float32's smallest normal (1.2e-38) in deep trees. Each node therefore stores R' = R / s with a
 // power-of-two scale s in float64: a child whose largest |R'| leaves [2^-32, 2^32] is renormalised
 // (exactly: a power of two), and its scale takes the factor. The leaves report ‖R‖ = s‖R'‖ and
