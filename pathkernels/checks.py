@@ -95,6 +95,24 @@ def restricted_attention(attn: Tensor, group: masking.MaskGroup, where: str) -> 
     return restricted
 
 
+def check_masked_network(attn, x, w_v, w_o, token_mask, where: str) -> tuple[Network, Tensor | None]:
+    """check_network for a padded batch, and its ``token_mask`` as a checked bool ``[B, n]`` (None
+    when every token is real). attn's values are left to :func:`mask_group_inputs`, which checks
+    them on each group's real tokens."""
+    net = check_network(attn, x, w_v, w_o, where, attn_values=False)
+    batch, n = net.attn.shape[0], net.attn.shape[-1]
+    mask = masking.check_token_mask(masking.batched_mask(token_mask, net.batched), batch, n, net.attn.device, where)
+    return net, mask
+
+
+def mask_group_inputs(net: Network, mask: Tensor, where: str):
+    """For each group of equal masks in order: ``(index, group, attn, x)``, attn and x restricted
+    to the group's elements and real tokens (attn checked row-stochastic there; x None if absent)."""
+    for index, group in enumerate(masking.mask_groups(mask)):
+        x = None if net.x is None else masking.restrict(net.x, group)
+        yield index, group, restricted_attention(net.attn, group, where), x
+
+
 def check_network(attn, x, w_v, w_o, where: str, *, attn_values: bool = True) -> Network:
     """Validate and batch the inputs; every message names the argument, the expected and the got.
 

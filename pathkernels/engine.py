@@ -16,15 +16,16 @@ import warnings
 import torch
 from torch import Tensor
 
-from pathkernels import distributed, masking, ops
+from pathkernels import distributed, ops
 from pathkernels._progress import progress_bar
 from pathkernels.checks import (
     Network,
     check_engine_device,
+    check_masked_network,
     check_network,
     check_tree,
     format_bytes,
-    restricted_attention,
+    mask_group_inputs,
     unpack_stack,
 )
 from pathkernels.paths import SKIP, PathTree
@@ -218,10 +219,9 @@ def path_residuals(
 
 def _masked_path_residuals(attn, tree, x, token_mask, where: str, *, materialize: bool, **kwargs):
     """path_residuals of each batch element on its real tokens: one call per group of equal masks."""
-    net = check_network(attn, x, kwargs.get("w_v"), kwargs.get("w_o"), where, attn_values=False)
+    net, mask = check_masked_network(attn, x, kwargs.get("w_v"), kwargs.get("w_o"), token_mask, where)
     batched, attn, x = net.batched, net.attn, net.x
-    batch, n = attn.shape[0], attn.shape[-1]
-    mask = masking.check_token_mask(masking.batched_mask(token_mask, batched), batch, n, attn.device, where)
+    batch = attn.shape[0]
     if mask is not None and materialize:
         raise ValueError(
             f"{where}: materialize=True cannot honour token_mask (the sequences' products differ in "
@@ -231,13 +231,8 @@ def _masked_path_residuals(attn, tree, x, token_mask, where: str, *, materialize
         result = path_residuals(attn, tree, x=x, materialize=materialize, **kwargs)
     else:
         residual = norm = None
-        for group in masking.mask_groups(mask):
-            part = path_residuals(
-                restricted_attention(attn, group, where),
-                tree,
-                x=None if x is None else masking.restrict(x, group),
-                **kwargs,
-            )
+        for _, group, group_attn, group_x in mask_group_inputs(net, mask, where):
+            part = path_residuals(group_attn, tree, x=group_x, **kwargs)
             if part is None:  # a rank other than 0 of a process group: the results went to rank 0
                 continue
             if residual is None:

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pathkernels import masking
-from pathkernels.checks import check_bias, check_network, restricted_attention
+from pathkernels.checks import check_bias, check_masked_network, check_network, mask_group_inputs
 
 
 def length_sums(
@@ -76,19 +75,14 @@ def length_sums(
 
 def _masked_length_sums(attn, x, w_v, w_o, b_o, skip: bool, token_mask, where: str) -> Tensor:
     """length_sums of each batch element on its real tokens, zeros on its padded rows."""
-    net = check_network(attn, x, w_v, w_o, where, attn_values=False)
+    net, mask = check_masked_network(attn, x, w_v, w_o, token_mask, where)
     batched, attn, x = net.batched, net.attn, net.x
-    mask = masking.check_token_mask(
-        masking.batched_mask(token_mask, batched), attn.shape[0], attn.shape[-1], attn.device, where
-    )
     if mask is None:
         sums = length_sums(attn, x, w_v, w_o, b_o=b_o, skip=skip)
     else:
         sums = x.new_zeros(attn.shape[1] + 1, *x.shape)
-        for group in masking.mask_groups(mask):
-            part = length_sums(
-                restricted_attention(attn, group, where), masking.restrict(x, group), w_v, w_o, b_o=b_o, skip=skip
-            )  # [L+1, G, n_real, d]
+        for _, group, group_attn, group_x in mask_group_inputs(net, mask, where):
+            part = length_sums(group_attn, group_x, w_v, w_o, b_o=b_o, skip=skip)  # [L+1, G, n_real, d]
             sums[:, group.batch.unsqueeze(1), group.tokens] = part
     return sums if batched else sums[:, 0]
 

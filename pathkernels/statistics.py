@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pathkernels import distributed, masking, ops
+from pathkernels import distributed, ops
 from pathkernels._progress import progress_bar
-from pathkernels.checks import check_network, restricted_attention, unpack_stack
+from pathkernels.checks import check_masked_network, mask_group_inputs, unpack_stack
 from pathkernels.engine import check_inputs, engine_operands, engine_reports, warn_tiny_norms
 from pathkernels.paths import SKIP, PathTree, check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET, chunks
@@ -630,23 +630,17 @@ def path_statistics(
 def _masked_statistics(attn, tree: PathTree, x, token_mask, checkpoint, where: str, options: dict):
     """path_statistics of each batch element on its real tokens: one stream per group of equal
     masks, placed into the batch's rows."""
-    net = check_network(attn, x, options["w_v"], options["w_o"], where, attn_values=False)
-    batch, n = net.attn.shape[0], net.attn.shape[-1]
-    mask = masking.check_token_mask(masking.batched_mask(token_mask, net.batched), batch, n, net.attn.device, where)
+    net, mask = check_masked_network(attn, x, options["w_v"], options["w_o"], token_mask, where)
     if mask is None:
         return path_statistics(net.attn, tree, x=net.x, checkpoint=checkpoint, **options)
     out = None
-    for index, group in enumerate(masking.mask_groups(mask)):
-        part = path_statistics(
-            restricted_attention(net.attn, group, where),
-            tree,
-            x=None if net.x is None else masking.restrict(net.x, group),
-            checkpoint=None if checkpoint is None else Path(checkpoint) / f"mask-group-{index}",
-            **options,
-        )
+    for index, group, group_attn, group_x in mask_group_inputs(net, mask, where):
+        folder = None if checkpoint is None else Path(checkpoint) / f"mask-group-{index}"
+        part = path_statistics(group_attn, tree, x=group_x, checkpoint=folder, **options)
         if part is None:  # a rank other than 0 of a process group: the statistics went to rank 0
             continue
         if out is None:
+            batch = net.attn.shape[0]
             out = PathStatistics.empty(batch, tree, part.dtype, part.bins_per_decade, part.top_k, part.counts.device)
         out.place(group.batch, part)
     return out
