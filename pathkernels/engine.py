@@ -190,31 +190,19 @@ def path_residuals(
         raise ValueError(f"{where}: expected leaf_kernel in {LEAF_KERNELS}, got {leaf_kernel!r}")
     if fast:
         _check_fast(attn, where)
-        with _tf32_matmuls():  # the fused leaf kernel is full float32: fast mode's leaves go through cuBLAS
-            return path_residuals(
-                attn,
-                tree,
-                x=x,
-                w_v=w_v,
-                w_o=w_o,
-                memory_budget=memory_budget,
-                progress=progress,
-                materialize=materialize,
-                group=group,
-                all_ranks=all_ranks,
-                leaf_kernel="gemm",
+    # The fused leaf kernel is full float32: fast mode's leaves go through cuBLAS, in TF32.
+    fused = leaf_kernel == "fused" and not fast
+    with _tf32_matmuls() if fast else contextlib.nullcontext():
+        group = distributed.resolve_group(group, where)
+        if group is not None:
+            return _path_residuals_across(
+                attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks, fused
             )
-    fused = leaf_kernel == "fused"
-    group = distributed.resolve_group(group, where)
-    if group is not None:
-        return _path_residuals_across(
-            attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks, fused
-        )
-    net, memory_budget = check_inputs(attn, tree, x, w_v, w_o, memory_budget, where)
-    products = _materialize(net, tree, memory_budget, where) if materialize else None
-    bar = progress_bar(tree.num_leaves, enabled=progress)
-    residual, norm = leaf_norms(net, tree, 0, tree.num_leaves, memory_budget, bar, fused_leaves=fused)
-    return _result(net, tree, residual, norm, products)
+        net, memory_budget = check_inputs(attn, tree, x, w_v, w_o, memory_budget, where)
+        products = _materialize(net, tree, memory_budget, where) if materialize else None
+        bar = progress_bar(tree.num_leaves, enabled=progress)
+        residual, norm = leaf_norms(net, tree, 0, tree.num_leaves, memory_budget, bar, fused_leaves=fused)
+        return _result(net, tree, residual, norm, products)
 
 
 def _masked_path_residuals(attn, tree, x, token_mask, where: str, *, materialize: bool, **kwargs):
