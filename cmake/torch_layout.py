@@ -11,8 +11,9 @@ import torch
 
 
 def cuda_architectures() -> str:
-    """CMake architecture list: TORCH_CUDA_ARCH_LIST if set ("9.0;8.0+PTX", "9.0a"), else the local GPU's,
-    else Hopper (sm_90), the cards this project is tuned for."""
+    """CMake architecture list, "|"-separated (CMakeLists.txt splits the output on ";"):
+    TORCH_CUDA_ARCH_LIST if set ("9.0;8.0+PTX", "9.0a"), else the local GPU's, else Hopper (sm_90),
+    the cards this project is tuned for."""
     requested = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
     if requested:
         archs = []
@@ -25,7 +26,7 @@ def cuda_architectures() -> str:
                 )
             major, minor, suffix, ptx = match.groups()
             archs.append(f"{major}{minor}{suffix}" + ("" if ptx else "-real"))
-        return ";".join(archs)
+        return "|".join(archs)
     if torch.version.cuda and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         return f"{major}{minor}"

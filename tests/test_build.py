@@ -53,3 +53,18 @@ def test_import_leaves_the_application_modules_unloaded():
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
     assert pk.experiments.__name__ == "pathkernels.experiments"  # on first use
+
+
+def test_every_requested_cuda_architecture_reaches_cmake(monkeypatch, capsys):
+    """TORCH_CUDA_ARCH_LIST's entries travel to CMake "|"-separated: CMakeLists.txt splits the layout
+    script's output on ";", which once cut "8.0;9.0" down to sm_80 alone."""
+    import runpy
+    from pathlib import Path
+
+    layout = runpy.run_path(str(Path(__file__).parents[1] / "cmake" / "torch_layout.py"))
+    capsys.readouterr()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a 9.0+PTX")
+    assert layout["cuda_architectures"]() == "80-real|90a-real|90"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.x")
+    with pytest.raises(SystemExit, match="cannot parse '9.x'"):
+        layout["cuda_architectures"]()
