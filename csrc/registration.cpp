@@ -18,19 +18,21 @@ TORCH_LIBRARY(pathkernels, m) {
   // w_v [L, H, d, d_head] and w_o [L, H, d_head, d]; level l's nodes sorted by head with their parent
   // positions. Returns per leaf (last level) ‖R‖_{1,∞} and ‖1μᵀ + R‖_{1,∞}, each [B, N_L] in float64
   // (float32 trees carry power-of-two scales so that tiny residuals keep their digits; engine.h).
-  // fused_leaves: on CUDA, reduce leaves of n <= 128 rows with the fused leaf kernel (no leaf is
-  // stored); False runs cuBLAS into a scratch block and reduces that (for comparisons, fast mode).
+  // leaf_kernel: how CUDA reduces leaves of n <= 128 rows: "simt" (the fused leaf kernel, no leaf
+  // is stored), "tf32x3" or "tf32" (the same on tensor cores, float32 only: float32 accuracy, or
+  // one TF32 pass), "gemm" (cuBLAS into a scratch block, then a reduction). The CPU ignores it.
   m.def(
       "path_chunk_norms(Tensor attn, Tensor attn_mean, Tensor root, Tensor root_mean, Tensor? w_v, "
-      "Tensor? w_o, Tensor[] parents, Tensor[] heads, int leaf_block, bool fused_leaves=True) "
+      "Tensor? w_o, Tensor[] parents, Tensor[] heads, int leaf_block, str leaf_kernel=\"simt\") "
       "-> (Tensor residual, Tensor norm)");
   // The fused leaf reduction on its own (issue 4): attn C(A) [n, n] (n <= 128), right [n, c, m],
   // mean [c, m], optional scale [c] (float64 powers of two, default 1) -> per leaf k, with
   // R_k = scale_k · C(A) right_k, ‖R_k‖_{1,∞} and ‖1 mean_kᵀ + R_k‖_{1,∞}, each [c] in float64.
-  // The CUDA kernel computes each leaf on chip and never stores it; the CPU kernel runs the same
-  // per-thread code thread by thread (a test harness, not a fast path).
+  // kernel: "simt", "tf32x3" or "tf32" (as path_chunk_norms' leaf_kernel). The CUDA kernel computes
+  // each leaf on chip and never stores it; the CPU kernel runs the same per-thread code thread by
+  // thread, the mma emulated (a test harness, not a fast path).
   m.def(
-      "_fused_leaf_norms(Tensor attn, Tensor right, Tensor mean, Tensor? scale=None) "
+      "_fused_leaf_norms(Tensor attn, Tensor right, Tensor mean, Tensor? scale=None, str kernel=\"simt\") "
       "-> (Tensor residual, Tensor norm)");
   // pk.path_statistics' fold of one chunk of per-leaf results into its accumulators, in place
   // (CPU; csrc/paths/statistics_cpu.cpp documents the arguments). Other devices use torch ops.

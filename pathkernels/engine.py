@@ -39,7 +39,26 @@ from pathkernels.planner import (
 )
 from pathkernels.reference import trie_products_ref
 
-LEAF_KERNELS = ("fused", "gemm")
+LEAF_KERNELS = ("fused", "tensor", "gemm")
+
+
+def op_leaf_kernel(leaf_kernel: str, fast: bool, attn, where: str) -> str:
+    """The engine op's ``leaf_kernel`` for path_residuals' ``leaf_kernel`` and ``fast``: "fused" is
+    the SIMT kernel ("simt"), or cuBLAS in TF32 ("gemm") with fast; "tensor" the tensor-core kernel
+    at float32 accuracy ("tf32x3"), or with one TF32 pass ("tf32") with fast; "gemm" is cuBLAS."""
+    if leaf_kernel not in LEAF_KERNELS:
+        raise ValueError(f"{where}: expected leaf_kernel in {LEAF_KERNELS}, got {leaf_kernel!r}")
+    if fast:
+        _check_fast(attn, where)
+    if leaf_kernel == "tensor":
+        dtype = getattr(attn, "dtype", None)
+        if dtype != torch.float32:
+            raise ValueError(
+                f"{where}: leaf_kernel='tensor' runs on TF32 tensor cores and takes float32 attn, got {dtype}"
+            )
+        return "tf32" if fast else "tf32x3"
+    # The SIMT kernel is full float32: fast mode's leaves go through cuBLAS, in TF32.
+    return "gemm" if leaf_kernel == "gemm" or fast else "simt"
 
 
 class PathResiduals:
@@ -146,15 +165,18 @@ def path_residuals(
         all_ranks: with a group, gather the results on every rank instead of rank 0 only.
         fast: CUDA float32 only: run the GEMMs on TF32 tensor cores (10-bit mantissa, float32
             accumulation), about 1e-3 relative error per level instead of float32's 1e-7, with
-            the leaves through cuBLAS rather than the fused leaf kernel. Off by default; the norms
-            and the centring stay in full precision.
+            the leaves through cuBLAS (``leaf_kernel="fused"``) or the tensor-core kernel's one-pass
+            variant (``leaf_kernel="tensor"``). Off by default; the norms and the centring stay in
+            full precision.
         token_mask: ``[B, n]`` (``[n]`` for unbatched attn), True (or 1) at real tokens, e.g. a
             padded batch's ``attention_mask``: each batch element is evaluated on its real tokens
             only, ``P_p`` restricted to them (its rows must still sum to 1 there). Elements that
             share a mask run as one batch. Not with ``materialize`` (the products differ in size).
         leaf_kernel: CUDA only: ``"fused"`` (the default) reduces leaves of n ≤ 128 on chip in the
-            fused leaf kernel; ``"gemm"`` runs cuBLAS into a scratch block and reduces that (what
-            ``fast=True`` uses, and the benchmarks' comparison). Ignored on CPU.
+            fused leaf kernel, on CUDA cores; ``"tensor"`` does the same on TF32 tensor cores at
+            float32 accuracy (3×TF32; float32 attn, compute capability ≥ 8.0; not yet validated on
+            a GPU, hence not the default); ``"gemm"`` runs cuBLAS into a scratch block and reduces
+            that (what ``fast=True`` uses, and the benchmarks' comparison). Ignored on CPU.
 
     Returns:
         :class:`PathResiduals` with ``residual``, ``norm`` and ``ratio`` ``[B, M]``, ``paths``
@@ -186,22 +208,17 @@ def path_residuals(
             fast=fast,
             leaf_kernel=leaf_kernel,
         )
-    if leaf_kernel not in LEAF_KERNELS:
-        raise ValueError(f"{where}: expected leaf_kernel in {LEAF_KERNELS}, got {leaf_kernel!r}")
-    if fast:
-        _check_fast(attn, where)
-    # The fused leaf kernel is full float32: fast mode's leaves go through cuBLAS, in TF32.
-    fused = leaf_kernel == "fused" and not fast
+    kernel = op_leaf_kernel(leaf_kernel, fast, attn, where)
     with _tf32_matmuls() if fast else contextlib.nullcontext():
         group = distributed.resolve_group(group, where)
         if group is not None:
             return _path_residuals_across(
-                attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks, fused
+                attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks, kernel
             )
         net, memory_budget = check_inputs(attn, tree, x, w_v, w_o, memory_budget, where)
         products = _materialize(net, tree, memory_budget, where) if materialize else None
         bar = progress_bar(tree.num_leaves, enabled=progress)
-        residual, norm = leaf_norms(net, tree, 0, tree.num_leaves, memory_budget, bar, fused_leaves=fused)
+        residual, norm = leaf_norms(net, tree, 0, tree.num_leaves, memory_budget, bar, leaf_kernel=kernel)
         return _result(net, tree, residual, norm, products)
 
 
@@ -335,11 +352,11 @@ def _widened(results: Tensor, dtype: torch.dtype, where: str) -> Tensor:
 
 @torch.no_grad()
 def leaf_norms(
-    net: Network, tree: PathTree, first: int, last: int, memory_budget: int, bar=None, *, fused_leaves: bool = True
+    net: Network, tree: PathTree, first: int, last: int, memory_budget: int, bar=None, *, leaf_kernel: str = "simt"
 ) -> tuple[Tensor, Tensor]:
     """Residual and norm ``[B, last - first]`` of leaves ``first..last-1``, chunk by chunk, in
-    leaf order (``bar``: a progress bar to update and close). ``fused_leaves``: see path_residuals'
-    ``leaf_kernel``. Each is in attn's dtype, or float64 when a float32 value lies outside float32's
+    leaf order (``bar``: a progress bar to update and close). ``leaf_kernel``: the op's (see
+    :func:`op_leaf_kernel`). Each is in attn's dtype, or float64 when a float32 value lies outside float32's
     range (:func:`engine_reports`)."""
     attn_centred, attn_mean, root, root_mean = engine_operands(net)
     device = net.attn.device
@@ -359,7 +376,7 @@ def leaf_norms(
                 chunk.parents,
                 chunk.heads,
                 leaf_block,
-                fused_leaves,
+                leaf_kernel,
             )
             leaf_position = _on_device(chunk.leaf_position, device, device_copies)
             chunk_residual = engine_reports(chunk_residual, net.attn.dtype)
@@ -401,7 +418,7 @@ def _result(net: Network, tree: PathTree, residual: Tensor, norm: Tensor, produc
 
 
 def _path_residuals_across(
-    attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks, fused_leaves: bool
+    attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks, leaf_kernel: str
 ):
     """path_residuals split over the ranks of ``group`` (see pathkernels.distributed)."""
     where = "pathkernels.path_residuals"
@@ -422,7 +439,7 @@ def _path_residuals_across(
     parts = None
     try:
         bar = progress_bar(last - first, enabled=progress and rank == 0, desc=f"pathkernels (rank 0 of {world})")
-        parts = leaf_norms(net, tree, first, last, memory_budget, bar, fused_leaves=fused_leaves)
+        parts = leaf_norms(net, tree, first, last, memory_budget, bar, leaf_kernel=leaf_kernel)
     except Exception as caught:
         error = caught
     distributed.agree(where, group, error)

@@ -71,14 +71,14 @@ def _norm_parts_backward_fake(grad_parts, x, parts, argmax, centered, with_norm=
 
 
 @torch.library.register_fake("pathkernels::path_chunk_norms")
-def _path_chunk_norms_fake(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block, fused_leaves=True):
+def _path_chunk_norms_fake(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block, leaf_kernel="simt"):
     leaves = parents[-1].shape[0]
     shape = (attn.shape[0], leaves)
     return attn.new_empty(shape, dtype=torch.float64), attn.new_empty(shape, dtype=torch.float64)
 
 
 @torch.library.register_fake("pathkernels::_fused_leaf_norms")
-def _fused_leaf_norms_fake(attn, right, mean, scale=None):
+def _fused_leaf_norms_fake(attn, right, mean, scale=None, kernel="simt"):
     return right.new_empty(right.shape[1], dtype=torch.float64), right.new_empty(right.shape[1], dtype=torch.float64)
 
 
@@ -95,7 +95,7 @@ def path_chunk_norms(
     parents: list[Tensor],
     heads: list[Tensor],
     leaf_block: int,
-    fused_leaves: bool = True,
+    leaf_kernel: str = "simt",
 ) -> tuple[Tensor, Tensor]:
     """One chunk of a path tree, breadth-first: the per-leaf residual and norm (the engine's op).
 
@@ -112,13 +112,15 @@ def path_chunk_norms(
         parents, heads: per level, ``[N_l]`` int64 parent positions in level l − 1 and heads
             (``-1`` = skip), the nodes sorted by head (:func:`pathkernels.paths.build_trie_chunk`).
         leaf_block: leaves reduced per block (per CPU thread).
-        fused_leaves: CUDA: reduce leaves of n ≤ 128 in the fused on-chip kernel.
+        leaf_kernel: CUDA: how leaves of n ≤ 128 are reduced: ``"simt"`` (the fused on-chip
+            kernel), ``"tf32x3"`` or ``"tf32"`` (the same on TF32 tensor cores, float32 only:
+            float32 accuracy, or one pass), ``"gemm"`` (cuBLAS, then a reduction).
 
     Returns:
         ``(residual, norm)``, each ``[B, N_L]`` float64, in the leaves' trie order.
     """
     return torch.ops.pathkernels.path_chunk_norms(
-        attn_centred, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block, fused_leaves
+        attn_centred, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block, leaf_kernel
     )
 
 

@@ -25,7 +25,7 @@ from torch import Tensor
 from pathkernels import distributed, ops
 from pathkernels._progress import progress_bar
 from pathkernels.checks import check_masked_network, mask_group_inputs, unpack_stack
-from pathkernels.engine import check_inputs, engine_operands, engine_reports, warn_tiny_norms
+from pathkernels.engine import check_inputs, engine_operands, engine_reports, op_leaf_kernel, warn_tiny_norms
 from pathkernels.paths import SKIP, PathTree, check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET, chunks
 
@@ -533,6 +533,7 @@ def path_statistics(
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: float = 180.0,
     token_mask: Tensor | None = None,
+    leaf_kernel: str = "fused",
 ) -> PathStatistics | None:
     """Exact per-length statistics of the residual ratio, residual and norm of every path.
 
@@ -548,7 +549,8 @@ def path_statistics(
     and, with ``top_k > 0``, the ``top_k`` largest ratios and their paths.
 
     Args:
-        attn, tree, x, w_v, w_o, memory_budget, progress: as in :func:`pathkernels.path_residuals`.
+        attn, tree, x, w_v, w_o, memory_budget, progress, leaf_kernel: as in
+            :func:`pathkernels.path_residuals` (``leaf_kernel``: CUDA's leaf kernel, ignored on CPU).
         top_k: how many of the largest ratios to keep per batch element and length.
         bins_per_decade: histogram resolution (quantiles are read to within ``10^(1/bins) − 1``).
         group, all_ranks: as in :func:`pathkernels.path_residuals`: every rank streams its
@@ -574,6 +576,7 @@ def path_statistics(
     top_k = check_int(top_k, "top_k", where, minimum=0)
     bins_per_decade = check_int(bins_per_decade, "bins_per_decade", where, minimum=1, maximum=1000)
     attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask)
+    kernel = op_leaf_kernel(leaf_kernel, False, attn, where)
     options = {
         "w_v": w_v,
         "w_o": w_o,
@@ -584,13 +587,16 @@ def path_statistics(
         "group": group,
         "all_ranks": all_ranks,
         "checkpoint_every": checkpoint_every,
+        "leaf_kernel": leaf_kernel,
     }
     if token_mask is not None:
         return _masked_statistics(attn, tree, x, token_mask, checkpoint, where, options)
     group = distributed.resolve_group(group, where)
     if group is None:
         net, memory_budget = check_inputs(attn, tree, x, w_v, w_o, memory_budget, where, results=False)
-        settings = _Settings(memory_budget, bins_per_decade, top_k, checkpoint, checkpoint_every, progress, 0, 1)
+        settings = _Settings(
+            memory_budget, bins_per_decade, top_k, checkpoint, checkpoint_every, progress, kernel, 0, 1
+        )
         return _stream(net, tree, 0, tree.num_leaves, settings, where, None)
 
     import torch.distributed as dist
@@ -605,7 +611,7 @@ def path_statistics(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     first, last = distributed.leaf_range(tree.num_leaves, world, rank)
     settings = _Settings(
-        memory_budget, bins_per_decade, top_k, checkpoint, checkpoint_every, progress and rank == 0, rank, world
+        memory_budget, bins_per_decade, top_k, checkpoint, checkpoint_every, progress and rank == 0, kernel, rank, world
     )
     stats = None
     try:
@@ -654,6 +660,7 @@ class _Settings:
     checkpoint: str | os.PathLike | None
     checkpoint_every: float
     progress: bool
+    leaf_kernel: str  # the engine op's (engine.op_leaf_kernel)
     rank: int
     world: int
 
@@ -689,7 +696,16 @@ def _stream(
                 if start != reached:
                     raise RuntimeError(f"{where}: the checkpoint stops at leaf {reached:,}, inside a chunk")
                 residual, norm = ops.path_chunk_norms(
-                    attn_centred, attn_mean, root, root_mean, net.w_v, net.w_o, chunk.parents, chunk.heads, leaf_block
+                    attn_centred,
+                    attn_mean,
+                    root,
+                    root_mean,
+                    net.w_v,
+                    net.w_o,
+                    chunk.parents,
+                    chunk.heads,
+                    leaf_block,
+                    settings.leaf_kernel,
                 )
                 order = chunk.leaf_position.to(residual.device)
                 # The values path_residuals would report (float32-rounded where float32 holds them).
@@ -734,6 +750,7 @@ class _Checkpoint:
             memory_budget=settings.memory_budget,
             bins_per_decade=settings.bins_per_decade,
             top_k=settings.top_k,
+            leaf_kernel=settings.leaf_kernel if net.attn.device.type == "cuda" else None,  # the CPU ignores it
             device=net.attn.device.type,
             threads=torch.get_num_threads() if net.attn.device.type == "cpu" else 1,
         )

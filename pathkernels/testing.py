@@ -20,13 +20,29 @@ def tolerance(dtype: torch.dtype) -> dict[str, float]:
 
 
 def devices() -> list[str]:
-    """The devices this machine can test: CPU, plus CUDA when a GPU and CUDA kernels exist."""
+    """The devices this machine can test: CPU, plus CUDA when a GPU and CUDA kernels exist.
+
+    ``PATHKERNELS_TEST_DEVICES=cuda`` (a comma-separated list) keeps only those of them, e.g. for a
+    quick GPU check (bench/gpu_check.sh --quick) that leaves the CPU cases to CI.
+    """
+    import os
+
     from pathkernels._extension import has_cuda_kernels
 
     found = ["cpu"]
     if torch.cuda.is_available() and has_cuda_kernels():
         found.append("cuda")
+    wanted = os.environ.get("PATHKERNELS_TEST_DEVICES")
+    if wanted:
+        found = [device for device in found if device in {w.strip() for w in wanted.split(",")}]
     return found
+
+
+def has_tensor_cores(device) -> bool:
+    """Whether the tensor-core leaf kernels (``leaf_kernel="tensor"``) can run on ``device``: a CUDA
+    device of compute capability 8.0 or later. On the CPU the engine ignores the choice (True)."""
+    device = torch.device(device)
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 8
 
 
 def random_matrices(*shape: int, dtype=torch.float32, device="cpu", generator=None) -> Tensor:

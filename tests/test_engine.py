@@ -21,6 +21,7 @@ from pathkernels.reference import (
 from pathkernels.testing import (
     devices,
     float32_error_bound,
+    has_tensor_cores,
     path_condition_numbers,
     random_attention,
     tolerance,
@@ -107,8 +108,12 @@ def test_chunks_cover_a_range_with_whole_subtrees_between_built_ends():
 
 
 @pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
-def test_fast_mode_error_is_bounded():
-    """TF32 GEMMs: a 10-bit mantissa, so about 1e-3 relative error per level, against float32."""
+@pytest.mark.parametrize("leaf_kernel", ["fused", "tensor"])
+def test_fast_mode_error_is_bounded(leaf_kernel):
+    """TF32 GEMMs: a 10-bit mantissa, so about 1e-3 relative error per level, against float32;
+    the leaves through cuBLAS ("fused") or the tensor-core kernel's one TF32 pass ("tensor")."""
+    if leaf_kernel == "tensor" and not has_tensor_cores("cuda"):
+        pytest.skip("the tensor-core leaf kernels need compute capability 8.0")
     layers = 5
     attn = random_attention(2, layers, 4, 64, 64, device="cuda")
     x = torch.randn(2, 64, 32, device="cuda")
@@ -117,7 +122,7 @@ def test_fast_mode_error_is_bounded():
     for args in ({}, {"x": x, "w_v": w_v, "w_o": w_o}):
         tree = pk.PathTree.complete(layers, 4, skip=True)
         exact = pk.path_residuals(attn, tree, **args)
-        fast = pk.path_residuals(attn, tree, fast=True, **args)
+        fast = pk.path_residuals(attn, tree, fast=True, leaf_kernel=leaf_kernel, **args)
         relative = ((fast.ratio - exact.ratio).abs() / exact.ratio).max().item()
         assert relative < 3e-3 * layers, relative
     assert getattr(torch.backends.cuda.matmul, "fp32_precision", None) == before  # restored
@@ -169,9 +174,13 @@ def test_closed_form_for_blended_attention():
     torch.testing.assert_close(result.norm, torch.ones_like(expected), rtol=1e-12, atol=0)
 
 
-def test_deep_float32_chain_keeps_relative_precision():
+@pytest.mark.parametrize("leaf_kernel", ["fused", "tensor"])
+def test_deep_float32_chain_keeps_relative_precision(device, leaf_kernel):
     # Multiplying first and centring last floors at ~1e-7 in float32; the engine carries the
-    # residual itself and must match float64 to 1e-4 relative far below that.
+    # residual itself and must match float64 to 1e-4 relative far below that, with either leaf
+    # kernel (the tensor-core one at float32 accuracy; the CPU engine ignores the choice).
+    if leaf_kernel == "tensor" and not has_tensor_cores(device):
+        pytest.skip("the tensor-core leaf kernels need compute capability 8.0")
     n = 16
     for layers in range(12, 60, 4):
         attn = random_attention(1, layers, 1, n, n, dtype=torch.float64)
@@ -180,7 +189,7 @@ def test_deep_float32_chain_keeps_relative_precision():
         if truth < 1e-10:
             break
     assert truth < 1e-10, truth
-    single = pk.path_residuals(attn.float(), tree).residual.item()
+    single = pk.path_residuals(attn.float().to(device), tree, leaf_kernel=leaf_kernel).residual.item()
     assert abs(single - truth) <= 1e-4 * truth, (single, truth)
     naive = residual_norm_ref(path_products_ref(attn.float(), tree.paths()).double()).item()
     assert abs(naive - truth) > 1e-4 * truth  # the naive route does lose it
@@ -223,9 +232,11 @@ def test_float32_range_sixty_layer_chain():
     assert single.ratio.item() == pytest.approx(truth, rel=1e-4)
 
 
-@pytest.mark.parametrize("leaf_kernel", ["fused", "gemm"])
+@pytest.mark.parametrize("leaf_kernel", ["fused", "tensor", "gemm"])
 @pytest.mark.parametrize("mode", ["products", "outputs"])
 def test_float32_range_across_a_tree(device, mode, leaf_kernel):
+    if leaf_kernel == "tensor" and not has_tensor_cores(device):
+        pytest.skip("the tensor-core leaf kernels need compute capability 8.0")
     """Paths of every length, from residuals near 1 to far below 1e-38, in one float32 run: each
     within 1e-4 of the float64 engine on the same (exact) inputs, the norms too, whichever leaf
     kernel; and path_statistics sees the very same values."""
@@ -250,7 +261,9 @@ def test_float32_range_across_a_tree(device, mode, leaf_kernel):
         bound = float32_error_bound(kappa[batch, torch.arange(len(path))], layers, n)
         assert (error[batch, path] <= bound).all(), (error[batch, path], bound)
     torch.testing.assert_close(single.norm.double(), truth.norm, rtol=2e-4, atol=1e-6)  # as check_against_loop
-    stats = pk.path_statistics(attn.float().to(device), tree, **{k: v.to(device) for k, v in args.items()})
+    stats = pk.path_statistics(
+        attn.float().to(device), tree, leaf_kernel=leaf_kernel, **{k: v.to(device) for k, v in args.items()}
+    )
     lengths = tree.paths().ne(-1).sum(1)
     for b in range(2):
         for length in range(layers + 1):
@@ -612,7 +625,7 @@ def test_path_chunk_norms_passes_opcheck(device, outputs):
         list(chunk.parents),
         list(chunk.heads),
         4,
-        True,
+        "simt",
     )
     torch.library.opcheck(torch.ops.pathkernels.path_chunk_norms.default, args)
     residual, norm = ops.path_chunk_norms(*args)

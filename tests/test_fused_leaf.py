@@ -1,12 +1,13 @@
-"""The fused leaf kernel (`_fused_leaf_norms`): on CPU its per-thread code runs thread by thread,
-on CUDA as the kernel the engine uses; both against float64 references and hand-worked values."""
+"""The fused leaf kernels (`_fused_leaf_norms`): on CPU their per-thread code runs thread by thread
+(the tensor-core kernels' mma emulated from the lanes' fragments), on CUDA as the kernels the
+engine uses; all against float64 references and hand-worked values."""
 
 import pytest
 import torch
 
 import pathkernels as pk
 from pathkernels.reference import composite_norm_ref
-from pathkernels.testing import devices, random_attention, tolerance
+from pathkernels.testing import devices, has_tensor_cores, random_attention, tolerance
 
 fused_leaf_norms = torch.ops.pathkernels._fused_leaf_norms
 
@@ -19,13 +20,21 @@ def reference(attn, right, mean, scale=None):
     return composite_norm_ref(leaves), composite_norm_ref(leaves + mean.double().cpu()[:, None, :])
 
 
-def float32_slack(attn, right):
+# The kernels of each dtype: "tf32x3" and "tf32" run on tensor cores, float32 only.
+KERNELS = {torch.float64: ["simt"], torch.float32: ["simt", "tf32x3", "tf32"]}
+DTYPE_KERNELS = [(dtype, kernel) for dtype, kernels in KERNELS.items() for kernel in kernels]
+
+
+def float32_slack(attn, right, kernel="simt"):
     """Absolute error the float32 product C(A) right_k may carry into its norms, per leaf: the
     dot-product bound γ_n = n·2⁻²⁴ times the largest column or row sum of |C(A)| |right_k|, ×4
-    for the composite's geometric mean. It matters where 1μᵀ + R cancels (at n = 1, one product)."""
+    for the composite's geometric mean. It matters where 1μᵀ + R cancels (at n = 1, one product).
+    One TF32 pass ("tf32") first rounds both operands to 11 significant bits: 2·2⁻¹¹ more per
+    product. 3×TF32 ("tf32x3") drops lo·lo and rounds lo: about 3·2⁻²², within γ_n's ×4."""
     magnitude = torch.einsum("ik,kcj->cij", attn.double().abs().cpu(), right.double().abs().cpu())
     largest_sum = torch.maximum(magnitude.sum(-2).amax(-1), magnitude.sum(-1).amax(-1))
-    return 4 * attn.shape[0] * 2.0**-24 * largest_sum
+    unit = attn.shape[0] * 2.0**-24 + (2.0**-10 if kernel == "tf32" else 3 * 2.0**-22 if kernel == "tf32x3" else 0)
+    return 4 * unit * largest_sum
 
 
 # n and m on both sides of the 32/64/128-row tiles, the 64-column tiles and the 16-deep k-slices.
@@ -44,15 +53,22 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def check_tensor_cores(device, kernel):
+    """Skips tensor-core kernels on a GPU without TF32 mma (below compute capability 8.0)."""
+    if kernel != "simt" and not has_tensor_cores(device):
+        pytest.skip("the tensor-core leaf kernels need compute capability 8.0")
+
+
+@pytest.mark.parametrize(("dtype", "kernel"), DTYPE_KERNELS)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matches_float64_reference(device, dtype, shape):
+def test_matches_float64_reference(device, dtype, kernel, shape):
+    check_tensor_cores(device, kernel)
     n, count, m = shape
     attn = torch.randn(n, n, dtype=dtype, device=device)
     level = torch.randn(n, count + 3, m, dtype=dtype, device=device)
     right = level[:, 2 : count + 2]  # a run of a level: row stride (count + 3)·m, as the engine passes
     mean = torch.randn(count, m, dtype=dtype, device=device)
-    residual, norm = fused_leaf_norms(attn, right, mean)
+    residual, norm = fused_leaf_norms(attn, right, mean, None, kernel)
     assert residual.shape == norm.shape == (count,) and residual.device == attn.device
     assert residual.dtype == norm.dtype == torch.float64  # the reports are float64 for every dtype
     expected_residual, expected_norm = reference(attn, right, mean)
@@ -61,15 +77,16 @@ def test_matches_float64_reference(device, dtype, shape):
             torch.testing.assert_close(got.cpu(), expected, **tolerance(dtype))
         else:
             error = (got.double().cpu() - expected).abs()
-            bound = 1e-5 * expected + float32_slack(attn, right)
+            bound = 1e-5 * expected + float32_slack(attn, right, kernel)
             assert (error <= bound).all(), (error, bound)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_scaled_leaves(device, dtype):
+@pytest.mark.parametrize(("dtype", "kernel"), [c for c in DTYPE_KERNELS if c[1] != "tf32"])
+def test_scaled_leaves(device, dtype, kernel):
     """Leaf k is scale_k · C(A) right_k (the engine's renormalised nodes): the residual is scale_k
     times the unscaled one, bit for bit, and the product 1μᵀ + R is taken at the true scale, also
     where scale_k · right_k lies far below float32's range."""
+    check_tensor_cores(device, kernel)
     n, count, m = 40, 5, 70
     attn = torch.randn(n, n, dtype=dtype, device=device)
     right = torch.randn(n, count, m, dtype=dtype, device=device)
@@ -77,8 +94,8 @@ def test_scaled_leaves(device, dtype):
     mean[1] = 0  # a product that is its residual alone
     scale = torch.tensor([2.0**-300, 1e0, 2.0**-10, 2.0**40, 2.0**-60], dtype=torch.float64, device=device)
     scale[1] = 2.0**-200
-    residual, norm = fused_leaf_norms(attn, right, mean, scale)
-    unscaled_residual, _ = fused_leaf_norms(attn, right, mean)
+    residual, norm = fused_leaf_norms(attn, right, mean, scale, kernel)
+    unscaled_residual, _ = fused_leaf_norms(attn, right, mean, None, kernel)
     assert torch.equal(residual, unscaled_residual * scale)
     expected_residual, expected_norm = reference(attn, right, mean, scale)
     assert residual[0].item() < 1e-80 and norm[1].item() < 1e-50  # far outside float32's range
@@ -92,15 +109,29 @@ def test_scaled_leaves(device, dtype):
         fused_leaf_norms(attn, right, mean, scale.float())
 
 
-def test_hand_worked_leaf(device):
+@pytest.mark.parametrize(("dtype", "kernel"), DTYPE_KERNELS)
+def test_hand_worked_leaf(device, dtype, kernel):
     # C(A) = [[.5, -.5], [-.5, .5]] times I is C(A): every column and row sums to 1 in |·|, so 1;
     # with μ = (1, 2): [[1.5, 1.5], [.5, 2.5]] has column sums (2, 4) and row sums (3, 3): √12.
-    attn = torch.tensor([[0.5, -0.5], [-0.5, 0.5]], dtype=torch.float64, device=device)
-    right = torch.eye(2, dtype=torch.float64, device=device)[:, None, :]
-    mean = torch.tensor([[1.0, 2.0]], dtype=torch.float64, device=device)
-    residual, norm = fused_leaf_norms(attn, right, mean)
+    check_tensor_cores(device, kernel)
+    attn = torch.tensor([[0.5, -0.5], [-0.5, 0.5]], dtype=dtype, device=device)
+    right = torch.eye(2, dtype=dtype, device=device)[:, None, :]
+    mean = torch.tensor([[1.0, 2.0]], dtype=dtype, device=device)
+    residual, norm = fused_leaf_norms(attn, right, mean, None, kernel)
     assert residual.tolist() == [1.0]
     assert norm.item() == pytest.approx(12**0.5, rel=1e-15)
+
+
+@pytest.mark.parametrize("kernel", KERNELS[torch.float32])
+def test_tf32_split_by_hand(device, kernel):
+    """right = (1 + 2⁻¹²)·I: 1 + 2⁻¹² needs 12 mantissa bits, TF32 keeps 10. 3×TF32 splits it
+    exactly into hi = 1 and lo = 2⁻¹² and gets C(A) right's residual 1 + 2⁻¹² exactly, as CUDA
+    cores do; one TF32 pass rounds it to 1."""
+    check_tensor_cores(device, kernel)
+    attn = torch.tensor([[0.5, -0.5], [-0.5, 0.5]], device=device)
+    right = (1 + 2.0**-12) * torch.eye(2, device=device)[:, None, :]
+    residual, _ = fused_leaf_norms(attn, right, torch.zeros(1, 2, device=device), None, kernel)
+    assert residual.item() == (1.0 if kernel == "tf32" else 1 + 2.0**-12)
 
 
 def test_zero_leaves_and_non_contiguous_operands(device):
@@ -133,6 +164,16 @@ def test_bad_input(device, args, error, message):
         fused_leaf_norms(attn, torch.randn(rows, count, m, device=device), torch.randn(count, m, device=device))
 
 
+def test_bad_kernel(device):
+    attn, right = torch.randn(4, 4, device=device), torch.randn(4, 2, 3, device=device)
+    mean = torch.randn(2, 3, device=device)
+    for kernel in ("gemm", "TF32", ""):
+        with pytest.raises(ValueError, match=rf"expected kernel in \('simt', 'tf32x3', 'tf32'\), got '{kernel}'"):
+            fused_leaf_norms(attn, right, mean, None, kernel)
+    with pytest.raises(TypeError, match=r"kernel='tf32x3' runs on TF32 tensor cores and takes torch.float32"):
+        fused_leaf_norms(attn.double(), right.double(), mean.double(), None, "tf32x3")
+
+
 def test_bad_dtypes_and_shapes(device):
     attn = torch.randn(4, 4, device=device)
     with pytest.raises(
@@ -154,24 +195,30 @@ def test_opcheck():
     torch.library.opcheck(
         fused_leaf_norms, (attn, torch.randn(6, 3, 5, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64))
     )
+    attn = torch.randn(6, 6)
+    torch.library.opcheck(fused_leaf_norms, (attn, torch.randn(6, 3, 5), torch.randn(3, 5), None, "tf32x3"))
 
 
 @pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cpu_harness_and_cuda_kernel_agree(dtype):
+@pytest.mark.parametrize(("dtype", "kernel"), DTYPE_KERNELS)
+def test_cpu_harness_and_cuda_kernel_agree(dtype, kernel):
+    check_tensor_cores("cuda", kernel)
     attn = torch.randn(70, 70, dtype=dtype)
     right, mean = torch.randn(70, 5, 90, dtype=dtype), torch.randn(5, 90, dtype=dtype)
     scale = 2.0 ** torch.tensor([-200.0, 0.0, 3.0, -20.0, -1000.0], dtype=torch.float64)
-    cpu = fused_leaf_norms(attn, right, mean, scale)
-    gpu = fused_leaf_norms(attn.cuda(), right.cuda(), mean.cuda(), scale.cuda())
-    tol = tolerance(dtype) if dtype == torch.float64 else {"rtol": 1e-5, "atol": 0}  # FMA on the GPU, not here
+    cpu = fused_leaf_norms(attn, right, mean, scale, kernel)
+    gpu = fused_leaf_norms(attn.cuda(), right.cuda(), mean.cuda(), scale.cuda(), kernel)
+    # FMA on the GPU, not here; the tensor core's own summation order and rounding, not the ideal one.
+    tol = tolerance(dtype) if dtype == torch.float64 else {"rtol": 1e-3 if kernel == "tf32" else 1e-5, "atol": 0}
     for a, b in zip(gpu, cpu):
         torch.testing.assert_close(a.cpu(), b, **tol)
 
 
 @pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
-@pytest.mark.parametrize("n", [8, 64, 130])  # 130: beyond the fused kernel, cuBLAS and the reduction
-def test_engine_with_and_without_the_fused_kernel_agree(n):
+@pytest.mark.parametrize("other", ["gemm", "tensor"])
+@pytest.mark.parametrize("n", [8, 64, 130])  # 130: beyond the fused kernels, cuBLAS and the reduction
+def test_engine_leaf_kernels_agree(n, other):
+    check_tensor_cores("cuda", "tf32x3" if other == "tensor" else "simt")
     layers, heads = 3, 3
     attn = random_attention(2, layers, heads, n, n, device="cuda")
     x = torch.randn(2, n, 24, device="cuda")
@@ -179,8 +226,8 @@ def test_engine_with_and_without_the_fused_kernel_agree(n):
     w_o = torch.randn(layers, heads, 8, 24, device="cuda") / 3
     tree = pk.PathTree.complete(layers, heads, skip=True)
     for args in ({}, {"x": x, "w_v": w_v, "w_o": w_o}):
-        fused = pk.path_residuals(attn, tree, **args)
-        unfused = pk.path_residuals(attn, tree, leaf_kernel="gemm", **args)
+        simt = pk.path_residuals(attn, tree, **args)
+        compared = pk.path_residuals(attn, tree, leaf_kernel=other, **args)
         # Two float32 summation orders, as in test_engine.py's CPU-versus-CUDA comparison.
-        torch.testing.assert_close(fused.residual, unfused.residual, rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(fused.norm, unfused.norm, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(compared.residual, simt.residual, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(compared.norm, simt.norm, rtol=1e-4, atol=1e-6)

@@ -287,8 +287,11 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms(const at::Tensor& attn, cons
                                                     const at::Tensor& root, const at::Tensor& root_mean,
                                                     const std::optional<at::Tensor>& w_v,
                                                     const std::optional<at::Tensor>& w_o, at::TensorList parents,
-                                                    at::TensorList heads, int64_t leaf_block, bool fused_leaves) {
+                                                    at::TensorList heads, int64_t leaf_block,
+                                                    c10::string_view leaf_kernel) {
   const PathChunk chunk = check_path_chunk(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block);
+  const LeafKernel kernel =
+      parse_leaf_kernel(leaf_kernel, attn.scalar_type(), true, "pathkernels.path_chunk_norms", "leaf_kernel");
   const int64_t batch = attn.size(0);
   const int64_t leaves = chunk.parents.back().numel();
   // float64 reports for every dtype: a float32 tree's residuals may lie below float32's range.
@@ -304,7 +307,7 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms(const at::Tensor& attn, cons
     w_o_c = w_o->contiguous();
   }
   AT_DISPATCH_FLOATING_TYPES(attn.scalar_type(), "path_chunk_norms", [&] {
-    Backend backend(fused_leaves);
+    Backend backend(kernel);
     for (int64_t b = 0; b < batch; ++b) {
       const Network net{attn_c[b], attn_mean_c[b], w_v_c, w_o_c, std::is_same_v<scalar_t, float>};
       evaluate_chunk<scalar_t>(net, root_c[b], root_mean_c[b], chunk, leaf_block,

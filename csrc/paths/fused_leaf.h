@@ -105,9 +105,107 @@ void dispatch_tile_rows(int64_t n, Fn&& fn) {
   }
 }
 
+// The epilogue's partial sums, in shared memory: per column one share per thread row (kThreadRows),
+// per row one share per thread column (kThreadCols). Both tiles (SIMT and tensor-core) fill every
+// entry, so that write_sums below serves both.
+template <typename A, int kRows>
+struct TileSums {
+  A col[kThreadRows][kTileCols][kStats];
+  A row[kRows][kThreadCols][kStats];
+};
+
+// The tile's column means μ (zero beyond the last column).
+template <typename T, typename A>
+C10_HOST_DEVICE inline void load_mean(const Params& p, A (&mean)[kTileCols], int tid, int64_t leaf, int64_t tile) {
+  const T* means = static_cast<const T*>(p.means) + leaf * p.mean_stride;
+  for (int c = tid; c < kTileCols; c += kThreads) {
+    const int64_t col = tile * kTileCols + c;
+    mean[c] = col < p.cols ? static_cast<A>(means[col]) : A(0);
+  }
+}
+
+// Stage C(A)[:, k0 : k0 + kTileDepth] and right_k[k0 : k0 + kTileDepth, tile's columns], zero
+// outside the matrices, through store_attn(kk, row, value) and store_right(kk, column, value).
+// Consecutive threads read consecutive addresses of both. A thread always stages the same k of
+// C(A) and the same column of right, at rows a fixed stride apart, so its column offset and
+// column bounds check are set once and the loops unroll with no division.
+constexpr int kAttnRowsPerStep = kThreads / kTileDepth;  // rows of C(A) staged per CTA-wide step
+constexpr int kRightRowsPerStep = kThreads / kTileCols;  // k-rows of right staged per step
+static_assert(kThreads % kTileDepth == 0 && kThreads % kTileCols == 0, "staging steps");
+
+template <typename T, int kRows, typename StoreAttn, typename StoreRight>
+C10_HOST_DEVICE inline void stage_slice(const Params& p, int tid, int64_t leaf, int64_t tile, int64_t k0,
+                                        StoreAttn&& store_attn, StoreRight&& store_right) {
+  const int kk = tid % kTileDepth;
+  const bool k_inside = k0 + kk < p.n;
+  const T* attn_column = static_cast<const T*>(p.attn) + (k0 + kk);
+  PATHKERNELS_UNROLL
+  for (int step = 0; step < kRows / kAttnRowsPerStep; ++step) {
+    const int row = tid / kTileDepth + kAttnRowsPerStep * step;
+    store_attn(kk, row, (k_inside && row < p.n) ? attn_column[row * p.n] : T(0));
+  }
+  const int c = tid % kTileCols;
+  const int64_t col = tile * kTileCols + c;
+  const bool col_inside = col < p.cols;
+  const T* right_column = static_cast<const T*>(p.right) + leaf * p.leaf_stride + col;
+  PATHKERNELS_UNROLL
+  for (int step = 0; step < kTileDepth / kRightRowsPerStep; ++step) {
+    const int kr = tid / kTileCols + kRightRowsPerStep * step;
+    const int64_t k = k0 + kr;
+    store_right(kr, c, (col_inside && k < p.n) ? right_column[k * p.row_stride] : T(0));
+  }
+}
+
+// Combine the partial sums across threads and write the tile's column sums (complete: the CTA
+// holds every row) and its share of the row sums.
+template <typename A, int kRows>
+C10_HOST_DEVICE inline void write_sums(const Params& p, const TileSums<A, kRows>& sums, int tid, int64_t leaf,
+                                       int64_t tile) {
+  A* col_stats = static_cast<A*>(p.col_stats) + leaf * p.cols * kStats;
+  for (int e = tid; e < kTileCols * kStats; e += kThreads) {
+    const int c = e / kStats;
+    const int stat = e % kStats;
+    const int64_t col = tile * kTileCols + c;
+    if (col < p.cols) {
+      A sum = A(0);
+      for (int ty = 0; ty < kThreadRows; ++ty) {
+        sum += sums.col[ty][c][stat];
+      }
+      col_stats[col * kStats + stat] = sum;
+    }
+  }
+  A* row_stats = static_cast<A*>(p.row_stats) + (leaf * p.tiles + tile) * p.n * kStats;
+  for (int e = tid; e < kRows * kStats; e += kThreads) {
+    const int row = e / kStats;
+    const int stat = e % kStats;
+    if (row < p.n) {
+      A sum = A(0);
+      for (int tx = 0; tx < kThreadCols; ++tx) {
+        sum += sums.row[row][tx][stat];
+      }
+      row_stats[row * kStats + stat] = sum;
+    }
+  }
+}
+
+// The abs sums of one element v of R' at (row, column c of the tile) into a row share and a
+// column share: |v| (the residual's, unscaled) and |s·v + μ_c| (the product's). s is a power of
+// two, so s·v is exact.
+template <typename A>
+C10_HOST_DEVICE inline void add_element(A v, A scale, A mean, A (&row_sums)[kStats], A (&col_sums)[kStats]) {
+  const A residual = ::fabs(v);
+  const A product = ::fabs(v * scale + mean);
+  row_sums[0] += residual;
+  row_sums[1] += product;
+  col_sums[0] += residual;
+  col_sums[1] += product;
+}
+
 template <typename T, typename A, int kRows>
 struct Tile {
   static_assert(kRows % kThreadRows == 0 && kRows <= kMaxRows, "tile rows");
+  using Element = T;
+  static constexpr bool kTensorCores = false;
   static constexpr int kRowsPerThread = kRows / kThreadRows;
   static constexpr int kColsPerThread = kTileCols / kThreadCols;
   // Pads each k-row of the staged C(A) by one vector: rows stay 16-byte aligned, and the
@@ -120,14 +218,10 @@ struct Tile {
     T attn[kTileDepth][kRows + kAttnPad];  // k-major
     T right[kTileDepth][kTileCols];
   };
-  struct Sums {
-    A col[kThreadRows][kTileCols][kStats];  // per thread row, per column
-    A row[kRows][kThreadCols][kStats];      // per row, per thread column
-  };
   struct Shared {
     union {
       Operands operands;
-      Sums sums;
+      TileSums<A, kRows> sums;
     };
     A mean[kTileCols];
   };
@@ -145,42 +239,10 @@ struct Tile {
     }
   }
 
-  // The tile's column means μ (zero beyond the last column).
-  static C10_HOST_DEVICE void load_mean(const Params& p, Shared& s, int tid, int64_t leaf, int64_t tile) {
-    const T* means = static_cast<const T*>(p.means) + leaf * p.mean_stride;
-    for (int c = tid; c < kTileCols; c += kThreads) {
-      const int64_t col = tile * kTileCols + c;
-      s.mean[c] = col < p.cols ? static_cast<A>(means[col]) : A(0);
-    }
-  }
-
-  // Stage C(A)[:, k0 : k0 + kTileDepth] and right_k[k0 : k0 + kTileDepth, tile's columns], zero
-  // outside the matrices. Consecutive threads read consecutive addresses of both. A thread always
-  // stages the same k of C(A) and the same column of right, at rows a fixed stride apart, so its
-  // column offset and column bounds check are set once and the loops unroll with no division.
-  static constexpr int kAttnRowsPerStep = kThreads / kTileDepth;  // rows of C(A) staged per CTA-wide step
-  static constexpr int kRightRowsPerStep = kThreads / kTileCols;  // k-rows of right staged per step
-  static_assert(kThreads % kTileDepth == 0 && kThreads % kTileCols == 0, "staging steps");
-
   static C10_HOST_DEVICE void load(const Params& p, Shared& s, int tid, int64_t leaf, int64_t tile, int64_t k0) {
-    const int kk = tid % kTileDepth;
-    const bool k_inside = k0 + kk < p.n;
-    const T* attn_column = static_cast<const T*>(p.attn) + (k0 + kk);
-    PATHKERNELS_UNROLL
-    for (int step = 0; step < kRows / kAttnRowsPerStep; ++step) {
-      const int row = tid / kTileDepth + kAttnRowsPerStep * step;
-      s.operands.attn[kk][row] = (k_inside && row < p.n) ? attn_column[row * p.n] : T(0);
-    }
-    const int c = tid % kTileCols;
-    const int64_t col = tile * kTileCols + c;
-    const bool col_inside = col < p.cols;
-    const T* right_column = static_cast<const T*>(p.right) + leaf * p.leaf_stride + col;
-    PATHKERNELS_UNROLL
-    for (int step = 0; step < kTileDepth / kRightRowsPerStep; ++step) {
-      const int kr = tid / kTileCols + kRightRowsPerStep * step;
-      const int64_t k = k0 + kr;
-      s.operands.right[kr][c] = (col_inside && k < p.n) ? right_column[k * p.row_stride] : T(0);
-    }
+    stage_slice<T, kRows>(
+        p, tid, leaf, tile, k0, [&](int kk, int row, T v) { s.operands.attn[kk][row] = v; },
+        [&](int kk, int c, T v) { s.operands.right[kk][c] = v; });
   }
 
   // acc += the staged slice's contribution to the thread's outputs.
@@ -205,7 +267,7 @@ struct Tile {
 
   // The thread's abs sums of R' and of sR' + μ: per owned column over its rows, and per owned row
   // over its columns, into shared memory (which the operands no longer need). Elements outside
-  // the matrix count zero. s is a power of two, so s·v is exact.
+  // the matrix count zero.
   static C10_HOST_DEVICE void partial_sums(const Params& p, Shared& s, const Registers& r, int tid, int64_t leaf,
                                            int64_t tile) {
     const int ty = tid / kThreadCols;
@@ -220,13 +282,7 @@ struct Tile {
       for (int j = 0; j < kColsPerThread; ++j) {
         const int c = tx * kColsPerThread + j;
         if (row < p.n && tile * kTileCols + c < p.cols) {
-          const A v = static_cast<A>(r.acc[i][j]);
-          const A residual = ::fabs(v);
-          const A product = ::fabs(v * scale + s.mean[c]);
-          row_sums[0] += residual;
-          row_sums[1] += product;
-          col_sums[j][0] += residual;
-          col_sums[j][1] += product;
+          add_element(static_cast<A>(r.acc[i][j]), scale, s.mean[c], row_sums, col_sums[j]);
         }
       }
       s.sums.row[row][tx][0] = row_sums[0];
@@ -236,36 +292,6 @@ struct Tile {
     for (int j = 0; j < kColsPerThread; ++j) {
       s.sums.col[ty][tx * kColsPerThread + j][0] = col_sums[j][0];
       s.sums.col[ty][tx * kColsPerThread + j][1] = col_sums[j][1];
-    }
-  }
-
-  // Combine the partial sums across threads and write the tile's column sums (complete: the CTA
-  // holds every row) and its share of the row sums.
-  static C10_HOST_DEVICE void write_sums(const Params& p, const Shared& s, int tid, int64_t leaf, int64_t tile) {
-    A* col_stats = static_cast<A*>(p.col_stats) + leaf * p.cols * kStats;
-    for (int e = tid; e < kTileCols * kStats; e += kThreads) {
-      const int c = e / kStats;
-      const int stat = e % kStats;
-      const int64_t col = tile * kTileCols + c;
-      if (col < p.cols) {
-        A sum = A(0);
-        for (int ty = 0; ty < kThreadRows; ++ty) {
-          sum += s.sums.col[ty][c][stat];
-        }
-        col_stats[col * kStats + stat] = sum;
-      }
-    }
-    A* row_stats = static_cast<A*>(p.row_stats) + (leaf * p.tiles + tile) * p.n * kStats;
-    for (int e = tid; e < kRows * kStats; e += kThreads) {
-      const int row = e / kStats;
-      const int stat = e % kStats;
-      if (row < p.n) {
-        A sum = A(0);
-        for (int tx = 0; tx < kThreadCols; ++tx) {
-          sum += s.sums.row[row][tx][stat];
-        }
-        row_stats[row * kStats + stat] = sum;
-      }
     }
   }
 };

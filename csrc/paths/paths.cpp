@@ -1,10 +1,32 @@
 #include "paths/paths.h"
 
+#include <string>
 #include <type_traits>
 
 #include "common/checks.h"
 
 namespace pathkernels {
+
+LeafKernel parse_leaf_kernel(c10::string_view name, at::ScalarType dtype, bool allow_gemm, const char* op,
+                             const char* argument) {
+  LeafKernel kernel;
+  if (name == "simt") {
+    kernel = LeafKernel::kSimt;
+  } else if (name == "tf32x3") {
+    kernel = LeafKernel::kTf32x3;
+  } else if (name == "tf32") {
+    kernel = LeafKernel::kTf32;
+  } else if (name == "gemm" && allow_gemm) {
+    kernel = LeafKernel::kGemm;
+  } else {
+    TORCH_CHECK_VALUE(false, op, ": expected ", argument, " in ('simt', 'tf32x3', 'tf32'",
+                      allow_gemm ? ", 'gemm')" : ")", ", got '", std::string(name), "'");
+  }
+  TORCH_CHECK_TYPE(!(kernel == LeafKernel::kTf32x3 || kernel == LeafKernel::kTf32) || dtype == at::kFloat, op,
+                   ": ", argument, "='", std::string(name), "' runs on TF32 tensor cores and takes torch.float32, got ",
+                   dtype_name(dtype));
+  return kernel;
+}
 
 PathChunk check_path_chunk(const at::Tensor& attn, const at::Tensor& attn_mean, const at::Tensor& root,
                            const at::Tensor& root_mean, const std::optional<at::Tensor>& w_v,
@@ -77,7 +99,7 @@ PathChunk check_path_chunk(const at::Tensor& attn, const at::Tensor& attn_mean, 
 }
 
 FusedLeafOperands check_fused_leaf(const at::Tensor& attn, const at::Tensor& right, const at::Tensor& mean,
-                                   const std::optional<at::Tensor>& scale) {
+                                   const std::optional<at::Tensor>& scale, c10::string_view kernel) {
   constexpr const char* op = "pathkernels._fused_leaf_norms";
   TORCH_CHECK_VALUE(attn.dim() == 2 && attn.size(0) == attn.size(1), op, ": expected attn [n, n], got shape ",
                     shape_string(attn.sizes()));
@@ -97,6 +119,7 @@ FusedLeafOperands check_fused_leaf(const at::Tensor& attn, const at::Tensor& rig
                      dtype_name(attn.scalar_type()), ", got ", dtype_name(t->scalar_type()));
     check_same_device(*t, attn, op, "right and mean", "attn");
   }
+  const LeafKernel leaf_kernel = parse_leaf_kernel(kernel, attn.scalar_type(), false, op, "kernel");
   const int64_t count = right.size(1);
   at::Tensor leaf_scale;
   if (scale.has_value()) {
@@ -112,7 +135,8 @@ FusedLeafOperands check_fused_leaf(const at::Tensor& attn, const at::Tensor& rig
   const int64_t m = right.size(2);
   const bool right_ok = right.stride(2) == 1 && (right.size(1) <= 1 || right.stride(1) == m);
   const bool mean_ok = mean.stride(1) == 1 || m <= 1;
-  return {attn.contiguous(), right_ok ? right : right.contiguous(), mean_ok ? mean : mean.contiguous(), leaf_scale};
+  return {attn.contiguous(), right_ok ? right : right.contiguous(), mean_ok ? mean : mean.contiguous(), leaf_scale,
+          leaf_kernel};
 }
 
 fused_leaf::Params fused_leaf_params(const FusedLeafOperands& ops, const at::Tensor& col_stats,

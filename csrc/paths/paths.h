@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <c10/util/string_view.h>
+
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -19,6 +21,19 @@ struct PathChunk {
   std::vector<at::Tensor> heads;    // L × [N_l] int64
 };
 
+// How the CUDA engine reduces leaves of n <= fused_leaf::kMaxRows rows (the ops' `leaf_kernel`;
+// the CPU engine reduces every leaf block in cache and ignores it):
+//   "simt":   the fused leaf kernel on CUDA cores (fused_leaf.h), any dtype;
+//   "tf32x3": the fused leaf kernel on tensor cores at float32 accuracy (tensor_leaf.h), float32;
+//   "tf32":   the same with one TF32 pass (about 2^-11 relative per product), float32;
+//   "gemm":   cuBLAS into a scratch block, then three reduction kernels (path_chunk_norms only).
+enum class LeafKernel { kSimt, kTf32x3, kTf32, kGemm };
+
+// `name` as a LeafKernel, refusing unknown names, tensor-core kernels for dtypes other than
+// float32 and, unless allow_gemm, "gemm"; `op` and `argument` name the caller in errors.
+LeafKernel parse_leaf_kernel(c10::string_view name, at::ScalarType dtype, bool allow_gemm, const char* op,
+                             const char* argument);
+
 // Validates the inputs of path_chunk_norms (see registration.cpp) and returns the chunk's levels
 // as CPU int64 tensors.
 PathChunk check_path_chunk(const at::Tensor& attn, const at::Tensor& attn_mean, const at::Tensor& root,
@@ -34,13 +49,14 @@ struct FusedLeafOperands {
   at::Tensor right;
   at::Tensor mean;
   at::Tensor scale;
+  LeafKernel kernel;
 };
 
 // Validates the inputs of _fused_leaf_norms (see registration.cpp) and lays them out as the
 // kernel reads them (copying only when they are not already).
 // `scale` absent means 1 for every leaf.
 FusedLeafOperands check_fused_leaf(const at::Tensor& attn, const at::Tensor& right, const at::Tensor& mean,
-                                   const std::optional<at::Tensor>& scale);
+                                   const std::optional<at::Tensor>& scale, c10::string_view kernel);
 
 // The kernel's parameters for `ops`, with its column and row sum buffers.
 fused_leaf::Params fused_leaf_params(const FusedLeafOperands& ops, const at::Tensor& col_stats,

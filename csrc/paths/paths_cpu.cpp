@@ -88,7 +88,7 @@ PATHKERNELS_MULTIVERSION double renormalise_node(T* x, int64_t n, int64_t m, int
 struct CpuBackend {
   static constexpr bool kFusedLeaves = false;  // a leaf block is reduced while in cache instead
 
-  explicit CpuBackend(bool /*fused_leaves: a CUDA option*/) {}
+  explicit CpuBackend(LeafKernel /*a CUDA option*/) {}
 
   int workers() const {
     return at::get_num_threads();

@@ -1,9 +1,11 @@
 // CUDA backend of the path-tree engine (engine.h): the same algorithm as the tested CPU backend.
 // Internal levels are GEMMs through ATen (cuBLAS), one block of nodes after another on the current
-// stream. Leaves of n <= 128 rows take the fused leaf kernel (fused_leaf.h): each CTA computes a
-// column tile of one leaf on chip and leaves only its abs sums, so no leaf matrix is ever stored.
-// Larger n (and fused_leaves=False, as in fast mode) runs cuBLAS into the block's scratch buffer and
-// reduces it with three small kernels that mirror the norm kernels: column sums, row sums, maxima.
+// stream. Leaves of n <= 128 rows take a fused leaf kernel: each CTA computes a column tile of one
+// leaf on chip and leaves only its abs sums, so no leaf matrix is ever stored. The product runs on
+// CUDA cores (fused_leaf.h, "simt") or on TF32 tensor cores (tensor_leaf.h, "tf32x3" at float32
+// accuracy, "tf32" with one pass; sm_80 and later). Larger n (and leaf_kernel "gemm") runs cuBLAS
+// into the block's scratch buffer and reduces it with three small kernels that mirror the norm
+// kernels: column sums, row sums, maxima.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -14,6 +16,7 @@
 
 #include "common/cuda_reduce.cuh"
 #include "paths/engine.h"
+#include "paths/tensor_leaf.h"
 
 namespace pathkernels {
 namespace {
@@ -125,26 +128,59 @@ void launch_leaf_finish(const LeafBlockParams& p, const A* col_stats, A* row_sta
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// One CTA per (leaf, column tile): the steps of fused_leaf::Tile, separated by barriers.
-template <typename T, typename A, int kRows>
+// One mma.sync m16n8k8 on TF32 operands, float32 accumulation in place (tensor_leaf.h's layout).
+struct TensorCoreMma {
+  __device__ void operator()(float (&acc)[4], const fused_leaf::MmaFragments& f) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+        : "r"(f.a[0]), "r"(f.a[1]), "r"(f.a[2]), "r"(f.a[3]), "r"(f.b[0]), "r"(f.b[1]));
+#else
+    __trap();  // the host refuses tensor-core kernels below sm_80 (check_tensor_cores)
+#endif
+  }
+};
+
+// One CTA per (leaf, column tile): the steps of a fused_leaf tile (Tile or TensorTile), separated
+// by barriers, in the order fused_leaf_cpu.cpp's harness runs them.
+template <typename Cta>
 __global__ void __launch_bounds__(fused_leaf::kThreads) fused_leaf_kernel(fused_leaf::Params p) {
-  using Cta = fused_leaf::Tile<T, A, kRows>;
   __shared__ typename Cta::Shared shared;
   typename Cta::Registers registers;
   const int tid = threadIdx.x;
   const int64_t leaf = blockIdx.x;
   const int64_t tile = blockIdx.y;
   Cta::clear(registers);
-  Cta::load_mean(p, shared, tid, leaf, tile);
+  fused_leaf::load_mean<typename Cta::Element>(p, shared.mean, tid, leaf, tile);
   for (int64_t k0 = 0; k0 < p.n; k0 += fused_leaf::kTileDepth) {
     Cta::load(p, shared, tid, leaf, tile, k0);
     __syncthreads();
-    Cta::multiply(shared, registers, tid);
+    if constexpr (Cta::kTensorCores) {
+      Cta::multiply(shared, registers, tid, TensorCoreMma{});
+    } else {
+      Cta::multiply(shared, registers, tid);
+    }
     __syncthreads();  // the next load, or the sums, overwrite the staged operands
   }
   Cta::partial_sums(p, shared, registers, tid, leaf, tile);
   __syncthreads();
-  Cta::write_sums(p, shared, tid, leaf, tile);
+  fused_leaf::write_sums(p, shared.sums, tid, leaf, tile);
+}
+
+// Tensor-core kernels need TF32 mma (sm_80 and later) on the current device.
+void check_tensor_cores(LeafKernel kernel) {
+  if (kernel != LeafKernel::kTf32x3 && kernel != LeafKernel::kTf32) {
+    return;
+  }
+  int device = 0, major = 0, minor = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  TORCH_CHECK_VALUE(major >= 8, "pathkernels: the tensor-core leaf kernels ('tf32x3', 'tf32') need TF32 tensor ",
+                    "cores (compute capability 8.0 or later); device ", std::to_string(device), " has ",
+                    std::to_string(major), ".", std::to_string(minor), ": use 'simt'");
 }
 
 // Norms of the leaves scale_k · C(A) · right_k into residual[k], norm[k] (device pointers, float64).
@@ -160,9 +196,23 @@ void fused_leaf_norms_into(const FusedLeafOperands& ops, double* residual, doubl
   TORCH_CHECK_VALUE(p.count <= std::numeric_limits<int32_t>::max(), "pathkernels: too many leaves (",
                     std::to_string(p.count), ") for one CUDA launch");
   const dim3 grid(p.count, blocks_for(p.cols, fused_leaf::kTileCols, "column tiles"));
+  check_tensor_cores(ops.kernel);
   fused_leaf::dispatch_tile_rows(p.n, [&](auto rows) {
-    fused_leaf_kernel<T, A, decltype(rows)::value><<<grid, fused_leaf::kThreads, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    constexpr int kRows = decltype(rows)::value;
+    const auto launch = [&](auto kernel) {
+      kernel<<<grid, fused_leaf::kThreads, 0, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    if constexpr (std::is_same_v<T, float>) {
+      if (ops.kernel == LeafKernel::kTf32x3) {
+        return launch(fused_leaf_kernel<fused_leaf::TensorTile<kRows, 3>>);
+      }
+      if (ops.kernel == LeafKernel::kTf32) {
+        return launch(fused_leaf_kernel<fused_leaf::TensorTile<kRows, 1>>);
+      }
+    }
+    TORCH_INTERNAL_ASSERT(ops.kernel == LeafKernel::kSimt);
+    launch(fused_leaf_kernel<fused_leaf::Tile<T, A, kRows>>);
   });
   LeafBlockParams finish;
   finish.rows = p.n;
@@ -178,16 +228,17 @@ void fused_leaf_norms_into(const FusedLeafOperands& ops, double* residual, doubl
 struct CudaBackend : engine::AtenNodeSteps {
   static constexpr bool kFusedLeaves = true;
 
-  explicit CudaBackend(bool fused_leaves) : fused_leaves_(fused_leaves) {}
+  explicit CudaBackend(LeafKernel kernel) : kernel_(kernel) {}
 
   bool fuses_leaves(int64_t n) const {
-    return fused_leaves_ && n <= fused_leaf::kMaxRows;
+    return kernel_ != LeafKernel::kGemm && n <= fused_leaf::kMaxRows;
   }
 
   template <typename T>
   void fused_leaf_norms(const at::Tensor& attn, const engine::ChildOperands& operands, double* residual,
                         double* norm) {
-    fused_leaf_norms_into<T>({attn, operands.right, operands.mean, operands.scale.contiguous()}, residual, norm);
+    fused_leaf_norms_into<T>({attn, operands.right, operands.mean, operands.scale.contiguous(), kernel_}, residual,
+                             norm);
   }
 
   int workers() const {
@@ -238,7 +289,7 @@ struct CudaBackend : engine::AtenNodeSteps {
   }
 
  private:
-  bool fused_leaves_;
+  LeafKernel kernel_;
 };
 
 std::tuple<at::Tensor, at::Tensor> path_chunk_norms_cuda(const at::Tensor& attn, const at::Tensor& attn_mean,
@@ -246,17 +297,18 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms_cuda(const at::Tensor& attn,
                                                          const std::optional<at::Tensor>& w_v,
                                                          const std::optional<at::Tensor>& w_o,
                                                          at::TensorList parents, at::TensorList heads,
-                                                         int64_t leaf_block, bool fused_leaves) {
+                                                         int64_t leaf_block, c10::string_view leaf_kernel) {
   const c10::cuda::CUDAGuard guard(attn.device());
   return engine::path_chunk_norms<CudaBackend>(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads,
-                                               leaf_block, fused_leaves);
+                                               leaf_block, leaf_kernel);
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_leaf_norms_cuda(const at::Tensor& attn, const at::Tensor& right,
                                                          const at::Tensor& mean,
-                                                         const std::optional<at::Tensor>& scale) {
+                                                         const std::optional<at::Tensor>& scale,
+                                                         c10::string_view kernel) {
   const c10::cuda::CUDAGuard guard(attn.device());
-  const FusedLeafOperands ops = check_fused_leaf(attn, right, mean, scale);
+  const FusedLeafOperands ops = check_fused_leaf(attn, right, mean, scale, kernel);
   at::Tensor residual = at::empty({ops.right.size(1)}, ops.right.options().dtype(at::kDouble));
   at::Tensor norm = at::empty_like(residual);
   AT_DISPATCH_FLOATING_TYPES(attn.scalar_type(), "_fused_leaf_norms", [&] {
