@@ -1,17 +1,22 @@
-"""GPU benchmark of issue 4's targets: the fused leaf kernel and the engine on CUDA, float32, TF32 off.
+"""GPU benchmark of the leaf kernels and the engine on CUDA (issues 4 and 13), float32.
 
-1. The fused leaf kernel alone (``_fused_leaf_norms``: C(A) · right_k for a block of leaves,
-   reduced on chip) against the same-run cuBLAS float32 rate of the very same product
-   (``C(A) @ right`` as one [n, n] × [n, c·m] GEMM, materialised and not reduced). Target at n = 64:
-   at least 50 % of that rate.
-2. The engine on complete trees with the fused kernel, with cuBLAS + the reduction kernels
-   (``leaf_kernel="gemm"``), and the level-wise pure-PyTorch baseline (stacked GEMMs per level,
-   materialised, then the norms): paths/s, the fraction of the 4096² cuBLAS float32 rate, peak
-   device memory. Target: at least 10× the baseline.
-3. A complete tree of 10^9 leaves (L = 9, H = 10, n = 64) within the default memory budget.
-   Target: under a minute. Skipped (with the estimate) when case 2 predicts more than --limit s.
+1. The fused leaf kernels alone (``_fused_leaf_norms``: C(A) · right_k for a block of leaves,
+   reduced on chip): "simt" (CUDA cores), "tf32x3" (tensor cores, float32 accuracy) and "tf32"
+   (one TF32 pass), against the same-run cuBLAS rate of the very same product (``C(A) @ right`` as
+   one [n, n] × [n, c·m] GEMM, materialised and not reduced) in float32 and in TF32, with each
+   kernel's largest relative error against float64 on the first leaves. Issue 13's target at
+   n = 64: tf32x3 at least 1.5× cuBLAS float32.
+2. The engine on complete trees with each leaf kernel ("fused" = simt, "tensor", "tensor" with
+   fast=True, "gemm" = cuBLAS + the reduction kernels) and the level-wise pure-PyTorch baseline
+   (stacked GEMMs per level, materialised, then the norms), eager and (without --quick) under
+   torch.compile: seconds, the fraction of the 4096² cuBLAS float32 rate, peak device memory.
+3. A complete tree of 10^9 leaves (L = 9, H = 10, n = 64) within the default memory budget, with
+   the fastest float32-accurate leaf kernel and in fast mode. Skipped (with the estimate) when
+   case 2 predicts more than --limit s.
 
-    python bench/bench_gpu_leaves.py --out bench/results/<folder>/gpu_leaves.json
+A kernel that fails is recorded with its error and the rest goes on.
+
+    python bench/bench_gpu_leaves.py [--quick] --out bench/results/<folder>/gpu_leaves.json
 """
 
 from __future__ import annotations
@@ -26,12 +31,33 @@ import torch
 
 import pathkernels as pk
 from pathkernels.benchmarks import gemm_rate, head_node_flops, seconds_per_call
-from pathkernels.reference import levelwise_ref
+from pathkernels.engine import _tf32_matmuls
+from pathkernels.reference import composite_norm_ref, levelwise_ref
 from pathkernels.testing import random_attention
 
 KERNEL_CASES = [(32, 16384), (64, 8192), (128, 2048)]  # (n, leaves); m = n
+LEAF_KERNELS = ("simt", "tf32x3", "tf32")
 ENGINE_CASES = [(6, 10, 64, False), (5, 12, 64, False), (4, 8, 128, False), (5, 6, 64, True)]
+QUICK_ENGINE_CASES = ENGINE_CASES[:1] + ENGINE_CASES[2:3]
+# path_residuals arguments of each engine variant.
+ENGINE_VARIANTS = {
+    "simt": {},
+    "tensor": {"leaf_kernel": "tensor"},
+    "tensor_fast": {"leaf_kernel": "tensor", "fast": True},
+    "gemm": {"leaf_kernel": "gemm"},
+}
 BILLION = (9, 10, 64)
+CHECKED_LEAVES = 64  # leaves compared with float64 per kernel case
+
+
+def attempt(row: dict, name: str, fn) -> float | None:
+    """fn()'s result, or None with the error recorded in row[name + "_error"] (OOM included)."""
+    try:
+        return fn()
+    except (RuntimeError, ValueError) as error:  # torch.OutOfMemoryError is a RuntimeError
+        row[f"{name}_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        torch.cuda.empty_cache()
+        return None
 
 
 def kernel_case(n: int, leaves: int) -> dict:
@@ -40,20 +66,39 @@ def kernel_case(n: int, leaves: int) -> dict:
     right = torch.randn(n, leaves, n, device="cuda")
     mean = torch.randn(leaves, n, device="cuda")
     flops = 2 * n * n * n * leaves
-    fused = seconds_per_call(
-        lambda: torch.ops.pathkernels._fused_leaf_norms(centred, right, mean), "cuda", min_seconds=0.5, statistic="min"
-    )
+    checked = torch.einsum("ik,kcj->cij", centred.double(), right[:, :CHECKED_LEAVES].double())
+    truth = composite_norm_ref(checked), composite_norm_ref(checked + mean[:CHECKED_LEAVES, None].double())
+    row = {"n": n, "leaves": leaves}
     flat = right.view(n, leaves * n)
     gemm = seconds_per_call(lambda: centred @ flat, "cuda", min_seconds=0.5, statistic="min")
-    return {
-        "n": n,
-        "leaves": leaves,
-        "fused_ms": fused * 1e3,
-        "cublas_same_product_ms": gemm * 1e3,
-        "fused_tflops": flops / fused / 1e12,
-        "cublas_tflops": flops / gemm / 1e12,
-        "fraction_of_cublas": gemm / fused,
-    }
+    with _tf32_matmuls():
+        gemm_tf32 = seconds_per_call(lambda: centred @ flat, "cuda", min_seconds=0.5, statistic="min")
+    row.update(cublas_ms=gemm * 1e3, cublas_tflops=flops / gemm / 1e12, cublas_tf32_tflops=flops / gemm_tf32 / 1e12)
+    for kernel in LEAF_KERNELS:
+
+        def call(kernel=kernel):
+            return torch.ops.pathkernels._fused_leaf_norms(centred, right, mean, None, kernel)
+
+        def timed(call=call):
+            return seconds_per_call(call, "cuda", min_seconds=0.5, statistic="min")
+
+        seconds = attempt(row, kernel, timed)
+        if seconds is None:
+            continue
+        residual, norm = call()
+        error = max(
+            ((got[:CHECKED_LEAVES].cpu() - want.cpu()).abs() / want.cpu()).max().item()
+            for got, want in zip((residual, norm), truth)
+        )
+        row.update(
+            {
+                f"{kernel}_ms": seconds * 1e3,
+                f"{kernel}_tflops": flops / seconds / 1e12,
+                f"{kernel}_vs_cublas": gemm / seconds,
+                f"{kernel}_max_relative_error": error,
+            }
+        )
+    return row
 
 
 def peak_mib(fn) -> float:
@@ -65,24 +110,24 @@ def peak_mib(fn) -> float:
     return (torch.cuda.max_memory_allocated() - before) / 2**20
 
 
-def engine_case(layers: int, heads: int, n: int, skip: bool, floor: float) -> dict:
+def engine_case(layers: int, heads: int, n: int, skip: bool, floor: float, compiled: bool) -> dict:
     attn = random_attention(layers, heads, n, n, device="cuda", generator=torch.Generator().manual_seed(0))
     tree = pk.PathTree.complete(layers, heads, skip=skip)
     paths = tree.num_paths
     flops = head_node_flops(layers, heads, n, skip)
-    pk.path_residuals(attn[:1], pk.PathTree.complete(1, heads, skip=skip))  # warm-up
-
-    def unfused():
-        return pk.path_residuals(attn, tree, leaf_kernel="gemm")
-
     row = {"layers": layers, "heads": heads, "n": n, "skip": skip, "paths": paths}
-    for name, fn in [
-        ("fused", lambda: pk.path_residuals(attn, tree)),
-        ("unfused", unfused),
-        ("levelwise", lambda: levelwise_ref(attn, skip)),
-    ]:
-        try:
-            seconds = seconds_per_call(fn, "cuda", min_runs=2, min_seconds=0.3, statistic="min")
+    variants = {name: (lambda kw=kw: pk.path_residuals(attn, tree, **kw)) for name, kw in ENGINE_VARIANTS.items()}
+    variants["levelwise"] = lambda: levelwise_ref(attn, skip)
+    if compiled:
+        compiled_levelwise = torch.compile(levelwise_ref, dynamic=False)
+        variants["levelwise_compiled"] = lambda: compiled_levelwise(attn, skip)
+    for name, fn in variants.items():
+        if attempt(row, name, lambda fn=fn: fn()) is None:  # warm-up (and compilation), or its error
+            continue
+        seconds = attempt(
+            row, name, lambda fn=fn: seconds_per_call(fn, "cuda", min_runs=2, min_seconds=0.3, statistic="min")
+        )
+        if seconds is not None:
             row.update(
                 {
                     f"{name}_s": seconds,
@@ -91,18 +136,28 @@ def engine_case(layers: int, heads: int, n: int, skip: bool, floor: float) -> di
                     f"{name}_peak_mib": peak_mib(fn),
                 }
             )
-        except torch.OutOfMemoryError:
-            row[f"{name}_s"] = None
-            torch.cuda.empty_cache()
-    if row.get("levelwise_s"):
-        row["speedup_vs_levelwise"] = row["levelwise_s"] / row["fused_s"]
-    row["speedup_vs_unfused"] = row["unfused_s"] / row["fused_s"]
+    baselines = [row[f"{name}_s"] for name in ("levelwise", "levelwise_compiled") if row.get(f"{name}_s")]
+    for name in ENGINE_VARIANTS:
+        if row.get(f"{name}_s") and baselines:
+            row[f"{name}_vs_best_levelwise"] = min(baselines) / row[f"{name}_s"]
     return row
+
+
+def best_exact(row: dict) -> str:
+    """The faster of the float32-accurate engine variants that ran ("simt" or "tensor")."""
+    timed = [name for name in ("simt", "tensor") if row.get(f"{name}_s")]
+    return min(timed, key=lambda name: row[f"{name}_s"])
+
+
+def seconds_cell(row: dict, name: str, width: int = 8) -> str:
+    value = row.get(f"{name}_s")
+    return f"{value:>{width}.4f}" if value else f"{'fail' if f'{name}_error' in row else '—':>{width}}"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--quick", action="store_true", help="two engine trees, no torch.compile baseline")
     parser.add_argument("--limit", type=float, default=240, help="skip the 10^9 tree if predicted slower (s)")
     args = parser.parse_args(argv)
     assert torch.cuda.is_available() and pk.build_info()["cuda"], "needs a GPU and pathkernels built with CUDA"
@@ -112,65 +167,78 @@ def main(argv=None) -> int:
     print(f"{card}, torch {torch.__version__}; cuBLAS float32 4096² GEMM: {floor / 1e12:.1f} TFLOP/s", flush=True)
 
     kernels = []
-    print(
-        f"{'n':>4} {'leaves':>7} {'fused ms':>9} {'cuBLAS ms':>9} {'fused TF/s':>10} {'cuBLAS TF/s':>11} "
-        f"{'of cuBLAS':>9}"
-    )
+    print("\nleaf kernels, TFLOP/s (× cuBLAS float32 on the same product; max relative error vs float64)")
+    print(f"{'n':>4} {'leaves':>7} {'cuBLAS':>7} {'c-TF32':>7} " + " ".join(f"{k:>24}" for k in LEAF_KERNELS))
     for n, leaves in KERNEL_CASES:
         r = kernel_case(n, leaves)
         kernels.append(r)
+        cells = [
+            f"{r[f'{k}_tflops']:>6.1f} ({r[f'{k}_vs_cublas']:.2f}×, {r[f'{k}_max_relative_error']:.0e})"
+            if f"{k}_tflops" in r
+            else f"{'fail':>24}"
+            for k in LEAF_KERNELS
+        ]
         print(
-            f"{n:>4} {leaves:>7} {r['fused_ms']:>9.3f} {r['cublas_same_product_ms']:>9.3f} "
-            f"{r['fused_tflops']:>10.1f} {r['cublas_tflops']:>11.1f} {r['fraction_of_cublas']:>9.0%}",
+            f"{n:>4} {leaves:>7} {r['cublas_tflops']:>7.1f} {r['cublas_tf32_tflops']:>7.1f} "
+            + " ".join(f"{c:>24}" for c in cells),
             flush=True,
         )
 
     engines = []
+    columns = [*ENGINE_VARIANTS, "levelwise"] + ([] if args.quick else ["levelwise_compiled"])
     print(
-        f"\n{'L':>2} {'H':>3} {'n':>4} {'skip':<5} {'paths':>11} {'fused s':>8} {'paths/s':>9} {'of floor':>8} "
-        f"{'unfused s':>9} {'level s':>8} {'vs level':>8} {'peak MiB':>8} {'level MiB':>9}"
+        f"\nengine, seconds per call\n{'L':>2} {'H':>3} {'n':>4} {'skip':<5} {'paths':>11} "
+        + " ".join(f"{c[:12]:>12}" for c in columns)
+        + f" {'best vs level':>13} {'of floor':>8} {'peak MiB':>8}"
     )
-    for case in ENGINE_CASES:
-        r = engine_case(*case, floor)
+    for case in QUICK_ENGINE_CASES if args.quick else ENGINE_CASES:
+        r = engine_case(*case, floor, compiled=not args.quick)
         engines.append(r)
-        if r.get("levelwise_s"):
-            level = f"{r['levelwise_s']:>8.3f} {r['speedup_vs_levelwise']:>7.1f}x"
-        else:
-            level = f"{'OOM':>8} {'—':>8}"
+        best = best_exact(r)
+        speedup = r.get(f"{best}_vs_best_levelwise")
         print(
-            f"{r['layers']:>2} {r['heads']:>3} {r['n']:>4} {r['skip']!s:<5} {r['paths']:>11,} {r['fused_s']:>8.3f} "
-            f"{r['fused_paths_per_s']:>9.3g} {r['fused_fraction_of_floor']:>8.0%} {r['unfused_s']:>9.3f} {level} "
-            f"{r['fused_peak_mib']:>8.0f} {r.get('levelwise_peak_mib', float('nan')):>9.0f}",
+            f"{r['layers']:>2} {r['heads']:>3} {r['n']:>4} {r['skip']!s:<5} {r['paths']:>11,} "
+            + " ".join(seconds_cell(r, c, 12) for c in columns)
+            + f" {(f'{speedup:.1f}x' if speedup else '—'):>13} {r[f'{best}_fraction_of_floor']:>8.0%} "
+            f"{r[f'{best}_peak_mib']:>8.0f}",
             flush=True,
         )
+    for r in engines:
+        for key, value in r.items():
+            if key.endswith("_error"):
+                print(f"  ({r['layers']}, {r['heads']}, {r['n']}) {key}: {value}")
 
     layers, heads, n = BILLION
-    rate = engines[0]["fused_paths_per_s"]  # (6, 10, 64): the same n and H
-    predicted = heads**layers / rate
-    billion = {"layers": layers, "heads": heads, "n": n, "paths": heads**layers, "predicted_s": predicted}
-    if predicted <= args.limit:
-        attn = random_attention(layers, heads, n, n, device="cuda", generator=torch.Generator().manual_seed(0))
+    billion = {"layers": layers, "heads": heads, "n": n, "paths": heads**layers}
+    attn = random_attention(layers, heads, n, n, device="cuda", generator=torch.Generator().manual_seed(0))
+    for name in (best_exact(engines[0]), "tensor_fast"):
+        rate = engines[0].get(f"{name}_paths_per_s")  # (6, 10, 64): the same n and H
+        if not rate:
+            continue
+        predicted = heads**layers / rate
+        billion[f"{name}_predicted_s"] = predicted
+        if predicted > args.limit:
+            print(f"\n10^9 leaves, {name}: predicted {predicted:.0f} s from {rate:.3g} paths/s, above --limit; not run")
+            continue
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        result = pk.path_residuals(attn, pk.PathTree.complete(layers, heads), progress=True)
+        result = pk.path_residuals(attn, pk.PathTree.complete(layers, heads), progress=True, **ENGINE_VARIANTS[name])
         torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
         # residual and norm are stored; ratio is computed lazily from them.
         results_gib = 2 * result.residual.numel() * result.residual.element_size() / 2**30
-        billion.update(
-            seconds=time.perf_counter() - start,
-            peak_gib=torch.cuda.max_memory_allocated() / 2**30,
-            results_gib=results_gib,
-            finite=bool(torch.isfinite(result.ratio).all()),
-        )
+        billion[name] = {
+            "seconds": seconds,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "results_gib": results_gib,
+            "finite": bool(torch.isfinite(result.ratio).all()),
+        }
+        del result
         print(
-            f"\n10^9 leaves (L = {layers}, H = {heads}, n = {n}): {billion['seconds']:.1f} s, peak "
-            f"{billion['peak_gib']:.1f} GiB (of which results {billion['results_gib']:.1f} GiB)"
-        )
-    else:
-        print(
-            f"\n10^9 leaves: predicted {predicted:.0f} s from {rate:.3g} paths/s, above --limit "
-            f"{args.limit:.0f} s; not run"
+            f"\n10^9 leaves (L = {layers}, H = {heads}, n = {n}), {name}: {seconds:.1f} s, peak "
+            f"{billion[name]['peak_gib']:.1f} GiB (of which results {results_gib:.1f} GiB)",
+            flush=True,
         )
 
     if args.out:

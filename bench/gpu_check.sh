@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # One-command GPU validation, for a machine with a GPU, a CUDA torch and no network:
-#   bash bench/gpu_check.sh [RESULTS_DIR]
+#   bash bench/gpu_check.sh [--quick] [RESULTS_DIR]
 # 1. builds the extension against the local torch (PATHKERNELS_CUDA=ON);
 # 2. runs the whole test suite (tests run on every device the machine has);
 # 3. runs compute-sanitizer memcheck and racecheck on small cases of every CUDA kernel;
 # 4. runs the GPU benchmarks;
 # 5. writes a summary and the logs into RESULTS_DIR (default bench/results/gpu-<card>-<date>).
+# --quick (about 4 minutes): the build; the CUDA cases of the leaf-kernel, engine and norm tests;
+# memcheck of every kernel and racecheck of the fused leaf kernels; bench_gpu_leaves.py --quick.
 # Each step is stopped after STEP_TIMEOUT seconds (default 600), so one hang cannot eat the lease.
 set -uo pipefail
+quick=false
+if [ "${1:-}" = "--quick" ]; then
+  quick=true
+  shift
+fi
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 STEP_TIMEOUT=${STEP_TIMEOUT:-600}
@@ -26,7 +33,7 @@ step() {  # step NAME COMMAND...: run, log to $out/NAME.log, record pass/fail
 }
 
 {
-  echo "# pathkernels GPU check on $card, $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "# pathkernels GPU check$($quick && echo " (--quick)") on $card, $(date -u +%Y-%m-%dT%H:%MZ)"
   echo
   $PYTHON -c "import torch; print(f'torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name()}')"
   echo
@@ -39,17 +46,27 @@ step() {  # step NAME COMMAND...: run, log to $out/NAME.log, record pass/fail
 step build env PATHKERNELS_CUDA=ON $PYTHON -m pip install --no-build-isolation --no-deps -v -e .
 # With pytest-xdist a crashing test takes down one worker, not the rest of the suite.
 parallel=$($PYTHON -c "import xdist" 2>/dev/null && echo "-n 8" || true)
-step tests $PYTHON -m pytest -q -rs --durations=5 $parallel tests
 SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-for tool in memcheck racecheck; do
-  step "sanitizer-$tool" "$SANITIZER" --tool "$tool" --error-exitcode 1 $PYTHON bench/sanitizer_cases.py
-done
-# Issue 4's targets first: a lease that runs out should lose the older benchmarks, not these.
-step bench-gpu-leaves $PYTHON bench/bench_gpu_leaves.py --limit 100 --out "$out/gpu_leaves.json"
-step bench-norms $PYTHON bench/bench_norms.py --device cuda --out "$out/norms.json"
-step bench-paths $PYTHON bench/bench_paths.py --device cuda --quick --out "$out/paths.json"
-for log in tests bench-gpu-leaves bench-norms bench-paths; do
-  { echo; echo "$log:"; tail -n 25 "$out/$log.log" | sed 's/^/    /'; } >> "$summary"
+if $quick; then
+  step tests env PATHKERNELS_TEST_DEVICES=cuda $PYTHON -m pytest -q -rs --durations=5 $parallel \
+    tests/test_fused_leaf.py tests/test_engine.py tests/test_norms.py -k "not compile"
+  step sanitizer-memcheck "$SANITIZER" --tool memcheck --error-exitcode 1 $PYTHON bench/sanitizer_cases.py
+  step sanitizer-racecheck "$SANITIZER" --tool racecheck --error-exitcode 1 $PYTHON bench/sanitizer_cases.py leaves
+  step bench-gpu-leaves $PYTHON bench/bench_gpu_leaves.py --quick --limit 60 --out "$out/gpu_leaves.json"
+  logs="tests bench-gpu-leaves"
+else
+  step tests $PYTHON -m pytest -q -rs --durations=5 $parallel tests
+  for tool in memcheck racecheck; do
+    step "sanitizer-$tool" "$SANITIZER" --tool "$tool" --error-exitcode 1 $PYTHON bench/sanitizer_cases.py
+  done
+  # The leaf kernels and the engine first: a lease that runs out should lose the older benchmarks.
+  step bench-gpu-leaves $PYTHON bench/bench_gpu_leaves.py --limit 100 --out "$out/gpu_leaves.json"
+  step bench-norms $PYTHON bench/bench_norms.py --device cuda --out "$out/norms.json"
+  step bench-paths $PYTHON bench/bench_paths.py --device cuda --quick --out "$out/paths.json"
+  logs="tests bench-gpu-leaves bench-norms bench-paths"
+fi
+for log in $logs; do
+  { echo; echo "$log:"; tail -n 30 "$out/$log.log" | sed 's/^/    /'; } >> "$summary"
 done
 echo "results in $out"
 exit $status
