@@ -35,6 +35,18 @@ def residual_norm_ref(x: Tensor) -> Tensor:
     return composite_norm_ref(residual_ref(x))
 
 
+def fused_leaf_norms_ref(
+    attn: Tensor, right: Tensor, mean: Tensor, scale: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``_fused_leaf_norms`` in float64 on the CPU: per leaf k, with ``R_k = scale_k C(A) right_k``
+    (attn ``[n, n]``, right ``[n, c, m]``, mean ``[c, m]``, scale ``[c]``), ``‖R_k‖_{1,∞}`` and
+    ``‖1 mean_kᵀ + R_k‖_{1,∞}``, each ``[c]``."""
+    leaves = torch.einsum("ik,kcj->cij", attn.double().cpu(), right.double().cpu())
+    if scale is not None:
+        leaves = leaves * scale.double().cpu()[:, None, None]
+    return composite_norm_ref(leaves), composite_norm_ref(leaves + mean.double().cpu()[:, None, :])
+
+
 def path_products_ref(
     attn: Tensor, paths: Tensor, x: Tensor | None = None, w_v: Tensor | None = None, w_o: Tensor | None = None
 ) -> Tensor:

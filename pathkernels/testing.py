@@ -124,6 +124,18 @@ def path_condition_numbers(
     return torch.stack(kappas, dim=1)
 
 
+def leaf_kernel_slack(attn: Tensor, right: Tensor, kernel: str = "simt") -> Tensor:
+    """Absolute error a float32 leaf kernel's product ``C(A) right_k`` may carry into its norms,
+    per leaf: the dot-product bound ``γ_n = n·2⁻²⁴`` times the largest column or row sum of
+    ``|C(A)| |right_k|``, ×4 for the composite's geometric mean. It matters where ``1μᵀ + R``
+    cancels. One TF32 pass (``"tf32"``) first rounds both operands to 11 significant bits: ``2·2⁻¹¹``
+    more per product; 3×TF32 (``"tf32x3"``) drops ``lo·lo`` and rounds ``lo``: ``3·2⁻²²`` more."""
+    magnitude = torch.einsum("ik,kcj->cij", attn.double().abs().cpu(), right.double().abs().cpu())
+    largest_sum = torch.maximum(magnitude.sum(-2).amax(-1), magnitude.sum(-1).amax(-1))
+    extra = {"simt": 0.0, "tf32x3": 3 * 2.0**-22, "tf32": 2.0**-10}[kernel]
+    return 4 * (attn.shape[0] * 2.0**-24 + extra) * largest_sum
+
+
 def float32_error_bound(kappa: Tensor, num_layers: int, n: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """A worst-case relative error of the engine's residuals: ``κ · (L + 2) · n · u``.
 

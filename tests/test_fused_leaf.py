@@ -6,35 +6,15 @@ import pytest
 import torch
 
 import pathkernels as pk
-from pathkernels.reference import composite_norm_ref
-from pathkernels.testing import devices, has_tensor_cores, random_attention, tolerance
+from pathkernels.reference import fused_leaf_norms_ref as reference
+from pathkernels.testing import devices, has_tensor_cores, leaf_kernel_slack, random_attention, tolerance
 
 fused_leaf_norms = torch.ops.pathkernels._fused_leaf_norms
-
-
-def reference(attn, right, mean, scale=None):
-    """‖R_k‖_{1,∞} and ‖1 mean_kᵀ + R_k‖_{1,∞} per leaf k, R_k = scale_k C(A) right_k, in float64."""
-    leaves = torch.einsum("ik,kcj->cij", attn.double().cpu(), right.double().cpu())
-    if scale is not None:
-        leaves = leaves * scale.cpu()[:, None, None]
-    return composite_norm_ref(leaves), composite_norm_ref(leaves + mean.double().cpu()[:, None, :])
 
 
 # The kernels of each dtype: "tf32x3" and "tf32" run on tensor cores, float32 only.
 KERNELS = {torch.float64: ["simt"], torch.float32: ["simt", "tf32x3", "tf32"]}
 DTYPE_KERNELS = [(dtype, kernel) for dtype, kernels in KERNELS.items() for kernel in kernels]
-
-
-def float32_slack(attn, right, kernel="simt"):
-    """Absolute error the float32 product C(A) right_k may carry into its norms, per leaf: the
-    dot-product bound γ_n = n·2⁻²⁴ times the largest column or row sum of |C(A)| |right_k|, ×4
-    for the composite's geometric mean. It matters where 1μᵀ + R cancels (at n = 1, one product).
-    One TF32 pass ("tf32") first rounds both operands to 11 significant bits: 2·2⁻¹¹ more per
-    product. 3×TF32 ("tf32x3") drops lo·lo and rounds lo: about 3·2⁻²², within γ_n's ×4."""
-    magnitude = torch.einsum("ik,kcj->cij", attn.double().abs().cpu(), right.double().abs().cpu())
-    largest_sum = torch.maximum(magnitude.sum(-2).amax(-1), magnitude.sum(-1).amax(-1))
-    unit = attn.shape[0] * 2.0**-24 + (2.0**-10 if kernel == "tf32" else 3 * 2.0**-22 if kernel == "tf32x3" else 0)
-    return 4 * unit * largest_sum
 
 
 # n and m on both sides of the 32/64/128-row tiles, the 64-column tiles and the 16-deep k-slices.
@@ -77,7 +57,7 @@ def test_matches_float64_reference(device, dtype, kernel, shape):
             torch.testing.assert_close(got.cpu(), expected, **tolerance(dtype))
         else:
             error = (got.double().cpu() - expected).abs()
-            bound = 1e-5 * expected + float32_slack(attn, right, kernel)
+            bound = 1e-5 * expected + leaf_kernel_slack(attn, right, kernel)
             assert (error <= bound).all(), (error, bound)
 
 
@@ -142,6 +122,11 @@ def test_zero_leaves_and_non_contiguous_operands(device):
         torch.randn(0, 5, dtype=torch.float64, device=device),
     )
     assert residual.shape == norm.shape == (0,)
+    # One column, with stride 0 on that dimension (any stride is valid for a dimension of size 1).
+    right = torch.randn(8 * 3, dtype=torch.float64, device=device).as_strided((8, 3, 1), (3, 1, 0))
+    mean = torch.randn(3, 1, dtype=torch.float64, device=device)
+    for value, expected in zip(fused_leaf_norms(attn, right, mean), reference(attn, right, mean)):
+        torch.testing.assert_close(value.cpu(), expected, **tolerance(torch.float64))
     right = torch.randn(5, 3, 8, dtype=torch.float64, device=device).permute(2, 1, 0)  # column stride 15
     mean = torch.randn(5, 3, dtype=torch.float64, device=device).t()
     got = fused_leaf_norms(attn.t(), right, mean)

@@ -20,11 +20,12 @@ from pathkernels.planner import minimum_budget  # noqa: E402
 from pathkernels.reference import (  # noqa: E402
     attention_network_ref,
     composite_norm_ref,
+    fused_leaf_norms_ref,
     matrix_norms_ref,
     path_products_ref,
     residual_norm_ref,
 )
-from pathkernels.testing import random_attention, tolerance  # noqa: E402
+from pathkernels.testing import leaf_kernel_slack, random_attention, tolerance  # noqa: E402
 
 DTYPES = st.sampled_from([torch.float32, torch.float64])
 
@@ -142,6 +143,54 @@ def test_path_residuals_match_the_per_path_float64_loop(data, network):
     assert result.residual.shape == (attn.shape[0], len(tree))
     torch.testing.assert_close(result.residual.double(), residual_norm_ref(products), **close)
     torch.testing.assert_close(result.norm.double(), composite_norm_ref(products), **close)
+
+
+LEAF_KERNELS = st.sampled_from(
+    [(torch.float64, "simt"), (torch.float32, "simt"), (torch.float32, "tf32x3"), (torch.float32, "tf32")]
+)
+
+
+@given(
+    n=st.integers(1, 128),
+    count=st.integers(0, 3),
+    m=st.integers(1, 140),
+    kernel=LEAF_KERNELS,
+    kind=st.sampled_from(["normal", "zeros", "integers", "huge", "tiny", "dyadic"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_fused_leaf_kernels_match_the_float64_reference(n, count, m, kernel, kind, seed):
+    """Every fused leaf kernel's per-thread code (CPU harness; the tensor-core kernels' mma
+    emulated) over tile edges (n across 32/64/128 rows, m across 64-column tiles) and values:
+    zero leaves, integers and dyadic values (exact in TF32's 11 bits: 3×TF32 and one TF32 pass
+    are then as exact as CUDA cores), and magnitudes near float32's ends."""
+    dtype, name = kernel
+    g = _generator(seed)
+    attn = torch.randn(n, n, generator=g, dtype=torch.float64)
+    right = torch.randn(n, count, m, generator=g, dtype=torch.float64)
+    mean = torch.randn(count, m, generator=g, dtype=torch.float64)
+    if kind == "zeros":
+        right.zero_()
+    elif kind in ("integers", "dyadic"):
+        attn, right, mean = attn.mul(4).round(), right.mul(4).round(), mean.mul(4).round()
+        if kind == "dyadic":
+            attn, right = attn / 8, right * 2.0**-20
+    elif kind == "huge":
+        right *= 1e30 if dtype == torch.float64 else 1e15
+    elif kind == "tiny":
+        right *= 1e-30 if dtype == torch.float64 else 1e-15
+    attn, right, mean = attn.to(dtype), right.to(dtype), mean.to(dtype)
+    residual, norm = torch.ops.pathkernels._fused_leaf_norms(attn, right, mean, None, name)
+    expected = fused_leaf_norms_ref(attn, right, mean)
+    # Entries of at most ~5 bits and n <= 128 terms: every product and partial sum is exact in float32.
+    exact = kind in ("zeros", "integers", "dyadic")
+    for got, want in zip((residual, norm), expected):
+        if exact:
+            torch.testing.assert_close(got, want, rtol=1e-15, atol=0)
+        elif dtype == torch.float64:
+            torch.testing.assert_close(got, want, **tolerance(dtype))
+        else:
+            error = (got - want).abs()
+            assert (error <= 1e-5 * want + leaf_kernel_slack(attn, right, name)).all(), (error, want)
 
 
 @given(network=networks(), skip=st.booleans(), seed=st.integers(0, 2**31 - 1))

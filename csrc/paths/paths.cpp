@@ -133,7 +133,9 @@ FusedLeafOperands check_fused_leaf(const at::Tensor& attn, const at::Tensor& rig
     leaf_scale = at::ones({count}, right.options().dtype(at::kDouble));
   }
   const int64_t m = right.size(2);
-  const bool right_ok = right.stride(2) == 1 && (right.size(1) <= 1 || right.stride(1) == m);
+  // The kernels read element (i, k, j) of right at i·stride(0) + k·m + j: a stride of a dimension of
+  // size 1 is never used (and may be anything, even for a contiguous tensor).
+  const bool right_ok = (m <= 1 || right.stride(2) == 1) && (right.size(1) <= 1 || right.stride(1) == m);
   const bool mean_ok = mean.stride(1) == 1 || m <= 1;
   return {attn.contiguous(), right_ok ? right : right.contiguous(), mean_ok ? mean : mean.contiguous(), leaf_scale,
           leaf_kernel};
@@ -141,7 +143,7 @@ FusedLeafOperands check_fused_leaf(const at::Tensor& attn, const at::Tensor& rig
 
 fused_leaf::Params fused_leaf_params(const FusedLeafOperands& ops, const at::Tensor& col_stats,
                                      const at::Tensor& row_stats) {
-  TORCH_INTERNAL_ASSERT(ops.attn.is_contiguous() && ops.right.stride(2) == 1 &&
+  TORCH_INTERNAL_ASSERT(ops.attn.is_contiguous() && (ops.right.size(2) <= 1 || ops.right.stride(2) == 1) &&
                         (ops.right.size(1) <= 1 || ops.right.stride(1) == ops.right.size(2)) &&
                         (ops.mean.size(1) <= 1 || ops.mean.stride(1) == 1) && ops.scale.is_contiguous() &&
                         ops.scale.scalar_type() == at::kDouble);
