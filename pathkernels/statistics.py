@@ -157,12 +157,8 @@ class PathStatistics:
             self._add_torch(residual, norm, paths_of(torch.arange(residual.shape[1])))
             return
         residual, norm = residual.double().contiguous(), norm.double().contiguous()
-        stacked = {
-            name: torch.stack([getattr(self, name)[measure] for measure in _MEASURES])
-            for name in ("sums", "sums_of_squares", "minima", "maxima")
-        }
-        first = {name: torch.full_like(self.counts, -1).expand(len(_MEASURES), -1, -1).clone() for name in _EXTREMES}
-        histograms = torch.stack([self.histograms[name] for name in _HISTOGRAMS])
+        stacked = {name: self._packed(name, _MEASURES) for name in ("sums", "sums_of_squares", "minima", "maxima")}
+        first = torch.full((len(_EXTREMES), len(_MEASURES), *self.counts.shape), -1, dtype=torch.long)
         torch.ops.pathkernels._statistics_update(
             residual,
             norm,
@@ -174,21 +170,37 @@ class PathStatistics:
             stacked["sums_of_squares"],
             stacked["minima"],
             stacked["maxima"],
-            first["argmin"],
-            first["argmax"],
-            histograms,
+            first[0],
+            first[1],
+            self._packed("histograms", _HISTOGRAMS),
         )
-        for i, measure in enumerate(_MEASURES):
-            for name, values in stacked.items():
-                getattr(self, name)[measure].copy_(values[i])
-            for name, leaves in first.items():
-                found = leaves[i] >= 0  # [B, L+1]: a new extreme in this chunk, first reached at that leaf
-                if bool(found.any()):
-                    getattr(self, name)[measure][found] = paths_of(leaves[i][found])
-        for i, name in enumerate(_HISTOGRAMS):
-            self.histograms[name].copy_(histograms[i])
+        if bool((first >= 0).any()):  # new extremes: rarely, once the first chunks are in
+            for name, leaves_of in zip(_EXTREMES, first):
+                for measure, leaves in zip(_MEASURES, leaves_of):
+                    found = leaves >= 0  # [B, L+1]: a new extreme in this chunk, first reached at that leaf
+                    if bool(found.any()):
+                        getattr(self, name)[measure][found] = paths_of(leaves[found])
         if self.top_k:
             self._add_top(residual / norm, lengths, paths_of)
+
+    def _packed(self, name: str, keys: tuple[str, ...]) -> Tensor:
+        """The tensors of field ``name`` (a dict over ``keys``) as one contiguous ``[len(keys), ...]``
+        tensor whose slices they are: packed on first use (the dict then holds views), so that
+        :meth:`add` hands them to the C++ fold with no copy per chunk."""
+        values = getattr(self, name)
+        base = values[keys[0]]._base
+        if (
+            base is None
+            or not base.is_contiguous()
+            or base.shape != (len(keys), *values[keys[0]].shape)
+            or any(
+                values[key]._base is not base or values[key].data_ptr() != base[i].data_ptr()
+                for i, key in enumerate(keys)
+            )
+        ):
+            base = torch.stack([values[key] for key in keys])
+            setattr(self, name, {key: base[i] for i, key in enumerate(keys)})
+        return base
 
     def _add_torch(self, residual: Tensor, norm: Tensor, paths: Tensor) -> None:
         """:meth:`add` in torch ops, for any device."""

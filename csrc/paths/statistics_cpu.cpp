@@ -3,8 +3,9 @@
 // tasks on the CPU threads, where the torch code it replaces on CPU (PathStatistics._add_torch,
 // kept for other devices and as this kernel's test oracle) takes ~40 passes of index_add_ and
 // scatter_reduce_. Each accumulator sees the leaves in the same order (batch element, then leaf)
-// as there, so the float64 sums agree bit for bit, whatever the number of threads (the sums of
-// log10 to the last bit of log10, which libm and torch's vectorised log10 may round apart).
+// as there, so the float64 sums agree bit for bit, whatever the number of threads. The log10 of the
+// ratios comes from ATen's own (vectorised) log10 in one pass over the chunk, as in the torch fold,
+// whose last bit libm's log10 could round apart.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -114,6 +115,7 @@ void statistics_update(const at::Tensor& residual, const at::Tensor& norm, const
   int64_t* histogram = histograms.mutable_data_ptr<int64_t>();
   const double* all_residuals = residual.const_data_ptr<double>();
   const double* all_norms = norm.const_data_ptr<double>();
+
   // Calls fn(b, k, slot, values) for every leaf in order (batch element, then leaf), values =
   // (ratio, residual, norm).
   const auto for_each_leaf = [&](auto&& fn) {
@@ -133,10 +135,17 @@ void statistics_update(const at::Tensor& residual, const at::Tensor& norm, const
   at::parallel_for(0, kTasks, 1, [&](int64_t first_task, int64_t last_task) {
     for (int64_t task = first_task; task < last_task; ++task) {
       if (task == 0) {
-        for_each_leaf([&](int64_t, int64_t slot, const double* values) {
-          count_of[slot] += 1;
-          log_sum[slot] += std::log10(std::max(values[0], kSmallestLogRatio));  // NaN stays NaN
-        });
+        // [B, c]: the torch fold's ratio.clamp_min(1e-300).log10(), the same ATen kernels (NaN stays
+        // NaN), run here (serially: inside a parallel region) beside the other tasks.
+        const at::Tensor log_ratios = at::log10(at::clamp_min(residual / norm, kSmallestLogRatio));
+        const double* log_ratio = log_ratios.const_data_ptr<double>();
+        for (int64_t b = 0; b < batch; ++b) {
+          for (int64_t k = 0; k < count; ++k) {
+            const int64_t slot = b * levels + length[k];
+            count_of[slot] += 1;
+            log_sum[slot] += log_ratio[b * count + k];
+          }
+        }
       } else if (task <= kMeasures) {
         const int m = static_cast<int>(task - 1);
         for_each_leaf([&](int64_t k, int64_t slot, const double* values) {
