@@ -185,21 +185,17 @@ class PathStatistics:
 
     def _packed(self, name: str, keys: tuple[str, ...]) -> Tensor:
         """The tensors of field ``name`` (a dict over ``keys``) as one contiguous ``[len(keys), ...]``
-        tensor whose slices they are: packed on first use (the dict then holds views), so that
-        :meth:`add` hands them to the C++ fold with no copy per chunk."""
+        tensor whose slices they are: packed on first use (the dict then holds views of it), so that
+        :meth:`add` hands them to the C++ fold with no copy per chunk. Remembered per field while
+        the dict holds those very views."""
+        packs = self.__dict__.setdefault("_packs", {})
         values = getattr(self, name)
-        base = values[keys[0]]._base
-        if (
-            base is None
-            or not base.is_contiguous()
-            or base.shape != (len(keys), *values[keys[0]].shape)
-            or any(
-                values[key]._base is not base or values[key].data_ptr() != base[i].data_ptr()
-                for i, key in enumerate(keys)
-            )
-        ):
+        base, views = packs.get(name, (None, ()))
+        if base is None or any(values.get(key) is not view for key, view in zip(keys, views)):
             base = torch.stack([values[key] for key in keys])
-            setattr(self, name, {key: base[i] for i, key in enumerate(keys)})
+            views = tuple(base[i] for i in range(len(keys)))
+            setattr(self, name, dict(zip(keys, views)) | {k: v for k, v in values.items() if k not in keys})
+            packs[name] = (base, views)
         return base
 
     def _add_torch(self, residual: Tensor, norm: Tensor, paths: Tensor) -> None:
