@@ -4,7 +4,8 @@
    reduced on chip): "simt" (CUDA cores), "tf32x3" (tensor cores, float32 accuracy) and "tf32"
    (one TF32 pass), against the same-run cuBLAS rate of the very same product (``C(A) @ right`` as
    one [n, n] × [n, c·m] GEMM, materialised and not reduced) in float32 and in TF32, with each
-   kernel's largest relative error against float64 on the first leaves. Issue 13's target at
+   kernel's largest relative error against float64 on the first leaves; and the SIMT kernel in
+   float64 against cuBLAS float64 (FP64 tensor cores on the H100/H200). Issue 13's target at
    n = 64: tf32x3 at least 1.5× cuBLAS float32.
 2. The engine on complete trees with each leaf kernel ("fused" = simt, "tensor", "tensor" with
    fast=True, "gemm" = cuBLAS + the reduction kernels) and the level-wise pure-PyTorch baseline
@@ -35,7 +36,9 @@ from pathkernels.engine import _tf32_matmuls
 from pathkernels.reference import composite_norm_ref, levelwise_ref
 from pathkernels.testing import random_attention
 
-KERNEL_CASES = [(32, 16384), (64, 8192), (128, 2048)]  # (n, leaves); m = n
+# (n, leaves, dtype); m = n. float64 has the SIMT kernel only (its cuBLAS uses FP64 tensor cores).
+KERNEL_CASES = [(32, 16384, torch.float32), (64, 8192, torch.float32), (128, 2048, torch.float32)]
+KERNEL_CASES += [(64, 8192, torch.float64)]
 LEAF_KERNELS = ("simt", "tf32x3", "tf32")
 ENGINE_CASES = [(6, 10, 64, False), (5, 12, 64, False), (4, 8, 128, False), (5, 6, 64, True)]
 QUICK_ENGINE_CASES = ENGINE_CASES[:1] + ENGINE_CASES[2:3]
@@ -60,21 +63,23 @@ def attempt(row: dict, name: str, fn) -> float | None:
         return None
 
 
-def kernel_case(n: int, leaves: int) -> dict:
-    attn = random_attention(1, 1, n, n, device="cuda")[0, 0]
+def kernel_case(n: int, leaves: int, dtype: torch.dtype) -> dict:
+    attn = random_attention(1, 1, n, n, device="cuda", dtype=dtype)[0, 0]
     centred = attn - attn.mean(0, keepdim=True)
-    right = torch.randn(n, leaves, n, device="cuda")
-    mean = torch.randn(leaves, n, device="cuda")
+    right = torch.randn(n, leaves, n, device="cuda", dtype=dtype)
+    mean = torch.randn(leaves, n, device="cuda", dtype=dtype)
     flops = 2 * n * n * n * leaves
     checked = torch.einsum("ik,kcj->cij", centred.double(), right[:, :CHECKED_LEAVES].double())
     truth = composite_norm_ref(checked), composite_norm_ref(checked + mean[:CHECKED_LEAVES, None].double())
-    row = {"n": n, "leaves": leaves}
+    row = {"n": n, "leaves": leaves, "dtype": str(dtype).removeprefix("torch.")}
     flat = right.view(n, leaves * n)
     gemm = seconds_per_call(lambda: centred @ flat, "cuda", min_seconds=0.5, statistic="min")
-    with _tf32_matmuls():
-        gemm_tf32 = seconds_per_call(lambda: centred @ flat, "cuda", min_seconds=0.5, statistic="min")
-    row.update(cublas_ms=gemm * 1e3, cublas_tflops=flops / gemm / 1e12, cublas_tf32_tflops=flops / gemm_tf32 / 1e12)
-    for kernel in LEAF_KERNELS:
+    row.update(cublas_ms=gemm * 1e3, cublas_tflops=flops / gemm / 1e12)
+    if dtype == torch.float32:
+        with _tf32_matmuls():
+            gemm_tf32 = seconds_per_call(lambda: centred @ flat, "cuda", min_seconds=0.5, statistic="min")
+        row["cublas_tf32_tflops"] = flops / gemm_tf32 / 1e12
+    for kernel in LEAF_KERNELS if dtype == torch.float32 else ("simt",):
 
         def call(kernel=kernel):
             return torch.ops.pathkernels._fused_leaf_norms(centred, right, mean, None, kernel)
@@ -168,18 +173,21 @@ def main(argv=None) -> int:
 
     kernels = []
     print("\nleaf kernels, TFLOP/s (× cuBLAS float32 on the same product; max relative error vs float64)")
-    print(f"{'n':>4} {'leaves':>7} {'cuBLAS':>7} {'c-TF32':>7} " + " ".join(f"{k:>24}" for k in LEAF_KERNELS))
-    for n, leaves in KERNEL_CASES:
-        r = kernel_case(n, leaves)
+    print(
+        f"{'n':>4} {'leaves':>7} {'dtype':<8} {'cuBLAS':>7} {'c-TF32':>7} " + " ".join(f"{k:>24}" for k in LEAF_KERNELS)
+    )
+    for n, leaves, dtype in KERNEL_CASES:
+        r = kernel_case(n, leaves, dtype)
         kernels.append(r)
         cells = [
             f"{r[f'{k}_tflops']:>6.1f} ({r[f'{k}_vs_cublas']:.2f}×, {r[f'{k}_max_relative_error']:.0e})"
             if f"{k}_tflops" in r
-            else f"{'fail':>24}"
+            else ("fail" if f"{k}_error" in r else "—")
             for k in LEAF_KERNELS
         ]
+        tf32 = f"{r['cublas_tf32_tflops']:>7.1f}" if "cublas_tf32_tflops" in r else f"{'—':>7}"
         print(
-            f"{n:>4} {leaves:>7} {r['cublas_tflops']:>7.1f} {r['cublas_tf32_tflops']:>7.1f} "
+            f"{n:>4} {leaves:>7} {r['dtype']:<8} {r['cublas_tflops']:>7.1f} {tf32} "
             + " ".join(f"{c:>24}" for c in cells),
             flush=True,
         )
