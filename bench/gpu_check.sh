@@ -7,7 +7,7 @@
 # 4. runs the GPU benchmarks;
 # 5. writes a summary and the logs into RESULTS_DIR (default bench/results/gpu-<card>-<date>).
 # --quick (about 4 minutes): the build; the CUDA cases of the leaf-kernel, engine and norm tests;
-# memcheck of every kernel and racecheck of the fused leaf kernels; bench_gpu_leaves.py --quick.
+# memcheck of every kernel and racecheck of the leaf and engine kernels; bench_gpu_leaves.py --quick.
 # Each step is stopped after STEP_TIMEOUT seconds (default 600), so one hang cannot eat the lease.
 set -uo pipefail
 quick=false
@@ -51,7 +51,7 @@ if $quick; then
   step tests env PATHKERNELS_TEST_DEVICES=cuda $PYTHON -m pytest -q -rs --durations=5 $parallel \
     tests/test_fused_leaf.py tests/test_engine.py tests/test_norms.py -k "not compile"
   step sanitizer-memcheck "$SANITIZER" --tool memcheck --error-exitcode 1 $PYTHON bench/sanitizer_cases.py
-  step sanitizer-racecheck "$SANITIZER" --tool racecheck --error-exitcode 1 $PYTHON bench/sanitizer_cases.py leaves
+  step sanitizer-racecheck "$SANITIZER" --tool racecheck --error-exitcode 1 $PYTHON bench/sanitizer_cases.py leaves engine
   step bench-gpu-leaves $PYTHON bench/bench_gpu_leaves.py --quick --limit 60 --out "$out/gpu_leaves.json"
   logs="tests bench-gpu-leaves"
 else

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "paths/paths.h"
+#include "paths/scales.h"
 
 namespace pathkernels::engine {
 
@@ -121,50 +122,6 @@ ChildOperands child_operands(Backend& backend, const Network& net, int64_t layer
   return {parents.residual.reshape({n * c, m}).mm(w_v).mm(w_o).view({n, c, m}), mean.mm(w_v).mm(w_o), parents.scale};
 }
 
-// The renormalisation rule: a node whose largest |R'| is finite, nonzero and outside
-// [2^-32, 2^32] is divided by 2^e, e its frexp exponent (clamped so that 2^±e stays a normal
-// float32), and its scale multiplied by 2^e. Both are exact.
-constexpr double kRenormaliseBelow = 0x1p-32;
-constexpr double kRenormaliseAbove = 0x1p32;
-constexpr int kMaxRenormaliseExponent = 120;
-
-// 2^e for integer tensors e, built from the exponent bits: exact, unlike exp2 on some devices.
-// e must lie in the dtype's normal exponent range.
-inline at::Tensor power_of_two(const at::Tensor& e, at::ScalarType dtype) {
-  if (dtype == at::kFloat) {
-    return at::bitwise_left_shift(e.to(at::kInt) + 127, 23).view(at::kFloat);
-  }
-  TORCH_INTERNAL_ASSERT(dtype == at::kDouble);
-  return at::bitwise_left_shift(e.to(at::kLong) + 1023, 52).view(at::kDouble);
-}
-
-// The per-node steps of the scales as ATen ops, which run on any device without a host sync.
-// The CPU backend replaces them with loops over the block, which it holds in cache.
-struct AtenNodeSteps {
-  // mean + scale · shift per node: mean and shift [c, m] (T), scale [c] (float64). A scale below
-  // T's range makes its term 0: negligible against μ, the product's own column mean.
-  template <typename T>
-  at::Tensor add_scaled(const at::Tensor& mean, const at::Tensor& shift, const at::Tensor& scale) {
-    return at::addcmul(mean, shift, scale.to(shift.scalar_type()).unsqueeze(1));
-  }
-
-  // out.scale = parent_scale, then, with `renormalise`, the rule above applied to out.
-  template <typename T>
-  void carry_scales(const Nodes& out, const at::Tensor& parent_scale, bool renormalise) {
-    out.scale.copy_(parent_scale);
-    if (!renormalise) {
-      return;
-    }
-    const at::Tensor largest = at::linalg_vector_norm(out.residual, INFINITY, {0, 2});  // [c]
-    const at::Tensor outside =
-        at::isfinite(largest) & (largest > 0) & ((largest < kRenormaliseBelow) | (largest > kRenormaliseAbove));
-    const at::Tensor exponent = at::where(outside, std::get<1>(at::frexp(largest)), 0)
-                                    .clamp(-kMaxRenormaliseExponent, kMaxRenormaliseExponent);
-    out.residual.mul_(power_of_two(-exponent, out.residual.scalar_type()).unsqueeze(0).unsqueeze(2));
-    out.scale.mul_(power_of_two(exponent, at::kDouble));
-  }
-};
-
 // Children of `parents` through head `head` of layer `layer`, written to `out` (views of the next
 // level), renormalised where the tree carries scales. The skip branch copies.
 template <typename T, typename Backend>
@@ -236,7 +193,10 @@ bool fused_leaf_norms(Backend& backend, const Network& net, int64_t layer, int64
 //   workers(): how many distinct `worker` values fn may see,
 //   reduce<T>(leaves, residual, norm): the norms of the leaves (Nodes: R' [n, c, m], μ, s) into c
 //   outputs each,
-//   add_scaled<T> and carry_scales<T>: the per-node steps of the scales (AtenNodeSteps),
+//   add_scaled<T>(mean, shift, scale): mean + scale · shift per node ([c, m], scale [c] float64; a
+//   scale below T's range makes its term 0, negligible against μ, the product's own mean),
+//   carry_scales<T>(out, parent_scale, renormalise): out.scale = parent_scale, then, with
+//   `renormalise`, the rule of scales.h applied to each node of out, in place,
 // and, where kFusedLeaves, fuses_leaves(n) and fused_leaf_norms<T>(attn [n, n], operands, residual,
 // norm): the norms of the leaves C(A) · operands.right, computed without storing them.
 template <typename T, typename Backend>

@@ -5,7 +5,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -45,37 +44,22 @@ PATHKERNELS_MULTIVERSION void reduce_leaves(const T* leaves, int64_t n, int64_t 
   }
 }
 
-// The bits of |v| as an unsigned integer: ordered as |v| is, with every NaN above inf. Integer
-// maxima vectorise where floating-point ones (NaN rules) do not.
-template <typename T>
-using MagnitudeBits = std::conditional_t<sizeof(T) == 4, uint32_t, uint64_t>;
-
-template <typename T>
-inline MagnitudeBits<T> magnitude_bits(T v) {
-  constexpr MagnitudeBits<T> kSign = MagnitudeBits<T>(1) << (8 * sizeof(T) - 1);
-  return std::bit_cast<MagnitudeBits<T>>(v) & ~kSign;
-}
-
-// engine.h's renormalisation rule for one node R' ([n, m], row stride given), in place; returns
-// the factor 2^e its scale takes (1 when the node is left alone, as a node holding NaN or inf is).
+// scales.h's renormalisation rule for one node R' ([n, m], row stride given), in place; returns
+// the factor 2^e its scale takes (1 when the node is left alone).
 template <typename T>
 PATHKERNELS_MULTIVERSION double renormalise_node(T* x, int64_t n, int64_t m, int64_t row_stride) {
-  MagnitudeBits<T> largest_bits = 0;
+  scales::MagnitudeBits<T> largest_bits = 0;
   for (int64_t i = 0; i < n; ++i) {
     const T* row = x + i * row_stride;
     for (int64_t j = 0; j < m; ++j) {
-      largest_bits = std::max(largest_bits, magnitude_bits(row[j]));
+      largest_bits = std::max(largest_bits, scales::magnitude_bits(row[j]));
     }
   }
-  const T largest = std::bit_cast<T>(largest_bits);
-  if (!(largest > 0) || !std::isfinite(largest) ||
-      (largest >= engine::kRenormaliseBelow && largest <= engine::kRenormaliseAbove)) {
+  const int e = scales::renormalise_exponent(scales::from_magnitude_bits<T>(largest_bits));
+  if (e == 0) {
     return 1.0;
   }
-  int e = 0;
-  std::frexp(largest, &e);
-  e = std::clamp(e, -engine::kMaxRenormaliseExponent, engine::kMaxRenormaliseExponent);
-  const T factor = std::ldexp(T(1), -e);
+  const T factor = static_cast<T>(std::ldexp(1.0, -e));
   for (int64_t i = 0; i < n; ++i) {
     T* row = x + i * row_stride;
     for (int64_t j = 0; j < m; ++j) {
@@ -104,8 +88,8 @@ struct CpuBackend {
     });
   }
 
-  // engine::AtenNodeSteps' two steps as loops over a block the thread holds in cache: ATen calls on
-  // blocks of a few nodes cost more in dispatch than in work.
+  // The scales' two per-node steps (engine.h) as loops over a block the thread holds in cache: ATen
+  // calls on blocks of a few nodes cost more in dispatch than in work.
   template <typename T>
   at::Tensor add_scaled(const at::Tensor& mean, const at::Tensor& shift, const at::Tensor& scale) {
     TORCH_INTERNAL_ASSERT(mean.stride(1) == 1 && shift.is_contiguous() && scale.is_contiguous());

@@ -225,7 +225,67 @@ void fused_leaf_norms_into(const FusedLeafOperands& ops, double* residual, doubl
   launch_leaf_finish(finish, col_stats.const_data_ptr<A>(), row_stats.mutable_data_ptr<A>(), stream);
 }
 
-struct CudaBackend : engine::AtenNodeSteps {
+constexpr int kScaleThreads = 256;
+
+// Thread e owns element e = (k, j) of out [c, m]: mean[k, j] + T(scale[k]) · shift[k, j] (the
+// CPU backend's loop). A scale below T's range gives 0, as there.
+template <typename T>
+__global__ void add_scaled_kernel(const T* mean, int64_t mean_stride, const T* shift, const double* scale, T* out,
+                                  int64_t count, int64_t m) {
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (e >= count * m) {
+    return;
+  }
+  const int64_t k = e / m;
+  out[e] = mean[k * mean_stride + e % m] + static_cast<T>(scale[k]) * shift[e];
+}
+
+// Block k owns node k of `nodes` ([n, c, m]: row stride given, node stride m) and its scale:
+// scale[k] = parent[k], then, with `renormalise`, scales.h's rule: the block's largest |R'| (an
+// integer maximum of the magnitude bits, as on the CPU), then every element times 2^-e in place
+// and the scale times 2^e.
+template <typename T>
+__global__ void carry_scales_kernel(T* nodes, int64_t n, int64_t m, int64_t row_stride, const double* parent,
+                                    double* scale, bool renormalise) {
+  using Bits = scales::MagnitudeBits<T>;
+  __shared__ Bits warp_largest[kScaleThreads / kWarpSize];
+  __shared__ int exponent;
+  const int64_t k = blockIdx.x;
+  T* node = nodes + k * m;
+  if (!renormalise) {
+    if (threadIdx.x == 0) {
+      scale[k] = parent[k];
+    }
+    return;
+  }
+  Bits largest = 0;
+  for (int64_t e = threadIdx.x; e < n * m; e += blockDim.x) {
+    largest = max(largest, scales::magnitude_bits(node[(e / m) * row_stride + e % m]));
+  }
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    largest = max(largest, static_cast<Bits>(__shfl_down_sync(0xffffffffu, largest, offset)));
+  }
+  if (threadIdx.x % kWarpSize == 0) {
+    warp_largest[threadIdx.x / kWarpSize] = largest;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kScaleThreads / kWarpSize; ++w) {
+      largest = max(largest, warp_largest[w]);
+    }
+    exponent = scales::renormalise_exponent(scales::from_magnitude_bits<T>(largest));
+    scale[k] = parent[k] * ::ldexp(1.0, exponent);
+  }
+  __syncthreads();
+  if (exponent != 0) {
+    const T factor = static_cast<T>(::ldexp(1.0, -exponent));
+    for (int64_t e = threadIdx.x; e < n * m; e += blockDim.x) {
+      node[(e / m) * row_stride + e % m] *= factor;
+    }
+  }
+}
+
+struct CudaBackend {
   static constexpr bool kFusedLeaves = true;
 
   explicit CudaBackend(LeafKernel kernel) : kernel_(kernel) {}
@@ -243,6 +303,41 @@ struct CudaBackend : engine::AtenNodeSteps {
 
   int workers() const {
     return 1;
+  }
+
+  // The scales' two per-node steps (engine.h): one launch each, on the current stream, no host sync.
+  template <typename T>
+  at::Tensor add_scaled(const at::Tensor& mean, const at::Tensor& shift, const at::Tensor& scale) {
+    TORCH_INTERNAL_ASSERT(mean.stride(1) == 1 && shift.is_contiguous() && scale.is_contiguous() &&
+                          scale.scalar_type() == at::kDouble);
+    at::Tensor out = at::empty_like(shift);
+    const int64_t elements = shift.numel();
+    if (elements == 0) {
+      return out;
+    }
+    const int64_t blocks = (elements + kScaleThreads - 1) / kScaleThreads;
+    TORCH_CHECK_VALUE(blocks <= std::numeric_limits<int32_t>::max(), "pathkernels: too many nodes for one launch");
+    add_scaled_kernel<T><<<blocks, kScaleThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        mean.const_data_ptr<T>(), mean.stride(0), shift.const_data_ptr<T>(), scale.const_data_ptr<double>(),
+        out.mutable_data_ptr<T>(), shift.size(0), shift.size(1));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return out;
+  }
+
+  template <typename T>
+  void carry_scales(const engine::Nodes& out, const at::Tensor& parent_scale, bool renormalise) {
+    const at::Tensor& r = out.residual;
+    TORCH_INTERNAL_ASSERT(r.stride(2) == 1 && (r.size(1) <= 1 || r.stride(1) == r.size(2)) &&
+                          parent_scale.is_contiguous() && out.scale.is_contiguous());
+    const int64_t count = r.size(1);
+    if (count == 0) {
+      return;
+    }
+    TORCH_CHECK_VALUE(count <= std::numeric_limits<int32_t>::max(), "pathkernels: too many nodes for one launch");
+    carry_scales_kernel<T><<<count, kScaleThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        r.mutable_data_ptr<T>(), r.size(0), r.size(2), r.stride(0), parent_scale.const_data_ptr<double>(),
+        out.scale.mutable_data_ptr<double>(), renormalise);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 
   template <typename Fn>
