@@ -249,15 +249,28 @@ class PathStatistics:
             self._add_top(values["ratio"], lengths, lambda leaves: paths[leaves.to(paths.device)])
 
     def _add_top(self, ratio: Tensor, lengths: Tensor, paths_of: Callable[[Tensor], Tensor]) -> None:
+        """Merge the chunk's ratios ``[B, c]`` into the top ``top_k`` of each length. Only leaves
+        beating a length's smallest kept ratio (in some batch element) are candidates, so paths
+        are computed for few leaves once the top fills. A NaN ratio (0/0: a path whose product is
+        zero, e.g. through a pruned head) never enters, as it never becomes an extreme. Ties go to
+        the earlier leaf in the tree's order (a stable sort, the kept entries first)."""
         batch, layers = ratio.shape[0], self.num_layers
         for k in torch.unique(lengths).tolist():
-            chosen = lengths == k
-            values = torch.cat([self.top_values[:, k], ratio[:, chosen]], dim=1)  # [B, top_k + c_k]
-            chosen_paths = paths_of(chosen.nonzero().flatten()).to(ratio.device)
-            candidates = torch.cat([self.top_paths[:, k], chosen_paths.expand(batch, -1, -1)], dim=1)
-            best = values.topk(self.top_k, dim=1)
-            self.top_values[:, k] = best.values
-            self.top_paths[:, k] = candidates.gather(1, best.indices.unsqueeze(-1).expand(-1, -1, layers))
+            chosen = (lengths == k).nonzero().flatten()
+            values = ratio[:, chosen.to(ratio.device)]  # [B, c_k]
+            beats = values > self.top_values[:, k, -1:]  # the smallest kept: -inf until the top is full
+            candidates = beats.any(0)
+            if not bool(candidates.any()):
+                continue
+            values, beats = values[:, candidates], beats[:, candidates]
+            chosen_paths = paths_of(chosen[candidates.to(chosen.device)]).to(ratio.device)  # [c', L]
+            values = torch.where(beats, values, -math.inf)
+            paths = torch.where(beats.unsqueeze(-1), chosen_paths.expand(batch, -1, -1), _NO_PATH)
+            all_values = torch.cat([self.top_values[:, k], values], dim=1)  # [B, top_k + c']
+            all_paths = torch.cat([self.top_paths[:, k], paths], dim=1)
+            order = all_values.sort(dim=1, descending=True, stable=True).indices[:, : self.top_k]
+            self.top_values[:, k] = all_values.gather(1, order)
+            self.top_paths[:, k] = all_paths.gather(1, order.unsqueeze(-1).expand(-1, -1, layers))
 
     # --- reading -------------------------------------------------------------------------------
 

@@ -74,6 +74,38 @@ def test_statistics_equal_those_of_the_per_path_results(device, tree, budget):
                     assert float(result.ratio[b, i]) == value
 
 
+def test_top_paths_skip_zero_products_and_break_ties_by_leaf_order():
+    """A pruned head (W_O = 0) makes every path through it a zero product, ratio 0/0: such paths
+    must not take places among the top ratios. And where paths tie exactly (two identical heads in
+    every layer), the top holds the first of them in the tree's order."""
+    layers, heads, n, d = 3, 2, 5, 4
+    attn = random_attention(1, layers, 1, n, n, dtype=torch.float64).expand(-1, -1, heads, -1, -1)  # equal heads
+    x = torch.randn(1, n, d, dtype=torch.float64)
+    w_v = torch.randn(layers, 1, d, 2, dtype=torch.float64).expand(-1, heads, -1, -1).clone()
+    w_o = torch.randn(layers, 1, 2, d, dtype=torch.float64).expand(-1, heads, -1, -1).clone()
+    tree = pk.PathTree.complete(layers, heads, skip=True)
+    paths, lengths = tree.paths(), tree.paths().ne(-1).sum(1)
+    stats = pk.path_statistics(attn, tree, x=x, w_v=w_v, w_o=w_o, top_k=3)
+    ratio = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o).ratio[0]
+    for length in range(1, layers + 1):  # paths with the same skips tie exactly: 2^length of them each
+        of_length = (lengths == length).nonzero().flatten()
+        # Largest first, ties in the tree's order (a stable sort of the paths in that order).
+        expected = of_length[ratio[of_length].sort(descending=True, stable=True).indices[:3]]
+        assert len(set(ratio[of_length].tolist())) < len(of_length)  # ties do occur
+        assert [path for _, path in stats.top(3, length=length)] == paths[expected].tolist()
+    w_o[1, 0] = 0  # prune head 0 of layer 1
+    stats = pk.path_statistics(attn, tree, x=x, w_v=w_v, w_o=w_o, top_k=3)
+    result = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o)
+    through_pruned = paths[:, 1] == 0
+    assert bool(result.ratio[0, through_pruned].isnan().all())
+    for length in range(1, layers + 1):
+        alive = (lengths == length) & ~through_pruned
+        top = stats.top(3, length=length)
+        assert len(top) == min(3, int(alive.sum()))  # no place lost to a NaN
+        assert all(path[1] != 0 for _, path in top)
+        assert [value for value, _ in top] == result.ratio[0, alive].sort(descending=True).values[:3].tolist()
+
+
 def test_histograms_count_every_path_in_its_bin():
     attn = random_attention(1, 5, 3, 5, 5, dtype=torch.float64, temperature=0.3)
     tree = pk.PathTree.complete(5, 3, skip=True)
