@@ -350,6 +350,15 @@ def _widened(results: Tensor, dtype: torch.dtype, where: str) -> Tensor:
     return results.double()
 
 
+def chunk_norms(net: Network, operands: tuple, chunk, leaf_block: int, leaf_kernel: str) -> tuple[Tensor, Tensor]:
+    """The engine op on one chunk (:func:`pathkernels.ops.path_chunk_norms`): float64 residual and
+    norm ``[B, leaves]`` in the chunk's trie order; ``operands`` from :func:`engine_operands`."""
+    attn_centred, attn_mean, root, root_mean = operands
+    return ops.path_chunk_norms(
+        attn_centred, attn_mean, root, root_mean, net.w_v, net.w_o, chunk.parents, chunk.heads, leaf_block, leaf_kernel
+    )
+
+
 @torch.no_grad()
 def leaf_norms(
     net: Network, tree: PathTree, first: int, last: int, memory_budget: int, bar=None, *, leaf_kernel: str = "simt"
@@ -358,7 +367,7 @@ def leaf_norms(
     leaf order (``bar``: a progress bar to update and close). ``leaf_kernel``: the op's (see
     :func:`op_leaf_kernel`). Each is in attn's dtype, or float64 when a float32 value lies outside float32's
     range (:func:`engine_reports`)."""
-    attn_centred, attn_mean, root, root_mean = engine_operands(net)
+    operands = engine_operands(net)
     device = net.attn.device
     residual = torch.empty(net.attn.shape[0], last - first, dtype=net.attn.dtype, device=device)
     norm = torch.empty_like(residual)
@@ -366,18 +375,7 @@ def leaf_norms(
     warned = False
     try:
         for start, stop, chunk, leaf_block in chunks(tree, net, memory_budget, first, last):
-            chunk_residual, chunk_norm = ops.path_chunk_norms(
-                attn_centred,
-                attn_mean,
-                root,
-                root_mean,
-                net.w_v,
-                net.w_o,
-                chunk.parents,
-                chunk.heads,
-                leaf_block,
-                leaf_kernel,
-            )
+            chunk_residual, chunk_norm = chunk_norms(net, operands, chunk, leaf_block, leaf_kernel)
             leaf_position = _on_device(chunk.leaf_position, device, device_copies)
             chunk_residual = engine_reports(chunk_residual, net.attn.dtype)
             chunk_norm = engine_reports(chunk_norm, net.attn.dtype)

@@ -22,10 +22,17 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pathkernels import distributed, ops
+from pathkernels import distributed
 from pathkernels._progress import progress_bar
 from pathkernels.checks import check_masked_network, mask_group_inputs, unpack_stack
-from pathkernels.engine import check_inputs, engine_operands, engine_reports, op_leaf_kernel, warn_tiny_norms
+from pathkernels.engine import (
+    check_inputs,
+    chunk_norms,
+    engine_operands,
+    engine_reports,
+    op_leaf_kernel,
+    warn_tiny_norms,
+)
 from pathkernels.paths import SKIP, PathTree, check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET, chunks
 
@@ -701,7 +708,7 @@ def _stream(
         resumed = store.load()
         if resumed is not None:
             stats, reached = resumed[0].to(net.attn.device), resumed[1]
-    attn_centred, attn_mean, root, root_mean = engine_operands(net)
+    operands = engine_operands(net)
     bar = progress_bar(last - first, enabled=settings.progress, desc="pathkernels statistics")
     if bar is not None and reached > first:
         bar.update(reached - first)
@@ -716,18 +723,7 @@ def _stream(
                     continue
                 if start != reached:
                     raise RuntimeError(f"{where}: the checkpoint stops at leaf {reached:,}, inside a chunk")
-                residual, norm = ops.path_chunk_norms(
-                    attn_centred,
-                    attn_mean,
-                    root,
-                    root_mean,
-                    net.w_v,
-                    net.w_o,
-                    chunk.parents,
-                    chunk.heads,
-                    leaf_block,
-                    settings.leaf_kernel,
-                )
+                residual, norm = chunk_norms(net, operands, chunk, leaf_block, settings.leaf_kernel)
                 order = chunk.leaf_position.to(residual.device)
                 # The values path_residuals would report (float32-rounded where float32 holds them).
                 residual, norm = engine_reports(residual, net.attn.dtype), engine_reports(norm, net.attn.dtype)

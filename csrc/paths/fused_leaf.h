@@ -114,6 +114,17 @@ struct TileSums {
   A row[kRows][kThreadCols][kStats];
 };
 
+// A tile's shared memory: the GEMM's staged operands and the epilogue's partial sums are never live
+// at once, so they share it; the column means live beside them.
+template <typename Operands, typename A, int kRows>
+struct TileShared {
+  union {
+    Operands operands;
+    TileSums<A, kRows> sums;
+  };
+  A mean[kTileCols];
+};
+
 // The tile's column means μ (zero beyond the last column).
 template <typename T, typename A>
 C10_HOST_DEVICE inline void load_mean(const Params& p, A (&mean)[kTileCols], int tid, int64_t leaf, int64_t tile) {
@@ -213,18 +224,11 @@ struct Tile {
   static constexpr int kAttnPad = kVectorBytes / sizeof(T);
   static_assert(kRowsPerThread % kAttnPad == 0 && kColsPerThread % kAttnPad == 0, "vector reads");
 
-  // The GEMM's operands and the epilogue's partial sums are never live at once: they share memory.
   struct alignas(kVectorBytes) Operands {
     T attn[kTileDepth][kRows + kAttnPad];  // k-major
     T right[kTileDepth][kTileCols];
   };
-  struct Shared {
-    union {
-      Operands operands;
-      TileSums<A, kRows> sums;
-    };
-    A mean[kTileCols];
-  };
+  using Shared = TileShared<Operands, A, kRows>;
   struct Registers {
     T acc[kRowsPerThread][kColsPerThread];
   };

@@ -112,13 +112,7 @@ struct TensorTile {
     T attn[kParts][kTileDepth][kRows + kPad];  // k-major, split
     T right[kParts][kTileDepth][kTileCols + kPad];
   };
-  struct Shared {
-    union {
-      Operands operands;
-      TileSums<A, kRows> sums;
-    };
-    A mean[kTileCols];
-  };
+  using Shared = TileShared<Operands, A, kRows>;
   struct Registers {
     T acc[kRowBlocks][kWarpColBlocks][4];
   };
