@@ -34,6 +34,10 @@ TORCH_LIBRARY(pathkernels, m) {
   m.def(
       "_fused_leaf_norms(Tensor attn, Tensor right, Tensor mean, Tensor? scale=None, str kernel=\"simt\") "
       "-> (Tensor residual, Tensor norm)");
+  // The CPU engine's GEMM on its own (csrc/paths/gemm_cpu.h), for the tests: a [r, k] @ b [k, c],
+  // each element one chain of fused multiply-adds over k, whatever the shapes. isa: "auto",
+  // "avx512", "avx2" or "portable" (the kernels must agree bit for bit).
+  m.def("_engine_mm(Tensor a, Tensor b, str isa=\"auto\") -> Tensor");
   // pk.path_statistics' fold of one chunk of per-leaf results into its accumulators, in place
   // (CPU; csrc/paths/statistics_cpu.cpp documents the arguments). Other devices use torch ops.
   m.def(

@@ -82,6 +82,11 @@ def _fused_leaf_norms_fake(attn, right, mean, scale=None, kernel="simt"):
     return right.new_empty(right.shape[1], dtype=torch.float64), right.new_empty(right.shape[1], dtype=torch.float64)
 
 
+@torch.library.register_fake("pathkernels::_engine_mm")
+def _engine_mm_fake(a, b, isa="auto"):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
 # The autograd formula of norm_parts is registered in C++ (csrc/norms/norms_autograd.cpp).
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
 
@@ -36,6 +39,17 @@ def devices() -> list[str]:
     if wanted:
         found = [device for device in found if device in {w.strip() for w in wanted.split(",")}]
     return found
+
+
+@contextlib.contextmanager
+def num_threads(count: int) -> Iterator[None]:
+    """Run the block with ``torch.set_num_threads(count)``, restoring the previous count after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def has_tensor_cores(device) -> bool:

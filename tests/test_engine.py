@@ -22,6 +22,7 @@ from pathkernels.testing import (
     devices,
     float32_error_bound,
     has_tensor_cores,
+    num_threads,
     path_condition_numbers,
     random_attention,
     tolerance,
@@ -77,12 +78,61 @@ def test_matches_per_path_loop(device, kind, mode, dtype):
 
 @pytest.mark.filterwarnings("ignore:.*allows chunks of at most")
 def test_tiny_memory_budget_gives_the_same_results_in_many_chunks(device):
+    """Bit for bit on the CPU (its GEMM computes an element alike in any call); on CUDA cuBLAS picks
+    its algorithm by shape, so there the budget may move the last bits."""
     attn, x, w_v, w_o = (t.to(device) for t in network(2, 5, 3, 8, 6, 2))
     for tree in (pk.PathTree.complete(5, 3, skip=True), TREES["explicit"](5, 3)):
         big = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o)
         small = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, memory_budget=64 * 1024)
-        torch.testing.assert_close(small.residual, big.residual, rtol=1e-13, atol=0)
-        torch.testing.assert_close(small.norm, big.norm, rtol=1e-13, atol=0)
+        exact = {"rtol": 0, "atol": 0} if device == "cpu" else {"rtol": 1e-13, "atol": 0}
+        torch.testing.assert_close(small.residual, big.residual, **exact)
+        torch.testing.assert_close(small.norm, big.norm, **exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", ["products", "outputs"])
+def test_leaf_blocks_threads_and_chunks_change_no_bit_on_the_cpu(dtype, mode):
+    """The CPU engine's results are a function of the problem alone: forced leaf blocks (1 to a
+    whole level), 1, 2 and 3 threads, memory budgets from the minimum up, and the same paths
+    evaluated as one complete tree or as two shuffled halves give the same bits."""
+    from pathkernels.checks import check_network
+    from pathkernels.engine import engine_operands
+    from pathkernels.paths import build_trie_chunk
+    from pathkernels.planner import minimum_budget
+
+    attn, x, w_v, w_o = network(2, 4, 3, 9, *((7, 3) if mode == "outputs" else ()), dtype=dtype)
+    # Magnitudes over many binades, so that any change in the order of rounding would show.
+    attn = torch.softmax(attn.double().log() * 3, -1).to(dtype)
+    tree = pk.PathTree.complete(4, 3, skip=True)
+    chunk = build_trie_chunk(tree.paths())
+    operands = engine_operands(check_network(attn, x, w_v, w_o, "test"))
+    by_op, by_budget = [], []
+    for count in (1, 2, 3):
+        with num_threads(count):
+            for leaf_block in (1, 3, 7, 1 << 20):
+                by_op.append(
+                    torch.ops.pathkernels.path_chunk_norms(
+                        *operands, w_v, w_o, chunk.parents, chunk.heads, leaf_block, "simt"
+                    )
+                )
+            minimum = minimum_budget(check_network(attn, x, w_v, w_o, "test"))
+            for budget in (minimum, 3 * minimum, 1 << 16, 1 << 30):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)  # small budgets warn that they are slow
+                    result = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, memory_budget=budget)
+                by_budget.append((result.residual, result.norm))
+    for residual, norm in by_op[1:]:
+        assert torch.equal(residual, by_op[0][0]) and torch.equal(norm, by_op[0][1])
+    for residual, norm in by_budget[1:]:
+        assert torch.equal(residual, by_budget[0][0]) and torch.equal(norm, by_budget[0][1])
+    shuffled = tree.paths()[torch.randperm(tree.num_paths)]
+    halves = [pk.PathTree.from_paths(part, num_heads=3) for part in (shuffled[:100], shuffled[100:])]
+    whole = {tuple(p): i for i, p in enumerate(tree.paths().tolist())}
+    for half in halves:
+        result = pk.path_residuals(attn, half, x=x, w_v=w_v, w_o=w_o)
+        index = torch.tensor([whole[tuple(p)] for p in half.paths().tolist()])
+        assert torch.equal(result.residual, by_budget[0][0][:, index])
+        assert torch.equal(result.norm, by_budget[0][1][:, index])
 
 
 def test_chunks_cover_a_range_with_whole_subtrees_between_built_ends():

@@ -1,7 +1,8 @@
 // The path-tree engine, device-generic: one call evaluates one chunk of a path tree, breadth-
-// first. Every level is a handful of large GEMMs (one per block of nodes sharing a head, through
-// ATen: MKL/OpenBLAS on CPU, cuBLAS on CUDA), and the leaves are reduced to their norms block by
-// block by the backend (paths_cpu.cpp, paths_cuda.cu); no leaf matrix outlives its block.
+// first. Every level is a handful of large GEMMs (one per block of nodes sharing a head: cuBLAS on
+// CUDA, on CPU the engine's own kernel of gemm_cpu.h, whose elements do not depend on how the
+// nodes are blocked), and the leaves are reduced to their norms block by block by the backend
+// (paths_cpu.cpp, paths_cuda.cu); no leaf matrix outlives its block.
 //
 // What travels down the tree (docs/DESIGN.md §1): the residual R = C(P) (or C(P X W)), never the product,
 // so tiny residuals keep their relative precision; R_child = C(A) R_parent (W), with C(A) given.
@@ -102,6 +103,14 @@ struct ChildOperands {
   at::Tensor scale;
 };
 
+// a @ b in a new tensor, by the backend's products (Backend::matmul).
+template <typename Backend>
+at::Tensor product(Backend& backend, const at::Tensor& a, const at::Tensor& b) {
+  at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
+  backend.matmul(out, a, b, false);
+  return out;
+}
+
 template <typename T, typename Backend>
 ChildOperands child_operands(Backend& backend, const Network& net, int64_t layer, int64_t head, const Nodes& parents) {
   const int64_t n = parents.residual.size(0), c = parents.count(), m = parents.residual.size(2);
@@ -109,17 +118,21 @@ ChildOperands child_operands(Backend& backend, const Network& net, int64_t layer
   at::Tensor mean;
   if (net.renormalises) {
     // s R'ᵀ a per node: the GEMV on R', then each node's scale.
-    mean = backend.template add_scaled<T>(parents.mean, a.mm(parents.residual.flatten(1)).view({c, m}), parents.scale);
+    mean = backend.template add_scaled<T>(parents.mean, product(backend, a, parents.residual.flatten(1)).view({c, m}),
+                                          parents.scale);
   } else {
-    // s = 1: one GEMM with beta = 1 (one launch on CUDA), all c at once.
-    mean = at::addmm(parents.mean.reshape({1, c * m}), a, parents.residual.flatten(1)).view({c, m});
+    // s = 1: one GEMM that adds to a copy of μ_parent (one launch on CUDA), all c at once.
+    mean = parents.mean.reshape({1, c * m}).clone();
+    backend.matmul(mean, a, parents.residual.flatten(1), true);
+    mean = mean.view({c, m});
   }
   if (!net.w_v.has_value()) {
     return {parents.residual, mean, parents.scale};
   }
   const at::Tensor w_v = (*net.w_v)[layer][head];
   const at::Tensor w_o = (*net.w_o)[layer][head];
-  return {parents.residual.reshape({n * c, m}).mm(w_v).mm(w_o).view({n, c, m}), mean.mm(w_v).mm(w_o), parents.scale};
+  const at::Tensor right = product(backend, product(backend, parents.residual.reshape({n * c, m}), w_v), w_o);
+  return {right.view({n, c, m}), product(backend, product(backend, mean, w_v), w_o), parents.scale};
 }
 
 // Children of `parents` through head `head` of layer `layer`, written to `out` (views of the next
@@ -136,7 +149,7 @@ void children(Backend& backend, const Network& net, int64_t layer, int64_t head,
   const ChildOperands operands = child_operands<T>(backend, net, layer, head, parents);
   at::Tensor out_rows = out.residual.flatten(1);  // [n, c·m] with the level's row stride: a view, no copy
   TORCH_INTERNAL_ASSERT(out_rows.is_alias_of(out.residual));
-  at::mm_out(out_rows, net.attn[layer][head], operands.right.flatten(1));
+  backend.matmul(out_rows, net.attn[layer][head], operands.right.flatten(1), false);
   out.mean.copy_(operands.mean);
   backend.template carry_scales<T>(out, operands.scale, net.renormalises);
 }
@@ -149,7 +162,7 @@ Nodes leaf_children(Backend& backend, const Network& net, int64_t layer, int64_t
   const ChildOperands operands = child_operands<T>(backend, net, layer, head, parents);
   at::Tensor out_rows = out.residual.flatten(1);
   TORCH_INTERNAL_ASSERT(out_rows.is_alias_of(out.residual));
-  at::mm_out(out_rows, net.attn[layer][head], operands.right.flatten(1));
+  backend.matmul(out_rows, net.attn[layer][head], operands.right.flatten(1), false);
   out.mean.copy_(operands.mean);
   return {out.residual, out.mean, operands.scale};
 }
@@ -189,6 +202,8 @@ bool fused_leaf_norms(Backend& backend, const Network& net, int64_t layer, int64
 }
 
 // One chunk for one batch element, into residual and norm (float64, one per leaf). Backend provides
+//   matmul(out, a, b, accumulate): out = a @ b, or out += a @ b, for 2-D operands with unit column
+//   strides (out a view into a level, never overlapping a or b),
 //   for_each_block(count, fn): calls fn(block, worker) for every block (in parallel or not),
 //   workers(): how many distinct `worker` values fn may see,
 //   reduce<T>(leaves, residual, norm): the norms of the leaves (Nodes: R' [n, c, m], μ, s) into c

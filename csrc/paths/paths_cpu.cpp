@@ -1,6 +1,7 @@
 // CPU backend of the path-tree engine (engine.h): blocks of nodes run in parallel, one thread
-// per block with its own single-threaded GEMMs, and each leaf block is reduced in the same thread
-// while it is still in cache, with the vectorised paired pass of norm_passes_cpu.h.
+// per block with its own GEMMs (gemm_cpu.h: every element computed alike, whatever the block, the
+// thread or the budget), and each leaf block is reduced in the same thread while it is still in
+// cache, with the vectorised paired pass of norm_passes_cpu.h.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -11,6 +12,7 @@
 
 #include "norms/norm_passes_cpu.h"
 #include "paths/engine.h"
+#include "paths/gemm_cpu.h"
 
 namespace pathkernels {
 namespace {
@@ -76,6 +78,10 @@ struct CpuBackend {
 
   int workers() const {
     return at::get_num_threads();
+  }
+
+  void matmul(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+    cpu::mm_out(out, a, b, accumulate);
   }
 
   template <typename Fn>

@@ -305,6 +305,15 @@ struct CudaBackend {
     return 1;
   }
 
+  // cuBLAS, whose algorithm follows the shapes: bits may change with the leaf block (unlike the CPU's).
+  void matmul(at::Tensor out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+    if (accumulate) {
+      out.addmm_(a, b);
+    } else {
+      at::mm_out(out, a, b);
+    }
+  }
+
   // The scales' two per-node steps (engine.h): one launch each, on the current stream, no host sync.
   template <typename T>
   at::Tensor add_scaled(const at::Tensor& mean, const at::Tensor& shift, const at::Tensor& scale) {

@@ -1,0 +1,407 @@
+// The CPU engine's GEMM (gemm_cpu.h): register tiles of kRows × kVecs vectors over a packed panel
+// of B, written once with GCC vector extensions and compiled for AVX-512 and for AVX2 + FMA by the
+// target attributes of their entry points (the inline templates take the caller's target), with a
+// portable loop for every other CPU. The op `_engine_mm` exposes it to the tests.
+#include "paths/gemm_cpu.h"
+
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/checks.h"
+
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+#define PATHKERNELS_GEMM_X86 1
+#define PATHKERNELS_GEMM_INLINE inline __attribute__((always_inline))
+#else
+#define PATHKERNELS_GEMM_X86 0
+#define PATHKERNELS_GEMM_INLINE inline
+#endif
+
+namespace pathkernels::cpu {
+namespace {
+
+// The portable kernel: row i of C accumulates in `row` (cols), term by term, so that the compiler
+// may vectorise over j without changing any element's chain. kFused: std::fma per term, the rule
+// of the vector kernels; otherwise a multiply and an add (CPUs without FMA).
+template <typename T, bool kFused>
+void gemm_portable(int64_t rows, int64_t cols, int64_t depth, const T* a, int64_t lda, const T* b, int64_t ldb,
+                   T* c, int64_t ldc, bool accumulate) {
+  std::vector<T> row(static_cast<size_t>(cols));
+  for (int64_t i = 0; i < rows; ++i) {
+    std::fill(row.begin(), row.end(), T(0));
+    for (int64_t k = 0; k < depth; ++k) {
+      const T s = a[i * lda + k];
+      const T* bk = b + k * ldb;
+      for (int64_t j = 0; j < cols; ++j) {
+        if constexpr (kFused) {
+          row[j] = std::fma(s, bk[j], row[j]);
+        } else {
+          row[j] = s * bk[j] + row[j];
+        }
+      }
+    }
+    T* ci = c + i * ldc;
+    for (int64_t j = 0; j < cols; ++j) {
+      ci[j] = accumulate ? row[j] + ci[j] : row[j];
+    }
+  }
+}
+
+#if PATHKERNELS_GEMM_X86
+
+template <typename T, int kBytes>
+struct VectorOf {
+  typedef T type __attribute__((vector_size(kBytes)));
+};
+
+// One tile: rows i..i+kRows−1 of C over a panel of kWidth = kVecs · lanes columns, `cols` of them
+// real. The kRows × kVecs accumulators stay in registers for the whole depth; row r's scalar
+// A[r, k] is broadcast against the panel's row k. b: the panel's rows, ldb apart (the packed panel,
+// or B itself when its panel is whole).
+template <typename T, int kBytes, int kRows, int kVecs>
+PATHKERNELS_GEMM_INLINE void tile(int64_t depth, const T* a, int64_t lda, const T* b, int64_t ldb, T* c,
+                                  int64_t ldc, int64_t cols, bool accumulate) {
+  using V = typename VectorOf<T, kBytes>::type;
+  constexpr int64_t kLanes = kBytes / sizeof(T);
+  constexpr int64_t kWidth = kLanes * kVecs;
+  V acc[kRows][kVecs];
+#pragma GCC unroll 16
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) {
+      acc[r][v] = V{};
+    }
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    V bk[kVecs];
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) {
+      std::memcpy(&bk[v], b + k * ldb + v * kLanes, sizeof(V));
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < kRows; ++r) {
+      const T s = a[r * lda + k];
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) {
+        acc[r][v] = s * bk[v] + acc[r][v];  // contracted to one FMA on these targets
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < kRows; ++r) {
+    T* cr = c + r * ldc;
+    if (cols == kWidth) {
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) {
+        V out = acc[r][v];
+        if (accumulate) {
+          V old;
+          std::memcpy(&old, cr + v * kLanes, sizeof(V));
+          out = out + old;
+        }
+        std::memcpy(cr + v * kLanes, &out, sizeof(V));
+      }
+    } else {
+      T out[kWidth];
+      std::memcpy(out, acc[r], sizeof out);
+      for (int64_t j = 0; j < cols; ++j) {
+        cr[j] = accumulate ? out[j] + cr[j] : out[j];
+      }
+    }
+  }
+}
+
+// The last rows_left < kRows rows of a panel, with a tile of exactly that many rows.
+template <typename T, int kBytes, int kRows, int kVecs>
+PATHKERNELS_GEMM_INLINE void row_tail(int64_t rows_left, int64_t depth, const T* a, int64_t lda, const T* b,
+                                      int64_t ldb, T* c, int64_t ldc, int64_t cols, bool accumulate) {
+  if constexpr (kRows > 0) {
+    if (rows_left == kRows) {
+      tile<T, kBytes, kRows, kVecs>(depth, a, lda, b, ldb, c, ldc, cols, accumulate);
+    } else {
+      row_tail<T, kBytes, kRows - 1, kVecs>(rows_left, depth, a, lda, b, ldb, c, ldc, cols, accumulate);
+    }
+  }
+}
+
+// One panel of C: columns j..j+width−1 of every row, width ≤ kVecs · lanes. A panel that several
+// row tiles read is first packed into a contiguous buffer (B's rows lie a level apart in the engine,
+// which costs TLB and cache-set misses on every tile); a partial one is packed with zeros beyond
+// its columns, which no lane stores.
+template <typename T, int kBytes, int kRows, int kVecs>
+PATHKERNELS_GEMM_INLINE void gemm_panel(int64_t rows, int64_t width, int64_t depth, const T* a, int64_t lda,
+                                        const T* b, int64_t ldb, T* c, int64_t ldc, bool accumulate) {
+  constexpr int64_t kWidth = static_cast<int64_t>(kBytes / sizeof(T)) * kVecs;
+  thread_local std::vector<T> packed;
+  const T* panel = b;
+  int64_t panel_ld = ldb;
+  if (width < kWidth || rows > kRows) {
+    packed.resize(static_cast<size_t>(depth * kWidth));
+    for (int64_t k = 0; k < depth; ++k) {
+      T* dst = packed.data() + k * kWidth;
+      const T* src = b + k * ldb;
+      // The next panel's part of this row, requested now: depth rows far apart are more streams
+      // than the hardware prefetchers follow.
+      for (int64_t line = 0; line < kWidth * static_cast<int64_t>(sizeof(T)); line += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(src + kWidth) + line);
+      }
+      std::memcpy(dst, src, width * sizeof(T));
+      std::fill(dst + width, dst + kWidth, T(0));
+    }
+    panel = packed.data();
+    panel_ld = kWidth;
+  }
+  int64_t i = 0;
+  for (; i + kRows <= rows; i += kRows) {
+    tile<T, kBytes, kRows, kVecs>(depth, a + i * lda, lda, panel, panel_ld, c + i * ldc, ldc, width, accumulate);
+  }
+  row_tail<T, kBytes, kRows - 1, kVecs>(rows - i, depth, a + i * lda, lda, panel, panel_ld, c + i * ldc, ldc, width,
+                                        accumulate);
+}
+
+// The last columns of C, fewer than kVecs vectors' worth, in a panel of just enough vectors.
+template <typename T, int kBytes, int kRows, int kVecs>
+PATHKERNELS_GEMM_INLINE void last_panel(int64_t rows, int64_t width, int64_t depth, const T* a, int64_t lda,
+                                        const T* b, int64_t ldb, T* c, int64_t ldc, bool accumulate) {
+  constexpr int64_t kLanes = kBytes / sizeof(T);
+  if constexpr (kVecs > 0) {
+    if (width > (kVecs - 1) * kLanes) {
+      gemm_panel<T, kBytes, kRows, kVecs>(rows, width, depth, a, lda, b, ldb, c, ldc, accumulate);
+    } else {
+      last_panel<T, kBytes, kRows, kVecs - 1>(rows, width, depth, a, lda, b, ldb, c, ldc, accumulate);
+    }
+  }
+}
+
+// C by panels of kVecs vectors, then the remaining columns in a panel of fewer (narrow products,
+// such as the value maps' d_head columns, would waste most of a full panel).
+template <typename T, int kBytes, int kRows, int kVecs>
+PATHKERNELS_GEMM_INLINE void gemm_panels(int64_t rows, int64_t cols, int64_t depth, const T* a, int64_t lda,
+                                         const T* b, int64_t ldb, T* c, int64_t ldc, bool accumulate) {
+  constexpr int64_t kWidth = static_cast<int64_t>(kBytes / sizeof(T)) * kVecs;
+  int64_t j = 0;
+  for (; j + kWidth <= cols; j += kWidth) {
+    gemm_panel<T, kBytes, kRows, kVecs>(rows, kWidth, depth, a, lda, b + j, ldb, c + j, ldc, accumulate);
+  }
+  if (j < cols) {
+    last_panel<T, kBytes, kRows, kVecs>(rows, cols - j, depth, a, lda, b + j, ldb, c + j, ldc, accumulate);
+  }
+}
+
+// A product of one row (the column means' aᵀR) reads each element of B once, so it streams B's
+// rows: a chunk of the row's columns accumulates in L1, term by term in k, each element still one
+// chain. (Register tiles over panels read n rows of B at once and stalled the prefetchers.)
+template <typename T, int kBytes>
+PATHKERNELS_GEMM_INLINE void gemm_row(int64_t cols, int64_t depth, const T* a, const T* b, int64_t ldb, T* c,
+                                      bool accumulate) {
+  using V = typename VectorOf<T, kBytes>::type;
+  constexpr int64_t kLanes = kBytes / sizeof(T);
+  constexpr int64_t kChunk = 2048 / sizeof(T);
+  alignas(64) T acc[kChunk];
+  for (int64_t j = 0; j < cols; j += kChunk) {
+    const int64_t width = std::min(kChunk, cols - j);
+    const int64_t vectors = width / kLanes;
+    std::fill(acc, acc + width, T(0));
+    // Four rows of B per pass over the chunk: a vector's chain stays in a register for four terms.
+    int64_t k = 0;
+    for (; k + 4 <= depth; k += 4) {
+      const T* bk = b + k * ldb + j;
+      for (int64_t v = 0; v < vectors; ++v) {
+        V x0, x1, x2, x3, sum;
+        std::memcpy(&x0, bk + v * kLanes, sizeof(V));
+        std::memcpy(&x1, bk + ldb + v * kLanes, sizeof(V));
+        std::memcpy(&x2, bk + 2 * ldb + v * kLanes, sizeof(V));
+        std::memcpy(&x3, bk + 3 * ldb + v * kLanes, sizeof(V));
+        std::memcpy(&sum, acc + v * kLanes, sizeof(V));
+        sum = a[k] * x0 + sum;  // each contracted to one FMA, as in the tiles
+        sum = a[k + 1] * x1 + sum;
+        sum = a[k + 2] * x2 + sum;
+        sum = a[k + 3] * x3 + sum;
+        std::memcpy(acc + v * kLanes, &sum, sizeof(V));
+      }
+      for (int64_t jj = vectors * kLanes; jj < width; ++jj) {
+        for (int64_t kk = k; kk < k + 4; ++kk) {
+          acc[jj] = a[kk] * b[kk * ldb + j + jj] + acc[jj];
+        }
+      }
+    }
+    for (; k < depth; ++k) {
+      const T s = a[k];
+      const T* bk = b + k * ldb + j;
+      for (int64_t v = 0; v < vectors; ++v) {
+        V x, sum;
+        std::memcpy(&x, bk + v * kLanes, sizeof(V));
+        std::memcpy(&sum, acc + v * kLanes, sizeof(V));
+        sum = s * x + sum;
+        std::memcpy(acc + v * kLanes, &sum, sizeof(V));
+      }
+      for (int64_t jj = vectors * kLanes; jj < width; ++jj) {
+        acc[jj] = s * bk[jj] + acc[jj];
+      }
+    }
+    for (int64_t jj = 0; jj < width; ++jj) {
+      c[j + jj] = accumulate ? acc[jj] + c[j + jj] : acc[jj];
+    }
+  }
+}
+
+template <typename T, int kBytes, int kRows, int kVecs>
+PATHKERNELS_GEMM_INLINE void gemm_tiles(int64_t rows, int64_t cols, int64_t depth, const T* a, int64_t lda,
+                                        const T* b, int64_t ldb, T* c, int64_t ldc, bool accumulate) {
+  if (rows == 1) {
+    gemm_row<T, kBytes>(cols, depth, a, b, ldb, c, accumulate);
+  } else {
+    gemm_panels<T, kBytes, kRows, kVecs>(rows, cols, depth, a, lda, b, ldb, c, ldc, accumulate);
+  }
+}
+
+// Tiles of 8 rows × up to 3 vectors of 64 bytes: 24 of the 32 registers accumulate.
+template <typename T>
+__attribute__((target("avx512f,fma"))) void gemm_avx512(int64_t rows, int64_t cols, int64_t depth, const T* a,
+                                                          int64_t lda, const T* b, int64_t ldb, T* c, int64_t ldc,
+                                                          bool accumulate) {
+  gemm_tiles<T, 64, 8, 3>(rows, cols, depth, a, lda, b, ldb, c, ldc, accumulate);
+}
+
+// Tiles of 4 rows × up to 3 vectors of 32 bytes: 12 of the 16 registers accumulate.
+template <typename T>
+__attribute__((target("avx2,fma"))) void gemm_avx2(int64_t rows, int64_t cols, int64_t depth, const T* a,
+                                                    int64_t lda, const T* b, int64_t ldb, T* c, int64_t ldc,
+                                                    bool accumulate) {
+  gemm_tiles<T, 32, 4, 3>(rows, cols, depth, a, lda, b, ldb, c, ldc, accumulate);
+}
+
+bool cpu_has(GemmIsa isa) {
+  __builtin_cpu_init();
+  switch (isa) {
+    case GemmIsa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+    case GemmIsa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    default:
+      return true;
+  }
+}
+
+bool cpu_has_fma() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("fma");
+}
+
+#else
+
+bool cpu_has(GemmIsa isa) {
+  return isa == GemmIsa::kAuto || isa == GemmIsa::kPortable;
+}
+
+bool cpu_has_fma() {
+  return true;  // std::fma: the hardware's on every other CPU this builds for (aarch64, ppc64le, s390x)
+}
+
+#endif
+
+GemmIsa widest_isa() {
+  static const GemmIsa isa = cpu_has(GemmIsa::kAvx512) ? GemmIsa::kAvx512
+                             : cpu_has(GemmIsa::kAvx2) ? GemmIsa::kAvx2
+                                                       : GemmIsa::kPortable;
+  return isa;
+}
+
+}  // namespace
+
+GemmIsa parse_gemm_isa(c10::string_view name, const char* op) {
+  GemmIsa isa;
+  if (name == "auto") {
+    isa = GemmIsa::kAuto;
+  } else if (name == "avx512") {
+    isa = GemmIsa::kAvx512;
+  } else if (name == "avx2") {
+    isa = GemmIsa::kAvx2;
+  } else if (name == "portable") {
+    isa = GemmIsa::kPortable;
+  } else {
+    TORCH_CHECK_VALUE(false, op, ": expected isa in ('auto', 'avx512', 'avx2', 'portable'), got '", std::string(name),
+                      "'");
+  }
+  TORCH_CHECK_VALUE(cpu_has(isa), op, ": isa='", std::string(name), "' is not available on this CPU or build");
+  return isa;
+}
+
+template <typename T>
+void gemm(int64_t rows, int64_t cols, int64_t depth, const T* a, int64_t lda, const T* b, int64_t ldb, T* c,
+          int64_t ldc, bool accumulate, GemmIsa isa) {
+  if (rows == 0 || cols == 0) {
+    return;
+  }
+  if (isa == GemmIsa::kAuto) {
+    isa = widest_isa();
+  }
+#if PATHKERNELS_GEMM_X86
+  if (isa == GemmIsa::kAvx512) {
+    gemm_avx512<T>(rows, cols, depth, a, lda, b, ldb, c, ldc, accumulate);
+    return;
+  }
+  if (isa == GemmIsa::kAvx2) {
+    gemm_avx2<T>(rows, cols, depth, a, lda, b, ldb, c, ldc, accumulate);
+    return;
+  }
+#endif
+  static const bool fused = cpu_has_fma();
+  if (fused) {
+    gemm_portable<T, true>(rows, cols, depth, a, lda, b, ldb, c, ldc, accumulate);
+  } else {
+    gemm_portable<T, false>(rows, cols, depth, a, lda, b, ldb, c, ldc, accumulate);
+  }
+}
+
+template void gemm<float>(int64_t, int64_t, int64_t, const float*, int64_t, const float*, int64_t, float*, int64_t,
+                          bool, GemmIsa);
+template void gemm<double>(int64_t, int64_t, int64_t, const double*, int64_t, const double*, int64_t, double*,
+                           int64_t, bool, GemmIsa);
+
+void mm_out(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate, GemmIsa isa) {
+  constexpr const char* op = "pathkernels._engine_mm";
+  TORCH_CHECK_VALUE(a.dim() == 2 && b.dim() == 2 && out.dim() == 2 && a.size(1) == b.size(0) &&
+                        out.size(0) == a.size(0) && out.size(1) == b.size(1),
+                    op, ": expected a [r, k], b [k, c] and out [r, c], got ", shape_string(a.sizes()), ", ",
+                    shape_string(b.sizes()), " and ", shape_string(out.sizes()));
+  TORCH_CHECK_TYPE((a.scalar_type() == at::kFloat || a.scalar_type() == at::kDouble) &&
+                       b.scalar_type() == a.scalar_type() && out.scalar_type() == a.scalar_type(),
+                   op, ": expected a, b and out in one dtype, float32 or float64, got ", dtype_name(a.scalar_type()),
+                   ", ", dtype_name(b.scalar_type()), " and ", dtype_name(out.scalar_type()));
+  TORCH_CHECK_VALUE(a.device().is_cpu() && b.device().is_cpu() && out.device().is_cpu(), op,
+                    ": expected CPU tensors");
+  TORCH_INTERNAL_ASSERT(out.size(1) <= 1 || out.stride(1) == 1, op, ": out needs a unit column stride");
+  const at::Tensor a_rows = a.size(1) <= 1 || a.stride(1) == 1 ? a : a.contiguous();
+  const at::Tensor b_rows = b.size(1) <= 1 || b.stride(1) == 1 ? b : b.contiguous();
+  AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "_engine_mm", [&] {
+    gemm<scalar_t>(out.size(0), out.size(1), a.size(1), a_rows.const_data_ptr<scalar_t>(), a_rows.stride(0),
+                   b_rows.const_data_ptr<scalar_t>(), b_rows.stride(0), out.mutable_data_ptr<scalar_t>(),
+                   out.stride(0), accumulate, isa);
+  });
+}
+
+at::Tensor mm(const at::Tensor& a, const at::Tensor& b, GemmIsa isa) {
+  at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options());
+  mm_out(out, a, b, false, isa);
+  return out;
+}
+
+namespace {
+
+at::Tensor engine_mm_op(const at::Tensor& a, const at::Tensor& b, c10::string_view isa) {
+  return mm(a, b, parse_gemm_isa(isa, "pathkernels._engine_mm"));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(pathkernels, CPU, m) {
+  m.impl("_engine_mm", &engine_mm_op);
+}
+
+}  // namespace pathkernels::cpu
