@@ -68,3 +68,14 @@ def test_every_requested_cuda_architecture_reaches_cmake(monkeypatch, capsys):
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.x")
     with pytest.raises(SystemExit, match="cannot parse '9.x'"):
         layout["cuda_architectures"]()
+
+
+def test_the_package_carries_its_license_and_type_marker():
+    """A LICENSE that matches pyproject.toml's license, and py.typed for type checkers (PEP 561)."""
+    import importlib.resources
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    assert 'license = { text = "BSD-3-Clause" }' in (root / "pyproject.toml").read_text()
+    assert (root / "LICENSE").read_text().startswith("BSD 3-Clause License")
+    assert importlib.resources.files("pathkernels").joinpath("py.typed").is_file()
