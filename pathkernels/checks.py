@@ -14,9 +14,14 @@ from pathkernels import masking
 from pathkernels._extension import has_cuda_kernels
 from pathkernels.paths import PathTree
 
-# Largest |row sum − 1| accepted as row-stochastic, by the attention's dtype. Beyond it the
-# centring identity the engine relies on does not hold, and the inputs are refused.
-ROW_SUM_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4}
+# Largest |row sum − 1| accepted as row-stochastic, by the precision the attention was computed in.
+# Beyond it the centring identity the engine relies on does not hold, and the inputs are refused.
+# (A softmax rounded to a dtype of unit roundoff u sums to 1 within u: 1.1e-16, 6.0e-8, 4.9e-4 and
+# 3.9e-3 for these four.)
+ROW_SUM_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+# Inputs in these dtypes are computed in float32: path products of many layers leave their range.
+UPCAST = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
 
 @dataclass
@@ -28,6 +33,7 @@ class Network:
     w_v: Tensor | None  # [L, H, d, d_head]
     w_o: Tensor | None  # [L, H, d_head, d]
     batched: bool
+    precision: torch.dtype  # the dtype attn came in (float16 and bfloat16 are computed in float32)
 
     @property
     def width(self) -> int:
@@ -55,23 +61,34 @@ def check_finite(t: Tensor, name: str, where: str) -> None:
         raise ValueError(f"{where}: {name} has a non-finite value ({t[index].item()}) at index {list(index)}")
 
 
-def check_row_stochastic(attn: Tensor, where: str, *, batch_index: Tensor | None = None) -> None:
-    """Raise unless every row of ``attn [B, L, H, n, n]`` sums to 1 within its dtype's tolerance.
+def check_row_stochastic(
+    attn: Tensor,
+    where: str,
+    *,
+    batch_index: Tensor | None = None,
+    padded: bool = False,
+    precision: torch.dtype | None = None,
+) -> None:
+    """Raise unless every row of ``attn [B, L, H, n, n]`` sums to 1 within the tolerance of
+    ``precision``: the dtype the pattern was computed in (default attn's own).
 
-    ``batch_index [B]``: for attention restricted to one mask group's real tokens, the elements'
-    indices in the full batch (named in the message)."""
+    ``batch_index [B]``: for attention restricted to one mask group, the elements' indices in the
+    full batch (named in the message); ``padded``: the group's elements have padded tokens, so the
+    message says how the mask is to be honoured (and blames no mask otherwise)."""
+    precision = attn.dtype if precision is None else precision
     row_sums = attn.sum(-1, dtype=torch.float64)
     deviation = (row_sums - 1).abs()
-    bad = deviation > ROW_SUM_TOLERANCE.get(attn.dtype, 1e-2)
+    bad = deviation > ROW_SUM_TOLERANCE[precision]
     if bool(bad.any()):
         b, layer, h, i = first_index(bad)
         error = deviation.max().item()
-        if batch_index is not None:
+        b_full = b if batch_index is None else int(batch_index[b])
+        if padded:
             hint = (
                 "Restricted to the real tokens of token_mask, a real query's row must still sum to 1: its "
                 "attention must give padded keys zero weight (pass the model the same attention_mask)."
             )
-            element = f"real token {i} of batch element {int(batch_index[b])}"
+            element = f"real token {i} of batch element {b_full}"
         else:
             hint = (
                 "A lower-precision pattern cast up sums to 1 only to its own precision: renormalise the rows "
@@ -81,17 +98,40 @@ def check_row_stochastic(attn: Tensor, where: str, *, batch_index: Tensor | None
                 "token_mask (the attention_mask) for a padded batch, or drop those tokens, and take attention "
                 "in eval mode."
             )
-            element = f"row {i} of batch element {b}"
+            element = f"row {i} of batch element {b_full}"
+        computed = (
+            "" if precision == attn.dtype else f" (computed in {precision}: tolerance {ROW_SUM_TOLERANCE[precision]:g})"
+        )
         raise ValueError(
             f"{where}: attention rows must sum to 1 (the centring identity needs P·1 = 1), but {element}, layer "
-            f"{layer}, head {h} sums to {row_sums[b, layer, h, i].item():.9g}. {hint}"
+            f"{layer}, head {h} sums to {row_sums[b, layer, h, i].item():.9g}{computed}. {hint}"
         )
 
 
-def restricted_attention(attn: Tensor, group: masking.MaskGroup, where: str) -> Tensor:
-    """``attn [B, L, H, n, n]`` at one mask group's elements and real tokens, checked row-stochastic."""
+def renormalise_rows(attn: Tensor, token_mask: Tensor | None = None) -> Tensor:
+    """``attn [B, L, H, n, n]`` with each row divided by its sum (rows summing to 0 left as they are).
+
+    With ``token_mask [B, n]`` (bool) a real query's weights on padded keys are zeroed first, so that
+    its row sums to 1 on the real tokens. For patterns computed in a coarser dtype than they are
+    held in (a float32 softmax in a float64 model), after they were checked to that precision."""
+    if token_mask is not None:
+        padded_key_of_real_query = token_mask[:, None, None, :, None] & ~token_mask[:, None, None, None, :]
+        attn = attn.masked_fill(padded_key_of_real_query, 0)
+    sums = attn.sum(-1, keepdim=True)
+    return attn / torch.where(sums > 0, sums, torch.ones_like(sums))
+
+
+def restricted_attention(
+    attn: Tensor, group: masking.MaskGroup, where: str, *, precision: torch.dtype | None = None
+) -> Tensor:
+    """``attn [B, L, H, n, n]`` at one mask group's elements and real tokens, checked row-stochastic
+    to ``precision`` (the dtype it was computed in; default attn's own), and renormalised when that
+    is coarser than attn's dtype. A group without padding is checked as unmasked attention."""
     restricted = masking.restrict(attn, group, token_dims=(-2, -1))
-    check_row_stochastic(restricted, where, batch_index=group.batch)
+    padded = group.tokens.numel() < attn.shape[-1]
+    check_row_stochastic(restricted, where, batch_index=group.batch, padded=padded, precision=precision)
+    if precision is not None and precision != attn.dtype:
+        restricted = renormalise_rows(restricted)
     return restricted
 
 
@@ -102,7 +142,22 @@ def check_masked_network(attn, x, w_v, w_o, token_mask, where: str) -> tuple[Net
     net = check_network(attn, x, w_v, w_o, where, attn_values=False)
     batch, n = net.attn.shape[0], net.attn.shape[-1]
     mask = masking.check_token_mask(masking.batched_mask(token_mask, net.batched), batch, n, net.attn.device, where)
+    if mask is None and net.precision != net.attn.dtype:  # upcast: check and renormalise here, as unmasked
+        check_row_stochastic(net.attn, where, precision=net.precision)
+        net.attn = renormalise_rows(net.attn)
     return net, mask
+
+
+def validate_inputs(attn, x, w_v, w_o, token_mask, where: str) -> None:
+    """Every check :func:`check_masked_network` and :func:`mask_group_inputs` make, attn's values
+    included, for a function that hands its inputs on but names itself in the errors."""
+    net, mask = check_masked_network(attn, x, w_v, w_o, token_mask, where)
+    if mask is None:
+        check_finite(net.attn, "attn", where)
+        check_row_stochastic(net.attn, where, precision=net.precision)
+    else:  # padded tokens' values are not looked at
+        for _, _, restricted, _ in mask_group_inputs(net, mask, where):
+            check_finite(restricted, "attn", where)
 
 
 def mask_group_inputs(net: Network, mask: Tensor, where: str):
@@ -110,20 +165,26 @@ def mask_group_inputs(net: Network, mask: Tensor, where: str):
     to the group's elements and real tokens (attn checked row-stochastic there; x None if absent)."""
     for index, group in enumerate(masking.mask_groups(mask)):
         x = None if net.x is None else masking.restrict(net.x, group)
-        yield index, group, restricted_attention(net.attn, group, where), x
+        yield index, group, restricted_attention(net.attn, group, where, precision=net.precision), x
 
 
 def check_network(attn, x, w_v, w_o, where: str, *, attn_values: bool = True) -> Network:
     """Validate and batch the inputs; every message names the argument, the expected and the got.
 
     ``attn_values=False`` leaves attn's values unchecked (finite, rows summing to 1): with a token
-    mask they are checked on each mask group's real tokens (:func:`restricted_attention`)."""
+    mask they are checked on each mask group's real tokens (:func:`restricted_attention`).
+
+    float16 and bfloat16 inputs come back as float32: attn's rows checked to the tolerance of the
+    dtype it came in, then renormalised in float32 (``precision`` keeps the dtype it came in)."""
     if not isinstance(attn, Tensor):
         raise TypeError(f"{where}: expected attn to be a torch.Tensor, got {type(attn).__name__}")
     if attn.dim() not in (4, 5):
         raise ValueError(f"{where}: expected attn of shape [B, L, H, n, n] or [L, H, n, n], got {list(attn.shape)}")
     if attn.dtype not in ROW_SUM_TOLERANCE:
-        raise TypeError(f"{where}: expected attn to be float32 or float64, got {attn.dtype}")
+        raise TypeError(
+            f"{where}: expected attn to be float32 or float64 (float16 and bfloat16 are computed in float32), "
+            f"got {attn.dtype}"
+        )
     if attn.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{where}: expected attn on a CPU or CUDA device, got {attn.device}")
     batched = attn.dim() == 5
@@ -131,8 +192,7 @@ def check_network(attn, x, w_v, w_o, where: str, *, attn_values: bool = True) ->
     batch, layers, heads, n, n2 = attn.shape
     if n != n2 or n == 0:
         raise ValueError(f"{where}: expected square attention matrices [.., n, n] with n >= 1, got {list(attn.shape)}")
-    if batch == 0 or layers == 0 or heads == 0:
-        raise ValueError(f"{where}: expected non-empty B, L and H in attn, got {list(attn.shape)}")
+    check_nonempty_batch(attn, where)
     if (x is None) != (w_v is None) or (w_v is None) != (w_o is None):
         raise ValueError(f"{where}: pass x, w_v and w_o together (path outputs) or none of them (attention products)")
     tensors = {"attn": attn}
@@ -168,9 +228,24 @@ def check_network(attn, x, w_v, w_o, where: str, *, attn_values: bool = True) ->
             raise ValueError(f"{where}: expected {name} on attn's device {attn.device}, got {t.device}")
         if name != "attn" or attn_values:
             check_finite(t, name, where)
+    precision = attn.dtype
+    if precision in UPCAST:
+        attn, x, w_v, w_o = (None if t is None else t.to(UPCAST[precision]) for t in (attn, x, w_v, w_o))
     if attn_values:
-        check_row_stochastic(attn, where)
-    return Network(attn, x, w_v, w_o, batched)
+        check_row_stochastic(attn, where, precision=precision)
+        if precision != attn.dtype:
+            attn = renormalise_rows(attn)
+    return Network(attn, x, w_v, w_o, batched, precision)
+
+
+def check_nonempty_batch(attn: Tensor, where: str) -> None:
+    """Raise for attention ``[B, L, H, n, n]`` with no batch element, layer or head: nothing to
+    decompose, and every function that decomposes says so alike."""
+    if 0 in attn.shape[:3]:
+        raise ValueError(
+            f"{where}: expected at least one batch element, layer and head in attn [B, L, H, n, n], got "
+            f"{list(attn.shape)}"
+        )
 
 
 def check_tree(tree, net: Network, where: str) -> None:
@@ -194,18 +269,20 @@ def check_engine_device(device: torch.device, where: str) -> None:
         )
 
 
-def check_bias(b_o, net: Network, where: str) -> None:
+def check_bias(b_o, net: Network, where: str) -> Tensor:
+    """``b_o [L, d]`` checked against the network, in the network's compute dtype."""
     if not isinstance(b_o, Tensor):
         raise TypeError(f"{where}: expected b_o to be a torch.Tensor [L, d], got {type(b_o).__name__}")
     layers, d = net.attn.shape[1], net.x.shape[-1]
     if b_o.shape != (layers, d):
         raise ValueError(f"{where}: expected b_o of shape [L, d] = [{layers}, {d}], got {list(b_o.shape)}")
-    if b_o.dtype != net.attn.dtype or b_o.device != net.attn.device:
+    if b_o.dtype != net.precision or b_o.device != net.attn.device:
         raise TypeError(
-            f"{where}: expected b_o in attn's dtype {net.attn.dtype} on {net.attn.device}, got {b_o.dtype} on "
+            f"{where}: expected b_o in attn's dtype {net.precision} on {net.attn.device}, got {b_o.dtype} on "
             f"{b_o.device}"
         )
     check_finite(b_o, "b_o", where)
+    return b_o.to(net.attn.dtype)
 
 
 def unpack_stack(attn, x, w_v, w_o, token_mask):

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from pathkernels.checks import unpack_stack
+from pathkernels.checks import unpack_stack, validate_inputs
 from pathkernels.engine import PathResiduals, path_residuals
 from pathkernels.paths import (
     MAX_ENUMERATED_PATHS,
@@ -248,6 +248,7 @@ def decompose(
             f"{where}: expected attn of shape [B, L, H, n, n] or [L, H, n, n], got "
             f"{getattr(attn, 'shape', type(attn).__name__)}"
         )
+    validate_inputs(attn, x, w_v, w_o, token_mask, where)
     layers, heads = attn.shape[-4], attn.shape[-3]
     engine_options = {
         "x": x,

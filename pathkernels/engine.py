@@ -226,6 +226,8 @@ def _masked_path_residuals(attn, tree, x, token_mask, where: str, *, materialize
     """path_residuals of each batch element on its real tokens: one call per group of equal masks."""
     net, mask = check_masked_network(attn, x, kwargs.get("w_v"), kwargs.get("w_o"), token_mask, where)
     batched, attn, x = net.batched, net.attn, net.x
+    if x is not None:  # in the compute dtype (float16 and bfloat16 come up to float32)
+        kwargs.update(w_v=net.w_v, w_o=net.w_o)
     batch = attn.shape[0]
     if mask is not None and materialize:
         raise ValueError(

@@ -57,7 +57,7 @@ def length_sums(
     net = check_network(attn, x, w_v, w_o, where)
     layers = net.attn.shape[1]
     if b_o is not None:
-        check_bias(b_o, net, where)
+        b_o = check_bias(b_o, net, where)
     zero = torch.zeros_like(net.x)
     sums = [net.x] + [zero] * layers  # S_0 .. S_L, each [B, n, d]; out of place, so autograd can follow
     for layer in range(layers):
@@ -76,7 +76,9 @@ def length_sums(
 def _masked_length_sums(attn, x, w_v, w_o, b_o, skip: bool, token_mask, where: str) -> Tensor:
     """length_sums of each batch element on its real tokens, zeros on its padded rows."""
     net, mask = check_masked_network(attn, x, w_v, w_o, token_mask, where)
-    batched, attn, x = net.batched, net.attn, net.x
+    batched, attn, x, w_v, w_o = net.batched, net.attn, net.x, net.w_v, net.w_o
+    if b_o is not None:
+        b_o = check_bias(b_o, net, where)
     if mask is None:
         sums = length_sums(attn, x, w_v, w_o, b_o=b_o, skip=skip)
     else:

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from pathkernels import masking
-from pathkernels.checks import unpack_stack
+from pathkernels.checks import check_nonempty_batch, unpack_stack
 
 _FUSIONS = ("mean", "max", "min")
 
@@ -59,8 +59,7 @@ def rollout(
         raise ValueError(f"{where}: expected discard_ratio in [0, 1), got {discard_ratio}")
     batched = attn.dim() == 5
     attn = attn if batched else attn.unsqueeze(0)
-    if attn.shape[1] == 0 or attn.shape[2] == 0:
-        raise ValueError(f"{where}: expected at least one layer and one head, got shape {list(attn.shape)}")
+    check_nonempty_batch(attn, where)
     if bool((attn < 0).any()):
         raise ValueError(f"{where}: expected non-negative attention probabilities")
     if token_mask is not None:

@@ -665,6 +665,7 @@ def _masked_statistics(attn, tree: PathTree, x, token_mask, checkpoint, where: s
     """path_statistics of each batch element on its real tokens: one stream per group of equal
     masks, placed into the batch's rows."""
     net, mask = check_masked_network(attn, x, options["w_v"], options["w_o"], token_mask, where)
+    options = {**options, "w_v": net.w_v, "w_o": net.w_o}  # in the compute dtype
     if mask is None:
         return path_statistics(net.attn, tree, x=net.x, checkpoint=checkpoint, **options)
     out = None

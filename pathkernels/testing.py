@@ -157,3 +157,47 @@ def float32_error_bound(kappa: Tensor, num_layers: int, n: int, dtype: torch.dty
     accuracy you need, float32 suffices; otherwise compute in float64.
     """
     return kappa * (num_layers + 2) * n * UNIT_ROUNDOFF[dtype]
+
+
+def transformer_lens_major() -> int | None:
+    """The installed TransformerLens's major version (3 or 4), or None when it is not installed."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        import transformer_lens
+    except ImportError:
+        return None
+    try:
+        return int(version("transformer-lens").split(".")[0])
+    except PackageNotFoundError:  # a source tree on the path: 4.x removed HookedTransformer
+        return 3 if "HookedTransformer" in dir(transformer_lens) else 4
+
+
+def transformer_lens_attention_only(
+    *, n_layers=3, n_heads=4, d_model=16, d_head=4, n_ctx=8, d_vocab=20, dtype=torch.float64, **overrides
+):
+    """A randomly initialised attention-only TransformerLens model without normalisation, as users
+    of the installed version hold one: a ``HookedTransformer`` on 3.x, and on 4.x (which removed
+    it) a ``TransformerBridge`` over its native model (``TransformerBridge.boot_native``).
+    ``overrides`` are further config fields (e.g. ``n_key_value_heads``)."""
+    config = {
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+        "d_model": d_model,
+        "d_head": d_head,
+        "n_ctx": n_ctx,
+        "d_vocab": d_vocab,
+        "attn_only": True,
+        "normalization_type": None,
+        "act_fn": None,
+        "dtype": dtype,
+        **overrides,
+    }
+    if transformer_lens_major() == 3:
+        from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+        return HookedTransformer(HookedTransformerConfig(**config))
+    from transformer_lens.config import TransformerBridgeConfig
+    from transformer_lens.model_bridge import TransformerBridge
+
+    return TransformerBridge.boot_native(TransformerBridgeConfig(**config), dtype=dtype)

@@ -135,8 +135,11 @@ def test_huggingface_restores_the_users_settings():
 def test_huggingface_streams_one_layer_at_a_time():
     model, inputs = hf_case("llama")
     received = []
-    output = adapters.stream_huggingface_attention(model, lambda layer, attn: received.append((layer, attn)), **inputs)
+    keep = lambda layer, attn: received.append((layer, attn))  # noqa: E731
+    assert adapters.stream_huggingface_attention(model, keep, **inputs) is None  # nothing for a REPL to print
     assert [layer for layer, _ in received] == [0, 1]
+    received.clear()
+    output = adapters.stream_huggingface_attention(model, keep, return_output=True, **inputs)
     assert output.logits.shape == (2, 7, 50)
     stack = adapters.from_huggingface(model, **inputs)
     for layer, attn in received:
@@ -151,6 +154,85 @@ def test_huggingface_stack_feeds_the_engine(device):
     products = path_products_ref(stack.attn, result.paths.to(device), stack.residual_stream(0), stack.w_v, stack.w_o)
     torch.testing.assert_close(result.residual, residual_norm_ref(products))
     torch.testing.assert_close(result.norm, composite_norm_ref(products))
+
+
+def llama_style(model_type: str):
+    """A tiny float64 decoder of a family that takes its softmax in float32."""
+    config_class = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}[model_type]
+    config = getattr(transformers, config_class)(
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=32,
+        intermediate_size=64,
+        vocab_size=50,
+    )
+    return transformers.AutoModelForCausalLM.from_config(config).double()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "vit"])
+def test_float64_models_with_a_float32_softmax(family):
+    """Their rows sum to 1 only to ~1e-7: checked to float32's tolerance, renormalised in float64."""
+    if family == "vit":
+        model, inputs = hf_case("vit")
+        model = model.double()
+        inputs = {"pixel_values": inputs["pixel_values"].double()}
+    else:
+        model, inputs = llama_style(family), {"input_ids": torch.randint(0, 50, (2, 9))}
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    with torch.no_grad():
+        raw = torch.stack(reference.eval()(**inputs, output_attentions=True).attentions, dim=1)
+    assert float((raw.sum(-1) - 1).abs().max()) > 1e-12  # the premise: float32 rounding, not float64's
+    stack = adapters.from_huggingface(model, **inputs)
+    assert stack.attn.dtype == torch.float64 and stack.attn_precision == torch.float32
+    assert float((stack.attn.sum(-1, dtype=torch.float64) - 1).abs().max()) < 1e-14
+    torch.testing.assert_close(stack.attn, raw, rtol=1e-6, atol=1e-7)  # the model's own, to float32 precision
+    assert "softmax computed in torch.float32; rows renormalised in torch.float64" in repr(stack)
+    tree = pk.PathTree.complete(2, 4, skip=True)
+    result = stack.path_residuals(tree, x=stack.residual_stream(0))
+    products = path_products_ref(stack.attn, result.paths, stack.residual_stream(0), stack.w_v, stack.w_o)
+    torch.testing.assert_close(result.residual, residual_norm_ref(products), rtol=1e-10, atol=1e-12)
+
+
+def test_a_float32_softmax_is_still_checked():
+    """attn_precision widens the tolerance to float32's, no further: a row off by 1e-3 is refused."""
+    model, inputs = llama_style("llama"), {"input_ids": torch.randint(0, 50, (1, 6))}
+    stack = adapters.from_huggingface(model, **inputs)
+    attn = stack.attn.clone()
+    attn[0, 1, 2, 4] *= 1.001
+    with pytest.raises(ValueError, match=r"row 4 of batch element 0, layer 1, head 2 sums to 1\.00.*computed in "):
+        adapters.AttentionStack(attn, stack.w_v, stack.w_o, stack.b_o, attn_precision=torch.float32)
+    # Models that take the softmax in their own dtype keep float64's tolerance.
+    gpt2, inputs = hf_case("gpt2")
+    assert adapters.from_huggingface(gpt2.double(), **inputs).attn_precision is None
+
+
+def test_a_row_error_blames_the_mask_only_where_there_is_padding():
+    attn = torch.full((2, 1, 1, 4, 4), 0.25, dtype=torch.float64)
+    attn[1, 0, 0, :, 3] = 0.0  # element 1: its padded key gets no weight
+    attn[1, 0, 0, :, :3] = 1 / 3
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    w = torch.randn(1, 1, 3, 3, dtype=torch.float64)
+    unpadded = attn.clone()
+    unpadded[0, 0, 0, 2] += 1e-6  # element 0 has no padding: a cast's rounding, not the mask's fault
+    with pytest.raises(ValueError, match=r"row 2 of batch element 0, .* renormalise the rows") as error:
+        adapters.AttentionStack(unpadded, w, w, torch.zeros(1, 3, dtype=torch.float64), token_mask=mask)
+    assert "token_mask" not in str(error.value)
+    padded = attn.clone()
+    padded[1, 0, 0, 1] = torch.tensor([0.3, 0.3, 0.3, 0.1])  # real query 1 gives its padded key weight
+    with pytest.raises(ValueError, match=r"real token 1 of batch element 1, .* Restricted to the real tokens"):
+        adapters.AttentionStack(padded, w, w, torch.zeros(1, 3, dtype=torch.float64), token_mask=mask)
+
+
+def test_an_empty_batch_is_refused_before_the_model_runs():
+    model, _ = hf_case("gpt2")
+    for name, value in (("input_ids", torch.zeros(0, 5, dtype=torch.long)), ("pixel_values", torch.zeros(0, 3, 4, 4))):
+        message = rf"from_huggingface: expected at least one batch element and one token in {name}, got \[0, "
+        with pytest.raises(ValueError, match=message):
+            adapters.from_huggingface(model, **{name: value})
+    with pytest.raises(ValueError, match=r"one token in input_ids, got \[1, 0\]"):
+        adapters.stream_huggingface_attention(model, print, input_ids=torch.zeros(1, 0, dtype=torch.long))
 
 
 def test_huggingface_bad_input():

@@ -409,9 +409,9 @@ def with_nan():
             "expected attn to be float32 or float64",
         ),
         (
-            bad_call(attn=torch.full((2, 3, 2, 4, 4), 0.25, dtype=torch.float16)),
+            bad_call(attn=torch.full((2, 3, 2, 4, 4), 0.25, dtype=torch.complex64)),
             TypeError,
-            "float32 or float64, got torch.float16",
+            r"float32 or float64 \(float16 and bfloat16 are computed in float32\), got torch.complex64",
         ),
         (
             bad_call(x=torch.rand(2, 5, 3, dtype=torch.float64)),

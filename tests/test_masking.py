@@ -13,8 +13,9 @@ transformers = pytest.importorskip("transformers")
 LENGTHS = [7, 4, 4, 5]  # two elements share a mask: one group of two
 
 
-def gpt2_padded_batch(padding_side: str):
-    """A tiny GPT-2, a padded batch of LENGTHS and each sequence on its own (float64 stacks)."""
+def gpt2_padded_batch(padding_side: str, pass_positions: bool = True):
+    """A tiny GPT-2, a padded batch of LENGTHS and each sequence on its own (float64 stacks). Without
+    ``pass_positions`` the adapter derives the left-padded sequences' positions from the mask."""
     model = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_layer=2, n_head=3, n_embd=24, vocab_size=50, n_positions=16)
     )
@@ -30,14 +31,16 @@ def gpt2_padded_batch(padding_side: str):
         real = slice(n - len(sequence), n) if padding_side == "left" else slice(0, len(sequence))
         ids[b, real], mask[b, real] = sequence, 1
     positions = (mask.cumsum(-1) - 1).clamp_min(0)  # each sequence sees the positions it has alone
-    padded = adapters.from_huggingface(model, input_ids=ids, attention_mask=mask, position_ids=positions)
+    extra = {"position_ids": positions} if pass_positions else {}
+    padded = adapters.from_huggingface(model, input_ids=ids, attention_mask=mask, **extra)
     alone = [adapters.from_huggingface(model, input_ids=sequence[None]).to(torch.float64) for sequence in sequences]
     return padded.to(torch.float64), alone, mask.bool()
 
 
+@pytest.mark.parametrize("pass_positions", [True, False], ids=["position_ids", "derived"])
 @pytest.mark.parametrize("padding_side", ["left", "right"])
-def test_padded_gpt2_batch_matches_each_sequence_alone(padding_side):
-    padded, alone, mask = gpt2_padded_batch(padding_side)
+def test_padded_gpt2_batch_matches_each_sequence_alone(padding_side, pass_positions):
+    padded, alone, mask = gpt2_padded_batch(padding_side, pass_positions)
     assert torch.equal(padded.token_mask, mask)
     close = {"rtol": 1e-5, "atol": 1e-6}  # the float32 model computes each sequence in another batch
     tree = pk.PathTree.complete(2, 3, skip=True)

@@ -65,7 +65,11 @@ def test_discard_ratio_zeroes_the_smallest_off_diagonal_entries():
         ({"attn": torch.ones(1, 1, 2, 2), "discard_ratio": 1.0}, ValueError, r"discard_ratio in \[0, 1\)"),
         ({"attn": -torch.ones(1, 1, 2, 2)}, ValueError, "non-negative"),
         ({"attn": torch.zeros(1, 1, 2, 2), "residual": False}, ValueError, "sums to 0"),
-        ({"attn": torch.ones(0, 1, 2, 2)}, ValueError, "at least one layer and one head"),
+        (
+            {"attn": torch.ones(0, 1, 2, 2)},
+            ValueError,
+            r"expected at least one batch element, layer and head in attn \[B, L, H, n, n\], got \[1, 0, 1, 2, 2\]",
+        ),
     ],
 )
 def test_bad_input(kwargs, error, message):

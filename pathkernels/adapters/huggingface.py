@@ -110,18 +110,27 @@ def _llama_layers(model, config) -> list[_AttentionLayer]:
     ]
 
 
-_FAMILIES: dict[str, Callable] = {
-    "gpt2": _gpt2_layers,
-    "bert": _bert_layers,
-    "roberta": _bert_layers,
-    "vit": _vit_layers,
-    "llama": _llama_layers,
-    "mistral": _llama_layers,
-    "qwen2": _llama_layers,
+@dataclass(frozen=True)
+class _Family:
+    """What the adapter needs to know of one model family."""
+
+    layers: Callable  # (model, config) -> list[_AttentionLayer]
+    softmax_in_float32: bool  # its eager attention takes the softmax in float32 whatever the model's dtype
+    zero_based_positions: bool  # position_ids default to 0..n-1 (a left-padded sequence's must start at 0)
+
+
+_FAMILIES: dict[str, _Family] = {
+    "gpt2": _Family(_gpt2_layers, softmax_in_float32=False, zero_based_positions=True),
+    "bert": _Family(_bert_layers, softmax_in_float32=False, zero_based_positions=True),
+    "roberta": _Family(_bert_layers, softmax_in_float32=False, zero_based_positions=False),  # from input_ids
+    "vit": _Family(_vit_layers, softmax_in_float32=True, zero_based_positions=False),
+    "llama": _Family(_llama_layers, softmax_in_float32=True, zero_based_positions=True),
+    "mistral": _Family(_llama_layers, softmax_in_float32=True, zero_based_positions=True),
+    "qwen2": _Family(_llama_layers, softmax_in_float32=True, zero_based_positions=True),
 }
 
 
-def _attention_layers(model) -> list[_AttentionLayer]:
+def _family(model) -> _Family:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in _FAMILIES:
@@ -129,7 +138,35 @@ def _attention_layers(model) -> list[_AttentionLayer]:
             f"{_WHERE}: expected a transformers model of type {sorted(_FAMILIES)}, got "
             f"{type(model).__name__} (model_type {model_type!r})"
         )
-    return _FAMILIES[model_type](model, config)
+    return _FAMILIES[model_type]
+
+
+def _attention_layers(model) -> list[_AttentionLayer]:
+    return _family(model).layers(model, model.config)
+
+
+def _prepared_inputs(model, inputs: dict) -> dict:
+    """``inputs`` checked for an empty batch, with ``position_ids`` derived from a left-padded
+    ``attention_mask`` when the caller gave none (as ``generate`` does): each real token's position
+    is the number of real tokens before it, so a left-padded sequence sees the positions it has
+    alone. Families whose positions do not start at 0 (RoBERTa) or are not token positions (ViT)
+    are left as they are."""
+    for name in ("input_ids", "inputs_embeds", "pixel_values", "attention_mask"):
+        value = inputs.get(name)
+        if isinstance(value, Tensor) and value.dim() >= 2 and 0 in value.shape[:2]:
+            raise ValueError(
+                f"{_WHERE}: expected at least one batch element and one token in {name}, got {list(value.shape)}"
+            )
+    mask = inputs.get("attention_mask")
+    if inputs.get("position_ids") is not None or not isinstance(mask, Tensor) or mask.dim() != 2:
+        return inputs
+    real = mask != 0
+    real_after = real.flip(-1).cummax(-1).values.flip(-1)  # a real token here or later in the row
+    left_padded = bool((~real & real_after).any())
+    if not (left_padded and _family(model).zero_based_positions):
+        return inputs
+    positions = real.long().cumsum(-1) - 1
+    return {**inputs, "position_ids": positions.masked_fill(~real, 1)}
 
 
 def _value_output(layer: _AttentionLayer) -> tuple[Tensor, Tensor, Tensor]:
@@ -173,20 +210,25 @@ def _eager_eval(model):
             set_implementation(original)
 
 
-def stream_huggingface_attention(model: nn.Module, callback: Callable[[int, Tensor], None], **inputs):
+def stream_huggingface_attention(
+    model: nn.Module, callback: Callable[[int, Tensor], None], *, return_output: bool = False, **inputs
+):
     """Run ``model(**inputs)`` and hand each layer's attention to ``callback`` as soon as it exists.
 
     ``callback(layer, attn)`` gets ``attn [B, H, n, n]`` (detached) during the forward pass, layer
     by layer, so long inputs never hold all L layers at once. Runs under ``torch.no_grad()``, in
-    eval mode and with eager attention (both restored after).
+    eval mode and with eager attention (both restored after). A left-padded ``attention_mask``
+    without ``position_ids`` gets positions derived from the mask, as in :func:`from_huggingface`.
 
     Returns:
-        The model's output.
+        None, or with ``return_output=True`` the model's output (logits and all, which a REPL
+        would otherwise print in full).
 
     Raises:
-        RuntimeError: if some layer produced no attention weights.
+        RuntimeError: if some layer produced no attention weights. ValueError: an empty batch.
     """
-    return _stream(model, _attention_layers(model), callback, inputs)
+    output = _stream(model, _attention_layers(model), callback, _prepared_inputs(model, inputs))
+    return output if return_output else None
 
 
 def _stream(model: nn.Module, layers: list[_AttentionLayer], callback: Callable[[int, Tensor], None], inputs: dict):
@@ -229,8 +271,15 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
     A padded batch passes its ``attention_mask [B, n]`` (1 = a real token) among the inputs, and
     the stack carries it as ``token_mask``: the engine, the metrics and rollout then evaluate each
     sequence on its real tokens only. (Padded queries get rows that sum to 1 too, GPT-2 spreading
-    them over every position, so without the mask they would count as tokens.) With left padding,
-    pass ``position_ids`` as well if each sequence should see the positions it has alone.
+    them over every position, so without the mask they would count as tokens.) With left padding
+    and no ``position_ids``, the positions are derived from the mask as ``generate`` does (a real
+    token's position is the number of real tokens before it), so that each sequence sees the
+    positions it has alone; RoBERTa derives its own from the padding tokens, and ViT has none.
+
+    Llama, Mistral, Qwen2 and ViT take the softmax in float32 even in a float64 model, so their
+    rows sum to 1 only to ~1e-7 there: the stack then checks them to float32's tolerance,
+    renormalises them in float64 and records ``attn_precision=torch.float32`` (its ``repr`` says
+    so).
 
     Returns:
         :class:`AttentionStack` with ``attn [B, L, H, n, n]``, ``w_v [L, H, d, d_head]``,
@@ -239,13 +288,14 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
         (before any residual add or normalisation) is ``attn[:, l, h] @ X_l @ w_v[l, h] @ w_o[l, h]``,
         with ``X_l`` the attention module's input.
     """
-    layers = _attention_layers(model)
+    family = _family(model)
+    layers = family.layers(model, model.config)
     patterns: list[Tensor | None] = [None] * len(layers)
 
     def keep(index: int, attn: Tensor) -> None:
         patterns[index] = attn
 
-    output = _stream(model, layers, keep, {**inputs, "output_hidden_states": True})
+    output = _stream(model, layers, keep, {**_prepared_inputs(model, inputs), "output_hidden_states": True})
     with torch.no_grad():  # stacking copies, so the stack does not alias or track the parameters
         w_v, w_o, b_o = (torch.stack(per_layer) for per_layer in zip(*(_value_output(layer) for layer in layers)))
     hidden = getattr(output, "hidden_states", None)
@@ -256,14 +306,17 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
             f"{_WHERE}: expected attention_mask of shape [B, n] (1 = a real token) to carry as the "
             f"stack's token_mask, got {list(token_mask.shape)}"
         )
+    attn = torch.stack(patterns, dim=1)
+    float32_softmax = family.softmax_in_float32 and torch.finfo(attn.dtype).eps < torch.finfo(torch.float32).eps
     return AttentionStack(
-        attn=torch.stack(patterns, dim=1),
+        attn=attn,
         w_v=w_v,
         w_o=w_o,
         b_o=b_o,
         hidden_states=hidden,
         source=f"huggingface:{model.config.model_type}",
         token_mask=token_mask,
+        attn_precision=torch.float32 if float32_softmax else None,
     )
 
 

@@ -9,7 +9,13 @@ import torch
 from torch import Tensor
 
 from pathkernels import masking
-from pathkernels.checks import check_row_stochastic, restricted_attention
+from pathkernels.checks import (
+    ROW_SUM_TOLERANCE,
+    check_nonempty_batch,
+    check_row_stochastic,
+    renormalise_rows,
+    restricted_attention,
+)
 from pathkernels.engine import PathResiduals, path_residuals
 from pathkernels.length_sums import length_sums
 from pathkernels.paths import SKIP, PathTree
@@ -33,6 +39,10 @@ class AttentionStack:
         hidden_states: ``[L+1, B, n, d]`` as the source reports them (for Hugging Face, the
             model's ``hidden_states``), or None.
         source: where it came from, e.g. ``"huggingface:gpt2"``.
+        attn_precision: the dtype the patterns were computed in, when coarser than attn's own (Llama,
+            Mistral, Qwen2 and ViT take their softmax in float32 even in a float64 model), or None.
+            The rows are then checked to that precision at construction and renormalised in attn's
+            dtype, so that they sum to 1 to its precision; ``repr`` says so.
         token_mask: ``[B, n]`` bool, True at real tokens (a padded batch's ``attention_mask``), or
             None when every token is real. :func:`pathkernels.path_residuals`,
             :func:`pathkernels.decompose`, :func:`pathkernels.rollout`, :meth:`length_sums` and the
@@ -40,7 +50,8 @@ class AttentionStack:
 
     Raises:
         ValueError: at construction, if an attention row of a real token, restricted to the real
-            tokens, does not sum to 1 (to the dtype's precision).
+            tokens, does not sum to 1 (to the precision it was computed in), or attn has no batch
+            element, layer or head.
     """
 
     attn: Tensor
@@ -50,19 +61,30 @@ class AttentionStack:
     hidden_states: Tensor | None = None
     source: str = ""
     token_mask: Tensor | None = None
+    attn_precision: torch.dtype | None = None
 
     def __post_init__(self):
         where = f"pathkernels.AttentionStack from {self.source or 'the caller'}"
         if self.attn.dim() != 5:
             raise ValueError(f"{where}: expected attn of shape [B, L, H, n, n], got {list(self.attn.shape)}")
+        check_nonempty_batch(self.attn, where)
         self.token_mask = masking.check_token_mask(
             self.token_mask, self.attn.shape[0], self.attn.shape[-1], self.attn.device, where
         )
+        if self.attn_precision == self.attn.dtype:
+            self.attn_precision = None
+        if self.attn_precision is not None and self.attn_precision not in ROW_SUM_TOLERANCE:
+            raise ValueError(
+                f"{where}: expected attn_precision to be one of {sorted(map(str, ROW_SUM_TOLERANCE))} or None, "
+                f"got {self.attn_precision}"
+            )
         if self.token_mask is None:
-            check_row_stochastic(self.attn, where)
+            check_row_stochastic(self.attn, where, precision=self.attn_precision)
         else:
             for group in masking.mask_groups(self.token_mask):
-                restricted_attention(self.attn, group, where)
+                restricted_attention(self.attn, group, where, precision=self.attn_precision)
+        if self.attn_precision is not None:
+            self.attn = renormalise_rows(self.attn, self.token_mask)
         layers, heads = self.attn.shape[1], self.attn.shape[2]
         if self.w_v.shape[:2] != (layers, heads) or self.w_o.shape[:2] != (layers, heads):
             raise ValueError(
@@ -101,8 +123,14 @@ class AttentionStack:
             f"AttentionStack(source={self.source or 'the caller'!r},\n"
             f"  attn={list(self.attn.shape)} [B, L, H, n, n], w_v={list(self.w_v.shape)}, w_o={list(self.w_o.shape)}, "
             f"b_o={list(self.b_o.shape)},\n"
-            f"  hidden_states={hidden}, token_mask={mask}, dtype={self.attn.dtype}, device={self.attn.device})"
+            f"  hidden_states={hidden}, token_mask={mask}, dtype={self.attn.dtype}{self._precision_note()}, "
+            f"device={self.attn.device})"
         )
+
+    def _precision_note(self) -> str:
+        if self.attn_precision is None:
+            return ""
+        return f" (softmax computed in {self.attn_precision}; rows renormalised in {self.attn.dtype})"
 
     def head_labels(self) -> list[str]:
         """``["L0H0", "L0H1", …]``: TransformerLens's labels, layer-major."""
@@ -169,13 +197,15 @@ class AttentionStack:
     def to(self, *args, **kwargs) -> AttentionStack:
         """A copy with every tensor moved or cast like ``Tensor.to``.
 
-        A cast renormalises the attention rows in the new dtype: float32 patterns cast to float64
-        sum to 1 only to ~1e-7, and the centring identity needs row sums of 1 to the new precision.
+        A cast to a finer dtype keeps the precision the patterns were computed in as
+        ``attn_precision``, so their rows are renormalised in the new dtype: float32 patterns cast
+        to float64 sum to 1 only to ~1e-7, and the centring identity needs row sums of 1 to the new
+        precision.
         """
         hidden = None if self.hidden_states is None else self.hidden_states.to(*args, **kwargs)
         attn = self.attn.to(*args, **kwargs)
-        if attn.dtype != self.attn.dtype:
-            attn = attn / attn.sum(-1, keepdim=True)
+        computed_in = self.attn_precision or self.attn.dtype
+        coarser = torch.finfo(computed_in).eps > torch.finfo(attn.dtype).eps
         mask = None if self.token_mask is None else self.token_mask.to(device=attn.device)
         return replace(
             self,
@@ -185,6 +215,7 @@ class AttentionStack:
             b_o=self.b_o.to(*args, **kwargs),
             hidden_states=hidden,
             token_mask=mask,
+            attn_precision=computed_in if coarser else None,
         )
 
 
