@@ -9,9 +9,14 @@ TORCH_CPU_PIN := torch==2.13.0
 BUILD_TOOLS := scikit-build-core>=0.10 pybind11>=2.12 cmake>=3.27 ninja
 ANALYSIS_TOOLS := pandas matplotlib tqdm
 # Only the tests need these (the adapters' oracle tests build models from configs). transformer-lens
-# 3.x still has HookedTransformer; 4.0 removed it. It pulls in wandb, datasets and pyarrow, so the
-# demo's set-up leaves it out.
+# 3.x still has HookedTransformer; 4.0 removed it (TransformerBridge remains). The tests run against
+# both: 3.x in the environment, and 4.x beside it in $(TL4_DIR) (its dependencies are a subset of
+# 3.x's, so --no-deps), where tests/test_transformer_lens_versions.py runs the adapter tests again.
+# It pulls in wandb, datasets and pyarrow, so the demo's set-up leaves it out.
 TEST_TOOLS := pytest hypothesis transformers>=5.9 transformer-lens>=3.9,<4
+TL4_PIN := transformer-lens>=4,<5
+TL4_DIR := build/transformer-lens-4
+INSTALL_TL4 = rm -rf $(TL4_DIR) && $(PY) -m pip install --quiet --no-deps --target $(TL4_DIR) "$(TL4_PIN)"
 
 ifeq ($(strip $(PYTHON)),)
 # Our own environment: install everything it needs. numpy comes before torch, which would otherwise
@@ -77,6 +82,8 @@ $(STAMPS)/env: pyproject.toml | $(VENV)
 $(STAMPS)/test-env: $(STAMPS)/env
 	@echo "== installing the test packages (pytest, hypothesis, transformers, transformer-lens: a few minutes the first time)"
 	@$(INSTALL_TEST_TOOLS)
+	@echo "== installing $(TL4_PIN) beside it, into $(TL4_DIR), for the adapter tests against 4.x"
+	@$(INSTALL_TL4) || echo "note: $(TL4_PIN) not installed; the tests against it will be skipped"
 	@touch $@
 
 $(STAMPS)/built: $(STAMPS)/env $(SOURCES)

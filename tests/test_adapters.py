@@ -5,6 +5,7 @@ Each extracted map is checked against the model's own computation: a layer's att
 """
 
 import copy
+import os
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from pathkernels.reference import (
     path_products_ref,
     residual_norm_ref,
 )
+from pathkernels.testing import transformer_lens_attention_only, transformer_lens_major
 
 transformers = pytest.importorskip("transformers")
 
@@ -247,32 +249,20 @@ def test_huggingface_bad_input():
 # --- TransformerLens ----------------------------------------------------------------------------
 
 
-def hooked_transformer(**overrides):
+def attention_only(**overrides):
+    """TransformerLens and an attention-only model of the installed version (3.x: HookedTransformer,
+    4.x: a TransformerBridge over its native model), float64, no normalisation."""
     tl = pytest.importorskip("transformer_lens")
-    try:
-        from transformer_lens import HookedTransformer, HookedTransformerConfig
-    except ImportError:
-        pytest.skip("this transformer_lens has no HookedTransformer (removed in 4.0)")
-    config = {
-        "n_layers": 3,
-        "d_model": 16,
-        "n_ctx": 8,
-        "d_head": 4,
-        "n_heads": 4,
-        "attn_only": True,
-        "normalization_type": None,
-        "d_vocab": 20,
-        "act_fn": None,
-        "dtype": torch.float64,
-    }
-    config.update(overrides)
-    return tl, HookedTransformer(HookedTransformerConfig(**config))
+    expected = os.environ.get("PATHKERNELS_EXPECT_TRANSFORMER_LENS")
+    if expected:  # the 4.x run of these tests must not fall back on another version
+        assert transformer_lens_major() == int(expected), f"expected TransformerLens {expected}.x, got {tl.__file__}"
+    return tl, transformer_lens_attention_only(**overrides)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_transformer_lens_path_sum_is_the_residual_stream():
     """Attention-only, no normalisation, zero biases: Σ over all paths = the final residual stream."""
-    _, model = hooked_transformer()
+    _, model = attention_only()
     tokens = torch.randint(0, 20, (2, 8))
     stack = adapters.from_transformer_lens(model, tokens)
     assert stack.attn.shape == (2, 3, 4, 8, 8) and stack.hidden_states.shape == (4, 2, 8, 16)
@@ -286,7 +276,7 @@ def test_transformer_lens_path_sum_is_the_residual_stream():
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_transformer_lens_with_biases_sums_to_the_residual_stream():
     """Random b_V and b_O: the bias paths close the sum (they are left out with biases=False)."""
-    _, model = hooked_transformer()
+    _, model = attention_only()
     randomise_biases(model)
     tokens = torch.randint(0, 20, (2, 8))
     stack = adapters.from_transformer_lens(model, tokens)
@@ -328,7 +318,7 @@ def test_gpt2_attention_sublayers_are_their_length_sums():
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("kv_heads", [None, 2])
 def test_transformer_lens_maps_and_folded_biases(kv_heads):
-    tl, model = hooked_transformer(n_key_value_heads=kv_heads) if kv_heads else hooked_transformer()
+    tl, model = attention_only(n_key_value_heads=kv_heads) if kv_heads else attention_only()
     randomise_biases(model)
     tokens = torch.randint(0, 20, (2, 8))
     _, cache = model.run_with_cache(tokens)
@@ -351,21 +341,54 @@ def test_transformer_lens_maps_and_folded_biases(kv_heads):
         stack.w_path([1, -1])
 
 
-def test_transformer_bridge_matches_huggingface(tmp_path):
-    pytest.importorskip("transformer_lens")
+def bridge_over(model, folder, dtype=torch.float32):
+    """A TransformerBridge over a Hugging Face model saved to ``folder`` with a word-level tokenizer
+    of its vocabulary (nothing downloaded). The bridge wraps ``model``'s own modules."""
     try:
         from transformer_lens.model_bridge import TransformerBridge
     except ImportError:
         pytest.skip("this transformer_lens has no TransformerBridge")
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size - 1)} | {"[UNK]": model.config.vocab_size - 1}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", bos_token="t1", eos_token="t2", pad_token="t3"
+    )
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return TransformerBridge.boot_transformers(str(folder), hf_model=model, dtype=dtype)
+
+
+def test_transformer_bridge_matches_huggingface(tmp_path):
+    pytest.importorskip("transformer_lens")
     model, inputs = hf_case("gpt2")
     original = copy.deepcopy(model)  # the bridge wraps the modules of the model it is given
-    model.save_pretrained(tmp_path)
-    bridge = TransformerBridge.boot_transformers(str(tmp_path), hf_model=model)
+    bridge = bridge_over(model, tmp_path)
     from_bridge = adapters.from_transformer_lens(bridge, inputs["input_ids"])
     from_hf = adapters.from_huggingface(original, **inputs)
     torch.testing.assert_close(from_bridge.attn, from_hf.attn)
     for name in ("w_v", "w_o", "b_o"):
         torch.testing.assert_close(getattr(from_bridge, name), getattr(from_hf, name))
+
+
+def test_transformer_bridge_over_a_float64_llama(tmp_path):
+    """No attention biases, grouped-query heads and a float32 softmax in a float64 model: the bridge
+    gives what the Hugging Face adapter gives, float32 softmax recorded and renormalised alike."""
+    pytest.importorskip("transformer_lens")
+    model = llama_style("llama")
+    original = copy.deepcopy(model)
+    bridge = bridge_over(model, tmp_path, dtype=torch.float64)
+    ids = torch.randint(0, 50, (2, 7))
+    from_bridge = adapters.from_transformer_lens(bridge, ids)
+    from_hf = adapters.from_huggingface(original, input_ids=ids)
+    assert from_bridge.attn_precision == from_hf.attn_precision == torch.float32
+    assert from_bridge.w_v.shape == (2, 4, 32, 8) and not bool(from_bridge.b_o.any())
+    for name in ("attn", "w_v", "w_o", "b_o"):
+        torch.testing.assert_close(getattr(from_bridge, name), getattr(from_hf, name), rtol=1e-12, atol=1e-12)
+    # Hugging Face's last hidden state is after the final norm; TransformerLens's resid_post before it.
+    torch.testing.assert_close(from_bridge.hidden_states[:-1], from_hf.hidden_states[:-1], rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"expected at least one batch element and one token in tokens, got \[0, 3\]"):
+        adapters.from_transformer_lens(bridge, torch.zeros(0, 3, dtype=torch.long))
 
 
 def test_transformer_lens_bad_input():

@@ -6,7 +6,7 @@ import torch
 
 import pathkernels as pk
 from pathkernels import adapters
-from pathkernels.testing import padded_network, random_attention
+from pathkernels.testing import padded_network, random_attention, transformer_lens_attention_only
 
 transformers = pytest.importorskip("transformers")
 
@@ -147,23 +147,8 @@ def test_bad_masks_are_refused_clearly():
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_padded_transformer_lens_batch_matches_each_sequence_alone():
-    try:
-        from transformer_lens import HookedTransformer, HookedTransformerConfig
-    except ImportError:
-        pytest.skip("transformer_lens with HookedTransformer is not installed")
-    config = HookedTransformerConfig(
-        n_layers=2,
-        n_heads=2,
-        d_model=16,
-        d_head=8,
-        n_ctx=16,
-        d_vocab=30,
-        attn_only=True,
-        normalization_type=None,
-        act_fn=None,
-        dtype=torch.float64,
-    )
-    model = HookedTransformer(config)
+    pytest.importorskip("transformer_lens")
+    model = transformer_lens_attention_only(n_layers=2, n_heads=2, d_model=16, d_head=8, n_ctx=16, d_vocab=30)
     ids = torch.randint(1, 30, (2, 6))
     mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])  # right padding: the positions are those of the sequence alone
     padded = adapters.from_transformer_lens(model, ids, attention_mask=mask)

@@ -25,9 +25,20 @@ def test_the_readme_has_python_blocks():
 def test_readme_python_blocks_run_in_order_in_a_fresh_interpreter(tmp_path):
     for module in ("pandas", "matplotlib", "transformers", "transformer_lens"):
         pytest.importorskip(module)
-    script = "\n\n".join(
-        f"# --- README block {i}\n{block}" for i, block in enumerate(python_blocks()) if not block.startswith(NOT_RUN)
-    )
+    run_blocks([block for block in python_blocks() if not block.startswith(NOT_RUN)], tmp_path)
+
+
+def test_readme_transformer_lens_blocks_run_alone(tmp_path):
+    """The TransformerLens example on its own (tests/test_transformer_lens_versions.py runs this
+    against 4.x too)."""
+    pytest.importorskip("transformer_lens")
+    blocks = [block for block in python_blocks() if "transformer_lens" in block]
+    assert blocks
+    run_blocks(blocks, tmp_path)
+
+
+def run_blocks(blocks: list[str], tmp_path) -> None:
+    script = "\n\n".join(f"# --- README block {i}\n{block}" for i, block in enumerate(blocks))
     path = tmp_path / "readme_blocks.py"
     path.write_text(script)
     env = {**os.environ, "MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1"}

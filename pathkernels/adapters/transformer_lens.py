@@ -1,9 +1,12 @@
-"""TransformerLens: patterns from the activation cache, ``W_V``/``W_O`` from the model.
+"""TransformerLens 3.x and 4.x: patterns from the activation cache, ``W_V``/``W_O`` from the model.
 
-Works with a ``HookedTransformer`` and, where installed, a ``TransformerBridge``: both expose
-``run_with_cache``, ``cfg.n_layers`` and the stacked ``W_V [L, H, d, d_head]``, ``W_O [L, H,
-d_head, d]``, ``b_V [L, H, d_head]`` and ``b_O [L, d]`` (grouped-query models already repeat their
-key/value heads there). Hook names are TransformerLens's: ``blocks.{l}.attn.hook_pattern``,
+Works with what users of either version hold: a 3.x ``HookedTransformer``, and a
+``TransformerBridge`` (4.x's only model class, also in late 3.x), whether it wraps a Hugging Face
+model (``boot_transformers``) or 4.x's own native model (``boot_native``, e.g. an attention-only
+one). All expose ``run_with_cache``, ``cfg.n_layers`` and the stacked ``W_V [L, H_kv, d, d_head]``,
+``W_O [L, H, d_head, d]``, ``b_V [L, H_kv, d_head]`` and ``b_O [L, d]``; where a grouped-query
+model keeps one value head per group (``H_kv < H``, as 4.x's bridges do), each is repeated for the
+query heads that share it. Hook names are TransformerLens's: ``blocks.{l}.attn.hook_pattern``,
 ``blocks.{l}.hook_resid_pre`` and ``blocks.{L-1}.hook_resid_post``.
 """
 
@@ -26,6 +29,41 @@ def _hook_names(num_layers: int) -> list[str]:
     return names + [f"blocks.{num_layers - 1}.hook_resid_post"]
 
 
+def _per_query_head(t: torch.Tensor, heads: int, name: str) -> torch.Tensor:
+    """``t [L, H_kv, ...]`` with each key/value head repeated for the ``heads // H_kv`` query heads
+    that share it (query head h reads key/value head ``h // (heads / H_kv)``, as TransformerLens and
+    Hugging Face order them)."""
+    kv_heads = t.shape[1]
+    if kv_heads == heads:
+        return t
+    if heads % kv_heads:
+        raise ValueError(f"{_WHERE}: {name} has {kv_heads} heads, which do not divide the {heads} attention heads")
+    return t.repeat_interleave(heads // kv_heads, dim=1)
+
+
+def _bias(model, name: str) -> torch.Tensor | None:
+    """``model.b_V`` or ``model.b_O`` detached, or None for a model without that bias (a bridge over
+    a Hugging Face model without attention biases, such as Llama, fails to stack them)."""
+    try:
+        bias = getattr(model, name)
+    except (AttributeError, TypeError):
+        return None
+    return None if bias is None else bias.detach()
+
+
+def _softmax_precision(model, attn_dtype: torch.dtype) -> torch.dtype | None:
+    """float32 for a bridge over a Hugging Face model whose family takes the softmax in float32,
+    when the patterns are held in float64 (see :func:`from_huggingface`); None otherwise."""
+    from pathkernels.adapters.huggingface import _FAMILIES
+
+    original = model.__dict__.get("original_model") if hasattr(model, "__dict__") else None
+    model_type = getattr(getattr(original, "config", None), "model_type", None)
+    family = _FAMILIES.get(model_type)
+    if family is None or not family.softmax_in_float32:
+        return None
+    return torch.float32 if torch.finfo(attn_dtype).eps < torch.finfo(torch.float32).eps else None
+
+
 def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -> AttentionStack:
     """Attention patterns, per-head value-output maps and the residual stream from TransformerLens.
 
@@ -46,7 +84,8 @@ def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -
         ``transformer_lens.FactoredMatrix(*stack.w_path(path))`` is a path's ``W_path``.
 
     Raises:
-        ValueError: if an attention row does not sum to 1 (padding, or a cache made in training mode).
+        ValueError: if an attention row does not sum to 1 (padding, or a cache made in training mode),
+            or tokens hold no batch element or no token.
     """
     if _is_cache(model_or_cache):
         if tokens is not None:
@@ -61,6 +100,10 @@ def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -
             )
         if tokens is None:
             raise ValueError(f"{_WHERE}: expected tokens to run the model on")
+        if isinstance(tokens, torch.Tensor) and (tokens.dim() == 0 or 0 in tokens.shape):
+            raise ValueError(
+                f"{_WHERE}: expected at least one batch element and one token in tokens, got {list(tokens.shape)}"
+            )
         wanted = set(_hook_names(model.cfg.n_layers))
         was_training = model.training
         model.eval()  # a TransformerBridge wraps an HF model whose attention dropout would act
@@ -85,11 +128,21 @@ def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -
         hidden = torch.stack(
             [cache[name] if cache[name].dim() == 3 else cache[name].unsqueeze(0) for name in residual_names]
         )
-    with torch.no_grad():
-        w_v, w_o = model.W_V.detach().clone(), model.W_O.detach().clone()
-        b_v, b_out = model.b_V.detach(), model.b_O.detach()
-        b_o = torch.stack([fold_value_bias(b_v[layer], w_o[layer], b_out[layer]) for layer in range(num_layers)])
     attn = torch.stack(patterns, dim=1).detach()
+    heads = attn.shape[2]
+    with torch.no_grad():
+        w_v = _per_query_head(model.W_V.detach(), heads, "W_V").clone()
+        w_o = model.W_O.detach().clone()
+        b_v, b_out = _bias(model, "b_V"), _bias(model, "b_O")
+        b_v = None if b_v is None else _per_query_head(b_v, heads, "b_V")
+        b_o = torch.stack(
+            [
+                fold_value_bias(
+                    None if b_v is None else b_v[layer], w_o[layer], None if b_out is None else b_out[layer]
+                )
+                for layer in range(num_layers)
+            ]
+        )
     return AttentionStack(
         attn=attn,
         w_v=w_v,
@@ -98,4 +151,5 @@ def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -
         hidden_states=None if hidden is None else hidden.detach(),
         source=f"transformer_lens:{type(model).__name__}",
         token_mask=attention_mask,
+        attn_precision=_softmax_precision(model, attn.dtype),
     )
