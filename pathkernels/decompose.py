@@ -97,33 +97,44 @@ class PathDecomposition:
     def by_length(self):
         """A pandas DataFrame, one row per path length k that has paths.
 
-        Columns: ``length``, ``path_count`` (exact, a Python int), ``evaluated``, ``exact`` (every
-        path of that length evaluated), and statistics of the residual ratio (averaged over the
-        batch) over the evaluated paths of that length: ``mean``, ``stderr`` (0 where exact;
-        ``std/sqrt(n) · sqrt(1 − n/count)`` when sampled without replacement), ``median``,
-        ``q10``, ``q90``, ``min``, ``max`` and ``log10_mean`` (the mean of log10 ratio).
+        Columns: ``length``, ``path_count`` (exact, a Python int), ``evaluated`` (paths), ``exact``
+        (every path of that length evaluated), then statistics of the residual ratio over every
+        (batch element, evaluated path) pair of that length, pooled: ``mean``, ``stderr`` (0
+        where exact; else ``s/sqrt(n) · sqrt(1 − n/count)``, s the standard deviation of the
+        paths' batch means, since paths are what is sampled), ``median``, ``q10``, ``q90``,
+        ``min`` and ``max`` (NaN ratios, 0/0, left out of these two), ``zeros`` (pairs whose ratio
+        is exactly 0: below float64's range, or a path whose rows are all equal) and
+        ``log10_mean`` (the mean of log10 ratio over the other pairs). The streamed table of
+        :meth:`PathStatistics.by_length` has these columns with the same definitions, its median
+        and quantiles read from a histogram.
         """
         pd = _require("pandas")
-        ratio = self.path_ratio()
+        ratio = self.results.ratio.cpu()  # [B, M]
+        path_means = self.path_ratio()
         rows = []
         for k, count in enumerate(self.path_counts):
             if count == 0:
                 continue
-            values = ratio[self.lengths == k]
-            evaluated = values.numel()
+            chosen = self.lengths == k
+            values = ratio[:, chosen].flatten()
+            evaluated = int(chosen.sum())
             exact = evaluated >= count  # sampled paths are distinct, so this means all of them
             row = {"length": k, "path_count": count, "evaluated": evaluated, "exact": exact}
             if evaluated:
-                std = values.std(correction=1).item() if evaluated > 1 else float("nan")
+                means = path_means[chosen]
+                std = means.std(correction=1).item() if evaluated > 1 else float("nan")
+                numbers = values[~values.isnan()]
+                nonzero = values[values != 0]
                 row.update(
                     mean=values.mean().item(),
                     stderr=0.0 if exact else std / math.sqrt(evaluated) * math.sqrt(1 - evaluated / count),
                     median=values.median().item(),
                     q10=values.quantile(0.1).item(),
                     q90=values.quantile(0.9).item(),
-                    min=values.min().item(),
-                    max=values.max().item(),
-                    log10_mean=values.clamp_min(1e-300).log10().mean().item(),
+                    min=numbers.min().item() if numbers.numel() else math.nan,
+                    max=numbers.max().item() if numbers.numel() else math.nan,
+                    zeros=int((values == 0).sum()),
+                    log10_mean=nonzero.log10().mean().item() if nonzero.numel() else math.nan,
                 )
             rows.append(row)
         frame = pd.DataFrame(rows)
@@ -160,9 +171,10 @@ class PathDecomposition:
         return mean, math.sqrt(variance)
 
     def plot(self, ax=None):
-        """Residual ratio against path length (log scale): the evaluated paths as points (a random
-        20,000 of them when there are more), the per-length median and the 10–90 % band (over all
-        of them). Returns the matplotlib Figure."""
+        """Residual ratio against path length (log scale): every (batch element, evaluated path)
+        pair as a point (a random 20,000 of them when there are more), the per-length median and
+        the 10–90 % band. Exact zeros have no place on a log scale: they are left out, and the
+        legend says how many. Returns the matplotlib Figure."""
         _require("matplotlib")
         import matplotlib.pyplot as plt
 
@@ -170,20 +182,27 @@ class PathDecomposition:
             fig, ax = plt.subplots(figsize=(6, 4))
         else:
             fig = ax.figure
-        ratio = self.path_ratio().clamp_min(1e-300)
-        lengths = self.lengths
+        ratio = self.results.ratio.cpu()
+        lengths = self.lengths.expand_as(ratio).flatten()
+        ratio = ratio.flatten()
+        zeros = int((ratio == 0).sum())
+        shown = ratio > 0
+        ratio, lengths = ratio[shown], lengths[shown]
         generator = torch.Generator().manual_seed(0)
-        label = "paths"
+        label = "paths" if self.results.ratio.shape[0] == 1 else "(batch element, path) pairs"
         if ratio.numel() > _MAX_SCATTER:  # a readable (and fast) figure: a random subset of the points
             keep = torch.randperm(ratio.numel(), generator=generator)[:_MAX_SCATTER]
             ratio, lengths = ratio[keep], lengths[keep]
-            label = f"{_MAX_SCATTER:,} of {self.paths.shape[0]:,} paths"
+            label = f"{_MAX_SCATTER:,} of {int(shown.sum()):,} {label}"
+        if zeros:
+            label += f" ({zeros:,} exact zeros not shown)"
         jitter = (torch.rand(ratio.shape, generator=generator) - 0.5) * 0.3
         ax.scatter((lengths + jitter).numpy(), ratio.numpy(), s=4, alpha=0.3, label=label)
         table = self.by_length()
         table = table[table["evaluated"] > 0]
-        ax.plot(table["length"], table["median"], "o-", color="C3", label="median")
-        ax.fill_between(table["length"], table["q10"], table["q90"], color="C3", alpha=0.2, label="10–90 %")
+        positive = table[["median", "q10", "q90"]].where(table[["median", "q10", "q90"]] > 0)  # 0: not on a log axis
+        ax.plot(table["length"], positive["median"], "o-", color="C3", label="median")
+        ax.fill_between(table["length"], positive["q10"], positive["q90"], color="C3", alpha=0.2, label="10–90 %")
         ax.set_yscale("log")
         ax.set_xlabel("path length (heads taken)")
         ax.set_ylabel("residual ratio ‖res‖ / ‖·‖ (ℓ1,∞)")

@@ -44,24 +44,38 @@ _HISTOGRAM_TOP = 10.0  # the last regular edge; above it is the overflow bin
 _NO_PATH = -2  # a path row where a length has no path
 
 
+# The smallest positive float64 (a subnormal): every reported ratio or residual that is not 0 is
+# at least this, so a histogram whose first edge it is counts exact zeros, and only them, in bin 0.
+SMALLEST_POSITIVE = math.ldexp(1.0, -1074)
+
+
 @functools.lru_cache(maxsize=8)
-def histogram_edges(dtype: torch.dtype, bins_per_decade: int) -> Tensor:
-    """Regular log-spaced edges from the dtype's smallest normal number to 10, ``bins_per_decade``
-    per decade (float64). Bin 0 counts values below the first edge (0 included), the last bin
-    values above the last edge."""
-    low = math.log10(torch.finfo(dtype).tiny)
+def histogram_edges(bins_per_decade: int) -> Tensor:
+    """Log-spaced edges up to 10, ``bins_per_decade`` per decade (float64), down to the smallest
+    positive float64 (the first edge is that number itself). Bin 0 counts the values below the
+    first edge, which are exact zeros; the last bin values from the last edge up (and NaN). The
+    engine reports float64 values for float32 inputs too, so one grid serves both."""
+    low = math.log10(SMALLEST_POSITIVE)
     decades = math.log10(_HISTOGRAM_TOP) - low
     count = math.ceil(decades * bins_per_decade)
-    return torch.logspace(
+    edges = torch.logspace(
         math.log10(_HISTOGRAM_TOP) - count / bins_per_decade, math.log10(_HISTOGRAM_TOP), count + 1, dtype=torch.float64
     )
+    edges[0] = SMALLEST_POSITIVE  # the grid's first point lies below it and may round to 0
+    return edges
+
+
+def positive_log10(values: Tensor) -> Tensor:
+    """``log10(v)`` where ``v > 0`` and 0 at exact zeros, which the statistics count apart (NaN
+    stays NaN): what ``log10_ratio_sums`` adds up."""
+    return torch.where(values == 0, 0.0, values.log10())
 
 
 def histogram_quantiles(histogram: Tensor, edges: Tensor, q=QUANTILES) -> Tensor:
     """Quantiles ``[..., len(q)]`` of counts ``histogram [..., E+1]`` over ``edges [E]`` (bin 0
     below the first edge, bin E from the last one up), log-interpolated within the bin that holds
-    each: exact to within one bin. 0 for the underflow bin, inf for the overflow bin, NaN where
-    there are no counts."""
+    each: exact to within one bin. 0 for bin 0 (exact zeros, with :func:`histogram_edges`), inf for
+    the overflow bin, NaN where there are no counts."""
     histogram = histogram.double().cpu()
     cumulative = histogram.cumsum(-1)
     total = cumulative[..., -1:]
@@ -102,7 +116,7 @@ class PathStatistics:
     bins_per_decade: int
     top_k: int
     counts: Tensor  # [B, L+1] int64
-    log10_ratio_sums: Tensor = field(repr=False)  # [B, L+1] float64: Σ log10 ratio (ratios clamped at 1e-300)
+    log10_ratio_sums: Tensor = field(repr=False)  # [B, L+1] float64: Σ log10 ratio over ratios > 0
     sums: dict[str, Tensor] = field(repr=False)  # measure -> [B, L+1] float64
     sums_of_squares: dict[str, Tensor] = field(repr=False)
     minima: dict[str, Tensor] = field(repr=False)
@@ -115,7 +129,7 @@ class PathStatistics:
 
     @property
     def edges(self) -> Tensor:
-        return histogram_edges(self.dtype, self.bins_per_decade)
+        return histogram_edges(self.bins_per_decade)
 
     @classmethod
     def empty(
@@ -123,7 +137,7 @@ class PathStatistics:
     ) -> PathStatistics:
         layers = tree.num_layers
         shape = (batch, layers + 1)
-        bins = histogram_edges(dtype, bins_per_decade).numel() + 1  # regular bins + under- and overflow
+        bins = histogram_edges(bins_per_decade).numel() + 1  # regular bins + exact zeros + overflow
 
         def per_measure(fill, kind=torch.float64):
             return {name: torch.full(shape, fill, dtype=kind, device=device) for name in _MEASURES}
@@ -216,7 +230,7 @@ class PathStatistics:
         values = {"residual": residual.double(), "norm": norm.double()}
         values["ratio"] = values["residual"] / values["norm"]
         self.counts.view(-1).index_add_(0, slot, torch.ones_like(slot))
-        self.log10_ratio_sums.view(-1).index_add_(0, slot, values["ratio"].clamp_min(1e-300).log10().flatten())
+        self.log10_ratio_sums.view(-1).index_add_(0, slot, positive_log10(values["ratio"]).flatten())
         for name, value in values.items():
             flat = value.flatten()
             self.sums[name].view(-1).index_add_(0, slot, flat)
@@ -247,8 +261,8 @@ class PathStatistics:
         edges = self.edges.to(residual.device)
         for name in _HISTOGRAMS:
             flat = values[name].flatten()
-            # Bin 0: below the first edge (0 too); bins 1..E-1 regular; bin E: from the last edge up
-            # (and NaN, a zero norm's ratio).
+            # Bin 0: below the first edge, exact zeros; bins 1..E-1 regular; bin E: from the last
+            # edge up (and NaN, a zero norm's ratio).
             index = torch.bucketize(flat, edges, right=True)
             histogram = self.histograms[name].view(-1, edges.numel() + 1)
             histogram.view(-1).index_add_(0, slot * (edges.numel() + 1) + index, torch.ones_like(index))
@@ -309,11 +323,13 @@ class PathStatistics:
         :meth:`PathDecomposition.by_length`, over every path exactly, then more.
 
         ``length``, ``path_count``, ``evaluated`` (every path), ``exact`` (True), ``mean``,
-        ``stderr`` (0), ``median``, ``q10``, ``q90``, ``min``, ``max``, ``log10_mean`` of the
-        residual ratio; then ``std`` and ``q05 … q95``. The median and the quantiles are read from
-        the histogram: ``from_histogram`` is True and ``quantile_rel_error`` is their bound (one
-        bin's width); the rest is exact. Over all batch elements pooled (counts, sums and
-        histograms add), or one with ``batch_element``.
+        ``stderr`` (0), ``median``, ``q10``, ``q90``, ``min``, ``max``, ``zeros`` (exact zeros,
+        counted apart) and ``log10_mean`` (over the other ratios) of the residual ratio; then
+        ``std`` and ``q05 … q95``. The median and the quantiles are read from the histogram:
+        ``from_histogram`` is True and ``quantile_rel_error`` is their bound (one bin's width,
+        where they are not 0); the rest is exact. Over every (batch element, path) pair pooled
+        (counts, sums and histograms add), as the in-memory table is, or one element with
+        ``batch_element``.
         """
         from pathkernels.decompose import _require
 
@@ -323,6 +339,7 @@ class PathStatistics:
         sums = self.sums["ratio"][pick].sum(0).cpu()
         squares = self.sums_of_squares["ratio"][pick].sum(0).cpu()
         logs = self.log10_ratio_sums[pick].sum(0).cpu()
+        zeros = self.histograms["ratio"][pick].sum(0)[:, 0].cpu()  # bin 0 holds the exact zeros
         minima = self.minima["ratio"][pick].amin(0).cpu()
         maxima = self.maxima["ratio"][pick].amax(0).cpu()
         quantiles = histogram_quantiles(self.histograms["ratio"][pick].sum(0, keepdim=True), self.edges)[0]
@@ -349,7 +366,8 @@ class PathStatistics:
                 "q90": float(quantiles[k, named["q90"]]),
                 "min": float(minima[k]),
                 "max": float(maxima[k]),
-                "log10_mean": float(logs[k]) / n,
+                "zeros": int(zeros[k]),
+                "log10_mean": float(logs[k]) / (n - int(zeros[k])) if n > int(zeros[k]) else math.nan,
                 "std": math.sqrt(max(variance, 0.0)),
             }
             row.update({name: float(quantiles[k, i]) for name, i in named.items() if name not in ("q10", "q50", "q90")})
@@ -407,7 +425,8 @@ class PathStatistics:
 
     def plot(self, ax=None, *, batch_element: int | None = None):
         """Ratio against length (log scale): the histogram's median and 5–95 % band, and the
-        minimum and maximum. Returns the matplotlib Figure."""
+        minimum and maximum. Exact zeros have no place on a log scale: they are left out, and the
+        legend says how many. Returns the matplotlib Figure."""
         from pathkernels.decompose import _require
 
         _require("matplotlib")
@@ -415,17 +434,14 @@ class PathStatistics:
 
         fig, ax = plt.subplots(figsize=(6, 4)) if ax is None else (ax.figure, ax)
         table = self.by_length(batch_element)
-        ax.plot(table["length"], table["median"].clip(lower=1e-300), "o-", color="C3", label="median (histogram)")
-        ax.fill_between(
-            table["length"],
-            table["q05"].clip(lower=1e-300),
-            table["q95"].clip(lower=1e-300),
-            color="C3",
-            alpha=0.2,
-            label="5–95 %",
-        )
-        ax.plot(table["length"], table["min"].clip(lower=1e-300), "v", color="C0", ms=4, label="min")
-        ax.plot(table["length"], table["max"].clip(lower=1e-300), "^", color="C0", ms=4, label="max")
+        columns = ["median", "q05", "q95", "min", "max"]
+        positive = table[columns].where(table[columns] > 0)  # exact zeros have no place on a log axis
+        ax.plot(table["length"], positive["median"], "o-", color="C3", label="median (histogram)")
+        ax.fill_between(table["length"], positive["q05"], positive["q95"], color="C3", alpha=0.2, label="5–95 %")
+        zeros = int(table["zeros"].sum())
+        min_label = "min" if not zeros else f"min, where not 0 ({zeros:,} exact zeros not shown)"
+        ax.plot(table["length"], positive["min"], "v", color="C0", ms=4, label=min_label)
+        ax.plot(table["length"], positive["max"], "^", color="C0", ms=4, label="max")
         ax.set_yscale("log")
         ax.set_xlabel("path length (heads taken)")
         ax.set_ylabel("residual ratio ‖res‖ / ‖·‖ (ℓ1,∞)")
@@ -573,8 +589,9 @@ def path_statistics(
     For each batch element b and path length k: the count, float64 sums and sums of squares of the
     ratio, the residual and the norm; their minima and maxima with the path where each first
     occurs; log-binned histograms of the ratio and the residual (``bins_per_decade`` bins per
-    decade from the dtype's smallest normal number to 10, plus an underflow and an overflow bin);
-    and, with ``top_k > 0``, the ``top_k`` largest ratios and their paths.
+    decade from float64's smallest positive number to 10, plus a bin of exact zeros and an
+    overflow bin); the sum of log10 ratio over the ratios that are not 0; and, with
+    ``top_k > 0``, the ``top_k`` largest ratios and their paths.
 
     Args:
         attn, tree, x, w_v, w_o, memory_budget, progress, leaf_kernel: as in
@@ -750,6 +767,11 @@ def _stream(
     return stats
 
 
+# Raised when what a checkpoint holds changes meaning: 2 when the histograms' bin 0 came to hold
+# exact zeros only and the log sums to leave them out.
+_CHECKPOINT_FORMAT = 2
+
+
 class _Checkpoint:
     """One rank's partial statistics in ``folder/rank<r>-of-<world>.pt``, with what they are of."""
 
@@ -764,6 +786,7 @@ class _Checkpoint:
             fingerprint = distributed.fingerprint({"attn": net.attn, "x": net.x, "w_v": net.w_v, "w_o": net.w_o}, tree)
         identity = dict(fingerprint)
         identity.update(
+            format=_CHECKPOINT_FORMAT,
             leaves=[first, last],
             memory_budget=settings.memory_budget,
             bins_per_decade=settings.bins_per_decade,

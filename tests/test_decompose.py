@@ -28,10 +28,12 @@ def test_exact_decomposition_table_matches_the_per_path_results():
     assert table["evaluated"].tolist() == table["path_count"].tolist()
     ratio = dec.results.ratio.mean(0)
     for _, row in table.iterrows():
-        values = ratio[dec.lengths == row["length"]]
-        assert row["mean"] == pytest.approx(values.mean().item(), rel=1e-12)
-        assert row["median"] == pytest.approx(values.median().item(), rel=1e-12)
-        assert row["stderr"] == 0.0
+        pooled = dec.results.ratio[:, dec.lengths == row["length"]].flatten()  # every (element, path) pair
+        assert row["mean"] == pytest.approx(pooled.mean().item(), rel=1e-12)
+        assert row["median"] == pytest.approx(pooled.median().item(), rel=1e-12)
+        assert row["min"] == pooled.min().item() and row["max"] == pooled.max().item()
+        assert row["log10_mean"] == pytest.approx(pooled.log10().mean().item(), rel=1e-12)
+        assert row["zeros"] == 0 and row["stderr"] == 0.0
     # Length 0 is the identity, whose residual ratio is ‖I − J/n‖/‖I‖ = 2(n−1)/n.
     assert table.loc[0, "mean"] == pytest.approx(2 * 5 / 6, rel=1e-12)
     mean, stderr = dec.mean_ratio()
@@ -146,7 +148,7 @@ def test_plot_of_a_large_decomposition_draws_a_subset(monkeypatch):
     ax = dec.plot().axes[0]
     points = ax.collections[0].get_offsets()
     assert len(points) == 100
-    assert ax.get_legend().get_texts()[0].get_text() == "100 of 256 paths"
+    assert ax.get_legend().get_texts()[0].get_text() == "100 of 512 (batch element, path) pairs"
 
 
 def test_bad_arguments():
@@ -169,3 +171,65 @@ def test_decompose_of_a_huge_tree_streams_its_statistics(monkeypatch):
     big = random_attention(1, 12, 12, 3, 3, dtype=torch.float64)
     assert pk.decompose(big) == "streamed"
     assert calls[0].num_paths == 13**12 and calls[0].is_complete
+
+
+@pytest.mark.parametrize("with_x", [False, True])
+def test_the_in_memory_and_streamed_tables_mean_the_same(with_x):
+    """One definition in both modes: statistics over every (batch element, path) pair, pooled. The
+    issue's case: a batch of 3 whose elements differ, so per-path batch means would differ."""
+    attn = torch.softmax(torch.randn(3, 4, 3, 6, 6, dtype=torch.float64) * 2, -1)
+    extra = {}
+    if with_x:
+        extra = {
+            "x": torch.randn(3, 6, 5, dtype=torch.float64),
+            "w_v": torch.randn(4, 3, 5, 2, dtype=torch.float64),
+            "w_o": torch.randn(4, 3, 2, 5, dtype=torch.float64),
+        }
+    in_memory = pk.decompose(attn, **extra)
+    streamed = pk.decompose(attn, max_result_bytes=1, **extra)
+    assert isinstance(in_memory, pk.PathDecomposition) and isinstance(streamed, pk.PathStatistics)
+    table, other = in_memory.by_length(), streamed.by_length()
+    shared = ["length", "path_count", "evaluated", "exact", "mean", "stderr", "median", "q10", "q90", "min", "max"]
+    assert set(shared + ["zeros", "log10_mean"]) <= set(table.columns) & set(other.columns)
+    for column in ("length", "path_count", "evaluated", "exact", "stderr", "zeros"):
+        assert table[column].tolist() == other[column].tolist(), column
+    for column in ("mean", "min", "max", "log10_mean"):
+        assert other[column].tolist() == pytest.approx(table[column].tolist(), rel=1e-12, abs=1e-300), column
+    bin_factor = 10 ** (1 / streamed.bins_per_decade)
+    for k, row in other.iterrows():
+        pooled = in_memory.results.ratio[:, in_memory.lengths == k].flatten().sort().values
+        count = pooled.numel()
+        for column, level in (("median", 0.5), ("q10", 0.1), ("q90", 0.9)):
+            # The histogram's quantile: within a bin of the order statistics around rank level·count.
+            low = pooled[max(0, math.floor(level * count) - 1)].item() / bin_factor
+            high = pooled[min(count - 1, math.ceil(level * count))].item() * bin_factor
+            assert low <= row[column] <= high, (k, column)
+            assert pooled[0].item() <= table.loc[k, column] <= pooled[-1].item()
+
+
+def test_exact_zeros_are_counted_apart():
+    """Paths through a head whose rows are all equal have a residual of exactly 0: the tables count
+    them in ``zeros`` and leave them out of log10_mean, and the plots leave them out and say so."""
+    pytest.importorskip("matplotlib")
+    attn = random_attention(2, 3, 2, 4, 4, dtype=torch.float64)
+    attn[:, 1, 0] = torch.tensor([0.5, 0.25, 0.125, 0.125], dtype=torch.float64)  # equal rows, exact mean
+    in_memory = pk.decompose(attn)
+    streamed = pk.decompose(attn, max_result_bytes=1)
+    through = (in_memory.paths[:, 1] == 0) & (in_memory.lengths > 0)
+    assert bool((in_memory.results.ratio[:, through] == 0).all())
+    assert bool((in_memory.results.ratio[:, ~through] > 0).all())
+    for table in (in_memory.by_length(), streamed.by_length()):
+        for _, row in table.iterrows():
+            chosen = in_memory.lengths == row["length"]
+            assert row["zeros"] == 2 * int((through & chosen).sum())  # two batch elements each
+            others = in_memory.results.ratio[:, chosen & ~through].flatten()
+            expected = others.log10().mean().item() if others.numel() else math.nan
+            assert row["log10_mean"] == pytest.approx(expected, rel=1e-12, nan_ok=True)
+            assert row["min"] == (0.0 if row["zeros"] else others.min().item())
+    figure = in_memory.plot()
+    points = figure.axes[0].collections[0].get_offsets()
+    assert len(points) == int((in_memory.results.ratio > 0).sum()) and bool((points[:, 1] > 0).all())
+    zeros = int((in_memory.results.ratio == 0).sum())
+    assert f"{zeros:,} exact zeros not shown" in figure.axes[0].get_legend().get_texts()[0].get_text()
+    legend = " ".join(text.get_text() for text in streamed.plot().axes[0].get_legend().get_texts())
+    assert f"{zeros:,} exact zeros not shown" in legend

@@ -23,7 +23,6 @@ namespace {
 
 constexpr int kMeasures = 3;    // ratio, residual, norm (statistics.py's _MEASURES)
 constexpr int kHistograms = 2;  // ratio, residual (_HISTOGRAMS)
-constexpr double kSmallestLogRatio = 1e-300;
 
 void check_accumulator(const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef shape, const char* name) {
   constexpr const char* op = "pathkernels._statistics_update";
@@ -143,9 +142,10 @@ void statistics_update(const at::Tensor& residual, const at::Tensor& norm, const
   at::parallel_for(0, kTasks, 1, [&](int64_t first_task, int64_t last_task) {
     for (int64_t task = first_task; task < last_task; ++task) {
       if (task == 0) {
-        // [B, c]: the torch fold's ratio.clamp_min(1e-300).log10(), the same ATen kernels (NaN stays
-        // NaN), run here (serially: inside a parallel region) beside the other tasks.
-        const at::Tensor log_ratios = at::log10(at::clamp_min(ratios, kSmallestLogRatio));
+        // [B, c]: the torch fold's positive_log10(ratio), log10 where the ratio is not 0 and 0 where it
+        // is (exact zeros are counted apart, in histogram bin 0; NaN stays NaN), with the same ATen
+        // kernels, run here (serially: inside a parallel region) beside the other tasks.
+        const at::Tensor log_ratios = at::where(ratios == 0, at::zeros({}, ratios.options()), at::log10(ratios));
         const double* log_ratio = log_ratios.const_data_ptr<double>();
         for (int64_t b = 0; b < batch; ++b) {
           for (int64_t k = 0; k < count; ++k) {
