@@ -10,8 +10,9 @@ or a config (a ``config.json`` file, or a directory holding only one), which giv
 initialised model. Without it the commands use :mod:`pathkernels.models`.
 
 Bad options and inputs end with one line on stderr that names what is wrong (exit code 2 for the
-command line, 1 for a failure while running); ``--debug`` shows the traceback instead. Progress
-bars are drawn only when stderr is a terminal.
+command line, 1 for a failure while running); ``--debug`` shows the traceback instead. Before any
+work, ``--out`` is checked for writability and the attention maps' memory against what the device
+has. Progress shows as bars on a terminal, and as a plain line about every 10 s elsewhere (a log).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from pathkernels.benchmarks import (
     norm_benchmark,
     path_benchmark,
 )
+from pathkernels.checks import format_bytes
 from pathkernels.testing import random_attention
 
 DEFAULT_OUT = "demo_output"
@@ -46,9 +49,50 @@ class CommandLineError(Exception):
     """A bad option or input found after parsing: reported in one line, exit code 2."""
 
 
-def _interactive() -> bool:
-    """Progress bars only on a terminal: a log file would get one line per update."""
-    return sys.stderr.isatty()
+def check_writable(path: Path, option: str, command: str, *, folder: bool = True) -> None:
+    """Make sure ``path`` (a folder, or with ``folder=False`` a file) can be written, before any
+    work: the folder is created and a probe file written and removed there."""
+    directory = path if folder else path.parent
+    if not folder and path.is_dir():
+        raise CommandLineError(f"pathkernels {command}: {option} {path}: is a folder; expected a file name")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".pathkernels-probe-"):
+            pass
+    except OSError as error:
+        reason = error.strerror or type(error).__name__
+        raise CommandLineError(f"pathkernels {command}: {option} {path}: cannot write there ({reason})") from None
+
+
+def available_memory(device: str) -> int | None:
+    """Bytes the device can still allocate: the GPU's free memory, or the host's MemAvailable
+    (Linux); None where it cannot be read."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_attention_fits(
+    command: str, *, batch: int, layers: int, heads: int, tokens: int, bytes_per_entry: int, device: str
+) -> None:
+    """Refuse, before anything is allocated, a run whose attention maps alone (``B·L·H·n²`` entries
+    of ``bytes_per_entry``: the maps and the copies the command makes of them) exceed the memory
+    the device has."""
+    need = batch * layers * heads * tokens * tokens * bytes_per_entry
+    have = available_memory(device)
+    if have is not None and need > have:
+        raise CommandLineError(
+            f"pathkernels {command}: {batch} × {layers} layers × {heads} heads × {tokens}² tokens of attention "
+            f"need about {format_bytes(need)}, more than the {format_bytes(have)} available on {device}; pass "
+            "fewer --tokens (or a smaller --batch or network)"
+        )
 
 
 def resolve_device(device: str, command: str) -> str:
@@ -155,6 +199,14 @@ def _model_inputs(local: LocalModel, text: str | None, tokens: int | None, batch
         raise CommandLineError(f"pathkernels: --text: {str(error).split(': ', 1)[-1]}") from None
 
 
+def _sequence_length(local: LocalModel, inputs: dict) -> int:
+    """The number of tokens the model sees: its input ids', or a vision model's patches (+1)."""
+    if local.is_vision:
+        config = local.model.config
+        return (config.image_size // config.patch_size) ** 2 + 1
+    return inputs["input_ids"].shape[-1]
+
+
 # --- subcommands, as typed functions (the demo calls them too) --------------------------------------
 
 
@@ -168,13 +220,26 @@ def collapse_table(
     tokens: int | None = None,
     batch: int = 8,
     seeds: int = 3,
+    device: str = "cpu",
     out: Path | None = None,
 ):
     """``pathkernels collapse``: print (and with ``out``, write) the median residual ratio by depth."""
+    device = resolve_device(device, "collapse")
     if model:
         local = _local_model(model)
         inputs, what = _model_inputs(local, text, tokens, batch)
-        stack = pk.adapters.from_huggingface(local.model, **inputs)
+        config = local.model.config
+        check_attention_fits(
+            "collapse",
+            batch=batch,
+            layers=config.num_hidden_layers,
+            heads=config.num_attention_heads,
+            tokens=_sequence_length(local, inputs),
+            bytes_per_entry=16,  # the model's float32 maps and their stacked copy
+            device=device,
+        )
+        inputs = {name: value.to(device) for name, value in inputs.items()}
+        stack = pk.adapters.from_huggingface(local.model.to(device), **inputs)
         ratios = pk.metrics.residual_ratio(stack.hidden_states.double())  # [L+1, B]
         import pandas as pd
 
@@ -183,6 +248,9 @@ def collapse_table(
         plot_title = f"Rank collapse: {model}, {local.weights}"
     else:
         tokens = 32 if tokens is None else tokens
+        check_attention_fits(
+            "collapse", batch=batch, layers=layers, heads=heads, tokens=tokens, bytes_per_entry=16, device=device
+        )
         table = experiments.collapse_vs_depth(
             num_layers=layers,
             d_model=width,
@@ -190,7 +258,8 @@ def collapse_table(
             n=tokens,
             batch=batch,
             seeds=seeds,
-            progress=_interactive(),
+            device=device,
+            progress=True,
         )
         title = (
             f"pathkernels.models at initialisation (L = {layers}, H = {heads}, d = {width}, n = {tokens}, "
@@ -228,6 +297,16 @@ def paths_table(
         if model:
             local = _local_model(model)
             inputs, what = _model_inputs(local, text, tokens)
+            config = local.model.config
+            check_attention_fits(
+                "paths",
+                batch=1,
+                layers=config.num_hidden_layers,
+                heads=config.num_attention_heads,
+                tokens=_sequence_length(local, inputs),
+                bytes_per_entry=40,  # the model's maps, a float64 copy and the engine's centred operands
+                device="cpu",  # the model runs on the CPU; the maps move to the device after
+            )
             stack = pk.adapters.from_huggingface(local.model, **inputs).to(torch.float64)
             attn = stack.attn
             source = (
@@ -236,6 +315,9 @@ def paths_table(
             )
         else:
             tokens = 32 if tokens is None else tokens
+            check_attention_fits(
+                "paths", batch=1, layers=layers, heads=heads, tokens=tokens, bytes_per_entry=32, device="cpu"
+            )
             torch.manual_seed(seed)
             network = pk.models.SelfAttentionNetwork.variant("+skip", d_model=width, num_heads=heads, num_layers=layers)
             with torch.no_grad():
@@ -246,12 +328,10 @@ def paths_table(
         generator = torch.Generator().manual_seed(seed)
         if samples_per_length or total > max_exact:
             per_length = samples_per_length or 200
-            dec = pk.decompose(
-                attn, skip=True, samples_per_length=per_length, generator=generator, progress=_interactive()
-            )
+            dec = pk.decompose(attn, skip=True, samples_per_length=per_length, generator=generator, progress=True)
             how = f"up to {per_length} distinct paths drawn per length, of {total:,} (lengths with fewer: all, exactly)"
         else:
-            dec = pk.decompose(attn, skip=True, progress=_interactive())
+            dec = pk.decompose(attn, skip=True, progress=True)
             how = f"all {total:,} paths, exactly"
         if dec is None:  # another rank reports
             return None
@@ -280,6 +360,10 @@ def bench_tables(
     device = resolve_device(device, "bench")
     min_run_time = 0.2 if quick else 1.0
     machine = machine_description(device)
+    print(
+        "Quick timings of a few runs each: on a shared or busy machine they move by 10-50 % from run to run,\n"
+        "so read the speed-ups as orders of magnitude; bench/ times with repetitions and records its results.\n"
+    )
     print(f"Fused norms against pure PyTorch on {machine} (float32)")
     norm_rows = [
         row for shape in QUICK_NORM_CASES for row in norm_benchmark(shape, torch.float32, device, min_run_time)
@@ -359,7 +443,7 @@ def run_demo(args) -> int:
 
     _heading("5. Path effectiveness: sorting with an attention-only model, keeping paths of length ≤ k")
     result = experiments.path_effectiveness(
-        steps=200 if quick else 1000, test_size=512 if quick else 2048, progress=_interactive()
+        steps=200 if quick else 1000, test_size=512 if quick else 2048, progress=True
     )
     print(
         f"trained in {result.train_seconds:.0f} s (final loss {result.final_loss:.4f}); exact truncations by "
@@ -369,10 +453,6 @@ def run_demo(args) -> int:
     _save(args.out, "path_effectiveness", result.table, experiments.plot_effectiveness(result.table))
 
     _heading("6. Speed against pure PyTorch (quick sizes; bench/ has the full suite)")
-    print(
-        "Quick timings of a few runs each: on a shared or busy machine they move by 10-50 % from run to run,\n"
-        "so read the speed-ups as orders of magnitude; bench/ times with repetitions and records its results."
-    )
     bench_tables(device=device, quick=True, out_dir=args.out)
     print()
     print(f"demo finished in {time.perf_counter() - start:.0f} s" + (f"; outputs in {args.out}/" if args.out else ""))
@@ -423,9 +503,9 @@ def _check_options(args, parser: argparse.ArgumentParser) -> None:
     if getattr(args, "model", None):
         given = [f"--{name}" for name in _NETWORK_DEFAULTS if getattr(args, name, None) is not None]
         if given:
-            verb = "sets" if len(given) == 1 else "set"
+            verbs = ("sets", "does") if len(given) == 1 else ("set", "do")
             parser.error(
-                f"{', '.join(given)} {verb} the built-in network and do not apply with --model "
+                f"{', '.join(given)} {verbs[0]} the built-in network and {verbs[1]} not apply with --model "
                 f"{args.model} (the model has its own)"
             )
         return
@@ -450,6 +530,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Path decompositions of attention networks: rank collapse, "
         "per-path residuals and benchmarks (docs/DESIGN.md has the math).",
         formatter_class=formatter,
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"pathkernels {pk.__version__} (torch {torch.__version__}, CUDA kernels: "
+        f"{'yes' if pk.build_info()['cuda'] else 'no'})",
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     common = argparse.ArgumentParser(add_help=False)
@@ -506,7 +592,8 @@ def build_parser() -> argparse.ArgumentParser:
     model_options(collapse, layers=12, tokens=32)
     collapse.add_argument("--batch", type=_integer(1), default=8, help="random inputs per model")
     collapse.add_argument("--seeds", type=_integer(1), help="initialisations per variant (default 3)")
-    collapse.set_defaults(run=_runner(collapse_table, *_MODEL_OPTIONS, "batch", "seeds"))
+    collapse.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=device_help)
+    collapse.set_defaults(run=_runner(collapse_table, *_MODEL_OPTIONS, "batch", "seeds", "device"))
 
     paths = command(
         "paths",
@@ -562,6 +649,9 @@ def main(argv=None) -> int:
     _check_options(args, args.command_parser)
     where = args.command_parser.prog
     try:
+        out = getattr(args, "out", None)
+        if out is not None:
+            check_writable(out, "--out", args.command, folder=args.command != "bench")
         return args.run(args)
     except CommandLineError as error:
         if args.debug:

@@ -70,12 +70,14 @@ def collapse_vs_depth(
     seeds: int = 3,
     variants: Sequence[str] = tuple(VARIANTS),
     dtype=torch.float64,
+    device="cpu",
     progress: bool = False,
 ):
     """Residual ratio ``‖X_l − 1μᵀ‖_{1,∞} / ‖X_l‖_{1,∞}`` of the hidden states at every depth l.
 
     For each variant and seed: a freshly initialised :class:`~pathkernels.models.SelfAttentionNetwork`
-    of ``num_layers`` layers, fed ``batch`` standard normal inputs ``[n, d_model]``.
+    of ``num_layers`` layers, fed ``batch`` standard normal inputs ``[n, d_model]`` (drawn on the
+    CPU, so that a seed gives the same inputs on any ``device``), run on ``device``.
 
     Returns:
         DataFrame with columns ``variant``, ``depth`` (0 = the input), ``mean``, ``median``,
@@ -91,10 +93,10 @@ def collapse_vs_depth(
             torch.manual_seed(seed)
             model = SelfAttentionNetwork.variant(
                 variant, d_model=d_model, num_heads=num_heads, num_layers=num_layers
-            ).to(dtype)
-            x = torch.randn(batch, n, d_model, generator=generator, dtype=dtype)
+            ).to(device=device, dtype=dtype)
+            x = torch.randn(batch, n, d_model, generator=generator, dtype=dtype).to(device)
             with torch.no_grad():
-                ratios.append(residual_ratio(model(x).hidden_states))  # [L+1, B]
+                ratios.append(residual_ratio(model(x).hidden_states).cpu())  # [L+1, B]
             if bar:
                 bar.update(1)
         rows += collapse_rows(variant, torch.cat(ratios, dim=1))

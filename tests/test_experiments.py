@@ -11,6 +11,7 @@ import torch
 pd = pytest.importorskip("pandas")
 pytest.importorskip("matplotlib")
 
+import pathkernels as pk  # noqa: E402
 from pathkernels import experiments  # noqa: E402  (after the skips above)
 from pathkernels.cli import main  # noqa: E402
 
@@ -151,6 +152,22 @@ def test_cli_feeds_text_through_the_model_directorys_tokenizer(tmp_path, capsys)
             ["paths", "--model", "some-dir", "--layers", "3", "--heads", "2"],
             "--layers, --heads set the built-in network and do not apply with --model some-dir",
         ),
+        (
+            ["collapse", "--model", "some-dir", "--layers", "3"],
+            "--layers sets the built-in network and does not apply with --model some-dir",
+        ),
+        (["collapse", "--out", "/proc/x"], "pathkernels collapse: --out /proc/x: cannot write there"),
+        (["paths", "--out", "/proc/x/y"], "pathkernels paths: --out /proc/x/y: cannot write there"),
+        (["bench", "--out", "/proc/x/speed.json"], "pathkernels bench: --out /proc/x/speed.json: cannot write there"),
+        (["bench", "--out", "/"], "pathkernels bench: --out /: is a folder; expected a file name"),
+        (
+            ["paths", "--tokens", "100000", "--layers", "2", "--heads", "1"],
+            "pathkernels paths: 1 × 2 layers × 1 heads × 100000² tokens of attention need about 596.05 GiB",
+        ),
+        (
+            ["collapse", "--tokens", "100000", "--layers", "2", "--heads", "1", "--batch", "1"],
+            "pathkernels collapse: 1 × 2 layers × 1 heads × 100000² tokens of attention need about 298.02 GiB",
+        ),
     ],
 )
 def test_cli_refuses_bad_options_in_one_line(argv, message):
@@ -213,12 +230,64 @@ def test_cli_bench_out_writes_that_file(tmp_path, monkeypatch):
     assert set(pd.read_csv(tmp_path / "speed.csv")["table"]) == {"norms", "paths"}
 
 
-def test_progress_bars_only_on_a_terminal(tmp_path):
+def test_progress_off_a_terminal_is_plain_lines(tmp_path):
     args = ["paths", "--layers", "3", "--heads", "2", "--width", "16", "--tokens", "6", "--device", "cpu"]
     run = subprocess.run(
         [sys.executable, "-m", "pathkernels", *args], capture_output=True, text=True, timeout=120, check=True
     )
-    assert run.stderr == ""  # stderr is a pipe here: no bar
+    # stderr is a pipe here: no bar drawn with carriage returns, one plain line when the work ends
+    assert run.stderr.splitlines() == ["pathkernels: 27/27 paths (100 %), 0 s"], run.stderr
+
+
+def test_plain_progress_lines_come_about_every_interval(monkeypatch, capsys):
+    from pathkernels import _progress
+
+    clock = iter([0.0, 3.0, 11.0, 12.0, 25.0, 26.0]).__next__
+    monkeypatch.setattr(_progress.time, "monotonic", clock)
+    monkeypatch.setattr(_progress.sys.stderr, "isatty", lambda: False, raising=False)
+    bar = _progress.progress_bar(100, unit="step", desc="training")
+    assert isinstance(bar, _progress._LogLines)
+    for _ in range(4):
+        bar.update(20)  # at 3, 11, 12 and 25 s: lines at 11 and 25
+    bar.close()  # at 26 s
+    assert capsys.readouterr().err.splitlines() == [
+        "training: 40/100 steps (40 %), 11 s, about 16 s left",
+        "training: 80/100 steps (80 %), 25 s, about 6 s left",
+        "training: 80/100 steps (80 %), 26 s, about 6 s left",
+    ]
+
+
+def test_cli_version_and_the_bench_caveat(monkeypatch, capsys):
+    from pathkernels import cli
+
+    run = subprocess.run([sys.executable, "-m", "pathkernels", "--version"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.startswith(f"pathkernels {pk.__version__} (torch ")
+    monkeypatch.setattr(cli, "QUICK_NORM_CASES", [(2, 8, 8)])
+    monkeypatch.setattr(cli, "QUICK_PATH_CASES", [(2, 2, 8)])
+    assert main(["bench", "--quick", "--device", "cpu"]) == 0
+    assert "read the speed-ups as orders of magnitude" in capsys.readouterr().out
+
+
+def test_cli_collapse_takes_a_device(capsys):
+    argv = [
+        "collapse",
+        "--layers",
+        "2",
+        "--width",
+        "8",
+        "--heads",
+        "2",
+        "--tokens",
+        "4",
+        "--batch",
+        "2",
+        "--seeds",
+        "1",
+    ]
+    assert main([*argv, "--device", "cpu"]) == 0
+    on_cpu = capsys.readouterr().out
+    assert main([*argv, "--device", "auto"]) == 0  # auto is the CPU here, or the GPU where there is one
+    assert "Median residual ratio" in on_cpu and "Median residual ratio" in capsys.readouterr().out
 
 
 def test_demo_runs_end_to_end(tmp_path):
