@@ -40,6 +40,7 @@ from pathkernels.benchmarks import (
     path_benchmark,
 )
 from pathkernels.checks import format_bytes
+from pathkernels.decompose import saved
 from pathkernels.testing import random_attention
 
 DEFAULT_OUT = "demo_output"
@@ -156,8 +157,7 @@ def _save(out: Path | None, name: str, table=None, figure=None) -> None:
         table.to_csv(out / f"{name}.csv", index=False)
         print(f"  wrote {out / (name + '.csv')}")
     if figure is not None:
-        figure.tight_layout()
-        figure.savefig(out / f"{name}.png", dpi=120)
+        saved(figure, out / f"{name}.png")
         print(f"  wrote {out / (name + '.png')}")
         import matplotlib.pyplot as plt
 

@@ -25,6 +25,14 @@ DEFAULT_MAX_RESULT_BYTES = 1 << 30
 _MAX_SCATTER = 20_000  # points drawn by PathDecomposition.plot
 
 
+def saved(figure, path):
+    """``figure``, first written to ``path`` (when given) at 120 dpi with a tight layout."""
+    if path is not None:
+        figure.tight_layout()
+        figure.savefig(path, dpi=120)
+    return figure
+
+
 def _require(module: str):
     try:
         return __import__(module)
@@ -170,11 +178,12 @@ class PathDecomposition:
                 variance += share**2 * spread / evaluated * (1 - evaluated / count)
         return mean, math.sqrt(variance)
 
-    def plot(self, ax=None):
+    def plot(self, ax=None, *, path=None):
         """Residual ratio against path length (log scale): every (batch element, evaluated path)
         pair as a point (a random 20,000 of them when there are more), the per-length median and
         the 10–90 % band. Exact zeros have no place on a log scale: they are left out, and the
-        legend says how many. Returns the matplotlib Figure."""
+        legend says how many. Returns the matplotlib Figure; with ``path`` it is also saved there
+        (the format from the suffix: .png, .pdf, .svg, …)."""
         _require("matplotlib")
         import matplotlib.pyplot as plt
 
@@ -208,7 +217,7 @@ class PathDecomposition:
         ax.set_ylabel("residual ratio ‖res‖ / ‖·‖ (ℓ1,∞)")
         ax.set_title(f"{self.method} decomposition: L = {self.num_layers}, H = {self.num_heads}")
         ax.legend()
-        return fig
+        return saved(fig, path)
 
 
 def decompose(

@@ -423,11 +423,11 @@ class PathStatistics:
                 rows.append(row)
         return pd.DataFrame(rows)
 
-    def plot(self, ax=None, *, batch_element: int | None = None):
+    def plot(self, ax=None, *, batch_element: int | None = None, path=None):
         """Ratio against length (log scale): the histogram's median and 5–95 % band, and the
         minimum and maximum. Exact zeros have no place on a log scale: they are left out, and the
-        legend says how many. Returns the matplotlib Figure."""
-        from pathkernels.decompose import _require
+        legend says how many. Returns the matplotlib Figure; with ``path`` it is also saved there."""
+        from pathkernels.decompose import _require, saved
 
         _require("matplotlib")
         import matplotlib.pyplot as plt
@@ -447,7 +447,7 @@ class PathStatistics:
         ax.set_ylabel("residual ratio ‖res‖ / ‖·‖ (ℓ1,∞)")
         ax.set_title(f"All paths, streamed: L = {self.num_layers}, H = {self.num_heads}")
         ax.legend(fontsize="small")
-        return fig
+        return saved(fig, path)
 
     # --- combining and storing -----------------------------------------------------------------
 

@@ -136,8 +136,12 @@ def test_plot_returns_a_log_scale_figure(tmp_path):
     fig = pk.decompose(attention()).plot()
     ax = fig.axes[0]
     assert ax.get_yscale() == "log" and ax.get_xlabel().startswith("path length")
-    fig.savefig(tmp_path / "ratio.png")
-    assert (tmp_path / "ratio.png").stat().st_size > 1000
+    assert not list(tmp_path.iterdir())  # nothing written without a path
+    saved = pk.decompose(attention()).plot(path=tmp_path / "ratio.png")
+    assert (tmp_path / "ratio.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and saved.axes[0].get_yscale() == "log"
+    streamed = pk.decompose(attention(), max_result_bytes=1)
+    streamed.plot(path=tmp_path / "streamed.pdf")
+    assert (tmp_path / "streamed.pdf").read_bytes()[:5] == b"%PDF-"
 
 
 def test_plot_of_a_large_decomposition_draws_a_subset(monkeypatch):
