@@ -41,6 +41,7 @@ from pathkernels.benchmarks import (
 )
 from pathkernels.checks import format_bytes
 from pathkernels.decompose import saved
+from pathkernels.planner import available_memory
 from pathkernels.testing import random_attention
 
 DEFAULT_OUT = "demo_output"
@@ -65,21 +66,6 @@ def check_writable(path: Path, option: str, command: str, *, folder: bool = True
         raise CommandLineError(f"pathkernels {command}: {option} {path}: cannot write there ({reason})") from None
 
 
-def available_memory(device: str) -> int | None:
-    """Bytes the device can still allocate: the GPU's free memory, or the host's MemAvailable
-    (Linux); None where it cannot be read."""
-    if device.startswith("cuda"):
-        return torch.cuda.mem_get_info()[0]
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def check_attention_fits(
     command: str, *, batch: int, layers: int, heads: int, tokens: int, bytes_per_entry: int, device: str
 ) -> None:
@@ -87,7 +73,7 @@ def check_attention_fits(
     of ``bytes_per_entry``: the maps and the copies the command makes of them) exceed the memory
     the device has."""
     need = batch * layers * heads * tokens * tokens * bytes_per_entry
-    have = available_memory(device)
+    have = available_memory(torch.device(device))
     if have is not None and need > have:
         raise CommandLineError(
             f"pathkernels {command}: {batch} × {layers} layers × {heads} heads × {tokens}² tokens of attention "
@@ -113,7 +99,7 @@ def resolve_device(device: str, command: str) -> str:
 
 
 def worked_example() -> str:
-    """The 2×2 example of the README, then the collapse of a product of attention matrices."""
+    """The 2×2 example of docs/USAGE.md, then the collapse of a product of attention matrices."""
     x = torch.tensor([[1.0, -2.0], [3.0, 4.0]], dtype=torch.float64)
     plain = pk.matrix_norms(x)
     res = pk.matrix_norms(x, residual=True)

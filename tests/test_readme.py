@@ -1,4 +1,5 @@
-"""The README's Python blocks run as written: pasted in order into a fresh interpreter."""
+"""The documentation's Python blocks run as written: pasted line by line into an interactive
+interpreter, as a reader would, the README's on their own and docs/USAGE.md's in order."""
 
 import os
 import re
@@ -8,41 +9,75 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README, USAGE = ROOT / "README.md", ROOT / "docs" / "USAGE.md"
 NOT_RUN = "# under torchrun"  # a block that starts so needs torchrun and GPUs
 
+# Feeds stdin's text to code.InteractiveConsole one line at a time, as a paste into the REPL is fed
+# (a compound statement must end with a blank line there), and fails on the first error.
+REPL = """
+import code, sys, traceback
 
-def python_blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+class Console(code.InteractiveConsole):
+    def showsyntaxerror(self, filename=None, **kwargs):
+        traceback.print_exc(); sys.exit(1)
+    def showtraceback(self):
+        traceback.print_exc(); sys.exit(1)
+
+console = Console()
+for line in sys.stdin.read().splitlines():
+    console.push(line)
+console.push("")
+"""
 
 
-def test_the_readme_has_python_blocks():
-    blocks = python_blocks()
+def python_blocks(path: Path) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", path.read_text(), flags=re.S | re.M)
+
+
+def environment() -> dict:
+    return {**os.environ, "MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1"}
+
+
+def test_the_docs_have_python_blocks():
+    assert len(python_blocks(README)) >= 1
+    blocks = python_blocks(USAGE)
     assert len(blocks) >= 6
     assert sum(block.startswith(NOT_RUN) for block in blocks) == 1
 
 
-def test_readme_python_blocks_run_in_order_in_a_fresh_interpreter(tmp_path):
+def test_readme_blocks_paste_into_a_python_repl(tmp_path):
+    pytest.importorskip("pandas")
+    pytest.importorskip("transformers")
+    output = paste(python_blocks(README), tmp_path)
+    assert "length path_count" in output  # the first look's table was printed
+
+
+def test_usage_python_blocks_paste_in_order_into_a_python_repl(tmp_path):
     for module in ("pandas", "matplotlib", "transformers", "transformer_lens"):
         pytest.importorskip(module)
-    run_blocks([block for block in python_blocks() if not block.startswith(NOT_RUN)], tmp_path)
+    paste([block for block in python_blocks(USAGE) if not block.startswith(NOT_RUN)], tmp_path)
 
 
 def test_readme_transformer_lens_blocks_run_alone(tmp_path):
     """The TransformerLens example on its own (tests/test_transformer_lens_versions.py runs this
     against 4.x too)."""
     pytest.importorskip("transformer_lens")
-    blocks = [block for block in python_blocks() if "transformer_lens" in block]
+    blocks = [block for block in python_blocks(USAGE) if "transformer_lens" in block]
     assert blocks
-    run_blocks(blocks, tmp_path)
+    paste(blocks, tmp_path)
 
 
-def run_blocks(blocks: list[str], tmp_path) -> None:
-    script = "\n\n".join(f"# --- README block {i}\n{block}" for i, block in enumerate(blocks))
-    path = tmp_path / "readme_blocks.py"
-    path.write_text(script)
-    env = {**os.environ, "MPLBACKEND": "Agg", "HF_HUB_OFFLINE": "1"}
+def paste(blocks: list[str], tmp_path) -> str:
+    """Paste ``blocks`` into a fresh interactive interpreter; its stdout."""
     run = subprocess.run(
-        [sys.executable, str(path)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", REPL],
+        input="\n\n".join(blocks),
+        cwd=tmp_path,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
-    assert run.returncode == 0, f"a README block failed:\n{run.stderr[-4000:]}"
+    assert run.returncode == 0, f"a documentation block failed, pasted into the REPL:\n{run.stderr[-4000:]}"
+    return run.stdout
