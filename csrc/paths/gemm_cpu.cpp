@@ -61,11 +61,15 @@ struct VectorOf {
 
 // One tile: rows i..i+kRows−1 of C over a panel of kWidth = kVecs · lanes columns, `cols` of them
 // real. The kRows × kVecs accumulators stay in registers for the whole depth; row r's scalar
-// A[r, k] is broadcast against the panel's row k. b: the panel's rows, ldb apart (the packed panel,
-// or B itself when its panel is whole).
-template <typename T, int kBytes, int kRows, int kVecs>
+// A[r, k] (a[r · lda + k], or a[k · kRows + r] when kPackedA: pack_a) is broadcast against the
+// panel's row k. Before the products, the tile's lines of C are requested for writing.
+// b: the panel's rows, ldb apart (the packed panel, or B itself when its panel is whole). With
+// `pack` (a whole panel read from B itself), each row of the panel is also written there, kWidth
+// apart, for the tiles below to read from cache, and the next panel's part of the row is requested:
+// packing costs no pass of its own.
+template <typename T, int kBytes, int kRows, int kVecs, bool kPackedA>
 PATHKERNELS_GEMM_INLINE void tile(int64_t depth, const T* a, int64_t lda, const T* b, int64_t ldb, T* c,
-                                  int64_t ldc, int64_t cols, bool accumulate) {
+                                  int64_t ldc, int64_t cols, bool accumulate, T* pack = nullptr) {
   using V = typename VectorOf<T, kBytes>::type;
   constexpr int64_t kLanes = kBytes / sizeof(T);
   constexpr int64_t kWidth = kLanes * kVecs;
@@ -76,6 +80,11 @@ PATHKERNELS_GEMM_INLINE void tile(int64_t depth, const T* a, int64_t lda, const 
     for (int v = 0; v < kVecs; ++v) {
       acc[r][v] = V{};
     }
+    // The tile's lines of C, requested for writing now: their reads for ownership (C's rows lie a
+    // level apart in the engine) then overlap the products instead of holding up the stores.
+    for (int64_t line = 0; line < kWidth * static_cast<int64_t>(sizeof(T)); line += 64) {
+      __builtin_prefetch(reinterpret_cast<const char*>(c + r * ldc) + line, 1);
+    }
   }
   for (int64_t k = 0; k < depth; ++k) {
     V bk[kVecs];
@@ -83,9 +92,20 @@ PATHKERNELS_GEMM_INLINE void tile(int64_t depth, const T* a, int64_t lda, const 
     for (int v = 0; v < kVecs; ++v) {
       std::memcpy(&bk[v], b + k * ldb + v * kLanes, sizeof(V));
     }
+    if (pack != nullptr) {
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) {
+        std::memcpy(pack + k * kWidth + v * kLanes, &bk[v], sizeof(V));
+      }
+      // The next panel's part of this row: depth rows far apart are more streams than the hardware
+      // prefetchers follow.
+      for (int64_t line = 0; line < kWidth * static_cast<int64_t>(sizeof(T)); line += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(b + k * ldb + kWidth) + line);
+      }
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < kRows; ++r) {
-      const T s = a[r * lda + k];
+      const T s = kPackedA ? a[k * kRows + r] : a[r * lda + k];
 #pragma GCC unroll 4
       for (int v = 0; v < kVecs; ++v) {
         acc[r][v] = s * bk[v] + acc[r][v];  // contracted to one FMA on these targets
@@ -117,79 +137,116 @@ PATHKERNELS_GEMM_INLINE void tile(int64_t depth, const T* a, int64_t lda, const 
 }
 
 // The last rows_left < kRows rows of a panel, with a tile of exactly that many rows.
-template <typename T, int kBytes, int kRows, int kVecs>
+template <typename T, int kBytes, int kRows, int kVecs, bool kPackedA>
 PATHKERNELS_GEMM_INLINE void row_tail(int64_t rows_left, int64_t depth, const T* a, int64_t lda, const T* b,
                                       int64_t ldb, T* c, int64_t ldc, int64_t cols, bool accumulate) {
   if constexpr (kRows > 0) {
     if (rows_left == kRows) {
-      tile<T, kBytes, kRows, kVecs>(depth, a, lda, b, ldb, c, ldc, cols, accumulate);
+      tile<T, kBytes, kRows, kVecs, kPackedA>(depth, a, lda, b, ldb, c, ldc, cols, accumulate);
     } else {
-      row_tail<T, kBytes, kRows - 1, kVecs>(rows_left, depth, a, lda, b, ldb, c, ldc, cols, accumulate);
+      row_tail<T, kBytes, kRows - 1, kVecs, kPackedA>(rows_left, depth, a, lda, b, ldb, c, ldc, cols, accumulate);
     }
   }
 }
 
 // One panel of C: columns j..j+width−1 of every row, width ≤ kVecs · lanes. A panel that several
-// row tiles read is first packed into a contiguous buffer (B's rows lie a level apart in the engine,
-// which costs TLB and cache-set misses on every tile); a partial one is packed with zeros beyond
-// its columns, which no lane stores.
-template <typename T, int kBytes, int kRows, int kVecs>
+// row tiles read is packed into a contiguous buffer (B's rows lie a level apart in the engine, which
+// costs TLB and cache-set misses on every tile): a whole one by its first row tile, as it reads it;
+// a partial one first, with zeros beyond its columns, which no lane stores.
+template <typename T, int kBytes, int kRows, int kVecs, bool kPackedA>
 PATHKERNELS_GEMM_INLINE void gemm_panel(int64_t rows, int64_t width, int64_t depth, const T* a, int64_t lda,
                                         const T* b, int64_t ldb, T* c, int64_t ldc, bool accumulate) {
+  // Row tile i's A: at a + i · depth when packed (pack_a), else at a + i · lda.
+  const int64_t a_step = kPackedA ? depth : lda;
   constexpr int64_t kWidth = static_cast<int64_t>(kBytes / sizeof(T)) * kVecs;
   thread_local std::vector<T> packed;
   const T* panel = b;
   int64_t panel_ld = ldb;
-  if (width < kWidth || rows > kRows) {
+  int64_t i = 0;
+  if (width == kWidth && rows > kRows) {
+    packed.resize(static_cast<size_t>(depth * kWidth));
+    tile<T, kBytes, kRows, kVecs, kPackedA>(depth, a, lda, b, ldb, c, ldc, width, accumulate, packed.data());
+    i = kRows;
+    panel = packed.data();
+    panel_ld = kWidth;
+  } else if (width < kWidth) {
     packed.resize(static_cast<size_t>(depth * kWidth));
     for (int64_t k = 0; k < depth; ++k) {
       T* dst = packed.data() + k * kWidth;
       const T* src = b + k * ldb;
-      // The next panel's part of this row, requested now: depth rows far apart are more streams
-      // than the hardware prefetchers follow.
-      for (int64_t line = 0; line < kWidth * static_cast<int64_t>(sizeof(T)); line += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(src + kWidth) + line);
-      }
       std::memcpy(dst, src, width * sizeof(T));
       std::fill(dst + width, dst + kWidth, T(0));
     }
     panel = packed.data();
     panel_ld = kWidth;
   }
-  int64_t i = 0;
   for (; i + kRows <= rows; i += kRows) {
-    tile<T, kBytes, kRows, kVecs>(depth, a + i * lda, lda, panel, panel_ld, c + i * ldc, ldc, width, accumulate);
+    tile<T, kBytes, kRows, kVecs, kPackedA>(depth, a + i * a_step, lda, panel, panel_ld, c + i * ldc, ldc, width,
+                                            accumulate);
   }
-  row_tail<T, kBytes, kRows - 1, kVecs>(rows - i, depth, a + i * lda, lda, panel, panel_ld, c + i * ldc, ldc, width,
-                                        accumulate);
+  row_tail<T, kBytes, kRows - 1, kVecs, kPackedA>(rows - i, depth, a + i * a_step, lda, panel, panel_ld, c + i * ldc,
+                                                  ldc, width, accumulate);
 }
 
 // The last columns of C, fewer than kVecs vectors' worth, in a panel of just enough vectors.
-template <typename T, int kBytes, int kRows, int kVecs>
+template <typename T, int kBytes, int kRows, int kVecs, bool kPackedA>
 PATHKERNELS_GEMM_INLINE void last_panel(int64_t rows, int64_t width, int64_t depth, const T* a, int64_t lda,
                                         const T* b, int64_t ldb, T* c, int64_t ldc, bool accumulate) {
   constexpr int64_t kLanes = kBytes / sizeof(T);
   if constexpr (kVecs > 0) {
     if (width > (kVecs - 1) * kLanes) {
-      gemm_panel<T, kBytes, kRows, kVecs>(rows, width, depth, a, lda, b, ldb, c, ldc, accumulate);
+      gemm_panel<T, kBytes, kRows, kVecs, kPackedA>(rows, width, depth, a, lda, b, ldb, c, ldc, accumulate);
     } else {
-      last_panel<T, kBytes, kRows, kVecs - 1>(rows, width, depth, a, lda, b, ldb, c, ldc, accumulate);
+      last_panel<T, kBytes, kRows, kVecs - 1, kPackedA>(rows, width, depth, a, lda, b, ldb, c, ldc, accumulate);
     }
   }
 }
 
+// A packed for the row tiles (tiles of kRows rows, the last one shorter), each tile's terms
+// k-major: row r, term k of the tile at row i lies at buffer[i · depth + k · height + r], height the
+// tile's rows. A term's scalars then share one cache line, A streams in order once per panel, and
+// a tile addresses it from one pointer.
+template <typename T, int kRows>
+const T* pack_a(int64_t rows, int64_t depth, const T* a, int64_t lda, std::vector<T>& buffer) {
+  buffer.resize(static_cast<size_t>(rows * depth));
+  for (int64_t i = 0; i < rows; i += kRows) {
+    const int64_t height = std::min<int64_t>(kRows, rows - i);
+    T* dst = buffer.data() + i * depth;
+    for (int64_t k = 0; k < depth; ++k) {
+      for (int64_t r = 0; r < height; ++r) {
+        dst[k * height + r] = a[(i + r) * lda + k];
+      }
+    }
+  }
+  return buffer.data();
+}
+
 // C by panels of kVecs vectors, then the remaining columns in a panel of fewer (narrow products,
 // such as the value maps' d_head columns, would waste most of a full panel).
+template <typename T, int kBytes, int kRows, int kVecs, bool kPackedA>
+PATHKERNELS_GEMM_INLINE void panels(int64_t rows, int64_t cols, int64_t depth, const T* a, int64_t lda, const T* b,
+                                    int64_t ldb, T* c, int64_t ldc, bool accumulate) {
+  constexpr int64_t kWidth = static_cast<int64_t>(kBytes / sizeof(T)) * kVecs;
+  int64_t j = 0;
+  for (; j + kWidth <= cols; j += kWidth) {
+    gemm_panel<T, kBytes, kRows, kVecs, kPackedA>(rows, kWidth, depth, a, lda, b + j, ldb, c + j, ldc, accumulate);
+  }
+  if (j < cols) {
+    last_panel<T, kBytes, kRows, kVecs, kPackedA>(rows, cols - j, depth, a, lda, b + j, ldb, c + j, ldc, accumulate);
+  }
+}
+
+// With several panels A is packed first (pack_a); a single panel reads A once, where it lies.
 template <typename T, int kBytes, int kRows, int kVecs>
 PATHKERNELS_GEMM_INLINE void gemm_panels(int64_t rows, int64_t cols, int64_t depth, const T* a, int64_t lda,
                                          const T* b, int64_t ldb, T* c, int64_t ldc, bool accumulate) {
   constexpr int64_t kWidth = static_cast<int64_t>(kBytes / sizeof(T)) * kVecs;
-  int64_t j = 0;
-  for (; j + kWidth <= cols; j += kWidth) {
-    gemm_panel<T, kBytes, kRows, kVecs>(rows, kWidth, depth, a, lda, b + j, ldb, c + j, ldc, accumulate);
-  }
-  if (j < cols) {
-    last_panel<T, kBytes, kRows, kVecs>(rows, cols - j, depth, a, lda, b + j, ldb, c + j, ldc, accumulate);
+  if (cols > kWidth) {
+    thread_local std::vector<T> packed_a;
+    const T* packed = pack_a<T, kRows>(rows, depth, a, lda, packed_a);
+    panels<T, kBytes, kRows, kVecs, true>(rows, cols, depth, packed, lda, b, ldb, c, ldc, accumulate);
+  } else {
+    panels<T, kBytes, kRows, kVecs, false>(rows, cols, depth, a, lda, b, ldb, c, ldc, accumulate);
   }
 }
 
