@@ -56,6 +56,20 @@ def _num_targets(centered: bool, with_norm: bool) -> int:
     return 2 if centered and with_norm else 1
 
 
+def check_one_device(op: str, **tensors) -> None:
+    """Raise unless every tensor (or list of tensors) given lies on one device, as the C++ ops
+    check. A mix of meta and CPU tensors dispatches to the fake kernel, which would otherwise
+    return uninitialised CPU memory."""
+    devices = {}
+    for name, value in tensors.items():
+        for t in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(t, Tensor):
+                devices.setdefault(t.device, name)
+    if len(devices) > 1:
+        found = ", ".join(f"{name} on {device}" for device, name in devices.items())
+        raise ValueError(f"{op}: expected every tensor on one device, got {found}")
+
+
 @torch.library.register_fake("pathkernels::norm_parts")
 def _norm_parts_fake(x: Tensor, centered: bool, with_norm: bool = True) -> tuple[Tensor, Tensor]:
     check_norm_input(x, centered)
@@ -67,11 +81,20 @@ def _norm_parts_fake(x: Tensor, centered: bool, with_norm: bool = True) -> tuple
 @torch.library.register_fake("pathkernels::norm_parts_backward")
 def _norm_parts_backward_fake(grad_parts, x, parts, argmax, centered, with_norm=True):
     check_norm_input(x, centered)
+    check_one_device("pathkernels.norm_parts_backward", grad_parts=grad_parts, x=x, parts=parts, argmax=argmax)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("pathkernels::path_chunk_norms")
 def _path_chunk_norms_fake(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block, leaf_kernel="simt"):
+    op = "pathkernels.path_chunk_norms"
+    check_one_device(op, attn=attn, attn_mean=attn_mean, root=root, root_mean=root_mean, w_v=w_v, w_o=w_o)
+    for level, (parent, head) in enumerate(zip(parents, heads), start=1):
+        for index in (parent, head):
+            if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+                raise TypeError(
+                    f"{op}: level {level}: expected parents and heads of an integer dtype (torch.long), got {index.dtype}"
+                )
     leaves = parents[-1].shape[0]
     shape = (attn.shape[0], leaves)
     return attn.new_empty(shape, dtype=torch.float64), attn.new_empty(shape, dtype=torch.float64)
@@ -79,11 +102,13 @@ def _path_chunk_norms_fake(attn, attn_mean, root, root_mean, w_v, w_o, parents, 
 
 @torch.library.register_fake("pathkernels::_fused_leaf_norms")
 def _fused_leaf_norms_fake(attn, right, mean, scale=None, kernel="simt"):
+    check_one_device("pathkernels._fused_leaf_norms", attn=attn, right=right, mean=mean, scale=scale)
     return right.new_empty(right.shape[1], dtype=torch.float64), right.new_empty(right.shape[1], dtype=torch.float64)
 
 
 @torch.library.register_fake("pathkernels::_engine_mm")
 def _engine_mm_fake(a, b, isa="auto"):
+    check_one_device("pathkernels._engine_mm", a=a, b=b)
     return a.new_empty((a.shape[0], b.shape[1]))
 
 

@@ -269,6 +269,9 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms(const at::Tensor& attn, cons
       parse_leaf_kernel(leaf_kernel, attn.scalar_type(), true, "pathkernels.path_chunk_norms", "leaf_kernel");
   const int64_t batch = attn.size(0);
   const int64_t leaves = chunk.parents.back().numel();
+  // No level of a trie has more nodes than its leaves, so larger blocks change nothing; capping
+  // keeps the scratch blocks' sizes and the block loop's arithmetic within range.
+  const int64_t block = std::max<int64_t>(1, std::min(leaf_block, leaves));
   // float64 reports for every dtype: a float32 tree's residuals may lie below float32's range.
   at::Tensor residual = at::empty({batch, leaves}, attn.options().dtype(at::kDouble));
   at::Tensor norm = at::empty({batch, leaves}, attn.options().dtype(at::kDouble));
@@ -285,7 +288,7 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms(const at::Tensor& attn, cons
     Backend backend(kernel);
     for (int64_t b = 0; b < batch; ++b) {
       const Network net{attn_c[b], attn_mean_c[b], w_v_c, w_o_c, std::is_same_v<scalar_t, float>};
-      evaluate_chunk<scalar_t>(net, root_c[b], root_mean_c[b], chunk, leaf_block,
+      evaluate_chunk<scalar_t>(net, root_c[b], root_mean_c[b], chunk, block,
                                residual[b].mutable_data_ptr<double>(), norm[b].mutable_data_ptr<double>(), backend);
     }
   });

@@ -39,6 +39,8 @@ PathChunk check_path_chunk(const at::Tensor& attn, const at::Tensor& attn_mean, 
                     shape_string(attn.sizes()));
   TORCH_CHECK_TYPE(attn.scalar_type() == at::kFloat || attn.scalar_type() == at::kDouble, op,
                    ": expected attn to be float32 or float64, got ", dtype_name(attn.scalar_type()));
+  TORCH_CHECK_VALUE(n >= 1 && layers >= 1 && num_heads >= 1, op,
+                    ": expected attn [B, L, H, n, n] with L, H and n at least 1, got ", shape_string(attn.sizes()));
   const std::vector<int64_t> attn_mean_shape{batch, layers, num_heads, n};
   TORCH_CHECK_VALUE(attn_mean.sizes() == at::IntArrayRef(attn_mean_shape), op, ": expected attn_mean [B, L, H, n] = ",
                     shape_string(attn_mean_shape), ", got ", shape_string(attn_mean.sizes()));
@@ -46,6 +48,7 @@ PathChunk check_path_chunk(const at::Tensor& attn, const at::Tensor& attn_mean, 
                     ": expected root [B, n, m] with B = ", std::to_string(batch), " and n = ", std::to_string(n),
                     ", got ", shape_string(root.sizes()));
   const int64_t m = root.size(2);
+  TORCH_CHECK_VALUE(m >= 1, op, ": expected root [B, n, m] with m >= 1, got ", shape_string(root.sizes()));
   const std::vector<int64_t> root_mean_shape{batch, m};
   TORCH_CHECK_VALUE(root_mean.sizes() == at::IntArrayRef(root_mean_shape), op, ": expected root_mean [B, m] = ",
                     shape_string(root_mean_shape), ", got ", shape_string(root_mean.sizes()));
@@ -77,9 +80,15 @@ PathChunk check_path_chunk(const at::Tensor& attn, const at::Tensor& attn_mean, 
   PathChunk chunk;
   int64_t previous = 1;
   for (int64_t l = 0; l < layers; ++l) {
+    const std::string level = ": level " + std::to_string(l + 1);
+    for (const at::Tensor* index : {&parents[l], &heads[l]}) {
+      // A float or bool index would be truncated by the cast below into some other node.
+      TORCH_CHECK_TYPE(at::isIntegralType(index->scalar_type(), /*includeBool=*/false), op, level,
+                       ": expected parents and heads of an integer dtype (torch.long), got ",
+                       dtype_name(index->scalar_type()));
+    }
     at::Tensor parent = parents[l].to(at::kCPU, at::kLong).contiguous();
     at::Tensor head = heads[l].to(at::kCPU, at::kLong).contiguous();
-    const std::string level = ": level " + std::to_string(l + 1);
     TORCH_CHECK_VALUE(parent.dim() == 1 && head.sizes() == parent.sizes(), op, level,
                       ": expected parents and heads of one shape [N], got ", shape_string(parent.sizes()), " and ",
                       shape_string(head.sizes()));

@@ -1,0 +1,82 @@
+"""Hostile inputs to the ops: each gives a clear error that names the op and the argument, never a
+silently wrong number (issue 23's reproducers)."""
+
+import pytest
+import torch
+
+import pathkernels as pk
+from pathkernels.testing import random_attention
+
+
+def chunk_inputs(device="cpu"):
+    """The smallest valid path_chunk_norms call: one 2×2 attention matrix, one leaf."""
+    attn = torch.zeros(1, 1, 1, 2, 2, dtype=torch.float64, device=device)
+    mean = torch.full((1, 1, 1, 2), 0.5, dtype=torch.float64, device=device)
+    root = torch.tensor([[[0.5, -0.5], [-0.5, 0.5]]], dtype=torch.float64, device=device)
+    index = [torch.zeros(1, dtype=torch.long, device=device)]
+    return [attn, mean, root, mean[0, 0], None, None, index, index, 64]
+
+
+@pytest.mark.parametrize("meta_argument", [0, 1, 2, 3])
+def test_a_mix_of_meta_and_cpu_tensors_is_refused(meta_argument):
+    """A meta tensor among CPU ones dispatches to the fake kernel, which returned uninitialised CPU
+    memory."""
+    args = chunk_inputs()
+    args[meta_argument] = args[meta_argument].to("meta")
+    with pytest.raises(ValueError, match=r"path_chunk_norms: expected every tensor on one device, got .* on meta"):
+        torch.ops.pathkernels.path_chunk_norms(*args)
+
+
+def test_the_other_ops_refuse_a_device_mix():
+    attn = random_attention(3, 3, dtype=torch.float64)
+    right, mean = torch.randn(3, 2, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"_fused_leaf_norms: expected every tensor on one device"):
+        torch.ops.pathkernels._fused_leaf_norms(attn, right.to("meta"), mean)
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    parts, argmax = torch.ops.pathkernels.norm_parts(x, True, True)
+    with pytest.raises(ValueError, match=r"norm_parts_backward: expected every tensor on one device"):
+        torch.ops.pathkernels.norm_parts_backward(parts.to("meta"), x, parts, argmax, True, True)
+    with pytest.raises(ValueError, match=r"_engine_mm: expected every tensor on one device"):
+        torch.ops.pathkernels._engine_mm(attn, attn.to("meta"), "auto")
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+@pytest.mark.parametrize("which", ["parents", "heads"])
+def test_index_tensors_of_a_non_integer_dtype_are_refused(device, dtype, which):
+    """A float or bool index was truncated to some other node."""
+    args = chunk_inputs(device)
+    position = 6 if which == "parents" else 7
+    args[position] = [args[position][0].to(dtype)]
+    with pytest.raises(TypeError, match=rf"level 1: expected parents and heads of an integer dtype .*got {dtype}"):
+        torch.ops.pathkernels.path_chunk_norms(*args)
+
+
+def test_empty_matrices_are_refused_by_the_op():
+    """n = 0 or m = 0 failed an internal assert that asked to report a bug to PyTorch."""
+    args = chunk_inputs()
+    args[0], args[1] = torch.zeros(1, 1, 1, 0, 0, dtype=torch.float64), torch.zeros(1, 1, 1, 0, dtype=torch.float64)
+    args[2], args[3] = torch.zeros(1, 0, 2, dtype=torch.float64), torch.zeros(1, 2, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"path_chunk_norms: expected attn \[B, L, H, n, n\] with L, H and n at least"):
+        torch.ops.pathkernels.path_chunk_norms(*args)
+    args = chunk_inputs()
+    args[2], args[3] = torch.zeros(1, 2, 0, dtype=torch.float64), torch.zeros(1, 0, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"path_chunk_norms: expected root \[B, n, m\] with m >= 1, got \[1, 2, 0\]"):
+        torch.ops.pathkernels.path_chunk_norms(*args)
+
+
+def test_a_huge_leaf_block_is_the_whole_chunk():
+    """leaf_block = 2^63 − 1 overflowed the block loop; it now means one block of every leaf, and
+    gives what the planner's blocks give (the CPU engine's results do not depend on the blocks)."""
+    from pathkernels.checks import check_network
+    from pathkernels.engine import chunk_norms, engine_operands
+    from pathkernels.planner import chunks
+
+    attn = random_attention(2, 3, 2, 5, 5, dtype=torch.float64)
+    tree = pk.PathTree.complete(3, 2, skip=True)
+    net = check_network(attn, None, None, None, "test")
+    operands = engine_operands(net)
+    for _, _, chunk, leaf_block in chunks(tree, net, pk.DEFAULT_MEMORY_BUDGET, 0, tree.num_leaves):
+        expected = chunk_norms(net, operands, chunk, leaf_block, "simt")
+        got = chunk_norms(net, operands, chunk, 2**63 - 1, "simt")
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
