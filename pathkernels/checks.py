@@ -40,16 +40,6 @@ class Network:
         return self.attn.shape[-1] if self.x is None else self.x.shape[-1]
 
 
-def format_bytes(count: int) -> str:
-    """``count`` bytes for a message: "512 bytes", "24.0 KiB", "3.50 GiB"."""
-    if count < 1024:
-        return f"{count:,} bytes"
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if count >= size:
-            return f"{count / size:.2f} {unit} ({count:,} bytes)"
-    raise AssertionError
-
-
 def first_index(mask: Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in torch.nonzero(mask)[0])
 

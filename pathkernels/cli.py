@@ -29,6 +29,7 @@ import torch
 
 import pathkernels as pk
 from pathkernels import experiments
+from pathkernels._memory import available_memory, format_bytes
 from pathkernels.adapters.huggingface import LocalModel
 from pathkernels.benchmarks import (
     QUICK_NORM_CASES,
@@ -39,9 +40,7 @@ from pathkernels.benchmarks import (
     norm_benchmark,
     path_benchmark,
 )
-from pathkernels.checks import format_bytes
 from pathkernels.decompose import saved
-from pathkernels.planner import available_memory
 from pathkernels.testing import random_attention
 
 DEFAULT_OUT = "demo_output"

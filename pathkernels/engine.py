@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from pathkernels import distributed, ops
+from pathkernels._memory import available_memory, format_bytes
 from pathkernels._progress import progress_bar
 from pathkernels.checks import (
     Network,
@@ -24,14 +25,12 @@ from pathkernels.checks import (
     check_masked_network,
     check_network,
     check_tree,
-    format_bytes,
     mask_group_inputs,
     unpack_stack,
 )
 from pathkernels.paths import SKIP, PathTree
 from pathkernels.planner import (
     DEFAULT_MEMORY_BUDGET,
-    available_memory,
     check_budget,
     check_results_fit,
     chunks,

@@ -93,7 +93,8 @@ def _path_chunk_norms_fake(attn, attn_mean, root, root_mean, w_v, w_o, parents, 
         for index in (parent, head):
             if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
                 raise TypeError(
-                    f"{op}: level {level}: expected parents and heads of an integer dtype (torch.long), got {index.dtype}"
+                    f"{op}: level {level}: expected parents and heads of an integer dtype (torch.long), got "
+                    f"{index.dtype}"
                 )
     leaves = parents[-1].shape[0]
     shape = (attn.shape[0], leaves)

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pathkernels._memory import available_memory, format_bytes
+
 SKIP = -1
 
 # A tree whose path list would exceed this many paths is not enumerated (paths() and evaluation
@@ -180,6 +182,14 @@ class PathTree:
         if tree.num_paths > MAX_LEAVES or (short and tree.num_paths > MAX_ENUMERATED_PATHS):
             raise _too_many_paths(tree.num_paths, where, MAX_LEAVES if tree.num_paths > MAX_LEAVES else None)
         if short:
+            table = tree.num_paths * num_layers * 8  # the [M, L] int64 table of paths
+            available = available_memory(torch.device("cpu"))
+            if available is not None and table > available // 2:
+                raise ValueError(
+                    f"{where}: the {tree.num_paths:,} paths of at most {max_length} heads over {num_layers} layers "
+                    f"take {format_bytes(table)} as a table of paths [M, L], more than half the "
+                    f"{format_bytes(available)} available; pk.length_sums gives exact sums per length without it"
+                )
             tree._paths = _enumerate_short_paths(num_layers, num_heads, max_length)
         return tree
 
@@ -367,17 +377,43 @@ class PathTree:
 
 
 def _enumerate_short_paths(num_layers: int, num_heads: int, max_length: int) -> Tensor:
-    """All paths with at most ``max_length`` heads, lexicographic, grown layer by layer (pruned)."""
-    prefixes = torch.zeros(1, 0, dtype=torch.long)
-    lengths = torch.zeros(1, dtype=torch.long)
-    choices = torch.arange(SKIP, num_heads)
+    """All paths with at most ``max_length`` heads, ``[M, L]`` in lexicographic order (skip first).
+
+    Filled column by column without copying prefixes: a prefix that may still take a head is a
+    block of consecutive rows (its skip child's rows, then each head's), and a prefix that may not
+    is skip to the end, which the table holds from the start. Only the rows that take a head at a
+    layer are written there, so the work is the table's size plus ``M · max_length``."""
+    # completions[rem][r]: paths over rem layers with at most r heads (rem layers, the last one
+    # either skipped or taking one of the H heads).
+    completions = [[1] * (max_length + 1)]
     for _ in range(num_layers):
-        count = prefixes.shape[0]
-        grown = torch.cat([prefixes.repeat_interleave(len(choices), 0), choices.repeat(count).unsqueeze(1)], dim=1)
-        grown_lengths = lengths.repeat_interleave(len(choices)) + (grown[:, -1] != SKIP).long()
-        keep = grown_lengths <= max_length
-        prefixes, lengths = grown[keep], grown_lengths[keep]
-    return prefixes
+        last = completions[-1]
+        completions.append([last[r] + (num_heads * last[r - 1] if r else 0) for r in range(max_length + 1)])
+    total = completions[num_layers][max_length]
+    table_of_paths = torch.full((total, num_layers), SKIP, dtype=torch.long)  # torch fills it in parallel
+    paths = table_of_paths.numpy()  # numpy's view: a few small operations per layer cost less there
+    # Prefixes that may still take a head: their first row and how many heads they may still take.
+    starts = np.zeros(1 if max_length >= 1 else 0, dtype=np.int64)
+    budgets = np.full_like(starts, max_length)
+    heads = np.arange(num_heads, dtype=np.int64)
+    for layer in range(num_layers):
+        if starts.size == 0:
+            break
+        table = np.array(completions[num_layers - layer - 1], dtype=np.int64)
+        skip_rows = table[budgets]  # the skip child's rows come first
+        head_rows = table[budgets - 1]  # then each head's, as many
+        # Head h of the prefix at `start` covers rows start + skip_rows + h · head_rows onwards.
+        first = (starts + skip_rows)[:, None] + heads * head_rows[:, None]  # [blocks, H]
+        lengths = np.repeat(head_rows, num_heads)
+        offsets = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        paths[np.repeat(first.ravel(), lengths) + offsets, layer] = np.repeat(np.tile(heads, starts.size), lengths)
+        # Next layer's open prefixes: each skip child (same budget), and each head child that may
+        # still take one, in row order (a block's children follow its skip child).
+        starts = np.concatenate([starts[:, None], first], axis=1).ravel()
+        budgets = np.repeat(budgets, num_heads + 1) - np.tile(np.arange(num_heads + 1) > 0, budgets.size)
+        open_ = budgets >= 1
+        starts, budgets = starts[open_], budgets[open_]
+    return table_of_paths
 
 
 def sample_paths(

@@ -20,7 +20,8 @@ import warnings
 
 import torch
 
-from pathkernels.checks import Network, format_bytes
+from pathkernels._memory import available_memory, format_bytes
+from pathkernels.checks import Network
 from pathkernels.paths import PathTree, build_trie_chunk
 
 DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes of working memory for the engine, beyond inputs and results
@@ -156,18 +157,3 @@ def check_results_fit(net: Network, tree: PathTree, where: str) -> None:
             f"{net.attn.device}; evaluate fewer paths (max_length, sampling, or a share of the tree per process with "
             "group=), or use pk.length_sums for exact sums per length"
         )
-
-
-def available_memory(device: torch.device) -> int | None:
-    """Bytes free on ``device`` now: the CUDA allocator's free memory, or the host's available
-    physical memory (Linux ``MemAvailable``); None where that cannot be read."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None

@@ -6,6 +6,8 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import pathkernels as pk
 from pathkernels.paths import MAX_ENUMERATED_PATHS, build_trie_chunk
@@ -40,6 +42,27 @@ def test_complete_tree_enumerates_every_path_in_lexicographic_order(layers, head
     assert tree.count_by_length() == counts == pk.count_by_length(layers, heads, skip=skip, max_length=max_length)
     levels = [1] + [torch.unique(expected[:, :k], dim=0).shape[0] for k in range(1, layers + 1)]
     assert tree.nodes_per_level() == levels
+
+
+@given(st.integers(1, 7), st.integers(1, 4), st.data())
+def test_short_path_trees_are_every_short_path_in_order(layers, heads, data):
+    max_length = data.draw(st.integers(0, layers - 1))
+    tree = pk.PathTree.complete(layers, heads, skip=True, max_length=max_length)
+    assert torch.equal(tree.paths(), brute_force_paths(layers, heads, True, max_length))
+
+
+def test_deep_short_path_trees_are_built_from_their_paths_alone():
+    """L = 2000 with at most one head: 4,001 paths. Growing every prefix layer by layer took
+    minutes; the table is now written column by column, each path's head once."""
+    tree = pk.PathTree.complete(2000, 2, skip=True, max_length=1)
+    paths = tree.paths()
+    assert paths.shape == (4001, 2000) and bool((paths[0] == -1).all())
+    # Lexicographic, skip first: the head comes ever earlier; row 1 + 2j + h takes head h at layer L-1-j.
+    layer = 1999 - torch.arange(2000).repeat_interleave(2)
+    head = torch.arange(2).repeat(2000)
+    assert torch.equal((paths[1:] >= 0).float().argmax(1), layer)
+    assert torch.equal(paths[1:].gather(1, layer.unsqueeze(1)).squeeze(1), head)
+    assert int((paths >= 0).sum()) == 4000
 
 
 def test_counts_are_exact_python_ints_beyond_int64():
