@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from pathkernels import distributed
+from pathkernels._files import read_sealed, tensor_digest, write_sealed
 from pathkernels._progress import progress_bar
 from pathkernels.checks import check_masked_network, mask_group_inputs, unpack_stack
 from pathkernels.engine import (
@@ -540,15 +541,17 @@ class PathStatistics:
         return cls(**state)
 
     def save(self, path) -> None:
-        """Write to ``path`` (a ``torch.save`` file of plain tensors and numbers, on the CPU)."""
-        torch.save({"pathkernels.PathStatistics": 1, **self.state()}, path)
+        """Write to ``path``: a sealed file (its SHA-256 checked on reading) of plain tensors and
+        numbers, written atomically."""
+        write_sealed(Path(path), {"pathkernels.PathStatistics": 1, **self.state()})
 
     @classmethod
     def load(cls, path) -> PathStatistics:
-        """Read what :meth:`save` wrote."""
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if state.pop("pathkernels.PathStatistics", None) != 1:
-            raise ValueError(f"pathkernels.PathStatistics.load: {path} was not written by PathStatistics.save")
+        """Read what :meth:`save` wrote; a damaged, truncated or foreign file is refused."""
+        where = "pathkernels.PathStatistics.load"
+        state = read_sealed(Path(path), where, "the file", "Save the statistics again.")
+        if not isinstance(state, dict) or state.pop("pathkernels.PathStatistics", None) != 1:
+            raise ValueError(f"{where}: {path} was not written by PathStatistics.save")
         return cls.from_state(state)
 
 
@@ -768,8 +771,9 @@ def _stream(
 
 
 # Raised when what a checkpoint holds changes meaning: 2 when the histograms' bin 0 came to hold
-# exact zeros only and the log sums to leave them out.
-_CHECKPOINT_FORMAT = 2
+# exact zeros only and the log sums to leave them out; 3 when checkpoints became sealed files
+# (pathkernels/_files.py) with a SHA-256 of the inputs in their identity.
+_CHECKPOINT_FORMAT = 3
 
 
 class _Checkpoint:
@@ -785,8 +789,12 @@ class _Checkpoint:
         if fingerprint is None:
             fingerprint = distributed.fingerprint({"attn": net.attn, "x": net.x, "w_v": net.w_v, "w_o": net.w_o}, tree)
         identity = dict(fingerprint)
+        tree_paths = None if tree.is_complete and tree.max_length is None else tree.paths()
         identity.update(
             format=_CHECKPOINT_FORMAT,
+            inputs_sha256=tensor_digest(
+                {"attn": net.attn, "x": net.x, "w_v": net.w_v, "w_o": net.w_o, "paths": tree_paths}
+            ),
             leaves=[first, last],
             memory_budget=settings.memory_budget,
             bins_per_decade=settings.bins_per_decade,
@@ -800,7 +808,10 @@ class _Checkpoint:
     def load(self) -> tuple[PathStatistics, int] | None:
         if not self.path.exists():
             return None
-        state = torch.load(self.path, map_location="cpu", weights_only=True)
+        advice = "Delete it, or pass another checkpoint folder, to start afresh."
+        state = read_sealed(self.path, self.where, "the checkpoint", advice)
+        if not (isinstance(state, dict) and isinstance(state.get("identity"), dict) and "statistics" in state):
+            raise ValueError(f"{self.where}: the checkpoint {self.path} is not one of path_statistics'. {advice}")
         differing = [key for key in self.identity if state["identity"].get(key) != self.identity[key]]
         if differing:
             raise ValueError(
@@ -810,6 +821,4 @@ class _Checkpoint:
         return PathStatistics.from_state(state["statistics"]), state["reached"]
 
     def save(self, stats: PathStatistics, reached: int) -> None:
-        partial = self.path.with_name(self.path.name + ".partial")
-        torch.save({"identity": self.identity, "reached": reached, "statistics": stats.state()}, partial)
-        os.replace(partial, self.path)  # atomic: a reader sees the old file or the new, never half
+        write_sealed(self.path, {"identity": self.identity, "reached": reached, "statistics": stats.state()})

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import pathkernels as pk
+from pathkernels._files import read_sealed
 from pathkernels.statistics import QUANTILES, SMALLEST_POSITIVE, PathStatistics, histogram_edges
 from pathkernels.testing import padded_network, random_attention
 
@@ -241,7 +242,7 @@ def test_a_killed_run_resumes_to_exactly_the_uninterrupted_statistics(tmp_path):
     killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=60)
     assert killed.returncode == -signal.SIGKILL and not (tmp_path / "never.pt").exists()
-    state = torch.load(folder / "rank0-of-1.pt", weights_only=True)
+    state = read_sealed(folder / "rank0-of-1.pt", "test", "the checkpoint", "")
     assert 0 < state["reached"] < 5**7  # stopped part-way: the rerun resumes
     assert _run(script, folder, tmp_path / "resumed.pt").wait(timeout=300) == 0
     whole, resumed = PathStatistics.load(tmp_path / "whole.pt"), PathStatistics.load(tmp_path / "resumed.pt")
@@ -262,10 +263,58 @@ def test_a_checkpoint_refuses_other_inputs(tmp_path):
     again = pk.path_statistics(attn, tree, checkpoint=tmp_path)  # finished: read back, nothing recomputed
     assert torch.equal(first.counts, again.counts) and torch.equal(first.sums["ratio"], again.sums["ratio"])
     other = random_attention(1, 3, 2, 4, 4, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"was written for other inputs or settings \(attn differ"):
+    with pytest.raises(ValueError, match=r"was written for other inputs or settings \(attn, inputs_sha256 differ"):
         pk.path_statistics(other, tree, checkpoint=tmp_path)
     with pytest.raises(ValueError, match=r"\(bins_per_decade differ"):
         pk.path_statistics(attn, tree, checkpoint=tmp_path, bins_per_decade=5)
+
+
+def test_damaged_truncated_or_foreign_checkpoints_are_refused(tmp_path):
+    """Byte flips anywhere, a truncated file or someone else's file: one message that says what to
+    do, never a resume from wrong statistics (11 of 12 random flips used to resume)."""
+    attn = random_attention(1, 3, 2, 4, 4, dtype=torch.float64)
+    tree = pk.PathTree.complete(3, 2, skip=True)
+    pk.path_statistics(attn, tree, checkpoint=tmp_path, top_k=2)
+    path = tmp_path / "rank0-of-1.pt"
+    intact = path.read_bytes()
+    message = r"the checkpoint .*rank0-of-1.pt cannot be used: .*Delete it, or pass another checkpoint folder"
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for position in torch.randint(0, len(intact), (12,), generator=generator).tolist():
+        damaged = bytearray(intact)
+        damaged[position] ^= 1 << int(torch.randint(0, 8, (), generator=generator))
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(ValueError, match=message):
+            pk.path_statistics(attn, tree, checkpoint=tmp_path, top_k=2)
+    for broken in (intact[: len(intact) // 2], intact[:10], b"", b"not a checkpoint at all"):
+        path.write_bytes(broken)
+        with pytest.raises(ValueError, match=message):
+            pk.path_statistics(attn, tree, checkpoint=tmp_path, top_k=2)
+    torch.save({"identity": {}, "statistics": {}}, path)  # a torch file, but not a sealed one
+    with pytest.raises(ValueError, match=r"cannot be used: it was not written by this version of pathkernels"):
+        pk.path_statistics(attn, tree, checkpoint=tmp_path, top_k=2)
+    path.write_bytes(intact)
+    assert pk.path_statistics(attn, tree, checkpoint=tmp_path, top_k=2).top(2) is not None
+    saved = tmp_path / "stats.pt"
+    pk.path_statistics(attn, tree).save(saved)
+    saved.write_bytes(saved.read_bytes()[:-7])
+    with pytest.raises(ValueError, match=r"PathStatistics.load: the file .* damaged or truncated. Save the statistics"):
+        PathStatistics.load(saved)
+
+
+def test_a_checkpoint_tells_inputs_apart_by_their_bytes(tmp_path):
+    """The old identity was a sum and a position-weighted sum mod 97: these two inputs share both,
+    and the stale statistics came back."""
+    attn = torch.full((1, 1, 1, 4, 4), 0.25, dtype=torch.float64)
+    crafted = attn.clone()
+    for (i, j), change in zip(((0, 0), (0, 1), (1, 0), (1, 1)), (0.125, -0.125, -0.125, 0.125)):
+        crafted[0, 0, 0, i, j] += change
+    from pathkernels.distributed import fingerprint
+
+    tree = pk.PathTree.complete(1, 1)
+    assert fingerprint({"attn": attn}, tree) == fingerprint({"attn": crafted}, tree)  # the weak checksums agree
+    pk.path_statistics(attn, tree, checkpoint=tmp_path)
+    with pytest.raises(ValueError, match=r"was written for other inputs or settings \(inputs_sha256 differ"):
+        pk.path_statistics(crafted, tree, checkpoint=tmp_path)
 
 
 def test_decompose_streams_when_per_path_results_would_be_too_large():
