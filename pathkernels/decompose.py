@@ -13,6 +13,8 @@ from pathkernels.engine import PathResiduals, path_residuals
 from pathkernels.paths import (
     MAX_ENUMERATED_PATHS,
     PathTree,
+    check_flag,
+    check_int,
     count_by_length,
     sample_paths,
 )
@@ -277,6 +279,10 @@ def decompose(
             f"{getattr(attn, 'shape', type(attn).__name__)}"
         )
     validate_inputs(attn, x, w_v, w_o, token_mask, where)
+    skip = check_flag(skip, "skip", where)
+    if max_length is not None:
+        max_length = check_int(max_length, "max_length", where, minimum=0)
+    max_result_bytes = check_int(max_result_bytes, "max_result_bytes", where, minimum=0)
     layers, heads = attn.shape[-4], attn.shape[-3]
     engine_options = {
         "x": x,

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from pathkernels.checks import check_bias, check_masked_network, check_network, mask_group_inputs
+from pathkernels.paths import check_flag, check_int
 
 
 def length_sums(
@@ -49,6 +50,7 @@ def length_sums(
         Without skip and biases only ``k = L`` is non-zero.
     """
     where = "pathkernels.length_sums"
+    skip = check_flag(skip, "skip", where)
     for name, t in (("x", x), ("w_v", w_v), ("w_o", w_o)):
         if t is None:
             raise ValueError(f"{where}: expected {name}; length sums are sums of path outputs P X W")
@@ -90,7 +92,20 @@ def _masked_length_sums(attn, x, w_v, w_o, b_o, skip: bool, token_mask, where: s
 
 
 def truncated_output(sums: Tensor, max_length: int) -> Tensor:
-    """Output of the paths of length ≤ ``max_length``: ``Σ_{k ≤ max_length} S_k`` from :func:`length_sums`."""
-    if not 0 <= max_length:
-        raise ValueError(f"pathkernels.truncated_output: expected max_length >= 0, got {max_length}")
+    """Output of the paths of length ≤ ``max_length``: ``Σ_{k ≤ max_length} S_k`` from :func:`length_sums`.
+
+    Args:
+        sums: ``[L+1, B, n, d]`` (or ``[L+1, n, d]``), as :func:`length_sums` returns them.
+        max_length: an int ``>= 0``; lengths above L add nothing.
+
+    Returns:
+        ``[B, n, d]`` (or ``[n, d]``).
+    """
+    where = "pathkernels.truncated_output"
+    if not isinstance(sums, Tensor) or sums.dim() < 3:
+        raise ValueError(
+            f"{where}: expected sums [L+1, B, n, d] or [L+1, n, d] from pk.length_sums, got "
+            f"{list(sums.shape) if isinstance(sums, Tensor) else type(sums).__name__}"
+        )
+    max_length = check_int(max_length, "max_length", where, minimum=0)
     return sums[: max_length + 1].sum(0)

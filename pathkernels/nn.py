@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 from torch import Tensor, nn
 
 
@@ -21,6 +24,8 @@ class DeEscalation(nn.Module):
 
     def __init__(self, tau: float = 1.0):
         super().__init__()
+        if isinstance(tau, bool) or not isinstance(tau, numbers.Real) or not math.isfinite(tau):
+            raise ValueError(f"pathkernels.nn.DeEscalation: expected tau to be a finite real number, got {tau!r}")
         self.tau = float(tau)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -28,11 +28,20 @@ MAX_LEAVES = 1 << 62  # leaf indices are int64: a complete tree streamed by path
 
 def count_paths(num_layers: int, num_heads: int, *, skip: bool = False, max_length: int | None = None) -> int:
     """Exact number of paths: ``H^L`` without skip; ``Σ_{k ≤ max_length} C(L, k) H^k`` with skip."""
-    return sum(count_by_length(num_layers, num_heads, skip=skip, max_length=max_length))
+    num_layers, num_heads, max_length = _check_shape_args(num_layers, num_heads, max_length, "pathkernels.count_paths")
+    skip = check_flag(skip, "skip", "pathkernels.count_paths")
+    return sum(_count_by_length(num_layers, num_heads, skip, max_length))
 
 
 def count_by_length(num_layers: int, num_heads: int, *, skip: bool = False, max_length: int | None = None) -> list[int]:
     """Exact path counts by length ``k = 0..L``: ``C(L, k) H^k`` with skip, only ``H^L`` at k = L without."""
+    where = "pathkernels.count_by_length"
+    num_layers, num_heads, max_length = _check_shape_args(num_layers, num_heads, max_length, where)
+    return _count_by_length(num_layers, num_heads, check_flag(skip, "skip", where), max_length)
+
+
+def _count_by_length(num_layers: int, num_heads: int, skip: bool, max_length: int | None) -> list[int]:
+    """:func:`count_by_length` of checked arguments."""
     top = num_layers if max_length is None else min(max_length, num_layers)
     counts = [0] * (num_layers + 1)
     for k in range(top + 1):

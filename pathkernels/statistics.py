@@ -391,8 +391,11 @@ class PathStatistics:
             raise ValueError(
                 f"pathkernels.PathStatistics.top: expected k in [0, {self.top_k}] (the top_k collected), got {k}"
             )
+        where = "pathkernels.PathStatistics.top"
+        batch_element = check_int(batch_element, "batch_element", where, minimum=0, maximum=self.counts.shape[0] - 1)
         values, paths = self.top_values[batch_element].cpu(), self.top_paths[batch_element].cpu()
         if length is not None:
+            length = check_int(length, "length", where, minimum=0, maximum=self.num_layers)
             values, paths = values[length : length + 1], paths[length : length + 1]
         values, paths = values.flatten(), paths.reshape(-1, self.num_layers)
         order = values.argsort(descending=True, stable=True)[:k]

@@ -80,3 +80,63 @@ def test_a_huge_leaf_block_is_the_whole_chunk():
         expected = chunk_norms(net, operands, chunk, leaf_block, "simt")
         got = chunk_norms(net, operands, chunk, 2**63 - 1, "simt")
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def small_network():
+    attn = random_attention(1, 2, 2, 3, 3, dtype=torch.float64)
+    x, w = torch.randn(1, 3, 2, dtype=torch.float64), torch.randn(2, 2, 2, 2, dtype=torch.float64)
+    return attn, x, w
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: pk.count_paths(2, -3, skip=True), ValueError, r"count_paths: expected num_heads >= 1, got -3"),
+        (lambda: pk.count_paths(-1, 2), ValueError, r"count_paths: expected num_layers >= 1, got -1"),
+        (lambda: pk.count_paths(2, 2, skip="no"), TypeError, r"count_paths: expected skip to be True or False"),
+        (lambda: pk.count_by_length(2, 0), ValueError, r"count_by_length: expected num_heads >= 1, got 0"),
+        (
+            lambda: pk.length_sums(*small_network(), small_network()[2], skip="no"),
+            TypeError,
+            r"length_sums: expected skip to be True or False, got str 'no'",
+        ),
+        (
+            lambda: pk.truncated_output(torch.randn(3), 1),
+            ValueError,
+            r"truncated_output: expected sums \[L\+1, B, n, d\] or \[L\+1, n, d\] from pk.length_sums, got \[3\]",
+        ),
+        (
+            lambda: pk.truncated_output(torch.randn(3, 2, 2), True),
+            TypeError,
+            r"truncated_output: expected max_length to be an int, got bool True",
+        ),
+        (
+            lambda: pk.decompose(small_network()[0], max_result_bytes=-1),
+            ValueError,
+            r"decompose: expected max_result_bytes >= 0, got -1",
+        ),
+        (
+            lambda: pk.decompose(small_network()[0], skip="yes"),
+            TypeError,
+            r"decompose: expected skip to be True or False",
+        ),
+        (
+            lambda: pk.nn.DeEscalation(tau=float("nan")),
+            ValueError,
+            r"DeEscalation: expected tau to be a finite real number, got nan",
+        ),
+    ],
+)
+def test_arguments_are_validated_in_the_name_of_the_function_called(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+@pytest.mark.parametrize("length", [-1, 3, 99])
+def test_top_refuses_a_length_the_tree_has_not(length):
+    """top(length=99) and top(length=-1) returned [] (or the last length's paths)."""
+    stats = pk.path_statistics(small_network()[0], pk.PathTree.complete(2, 2, skip=True), top_k=2)
+    with pytest.raises(ValueError, match=rf"PathStatistics.top: expected length in \[0, 2\], got {length}"):
+        stats.top(length=length)
+    with pytest.raises(ValueError, match=r"PathStatistics.top: expected batch_element in \[0, 0\], got 1"):
+        stats.top(batch_element=1)
