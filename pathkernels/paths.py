@@ -70,6 +70,37 @@ def check_flag(value, name: str, where: str) -> bool:
     return bool(value)
 
 
+def check_paths(
+    paths, where: str, *, num_heads: int | None = None, num_layers: int | None = None
+) -> tuple[Tensor, int]:
+    """``paths`` as a CPU int64 tensor ``[M, L]`` of heads in ``[-1, num_heads)`` (-1 = skip), and
+    num_heads (default: the largest head + 1). With ``num_layers``, L must equal it."""
+    if num_heads is not None:
+        num_heads = check_int(num_heads, "num_heads", where, minimum=1)
+    if isinstance(paths, (list, tuple)) and len(paths) == 0:
+        raise ValueError(f"{where}: expected at least one path, got an empty {type(paths).__name__}")
+    try:
+        paths = torch.as_tensor(paths)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(
+            f"{where}: expected paths as an integer tensor [M, L] or a list of M lists of L ints "
+            f"(equal lengths; -1 = skip), got {type(paths).__name__} {str(paths)[:80]}"
+        ) from None
+    if paths.dtype.is_floating_point or paths.dtype.is_complex or paths.dtype == torch.bool:
+        raise TypeError(f"{where}: expected an integer tensor of heads, got {paths.dtype}")
+    if paths.dim() != 2 or paths.shape[0] == 0 or paths.shape[1] == 0:
+        raise ValueError(f"{where}: expected paths of shape [M, L] with M, L >= 1, got {list(paths.shape)}")
+    if num_layers is not None and paths.shape[1] != num_layers:
+        raise ValueError(f"{where}: expected paths [M, L] with L = {num_layers} layers, got {list(paths.shape)}")
+    paths = paths.to(device="cpu", dtype=torch.long).contiguous()
+    low, high = int(paths.min()), int(paths.max())
+    if num_heads is None:
+        num_heads = max(high + 1, 1)
+    if low < SKIP or high >= num_heads:
+        raise ValueError(f"{where}: expected heads in [-1, {num_heads}), got values in [{low}, {high}]")
+    return paths, num_heads
+
+
 def _check_shape_args(num_layers, num_heads, max_length, where: str) -> tuple[int, int, int | None]:
     num_layers = check_int(num_layers, "num_layers", where, minimum=1)
     num_heads = check_int(num_heads, "num_heads", where, minimum=1)
@@ -207,27 +238,8 @@ class PathTree:
         """Any ``[M, L]`` set of paths (head per layer, ``-1`` = skip), in any order, with
         duplicates; results come back in this order. ``num_heads`` defaults to the largest head + 1."""
         where = "pathkernels.PathTree.from_paths"
-        if num_heads is not None:
-            num_heads = check_int(num_heads, "num_heads", where, minimum=1)
-        if isinstance(paths, (list, tuple)) and len(paths) == 0:
-            raise ValueError(f"{where}: expected at least one path, got an empty {type(paths).__name__}")
-        try:
-            paths = torch.as_tensor(paths)
-        except (TypeError, ValueError, RuntimeError):
-            raise TypeError(
-                f"{where}: expected paths as an integer tensor [M, L] or a list of M lists of L ints "
-                f"(equal lengths; -1 = skip), got {type(paths).__name__} {str(paths)[:80]}"
-            ) from None
-        if paths.dtype.is_floating_point or paths.dtype.is_complex or paths.dtype == torch.bool:
-            raise TypeError(f"{where}: expected an integer tensor of heads, got {paths.dtype}")
-        if paths.dim() != 2 or paths.shape[0] == 0 or paths.shape[1] == 0:
-            raise ValueError(f"{where}: expected paths of shape [M, L] with M, L >= 1, got {list(paths.shape)}")
-        paths = paths.to(device="cpu", dtype=torch.long).contiguous()
-        low, high = int(paths.min()), int(paths.max())
-        if num_heads is None:
-            num_heads = max(high + 1, 1)
-        if low < SKIP or high >= num_heads:
-            raise ValueError(f"{where}: expected heads in [-1, {num_heads}), got values in [{low}, {high}]")
+        paths, num_heads = check_paths(paths, where, num_heads=num_heads)
+        low = int(paths.min())
         return cls(paths.shape[1], num_heads, skip=bool(low == SKIP), max_length=None, paths=paths)
 
     # --- what the tree holds ---------------------------------------------------------------------

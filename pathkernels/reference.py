@@ -55,6 +55,11 @@ def path_products_ref(
     attn ``[B, L, H, n, n]``, paths ``[M, L]`` (-1 = skip), x ``[B, n, d]``, w_v ``[L, H, d, d_head]``,
     w_o ``[L, H, d_head, d]`` -> ``[B, M, n, n]`` (or ``[B, M, n, d]``).
     """
+    from pathkernels.paths import check_paths
+
+    paths, _ = check_paths(
+        paths, "pathkernels.reference.path_products_ref", num_heads=attn.shape[2], num_layers=attn.shape[1]
+    )
     batch, n = attn.shape[0], attn.shape[-1]
     out = []
     for path in paths.tolist():

@@ -62,8 +62,9 @@ def histogram_edges(bins_per_decade: int) -> Tensor:
     edges = torch.logspace(
         math.log10(_HISTOGRAM_TOP) - count / bins_per_decade, math.log10(_HISTOGRAM_TOP), count + 1, dtype=torch.float64
     )
-    edges[0] = SMALLEST_POSITIVE  # the grid's first point lies below it and may round to 0
-    return edges
+    # The grid's first point lies below the smallest positive number and may round to 0, and points
+    # among the subnormals may round to one number: raised to it, then each kept once (ascending).
+    return torch.unique(edges.clamp_min(SMALLEST_POSITIVE))
 
 
 def positive_log10(values: Tensor) -> Tensor:

@@ -110,8 +110,12 @@ def path_condition_numbers(
     Returns:
         ``[B, M]`` float64 (inf where the residual is exactly 0).
     """
+    from pathkernels.paths import check_paths
     from pathkernels.reference import composite_norm_ref
 
+    paths, _ = check_paths(
+        paths, "pathkernels.testing.path_condition_numbers", num_heads=attn.shape[2], num_layers=attn.shape[1]
+    )
     attn = attn.double()
     centred = attn - attn.mean(-2, keepdim=True)
     batch, n = attn.shape[0], attn.shape[-1]

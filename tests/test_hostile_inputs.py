@@ -140,3 +140,64 @@ def test_top_refuses_a_length_the_tree_has_not(length):
         stats.top(length=length)
     with pytest.raises(ValueError, match=r"PathStatistics.top: expected batch_element in \[0, 0\], got 1"):
         stats.top(batch_element=1)
+
+
+def test_the_fused_leaf_op_refuses_scales_that_are_not_positive():
+    """A negative scale gave a negative norm."""
+    attn = random_attention(3, 3, dtype=torch.float64)
+    right, mean = torch.randn(3, 2, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64)
+    for bad in (-1.0, 0.0, float("nan"), float("inf")):
+        scale = torch.tensor([1.0, bad], dtype=torch.float64)
+        with pytest.raises(ValueError, match=r"_fused_leaf_norms: expected every scale to be a positive finite"):
+            torch.ops.pathkernels._fused_leaf_norms(attn, right, mean, scale)
+
+
+@pytest.mark.parametrize("damage", ["nan", "descending", "zero"])
+def test_the_statistics_fold_refuses_edges_it_cannot_bin_by(damage):
+    """NaN or descending edges were accepted (a NaN edge was cast to int64)."""
+    from pathkernels.statistics import PathStatistics, histogram_edges
+
+    tree = pk.PathTree.complete(2, 2, skip=True)
+    stats = PathStatistics.empty(1, tree, torch.float64, 1, 0, "cpu")
+    edges = histogram_edges(1).clone()
+    if damage == "nan":
+        edges[5] = float("nan")
+    elif damage == "descending":
+        edges = edges.flip(0)
+    else:
+        edges[0] = 0.0
+    residual, norm = torch.rand(1, 9, dtype=torch.float64), torch.rand(1, 9, dtype=torch.float64) + 1
+    first = torch.full((2, 3, 1, 3), -1, dtype=torch.long)
+    packed = {name: stats._packed(name, keys) for name, keys in (("sums", ("ratio", "residual", "norm")),)}
+    with pytest.raises(ValueError, match=r"_statistics_update: expected edges to be positive, finite and strictly"):
+        torch.ops.pathkernels._statistics_update(
+            residual,
+            norm,
+            tree.lengths(),
+            edges,
+            stats.counts,
+            stats.log10_ratio_sums,
+            packed["sums"],
+            stats._packed("sums_of_squares", ("ratio", "residual", "norm")),
+            stats._packed("minima", ("ratio", "residual", "norm")),
+            stats._packed("maxima", ("ratio", "residual", "norm")),
+            first[0],
+            first[1],
+            stats._packed("histograms", ("ratio", "residual")),
+        )
+
+
+def test_the_testing_helpers_refuse_heads_outside_the_network():
+    """A head of -7 was read as skip."""
+    from pathkernels.reference import path_products_ref
+    from pathkernels.testing import path_condition_numbers
+
+    attn = random_attention(1, 2, 2, 3, 3, dtype=torch.float64)
+    for helper, name in (
+        (path_condition_numbers, "testing.path_condition_numbers"),
+        (path_products_ref, "path_products_ref"),
+    ):
+        with pytest.raises(ValueError, match=rf"{name}: expected heads in \[-1, 2\), got values in \[-7, 0\]"):
+            helper(attn, torch.tensor([[-7, 0]]))
+        with pytest.raises(ValueError, match=rf"{name}: expected paths \[M, L\] with L = 2 layers, got \[1, 3\]"):
+            helper(attn, torch.tensor([[0, 0, 0]]))

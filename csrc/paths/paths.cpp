@@ -138,6 +138,10 @@ FusedLeafOperands check_fused_leaf(const at::Tensor& attn, const at::Tensor& rig
                      dtype_name(scale->scalar_type()));
     check_same_device(*scale, attn, op, "scale", "attn");
     leaf_scale = scale->contiguous();
+    // A node's scale multiplies its norms: one that is not a positive finite number would give a
+    // negative, infinite or NaN norm.
+    TORCH_CHECK_VALUE(count == 0 || (leaf_scale.isfinite() & (leaf_scale > 0)).all().item<bool>(), op,
+                      ": expected every scale to be a positive finite number");
   } else {
     leaf_scale = at::ones({count}, right.options().dtype(at::kDouble));
   }
