@@ -33,16 +33,19 @@ __all__ = ["composite_norm", "l1_matrix_norm", "linf_matrix_norm", "sample_P_mat
 
 def l1_matrix_norm(x: Tensor) -> Tensor:
     """``‖x‖_1 = max_j Σ_i |x_ij|`` (max column abs sum): ``[..., n, m] -> [...]``."""
+    ops.check_norm_input(x, False, op="pathkernels.compat.l1_matrix_norm")
     return ops.matrix_norms(x).l1
 
 
 def linf_matrix_norm(x: Tensor) -> Tensor:
     """``‖x‖_∞ = max_i Σ_j |x_ij|`` (max row abs sum): ``[..., n, m] -> [...]``."""
+    ops.check_norm_input(x, False, op="pathkernels.compat.linf_matrix_norm")
     return ops.matrix_norms(x).linf
 
 
 def composite_norm(x: Tensor) -> Tensor:
     """``sqrt(‖x‖_1 ‖x‖_∞)``: ``[..., n, m] -> [...]``."""
+    ops.check_norm_input(x, False, op="pathkernels.compat.composite_norm")
     return ops.composite_norm(x)
 
 

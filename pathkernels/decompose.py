@@ -12,6 +12,7 @@ from pathkernels.checks import unpack_stack, validate_inputs
 from pathkernels.engine import PathResiduals, path_residuals
 from pathkernels.paths import (
     MAX_ENUMERATED_PATHS,
+    MAX_LEAVES,
     PathTree,
     check_flag,
     check_int,
@@ -353,6 +354,12 @@ def decompose(
         total = sum(counts)
         batch = attn.shape[0] if attn.dim() == 5 else 1
         result_bytes = 2 * batch * total * attn.element_size()  # residual and norm per path and batch element
+        if total > MAX_LEAVES:
+            raise ValueError(
+                f"{where}: the exact tree has {total:,} paths, more than even streamed statistics index "
+                f"({MAX_LEAVES:,}); pass max_length, num_samples or samples_per_length, or use pk.length_sums "
+                "for exact sums per length"
+            )
         if max_length is None and (total > MAX_ENUMERATED_PATHS or result_bytes > max_result_bytes):
             # Too many paths to keep one result each: the same table from streamed statistics.
             tree = PathTree.complete(layers, heads, skip=skip)

@@ -111,13 +111,18 @@ def rank1_residual(
     if norm not in _RANK1_NORMS:
         raise ValueError(f"{where}: expected norm in {_RANK1_NORMS}, got {norm!r}")
 
+    def finite(x: Tensor) -> Tensor:
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"{where}: expected finite values (the SVD has no answer for NaN or inf), got some")
+        return x
+
     def frobenius(x: Tensor) -> Tensor:
-        sigma = torch.linalg.svdvals(x)
+        sigma = torch.linalg.svdvals(finite(x))
         tail = sigma[..., 1:].square().sum(-1).sqrt()
         return tail / sigma.square().sum(-1).sqrt() if relative else tail
 
     def composite(x: Tensor) -> Tensor:
-        u, sigma, vh = torch.linalg.svd(x, full_matrices=False)
+        u, sigma, vh = torch.linalg.svd(finite(x), full_matrices=False)
         rank1 = sigma[..., :1, None] * u[..., :, :1] @ vh[..., :1, :]
         tail = composite_norm(x - rank1)
         return tail / composite_norm(x) if relative else tail

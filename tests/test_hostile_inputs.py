@@ -201,3 +201,30 @@ def test_the_testing_helpers_refuse_heads_outside_the_network():
             helper(attn, torch.tensor([[-7, 0]]))
         with pytest.raises(ValueError, match=rf"{name}: expected paths \[M, L\] with L = 2 layers, got \[1, 3\]"):
             helper(attn, torch.tensor([[0, 0, 0]]))
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda: pk.decompose(random_attention(1, 30, 30, 3, 3, dtype=torch.float64)),
+            r"^pathkernels.decompose: the exact tree has [\d,]+ paths, more than even streamed statistics index",
+        ),
+        (lambda: pk.compat.composite_norm(torch.randn(3)), r"^pathkernels.compat.composite_norm: expected x to have"),
+        (lambda: pk.compat.l1_matrix_norm(torch.randn(3)), r"^pathkernels.compat.l1_matrix_norm: expected x to have"),
+        (lambda: pk.compat.linf_matrix_norm(torch.randn(3)), r"^pathkernels.compat.linf_matrix_norm: expected x"),
+        (
+            lambda: pk.metrics.rank1_residual(torch.full((2, 3, 3), float("nan"))),
+            r"^pathkernels.metrics.rank1_residual: expected finite values",
+        ),
+        (
+            lambda: pk.metrics.rank1_residual(torch.full((2, 3, 3), float("inf")), norm="composite"),
+            r"^pathkernels.metrics.rank1_residual: expected finite values",
+        ),
+    ],
+)
+def test_errors_name_the_function_the_user_called(call, message):
+    """decompose's errors named PathTree.complete, compat's named matrix_norms, and NaN reached
+    the SVD as a LinAlgError."""
+    with pytest.raises(ValueError, match=message):
+        call()
