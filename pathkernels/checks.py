@@ -239,9 +239,14 @@ def check_nonempty_batch(attn: Tensor, where: str) -> None:
 
 
 def check_tree(tree, net: Network, where: str) -> None:
+    """Raise unless ``tree`` is a PathTree of the network's L layers and at most its H heads."""
+    check_tree_shape(tree, *net.attn.shape[1:3], where)
+
+
+def check_tree_shape(tree, layers: int, heads: int, where: str) -> None:
+    """:func:`check_tree` for a network of ``layers`` layers and ``heads`` heads."""
     if not isinstance(tree, PathTree):
         raise TypeError(f"{where}: expected tree to be a pathkernels.PathTree, got {type(tree).__name__}")
-    layers, heads = net.attn.shape[1:3]
     if tree.num_layers != layers or tree.num_heads > heads or (tree.is_complete and tree.num_heads != heads):
         raise ValueError(
             f"{where}: the tree has {tree.num_layers} layers and {tree.num_heads} heads, attn has "

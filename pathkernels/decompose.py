@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from pathkernels.checks import unpack_stack, validate_inputs
+from pathkernels.checks import check_tree_shape, unpack_stack, validate_inputs
 from pathkernels.engine import PathResiduals, path_residuals
 from pathkernels.paths import (
     MAX_ENUMERATED_PATHS,
@@ -305,6 +305,7 @@ def decompose(
     counts = count_by_length(layers, heads, skip=skip, max_length=max_length)
 
     if tree is not None:
+        check_tree_shape(tree, layers, heads, where)
         method, counts = "exact", tree.count_by_length()
         weights = torch.ones(len(tree), dtype=torch.float64)
     elif num_samples is not None:

@@ -53,6 +53,8 @@ def rollout(
         raise ValueError(f"{where}: expected attn [B, L, H, n, n] or [L, H, n, n], got shape {list(attn.shape)}")
     if not attn.is_floating_point():
         raise TypeError(f"{where}: expected floating-point attention, got {attn.dtype}")
+    if attn.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{where}: expected attn on a CPU or CUDA device, got {attn.device}")
     if head_fusion not in _FUSIONS:
         raise ValueError(f"{where}: expected head_fusion in {_FUSIONS}, got {head_fusion!r}")
     if not 0.0 <= discard_ratio < 1.0:
@@ -62,6 +64,8 @@ def rollout(
     check_nonempty_batch(attn, where)
     if bool((attn < 0).any()):
         raise ValueError(f"{where}: expected non-negative attention probabilities")
+    if not bool(torch.isfinite(attn).all()):
+        raise ValueError(f"{where}: expected finite attention probabilities, got NaN or inf")
     if token_mask is not None:
         mask = masking.check_token_mask(
             masking.batched_mask(token_mask, batched), attn.shape[0], attn.shape[-1], attn.device, where

@@ -1,0 +1,175 @@
+"""Fuzz: the path functions on hostile inputs (issue 23).
+
+Each case starts from a valid network and applies none, one or two damages (a dtype the engine
+does not take, a shape that is not [B, L, H, n, n], an empty size, NaN or inf, rows that do not
+sum to 1, negative weights, the meta device, a tree of the wrong depth). A call must then either
+give what an independent float64 reference gives (no damage) or raise ValueError or TypeError
+whose message starts with the name of the function called: never a number from damaged input,
+never another exception.
+
+``make test`` runs a short profile; ``PATHKERNELS_FUZZ=long`` runs 2,000 cases per function.
+"""
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pathkernels as pk
+from pathkernels.reference import composite_norm_ref, path_products_ref, residual_norm_ref
+
+EXAMPLES = 2000 if os.environ.get("PATHKERNELS_FUZZ") == "long" else 40
+FUZZ = settings(
+    max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+
+DAMAGES = (
+    "integer dtype",
+    "bool dtype",
+    "complex dtype",
+    "not square",
+    "three dims",
+    "no batch",
+    "no heads",
+    "nan",
+    "inf",
+    "row off by 10%",
+    "negative weights",
+    "meta device",
+    "tree of the wrong depth",
+)
+FUNCTIONS = ("path_residuals", "decompose", "path_statistics", "length_sums", "rollout")
+
+
+@st.composite
+def cases(draw):
+    """(function name, attn, x, w_v, w_o, tree, damages) with a valid network before damage."""
+    batch, layers, heads, n, d = (draw(st.integers(1, 3)) for _ in range(5))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    attn = torch.softmax(torch.randn(batch, layers, heads, n, n, generator=g, dtype=torch.float64), -1).to(dtype)
+    x = torch.randn(batch, n, d, generator=g, dtype=torch.float64).to(dtype)
+    w_v = torch.randn(layers, heads, d, d, generator=g, dtype=torch.float64).to(dtype)
+    w_o = torch.randn(layers, heads, d, d, generator=g, dtype=torch.float64).to(dtype)
+    tree = pk.PathTree.complete(layers, heads, skip=True)
+    wanted = draw(st.lists(st.sampled_from(DAMAGES), max_size=2, unique=True))
+    if draw(st.booleans()):
+        wanted = []  # half the cases valid, so the comparisons run often
+    name = draw(st.sampled_from(FUNCTIONS))
+    damages = []
+    for damage in wanted:
+        if not applies(name, damage, attn):
+            continue
+        damages.append(damage)
+        if damage == "integer dtype":
+            attn = attn.to(torch.int64)
+        elif damage == "bool dtype":
+            attn = attn > 0.5
+        elif damage == "complex dtype":
+            attn = attn.to(torch.complex64)
+        elif damage == "not square":
+            attn = attn[..., :, : max(1, n - 1)] if n > 1 else attn.expand(*attn.shape[:-1], 2)
+        elif damage == "three dims":
+            attn = attn.reshape(-1, n, n)
+        elif damage == "no batch":
+            attn = attn[:0]
+        elif damage == "no heads":
+            attn = attn[:, :, :0]
+        elif damage in ("nan", "inf"):
+            attn = attn.clone()
+            attn.view(-1)[draw(st.integers(0, attn.numel() - 1))] = float(damage)
+        elif damage == "row off by 10%":
+            attn = attn.clone()
+            attn[..., 0, :] *= 1.1
+        elif damage == "negative weights":
+            attn = attn.clone()
+            attn[..., 0, 0] = -attn[..., 0, 0] - 0.5  # negative, and the row sums to 0.5 − 2a
+        elif damage == "meta device":
+            attn = attn.to("meta")
+        elif damage == "tree of the wrong depth":
+            tree = pk.PathTree.complete(layers + 1, heads, skip=True)
+    return name, attn, x, w_v, w_o, tree, damages
+
+
+def applies(name: str, damage: str, attn) -> bool:
+    """Whether ``damage`` makes the call's input invalid: rollout takes no tree and normalises its
+    rows itself, length_sums and rollout take no tree; value damages need a floating-point attn
+    still holding values."""
+    if damage == "tree of the wrong depth":
+        return name in ("path_residuals", "decompose", "path_statistics")
+    if damage == "row off by 10%" and name == "rollout":
+        return False
+    if damage in ("integer dtype", "bool dtype"):
+        return not attn.is_complex()
+    if damage in ("complex dtype", "nan", "inf", "row off by 10%", "negative weights"):
+        return attn.is_floating_point() and attn.numel() > 0 and attn.device.type != "meta"
+    return True
+
+
+def call(name, attn, x, w_v, w_o, tree):
+    if name == "path_residuals":
+        return pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o).residual
+    if name == "decompose":
+        return pk.decompose(attn, tree=tree).results.residual
+    if name == "path_statistics":
+        return pk.path_statistics(attn, tree).sums["ratio"]
+    if name == "length_sums":
+        return pk.length_sums(attn, x, w_v, w_o)
+    return pk.rollout(attn)
+
+
+def reference(name, attn, x, w_v, w_o, tree):
+    """The float64 answer from the formulas, on the inputs as the library computes them (half
+    precision rows renormalised after the cast to float32, then to float64)."""
+    attn, x, w_v, w_o = (t.double() for t in (attn, x, w_v, w_o))  # exact for every input dtype
+    attn = attn / attn.sum(-1, keepdim=True)
+    paths = tree.paths()
+    if name == "path_residuals":
+        return residual_norm_ref(path_products_ref(attn, paths, x, w_v, w_o))
+    if name == "decompose":
+        return residual_norm_ref(path_products_ref(attn, paths))
+    if name == "path_statistics":
+        products = path_products_ref(attn, paths)
+        ratio = residual_norm_ref(products) / composite_norm_ref(products)
+        lengths = tree.lengths()
+        return torch.stack([ratio[:, lengths == k].sum(1) for k in range(attn.shape[1] + 1)], dim=1)
+    if name == "length_sums":
+        return torch.stack(
+            [path_products_ref(attn, paths[tree.lengths() == k], x, w_v, w_o).sum(1) for k in range(attn.shape[1] + 1)]
+        )
+    return None  # rollout: its own tests compare it with the formula
+
+
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-4, torch.float16: 2e-4, torch.bfloat16: 2e-4}
+
+
+@FUZZ
+@given(cases())
+def test_every_call_gives_the_reference_or_names_itself_in_its_error(case):
+    name, attn, x, w_v, w_o, tree, damages = case
+    try:
+        got = call(name, attn, x, w_v, w_o, tree)
+    except (ValueError, TypeError) as error:
+        assert str(error).startswith(f"pathkernels.{name}"), (damages, str(error))
+        # A valid network is never refused (a half-precision row may round out of 1e-2 only in
+        # a pathological case these sizes cannot make).
+        assert damages, str(error)
+        return
+    assert not damages, f"{name} gave a number from damaged input: {damages}"
+    if damages:
+        return
+    expected = reference(name, attn, x, w_v, w_o, tree)
+    if expected is not None:
+        scale = expected.abs().amax().clamp_min(1.0)
+        assert got.dtype in (torch.float32, torch.float64)
+        torch.testing.assert_close(
+            got.double(), expected, rtol=TOLERANCE[attn.dtype], atol=TOLERANCE[attn.dtype] * scale
+        )
+
+
+def test_the_long_profile_is_there():
+    assert EXAMPLES == (2000 if os.environ.get("PATHKERNELS_FUZZ") == "long" else 40)
+    pytest.importorskip("hypothesis")
