@@ -73,7 +73,7 @@ def cases(draw):
         elif damage == "not square":
             attn = attn[..., :, : max(1, n - 1)] if n > 1 else attn.expand(*attn.shape[:-1], 2)
         elif damage == "three dims":
-            attn = attn.reshape(-1, n, n)
+            attn = attn.reshape(-1, *attn.shape[-2:])
         elif damage == "no batch":
             attn = attn[:0]
         elif damage == "no heads":
@@ -173,3 +173,51 @@ def test_every_call_gives_the_reference_or_names_itself_in_its_error(case):
 def test_the_long_profile_is_there():
     assert EXAMPLES == (2000 if os.environ.get("PATHKERNELS_FUZZ") == "long" else 40)
     pytest.importorskip("hypothesis")
+
+
+NORM_DAMAGES = ("one dim", "integer dtype", "bool dtype", "complex dtype", "no rows")
+NORMS = {
+    "residual_norm": (lambda x: pk.residual_norm(x), lambda x: residual_norm_ref(x.double())),
+    "composite_norm": (lambda x: pk.composite_norm(x), lambda x: composite_norm_ref(x.double())),
+}
+
+
+@st.composite
+def norm_cases(draw):
+    """(op name, x, damages): x [..., n, m] with hostile values that are not damages (NaN and inf
+    propagate, as in torch) and up to one damage that must be refused."""
+    lead = draw(st.lists(st.integers(0, 3), max_size=2))
+    n, m = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    x = (torch.randn(*lead, n, m, generator=g, dtype=torch.float64) * 10 ** draw(st.integers(-3, 3))).to(dtype)
+    if x.numel() and draw(st.booleans()):
+        x.view(-1)[draw(st.integers(0, x.numel() - 1))] = draw(st.sampled_from([float("nan"), float("inf"), 0.0]))
+    damages = draw(st.lists(st.sampled_from(NORM_DAMAGES), max_size=1))
+    for damage in damages:
+        if damage == "one dim":
+            x = x.reshape(-1)
+        elif damage == "integer dtype":
+            x = x.nan_to_num().to(torch.int64)
+        elif damage == "bool dtype":
+            x = x > 0
+        elif damage == "complex dtype":
+            x = x.to(torch.complex64)
+        else:
+            x = x[..., :0, :]
+    return draw(st.sampled_from(sorted(NORMS))), x, damages
+
+
+@FUZZ
+@given(norm_cases())
+def test_the_norms_give_the_reference_or_name_themselves_in_their_error(case):
+    name, x, damages = case
+    op, ref = NORMS[name]
+    try:
+        got = op(x)
+    except (ValueError, TypeError) as error:
+        assert damages and str(error).startswith(f"pathkernels.{name}"), (damages, str(error))
+        return
+    assert not damages, f"{name} gave a number from damaged input: {damages}"
+    expected = ref(x).to(got.dtype).double()  # rounded to the result's dtype, as the op rounds its float64 sums
+    torch.testing.assert_close(got.double(), expected, equal_nan=True, **pk.testing.tolerance(got.dtype))
