@@ -318,22 +318,8 @@ def engine_reports(values: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 # float32 column means below this lose digits to the float32 range (the residuals carry scales,
-# the means do not: docs/DESIGN.md §3), so such tiny products' norms are flagged.
+# the means do not: docs/DESIGN.md §3), so such tiny products are computed again in float64.
 SMALLEST_ACCURATE_FLOAT32_NORM = 1e-30
-
-
-def warn_tiny_norms(norm: Tensor, dtype: torch.dtype, where: str) -> bool:
-    """Warn when float32 products are so small that their norms may have lost digits; True if so."""
-    tiny = dtype == torch.float32 and bool((norm < SMALLEST_ACCURATE_FLOAT32_NORM).any())
-    if tiny:
-        warnings.warn(
-            f"{where}: some path products have norms below {SMALLEST_ACCURATE_FLOAT32_NORM:g}; in float32 their "
-            "column means approach float32's range (1.2e-38) and may have lost digits (their residuals have not). "
-            "Compute in float64 for exact norms and ratios there",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return tiny
 
 
 def _widened(results: Tensor, dtype: torch.dtype, where: str) -> Tensor:
@@ -373,23 +359,63 @@ def leaf_norms(
     residual = torch.empty(net.attn.shape[0], last - first, dtype=net.attn.dtype, device=device)
     norm = torch.empty_like(residual)
     device_copies: dict[int, tuple[Tensor, Tensor]] = {}
-    warned = False
     try:
         for start, stop, chunk, leaf_block in chunks(tree, net, memory_budget, first, last):
             chunk_residual, chunk_norm = chunk_norms(net, operands, chunk, leaf_block, leaf_kernel)
             leaf_position = _on_device(chunk.leaf_position, device, device_copies)
+            chunk_residual, chunk_norm = out_of_range_in_float64(
+                net, tree, start, chunk_residual[:, leaf_position], chunk_norm[:, leaf_position], memory_budget
+            )
             chunk_residual = engine_reports(chunk_residual, net.attn.dtype)
             chunk_norm = engine_reports(chunk_norm, net.attn.dtype)
-            warned = warned or warn_tiny_norms(chunk_norm, net.attn.dtype, "pathkernels.path_residuals")
             residual = _widened(residual, chunk_residual.dtype, "pathkernels.path_residuals")
             norm = _widened(norm, chunk_norm.dtype, "pathkernels.path_residuals")
-            residual[:, start - first : stop - first] = chunk_residual[:, leaf_position]
-            norm[:, start - first : stop - first] = chunk_norm[:, leaf_position]
+            residual[:, start - first : stop - first] = chunk_residual
+            norm[:, start - first : stop - first] = chunk_norm
             if bar is not None:
                 bar.update(stop - start)
     finally:
         if bar is not None:
             bar.close()
+    return residual, norm
+
+
+def out_of_range_in_float64(
+    net: Network, tree: PathTree, start: int, residual: Tensor, norm: Tensor, memory_budget: int
+) -> tuple[Tensor, Tensor]:
+    """The float64 reports ``[B, k]`` of leaves ``start..start+k-1`` (leaf order), with those of a
+    float32 network near or beyond float32's range evaluated again in float64.
+
+    The per-node scales keep float32 residuals in range, not the column means μ: a product beyond
+    float32's range (value maps that grow it 100× a layer, say) overflows to inf or NaN, and one
+    whose norm falls below 1e-30 (a tiny X·W) has a μ near underflow. Those leaves, in any batch
+    element, are computed again by the float64 engine, whose values float32 then reports (in
+    float64 results where float32 cannot hold them). A path still out of range in float64 (beyond
+    1e308) is warned about by name."""
+    if net.attn.dtype != torch.float32:
+        return residual, norm
+    bad = ~(torch.isfinite(residual) & torch.isfinite(norm) & (norm >= SMALLEST_ACCURATE_FLOAT32_NORM)).all(0)
+    if not bool(bad.any()):
+        return residual, norm
+    leaves = bad.nonzero().flatten()
+    paths = tree.leaf_paths(leaves.cpu() + start)
+    wide = Network(
+        *(None if t is None else t.double() for t in (net.attn, net.x, net.w_v, net.w_o)), True, net.precision
+    )
+    again = PathTree.from_paths(paths, num_heads=net.attn.shape[2])  # sorted and distinct: leaf order is this order
+    wide_residual, wide_norm = leaf_norms(wide, again, 0, again.num_leaves, memory_budget)
+    residual, norm = residual.clone(), norm.clone()
+    residual[:, leaves.to(residual.device)] = wide_residual.to(residual.device)
+    norm[:, leaves.to(norm.device)] = wide_norm.to(norm.device)
+    still = ~(torch.isfinite(wide_residual) & torch.isfinite(wide_norm)).all(0)
+    if bool(still.any()):
+        named = [[int(h) for h in path] for path in paths[still.cpu()][:3]]
+        warnings.warn(
+            f"pathkernels: {int(still.sum())} path(s) lie beyond float64's range (about 1e308) and have inf or NaN "
+            f"norms, for example {named} (-1 = skip)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     return residual, norm
 
 

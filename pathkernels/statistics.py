@@ -32,7 +32,7 @@ from pathkernels.engine import (
     engine_operands,
     engine_reports,
     op_leaf_kernel,
-    warn_tiny_norms,
+    out_of_range_in_float64,
 )
 from pathkernels.paths import SKIP, PathTree, check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET, chunks
@@ -738,7 +738,6 @@ def _stream(
     if bar is not None and reached > first:
         bar.update(reached - first)
     saved_at = time.monotonic()
-    warned = False
     try:
         with torch.no_grad():
             # The chunks are those of an uninterrupted run (the same boundaries, so the same float64
@@ -750,13 +749,15 @@ def _stream(
                     raise RuntimeError(f"{where}: the checkpoint stops at leaf {reached:,}, inside a chunk")
                 residual, norm = chunk_norms(net, operands, chunk, leaf_block, settings.leaf_kernel)
                 order = chunk.leaf_position.to(residual.device)
+                residual, norm = out_of_range_in_float64(
+                    net, tree, start, residual[:, order], norm[:, order], settings.memory_budget
+                )
                 # The values path_residuals would report (float32-rounded where float32 holds them).
                 residual, norm = engine_reports(residual, net.attn.dtype), engine_reports(norm, net.attn.dtype)
-                warned = warned or warn_tiny_norms(norm, net.attn.dtype, where)
                 lengths = tree.leaf_lengths(start, stop).to(residual.device)
                 stats.add(
-                    residual[:, order],
-                    norm[:, order],
+                    residual,
+                    norm,
                     lengths,
                     lambda leaves, start=start: tree.leaf_paths(leaves + start),
                 )

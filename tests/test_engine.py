@@ -343,22 +343,50 @@ def test_float32_range_in_a_padded_batch():
         assert result.residual[b].item() == alone[b].residual.double().item()
 
 
-def test_float32_products_near_the_range_are_warned_about():
-    """The column means carry no scale: a float32 product below 1e-30 (here a tiny X) is flagged,
-    while its residual keeps its digits; float64 and ordinary float32 products are not flagged."""
+def test_float32_products_with_tiny_norms_come_from_float64():
+    """The column means carry no scale: a float32 product below 1e-30 (here a tiny X) had a μ near
+    underflow and a norm that lost digits (it was only warned about). Such leaves are now computed
+    again in float64: float32 then reports the float64 values."""
     attn, x, w_v, w_o = network(1, 3, 2, 6, 5, 2, dtype=torch.float32)
     attn64 = attn.double() / attn.double().sum(-1, keepdim=True)
     tree = pk.PathTree.complete(3, 2, skip=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o)
-        pk.path_residuals(attn64, tree, x=x.double() * 1e-33, w_v=w_v.double(), w_o=w_o.double())
-    with pytest.warns(RuntimeWarning, match=r"norms below 1e-30; in float32 their column means approach"):
         tiny = pk.path_residuals(attn, tree, x=x * 1e-33, w_v=w_v, w_o=w_o)
-    with pytest.warns(RuntimeWarning, match="norms below 1e-30"):
-        pk.path_statistics(attn, tree, x=x * 1e-33, w_v=w_v, w_o=w_o)
-    exact = pk.path_residuals(attn64, tree, x=x.double() * 1e-33, w_v=w_v.double(), w_o=w_o.double())
-    torch.testing.assert_close(tiny.residual.double(), exact.residual, rtol=2e-4, atol=0)
+        stats = pk.path_statistics(attn, tree, x=x * 1e-33, w_v=w_v, w_o=w_o)
+    exact = pk.path_residuals(attn64, tree, x=(x * 1e-33).double(), w_v=w_v.double(), w_o=w_o.double())
+    for got, want in ((tiny.residual, exact.residual), (tiny.norm, exact.norm), (tiny.ratio, exact.ratio)):
+        torch.testing.assert_close(got.double(), want, rtol=2e-4, atol=0)
+    torch.testing.assert_close(stats.sums["ratio"].sum(), exact.ratio.sum(), rtol=2e-4, atol=0)
+
+
+@pytest.mark.parametrize(
+    "layers, growth",
+    [(60, 1e5), (26, 1e-5), (30, 1e20)],
+    ids=["to 1e+300", "to 1e-130", "past float64"],
+)
+def test_float32_products_across_float64s_range_agree_with_float64(layers, growth):
+    """Value maps scaled by 1e5 over 60 layers (products to 1e300) gave NaN in float32; shrinking
+    ones (to 1e-130) lost their column means. Both now agree with float64 to float32's precision;
+    a product beyond float64's range is warned about by name, never returned as a silent NaN."""
+    n, d = 6, 4
+    attn = random_attention(1, layers, 1, n, n, dtype=torch.float32)
+    x = torch.randn(1, n, d)
+    w_v = growth * torch.eye(d).expand(layers, 1, d, d).clone()
+    w_o = torch.eye(d).expand(layers, 1, d, d).clone()
+    tree = pk.PathTree.complete(layers, 1)
+    attn64 = attn.double() / attn.double().sum(-1, keepdim=True)
+    if growth > 1e6:
+        with pytest.warns(RuntimeWarning, match=r"1 path\(s\) lie beyond float64's range .* for example \[\[0, 0,"):
+            pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o)
+        return
+    got = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o)
+    want = pk.path_residuals(attn64, tree, x=x.double(), w_v=w_v.double(), w_o=w_o.double())
+    assert bool(torch.isfinite(got.ratio).all())
+    for a, b in ((got.residual, want.residual), (got.norm, want.norm), (got.ratio, want.ratio)):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=0)
+    stats = pk.path_statistics(attn, tree, x=x, w_v=w_v, w_o=w_o)
+    assert stats.maxima["ratio"][0, layers].item() == pytest.approx(want.ratio.item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

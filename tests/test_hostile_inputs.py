@@ -1,6 +1,8 @@
 """Hostile inputs to the ops: each gives a clear error that names the op and the argument, never a
 silently wrong number (issue 23's reproducers)."""
 
+import math
+
 import pytest
 import torch
 
@@ -228,3 +230,16 @@ def test_errors_name_the_function_the_user_called(call, message):
     the SVD as a LinAlgError."""
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize("scale", [1e200, 1e-200])
+def test_composite_norms_of_matrices_beyond_the_square_root_of_the_range(scale):
+    """sqrt(l1 · linf) overflowed to inf above ~1e154 and underflowed to 0 below ~1e-154 in float64,
+    though the norm itself is in range."""
+    x = torch.full((2, 3), scale, dtype=torch.float64)
+    expected = math.sqrt(6) * scale  # l1 = 2 · scale, linf = 3 · scale
+    assert pk.composite_norm(x).item() == pytest.approx(expected, rel=1e-15)
+    assert pk.matrix_norms(x).composite.item() == pytest.approx(expected, rel=1e-15)
+    # Rows 2·scale and scale: the residual's rows are ±scale/2, so l1 = scale and linf = 1.5 · scale.
+    two_rows = x + torch.tensor([[scale], [0.0]], dtype=torch.float64)
+    assert pk.residual_norm(two_rows).item() == pytest.approx(math.sqrt(1.5) * scale, rel=1e-15)

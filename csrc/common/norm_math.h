@@ -52,10 +52,16 @@ C10_HOST_DEVICE inline void max_update(A value, int64_t index, A& best, int64_t&
   }
 }
 
-// ‖M‖_{1,∞} = sqrt(‖M‖_1 ‖M‖_∞), from the two maxima.
+// ‖M‖_{1,∞} = sqrt(‖M‖_1 ‖M‖_∞), from the two maxima. The product leaves A's range for norms
+// beyond about 1e154 or below 1e-154 in float64 (products of paths that long value maps grow or
+// shrink): then each factor's root, which stays in range. Elsewhere sqrt of the product, as always,
+// so results in range keep their bits. (inf − inf and NaN − NaN are NaN: `p − p != 0` finds both.)
 template <typename A>
 C10_HOST_DEVICE inline A composite_from_parts(A l1, A linf) {
-  return ::sqrt(l1 * linf);
+  const A product = l1 * linf;
+  const bool overflowed = !(product - product == A(0));
+  const bool underflowed = product == A(0) && l1 != A(0) && linf != A(0);
+  return overflowed || underflowed ? ::sqrt(l1) * ::sqrt(linf) : ::sqrt(product);
 }
 
 // Gradient of c = sqrt(l1 · linf) pushed back onto (l1, linf). At c = 0 (a zero matrix, or the
