@@ -50,7 +50,12 @@ def test_readme_blocks_paste_into_a_python_repl(tmp_path):
     pytest.importorskip("pandas")
     pytest.importorskip("transformers")
     output = paste(python_blocks(README), tmp_path)
-    assert "length path_count" in output  # the first look's table was printed
+    # The first look's table, as the README shows it (to its printed digits, give or take rounding).
+    shown = re.search(r"^```\n( length path_count.*?)^```", README.read_text(), flags=re.S | re.M).group(1)
+    printed = output[output.index(" length path_count") :]
+    rows = [float(v) for line in shown.strip().splitlines()[1:] for v in line.split()]
+    got = [float(v) for line in printed.strip().splitlines()[1 : len(shown.strip().splitlines())] for v in line.split()]
+    assert got == pytest.approx(rows, rel=1e-5), printed
 
 
 def test_usage_python_blocks_paste_in_order_into_a_python_repl(tmp_path):
