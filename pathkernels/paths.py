@@ -101,9 +101,13 @@ def check_paths(
     return paths, num_heads
 
 
+# Layers and heads index int64 tensors (paths, heads): sizes beyond this cannot be a network's.
+MAX_SIZE = (1 << 31) - 1
+
+
 def _check_shape_args(num_layers, num_heads, max_length, where: str) -> tuple[int, int, int | None]:
-    num_layers = check_int(num_layers, "num_layers", where, minimum=1)
-    num_heads = check_int(num_heads, "num_heads", where, minimum=1)
+    num_layers = check_int(num_layers, "num_layers", where, minimum=1, maximum=MAX_SIZE)
+    num_heads = check_int(num_heads, "num_heads", where, minimum=1, maximum=MAX_SIZE)
     if max_length is not None:
         max_length = check_int(max_length, "max_length", where, minimum=0)
     return num_layers, num_heads, max_length

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pathkernels as pk
+from pathkernels.paths import MAX_SIZE
 from pathkernels.reference import composite_norm_ref, path_products_ref, residual_norm_ref
 
 EXAMPLES = 2000 if os.environ.get("PATHKERNELS_FUZZ") == "long" else 40
@@ -221,3 +222,67 @@ def test_the_norms_give_the_reference_or_name_themselves_in_their_error(case):
     assert not damages, f"{name} gave a number from damaged input: {damages}"
     expected = ref(x).to(got.dtype).double()  # rounded to the result's dtype, as the op rounds its float64 sums
     torch.testing.assert_close(got.double(), expected, equal_nan=True, **pk.testing.tolerance(got.dtype))
+
+
+HOSTILE_INTS = st.one_of(
+    st.integers(-3, 6),
+    st.sampled_from([True, 2.0, "3", None, 10**30, float("nan")]),
+)
+
+
+@FUZZ
+@given(
+    st.sampled_from(["count_paths", "count_by_length", "PathTree.complete", "sample_paths"]),
+    HOSTILE_INTS,
+    HOSTILE_INTS,
+    st.one_of(st.none(), HOSTILE_INTS),
+    st.sampled_from([True, False, "no", 1]),
+)
+def test_tree_functions_count_exactly_or_name_themselves(name, layers, heads, max_length, skip):
+    """Path counts and trees from hostile sizes: exact (checked by brute force where small) or a
+    ValueError/TypeError in the function's own name, never a wrong count."""
+    import itertools
+    import math
+
+    valid_size = lambda v: isinstance(v, int) and not isinstance(v, bool) and v <= MAX_SIZE  # noqa: E731
+    valid = (
+        valid_size(layers)
+        and valid_size(heads)
+        and layers >= 1
+        and heads >= 1
+        and (
+            max_length is None or (isinstance(max_length, int) and not isinstance(max_length, bool) and max_length >= 0)
+        )
+        and isinstance(skip, bool)
+    )
+    try:
+        if name == "count_paths":
+            got = pk.count_paths(layers, heads, skip=skip, max_length=max_length)
+        elif name == "count_by_length":
+            got = pk.count_by_length(layers, heads, skip=skip, max_length=max_length)
+        elif name == "PathTree.complete":
+            got = pk.PathTree.complete(layers, heads, skip=skip, max_length=max_length)
+        else:
+            got = pk.sample_paths(layers, heads, 5, skip=skip, length=max_length)
+    except (ValueError, TypeError) as error:
+        assert str(error).startswith(f"pathkernels.{name}"), str(error)
+        # Valid sizes are refused only for what they mean: no path, or too many to list or draw.
+        assert not valid or name in ("PathTree.complete", "sample_paths"), str(error)
+        return
+    assert valid, f"{name} accepted {layers!r}, {heads!r}, {max_length!r}, {skip!r}"
+    if name in ("count_paths", "count_by_length"):
+        top = layers if max_length is None else min(max_length, layers)
+        by_length = [
+            (math.comb(layers, k) * heads**k if skip else (heads**layers if k == layers else 0)) if k <= top else 0
+            for k in range(layers + 1)
+        ]
+        assert got == (sum(by_length) if name == "count_paths" else by_length)
+        if layers <= 4 and heads <= 3:
+            choices = ([-1] if skip else []) + list(range(heads))
+            brute = [p for p in itertools.product(choices, repeat=layers) if sum(h >= 0 for h in p) <= top]
+            assert sum(by_length) == len(brute)
+    elif name == "PathTree.complete" and got.num_paths <= 10**4:
+        paths = got.paths()
+        assert paths.shape == (got.num_paths, layers) and int(paths.max()) < heads and int(paths.min()) >= -1
+    elif name == "sample_paths":
+        assert got.shape == (5, layers) and int(got.max()) < heads and int(got.min()) >= (-1 if skip else 0)
