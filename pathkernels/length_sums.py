@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from pathkernels._memory import available_memory, format_bytes
 from pathkernels.checks import check_bias, check_masked_network, check_network, mask_group_inputs
 from pathkernels.paths import check_flag, check_int
 
@@ -60,6 +61,7 @@ def length_sums(
     layers = net.attn.shape[1]
     if b_o is not None:
         b_o = check_bias(b_o, net, where)
+    check_length_sums_fit(net, where)
     zero = torch.zeros_like(net.x)
     sums = [net.x] + [zero] * layers  # S_0 .. S_L, each [B, n, d]; out of place, so autograd can follow
     for layer in range(layers):
@@ -73,6 +75,22 @@ def length_sums(
             sums[1] = sums[1] + b_o[layer]  # broadcast over the batch and the n rows: 1 b_O[l]ᵀ
     sums = torch.stack(sums)  # [L+1, B, n, d]
     return sums if net.batched else sums[:, 0]
+
+
+def check_length_sums_fit(net, where: str) -> None:
+    """Refuse up front work whose largest step would not fit the device's memory: at the last layer
+    ``[L, B, H, n, d]`` of mixed sums, beside ``[L+1, B, n, d]`` sums in two copies (the step's
+    output and its stacking)."""
+    batch, layers, heads, n = net.attn.shape[:4]
+    d = net.x.shape[-1]
+    need = (layers * heads + 3 * (layers + 1)) * batch * n * d * net.x.element_size()
+    available = available_memory(net.attn.device)
+    if available is not None and need > available:
+        raise ValueError(
+            f"{where}: {layers} layers × {heads} heads of [B, n, d] = [{batch}, {n}, {d}] sums need about "
+            f"{format_bytes(need)}, more than the {format_bytes(available)} available on {net.attn.device}; pass "
+            "fewer tokens or a smaller batch (the batch elements are independent)"
+        )
 
 
 def _masked_length_sums(attn, x, w_v, w_o, b_o, skip: bool, token_mask, where: str) -> Tensor:

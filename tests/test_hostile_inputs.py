@@ -2,6 +2,7 @@
 silently wrong number (issue 23's reproducers)."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -251,3 +252,16 @@ def test_composite_norms_of_matrices_beyond_the_square_root_of_the_range(scale):
     # Rows 2·scale and scale: the residual's rows are ±scale/2, so l1 = scale and linf = 1.5 · scale.
     two_rows = x + torch.tensor([[scale], [0.0]], dtype=torch.float64)
     assert pk.residual_norm(two_rows).item() == pytest.approx(math.sqrt(1.5) * scale, rel=1e-15)
+
+
+def test_length_sums_refuse_work_that_would_not_fit(monkeypatch):
+    """Its largest step, [L, B, H, n, d], failed in torch's allocator; the estimate comes first."""
+    module = sys.modules["pathkernels.length_sums"]  # the module, not the function pk.length_sums
+    attn = random_attention(2, 3, 2, 5, 5, dtype=torch.float64)
+    x, w = torch.randn(2, 5, 4, dtype=torch.float64), torch.randn(3, 2, 4, 4, dtype=torch.float64)
+    need = (3 * 2 + 3 * 4) * 2 * 5 * 4 * 8
+    monkeypatch.setattr(module, "available_memory", lambda device: need - 1)
+    with pytest.raises(ValueError, match=r"length_sums: 3 layers × 2 heads of \[B, n, d\] = \[2, 5, 4\] sums need"):
+        pk.length_sums(attn, x, w, w)
+    monkeypatch.setattr(module, "available_memory", lambda device: need)
+    assert pk.length_sums(attn, x, w, w).shape == (4, 2, 5, 4)
