@@ -44,6 +44,17 @@ def _matrices(x: Tensor | Sequence[Tensor], where: str, *, min_rows: int = 1) ->
         raise TypeError(f"{where}: expected a floating-point tensor, got {x.dtype}")
     if x.shape[-2] < min_rows:
         raise ValueError(f"{where}: expected at least {min_rows} tokens (rows) in [..., n, d], got {x.shape[-2]}")
+    if x.shape[-1] < 1:
+        raise ValueError(f"{where}: expected at least one column in [..., n, d], got {list(x.shape)}")
+    if x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{where}: expected x on a CPU or CUDA device, got {x.device}")
+    return x
+
+
+def _finite(x: Tensor, where: str) -> Tensor:
+    """``x``, refused with a clear message where it holds NaN or inf: an SVD has no answer there."""
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{where}: expected finite values (the SVD has no answer for NaN or inf), got some")
     return x
 
 
@@ -111,18 +122,13 @@ def rank1_residual(
     if norm not in _RANK1_NORMS:
         raise ValueError(f"{where}: expected norm in {_RANK1_NORMS}, got {norm!r}")
 
-    def finite(x: Tensor) -> Tensor:
-        if not bool(torch.isfinite(x).all()):
-            raise ValueError(f"{where}: expected finite values (the SVD has no answer for NaN or inf), got some")
-        return x
-
     def frobenius(x: Tensor) -> Tensor:
-        sigma = torch.linalg.svdvals(finite(x))
+        sigma = torch.linalg.svdvals(_finite(x, where))
         tail = sigma[..., 1:].square().sum(-1).sqrt()
         return tail / sigma.square().sum(-1).sqrt() if relative else tail
 
     def composite(x: Tensor) -> Tensor:
-        u, sigma, vh = torch.linalg.svd(finite(x), full_matrices=False)
+        u, sigma, vh = torch.linalg.svd(_finite(x, where), full_matrices=False)
         rank1 = sigma[..., :1, None] * u[..., :, :1] @ vh[..., :1, :]
         tail = composite_norm(x - rank1)
         return tail / composite_norm(x) if relative else tail
@@ -143,13 +149,17 @@ def token_similarity(x: Tensor | Sequence[Tensor], *, token_mask: Tensor | None 
     Returns:
         ``[...]``.
     """
-    x = _matrices(x, "pathkernels.metrics.token_similarity")
+    return _token_similarity(x, token_mask, "pathkernels.metrics.token_similarity")
+
+
+def _token_similarity(x, token_mask, where: str) -> Tensor:
+    x = _matrices(x, where)
 
     def similarity(x: Tensor) -> Tensor:
         mean = x.mean(dim=-2)
         return x.shape[-2] * mean.square().sum(-1) / x.square().sum((-2, -1))
 
-    return per_matrix(similarity, x, token_mask, "pathkernels.metrics.token_similarity")
+    return per_matrix(similarity, x, token_mask, where)
 
 
 def token_diversity(x: Tensor | Sequence[Tensor], *, token_mask: Tensor | None = None) -> Tensor:
@@ -162,7 +172,7 @@ def token_diversity(x: Tensor | Sequence[Tensor], *, token_mask: Tensor | None =
     Returns:
         ``[...]``.
     """
-    return 1 - token_similarity(x, token_mask=token_mask)
+    return 1 - _token_similarity(x, token_mask, "pathkernels.metrics.token_diversity")
 
 
 def escalation_rate(hidden_states: Tensor | Sequence[Tensor], *, token_mask: Tensor | None = None) -> Tensor:
@@ -202,10 +212,11 @@ def effective_rank(x: Tensor | Sequence[Tensor], *, token_mask: Tensor | None = 
     Returns:
         ``[...]``.
     """
-    x = _matrices(x, "pathkernels.metrics.effective_rank")
+    where = "pathkernels.metrics.effective_rank"
+    x = _matrices(x, where)
 
     def rank(x: Tensor) -> Tensor:
-        sigma = torch.linalg.svdvals(x)
+        sigma = torch.linalg.svdvals(_finite(x, where))
         p = sigma / sigma.sum(-1, keepdim=True)
         return (-torch.special.xlogy(p, p).sum(-1)).exp()
 
@@ -222,10 +233,11 @@ def stable_rank(x: Tensor | Sequence[Tensor], *, token_mask: Tensor | None = Non
     Returns:
         ``[...]``.
     """
-    x = _matrices(x, "pathkernels.metrics.stable_rank")
+    where = "pathkernels.metrics.stable_rank"
+    x = _matrices(x, where)
 
     def rank(x: Tensor) -> Tensor:
-        sigma = torch.linalg.svdvals(x)
+        sigma = torch.linalg.svdvals(_finite(x, where))
         return sigma.square().sum(-1) / sigma[..., 0].square()
 
     return per_matrix(rank, x, token_mask, "pathkernels.metrics.stable_rank")

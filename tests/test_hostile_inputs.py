@@ -265,3 +265,41 @@ def test_length_sums_refuse_work_that_would_not_fit(monkeypatch):
         pk.length_sums(attn, x, w, w)
     monkeypatch.setattr(module, "available_memory", lambda device: need)
     assert pk.length_sums(attn, x, w, w).shape == (4, 2, 5, 4)
+
+
+METRICS = [
+    "residual_ratio",
+    "token_similarity",
+    "token_diversity",
+    "escalation_rate",
+    "effective_rank",
+    "stable_rank",
+    "dobrushin",
+    "token_cosine_similarity",
+    "rank1_residual",
+]
+HOSTILE_MATRICES = {
+    "integer": lambda: torch.ones(2, 3, 3, dtype=torch.long),
+    "complex": lambda: torch.ones(2, 3, 3, dtype=torch.complex64),
+    "one dim": lambda: torch.ones(3),
+    "no rows": lambda: torch.ones(2, 0, 3),
+    "no columns": lambda: torch.ones(2, 3, 0),
+    "meta": lambda: torch.ones(2, 3, 3, device="meta"),
+    "empty list": lambda: [],
+    "shapes differ": lambda: [torch.ones(3, 3), torch.ones(2, 3)],
+}
+
+
+@pytest.mark.parametrize("hostile", sorted(HOSTILE_MATRICES))
+@pytest.mark.parametrize("metric", METRICS)
+def test_metrics_refuse_hostile_matrices_in_their_own_name(metric, hostile):
+    """No column, the meta device and NaN before an SVD raised torch's errors (IndexError,
+    RuntimeError, LinAlgError); token_diversity named token_similarity."""
+    with pytest.raises((ValueError, TypeError), match=rf"^pathkernels\.metrics\.{metric}: expected"):
+        getattr(pk.metrics, metric)(HOSTILE_MATRICES[hostile]())
+
+
+@pytest.mark.parametrize("metric", ["effective_rank", "stable_rank", "rank1_residual"])
+def test_svd_metrics_refuse_nan(metric):
+    with pytest.raises(ValueError, match=rf"^pathkernels\.metrics\.{metric}: expected finite values"):
+        getattr(pk.metrics, metric)(torch.full((2, 3, 3), float("nan")))
