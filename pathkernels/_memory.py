@@ -20,6 +20,19 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
+def check_fits(
+    need: int, device: torch.device, where: str, needs: str, advice: str, *, error: type[Exception] = ValueError
+) -> None:
+    """Raise ``error`` before any work when ``need`` bytes exceed what ``device`` has free, as
+    "{where}: {needs} {need}, more than the {available} available on {device}; {advice}"."""
+    available = available_memory(device)
+    if available is not None and need > available:
+        raise error(
+            f"{where}: {needs} {format_bytes(need)}, more than the {format_bytes(available)} available on {device}; "
+            f"{advice}"
+        )
+
+
 def format_bytes(count: int) -> str:
     """``count`` bytes for a message: "512 bytes", "24.0 KiB", "3.50 GiB"."""
     if count < 1024:

@@ -29,7 +29,7 @@ import torch
 
 import pathkernels as pk
 from pathkernels import experiments
-from pathkernels._memory import available_memory, format_bytes
+from pathkernels._memory import check_fits
 from pathkernels.adapters.huggingface import LocalModel
 from pathkernels.benchmarks import (
     QUICK_NORM_CASES,
@@ -71,14 +71,14 @@ def check_attention_fits(
     """Refuse, before anything is allocated, a run whose attention maps alone (``B·L·H·n²`` entries
     of ``bytes_per_entry``: the maps and the copies the command makes of them) exceed the memory
     the device has."""
-    need = batch * layers * heads * tokens * tokens * bytes_per_entry
-    have = available_memory(torch.device(device))
-    if have is not None and need > have:
-        raise CommandLineError(
-            f"pathkernels {command}: {batch} × {layers} layers × {heads} heads × {tokens}² tokens of attention "
-            f"need about {format_bytes(need)}, more than the {format_bytes(have)} available on {device}; pass "
-            "fewer --tokens (or a smaller --batch or network)"
-        )
+    check_fits(
+        batch * layers * heads * tokens * tokens * bytes_per_entry,
+        torch.device(device),
+        f"pathkernels {command}",
+        f"{batch} × {layers} layers × {heads} heads × {tokens}² tokens of attention need about",
+        "pass fewer --tokens (or a smaller --batch or network)",
+        error=CommandLineError,
+    )
 
 
 def resolve_device(device: str, command: str) -> str:

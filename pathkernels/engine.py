@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from pathkernels import distributed, ops
-from pathkernels._memory import available_memory, format_bytes
+from pathkernels._memory import check_fits, format_bytes
 from pathkernels._progress import progress_bar
 from pathkernels.checks import (
     Network,
@@ -327,13 +327,14 @@ def _widened(results: Tensor, dtype: torch.dtype, where: str) -> Tensor:
     report outside float32's range), checked against the memory available first."""
     if dtype != torch.float64 or results.dtype == torch.float64:
         return results
-    need = results.numel() * 8
-    available = available_memory(results.device)
-    if available is not None and need > available:
-        raise MemoryError(
-            f"{where}: residuals below float32's range (1.2e-38) need float64 results, {format_bytes(need)}, more "
-            f"than the {format_bytes(available)} available on {results.device}; use pk.path_statistics, or fewer paths"
-        )
+    check_fits(
+        results.numel() * 8,
+        results.device,
+        where,
+        "residuals below float32's range (1.2e-38) need float64 results,",
+        "use pk.path_statistics, or fewer paths",
+        error=MemoryError,
+    )
     return results.double()
 
 

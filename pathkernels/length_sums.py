@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pathkernels._memory import available_memory, format_bytes
+from pathkernels._memory import check_fits
 from pathkernels.checks import check_bias, check_masked_network, check_network, mask_group_inputs
 from pathkernels.paths import check_flag, check_int
 
@@ -83,14 +83,13 @@ def check_length_sums_fit(net, where: str) -> None:
     output and its stacking)."""
     batch, layers, heads, n = net.attn.shape[:4]
     d = net.x.shape[-1]
-    need = (layers * heads + 3 * (layers + 1)) * batch * n * d * net.x.element_size()
-    available = available_memory(net.attn.device)
-    if available is not None and need > available:
-        raise ValueError(
-            f"{where}: {layers} layers × {heads} heads of [B, n, d] = [{batch}, {n}, {d}] sums need about "
-            f"{format_bytes(need)}, more than the {format_bytes(available)} available on {net.attn.device}; pass "
-            "fewer tokens or a smaller batch (the batch elements are independent)"
-        )
+    check_fits(
+        (layers * heads + 3 * (layers + 1)) * batch * n * d * net.x.element_size(),
+        net.attn.device,
+        where,
+        f"{layers} layers × {heads} heads of [B, n, d] = [{batch}, {n}, {d}] sums need about",
+        "pass fewer tokens or a smaller batch (the batch elements are independent)",
+    )
 
 
 def _masked_length_sums(attn, x, w_v, w_o, b_o, skip: bool, token_mask, where: str) -> Tensor:

@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from pathkernels._memory import available_memory, format_bytes
+from pathkernels._memory import check_fits, format_bytes
 from pathkernels.checks import Network
 from pathkernels.paths import PathTree, build_trie_chunk
 
@@ -148,12 +148,12 @@ def chunks(tree: PathTree, net: Network, memory_budget: int, first: int, last: i
 
 def check_results_fit(net: Network, tree: PathTree, where: str) -> None:
     """Refuse up front, before any work, results that would not fit the device's available memory."""
-    need = RESULT_COPIES * 2 * net.attn.shape[0] * tree.num_paths * net.attn.element_size()
-    available = available_memory(net.attn.device)
-    if available is not None and need > available:
-        raise ValueError(
-            f"{where}: the results of {tree.num_paths:,} paths × B = {net.attn.shape[0]} (residual and norm in "
-            f"{net.attn.dtype}) need {format_bytes(need)}, more than the {format_bytes(available)} available on "
-            f"{net.attn.device}; evaluate fewer paths (max_length, sampling, or a share of the tree per process with "
-            "group=), or use pk.length_sums for exact sums per length"
-        )
+    check_fits(
+        RESULT_COPIES * 2 * net.attn.shape[0] * tree.num_paths * net.attn.element_size(),
+        net.attn.device,
+        where,
+        f"the results of {tree.num_paths:,} paths × B = {net.attn.shape[0]} (residual and norm in {net.attn.dtype}) "
+        "need",
+        "evaluate fewer paths (max_length, sampling, or a share of the tree per process with group=), or use "
+        "pk.length_sums for exact sums per length",
+    )
