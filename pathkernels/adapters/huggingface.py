@@ -118,6 +118,12 @@ class _Family:
     softmax_in_float32: bool  # its eager attention takes the softmax in float32 whatever the model's dtype
     zero_based_positions: bool  # position_ids default to 0..n-1 (a left-padded sequence's must start at 0)
 
+    @property
+    def softmax_dtype(self) -> torch.dtype | None:
+        """The dtype its patterns are computed in when that is not the model's (AttentionStack's
+        ``attn_precision``)."""
+        return torch.float32 if self.softmax_in_float32 else None
+
 
 _FAMILIES: dict[str, _Family] = {
     "gpt2": _Family(_gpt2_layers, softmax_in_float32=False, zero_based_positions=True),
@@ -306,17 +312,15 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
             f"{_WHERE}: expected attention_mask of shape [B, n] (1 = a real token) to carry as the "
             f"stack's token_mask, got {list(token_mask.shape)}"
         )
-    attn = torch.stack(patterns, dim=1)
-    float32_softmax = family.softmax_in_float32 and torch.finfo(attn.dtype).eps < torch.finfo(torch.float32).eps
     return AttentionStack(
-        attn=attn,
+        attn=torch.stack(patterns, dim=1),
         w_v=w_v,
         w_o=w_o,
         b_o=b_o,
         hidden_states=hidden,
         source=f"huggingface:{model.config.model_type}",
         token_mask=token_mask,
-        attn_precision=torch.float32 if float32_softmax else None,
+        attn_precision=family.softmax_dtype,
     )
 
 

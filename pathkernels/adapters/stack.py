@@ -39,10 +39,11 @@ class AttentionStack:
         hidden_states: ``[L+1, B, n, d]`` as the source reports them (for Hugging Face, the
             model's ``hidden_states``), or None.
         source: where it came from, e.g. ``"huggingface:gpt2"``.
-        attn_precision: the dtype the patterns were computed in, when coarser than attn's own (Llama,
-            Mistral, Qwen2 and ViT take their softmax in float32 even in a float64 model), or None.
-            The rows are then checked to that precision at construction and renormalised in attn's
-            dtype, so that they sum to 1 to its precision; ``repr`` says so.
+        attn_precision: the dtype the patterns were computed in (Llama, Mistral, Qwen2 and ViT take
+            their softmax in float32 even in a float64 model), or None. Where it is coarser than
+            attn's own, the rows are checked to that precision at construction and renormalised in
+            attn's dtype, so that they sum to 1 to its precision, and ``repr`` says so; otherwise it
+            is set to None.
         token_mask: ``[B, n]`` bool, True at real tokens (a padded batch's ``attention_mask``), or
             None when every token is real. :func:`pathkernels.path_residuals`,
             :func:`pathkernels.decompose`, :func:`pathkernels.rollout`, :meth:`length_sums` and the
@@ -71,13 +72,13 @@ class AttentionStack:
         self.token_mask = masking.check_token_mask(
             self.token_mask, self.attn.shape[0], self.attn.shape[-1], self.attn.device, where
         )
-        if self.attn_precision == self.attn.dtype:
-            self.attn_precision = None
         if self.attn_precision is not None and self.attn_precision not in ROW_SUM_TOLERANCE:
             raise ValueError(
                 f"{where}: expected attn_precision to be one of {sorted(map(str, ROW_SUM_TOLERANCE))} or None, "
                 f"got {self.attn_precision}"
             )
+        if self.attn_precision is not None and not _coarser(self.attn_precision, self.attn.dtype):
+            self.attn_precision = None  # held at least as coarsely as computed: nothing to renormalise
         if self.token_mask is None:
             check_row_stochastic(self.attn, where, precision=self.attn_precision)
         else:
@@ -204,8 +205,6 @@ class AttentionStack:
         """
         hidden = None if self.hidden_states is None else self.hidden_states.to(*args, **kwargs)
         attn = self.attn.to(*args, **kwargs)
-        computed_in = self.attn_precision or self.attn.dtype
-        coarser = torch.finfo(computed_in).eps > torch.finfo(attn.dtype).eps
         mask = None if self.token_mask is None else self.token_mask.to(device=attn.device)
         return replace(
             self,
@@ -215,8 +214,14 @@ class AttentionStack:
             b_o=self.b_o.to(*args, **kwargs),
             hidden_states=hidden,
             token_mask=mask,
-            attn_precision=computed_in if coarser else None,
+            attn_precision=self.attn_precision or self.attn.dtype,  # kept only where coarser than the new dtype
         )
+
+
+def _coarser(computed_in: torch.dtype, held_in: torch.dtype) -> bool:
+    """Whether patterns computed in one dtype and held in another sum to 1 only to the first's
+    precision (a float32 softmax in a float64 model)."""
+    return torch.finfo(computed_in).eps > torch.finfo(held_in).eps
 
 
 def fold_value_bias(b_v: Tensor | None, w_o: Tensor, b_o: Tensor | None) -> Tensor:

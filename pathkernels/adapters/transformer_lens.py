@@ -51,17 +51,14 @@ def _bias(model, name: str) -> torch.Tensor | None:
     return None if bias is None else bias.detach()
 
 
-def _softmax_precision(model, attn_dtype: torch.dtype) -> torch.dtype | None:
-    """float32 for a bridge over a Hugging Face model whose family takes the softmax in float32,
-    when the patterns are held in float64 (see :func:`from_huggingface`); None otherwise."""
+def _softmax_precision(model) -> torch.dtype | None:
+    """For a bridge over a Hugging Face model, the dtype its family computes the patterns in (see
+    :func:`from_huggingface`); None otherwise."""
     from pathkernels.adapters.huggingface import _FAMILIES
 
     original = model.__dict__.get("original_model") if hasattr(model, "__dict__") else None
-    model_type = getattr(getattr(original, "config", None), "model_type", None)
-    family = _FAMILIES.get(model_type)
-    if family is None or not family.softmax_in_float32:
-        return None
-    return torch.float32 if torch.finfo(attn_dtype).eps < torch.finfo(torch.float32).eps else None
+    family = _FAMILIES.get(getattr(getattr(original, "config", None), "model_type", None))
+    return None if family is None else family.softmax_dtype
 
 
 def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -> AttentionStack:
@@ -151,5 +148,5 @@ def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -
         hidden_states=None if hidden is None else hidden.detach(),
         source=f"transformer_lens:{type(model).__name__}",
         token_mask=attention_mask,
-        attn_precision=_softmax_precision(model, attn.dtype),
+        attn_precision=_softmax_precision(model),
     )
