@@ -362,13 +362,10 @@ def leaf_norms(
     device_copies: dict[int, tuple[Tensor, Tensor]] = {}
     try:
         for start, stop, chunk, leaf_block in chunks(tree, net, memory_budget, first, last):
-            chunk_residual, chunk_norm = chunk_norms(net, operands, chunk, leaf_block, leaf_kernel)
             leaf_position = _on_device(chunk.leaf_position, device, device_copies)
-            chunk_residual, chunk_norm = out_of_range_in_float64(
-                net, tree, start, chunk_residual[:, leaf_position], chunk_norm[:, leaf_position], memory_budget
+            chunk_residual, chunk_norm = chunk_reports(
+                net, operands, tree, start, chunk, leaf_position, leaf_block, leaf_kernel, memory_budget
             )
-            chunk_residual = engine_reports(chunk_residual, net.attn.dtype)
-            chunk_norm = engine_reports(chunk_norm, net.attn.dtype)
             residual = _widened(residual, chunk_residual.dtype, "pathkernels.path_residuals")
             norm = _widened(norm, chunk_norm.dtype, "pathkernels.path_residuals")
             residual[:, start - first : stop - first] = chunk_residual
@@ -379,6 +376,28 @@ def leaf_norms(
         if bar is not None:
             bar.close()
     return residual, norm
+
+
+def chunk_reports(
+    net: Network,
+    operands: tuple,
+    tree: PathTree,
+    start: int,
+    chunk,
+    leaf_position: Tensor,
+    leaf_block: int,
+    leaf_kernel: str,
+    memory_budget: int,
+) -> tuple[Tensor, Tensor]:
+    """What one chunk of leaves ``start..`` reports, ``[B, leaves]`` in leaf order: the engine op's
+    values (:func:`chunk_norms`), those out of float32's range computed again in float64
+    (:func:`out_of_range_in_float64`), as results of attn's dtype (:func:`engine_reports`).
+    ``leaf_position``: the chunk's, on the results' device."""
+    residual, norm = chunk_norms(net, operands, chunk, leaf_block, leaf_kernel)
+    residual, norm = out_of_range_in_float64(
+        net, tree, start, residual[:, leaf_position], norm[:, leaf_position], memory_budget
+    )
+    return engine_reports(residual, net.attn.dtype), engine_reports(norm, net.attn.dtype)
 
 
 def out_of_range_in_float64(

@@ -26,14 +26,7 @@ from pathkernels import distributed
 from pathkernels._files import read_sealed, tensor_digest, write_sealed
 from pathkernels._progress import progress_bar
 from pathkernels.checks import check_masked_network, mask_group_inputs, unpack_stack
-from pathkernels.engine import (
-    check_inputs,
-    chunk_norms,
-    engine_operands,
-    engine_reports,
-    op_leaf_kernel,
-    out_of_range_in_float64,
-)
+from pathkernels.engine import check_inputs, chunk_reports, engine_operands, op_leaf_kernel
 from pathkernels.paths import SKIP, PathTree, check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET, chunks
 
@@ -747,13 +740,18 @@ def _stream(
                     continue
                 if start != reached:
                     raise RuntimeError(f"{where}: the checkpoint stops at leaf {reached:,}, inside a chunk")
-                residual, norm = chunk_norms(net, operands, chunk, leaf_block, settings.leaf_kernel)
-                order = chunk.leaf_position.to(residual.device)
-                residual, norm = out_of_range_in_float64(
-                    net, tree, start, residual[:, order], norm[:, order], settings.memory_budget
-                )
                 # The values path_residuals would report (float32-rounded where float32 holds them).
-                residual, norm = engine_reports(residual, net.attn.dtype), engine_reports(norm, net.attn.dtype)
+                residual, norm = chunk_reports(
+                    net,
+                    operands,
+                    tree,
+                    start,
+                    chunk,
+                    chunk.leaf_position.to(net.attn.device),
+                    leaf_block,
+                    settings.leaf_kernel,
+                    settings.memory_budget,
+                )
                 lengths = tree.leaf_lengths(start, stop).to(residual.device)
                 stats.add(
                     residual,
