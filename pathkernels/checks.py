@@ -111,6 +111,13 @@ def renormalise_rows(attn: Tensor, token_mask: Tensor | None = None) -> Tensor:
     return attn / torch.where(sums > 0, sums, torch.ones_like(sums))
 
 
+def row_stochastic(attn: Tensor, where: str, *, precision: torch.dtype | None = None, **hints) -> Tensor:
+    """``attn`` checked by :func:`check_row_stochastic` (``hints``: its batch_index and padded), and
+    its rows renormalised when ``precision``, the dtype it was computed in, is coarser than its own."""
+    check_row_stochastic(attn, where, precision=precision, **hints)
+    return attn if precision in (None, attn.dtype) else renormalise_rows(attn)
+
+
 def restricted_attention(
     attn: Tensor, group: masking.MaskGroup, where: str, *, precision: torch.dtype | None = None
 ) -> Tensor:
@@ -119,10 +126,7 @@ def restricted_attention(
     is coarser than attn's dtype. A group without padding is checked as unmasked attention."""
     restricted = masking.restrict(attn, group, token_dims=(-2, -1))
     padded = group.tokens.numel() < attn.shape[-1]
-    check_row_stochastic(restricted, where, batch_index=group.batch, padded=padded, precision=precision)
-    if precision is not None and precision != attn.dtype:
-        restricted = renormalise_rows(restricted)
-    return restricted
+    return row_stochastic(restricted, where, precision=precision, batch_index=group.batch, padded=padded)
 
 
 def check_masked_network(attn, x, w_v, w_o, token_mask, where: str) -> tuple[Network, Tensor | None]:
@@ -133,8 +137,7 @@ def check_masked_network(attn, x, w_v, w_o, token_mask, where: str) -> tuple[Net
     batch, n = net.attn.shape[0], net.attn.shape[-1]
     mask = masking.check_token_mask(masking.batched_mask(token_mask, net.batched), batch, n, net.attn.device, where)
     if mask is None and net.precision != net.attn.dtype:  # upcast: check and renormalise here, as unmasked
-        check_row_stochastic(net.attn, where, precision=net.precision)
-        net.attn = renormalise_rows(net.attn)
+        net.attn = row_stochastic(net.attn, where, precision=net.precision)
     return net, mask
 
 
@@ -222,9 +225,7 @@ def check_network(attn, x, w_v, w_o, where: str, *, attn_values: bool = True) ->
     if precision in UPCAST:
         attn, x, w_v, w_o = (None if t is None else t.to(UPCAST[precision]) for t in (attn, x, w_v, w_o))
     if attn_values:
-        check_row_stochastic(attn, where, precision=precision)
-        if precision != attn.dtype:
-            attn = renormalise_rows(attn)
+        attn = row_stochastic(attn, where, precision=precision)
     return Network(attn, x, w_v, w_o, batched, precision)
 
 
