@@ -23,8 +23,16 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from pathkernels.checks import check_finite
 from pathkernels.masking import per_matrix
 from pathkernels.ops import composite_norm, residual_norm
+
+
+def _finite(x: Tensor, where: str) -> Tensor:
+    """``x``, refused (:func:`~pathkernels.checks.check_finite`) where it holds NaN or inf: an SVD
+    has no answer there."""
+    check_finite(x, "x", where)
+    return x
 
 
 def _matrices(x: Tensor | Sequence[Tensor], where: str, *, min_rows: int = 1) -> Tensor:
@@ -48,13 +56,6 @@ def _matrices(x: Tensor | Sequence[Tensor], where: str, *, min_rows: int = 1) ->
         raise ValueError(f"{where}: expected at least one column in [..., n, d], got {list(x.shape)}")
     if x.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{where}: expected x on a CPU or CUDA device, got {x.device}")
-    return x
-
-
-def _finite(x: Tensor, where: str) -> Tensor:
-    """``x``, refused with a clear message where it holds NaN or inf: an SVD has no answer there."""
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError(f"{where}: expected finite values (the SVD has no answer for NaN or inf), got some")
     return x
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from pathkernels import masking
-from pathkernels.checks import check_nonempty_batch, unpack_stack
+from pathkernels.checks import check_finite, check_nonempty_batch, unpack_stack
 
 _FUSIONS = ("mean", "max", "min")
 
@@ -64,8 +64,7 @@ def rollout(
     check_nonempty_batch(attn, where)
     if bool((attn < 0).any()):
         raise ValueError(f"{where}: expected non-negative attention probabilities")
-    if not bool(torch.isfinite(attn).all()):
-        raise ValueError(f"{where}: expected finite attention probabilities, got NaN or inf")
+    check_finite(attn, "attn", where)
     if token_mask is not None:
         mask = masking.check_token_mask(
             masking.batched_mask(token_mask, batched), attn.shape[0], attn.shape[-1], attn.device, where

@@ -225,11 +225,11 @@ def test_the_testing_helpers_refuse_heads_outside_the_network():
         (lambda: pk.compat.linf_matrix_norm(torch.randn(3)), r"^pathkernels.compat.linf_matrix_norm: expected x"),
         (
             lambda: pk.metrics.rank1_residual(torch.full((2, 3, 3), float("nan"))),
-            r"^pathkernels.metrics.rank1_residual: expected finite values",
+            r"^pathkernels.metrics.rank1_residual: x has a non-finite value \(nan\) at index \[0, 0, 0\]",
         ),
         (
             lambda: pk.metrics.rank1_residual(torch.full((2, 3, 3), float("inf")), norm="composite"),
-            r"^pathkernels.metrics.rank1_residual: expected finite values",
+            r"^pathkernels.metrics.rank1_residual: x has a non-finite value \(inf\) at index \[0, 0, 0\]",
         ),
     ],
 )
@@ -301,5 +301,7 @@ def test_metrics_refuse_hostile_matrices_in_their_own_name(metric, hostile):
 
 @pytest.mark.parametrize("metric", ["effective_rank", "stable_rank", "rank1_residual"])
 def test_svd_metrics_refuse_nan(metric):
-    with pytest.raises(ValueError, match=rf"^pathkernels\.metrics\.{metric}: expected finite values"):
+    with pytest.raises(
+        ValueError, match=rf"^pathkernels\.metrics\.{metric}: x has a non-finite value \(nan\) at index \[0, 0, 0\]"
+    ):
         getattr(pk.metrics, metric)(torch.full((2, 3, 3), float("nan")))
