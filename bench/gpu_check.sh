@@ -6,8 +6,10 @@
 # 3. runs compute-sanitizer memcheck and racecheck on small cases of every CUDA kernel;
 # 4. runs the GPU benchmarks;
 # 5. writes a summary and the logs into RESULTS_DIR (default bench/results/gpu-<card>-<date>).
-# --quick (about 4 minutes): the build; the CUDA cases of the leaf-kernel, engine and norm tests;
-# memcheck of every kernel and racecheck of the leaf and engine kernels; bench_gpu_leaves.py --quick.
+# --quick (about 6 minutes): the build for this card's architecture alone; the CUDA cases of the
+# leaf-kernel, engine, norm and statistics tests; memcheck of every kernel and racecheck of the
+# leaf and engine kernels; bench_gpu_leaves.py --quick; the engine's profile; bench_norms.py
+# --quick; bench_gpu_statistics.py (10^9 paths and a resumed checkpoint).
 # Each step is stopped after STEP_TIMEOUT seconds (default 600), so one hang cannot eat the lease.
 set -uo pipefail
 quick=false
@@ -43,17 +45,24 @@ step() {  # step NAME COMMAND...: run, log to $out/NAME.log, record pass/fail
   echo "|---|---|---|---|"
 } > "$summary"
 
+# --quick builds for this card alone (TORCH_CUDA_ARCH_LIST), on every core.
+arch=$($PYTHON -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())" 2>/dev/null || true)
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+if $quick && [ -n "$arch" ]; then export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$arch}; fi
 step build env PATHKERNELS_CUDA=ON $PYTHON -m pip install --no-build-isolation --no-deps -v -e .
 # With pytest-xdist a crashing test takes down one worker, not the rest of the suite.
 parallel=$($PYTHON -c "import xdist" 2>/dev/null && echo "-n 8" || true)
 SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 if $quick; then
   step tests env PATHKERNELS_TEST_DEVICES=cuda $PYTHON -m pytest -q -rs --durations=5 $parallel \
-    tests/test_fused_leaf.py tests/test_engine.py tests/test_norms.py -k "not compile"
+    tests/test_fused_leaf.py tests/test_engine.py tests/test_norms.py tests/test_statistics.py -k "not compile"
   step sanitizer-memcheck "$SANITIZER" --tool memcheck --error-exitcode 1 $PYTHON bench/sanitizer_cases.py
   step sanitizer-racecheck "$SANITIZER" --tool racecheck --error-exitcode 1 $PYTHON bench/sanitizer_cases.py leaves engine
   step bench-gpu-leaves $PYTHON bench/bench_gpu_leaves.py --quick --limit 60 --out "$out/gpu_leaves.json"
-  logs="tests bench-gpu-leaves"
+  step profile-engine $PYTHON bench/profile_gpu_engine.py --out "$out/gpu_profile.json"
+  step bench-norms $PYTHON bench/bench_norms.py --device cuda --quick --out "$out/norms.json"
+  step bench-gpu-statistics $PYTHON bench/bench_gpu_statistics.py --out "$out/gpu_statistics.json"
+  logs="tests bench-gpu-leaves profile-engine bench-norms bench-gpu-statistics"
 else
   step tests $PYTHON -m pytest -q -rs --durations=5 $parallel tests
   for tool in memcheck racecheck; do
@@ -61,9 +70,11 @@ else
   done
   # The leaf kernels and the engine first: a lease that runs out should lose the older benchmarks.
   step bench-gpu-leaves $PYTHON bench/bench_gpu_leaves.py --limit 100 --out "$out/gpu_leaves.json"
+  step profile-engine $PYTHON bench/profile_gpu_engine.py --out "$out/gpu_profile.json"
   step bench-norms $PYTHON bench/bench_norms.py --device cuda --out "$out/norms.json"
+  step bench-gpu-statistics $PYTHON bench/bench_gpu_statistics.py --full --out "$out/gpu_statistics.json"
   step bench-paths $PYTHON bench/bench_paths.py --device cuda --quick --out "$out/paths.json"
-  logs="tests bench-gpu-leaves bench-norms bench-paths"
+  logs="tests bench-gpu-leaves profile-engine bench-norms bench-gpu-statistics bench-paths"
 fi
 for log in $logs; do
   { echo; echo "$log:"; tail -n 30 "$out/$log.log" | sed 's/^/    /'; } >> "$summary"

@@ -1,0 +1,140 @@
+"""GPU benchmark of exact path statistics at scale (issue 26 §5), float32, one GPU.
+
+1. ``path_statistics`` on complete trees of H = 10 heads, n = 64, with each leaf kernel
+   ("fused" = SIMT, "tensor" = tf32x3): paths per second at 10^8 paths (L = 8), then 10^9 paths
+   (L = 9) with the faster kernel, and the time that rate predicts for 10^10 (L = 10); with
+   --full, the 10^10 tree itself when the prediction is within --limit seconds.
+2. The checkpoint: a child process streams a 10^8-path tree with a checkpoint every second and is
+   killed halfway; a fresh process resumes from the folder. The resumed statistics must equal an
+   uninterrupted run's exactly (counts, sums, extremes, histograms).
+
+    python bench/bench_gpu_statistics.py [--full] [--limit S] --out bench/results/<folder>/gpu_statistics.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import pathkernels as pk
+from pathkernels.testing import random_attention
+
+HEADS, N = 10, 64
+KERNELS = ("fused", "tensor")
+
+
+def network(layers: int):
+    return random_attention(1, layers, HEADS, N, N, device="cuda", generator=torch.Generator().manual_seed(layers))
+
+
+def timed_statistics(layers: int, **options) -> tuple[float, pk.PathStatistics]:
+    attn = network(layers)
+    tree = pk.PathTree.complete(layers, HEADS)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    stats = pk.path_statistics(attn, tree, **options)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, stats
+
+
+def same_statistics(a: pk.PathStatistics, b: pk.PathStatistics) -> bool:
+    """Bitwise equality of every tensor the two results hold (the per-measure dicts included)."""
+
+    def tensors(stats):
+        for name, value in sorted(vars(stats).items()):  # not the private caches
+            if name.startswith("_"):
+                continue
+            if isinstance(value, torch.Tensor):
+                yield name, value
+            elif isinstance(value, dict):
+                yield from ((f"{name}.{key}", t) for key, t in sorted(value.items()))
+
+    pairs = list(zip(tensors(a), tensors(b), strict=True))
+    return bool(pairs) and all(na == nb and torch.equal(ta, tb) for (na, ta), (nb, tb) in pairs)
+
+
+def checkpoint_case(layers: int, kernel: str) -> dict:
+    """Kill a checkpointing child halfway, resume in this process, compare with an uninterrupted run."""
+    full_seconds, whole = timed_statistics(layers, leaf_kernel=kernel)
+    row = {"layers": layers, "paths": HEADS**layers, "leaf_kernel": kernel, "uninterrupted_s": full_seconds}
+    with tempfile.TemporaryDirectory() as folder:
+        child = [sys.executable, __file__, "--child", folder, "--layers", str(layers), "--kernel", kernel]
+        process = subprocess.Popen(child)
+        time.sleep(max(8.0, 0.5 * full_seconds + 6.0))  # start-up, then about half the stream
+        process.kill()
+        process.wait()
+        row["files_at_kill"] = sorted(p.name for p in Path(folder).rglob("*") if p.is_file())
+        seconds, resumed = timed_statistics(layers, leaf_kernel=kernel, checkpoint=folder, checkpoint_every=1.0)
+    row["resumed_s"] = seconds
+    row["equal_to_uninterrupted"] = same_statistics(whole, resumed)
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--full", action="store_true", help="also run 10^10 paths if predicted within --limit")
+    parser.add_argument("--limit", type=float, default=180.0)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, default=8, help=argparse.SUPPRESS)
+    parser.add_argument("--kernel", default="fused", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:  # the process that is killed halfway
+        timed_statistics(args.layers, leaf_kernel=args.kernel, checkpoint=args.child, checkpoint_every=1.0)
+        return 0
+    assert torch.cuda.is_available() and pk.build_info()["cuda"], "needs a GPU and pathkernels built with CUDA"
+    card = torch.cuda.get_device_name()
+    result = {"card": card, "torch": torch.__version__, "build": pk.build_info(), "heads": HEADS, "n": N}
+
+    def save():
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    timed_statistics(3)  # warm-up: the build's first launches, cuBLAS handles
+    rates = {}
+    for kernel in KERNELS:
+        try:
+            seconds, _ = timed_statistics(8, leaf_kernel=kernel)
+        except Exception as error:  # a kernel that fails is recorded, the rest goes on
+            result[f"{kernel}_error"] = f"{type(error).__name__}: {error}"
+            print(f"10^8, {kernel}: {result[f'{kernel}_error']}", flush=True)
+            continue
+        rates[kernel] = HEADS**8 / seconds
+        result[f"hundred_million_{kernel}"] = {"seconds": seconds, "paths_per_s": rates[kernel]}
+        print(f"10^8 paths, {kernel}: {seconds:.2f} s, {rates[kernel]:.3g} paths/s", flush=True)
+        save()
+    best = max(rates, key=rates.get)
+    torch.cuda.reset_peak_memory_stats()
+    seconds, _ = timed_statistics(9, leaf_kernel=best, progress=True)
+    result["billion"] = {
+        "seconds": seconds,
+        "leaf_kernel": best,
+        "paths_per_s": HEADS**9 / seconds,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "predicted_ten_billion_s": 10 * seconds,
+    }
+    print(f"10^9 paths, {best}: {seconds:.1f} s; 10^10 predicted {10 * seconds:.0f} s", flush=True)
+    save()
+
+    result["checkpoint"] = checkpoint_case(8, best)
+    print(f"checkpoint: {result['checkpoint']}", flush=True)
+    save()
+
+    if args.full and 10 * seconds <= args.limit:
+        seconds, _ = timed_statistics(10, leaf_kernel=best, progress=True)
+        result["ten_billion"] = {"seconds": seconds, "leaf_kernel": best, "paths_per_s": HEADS**10 / seconds}
+        print(f"10^10 paths, {best}: {seconds:.1f} s", flush=True)
+        save()
+    return 0 if result["checkpoint"]["equal_to_uninterrupted"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Where the CUDA engine spends its time (issue 26 §3): torch.profiler over one call of each.
+
+For ``path_residuals`` on a complete tree (L = 6, H = 10, n = 64, float32) with each leaf kernel,
+and ``path_statistics`` on the same tree: the wall time, the number of kernel launches, and the
+top kernels by total GPU time (name, calls, total and mean microseconds, share of GPU time).
+
+    python bench/profile_gpu_engine.py [--top 12] --out bench/results/<folder>/gpu_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import pathkernels as pk
+from pathkernels.testing import random_attention
+
+LAYERS, HEADS, N = 6, 10, 64
+CALLS = {
+    "path_residuals[simt]": lambda a, t: pk.path_residuals(a, t),
+    "path_residuals[tensor]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="tensor"),
+    "path_residuals[gemm]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="gemm"),
+    "path_statistics[simt]": lambda a, t: pk.path_statistics(a, t),
+    "path_statistics[tensor]": lambda a, t: pk.path_statistics(a, t, leaf_kernel="tensor"),
+}
+
+
+def kernel_table(prof, top: int) -> tuple[int, float, list[dict]]:
+    """(launches, total GPU µs, the top kernels) from a profile's device events (kernels, copies, sets)."""
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.time_range.elapsed_us())
+    total = sum(sum(times) for times in kernels.values())
+    rows = sorted(kernels.items(), key=lambda item: -sum(item[1]))[:top]
+    table = [
+        {
+            "kernel": name[:120],
+            "calls": len(times),
+            "total_us": sum(times),
+            "mean_us": sum(times) / len(times),
+            "share": sum(times) / total if total else 0.0,
+        }
+        for name, times in rows
+    ]
+    return sum(len(t) for t in kernels.values()), total, table
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    assert torch.cuda.is_available() and pk.build_info()["cuda"], "needs a GPU and pathkernels built with CUDA"
+    attn = random_attention(1, LAYERS, HEADS, N, N, device="cuda", generator=torch.Generator().manual_seed(0))
+    tree = pk.PathTree.complete(LAYERS, HEADS)
+    result = {"card": torch.cuda.get_device_name(), "tree": [LAYERS, HEADS, N], "paths": tree.num_paths, "calls": {}}
+    for name, call in CALLS.items():
+        try:
+            call(attn, tree)  # warm-up
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                start = time.perf_counter()
+                call(attn, tree)
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - start
+        except Exception as error:  # one failing variant does not stop the others
+            result["calls"][name] = {"error": f"{type(error).__name__}: {error}"}
+            print(f"{name}: {result['calls'][name]['error']}", flush=True)
+            continue
+        launches, gpu_us, table = kernel_table(prof, args.top)
+        result["calls"][name] = {"wall_s": wall, "launches": launches, "gpu_s": gpu_us / 1e6, "top": table}
+        print(f"\n{name}: {wall:.3f} s wall, {gpu_us / 1e6:.3f} s on the GPU, {launches} kernel launches", flush=True)
+        for row in table:
+            print(f"  {row['share']:>6.1%} {row['calls']:>7} × {row['mean_us']:>9.1f} µs  {row['kernel'][:90]}")
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
