@@ -15,6 +15,7 @@
 #include "common/checks.h"
 
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+#include <immintrin.h>
 #define PATHKERNELS_GEMM_X86 1
 #define PATHKERNELS_GEMM_INLINE inline __attribute__((always_inline))
 #else
@@ -58,6 +59,30 @@ template <typename T, int kBytes>
 struct VectorOf {
   typedef T type __attribute__((vector_size(kBytes)));
 };
+
+// s · b + c with one rounding per lane (std::fma's rule), one FMA instruction per vector: the
+// tiles' and the row kernel's every multiply-add. Written out, not left to the compiler's
+// contraction of `s * b + c`, which GCC versions apply differently: GCC 13 left some products of
+// the tiles unfused where GCC 12 fused them all, and an element's bits then depended on the tile
+// that computed it. (The extension is built with -ffp-contract=off.) Each overload carries its
+// target, so the templates that call it are compiled only inside gemm_avx512 and gemm_avx2, whose
+// `flatten` inlines the whole call tree there.
+using Float16 = VectorOf<float, 64>::type;
+using Double8 = VectorOf<double, 64>::type;
+using Float8 = VectorOf<float, 32>::type;
+using Double4 = VectorOf<double, 32>::type;
+__attribute__((target("avx512f,fma"))) inline Float16 fma_lanes(float s, Float16 b, Float16 c) {
+  return _mm512_fmadd_ps(_mm512_set1_ps(s), b, c);
+}
+__attribute__((target("avx512f,fma"))) inline Double8 fma_lanes(double s, Double8 b, Double8 c) {
+  return _mm512_fmadd_pd(_mm512_set1_pd(s), b, c);
+}
+__attribute__((target("avx2,fma"))) inline Float8 fma_lanes(float s, Float8 b, Float8 c) {
+  return _mm256_fmadd_ps(_mm256_set1_ps(s), b, c);
+}
+__attribute__((target("avx2,fma"))) inline Double4 fma_lanes(double s, Double4 b, Double4 c) {
+  return _mm256_fmadd_pd(_mm256_set1_pd(s), b, c);
+}
 
 // One tile: rows i..i+kRows−1 of C over a panel of kWidth = kVecs · lanes columns, `cols` of them
 // real. The kRows × kVecs accumulators stay in registers for the whole depth; row r's scalar
@@ -108,7 +133,7 @@ PATHKERNELS_GEMM_INLINE void tile(int64_t depth, const T* a, int64_t lda, const 
       const T s = kPackedA ? a[k * kRows + r] : a[r * lda + k];
 #pragma GCC unroll 4
       for (int v = 0; v < kVecs; ++v) {
-        acc[r][v] = s * bk[v] + acc[r][v];  // contracted to one FMA on these targets
+        acc[r][v] = fma_lanes(s, bk[v], acc[r][v]);
       }
     }
   }
@@ -275,15 +300,15 @@ PATHKERNELS_GEMM_INLINE void gemm_row(int64_t cols, int64_t depth, const T* a, c
         std::memcpy(&x2, bk + 2 * ldb + v * kLanes, sizeof(V));
         std::memcpy(&x3, bk + 3 * ldb + v * kLanes, sizeof(V));
         std::memcpy(&sum, acc + v * kLanes, sizeof(V));
-        sum = a[k] * x0 + sum;  // each contracted to one FMA, as in the tiles
-        sum = a[k + 1] * x1 + sum;
-        sum = a[k + 2] * x2 + sum;
-        sum = a[k + 3] * x3 + sum;
+        sum = fma_lanes(a[k], x0, sum);
+        sum = fma_lanes(a[k + 1], x1, sum);
+        sum = fma_lanes(a[k + 2], x2, sum);
+        sum = fma_lanes(a[k + 3], x3, sum);
         std::memcpy(acc + v * kLanes, &sum, sizeof(V));
       }
       for (int64_t jj = vectors * kLanes; jj < width; ++jj) {
         for (int64_t kk = k; kk < k + 4; ++kk) {
-          acc[jj] = a[kk] * b[kk * ldb + j + jj] + acc[jj];
+          acc[jj] = std::fma(a[kk], b[kk * ldb + j + jj], acc[jj]);
         }
       }
     }
@@ -294,11 +319,11 @@ PATHKERNELS_GEMM_INLINE void gemm_row(int64_t cols, int64_t depth, const T* a, c
         V x, sum;
         std::memcpy(&x, bk + v * kLanes, sizeof(V));
         std::memcpy(&sum, acc + v * kLanes, sizeof(V));
-        sum = s * x + sum;
+        sum = fma_lanes(s, x, sum);
         std::memcpy(acc + v * kLanes, &sum, sizeof(V));
       }
       for (int64_t jj = vectors * kLanes; jj < width; ++jj) {
-        acc[jj] = s * bk[jj] + acc[jj];
+        acc[jj] = std::fma(s, bk[jj], acc[jj]);
       }
     }
     for (int64_t jj = 0; jj < width; ++jj) {
@@ -319,7 +344,7 @@ PATHKERNELS_GEMM_INLINE void gemm_tiles(int64_t rows, int64_t cols, int64_t dept
 
 // Tiles of 8 rows × up to 3 vectors of 64 bytes: 24 of the 32 registers accumulate.
 template <typename T>
-__attribute__((target("avx512f,fma"))) void gemm_avx512(int64_t rows, int64_t cols, int64_t depth, const T* a,
+__attribute__((target("avx512f,fma"), flatten)) void gemm_avx512(int64_t rows, int64_t cols, int64_t depth, const T* a,
                                                           int64_t lda, const T* b, int64_t ldb, T* c, int64_t ldc,
                                                           bool accumulate) {
   gemm_tiles<T, 64, 8, 3>(rows, cols, depth, a, lda, b, ldb, c, ldc, accumulate);
@@ -327,7 +352,7 @@ __attribute__((target("avx512f,fma"))) void gemm_avx512(int64_t rows, int64_t co
 
 // Tiles of 4 rows × up to 3 vectors of 32 bytes: 12 of the 16 registers accumulate.
 template <typename T>
-__attribute__((target("avx2,fma"))) void gemm_avx2(int64_t rows, int64_t cols, int64_t depth, const T* a,
+__attribute__((target("avx2,fma"), flatten)) void gemm_avx2(int64_t rows, int64_t cols, int64_t depth, const T* a,
                                                     int64_t lda, const T* b, int64_t ldb, T* c, int64_t ldc,
                                                     bool accumulate) {
   gemm_tiles<T, 32, 4, 3>(rows, cols, depth, a, lda, b, ldb, c, ldc, accumulate);
