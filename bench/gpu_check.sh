@@ -7,9 +7,10 @@
 # 4. runs the GPU benchmarks;
 # 5. writes a summary and the logs into RESULTS_DIR (default bench/results/gpu-<card>-<date>).
 # --quick (about 6 minutes): the build for this card's architecture alone; the CUDA cases of the
-# leaf-kernel, engine, norm and statistics tests; memcheck of every kernel and racecheck of the
-# leaf and engine kernels; bench_gpu_leaves.py --quick; the engine's profile; bench_norms.py
-# --quick; bench_gpu_statistics.py (10^9 paths and a resumed checkpoint).
+# leaf-kernel, engine, norm and statistics tests, with the CPU GEMM's and the hostile-input tests;
+# memcheck of every kernel and racecheck of the leaf and engine kernels; bench_gpu_leaves.py
+# --quick; the engine's profile; bench_norms.py --quick; bench_gpu_statistics.py (10^8 paths and a
+# resumed checkpoint).
 # Each step is stopped after STEP_TIMEOUT seconds (default 600), so one hang cannot eat the lease.
 set -uo pipefail
 quick=false
@@ -55,14 +56,19 @@ parallel=$($PYTHON -c "import xdist" 2>/dev/null && echo "-n 8" || true)
 SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 if $quick; then
   step tests env PATHKERNELS_TEST_DEVICES=cuda $PYTHON -m pytest -q -rs --durations=5 $parallel \
-    tests/test_fused_leaf.py tests/test_engine.py tests/test_norms.py tests/test_statistics.py -k "not compile"
+    tests/test_fused_leaf.py tests/test_engine.py tests/test_norms.py tests/test_statistics.py \
+    tests/test_engine_gemm.py tests/test_hostile_inputs.py -k "not compile"
+  # 2026-11-27 this test crashed (SIGSEGV) in the op under the machine's GCC 13 build: a native
+  # backtrace, from cuda-gdb (which also debugs host code; the image has no gdb).
+  step crash-backtrace cuda-gdb -batch -ex run -ex bt -ex quit --args $PYTHON -m pytest -q -p no:cacheprovider \
+    tests/test_hostile_inputs.py -k statistics_fold_refuses
   step sanitizer-memcheck "$SANITIZER" --tool memcheck --error-exitcode 1 $PYTHON bench/sanitizer_cases.py
   step sanitizer-racecheck "$SANITIZER" --tool racecheck --error-exitcode 1 $PYTHON bench/sanitizer_cases.py leaves engine
   step bench-gpu-leaves $PYTHON bench/bench_gpu_leaves.py --quick --limit 60 --out "$out/gpu_leaves.json"
   step profile-engine $PYTHON bench/profile_gpu_engine.py --out "$out/gpu_profile.json"
   step bench-norms $PYTHON bench/bench_norms.py --device cuda --quick --out "$out/norms.json"
   step bench-gpu-statistics $PYTHON bench/bench_gpu_statistics.py --out "$out/gpu_statistics.json"
-  logs="tests bench-gpu-leaves profile-engine bench-norms bench-gpu-statistics"
+  logs="tests crash-backtrace bench-gpu-leaves profile-engine bench-norms bench-gpu-statistics"
 else
   step tests $PYTHON -m pytest -q -rs --durations=5 $parallel tests
   for tool in memcheck racecheck; do
