@@ -73,13 +73,14 @@ def test_statistics_equal_those_of_the_per_path_results(device, tree, budget):
                 for b in range(2):
                     path = stats.argmin[name][b, k].cpu()
                     i = int((paths == path).all(1).nonzero()[0])
-                    torch.testing.assert_close(value[b, i], stats.minima[name][b, k], **exactly)
+                    torch.testing.assert_close(float(value[b, i]), float(stats.minima[name][b, k]), **exactly)
             # The top ratios are the largest, and their paths carry them.
             for b in range(2):
                 ratio = result.ratio[b, chosen.to(result.ratio.device)].double()
                 top = stats.top(4, length=k, batch_element=b)
                 expected = ratio.sort(descending=True).values[:4]
-                torch.testing.assert_close(torch.tensor([value for value, _ in top]), expected.cpu(), **exactly)
+                got = torch.tensor([value for value, _ in top], dtype=torch.float64)
+                torch.testing.assert_close(got, expected.cpu(), **exactly)
                 for value, path in top:
                     i = int((paths == torch.tensor(path)).all(1).nonzero()[0])
                     torch.testing.assert_close(float(result.ratio[b, i]), value, **exactly)
