@@ -40,6 +40,12 @@ def _matrices(x: Tensor | Sequence[Tensor], where: str, *, min_rows: int = 1) ->
     if isinstance(x, (list, tuple)):
         if not x:
             raise ValueError(f"{where}: expected a tensor [..., n, d] or a non-empty sequence of them")
+        kinds = {type(t).__name__ for t in x if not isinstance(t, Tensor)}
+        if kinds:
+            raise TypeError(
+                f"{where}: expected a tensor [..., n, d] or a sequence of tensors, got a sequence holding "
+                f"{', '.join(sorted(kinds))}"
+            )
         shapes = {tuple(t.shape) for t in x}
         if len(shapes) != 1:
             raise ValueError(f"{where}: expected a sequence of tensors of one shape, got shapes {sorted(shapes)}")

@@ -287,6 +287,7 @@ HOSTILE_MATRICES = {
     "meta": lambda: torch.ones(2, 3, 3, device="meta"),
     "empty list": lambda: [],
     "shapes differ": lambda: [torch.ones(3, 3), torch.ones(2, 3)],
+    "nested lists": lambda: [[1.0, 2.0], [3.0, 4.0]],  # was a raw AttributeError ('list' has no shape)
 }
 
 
