@@ -286,3 +286,50 @@ def test_tree_functions_count_exactly_or_name_themselves(name, layers, heads, ma
         assert paths.shape == (got.num_paths, layers) and int(paths.max()) < heads and int(paths.min()) >= -1
     elif name == "sample_paths":
         assert got.shape == (5, layers) and int(got.max()) < heads and int(got.min()) >= (-1 if skip else 0)
+
+
+def _integer_options() -> list[tuple[str, str, int]]:
+    """(command, option, minimum) of every integer option of the command line."""
+    import argparse
+
+    from pathkernels.cli import build_parser
+
+    found = []
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command, sub in action.choices.items():
+                for option in sub._actions:
+                    name = getattr(option.type, "__name__", "")
+                    if name.startswith("integer >= "):
+                        found.append((command, option.option_strings[0], int(name.split()[-1])))
+    return found
+
+
+@FUZZ
+@given(
+    option=st.sampled_from(_integer_options()),
+    text=st.one_of(
+        st.integers(-(2**70), 2**70).map(str),
+        st.floats(allow_nan=True, allow_infinity=True).map(str),
+        st.text(max_size=6),
+    ),
+)
+def test_the_command_line_parses_an_integer_option_or_names_it(option, text):
+    """Any text for an integer option either parses to an int at or above its minimum, or exits with
+    status 2 and a message naming the option and the minimum (never a traceback)."""
+    import contextlib
+    import io
+
+    from pathkernels.cli import build_parser
+
+    command, flag, minimum = option
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = build_parser().parse_args([command, f"{flag}={text}"])
+    except SystemExit as exit:
+        assert exit.code == 2
+        assert f"argument {flag}: expected an integer >= {minimum}" in stderr.getvalue(), stderr.getvalue()
+        return
+    value = getattr(args, flag.lstrip("-").replace("-", "_"))
+    assert isinstance(value, int) and value >= minimum and value == int(text)
