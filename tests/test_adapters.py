@@ -237,6 +237,52 @@ def test_an_empty_batch_is_refused_before_the_model_runs():
         adapters.stream_huggingface_attention(model, print, input_ids=torch.zeros(1, 0, dtype=torch.long))
 
 
+@pytest.mark.parametrize(
+    "inputs, message",
+    [
+        ({}, r"expected input_ids \[B, n\] \(or inputs_embeds \[B, n, d\], or pixel_values for ViT\) as a tensor"),
+        (
+            {"input_ids": torch.ones(2, 5)},
+            r"expected input_ids of shape \[B, n\] and an integer dtype, got \[2, 5\] float32",
+        ),
+        ({"input_ids": torch.ones(5, dtype=torch.long)}, r"expected input_ids of shape \[B, n\] .*, got \[5\] int64"),
+        (
+            {"input_ids": torch.full((1, 5), 50)},
+            r"expected input_ids in \[0, 50\) \(the model's vocab_size\), got values",
+        ),
+        (
+            {"input_ids": torch.ones(1, 17, dtype=torch.long)},
+            r"17 tokens, but the model embeds positions for at most 16",
+        ),
+        (
+            {"input_ids": torch.ones(2, 5, dtype=torch.long), "attention_mask": torch.ones(2, 4)},
+            r"\(attention_mask, the stack's token_mask\): expected token_mask of shape \[B, n\] = \[2, 5\]",
+        ),
+        (
+            {"input_ids": torch.ones(2, 5, dtype=torch.long), "attention_mask": torch.tensor([[1] * 5, [0] * 5])},
+            r"token_mask keeps no token of batch element 1",
+        ),
+    ],
+    ids=[
+        "no input",
+        "float ids",
+        "one dim",
+        "beyond the vocabulary",
+        "beyond the positions",
+        "mask shape",
+        "empty row",
+    ],
+)
+def test_huggingface_inputs_are_checked_before_the_model_runs(inputs, message):
+    """These raised the model's own errors (an embedding's IndexError, a dtype RuntimeError, a
+    stack of mismatched shapes) or named the stack instead of the function called."""
+    model, _ = hf_case("gpt2")  # vocab 50, 16 positions
+    with pytest.raises(ValueError, match=r"^pathkernels\.adapters\.from_huggingface.*" + message):
+        adapters.from_huggingface(model, **inputs)
+    with pytest.raises(ValueError, match=r"^pathkernels\.adapters\.stream_huggingface_attention.*" + message):
+        adapters.stream_huggingface_attention(model, print, **inputs)
+
+
 def test_huggingface_bad_input():
     with pytest.raises(ValueError, match=r"from_huggingface: expected a transformers model of type \["):
         adapters.from_huggingface(torch.nn.Linear(2, 2))

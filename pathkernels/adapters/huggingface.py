@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from pathkernels.adapters.stack import AttentionStack, fold_value_bias
+from pathkernels.masking import check_token_mask
 
 _WHERE = "pathkernels.adapters.from_huggingface"
 
@@ -151,18 +152,67 @@ def _attention_layers(model) -> list[_AttentionLayer]:
     return _family(model).layers(model, model.config)
 
 
-def _prepared_inputs(model, inputs: dict) -> dict:
-    """``inputs`` checked for an empty batch, with ``position_ids`` derived from a left-padded
-    ``attention_mask`` when the caller gave none (as ``generate`` does): each real token's position
-    is the number of real tokens before it, so a left-padded sequence sees the positions it has
-    alone. Families whose positions do not start at 0 (RoBERTa) or are not token positions (ViT)
-    are left as they are."""
+def _position_limit(model) -> int | None:
+    """The most tokens a model with learned absolute positions embeds (None: rotary, or no limit
+    known). RoBERTa's positions start after its padding index."""
+    config = model.config
+    if config.model_type == "gpt2":
+        return getattr(config, "n_positions", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    if config.model_type == "bert" or limit is None:
+        return limit
+    if config.model_type == "roberta":
+        return limit - (getattr(config, "pad_token_id", 1) or 0) - 1
+    return None
+
+
+def _check_inputs(model, inputs: dict, where: str) -> None:
+    """Refuse, in the caller's name, inputs that the model would fail on with its own errors (an
+    embedding's IndexError, a stack error) or run on to a wrong shape."""
+    if not any(isinstance(inputs.get(name), Tensor) for name in ("input_ids", "inputs_embeds", "pixel_values")):
+        raise ValueError(
+            f"{where}: expected input_ids [B, n] (or inputs_embeds [B, n, d], or pixel_values for ViT) as a "
+            f"tensor among the inputs, got {sorted(inputs) or 'none'}"
+        )
     for name in ("input_ids", "inputs_embeds", "pixel_values", "attention_mask"):
         value = inputs.get(name)
         if isinstance(value, Tensor) and value.dim() >= 2 and 0 in value.shape[:2]:
             raise ValueError(
-                f"{_WHERE}: expected at least one batch element and one token in {name}, got {list(value.shape)}"
+                f"{where}: expected at least one batch element and one token in {name}, got {list(value.shape)}"
             )
+    ids = inputs.get("input_ids")
+    if isinstance(ids, Tensor):
+        if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise ValueError(f"{where}: expected input_ids of shape [B, n] and an integer dtype, got {_described(ids)}")
+        vocab = getattr(model.config, "vocab_size", None)
+        if vocab is not None and ids.numel() > 0 and not (0 <= int(ids.min()) and int(ids.max()) < vocab):
+            raise ValueError(
+                f"{where}: expected input_ids in [0, {vocab}) (the model's vocab_size), got values from "
+                f"{int(ids.min())} to {int(ids.max())}"
+            )
+    tokens = next(
+        (inputs[k].shape[1] for k in ("input_ids", "inputs_embeds") if isinstance(inputs.get(k), Tensor)), None
+    )
+    limit = _position_limit(model)
+    if tokens is not None and limit is not None and tokens > limit:
+        raise ValueError(f"{where}: {tokens} tokens, but the model embeds positions for at most {limit}")
+    mask = inputs.get("attention_mask")
+    if isinstance(mask, Tensor) and tokens is not None:
+        batch = next(inputs[k].shape[0] for k in ("input_ids", "inputs_embeds") if isinstance(inputs.get(k), Tensor))
+        check_token_mask(mask, batch, tokens, mask.device, f"{where} (attention_mask, the stack's token_mask)")
+
+
+def _described(t: Tensor) -> str:
+    return f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+
+def _prepared_inputs(model, inputs: dict, where: str) -> dict:
+    """``inputs`` checked (:func:`_check_inputs`), with ``position_ids`` derived from a left-padded
+    ``attention_mask`` when the caller gave none (as ``generate`` does): each real token's position
+    is the number of real tokens before it, so a left-padded sequence sees the positions it has
+    alone. Families whose positions do not start at 0 (RoBERTa) or are not token positions (ViT)
+    are left as they are."""
+    _check_inputs(model, inputs, where)
     mask = inputs.get("attention_mask")
     if inputs.get("position_ids") is not None or not isinstance(mask, Tensor) or mask.dim() != 2:
         return inputs
@@ -233,7 +283,8 @@ def stream_huggingface_attention(
     Raises:
         RuntimeError: if some layer produced no attention weights. ValueError: an empty batch.
     """
-    output = _stream(model, _attention_layers(model), callback, _prepared_inputs(model, inputs))
+    where = "pathkernels.adapters.stream_huggingface_attention"
+    output = _stream(model, _attention_layers(model), callback, _prepared_inputs(model, inputs, where))
     return output if return_output else None
 
 
@@ -301,7 +352,7 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
     def keep(index: int, attn: Tensor) -> None:
         patterns[index] = attn
 
-    output = _stream(model, layers, keep, {**_prepared_inputs(model, inputs), "output_hidden_states": True})
+    output = _stream(model, layers, keep, {**_prepared_inputs(model, inputs, _WHERE), "output_hidden_states": True})
     with torch.no_grad():  # stacking copies, so the stack does not alias or track the parameters
         w_v, w_o, b_o = (torch.stack(per_layer) for per_layer in zip(*(_value_output(layer) for layer in layers)))
     hidden = getattr(output, "hidden_states", None)
