@@ -57,7 +57,10 @@ inline int64_t bin_of(double v, double log_v, const double* edge, int64_t num_ed
     return num_edges;
   }
   const double guess = std::floor((log_v - log_first) * per_decade) + 1.0;
-  int64_t index = guess < 0.0 ? 0 : guess > static_cast<double>(num_edges) ? num_edges : static_cast<int64_t>(guess);
+  // NaN-safe: a guess that is not a number (edges the op refuses) starts the scan at 0, never casts.
+  int64_t index = !(guess >= 0.0)                         ? 0
+                  : guess > static_cast<double>(num_edges) ? num_edges
+                                                           : static_cast<int64_t>(guess);
   while (index > 0 && edge[index - 1] > v) {
     --index;
   }
