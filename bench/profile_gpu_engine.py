@@ -1,8 +1,10 @@
 """Where the CUDA engine spends its time (issue 26 §3): torch.profiler over one call of each.
 
 For ``path_residuals`` on a complete tree (L = 6, H = 10, n = 64, float32) with each leaf kernel,
-and ``path_statistics`` on the same tree: the wall time, the number of kernel launches, and the
-top kernels by total GPU time (name, calls, total and mean microseconds, share of GPU time).
+and ``path_statistics`` on the same tree, each also with its chunks settled one at a time (as
+before the chunk pipeline, ``PATHKERNELS_SYNC_CHUNKS=1``): the wall time, the number of kernel
+launches, and the top kernels by total GPU time (name, calls, total and mean microseconds, share
+of GPU time).
 
     python bench/profile_gpu_engine.py [--top 12] --out bench/results/<folder>/gpu_profile.json
 """
@@ -19,14 +21,32 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import pathkernels as pk
+from pathkernels import engine
 from pathkernels.testing import random_attention
 
 LAYERS, HEADS, N = 6, 10, 64
+
+
+def synced(call):
+    """``call`` with each chunk settled before the next is queued (PATHKERNELS_SYNC_CHUNKS=1)."""
+
+    def run(a, t):
+        engine._SYNC_CHUNKS = True
+        try:
+            return call(a, t)
+        finally:
+            engine._SYNC_CHUNKS = False
+
+    return run
+
+
 CALLS = {
     "path_residuals[simt]": lambda a, t: pk.path_residuals(a, t),
+    "path_residuals[simt, synced chunks]": synced(lambda a, t: pk.path_residuals(a, t)),
     "path_residuals[tensor]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="tensor"),
     "path_residuals[gemm]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="gemm"),
     "path_statistics[simt]": lambda a, t: pk.path_statistics(a, t),
+    "path_statistics[simt, synced chunks]": synced(lambda a, t: pk.path_statistics(a, t)),
     "path_statistics[tensor]": lambda a, t: pk.path_statistics(a, t, leaf_kernel="tensor"),
 }
 

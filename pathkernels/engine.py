@@ -11,7 +11,9 @@ the tree is cut into chunks by :mod:`pathkernels.planner`, and each chunk is one
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -304,26 +306,34 @@ def check_inputs(attn, tree, x, w_v, w_o, memory_budget, where: str, *, results:
 _FLOAT32 = torch.finfo(torch.float32)
 
 
-def engine_reports(values: Tensor, dtype: torch.dtype) -> Tensor:
+def engine_reports(values: Tensor, dtype: torch.dtype, *, outside: bool | None = None) -> Tensor:
     """The engine's float64 reports as results of ``dtype``.
 
     float32: the values rounded to float32, in a float32 tensor, when float32 holds every one of
     them (0, a normal number, inf or NaN); otherwise a float64 tensor, rounded to float32 where
     float32 holds the value and exact where it lies outside float32's range, as residuals of deep
-    trees do (below 1.2e-38). float64 reports are returned as they are.
+    trees do (below 1.2e-38). float64 reports are returned as they are. ``outside``: whether some
+    value lies outside float32's range (:func:`_outside_float32`), when the caller has read it.
     """
     if dtype == torch.float64:
         return values
     rounded = values.to(dtype)
+    if outside is False:
+        return rounded
     if values.numel() > 0:
         smallest, largest = torch.aminmax(values.abs())  # one pass and one sync settle the common case
         if smallest >= _FLOAT32.tiny and largest <= _FLOAT32.max:
             return rounded
-    magnitude = values.abs()
-    outside = torch.isfinite(values) & (magnitude > 0) & ((magnitude < _FLOAT32.tiny) | (magnitude > _FLOAT32.max))
+    outside = _outside_float32(values)
     if not bool(outside.any()):
         return rounded
     return torch.where(outside, values, rounded.double())
+
+
+def _outside_float32(values: Tensor) -> Tensor:
+    """Where a float64 value is finite, not 0, and outside float32's range."""
+    magnitude = values.abs()
+    return torch.isfinite(values) & (magnitude > 0) & ((magnitude < _FLOAT32.tiny) | (magnitude > _FLOAT32.max))
 
 
 # float32 column means below this lose digits to the float32 range (the residuals carry scales,
@@ -364,17 +374,16 @@ def leaf_norms(
     leaf order (``bar``: a progress bar to update and close). ``leaf_kernel``: the op's (see
     :func:`op_leaf_kernel`). Each is in attn's dtype, or float64 when a float32 value lies outside float32's
     range (:func:`engine_reports`)."""
-    operands = engine_operands(net)
     device = net.attn.device
     residual = torch.empty(net.attn.shape[0], last - first, dtype=net.attn.dtype, device=device)
     norm = torch.empty_like(residual)
     device_copies: dict[int, tuple[Tensor, Tensor]] = {}
+    pieces = (
+        (start, stop, chunk, leaf_block, _on_device(chunk.leaf_position, device, device_copies))
+        for start, stop, chunk, leaf_block in chunks(tree, net, memory_budget, first, last)
+    )
     try:
-        for start, stop, chunk, leaf_block in chunks(tree, net, memory_budget, first, last):
-            leaf_position = _on_device(chunk.leaf_position, device, device_copies)
-            chunk_residual, chunk_norm = chunk_reports(
-                net, operands, tree, start, chunk, leaf_position, leaf_block, leaf_kernel, memory_budget
-            )
+        for start, stop, chunk_residual, chunk_norm in chunk_reports(net, tree, pieces, leaf_kernel, memory_budget):
             residual = _widened(residual, chunk_residual.dtype, "pathkernels.path_residuals")
             norm = _widened(norm, chunk_norm.dtype, "pathkernels.path_residuals")
             residual[:, start - first : stop - first] = chunk_residual
@@ -387,26 +396,84 @@ def leaf_norms(
     return residual, norm
 
 
-def chunk_reports(
-    net: Network,
-    operands: tuple,
-    tree: PathTree,
-    start: int,
-    chunk,
-    leaf_position: Tensor,
-    leaf_block: int,
-    leaf_kernel: str,
-    memory_budget: int,
-) -> tuple[Tensor, Tensor]:
-    """What one chunk of leaves ``start..`` reports, ``[B, leaves]`` in leaf order: the engine op's
-    values (:func:`chunk_norms`), those out of float32's range computed again in float64
-    (:func:`out_of_range_in_float64`), as results of attn's dtype (:func:`engine_reports`).
-    ``leaf_position``: the chunk's, on the results' device."""
-    residual, norm = chunk_norms(net, operands, chunk, leaf_block, leaf_kernel)
-    residual, norm = out_of_range_in_float64(
-        net, tree, start, residual[:, leaf_position], norm[:, leaf_position], memory_budget
+class _ChunkInFlight(NamedTuple):
+    """A chunk's float64 reports ``[B, leaves]`` (leaf order) whose range flags are on their way to
+    the host: ``flags`` (:func:`_range_flags`) is complete once ``event`` has passed (None: it is
+    already, on the CPU, or there is nothing to check, float64)."""
+
+    start: int
+    stop: int
+    residual: Tensor
+    norm: Tensor
+    flags: Tensor | None
+    event: object | None
+
+
+# PATHKERNELS_SYNC_CHUNKS=1 settles each chunk before the next one is queued (the behaviour before
+# the pipeline, kept for timing one against the other on a GPU).
+_SYNC_CHUNKS = os.environ.get("PATHKERNELS_SYNC_CHUNKS") == "1"
+
+
+def chunk_reports(net: Network, tree: PathTree, pieces, leaf_kernel: str, memory_budget: int):
+    """What each chunk of leaves reports, in order: ``(start, stop, residual, norm)``, ``[B, leaves]``
+    in leaf order, as results of attn's dtype (:func:`engine_reports`), with values out of float32's
+    range computed again in float64 (:func:`out_of_range_in_float64`).
+
+    ``pieces``: ``(start, stop, chunk, leaf_block, leaf_position)``, the chunk's leaf order on the
+    results' device. On CUDA a chunk is settled one chunk late: its range checks, which read a flag on
+    the host, wait until the next chunk's kernels are queued, so the GPU does not idle while the host
+    reads a flag and plans the next chunk."""
+    operands = engine_operands(net)
+    pending = None
+    for start, stop, chunk, leaf_block, leaf_position in pieces:
+        residual, norm = chunk_norms(net, operands, chunk, leaf_block, leaf_kernel)
+        residual, norm = residual[:, leaf_position], norm[:, leaf_position]
+        flags, event = _range_flags(net, residual, norm)
+        if pending is not None:
+            yield _settled(net, tree, pending, memory_budget)
+        pending = _ChunkInFlight(start, stop, residual, norm, flags, event)
+        if _SYNC_CHUNKS:
+            yield _settled(net, tree, pending, memory_budget)
+            pending = None
+    if pending is not None:
+        yield _settled(net, tree, pending, memory_budget)
+
+
+def _range_flags(net: Network, residual: Tensor, norm: Tensor) -> tuple[Tensor | None, object | None]:
+    """float32 networks: ``[3]`` bools, on their way to the host (with the CUDA event to wait for):
+    whether some leaf needs the float64 engine (:func:`out_of_range_in_float64`), and whether some
+    residual, or some norm, lies outside float32's range (:func:`engine_reports`)."""
+    if net.attn.dtype != torch.float32:
+        return None, None
+    flags = torch.stack(
+        [_needs_float64(residual, norm).any(), _outside_float32(residual).any(), _outside_float32(norm).any()]
     )
-    return engine_reports(residual, net.attn.dtype), engine_reports(norm, net.attn.dtype)
+    if flags.device.type != "cuda":
+        return flags, None
+    host = torch.empty(3, dtype=torch.bool, pin_memory=True)
+    host.copy_(flags, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
+def _settled(net: Network, tree: PathTree, chunk: _ChunkInFlight, memory_budget: int):
+    """``(start, stop, residual, norm)`` of a chunk in flight, its range flags read."""
+    residual, norm, dtype = chunk.residual, chunk.norm, net.attn.dtype
+    if chunk.flags is None:
+        return chunk.start, chunk.stop, engine_reports(residual, dtype), engine_reports(norm, dtype)
+    if chunk.event is not None:
+        chunk.event.synchronize()
+    needs_float64, residual_outside, norm_outside = chunk.flags.tolist()
+    if needs_float64:  # rare: the float64 engine, then every check afresh
+        residual, norm = out_of_range_in_float64(net, tree, chunk.start, residual, norm, memory_budget)
+        return chunk.start, chunk.stop, engine_reports(residual, dtype), engine_reports(norm, dtype)
+    return (
+        chunk.start,
+        chunk.stop,
+        engine_reports(residual, dtype, outside=residual_outside),
+        engine_reports(norm, dtype, outside=norm_outside),
+    )
 
 
 def out_of_range_in_float64(
@@ -423,7 +490,7 @@ def out_of_range_in_float64(
     1e308) is warned about by name."""
     if net.attn.dtype != torch.float32:
         return residual, norm
-    bad = ~(torch.isfinite(residual) & torch.isfinite(norm) & (norm >= SMALLEST_ACCURATE_FLOAT32_NORM)).all(0)
+    bad = _needs_float64(residual, norm)
     if not bool(bad.any()):
         return residual, norm
     leaves = bad.nonzero().flatten()
@@ -448,14 +515,31 @@ def out_of_range_in_float64(
     return residual, norm
 
 
+def _needs_float64(residual: Tensor, norm: Tensor) -> Tensor:
+    """``[leaves]``: the leaves of float32 reports ``[B, leaves]`` near or beyond float32's range in
+    some batch element (see :func:`out_of_range_in_float64`)."""
+    return ~(torch.isfinite(residual) & torch.isfinite(norm) & (norm >= SMALLEST_ACCURATE_FLOAT32_NORM)).all(0)
+
+
 def _on_device(t: Tensor, device: torch.device, copies: dict[int, tuple[Tensor, Tensor]]) -> Tensor:
     """``t`` on ``device``, copied once per tensor object (subtree chunks share their leaf order)."""
     if t.device == device:
         return t
     if id(t) not in copies:
         copies.clear()
-        copies[id(t)] = (t, t.to(device))  # holding t keeps its id from being reused
+        copies[id(t)] = (t, to_device(t, device))  # holding t keeps its id from being reused
     return copies[id(t)][1]
+
+
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` on ``device``. A CPU tensor bound for a GPU goes through pinned memory, without waiting
+    for the stream: a copy from pageable memory waits for every kernel queued before it."""
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _result(net: Network, tree: PathTree, residual: Tensor, norm: Tensor, products: Tensor | None) -> PathResiduals:

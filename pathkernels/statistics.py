@@ -26,7 +26,7 @@ from pathkernels import distributed
 from pathkernels._files import read_sealed, tensor_digest, write_sealed
 from pathkernels._progress import progress_bar
 from pathkernels.checks import check_masked_network, mask_group_inputs, unpack_stack
-from pathkernels.engine import check_inputs, chunk_reports, engine_operands, op_leaf_kernel
+from pathkernels.engine import check_inputs, chunk_reports, op_leaf_kernel, to_device
 from pathkernels.paths import SKIP, PathTree, check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET, chunks
 
@@ -218,7 +218,7 @@ class PathStatistics:
         """:meth:`add` in torch ops, for any device."""
         batch, count = residual.shape
         levels = self.num_layers + 1
-        paths = paths.to(residual.device)
+        paths = to_device(paths, residual.device)
         lengths = (paths != SKIP).sum(1)
         slot = (torch.arange(batch, device=residual.device).unsqueeze(1) * levels + lengths).flatten()  # [B·c]
         leaves = torch.arange(count, device=residual.device).expand(batch, count).flatten()  # within the chunk
@@ -231,24 +231,23 @@ class PathStatistics:
             self.sums[name].view(-1).index_add_(0, slot, flat)
             self.sums_of_squares[name].view(-1).index_add_(0, slot, flat * flat)
             number = ~flat.isnan()  # a zero norm gives a NaN ratio: it has no place among the extremes
+            # No boolean indexing (a host sync on CUDA, per chunk): the values left out are replaced
+            # by ones that cannot win.
+            none = torch.iinfo(torch.long).max
             for extreme, best, where, take in (
                 (self.minima, torch.minimum, self.argmin, "amin"),
                 (self.maxima, torch.maximum, self.argmax, "amax"),
             ):
-                chunk_best = torch.full(
-                    (batch * levels,),
-                    math.inf if take == "amin" else -math.inf,
-                    dtype=torch.float64,
-                    device=flat.device,
-                )
-                chunk_best.scatter_reduce_(0, slot[number], flat[number], reduce=take, include_self=True)
+                worst = math.inf if take == "amin" else -math.inf
+                chunk_best = torch.full((batch * levels,), worst, dtype=torch.float64, device=flat.device)
+                chunk_best.scatter_reduce_(0, slot, torch.where(number, flat, worst), reduce=take, include_self=True)
                 # The first leaf of the chunk that reaches the chunk's extreme of its slot.
                 hit = number & (flat == chunk_best[slot])
-                first = torch.full((batch * levels,), torch.iinfo(torch.long).max, dtype=torch.long, device=flat.device)
-                first.scatter_reduce_(0, slot[hit], leaves[hit], reduce="amin", include_self=True)
+                first = torch.full((batch * levels,), none, dtype=torch.long, device=flat.device)
+                first.scatter_reduce_(0, slot, torch.where(hit, leaves, none), reduce="amin", include_self=True)
                 current = extreme[name].view(-1)
                 better = (chunk_best < current) if take == "amin" else (chunk_best > current)
-                better &= first != torch.iinfo(torch.long).max
+                better &= first != none
                 found = paths[first.clamp(max=count - 1)]  # [B·(L+1), L]
                 kept = where[name].view(-1, self.num_layers)
                 kept.copy_(torch.where(better.unsqueeze(1), found, kept))
@@ -726,7 +725,6 @@ def _stream(
         resumed = store.load()
         if resumed is not None:
             stats, reached = resumed[0].to(net.attn.device), resumed[1]
-    operands = engine_operands(net)
     bar = progress_bar(last - first, enabled=settings.progress, desc="pathkernels statistics")
     if bar is not None and reached > first:
         bar.update(reached - first)
@@ -735,24 +733,19 @@ def _stream(
         with torch.no_grad():
             # The chunks are those of an uninterrupted run (the same boundaries, so the same float64
             # summation order); those already folded into a checkpoint are skipped.
-            for start, stop, chunk, leaf_block in chunks(tree, net, settings.memory_budget, first, last):
-                if stop <= reached:
-                    continue
+            resumed_at = reached
+            pieces = (
+                (start, stop, chunk, leaf_block, to_device(chunk.leaf_position, net.attn.device))
+                for start, stop, chunk, leaf_block in chunks(tree, net, settings.memory_budget, first, last)
+                if stop > resumed_at
+            )
+            for start, stop, residual, norm in chunk_reports(
+                net, tree, pieces, settings.leaf_kernel, settings.memory_budget
+            ):
                 if start != reached:
                     raise RuntimeError(f"{where}: the checkpoint stops at leaf {reached:,}, inside a chunk")
                 # The values path_residuals would report (float32-rounded where float32 holds them).
-                residual, norm = chunk_reports(
-                    net,
-                    operands,
-                    tree,
-                    start,
-                    chunk,
-                    chunk.leaf_position.to(net.attn.device),
-                    leaf_block,
-                    settings.leaf_kernel,
-                    settings.memory_budget,
-                )
-                lengths = tree.leaf_lengths(start, stop).to(residual.device)
+                lengths = to_device(tree.leaf_lengths(start, stop), residual.device)
                 stats.add(
                     residual,
                     norm,

@@ -324,6 +324,61 @@ def test_float32_range_across_a_tree(device, mode, leaf_kernel):
             assert stats.maxima["residual"][b, length].item() == values.max().item()
 
 
+@pytest.mark.filterwarnings("ignore:.*allows chunks of at most")
+def test_chunks_settled_late_report_what_chunks_settled_at_once_do(device, monkeypatch):
+    """The chunk pipeline (a chunk's range checks read after the next chunk is queued) changes no
+    value: float32 trees whose out-of-range leaves, rerun in float64, lie in many chunks."""
+    from pathkernels import engine
+
+    layers, heads, n, d = 11, 1, 8, 4
+    # Exact in float32 and float64 alike, so that the float64 engine sees the very same matrices.
+    attn = dyadic_attention(zero_sum_integers(2, layers, heads, n, spread=2), 2.0**-7).float().to(device)
+    x = torch.randn(2, n, d, device=device)
+    # Value maps of 1e8 from layer 3 on: the longest paths overflow float32 (the float64 rerun).
+    scales = torch.tensor([1.0] * 3 + [1e8] * 8, device=device)
+    w_v = torch.eye(d, device=device).expand(layers, heads, d, d) * scales[:, None, None, None]
+    w_o = torch.eye(d, device=device).expand(layers, heads, d, d).clone()
+    tree = pk.PathTree.complete(layers, heads, skip=True)
+    reruns = []
+    monkeypatch.setattr(engine, "out_of_range_in_float64", _counted(engine.out_of_range_in_float64, reruns))
+    for outputs in ({}, {"x": x, "w_v": w_v, "w_o": w_o}):
+        results = {}
+        for synced in (True, False):
+            monkeypatch.setattr(engine, "_SYNC_CHUNKS", synced)
+            results[synced] = (
+                pk.path_residuals(attn, tree, memory_budget=1 << 14, **outputs),
+                pk.path_statistics(attn, tree, memory_budget=1 << 14, **outputs),
+            )
+        (settled, stats_settled), (late, stats_late) = results[True], results[False]
+        if outputs:
+            assert late.residual.dtype == torch.float64  # values beyond float32's range, from the reruns
+            # Those are the float64 engine's very values, rounded to float32 where it holds them (a
+            # rerun of the wrong leaves would not be).
+            wide = {k: v.double() for k, v in outputs.items()}
+            truth = pk.path_residuals(attn.double(), tree, memory_budget=1 << 14, **wide)
+            largest = torch.finfo(torch.float32).max
+            beyond = truth.norm > largest
+            assert bool(beyond.any())
+            for got, value in ((late.norm, truth.norm), (late.residual, truth.residual)):
+                reported = torch.where(value.abs() > largest, value, value.float().double())
+                assert torch.equal(got[beyond], reported[beyond])
+        assert torch.equal(late.residual, settled.residual) and torch.equal(late.norm, settled.norm)
+        for name in ("ratio", "residual", "norm"):
+            assert torch.equal(stats_late.sums[name], stats_settled.sums[name])
+            assert torch.equal(stats_late.minima[name], stats_settled.minima[name])
+            assert torch.equal(stats_late.maxima[name], stats_settled.maxima[name])
+        assert torch.equal(stats_late.histograms["residual"], stats_settled.histograms["residual"])
+    assert len(reruns) >= 8, len(reruns)  # several chunks of the outputs' tree went to float64, both ways
+
+
+def _counted(function, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(None)
+        return function(*args, **kwargs)
+
+    return counted
+
+
 def test_float32_range_in_a_padded_batch():
     """A padded batch whose second group of masks holds residuals below float32's range: the
     first group's float32 results widen with it, and no value is rounded away."""
