@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -28,8 +29,13 @@ DEFAULT_MAX_RESULT_BYTES = 1 << 30
 _MAX_SCATTER = 20_000  # points drawn by PathDecomposition.plot
 
 
-def saved(figure, path):
-    """``figure``, first written to ``path`` (when given) at 120 dpi with a tight layout."""
+def saved(figure, path, where: str = "pathkernels.plot"):
+    """``figure``, first written to ``path`` (when given: a str or os.PathLike, its suffix the
+    format) at 120 dpi with a tight layout."""
+    if path is not None and not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"{where}: expected path to be a str or os.PathLike (a file to save to), got {type(path).__name__}"
+        )
     if path is not None:
         figure.tight_layout()
         figure.savefig(path, dpi=120)
@@ -220,7 +226,7 @@ class PathDecomposition:
         ax.set_ylabel("residual ratio ‖res‖ / ‖·‖ (ℓ1,∞)")
         ax.set_title(f"{self.method} decomposition: L = {self.num_layers}, H = {self.num_heads}")
         ax.legend()
-        return saved(fig, path)
+        return saved(fig, path, "pathkernels.PathDecomposition.plot")
 
 
 def decompose(

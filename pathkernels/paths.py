@@ -318,6 +318,14 @@ class PathTree:
 
     def leaf_paths(self, leaves: Tensor) -> Tensor:
         """Paths ``[k, L]`` of the leaves ``leaves [k]`` (int64 positions in leaf order)."""
+        if not isinstance(leaves, Tensor) or leaves.dtype not in (torch.int32, torch.int64) or leaves.dim() != 1:
+            got = f"{list(leaves.shape)} {leaves.dtype}" if isinstance(leaves, Tensor) else type(leaves).__name__
+            raise TypeError(f"pathkernels.PathTree.leaf_paths: expected leaves as a 1-D integer tensor [k], got {got}")
+        if leaves.numel() and not (0 <= int(leaves.min()) and int(leaves.max()) < self.num_leaves):
+            raise ValueError(
+                f"pathkernels.PathTree.leaf_paths: expected leaves in [0, {self.num_leaves}), got values from "
+                f"{int(leaves.min())} to {int(leaves.max())}"
+            )
         if self._paths is None:
             return self._complete_paths(leaves.cpu())
         return self._unique_paths()[0][leaves.cpu()]

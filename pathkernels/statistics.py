@@ -379,12 +379,10 @@ class PathStatistics:
     def top(self, k: int | None = None, *, length: int | None = None, batch_element: int = 0):
         """The ``k`` paths with the largest ratio (of one ``length``, or overall) for one batch
         element: a list of ``(ratio, path)``, largest first; a path is a list of L heads, -1 = skip."""
-        k = self.top_k if k is None else k
-        if not 0 <= k <= self.top_k:
-            raise ValueError(
-                f"pathkernels.PathStatistics.top: expected k in [0, {self.top_k}] (the top_k collected), got {k}"
-            )
         where = "pathkernels.PathStatistics.top"
+        k = self.top_k if k is None else check_int(k, "k", where)
+        if not 0 <= k <= self.top_k:
+            raise ValueError(f"{where}: expected k in [0, {self.top_k}] (the top_k collected), got {k}")
         batch_element = check_int(batch_element, "batch_element", where, minimum=0, maximum=self.counts.shape[0] - 1)
         values, paths = self.top_values[batch_element].cpu(), self.top_paths[batch_element].cpu()
         if length is not None:
@@ -444,7 +442,7 @@ class PathStatistics:
         ax.set_ylabel("residual ratio ‖res‖ / ‖·‖ (ℓ1,∞)")
         ax.set_title(f"All paths, streamed: L = {self.num_layers}, H = {self.num_heads}")
         ax.legend(fontsize="small")
-        return saved(fig, path)
+        return saved(fig, path, "pathkernels.PathStatistics.plot")
 
     # --- combining and storing -----------------------------------------------------------------
 

@@ -306,3 +306,23 @@ def test_svd_metrics_refuse_nan(metric):
         ValueError, match=rf"^pathkernels\.metrics\.{metric}: x has a non-finite value \(nan\) at index \[0, 0, 0\]"
     ):
         getattr(pk.metrics, metric)(torch.full((2, 3, 3), float("nan")))
+
+
+def test_result_methods_refuse_hostile_arguments_in_their_own_name():
+    """top('2') raised a raw comparison TypeError, leaf_paths(slice) an AttributeError, and
+    plot(path=3) matplotlib's AttributeError."""
+    attn = torch.softmax(torch.randn(1, 3, 2, 4, 4, dtype=torch.float64), -1)
+    tree = pk.PathTree.complete(3, 2)
+    x = torch.randn(1, 4, 3, dtype=torch.float64)
+    w = torch.randn(3, 2, 3, 3, dtype=torch.float64)
+    stats = pk.path_statistics(attn, tree, top_k=2)
+    decomposition = pk.decompose(attn, x=x, w_v=w, w_o=w)
+    with pytest.raises(TypeError, match=r"^pathkernels\.PathStatistics\.top: expected k to be an int, got str '2'"):
+        stats.top("2")
+    with pytest.raises(TypeError, match=r"^pathkernels\.PathTree\.leaf_paths: expected leaves as a 1-D integer"):
+        tree.leaf_paths(slice(0, 2))
+    with pytest.raises(ValueError, match=r"^pathkernels\.PathTree\.leaf_paths: expected leaves in \[0, 8\), got"):
+        tree.leaf_paths(torch.tensor([9]))
+    for result, name in ((stats, "PathStatistics"), (decomposition, "PathDecomposition")):
+        with pytest.raises(TypeError, match=rf"^pathkernels\.{name}\.plot: expected path to be a str or os\.PathLike"):
+            result.plot(path=3)
