@@ -29,13 +29,17 @@ DEFAULT_MAX_RESULT_BYTES = 1 << 30
 _MAX_SCATTER = 20_000  # points drawn by PathDecomposition.plot
 
 
-def saved(figure, path, where: str = "pathkernels.plot"):
-    """``figure``, first written to ``path`` (when given: a str or os.PathLike, its suffix the
-    format) at 120 dpi with a tight layout."""
+def check_save_path(path, where: str) -> None:
+    """Refuse a ``path=`` that is neither None, a str nor an os.PathLike, before any work."""
     if path is not None and not isinstance(path, (str, os.PathLike)):
         raise TypeError(
             f"{where}: expected path to be a str or os.PathLike (a file to save to), got {type(path).__name__}"
         )
+
+
+def saved(figure, path):
+    """``figure``, first written to ``path`` (when given; the suffix gives the format) at 120 dpi
+    with a tight layout."""
     if path is not None:
         figure.tight_layout()
         figure.savefig(path, dpi=120)
@@ -193,6 +197,7 @@ class PathDecomposition:
         the 10–90 % band. Exact zeros have no place on a log scale: they are left out, and the
         legend says how many. Returns the matplotlib Figure; with ``path`` it is also saved there
         (the format from the suffix: .png, .pdf, .svg, …)."""
+        check_save_path(path, "pathkernels.PathDecomposition.plot")
         _require("matplotlib")
         import matplotlib.pyplot as plt
 
@@ -226,7 +231,7 @@ class PathDecomposition:
         ax.set_ylabel("residual ratio ‖res‖ / ‖·‖ (ℓ1,∞)")
         ax.set_title(f"{self.method} decomposition: L = {self.num_layers}, H = {self.num_heads}")
         ax.legend()
-        return saved(fig, path, "pathkernels.PathDecomposition.plot")
+        return saved(fig, path)
 
 
 def decompose(

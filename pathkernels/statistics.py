@@ -422,8 +422,9 @@ class PathStatistics:
         """Ratio against length (log scale): the histogram's median and 5–95 % band, and the
         minimum and maximum. Exact zeros have no place on a log scale: they are left out, and the
         legend says how many. Returns the matplotlib Figure; with ``path`` it is also saved there."""
-        from pathkernels.decompose import _require, saved
+        from pathkernels.decompose import _require, check_save_path, saved
 
+        check_save_path(path, "pathkernels.PathStatistics.plot")
         _require("matplotlib")
         import matplotlib.pyplot as plt
 
@@ -442,7 +443,7 @@ class PathStatistics:
         ax.set_ylabel("residual ratio ‖res‖ / ‖·‖ (ℓ1,∞)")
         ax.set_title(f"All paths, streamed: L = {self.num_layers}, H = {self.num_heads}")
         ax.legend(fontsize="small")
-        return saved(fig, path, "pathkernels.PathStatistics.plot")
+        return saved(fig, path)
 
     # --- combining and storing -----------------------------------------------------------------
 
