@@ -159,3 +159,42 @@ def per_path_loop_ref(attn: Tensor, paths: Tensor) -> list[tuple[Tensor, Tensor]
                 m = attn[layer, head] @ m
         out.append((residual_norm_ref(m), composite_norm_ref(m)))
     return out
+
+
+def pre_ln_length_sums_ref(
+    attn: Tensor,
+    norm_scale: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor,
+    w_v: Tensor,
+    w_o: Tensor,
+    b_o: Tensor,
+    embedding: Tensor,
+    mlp_out: Tensor,
+) -> Tensor:
+    """Exact sums by path length of a pre-LN transformer's residual stream, norms frozen, in the
+    dtype given (docs/DESIGN.md, "Real transformers"): ``[L+1, B, n, d]``, entry k the sum of the
+    paths through k heads; their total is the stream entering the final norm.
+
+    attn ``[B, L, H, n, n]``; norm_scale ``[B, L, n]`` (``1/σ`` of each block's attention-input
+    LayerNorm), norm_weight and norm_bias ``[L, d]`` (γ, β); w_v ``[L, H, d, d_head]``, w_o
+    ``[L, H, d_head, d]``, b_o ``[L, d]`` (value biases folded in); embedding ``[B, n, d]``;
+    mlp_out ``[B, L, n, d]``. Per layer, with ``S_k`` the sum of the paths through k heads so far:
+
+        S_k ← S_k + Σ_h (A_h D) S_{k−1} (C Γ W_V,h W_O,h)        (the heads, k ≥ 1)
+        S_0 ← S_0 + 1 (Σ_h βᵀ W_V,h W_O,h + b_O)ᵀ + MLP output   (the sources entering)
+    """
+    layers = attn.shape[1]
+    sums = [embedding] + [torch.zeros_like(embedding) for _ in range(layers)]
+    for layer in range(layers):
+        token_map = attn[:, layer] * norm_scale[:, layer, None, None, :]  # A D: column j scaled by 1/σ_j
+        before = sums
+        sums = [s.clone() for s in before]
+        for k in range(1, layers + 1):
+            prev = before[k - 1]
+            centred = (prev - prev.mean(-1, keepdim=True)) * norm_weight[layer]  # x C Γ
+            values = torch.einsum("bnd,hde->bhne", centred, w_v[layer])
+            sums[k] += torch.einsum("bhij,bhje,hef->bif", token_map, values, w_o[layer])
+        constant = torch.einsum("d,hde,hef->f", norm_bias[layer], w_v[layer], w_o[layer]) + b_o[layer]
+        sums[0] += constant + mlp_out[:, layer]
+    return torch.stack(sums)

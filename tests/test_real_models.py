@@ -1,0 +1,101 @@
+"""Paths of real transformers (issue 24, in progress): a GPT-2's residual stream, norms frozen, as
+an exact sum of paths from the embedding, the layers' constants and the MLP outputs.
+
+Models are built from configs (no downloads), in float64, with every bias and every LayerNorm γ
+and β random, so that no term can hide behind a zero or a one.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from pathkernels.adapters.residual import capture_huggingface_residual
+from pathkernels.reference import pre_ln_length_sums_ref
+
+transformers = pytest.importorskip("transformers")
+
+
+def gpt2(layers: int = 3, heads: int = 4, width: int = 32):
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=layers, n_head=heads, n_embd=width, vocab_size=50, n_positions=16, initializer_range=0.3
+        )
+    ).double()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.5)
+            elif "ln_" in name and name.endswith("weight"):
+                parameter.uniform_(0.5, 1.5)
+    return model
+
+
+def length_sums(stack, capture):
+    return pre_ln_length_sums_ref(
+        stack.attn.double(),
+        capture.norm_scale,
+        capture.norm_weight,
+        capture.norm_bias,
+        stack.w_v.double(),
+        stack.w_o.double(),
+        stack.b_o.double(),
+        capture.embedding,
+        capture.mlp_out,
+    )
+
+
+def test_the_paths_of_a_gpt2_sum_to_its_residual_stream():
+    """Σ over path lengths of the exact sums equals the stream entering the final LayerNorm."""
+    model = gpt2()
+    stack, capture = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (2, 9)))
+    sums = length_sums(stack, capture)
+    assert sums.shape == (4, 2, 9, 32)
+    total = sums.sum(0)
+    error = (total - capture.residual).abs().max() / capture.residual.abs().max()
+    assert error < 1e-10, error
+    # Every length carries weight: the decomposition is not the attention-only network's.
+    assert all(float(s.abs().max()) > 1e-3 for s in sums)
+
+
+def test_the_length_sums_are_the_sums_of_the_enumerated_paths():
+    """Each path's term written literally from the design's matrices (D = diag(1/σ), C = I − 11ᵀ/d,
+    Γ = diag(γ)), summed by length, against the dynamic programming."""
+    layers, heads, width, n = 2, 2, 8, 5
+    model = gpt2(layers, heads, width)
+    stack, capture = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, n)))
+    attn, w_v, w_o, b_o = (
+        t.double()[0] if t.dim() == 5 else t.double() for t in (stack.attn, stack.w_v, stack.w_o, stack.b_o)
+    )
+    centre = torch.eye(width, dtype=torch.float64) - 1.0 / width
+    ones = torch.ones(n, 1, dtype=torch.float64)
+
+    def token_map(layer, head):
+        return attn[layer, head] @ torch.diag(capture.norm_scale[0, layer])
+
+    def feature_map(layer, head):
+        return centre @ torch.diag(capture.norm_weight[layer]) @ w_v[layer, head] @ w_o[layer, head]
+
+    # Sources: the embedding before layer 0; after layer l's attention, its constant rows and its MLP.
+    sources = [(0, capture.embedding[0])]
+    for layer in range(layers):
+        constant = sum(capture.norm_bias[layer] @ w_v[layer, h] @ w_o[layer, h] for h in range(heads)) + b_o[layer]
+        sources.append((layer + 1, ones @ constant[None] + capture.mlp_out[0, layer]))
+    expected = torch.zeros(layers + 1, n, width, dtype=torch.float64)
+    for first_layer, source in sources:
+        later = range(first_layer, layers)
+        for choice in itertools.product([None, *range(heads)], repeat=len(later)):
+            term = source
+            for layer, head in zip(later, choice):
+                if head is not None:
+                    term = token_map(layer, head) @ term @ feature_map(layer, head)
+            expected[sum(h is not None for h in choice)] += term
+    torch.testing.assert_close(length_sums(stack, capture)[:, 0], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_other_families_are_refused_by_name():
+    model = transformers.BertModel(
+        transformers.BertConfig(num_hidden_layers=1, num_attention_heads=2, hidden_size=8, intermediate_size=16)
+    )
+    with pytest.raises(ValueError, match=r"^pathkernels\.adapters\.capture_huggingface_residual: only GPT-2"):
+        capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 4)))
