@@ -6,6 +6,7 @@ Each extracted map is checked against the model's own computation: a layer's att
 
 import copy
 import os
+import warnings
 
 import pytest
 import torch
@@ -311,6 +312,7 @@ def test_transformer_lens_path_sum_is_the_residual_stream():
     _, model = attention_only()
     tokens = torch.randint(0, 20, (2, 8))
     stack = adapters.from_transformer_lens(model, tokens)
+    assert stack.attention_only is True
     assert stack.attn.shape == (2, 3, 4, 8, 8) and stack.hidden_states.shape == (4, 2, 8, 16)
     torch.testing.assert_close(stack.length_sums().sum(0), stack.hidden_states[-1])
     # The same through the engine's materialised path products.
@@ -330,6 +332,20 @@ def test_transformer_lens_with_biases_sums_to_the_residual_stream():
     torch.testing.assert_close(stack.length_sums().sum(0), stack.hidden_states[-1], rtol=1e-12, atol=1e-12)
     gap = (stack.length_sums(biases=False).sum(0) - stack.hidden_states[-1]).abs().max()
     assert gap > 0.1  # what leaving the biases out costs
+
+
+def test_length_sums_of_a_model_with_norms_and_mlps_say_what_they_describe():
+    """A GPT-2's stack.length_sums() was 3.8 away from its residual stream, silently: it is the
+    attention-only network of its attention layers, and now says so. Hand-built stacks do not warn."""
+    model, inputs = hf_case("gpt2")
+    stack = adapters.from_huggingface(model, **inputs)
+    assert stack.attention_only is False
+    with pytest.warns(UserWarning, match=r"huggingface:gpt2 has LayerNorm and MLPs, which these sums leave out"):
+        stack.length_sums()
+    by_hand = adapters.AttentionStack(stack.attn, stack.w_v, stack.w_o, stack.b_o, stack.hidden_states)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        by_hand.length_sums()
 
 
 def test_gpt2_attention_sublayers_are_their_length_sums():

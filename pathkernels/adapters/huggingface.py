@@ -372,6 +372,7 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
         source=f"huggingface:{model.config.model_type}",
         token_mask=token_mask,
         attn_precision=family.softmax_dtype,
+        attention_only=False,  # every family read has norms and MLPs
     )
 
 

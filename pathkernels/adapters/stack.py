@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -48,6 +49,11 @@ class AttentionStack:
             None when every token is real. :func:`pathkernels.path_residuals`,
             :func:`pathkernels.decompose`, :func:`pathkernels.rollout`, :meth:`length_sums` and the
             metrics evaluate each batch element on its real tokens only when given a stack.
+        attention_only: whether the model is the attention-only network these maps make (True:
+            a TransformerLens ``attn_only`` model without norms), or has LayerNorm and MLPs that
+            the stack leaves out (False: every Hugging Face model read, so that
+            :meth:`length_sums` warns that its sums are not the model's residual stream); None
+            when not known (a stack built by hand).
 
     Raises:
         ValueError: at construction, if an attention row of a real token, restricted to the real
@@ -63,6 +69,7 @@ class AttentionStack:
     source: str = ""
     token_mask: Tensor | None = None
     attn_precision: torch.dtype | None = None
+    attention_only: bool | None = None
 
     def __post_init__(self):
         where = f"pathkernels.AttentionStack from {self.source or 'the caller'}"
@@ -184,7 +191,17 @@ class AttentionStack:
         With ``biases`` (the default) each layer's output bias ``b_o`` is a path of its own, so
         that for an attention-only model ``Σ_k S_k`` is its final residual stream; ``biases=False``
         leaves them out. A padded stack is computed on each sequence's real tokens (padded rows 0).
+        A stack of a model with LayerNorm and MLPs (``attention_only=False``) warns: the sums are
+        those of the attention-only network its attention layers make, not the model's stream.
         """
+        if self.attention_only is False:
+            warnings.warn(
+                f"pathkernels.AttentionStack.length_sums: {self.source or 'this model'} has LayerNorm and MLPs, "
+                "which these sums leave out: they describe the attention-only network of its attention layers "
+                "(patterns and value-output maps as captured), not the model's residual stream",
+                UserWarning,
+                stacklevel=2,
+            )
         return length_sums(
             self.attn,
             self.residual_stream(0) if x is None else x,

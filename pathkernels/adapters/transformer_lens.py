@@ -51,6 +51,15 @@ def _bias(model, name: str) -> torch.Tensor | None:
     return None if bias is None else bias.detach()
 
 
+def _attention_only(model) -> bool | None:
+    """Whether the model is the attention-only network its maps make: ``attn_only`` and no norm
+    (None when its config says neither, as an ActivationCache's may not)."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or not hasattr(cfg, "attn_only"):
+        return None
+    return bool(cfg.attn_only) and getattr(cfg, "normalization_type", None) is None
+
+
 def _softmax_precision(model) -> torch.dtype | None:
     """For a bridge over a Hugging Face model, the dtype its family computes the patterns in (see
     :func:`from_huggingface`); None otherwise."""
@@ -149,4 +158,5 @@ def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -
         source=f"transformer_lens:{type(model).__name__}",
         token_mask=attention_mask,
         attn_precision=_softmax_precision(model),
+        attention_only=_attention_only(model),
     )
