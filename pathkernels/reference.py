@@ -198,3 +198,47 @@ def pre_ln_length_sums_ref(
         constant = torch.einsum("d,hde,hef->f", norm_bias[layer], w_v[layer], w_o[layer]) + b_o[layer]
         sums[0] += constant + mlp_out[:, layer]
     return torch.stack(sums)
+
+
+def post_ln_length_sums_ref(
+    attn: Tensor,
+    norm_scale: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor,
+    w_v: Tensor,
+    w_o: Tensor,
+    b_o: Tensor,
+    embedding: Tensor,
+    mlp_out: Tensor,
+) -> Tensor:
+    """Exact sums by path length of a post-LN transformer's (BERT's) stream, norms frozen:
+    ``[L+1, B, n, d]``, entry k the paths through k heads, their total the last hidden state.
+
+    As :func:`pre_ln_length_sums_ref`, with two norms per layer: norm_scale ``[B, L, 2, n]``,
+    norm_weight and norm_bias ``[L, 2, d]`` (after the attention sum, after the MLP sum). A block
+    computes ``LN₁(x + Σ_h A_h x W_h + 1 b_Oᵀ)``, then ``LN₂(z + m)``; frozen, each LayerNorm is
+    ``y ↦ D y C Γ + 1 βᵀ``, applied to every branch (the skip included) and source:
+
+        S_k ← D₁ (S_k + Σ_h A_h S_{k−1} W_h) C Γ₁ + [k = 0] (D₁ 1 b_Oᵀ C Γ₁ + 1 β₁ᵀ)
+        S_k ← D₂ S_k C Γ₂ + [k = 0] (D₂ m C Γ₂ + 1 β₂ᵀ)
+    """
+    layers = attn.shape[1]
+
+    def frozen(t: Tensor, layer: int, which: int) -> Tensor:  # D t C Γ, without β
+        scale = norm_scale[:, layer, which, :, None]
+        return scale * (t - t.mean(-1, keepdim=True)) * norm_weight[layer, which]
+
+    sums = [embedding] + [torch.zeros_like(embedding) for _ in range(layers)]
+    for layer in range(layers):
+        before = sums
+        sums = []
+        for k in range(layers + 1):
+            inner = before[k]
+            if k >= 1:
+                values = torch.einsum("bnd,hde->bhne", before[k - 1], w_v[layer])
+                inner = inner + torch.einsum("bhij,bhje,hef->bif", attn[:, layer], values, w_o[layer])
+            sums.append(frozen(inner, layer, 0))
+        sums[0] = sums[0] + frozen(b_o[layer].expand_as(embedding), layer, 0) + norm_bias[layer, 0]
+        sums = [frozen(s, layer, 1) for s in sums]
+        sums[0] = sums[0] + frozen(mlp_out[:, layer], layer, 1) + norm_bias[layer, 1]
+    return torch.stack(sums)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pathkernels.adapters.residual import capture_huggingface_residual
-from pathkernels.reference import pre_ln_length_sums_ref
+from pathkernels.reference import post_ln_length_sums_ref, pre_ln_length_sums_ref
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,11 +32,23 @@ def gpt2(layers: int = 3, heads: int = 4, width: int = 32):
 
 
 def length_sums(stack, capture):
+    if capture.layout == "post":
+        return post_ln_length_sums_ref(
+            stack.attn.double(),
+            capture.norm_scale,
+            capture.norm_weight,
+            capture.norm_bias,
+            stack.w_v.double(),
+            stack.w_o.double(),
+            stack.b_o.double(),
+            capture.embedding,
+            capture.mlp_out,
+        )
     return pre_ln_length_sums_ref(
         stack.attn.double(),
-        capture.norm_scale,
-        capture.norm_weight,
-        capture.norm_bias,
+        capture.norm_scale[:, :, 0],  # the norm before attention; the MLP's output is a source
+        capture.norm_weight[:, 0],
+        capture.norm_bias[:, 0],
         stack.w_v.double(),
         stack.w_o.double(),
         stack.b_o.double(),
@@ -71,15 +83,15 @@ def test_the_length_sums_are_the_sums_of_the_enumerated_paths():
     ones = torch.ones(n, 1, dtype=torch.float64)
 
     def token_map(layer, head):
-        return attn[layer, head] @ torch.diag(capture.norm_scale[0, layer])
+        return attn[layer, head] @ torch.diag(capture.norm_scale[0, layer, 0])
 
     def feature_map(layer, head):
-        return centre @ torch.diag(capture.norm_weight[layer]) @ w_v[layer, head] @ w_o[layer, head]
+        return centre @ torch.diag(capture.norm_weight[layer, 0]) @ w_v[layer, head] @ w_o[layer, head]
 
     # Sources: the embedding before layer 0; after layer l's attention, its constant rows and its MLP.
     sources = [(0, capture.embedding[0])]
     for layer in range(layers):
-        constant = sum(capture.norm_bias[layer] @ w_v[layer, h] @ w_o[layer, h] for h in range(heads)) + b_o[layer]
+        constant = sum(capture.norm_bias[layer, 0] @ w_v[layer, h] @ w_o[layer, h] for h in range(heads)) + b_o[layer]
         sources.append((layer + 1, ones @ constant[None] + capture.mlp_out[0, layer]))
     expected = torch.zeros(layers + 1, n, width, dtype=torch.float64)
     for first_layer, source in sources:
@@ -93,9 +105,81 @@ def test_the_length_sums_are_the_sums_of_the_enumerated_paths():
     torch.testing.assert_close(length_sums(stack, capture)[:, 0], expected, rtol=1e-12, atol=1e-12)
 
 
-def test_other_families_are_refused_by_name():
+def bert(layers: int = 3, heads: int = 4, width: int = 32):
     model = transformers.BertModel(
-        transformers.BertConfig(num_hidden_layers=1, num_attention_heads=2, hidden_size=8, intermediate_size=16)
+        transformers.BertConfig(
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            hidden_size=width,
+            intermediate_size=2 * width,
+            vocab_size=50,
+            max_position_embeddings=16,
+            initializer_range=0.3,
+        )
+    ).double()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.5)
+            elif "LayerNorm" in name and name.endswith("weight"):
+                parameter.uniform_(0.5, 1.5)
+    return model
+
+
+def test_the_paths_of_a_bert_sum_to_its_last_hidden_state():
+    """Post-LN: every branch, the skip included, passes the frozen norm after it; Σ over path
+    lengths equals the last hidden state."""
+    stack, capture = capture_huggingface_residual(bert(), input_ids=torch.randint(0, 50, (2, 9)))
+    assert capture.layout == "post" and capture.final_scale is None
+    sums = length_sums(stack, capture)
+    error = (sums.sum(0) - capture.residual).abs().max() / capture.residual.abs().max()
+    assert error < 1e-10, error
+    assert all(float(s.abs().max()) > 1e-3 for s in sums)
+
+
+def test_the_bert_length_sums_are_the_sums_of_the_enumerated_paths():
+    """Each post-LN path literally: a source, then at every sublayer after it the skip (D · C Γ)
+    or a head (D A_h · W_h C Γ), with the norms' D = diag(1/σ), C = I − 11ᵀ/d and Γ = diag(γ)."""
+    layers, heads, width, n = 2, 2, 8, 5
+    stack, capture = capture_huggingface_residual(bert(layers, heads, width), input_ids=torch.randint(0, 50, (1, n)))
+    attn, w_v, w_o, b_o = (
+        t.double()[0] if t.dim() == 5 else t.double() for t in (stack.attn, stack.w_v, stack.w_o, stack.b_o)
     )
-    with pytest.raises(ValueError, match=r"^pathkernels\.adapters\.capture_huggingface_residual: only GPT-2"):
+    centre = torch.eye(width, dtype=torch.float64) - 1.0 / width
+    ones = torch.ones(n, 1, dtype=torch.float64)
+
+    def norm(layer, which):  # (D, C Γ) of a frozen LayerNorm
+        return torch.diag(capture.norm_scale[0, layer, which]), centre @ torch.diag(capture.norm_weight[layer, which])
+
+    # Sublayers in order: (layer, 0) attention, (layer, 1) MLP. Sources enter after a sublayer.
+    sublayers = [(layer, which) for layer in range(layers) for which in (0, 1)]
+    sources = [(0, capture.embedding[0])]
+    for index, (layer, which) in enumerate(sublayers):
+        d, cg = norm(layer, which)
+        inner = ones @ b_o[layer][None] if which == 0 else capture.mlp_out[0, layer]
+        sources.append((index + 1, d @ inner @ cg + ones @ capture.norm_bias[layer, which][None]))
+    expected = torch.zeros(layers + 1, n, width, dtype=torch.float64)
+    for first, source in sources:
+        later = sublayers[first:]
+        choices = [[None] if which == 1 else [None, *range(heads)] for _, which in later]
+        for choice in itertools.product(*choices):
+            term = source
+            for (layer, which), head in zip(later, choice):
+                d, cg = norm(layer, which)
+                term = (
+                    d @ term @ cg
+                    if head is None
+                    else d @ attn[layer, head] @ term @ w_v[layer, head] @ w_o[layer, head] @ cg
+                )
+            expected[sum(h is not None for h in choice)] += term
+    torch.testing.assert_close(length_sums(stack, capture)[:, 0], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_other_families_are_refused_by_name():
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            num_hidden_layers=1, num_attention_heads=2, hidden_size=8, intermediate_size=16, vocab_size=50
+        )
+    )
+    with pytest.raises(ValueError, match=r"^pathkernels\.adapters\.capture_huggingface_residual: only GPT-2 and BERT"):
         capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 4)))

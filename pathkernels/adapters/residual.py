@@ -3,9 +3,10 @@
 With every normalisation scale frozen at its value in one forward pass, a pre-LN transformer's
 residual stream is an exact sum of paths: a source (the embedding, a layer's constant, an MLP's
 output) followed by a chain of heads, each a token map ``A D`` and a feature map ``C Γ W_V W_O``
-(docs/DESIGN.md, "Real transformers"). :func:`capture_huggingface_residual` reads, from the very
-forward pass that gives the attention stack, what those terms need that the stack does not hold.
-So far: GPT-2 (pre-LN, LayerNorm); other families are refused by name.
+(docs/DESIGN.md, "Real transformers"); so is a post-LN one's, each branch scaled by the norm
+after it. :func:`capture_huggingface_residual` reads, from the very forward pass that gives the
+attention stack, what those terms need that the stack does not hold. So far: GPT-2 (pre-LN) and
+BERT (post-LN), both with LayerNorm; other families are refused by name.
 """
 
 from __future__ import annotations
@@ -23,24 +24,29 @@ _WHERE = "pathkernels.adapters.capture_huggingface_residual"
 
 @dataclass
 class ResidualStreamCapture:
-    """One forward pass of a pre-LN transformer, in float64, its norms frozen.
+    """One forward pass of a transformer, in float64, its norms frozen.
 
-    ``embedding`` ``[B, n, d]``: the stream entering block 0 (token and position embeddings).
-    ``norm_scale`` ``[B, L, n]``: ``1/σ_t`` of each block's attention-input norm, per token.
-    ``norm_weight``, ``norm_bias`` ``[L, d]``: its γ and β. ``mlp_out`` ``[B, L, n, d]``: each MLP's
-    output as computed. ``residual`` ``[B, n, d]``: the stream entering the final norm, whose
-    ``final_scale`` ``[B, n]``, ``final_weight`` and ``final_bias`` ``[d]`` are kept for readouts.
+    ``layout``: ``"pre"`` (GPT-2: each sublayer reads a normalised copy of the stream, which it adds
+    to) or ``"post"`` (BERT: the stream itself is normalised after each sublayer's sum).
+    ``embedding`` ``[B, n, d]``: the stream entering block 0. ``norm_scale`` ``[B, L, 2, n]``: ``1/σ_t``
+    of each block's two LayerNorms, per token (pre: before attention, before the MLP; post: after
+    each), with their γ and β in ``norm_weight``, ``norm_bias`` ``[L, 2, d]``. ``mlp_out``
+    ``[B, L, n, d]``: each MLP's output as computed (post: before its residual sum). ``residual``
+    ``[B, n, d]``: the stream the blocks leave (pre: entering the final norm, whose
+    ``final_scale`` ``[B, n]``, ``final_weight`` and ``final_bias`` ``[d]`` are kept for readouts;
+    post: the last hidden state, and no final norm).
     """
 
+    layout: str
     embedding: Tensor
     norm_scale: Tensor
     norm_weight: Tensor
     norm_bias: Tensor
     mlp_out: Tensor
     residual: Tensor
-    final_scale: Tensor
-    final_weight: Tensor
-    final_bias: Tensor
+    final_scale: Tensor | None = None
+    final_weight: Tensor | None = None
+    final_bias: Tensor | None = None
 
 
 def _inverse_scale(x: Tensor, norm: nn.LayerNorm) -> Tensor:
@@ -50,21 +56,37 @@ def _inverse_scale(x: Tensor, norm: nn.LayerNorm) -> Tensor:
     return torch.rsqrt(x.var(-1, unbiased=False) + norm.eps)
 
 
+# Per family: (layout, the blocks' list, each block's two LayerNorms, its MLP's output module).
+_LAYOUTS = {
+    "gpt2": ("pre", "h", lambda b: (b.ln_1, b.ln_2), lambda b: b.mlp),
+    "bert": (
+        "post",
+        "encoder.layer",
+        lambda b: (b.attention.output.LayerNorm, b.output.LayerNorm),
+        lambda b: b.output.dense,
+    ),
+}
+
+
 def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionStack, ResidualStreamCapture]:
     """The attention stack of :func:`from_huggingface` and, from the same forward pass, what the
     real model's residual stream needs beyond it (:class:`ResidualStreamCapture`), in float64.
 
-    Only GPT-2 so far (pre-LN with LayerNorm). A block computes
-    ``x + Attn(LN₁(x))`` then ``+ MLP(LN₂(·))``; frozen, ``LN₁(x) = D x C Γ + 1 βᵀ`` with
-    ``D = diag(norm_scale)``, so the attention sublayer is a sum of heads ``(A D) x (C Γ W_V W_O)``
-    plus constant rows, and the MLP's output enters as a source.
+    GPT-2 (pre-LN): a block computes ``x + Attn(LN₁(x))`` then ``+ MLP(LN₂(·))``; frozen,
+    ``LN₁(x) = D x C Γ + 1 βᵀ`` with ``D = diag(1/σ)``, so the attention sublayer is a sum of heads
+    ``(A D) x (C Γ W_V W_O)`` plus constant rows, and the MLP's output enters as a source.
+    BERT (post-LN): ``LN₁(x + Attn(x))`` then ``LN₂(· + MLP(·))``; every branch, the skip included,
+    is then scaled by ``D`` on the left and ``C Γ`` on the right (docs/DESIGN.md, "Real transformers").
+    Other families are refused by name.
     """
-    if getattr(getattr(model, "config", None), "model_type", None) != "gpt2":
-        kind = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-        raise ValueError(f"{_WHERE}: only GPT-2 models are captured so far, got {kind!r}")
-    blocks = _blocks(model, "h")
-    final_norm = model.base_model.ln_f
-    seen: dict[str, list] = {"norm_in": [None] * len(blocks), "mlp_out": [None] * len(blocks), "final_in": [None]}
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in _LAYOUTS:
+        kind = model_type or type(model).__name__
+        raise ValueError(f"{_WHERE}: only GPT-2 and BERT models are captured so far, got {kind!r}")
+    layout, blocks_path, norms_of, mlp_of = _LAYOUTS[model_type]
+    blocks = _blocks(model, blocks_path)
+    count = len(blocks)
+    seen: dict[str, list] = {"norm_in": [None] * (2 * count), "mlp_out": [None] * count, "final_in": [None]}
 
     def keep(name: str, index: int, output: bool):
         def hook(module, args, result=None):
@@ -74,24 +96,32 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
 
     handles = []
     for i, block in enumerate(blocks):
-        handles.append(block.ln_1.register_forward_pre_hook(keep("norm_in", i, output=False)))
-        handles.append(block.mlp.register_forward_hook(keep("mlp_out", i, output=True)))
-    handles.append(final_norm.register_forward_pre_hook(keep("final_in", 0, output=False)))
+        for j, norm in enumerate(norms_of(block)):
+            handles.append(norm.register_forward_pre_hook(keep("norm_in", 2 * i + j, output=False)))
+        handles.append(mlp_of(block).register_forward_hook(keep("mlp_out", i, output=True)))
+    final_norm = model.base_model.ln_f if layout == "pre" else None
+    if final_norm is not None:
+        handles.append(final_norm.register_forward_pre_hook(keep("final_in", 0, output=False)))
     try:
         stack = from_huggingface(model, **inputs)
     finally:
         for handle in handles:
             handle.remove()
+    norms = [norm for block in blocks for norm in norms_of(block)]
     with torch.no_grad():
+        batch, tokens = stack.attn.shape[0], stack.attn.shape[-1]
+        scales = torch.stack([_inverse_scale(x, norm) for x, norm in zip(seen["norm_in"], norms)], dim=1)
         capture = ResidualStreamCapture(
-            embedding=seen["norm_in"][0].double(),
-            norm_scale=torch.stack([_inverse_scale(x, b.ln_1) for x, b in zip(seen["norm_in"], blocks)], dim=1),
-            norm_weight=torch.stack([b.ln_1.weight.detach().double() for b in blocks]),
-            norm_bias=torch.stack([b.ln_1.bias.detach().double() for b in blocks]),
+            layout=layout,
+            embedding=stack.hidden_states[0].double(),
+            norm_scale=scales.reshape(batch, count, 2, tokens),
+            norm_weight=torch.stack([n.weight.detach().double() for n in norms]).reshape(count, 2, -1),
+            norm_bias=torch.stack([n.bias.detach().double() for n in norms]).reshape(count, 2, -1),
             mlp_out=torch.stack([m.double() for m in seen["mlp_out"]], dim=1),
-            residual=seen["final_in"][0].double(),
-            final_scale=_inverse_scale(seen["final_in"][0], final_norm),
-            final_weight=final_norm.weight.detach().double(),
-            final_bias=final_norm.bias.detach().double(),
+            residual=(seen["final_in"][0] if final_norm is not None else stack.hidden_states[-1]).double(),
         )
+        if final_norm is not None:
+            capture.final_scale = _inverse_scale(seen["final_in"][0], final_norm)
+            capture.final_weight = final_norm.weight.detach().double()
+            capture.final_bias = final_norm.bias.detach().double()
     return stack, capture
