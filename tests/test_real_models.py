@@ -16,19 +16,26 @@ from pathkernels.reference import post_ln_length_sums_ref, pre_ln_length_sums_re
 transformers = pytest.importorskip("transformers")
 
 
+def randomised(model, norm_marker: str):
+    """``model`` in float64 with every bias drawn from N(0, 0.5²) and every norm's γ from U(0.5, 1.5)
+    (norms: parameters whose name holds ``norm_marker``)."""
+    model = model.double()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.5)
+            elif norm_marker in name and name.endswith("weight"):
+                parameter.uniform_(0.5, 1.5)
+    return model
+
+
 def gpt2(layers: int = 3, heads: int = 4, width: int = 32):
     model = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(
             n_layer=layers, n_head=heads, n_embd=width, vocab_size=50, n_positions=16, initializer_range=0.3
         )
-    ).double()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
-                parameter.normal_(0, 0.5)
-            elif "ln_" in name and name.endswith("weight"):
-                parameter.uniform_(0.5, 1.5)
-    return model
+    )
+    return randomised(model, norm_marker="ln_")
 
 
 def length_sums(stack, capture):
@@ -116,14 +123,8 @@ def bert(layers: int = 3, heads: int = 4, width: int = 32):
             max_position_embeddings=16,
             initializer_range=0.3,
         )
-    ).double()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias"):
-                parameter.normal_(0, 0.5)
-            elif "LayerNorm" in name and name.endswith("weight"):
-                parameter.uniform_(0.5, 1.5)
-    return model
+    )
+    return randomised(model, norm_marker="LayerNorm")
 
 
 def test_the_paths_of_a_bert_sum_to_its_last_hidden_state():
