@@ -68,6 +68,7 @@ def checkpoint_case(layers: int, kernel: str) -> dict:
         child = [sys.executable, __file__, "--child", folder, "--layers", str(layers), "--kernel", kernel]
         process = subprocess.Popen(child)
         time.sleep(max(8.0, 0.5 * full_seconds + 6.0))  # start-up, then about half the stream
+        row["child_done_before_kill"] = process.poll() is not None  # then the resume resumed nothing
         process.kill()
         process.wait()
         row["files_at_kill"] = sorted(p.name for p in Path(folder).rglob("*") if p.is_file())
