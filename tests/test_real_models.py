@@ -6,6 +6,7 @@ and β random, so that no term can hide behind a zero or a one.
 """
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -184,3 +185,40 @@ def test_other_families_are_refused_by_name():
     )
     with pytest.raises(ValueError, match=r"^pathkernels\.adapters\.capture_huggingface_residual: only GPT-2 and BERT"):
         capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 4)))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_a_captured_stack_sums_the_model_by_path_length(family):
+    """stack.length_sums() of a captured stack is the model's own decomposition, with no warning;
+    arguments that belong to the attention-only network are refused."""
+    model = gpt2() if family == "gpt2" else bert()
+    stack, capture = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (2, 9)))
+    assert stack.residual_capture is capture
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sums = stack.length_sums()
+    assert torch.equal(sums, length_sums(stack, capture))
+    assert (sums.sum(0) - capture.residual).abs().max() < 1e-10 * capture.residual.abs().max()
+    with pytest.raises(ValueError, match=r"^pathkernels\.AttentionStack\.length_sums: this stack holds the model"):
+        stack.length_sums(biases=False)
+    moved = stack.to(torch.float32)
+    assert moved.residual_capture.embedding.dtype == torch.float64
+    torch.testing.assert_close(moved.length_sums(), sums, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("padding_side", ["left", "right"])
+def test_a_padded_batch_is_decomposed_on_its_real_tokens(padding_side):
+    """Each sequence's real rows sum to its stream; padded rows are 0."""
+    model = gpt2()
+    ids = torch.randint(0, 50, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    if padding_side == "right":
+        mask[1, 6:] = 0
+    else:
+        mask[1, :3] = 0
+    stack, capture = capture_huggingface_residual(model, input_ids=ids, attention_mask=mask)
+    total = stack.length_sums().sum(0)
+    real = mask.bool()
+    assert bool((total[~real] == 0).all())
+    error = (total[real] - capture.residual[real]).abs().max() / capture.residual.abs().max()
+    assert error < 1e-10, error

@@ -2,6 +2,8 @@
 
 - :func:`from_huggingface` / :func:`stream_huggingface_attention`: transformers models (GPT-2,
   BERT/RoBERTa, ViT, Llama-style with grouped-query attention);
+- :func:`capture_huggingface_residual`: the same stack with what the model's residual stream
+  needs beyond it (GPT-2 and BERT so far), for its exact decomposition by path length;
 - :func:`load_local_model` / :func:`local_model_inputs`: a model directory (or config) on disk and
   inputs for it (its tokenizer's, or random ids or pixels);
 - :func:`from_transformer_lens`: a ``HookedTransformer`` (or ``TransformerBridge``) with tokens,
@@ -17,12 +19,15 @@ from pathkernels.adapters.huggingface import (
     local_model_inputs,
     stream_huggingface_attention,
 )
+from pathkernels.adapters.residual import ResidualStreamCapture, capture_huggingface_residual
 from pathkernels.adapters.stack import AttentionStack
 from pathkernels.adapters.transformer_lens import from_transformer_lens
 
 __all__ = [
     "AttentionStack",
     "LocalModel",
+    "ResidualStreamCapture",
+    "capture_huggingface_residual",
     "from_huggingface",
     "from_transformer_lens",
     "load_local_model",

@@ -48,6 +48,10 @@ class ResidualStreamCapture:
     final_weight: Tensor | None = None
     final_bias: Tensor | None = None
 
+    def on(self, device) -> ResidualStreamCapture:
+        """A copy on ``device`` (float64 throughout, whatever the stack's dtype)."""
+        return ResidualStreamCapture(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()})
+
 
 def _inverse_scale(x: Tensor, norm: nn.LayerNorm) -> Tensor:
     """``1/σ_t`` ``[B, n]`` of LayerNorm ``norm`` on its input ``x`` ``[B, n, d]``, in float64:
@@ -124,4 +128,5 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
             capture.final_scale = _inverse_scale(seen["final_in"][0], final_norm)
             capture.final_weight = final_norm.weight.detach().double()
             capture.final_bias = final_norm.bias.detach().double()
+    stack.residual_capture = capture
     return stack, capture

@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -20,6 +21,10 @@ from pathkernels.checks import (
 from pathkernels.engine import PathResiduals, path_residuals
 from pathkernels.length_sums import length_sums
 from pathkernels.paths import SKIP, PathTree
+from pathkernels.reference import post_ln_length_sums_ref, pre_ln_length_sums_ref
+
+if TYPE_CHECKING:
+    from pathkernels.adapters.residual import ResidualStreamCapture
 
 
 @dataclass
@@ -54,6 +59,9 @@ class AttentionStack:
             the stack leaves out (False: every Hugging Face model read, so that
             :meth:`length_sums` warns that its sums are not the model's residual stream); None
             when not known (a stack built by hand).
+        residual_capture: what the model's residual stream needs beyond the attention (frozen
+            norm scales, γ, β, MLP outputs: :func:`pathkernels.adapters.capture_huggingface_residual`),
+            or None. With it, :meth:`length_sums` sums the model's own stream by path length.
 
     Raises:
         ValueError: at construction, if an attention row of a real token, restricted to the real
@@ -70,6 +78,7 @@ class AttentionStack:
     token_mask: Tensor | None = None
     attn_precision: torch.dtype | None = None
     attention_only: bool | None = None
+    residual_capture: ResidualStreamCapture | None = None
 
     def __post_init__(self):
         where = f"pathkernels.AttentionStack from {self.source or 'the caller'}"
@@ -193,7 +202,15 @@ class AttentionStack:
         leaves them out. A padded stack is computed on each sequence's real tokens (padded rows 0).
         A stack of a model with LayerNorm and MLPs (``attention_only=False``) warns: the sums are
         those of the attention-only network its attention layers make, not the model's stream.
+
+        With a :attr:`residual_capture`, the sums are instead the model's own, in float64: every
+        path from a source (the embedding, a layer's constant rows, an MLP's output) through its
+        heads, the norms frozen (docs/DESIGN.md, "Real transformers"), so that ``Σ_k S_k`` is the
+        stream the blocks leave (before a final norm); padded rows are 0. ``x``, ``skip=False``
+        and ``biases=False`` do not apply there.
         """
+        if self.residual_capture is not None:
+            return self._model_length_sums(x, skip, biases)
         if self.attention_only is False:
             warnings.warn(
                 f"pathkernels.AttentionStack.length_sums: {self.source or 'this model'} has LayerNorm and MLPs, "
@@ -211,6 +228,28 @@ class AttentionStack:
             skip=skip,
             token_mask=self.token_mask,
         )
+
+    def _model_length_sums(self, x, skip: bool, biases: bool) -> Tensor:
+        """:meth:`length_sums` of the captured model (the float64 references compute it until the
+        C++ engine takes it over, issue 24)."""
+        if x is not None or not skip or not biases:
+            raise ValueError(
+                "pathkernels.AttentionStack.length_sums: this stack holds the model's captured residual stream, "
+                "whose sources are its own embedding, constants and MLP outputs: x, skip=False and biases=False "
+                "do not apply"
+            )
+        capture = self.residual_capture
+        maps = (self.attn.double(), self.w_v.double(), self.w_o.double(), self.b_o.double())
+        attn, w_v, w_o, b_o = (t.to(capture.embedding.device) for t in maps)
+        if capture.layout == "post":
+            norms = (capture.norm_scale, capture.norm_weight, capture.norm_bias)
+            sums = post_ln_length_sums_ref(attn, *norms, w_v, w_o, b_o, capture.embedding, capture.mlp_out)
+        else:  # pre-LN: the norm before the attention; the MLP's output is a source
+            norms = (capture.norm_scale[:, :, 0], capture.norm_weight[:, 0], capture.norm_bias[:, 0])
+            sums = pre_ln_length_sums_ref(attn, *norms, w_v, w_o, b_o, capture.embedding, capture.mlp_out)
+        if self.token_mask is not None:
+            sums = sums * self.token_mask.to(sums.device)[None, :, :, None]
+        return sums
 
     def to(self, *args, **kwargs) -> AttentionStack:
         """A copy with every tensor moved or cast like ``Tensor.to``.
@@ -232,6 +271,7 @@ class AttentionStack:
             hidden_states=hidden,
             token_mask=mask,
             attn_precision=self.attn_precision or self.attn.dtype,  # kept only where coarser than the new dtype
+            residual_capture=None if self.residual_capture is None else self.residual_capture.on(attn.device),
         )
 
 
