@@ -100,15 +100,12 @@ void statistics_update(const at::Tensor& residual, const at::Tensor& norm, const
   check_accumulator(argmin, at::kLong, {kMeasures, batch, levels}, "argmin");
   check_accumulator(argmax, at::kLong, {kMeasures, batch, levels}, "argmax");
   check_accumulator(histograms, at::kLong, {kHistograms, batch, levels, bins}, "histograms");
-  {
-    // The bins are found from log10 of the edges, and by comparisons that assume them ordered.
-    constexpr const char* op = "pathkernels._statistics_update";
-    const double* e = edges.const_data_ptr<double>();
-    for (int64_t i = 0; i < bins - 1; ++i) {
-      TORCH_CHECK_VALUE(std::isfinite(e[i]) && e[i] > 0.0 && (i == 0 || e[i] > e[i - 1]), op,
-                        ": expected edges to be positive, finite and strictly ascending; edge ", i, " is ", e[i],
-                        i > 0 ? c10::str(" after ", e[i - 1]) : std::string());
-    }
+  // The bins are found from log10 of the edges, and by comparisons that assume them ordered.
+  const double* e = edges.const_data_ptr<double>();
+  for (int64_t i = 0; i < bins - 1; ++i) {
+    TORCH_CHECK_VALUE(std::isfinite(e[i]) && e[i] > 0.0 && (i == 0 || e[i] > e[i - 1]), op,
+                      ": expected edges to be positive, finite and strictly ascending; edge ", i, " is ", e[i],
+                      i > 0 ? c10::str(" after ", e[i - 1]) : std::string());
   }
   const int64_t* length = lengths.const_data_ptr<int64_t>();
   for (int64_t k = 0; k < count; ++k) {
