@@ -320,14 +320,14 @@ def engine_reports(values: Tensor, dtype: torch.dtype, *, outside: bool | None =
     rounded = values.to(dtype)
     if outside is False:
         return rounded
-    if values.numel() > 0:
+    if outside is None and values.numel() > 0:
         smallest, largest = torch.aminmax(values.abs())  # one pass and one sync settle the common case
         if smallest >= _FLOAT32.tiny and largest <= _FLOAT32.max:
             return rounded
-    outside = _outside_float32(values)
-    if not bool(outside.any()):
+    outside_at = _outside_float32(values)
+    if not bool(outside_at.any()):
         return rounded
-    return torch.where(outside, values, rounded.double())
+    return torch.where(outside_at, values, rounded.double())
 
 
 def _outside_float32(values: Tensor) -> Tensor:

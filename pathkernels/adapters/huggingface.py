@@ -190,15 +190,15 @@ def _check_inputs(model, inputs: dict, where: str) -> None:
                 f"{where}: expected input_ids in [0, {vocab}) (the model's vocab_size), got values from "
                 f"{int(ids.min())} to {int(ids.max())}"
             )
-    tokens = next(
-        (inputs[k].shape[1] for k in ("input_ids", "inputs_embeds") if isinstance(inputs.get(k), Tensor)), None
-    )
+    sequence = next((inputs[k] for k in ("input_ids", "inputs_embeds") if isinstance(inputs.get(k), Tensor)), None)
+    if sequence is None:  # pixel_values: the patches are the tokens
+        return
+    batch, tokens = sequence.shape[:2]
     limit = _position_limit(model)
-    if tokens is not None and limit is not None and tokens > limit:
+    if limit is not None and tokens > limit:
         raise ValueError(f"{where}: {tokens} tokens, but the model embeds positions for at most {limit}")
     mask = inputs.get("attention_mask")
-    if isinstance(mask, Tensor) and tokens is not None:
-        batch = next(inputs[k].shape[0] for k in ("input_ids", "inputs_embeds") if isinstance(inputs.get(k), Tensor))
+    if isinstance(mask, Tensor):
         check_token_mask(mask, batch, tokens, mask.device, f"{where} (attention_mask, the stack's token_mask)")
 
 

@@ -115,6 +115,13 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
     with torch.no_grad():
         batch, tokens = stack.attn.shape[0], stack.attn.shape[-1]
         scales = torch.stack([_inverse_scale(x, norm) for x, norm in zip(seen["norm_in"], norms)], dim=1)
+        final = {}
+        if final_norm is not None:
+            final = {
+                "final_scale": _inverse_scale(seen["final_in"][0], final_norm),
+                "final_weight": final_norm.weight.detach().double(),
+                "final_bias": final_norm.bias.detach().double(),
+            }
         capture = ResidualStreamCapture(
             layout=layout,
             embedding=stack.hidden_states[0].double(),
@@ -123,10 +130,7 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
             norm_bias=torch.stack([n.bias.detach().double() for n in norms]).reshape(count, 2, -1),
             mlp_out=torch.stack([m.double() for m in seen["mlp_out"]], dim=1),
             residual=(seen["final_in"][0] if final_norm is not None else stack.hidden_states[-1]).double(),
+            **final,
         )
-        if final_norm is not None:
-            capture.final_scale = _inverse_scale(seen["final_in"][0], final_norm)
-            capture.final_weight = final_norm.weight.detach().double()
-            capture.final_bias = final_norm.bias.detach().double()
     stack.residual_capture = capture
     return stack, capture
