@@ -45,19 +45,17 @@ def timed_statistics(layers: int, **options) -> tuple[float, pk.PathStatistics]:
 
 
 def same_statistics(a: pk.PathStatistics, b: pk.PathStatistics) -> bool:
-    """Bitwise equality of every tensor the two results hold (the per-measure dicts included)."""
+    """Bitwise equality of everything the two results save (their :meth:`~pk.PathStatistics.state`)."""
 
-    def tensors(stats):
-        for name, value in sorted(vars(stats).items()):  # not the private caches
-            if name.startswith("_"):
-                continue
-            if isinstance(value, torch.Tensor):
-                yield name, value
-            elif isinstance(value, dict):
-                yield from ((f"{name}.{key}", t) for key, t in sorted(value.items()))
+    def same(x, y) -> bool:
+        if isinstance(x, torch.Tensor):
+            return torch.equal(x, y)
+        if isinstance(x, dict):
+            return x.keys() == y.keys() and all(same(x[key], y[key]) for key in x)
+        return x == y
 
-    pairs = list(zip(tensors(a), tensors(b), strict=True))
-    return bool(pairs) and all(na == nb and torch.equal(ta, tb) for (na, ta), (nb, tb) in pairs)
+    first, second = a.state(), b.state()
+    return first.keys() == second.keys() and all(same(first[name], second[name]) for name in first)
 
 
 def checkpoint_case(layers: int, kernel: str) -> dict:
