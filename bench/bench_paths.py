@@ -12,6 +12,11 @@ Each case runs in its own process, so that its peak memory is its own. Reported 
     python bench/bench_paths.py                       # the full grid, about 10 minutes on 2 cores
     python bench/bench_paths.py --quick               # three small cases
     python bench/bench_paths.py --out bench/results/paths-cpu-dev.json
+    python bench/bench_paths.py --gemm-cost           # the engine's own GEMM against ATen's BLAS
+
+--gemm-cost times path_residuals on GRID's trees with the engine's reproducible GEMM (gemm_cpu.h)
+and with PATHKERNELS_ENGINE_GEMM=aten (the same engine on ATen's BLAS), each call in a fresh
+process, alternating, best of --rounds rounds of three calls: the cost issue 22 bounds at 5 %.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -130,12 +137,73 @@ def bench_case(layers, heads, n, dtype_name, skip, gemm, with_levelwise=True, de
     return row
 
 
+def engine_seconds(layers, heads, n, dtype_name, calls=3) -> float:
+    """Best of ``calls`` timed ``path_residuals`` calls on a complete tree without skip (after a warm-up)."""
+    import pathkernels as pk
+    from pathkernels.testing import random_attention
+
+    dtype = getattr(torch, dtype_name)
+    attn = random_attention(layers, heads, n, n, dtype=dtype, generator=torch.Generator().manual_seed(0))
+    tree = pk.PathTree.complete(layers, heads)
+    pk.path_residuals(attn[:1], pk.PathTree.complete(1, heads))
+    return seconds_per_call(
+        lambda: pk.path_residuals(attn, tree), "cpu", min_runs=calls, min_seconds=0, statistic="min"
+    )
+
+
+def gemm_cost(rounds: int) -> list[dict]:
+    """The engine's time with its own GEMM against ATen's, per GRID case and dtype (see the module
+    docstring); each timing in a fresh process, the two alternating so that drift hits both."""
+    rows = []
+    for dtype_name in ("float32", "float64"):
+        for layers, heads, n in GRID:
+            times = {"own": [], "aten": []}
+            for _ in range(rounds):
+                for which in times:
+                    env = {k: v for k, v in os.environ.items() if k != "PATHKERNELS_ENGINE_GEMM"}
+                    if which == "aten":
+                        env["PATHKERNELS_ENGINE_GEMM"] = "aten"
+                    code = (
+                        "import sys; sys.path.insert(0, 'bench'); from bench_paths import engine_seconds; "
+                        f"print(engine_seconds({layers}, {heads}, {n}, {dtype_name!r}))"
+                    )
+                    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+                    if result.returncode != 0:
+                        raise RuntimeError(result.stderr)
+                    times[which].append(float(result.stdout.split()[-1]))
+            own, aten = min(times["own"]), min(times["aten"])
+            rows.append(
+                {
+                    "L": layers,
+                    "H": heads,
+                    "n": n,
+                    "dtype": dtype_name,
+                    "aten_s": aten,
+                    "own_s": own,
+                    "cost": own / aten - 1,
+                }
+            )
+            print(
+                f"L{layers} H{heads} n{n} {dtype_name}: ATen {aten:.3f} s, own {own:.3f} s, {rows[-1]['cost']:+.1%}",
+                flush=True,
+            )
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Path-tree engine vs pure PyTorch")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--gemm-cost", action="store_true", help="the engine's own GEMM against ATen's BLAS")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of --gemm-cost")
     args = parser.parse_args(argv)
+    if args.gemm_cost:
+        rows = gemm_cost(args.rounds)
+        if args.out:
+            payload = {"threads": torch.get_num_threads(), "torch": torch.__version__, "gemm_cost": rows}
+            args.out.write_text(json.dumps(payload, indent=2) + "\n")
+        return 0
 
     import pathkernels as pk
 

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "norms/norm_passes_cpu.h"
@@ -76,11 +78,24 @@ struct CpuBackend {
 
   explicit CpuBackend(LeafKernel /*a CUDA option*/) {}
 
+  // PATHKERNELS_ENGINE_GEMM=aten: the products through ATen's BLAS instead of gemm_cpu.h, for
+  // measuring what the reproducible GEMM costs (bench/bench_paths.py --gemm-cost). Its results
+  // then depend on the budget and the thread count, as docs/DESIGN.md §3 says a BLAS's do.
+  const bool aten_gemm_ = [] {
+    const char* value = std::getenv("PATHKERNELS_ENGINE_GEMM");
+    return value != nullptr && std::string(value) == "aten";
+  }();
+
   int workers() const {
     return at::get_num_threads();
   }
 
   void matmul(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate) {
+    if (aten_gemm_) {
+      at::Tensor target = out;
+      accumulate ? target.addmm_(a, b) : at::mm_out(target, a, b);
+      return;
+    }
     cpu::mm_out(out, a, b, accumulate);
   }
 
