@@ -5,6 +5,7 @@ Every message names the function called, the argument, what was expected and wha
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -68,11 +69,18 @@ def check_row_stochastic(
     precision = attn.dtype if precision is None else precision
     row_sums = attn.sum(-1, dtype=torch.float64)
     deviation = (row_sums - 1).abs()
-    bad = deviation > ROW_SUM_TOLERANCE[precision]
+    bad = ~(deviation <= ROW_SUM_TOLERANCE[precision])  # NaN and inf rows too
     if bool(bad.any()):
         b, layer, h, i = first_index(bad)
-        error = deviation.max().item()
         b_full = b if batch_index is None else int(batch_index[b])
+        row_sum = row_sums[b, layer, h, i].item()
+        if not math.isfinite(row_sum):
+            element = f"{'real token' if padded else 'row'} {i} of batch element {b_full}"
+            raise ValueError(
+                f"{where}: attention must be finite, but {element}, layer {layer}, head {h} holds {row_sum} (a "
+                "model's NaN in a fully masked row reaches the real tokens through the next layers' values)"
+            )
+        error = deviation.max().item()
         if padded:
             hint = (
                 "Restricted to the real tokens of token_mask, a real query's row must still sum to 1: its "
@@ -94,7 +102,7 @@ def check_row_stochastic(
         )
         raise ValueError(
             f"{where}: attention rows must sum to 1 (the centring identity needs P·1 = 1), but {element}, layer "
-            f"{layer}, head {h} sums to {row_sums[b, layer, h, i].item():.9g}{computed}. {hint}"
+            f"{layer}, head {h} sums to {row_sum:.9g}{computed}. {hint}"
         )
 
 

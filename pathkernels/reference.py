@@ -168,21 +168,26 @@ def pre_ln_length_sums_ref(
     norm_bias: Tensor,
     w_v: Tensor,
     w_o: Tensor,
-    b_o: Tensor,
+    value_bias: Tensor,
+    output_bias: Tensor,
     embedding: Tensor,
     mlp_out: Tensor,
+    *,
+    centred: bool = True,
 ) -> Tensor:
-    """Exact sums by path length of a pre-LN transformer's residual stream, norms frozen, in the
+    """Exact sums by path length of a pre-norm transformer's residual stream, norms frozen, in the
     dtype given (docs/DESIGN.md, "Real transformers"): ``[L+1, B, n, d]``, entry k the sum of the
     paths through k heads; their total is the stream entering the final norm.
 
-    attn ``[B, L, H, n, n]``; norm_scale ``[B, L, n]`` (``1/σ`` of each block's attention-input
-    LayerNorm), norm_weight and norm_bias ``[L, d]`` (γ, β); w_v ``[L, H, d, d_head]``, w_o
-    ``[L, H, d_head, d]``, b_o ``[L, d]`` (value biases folded in); embedding ``[B, n, d]``;
-    mlp_out ``[B, L, n, d]``. Per layer, with ``S_k`` the sum of the paths through k heads so far:
+    attn ``[B, L, H, n, n]`` as the model computed it (rows need not sum to 1); norm_scale
+    ``[B, L, n]`` (``1/σ`` of each block's attention-input norm), norm_weight and norm_bias
+    ``[L, d]`` (γ, β); w_v ``[L, H, d, d_head]``, w_o ``[L, H, d_head, d]``, value_bias
+    ``[L, H, d_head]``, output_bias ``[L, d]``; embedding ``[B, n, d]``; mlp_out ``[B, L, n, d]``.
+    ``centred``: LayerNorm (``C = I − 11ᵀ/d``); False for RMSNorm (``C = I``). Per layer, with
+    ``S_k`` the sum of the paths through k heads so far and ``r_h = A_h 1``:
 
-        S_k ← S_k + Σ_h (A_h D) S_{k−1} (C Γ W_V,h W_O,h)        (the heads, k ≥ 1)
-        S_0 ← S_0 + 1 (Σ_h βᵀ W_V,h W_O,h + b_O)ᵀ + MLP output   (the sources entering)
+        S_k ← S_k + Σ_h (A_h D) S_{k−1} (C Γ W_V,h W_O,h)                 (the heads, k ≥ 1)
+        S_0 ← S_0 + Σ_h r_h (βᵀ W_V,h + b_V,hᵀ) W_O,h + 1 b_Oᵀ + MLP output   (the sources entering)
     """
     layers = attn.shape[1]
     sums = [embedding] + [torch.zeros_like(embedding) for _ in range(layers)]
@@ -192,11 +197,12 @@ def pre_ln_length_sums_ref(
         sums = [s.clone() for s in before]
         for k in range(1, layers + 1):
             prev = before[k - 1]
-            centred = (prev - prev.mean(-1, keepdim=True)) * norm_weight[layer]  # x C Γ
-            values = torch.einsum("bnd,hde->bhne", centred, w_v[layer])
+            centred_prev = prev - prev.mean(-1, keepdim=True) if centred else prev
+            values = torch.einsum("bnd,hde->bhne", centred_prev * norm_weight[layer], w_v[layer])  # x C Γ W_V
             sums[k] += torch.einsum("bhij,bhje,hef->bif", token_map, values, w_o[layer])
-        constant = torch.einsum("d,hde,hef->f", norm_bias[layer], w_v[layer], w_o[layer]) + b_o[layer]
-        sums[0] += constant + mlp_out[:, layer]
+        head_rows = torch.einsum("d,hde->he", norm_bias[layer], w_v[layer]) + value_bias[layer]
+        constant = torch.einsum("bhi,he,hef->bif", attn[:, layer].sum(-1), head_rows, w_o[layer])
+        sums[0] += constant + output_bias[layer] + mlp_out[:, layer]
     return torch.stack(sums)
 
 
@@ -207,26 +213,29 @@ def post_ln_length_sums_ref(
     norm_bias: Tensor,
     w_v: Tensor,
     w_o: Tensor,
-    b_o: Tensor,
+    value_bias: Tensor,
+    output_bias: Tensor,
     embedding: Tensor,
     mlp_out: Tensor,
+    *,
+    centred: bool = True,
 ) -> Tensor:
-    """Exact sums by path length of a post-LN transformer's (BERT's) stream, norms frozen:
+    """Exact sums by path length of a post-norm transformer's (BERT's) stream, norms frozen:
     ``[L+1, B, n, d]``, entry k the paths through k heads, their total the last hidden state.
 
     As :func:`pre_ln_length_sums_ref`, with two norms per layer: norm_scale ``[B, L, 2, n]``,
     norm_weight and norm_bias ``[L, 2, d]`` (after the attention sum, after the MLP sum). A block
-    computes ``LN₁(x + Σ_h A_h x W_h + 1 b_Oᵀ)``, then ``LN₂(z + m)``; frozen, each LayerNorm is
-    ``y ↦ D y C Γ + 1 βᵀ``, applied to every branch (the skip included) and source:
+    computes ``N₁(x + Σ_h A_h (x W_V,h + 1 b_V,hᵀ) W_O,h + 1 b_Oᵀ)``, then ``N₂(z + m)``; frozen, each
+    norm is ``y ↦ D y C Γ + 1 βᵀ``, applied to every branch (the skip included) and source:
 
-        S_k ← D₁ (S_k + Σ_h A_h S_{k−1} W_h) C Γ₁ + [k = 0] (D₁ 1 b_Oᵀ C Γ₁ + 1 β₁ᵀ)
+        S_k ← D₁ (S_k + Σ_h A_h S_{k−1} W_h) C Γ₁ + [k = 0] (D₁ (Σ_h r_h b_V,hᵀ W_O,h + 1 b_Oᵀ) C Γ₁ + 1 β₁ᵀ)
         S_k ← D₂ S_k C Γ₂ + [k = 0] (D₂ m C Γ₂ + 1 β₂ᵀ)
     """
     layers = attn.shape[1]
 
     def frozen(t: Tensor, layer: int, which: int) -> Tensor:  # D t C Γ, without β
         scale = norm_scale[:, layer, which, :, None]
-        return scale * (t - t.mean(-1, keepdim=True)) * norm_weight[layer, which]
+        return scale * (t - t.mean(-1, keepdim=True) if centred else t) * norm_weight[layer, which]
 
     sums = [embedding] + [torch.zeros_like(embedding) for _ in range(layers)]
     for layer in range(layers):
@@ -238,7 +247,8 @@ def post_ln_length_sums_ref(
                 values = torch.einsum("bnd,hde->bhne", before[k - 1], w_v[layer])
                 inner = inner + torch.einsum("bhij,bhje,hef->bif", attn[:, layer], values, w_o[layer])
             sums.append(frozen(inner, layer, 0))
-        sums[0] = sums[0] + frozen(b_o[layer].expand_as(embedding), layer, 0) + norm_bias[layer, 0]
+        biases = torch.einsum("bhi,he,hef->bif", attn[:, layer].sum(-1), value_bias[layer], w_o[layer])
+        sums[0] = sums[0] + frozen(biases + output_bias[layer], layer, 0) + norm_bias[layer, 0]
         sums = [frozen(s, layer, 1) for s in sums]
         sums[0] = sums[0] + frozen(mlp_out[:, layer], layer, 1) + norm_bias[layer, 1]
     return torch.stack(sums)

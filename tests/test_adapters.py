@@ -228,6 +228,35 @@ def test_a_row_error_blames_the_mask_only_where_there_is_padding():
         adapters.AttentionStack(padded, w, w, torch.zeros(1, 3, dtype=torch.float64), token_mask=mask)
 
 
+def test_a_left_padded_float64_llama_gives_its_real_tokens_patterns():
+    """Hugging Face's float64 Llama masks with float64's minimum, -inf in its float32 softmax, so a
+    fully masked (left-padded) query's row is NaN and the next layer's values spread it to every real
+    token. The adapter keeps the mask finite in float32: each real token's pattern is then the one
+    the sequence has alone."""
+    model = llama_style("llama")
+    ids = torch.randint(0, 50, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :4] = 0
+    stack = adapters.from_huggingface(model, input_ids=ids, attention_mask=mask)
+    alone = adapters.from_huggingface(model, input_ids=ids[1:, 4:])
+    torch.testing.assert_close(stack.attn[1, :, :, 4:, 4:], alone.attn[0], rtol=1e-6, atol=1e-7)
+    assert bool(stack.hidden_states[:, 1, 4:].isfinite().all())
+
+
+def test_nan_attention_is_refused_with_its_place():
+    attn = torch.full((1, 2, 1, 3, 3), 1 / 3, dtype=torch.float64)
+    attn[0, 1, 0, 2, 0] = float("nan")
+    w = torch.randn(2, 1, 3, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"attention must be finite, but row 2 of batch element 0, layer 1, head 0"):
+        adapters.AttentionStack(attn, w, w, torch.zeros(2, 3, dtype=torch.float64))
+    padded = torch.tensor([0.0, 0.5, 0.5], dtype=torch.float64).expand(1, 2, 1, 3, 3).clone()  # token 0 padded
+    padded[0, 1, 0, 2, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"attention must be finite, but real token \d of batch element 0, layer 1"):
+        adapters.AttentionStack(
+            padded, w, w, torch.zeros(2, 3, dtype=torch.float64), token_mask=torch.tensor([[0, 1, 1]])
+        )
+
+
 def test_an_empty_batch_is_refused_before_the_model_runs():
     model, _ = hf_case("gpt2")
     for name, value in (("input_ids", torch.zeros(0, 5, dtype=torch.long)), ("pixel_values", torch.zeros(0, 3, 4, 4))):

@@ -1,8 +1,10 @@
-"""Paths of real transformers (issue 24, in progress): a GPT-2's residual stream, norms frozen, as
-an exact sum of paths from the embedding, the layers' constants and the MLP outputs.
+"""Paths of real transformers (issue 24, in progress): a model's residual stream, norms frozen, as
+an exact sum of paths from the embedding, the layers' constants and the MLP outputs; for GPT-2 and
+ViT (pre-LN), BERT and RoBERTa (post-LN) and the Llama family (RMSNorm, grouped-query attention,
+rotary positions, a float32 softmax).
 
-Models are built from configs (no downloads), in float64, with every bias and every LayerNorm γ
-and β random, so that no term can hide behind a zero or a one.
+Models are built from configs (no downloads), in float64, with every bias and every norm's γ and β
+random, so that no term can hide behind a zero or a one.
 """
 
 import itertools
@@ -12,7 +14,6 @@ import pytest
 import torch
 
 from pathkernels.adapters.residual import capture_huggingface_residual
-from pathkernels.reference import post_ln_length_sums_ref, pre_ln_length_sums_ref
 
 transformers = pytest.importorskip("transformers")
 
@@ -39,37 +40,11 @@ def gpt2(layers: int = 3, heads: int = 4, width: int = 32):
     return randomised(model, norm_marker="ln_")
 
 
-def length_sums(stack, capture):
-    if capture.layout == "post":
-        return post_ln_length_sums_ref(
-            stack.attn.double(),
-            capture.norm_scale,
-            capture.norm_weight,
-            capture.norm_bias,
-            stack.w_v.double(),
-            stack.w_o.double(),
-            stack.b_o.double(),
-            capture.embedding,
-            capture.mlp_out,
-        )
-    return pre_ln_length_sums_ref(
-        stack.attn.double(),
-        capture.norm_scale[:, :, 0],  # the norm before attention; the MLP's output is a source
-        capture.norm_weight[:, 0],
-        capture.norm_bias[:, 0],
-        stack.w_v.double(),
-        stack.w_o.double(),
-        stack.b_o.double(),
-        capture.embedding,
-        capture.mlp_out,
-    )
-
-
 def test_the_paths_of_a_gpt2_sum_to_its_residual_stream():
     """Σ over path lengths of the exact sums equals the stream entering the final LayerNorm."""
     model = gpt2()
     stack, capture = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (2, 9)))
-    sums = length_sums(stack, capture)
+    sums = stack.length_sums()
     assert sums.shape == (4, 2, 9, 32)
     total = sums.sum(0)
     error = (total - capture.residual).abs().max() / capture.residual.abs().max()
@@ -110,7 +85,7 @@ def test_the_length_sums_are_the_sums_of_the_enumerated_paths():
                 if head is not None:
                     term = token_map(layer, head) @ term @ feature_map(layer, head)
             expected[sum(h is not None for h in choice)] += term
-    torch.testing.assert_close(length_sums(stack, capture)[:, 0], expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stack.length_sums()[:, 0], expected, rtol=1e-12, atol=1e-12)
 
 
 def bert(layers: int = 3, heads: int = 4, width: int = 32):
@@ -133,7 +108,7 @@ def test_the_paths_of_a_bert_sum_to_its_last_hidden_state():
     lengths equals the last hidden state."""
     stack, capture = capture_huggingface_residual(bert(), input_ids=torch.randint(0, 50, (2, 9)))
     assert capture.layout == "post" and capture.final_scale is None
-    sums = length_sums(stack, capture)
+    sums = stack.length_sums()
     error = (sums.sum(0) - capture.residual).abs().max() / capture.residual.abs().max()
     assert error < 1e-10, error
     assert all(float(s.abs().max()) > 1e-3 for s in sums)
@@ -174,16 +149,16 @@ def test_the_bert_length_sums_are_the_sums_of_the_enumerated_paths():
                     else d @ attn[layer, head] @ term @ w_v[layer, head] @ w_o[layer, head] @ cg
                 )
             expected[sum(h is not None for h in choice)] += term
-    torch.testing.assert_close(length_sums(stack, capture)[:, 0], expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stack.length_sums()[:, 0], expected, rtol=1e-12, atol=1e-12)
 
 
 def test_other_families_are_refused_by_name():
-    model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            num_hidden_layers=1, num_attention_heads=2, hidden_size=8, intermediate_size=16, vocab_size=50
+    model = transformers.OPTModel(
+        transformers.OPTConfig(
+            num_hidden_layers=1, num_attention_heads=2, hidden_size=8, ffn_dim=16, vocab_size=50, word_embed_proj_dim=8
         )
     )
-    with pytest.raises(ValueError, match=r"^pathkernels\.adapters\.capture_huggingface_residual: only GPT-2 and BERT"):
+    with pytest.raises(ValueError, match=r"^pathkernels\.adapters\.capture_huggingface_residual: GPT-2, .* got 'opt'"):
         capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 4)))
 
 
@@ -197,7 +172,6 @@ def test_a_captured_stack_sums_the_model_by_path_length(family):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sums = stack.length_sums()
-    assert torch.equal(sums, length_sums(stack, capture))
     assert (sums.sum(0) - capture.residual).abs().max() < 1e-10 * capture.residual.abs().max()
     with pytest.raises(ValueError, match=r"^pathkernels\.AttentionStack\.length_sums: this stack holds the model"):
         stack.length_sums(biases=False)
@@ -222,3 +196,158 @@ def test_a_padded_batch_is_decomposed_on_its_real_tokens(padding_side):
     assert bool((total[~real] == 0).all())
     error = (total[real] - capture.residual[real]).abs().max() / capture.residual.abs().max()
     assert error < 1e-10, error
+
+
+def llama(family: str = "llama", layers: int = 3, heads: int = 4, kv_heads: int = 2, width: int = 32, dtype=None):
+    """A Llama-family decoder with grouped-query attention and rotary positions; Llama's attention
+    biases switched on, Qwen2's are there by design (query, key and value), Mistral has none."""
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[family]
+    extra = {"attention_bias": True} if family == "llama" else {}
+    config = config_class(
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        vocab_size=50,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+        **extra,
+    )
+    model = randomised(model_class(config), norm_marker="norm")
+    return model if dtype is None else model.to(dtype)
+
+
+def final_norm_input(model, **inputs):
+    """The stream entering the final norm in the model's own forward pass (no hooks of ours that
+    change it)."""
+    seen = []
+    handle = model.base_model.norm.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()))
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_the_paths_of_a_llama_family_model_sum_to_its_residual_stream(family):
+    """RMSNorm without centring or β, grouped-query attention, rotary positions and a float32
+    softmax whose rows sum to 1 only to ~1e-7: Σ over path lengths equals the stream entering the
+    final norm to 1e-10, and that stream is the model's own to float32's rounding of its norms."""
+    model = llama(family)
+    ids = torch.randint(0, 50, (2, 9))
+    stack, capture = capture_huggingface_residual(model, input_ids=ids)
+    assert capture.layout == "pre" and capture.norm == "rmsnorm" and not capture.centred
+    assert capture.attn_row_sums is not None  # float32 softmax, renormalised in the stack
+    assert float((capture.attn_row_sums - 1).abs().max()) > 1e-12  # so the bias terms need them
+    if family != "mistral":
+        assert float(capture.value_bias.abs().max()) > 0.1
+    assert capture.unembedding is model.lm_head.weight or torch.equal(capture.unembedding, model.lm_head.weight)
+    sums = stack.length_sums()
+    error = (sums.sum(0) - capture.residual).abs().max() / capture.residual.abs().max()
+    assert error < 1e-10, error
+    assert all(float(s.abs().max()) > 1e-3 for s in sums)
+    own = final_norm_input(model, input_ids=ids)
+    assert (own - capture.residual).abs().max() < 1e-5 * own.abs().max()
+
+
+def test_the_llama_length_sums_are_the_sums_of_the_enumerated_paths():
+    """Each path literally: token maps A_h D with the patterns as computed (rows not quite
+    stochastic), feature maps Γ W_V W_O (RMSNorm: no centring), constants (A_h 1) b_Vᵀ W_O."""
+    layers, heads, width, n = 2, 2, 8, 5
+    model = llama(layers=layers, heads=heads, kv_heads=1, width=width)
+    stack, capture = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, n)))
+    attn = stack.attn[0].double() * capture.attn_row_sums[0, ..., None]
+    w_v, w_o = stack.w_v.double(), stack.w_o.double()
+
+    def token_map(layer, head):
+        return attn[layer, head] @ torch.diag(capture.norm_scale[0, layer, 0])
+
+    def feature_map(layer, head):
+        return torch.diag(capture.norm_weight[layer, 0]) @ w_v[layer, head] @ w_o[layer, head]
+
+    sources = [(0, capture.embedding[0])]
+    for layer in range(layers):
+        constant = capture.output_bias[layer][None].expand(n, width).clone()
+        for h in range(heads):
+            rows = attn[layer, h].sum(-1, keepdim=True)
+            constant += rows @ (capture.value_bias[layer, h] @ w_o[layer, h])[None]
+        sources.append((layer + 1, constant + capture.mlp_out[0, layer]))
+    expected = torch.zeros(layers + 1, n, width, dtype=torch.float64)
+    for first_layer, source in sources:
+        later = range(first_layer, layers)
+        for choice in itertools.product([None, *range(heads)], repeat=len(later)):
+            term = source
+            for layer, head in zip(later, choice):
+                if head is not None:
+                    term = token_map(layer, head) @ term @ feature_map(layer, head)
+            expected[sum(h is not None for h in choice)] += term
+    torch.testing.assert_close(stack.length_sums()[:, 0], expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_float32_llama_is_decomposed_to_float32s_precision():
+    """A float32 model keeps its own float32 norms; the float64 sums match its stream to float32's
+    rounding."""
+    model = llama(dtype=torch.float32)
+    stack, capture = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (2, 9)))
+    assert capture.attn_row_sums is None  # the softmax's precision is the model's
+    total = stack.length_sums().sum(0)
+    assert (total - capture.residual).abs().max() < 1e-4 * capture.residual.abs().max()
+
+
+def test_a_left_padded_llama_batch_is_decomposed_on_its_real_tokens():
+    model = llama()
+    ids = torch.randint(0, 50, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :4] = 0
+    stack, capture = capture_huggingface_residual(model, input_ids=ids, attention_mask=mask)
+    total = stack.length_sums().sum(0)
+    real = mask.bool()
+    assert bool((total[~real] == 0).all())
+    error = (total[real] - capture.residual[real]).abs().max() / capture.residual[real].abs().max()
+    assert error < 1e-10, error
+
+
+def test_the_paths_of_a_roberta_and_a_vit_sum_to_their_streams():
+    """RoBERTa reads as BERT (post-LN); ViT is pre-LN with a final LayerNorm, on pixels."""
+    roberta = transformers.RobertaModel(
+        transformers.RobertaConfig(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            hidden_size=32,
+            intermediate_size=64,
+            vocab_size=50,
+            max_position_embeddings=20,
+            initializer_range=0.3,
+        )
+    )
+    vit = transformers.ViTModel(
+        transformers.ViTConfig(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            hidden_size=32,
+            intermediate_size=64,
+            image_size=8,
+            patch_size=4,
+            initializer_range=0.3,
+        )
+    )
+    cases = [
+        (randomised(roberta, norm_marker="LayerNorm"), {"input_ids": torch.randint(3, 50, (2, 7))}, "post"),
+        (
+            randomised(vit, norm_marker="layernorm"),
+            {"pixel_values": torch.randn(2, 3, 8, 8, dtype=torch.float64)},
+            "pre",
+        ),
+    ]
+    for model, inputs, layout in cases:
+        stack, capture = capture_huggingface_residual(model, **inputs)
+        assert capture.layout == layout
+        error = (stack.length_sums().sum(0) - capture.residual).abs().max() / capture.residual.abs().max()
+        assert error < 1e-10, (type(model).__name__, error)

@@ -225,8 +225,8 @@ def _prepared_inputs(model, inputs: dict, where: str) -> dict:
     return {**inputs, "position_ids": positions.masked_fill(~real, 1)}
 
 
-def _value_output(layer: _AttentionLayer) -> tuple[Tensor, Tensor, Tensor]:
-    """``(w_v [H, d, d_head], w_o [H, d_head, d], b_o [d])`` with the value bias folded into b_o."""
+def _value_output(layer: _AttentionLayer) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """``(w_v [H, d, d_head], w_o [H, d_head, d], b_v [H, d_head] | None, b_o [d] | None)``."""
     heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
     value_weight, value_bias = _in_out(layer.value, "value")
     value_weight = value_weight[:, layer.value_columns]  # [d, kv_heads · d_head]
@@ -238,7 +238,7 @@ def _value_output(layer: _AttentionLayer) -> tuple[Tensor, Tensor, Tensor]:
         b_v = None if b_v is None else b_v.repeat_interleave(heads // kv_heads, dim=0)
     output_weight, output_bias = _in_out(layer.output, "output")  # [H · d_head, d]
     w_o = output_weight.reshape(heads, head_dim, -1)
-    return w_v, w_o, fold_value_bias(b_v, w_o, output_bias)
+    return w_v, w_o, b_v, output_bias
 
 
 @contextmanager
@@ -288,6 +288,20 @@ def stream_huggingface_attention(
     return output if return_output else None
 
 
+def _finite_in_float32(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """A forward pre-hook that keeps an additive float64 attention mask finite in float32.
+
+    Llama-family attention adds the mask in the model's dtype and takes the softmax in float32; a
+    float64 model masks with float64's minimum, which is -inf in float32, so a fully masked row (a
+    left-padded query) becomes NaN, and the next layer's values carry that NaN to every real token.
+    At half float32's minimum a masked weight is still exactly 0 and a fully masked row uniform."""
+    mask = kwargs.get("attention_mask")
+    if not isinstance(mask, Tensor) or mask.dtype != torch.float64:
+        return None
+    floor = torch.finfo(torch.float32).min / 2
+    return args, {**kwargs, "attention_mask": mask.clamp(min=floor)}
+
+
 def _stream(model: nn.Module, layers: list[_AttentionLayer], callback: Callable[[int, Tensor], None], inputs: dict):
     """stream_huggingface_attention on layers already found."""
     seen = [False] * len(layers)
@@ -306,6 +320,8 @@ def _stream(model: nn.Module, layers: list[_AttentionLayer], callback: Callable[
         return hook
 
     handles = [layer.attention.register_forward_hook(make_hook(i)) for i, layer in enumerate(layers)]
+    if _family(model).softmax_in_float32:
+        handles += [layer.attention.register_forward_pre_hook(_finite_in_float32, with_kwargs=True) for layer in layers]
     try:
         with _eager_eval(model), torch.no_grad():
             output = model(**inputs)
@@ -345,6 +361,12 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
         (before any residual add or normalisation) is ``attn[:, l, h] @ X_l @ w_v[l, h] @ w_o[l, h]``,
         with ``X_l`` the attention module's input.
     """
+    return _read_stack(model, inputs)[0]
+
+
+def _read_stack(model: nn.Module, inputs: dict) -> tuple[AttentionStack, Tensor]:
+    """:func:`from_huggingface`'s stack, and its patterns ``[B, L, H, n, n]`` exactly as the model
+    computed them (the stack's own are renormalised where the softmax was coarser than the model)."""
     family = _family(model)
     layers = family.layers(model, model.config)
     patterns: list[Tensor | None] = [None] * len(layers)
@@ -354,7 +376,10 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
 
     output = _stream(model, layers, keep, {**_prepared_inputs(model, inputs, _WHERE), "output_hidden_states": True})
     with torch.no_grad():  # stacking copies, so the stack does not alias or track the parameters
-        w_v, w_o, b_o = (torch.stack(per_layer) for per_layer in zip(*(_value_output(layer) for layer in layers)))
+        maps = [_value_output(layer) for layer in layers]
+        w_v = torch.stack([w for w, _, _, _ in maps])
+        w_o = torch.stack([w for _, w, _, _ in maps])
+        b_o = torch.stack([fold_value_bias(b_v, w_o, b_out) for _, w_o, b_v, b_out in maps])
     hidden = getattr(output, "hidden_states", None)
     hidden = None if hidden is None else torch.stack(list(hidden)).detach()
     token_mask = inputs.get("attention_mask")
@@ -363,8 +388,9 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
             f"{_WHERE}: expected attention_mask of shape [B, n] (1 = a real token) to carry as the "
             f"stack's token_mask, got {list(token_mask.shape)}"
         )
-    return AttentionStack(
-        attn=torch.stack(patterns, dim=1),
+    attn = torch.stack(patterns, dim=1)
+    stack = AttentionStack(
+        attn=attn,
         w_v=w_v,
         w_o=w_o,
         b_o=b_o,
@@ -374,6 +400,7 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
         attn_precision=family.softmax_dtype,
         attention_only=False,  # every family read has norms and MLPs
     )
+    return stack, attn
 
 
 # --- local model directories ----------------------------------------------------------------------

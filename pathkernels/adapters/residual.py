@@ -1,22 +1,24 @@
 """What a real transformer's residual stream holds beyond its attention (issue 24, in progress).
 
-With every normalisation scale frozen at its value in one forward pass, a pre-LN transformer's
+With every normalisation scale frozen at its value in one forward pass, a pre-norm transformer's
 residual stream is an exact sum of paths: a source (the embedding, a layer's constant, an MLP's
 output) followed by a chain of heads, each a token map ``A D`` and a feature map ``C Γ W_V W_O``
-(docs/DESIGN.md, "Real transformers"); so is a post-LN one's, each branch scaled by the norm
+(docs/DESIGN.md, "Real transformers"); so is a post-norm one's, each branch scaled by the norm
 after it. :func:`capture_huggingface_residual` reads, from the very forward pass that gives the
-attention stack, what those terms need that the stack does not hold. So far: GPT-2 (pre-LN) and
-BERT (post-LN), both with LayerNorm; other families are refused by name.
+attention stack, what those terms need that the stack does not hold: GPT-2 and ViT (pre-LN),
+BERT and RoBERTa (post-LN) and the Llama family (Llama, Mistral, Qwen2: pre-norm RMSNorm,
+grouped-query attention, rotary positions); other families are refused by name.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
-from pathkernels.adapters.huggingface import _blocks, from_huggingface
+from pathkernels.adapters.huggingface import _attention_layers, _blocks, _read_stack, _value_output
 from pathkernels.adapters.stack import AttentionStack
 
 _WHERE = "pathkernels.adapters.capture_huggingface_residual"
@@ -26,69 +28,143 @@ _WHERE = "pathkernels.adapters.capture_huggingface_residual"
 class ResidualStreamCapture:
     """One forward pass of a transformer, in float64, its norms frozen.
 
-    ``layout``: ``"pre"`` (GPT-2: each sublayer reads a normalised copy of the stream, which it adds
-    to) or ``"post"`` (BERT: the stream itself is normalised after each sublayer's sum).
+    ``layout``: ``"pre"`` (GPT-2, Llama: each sublayer reads a normalised copy of the stream, which
+    it adds to) or ``"post"`` (BERT: the stream itself is normalised after each sublayer's sum).
+    ``norm``: ``"layernorm"`` (``y = D x C Γ + 1 βᵀ``) or ``"rmsnorm"`` (``y = D x Γ``: no centring
+    ``C``, and β is 0).
+
     ``embedding`` ``[B, n, d]``: the stream entering block 0. ``norm_scale`` ``[B, L, 2, n]``: ``1/σ_t``
-    of each block's two LayerNorms, per token (pre: before attention, before the MLP; post: after
-    each), with their γ and β in ``norm_weight``, ``norm_bias`` ``[L, 2, d]``. ``mlp_out``
-    ``[B, L, n, d]``: each MLP's output as computed (post: before its residual sum). ``residual``
-    ``[B, n, d]``: the stream the blocks leave (pre: entering the final norm, whose
-    ``final_scale`` ``[B, n]``, ``final_weight`` and ``final_bias`` ``[d]`` are kept for readouts;
-    post: the last hidden state, and no final norm).
+    of each block's two norms, per token (pre: before attention, before the MLP; post: after each),
+    with their γ and β in ``norm_weight``, ``norm_bias`` ``[L, 2, d]``. ``value_bias``
+    ``[L, H, d_head]`` and ``output_bias`` ``[L, d]``: the attention's biases, apart (0 where the
+    model has none); a head adds ``(A 1) b_Vᵀ W_O``, which is ``1 b_Vᵀ W_O`` only where its rows sum
+    to 1. ``attn_row_sums`` ``[B, L, H, n]``: the sums of the pattern rows as the model computed
+    them, where the stack holds them renormalised (a float32 softmax in a float64 model; the
+    model's pattern is ``stack.attn · attn_row_sums``), else None. ``mlp_out`` ``[B, L, n, d]``: each
+    MLP's output as computed (post: before its residual sum). ``residual`` ``[B, n, d]``: the
+    stream the blocks leave (pre: entering the final norm, whose ``final_scale`` ``[B, n]``,
+    ``final_weight`` and ``final_bias`` ``[d]`` are kept for readouts; post: the last hidden state,
+    and no final norm). ``unembedding`` ``[vocab, d]`` and ``unembedding_bias`` ``[vocab]``: the
+    model's output embedding (its weight as the model holds it, not copied), None without an LM head.
     """
 
     layout: str
+    norm: str
     embedding: Tensor
     norm_scale: Tensor
     norm_weight: Tensor
     norm_bias: Tensor
+    value_bias: Tensor
+    output_bias: Tensor
     mlp_out: Tensor
     residual: Tensor
+    attn_row_sums: Tensor | None = None
     final_scale: Tensor | None = None
     final_weight: Tensor | None = None
     final_bias: Tensor | None = None
+    unembedding: Tensor | None = None
+    unembedding_bias: Tensor | None = None
+
+    @property
+    def centred(self) -> bool:
+        """Whether the norms centre the features (LayerNorm's ``C``; RMSNorm does not)."""
+        return self.norm == "layernorm"
 
     def on(self, device) -> ResidualStreamCapture:
         """A copy on ``device`` (float64 throughout, whatever the stack's dtype)."""
         return ResidualStreamCapture(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()})
 
 
-def _inverse_scale(x: Tensor, norm: nn.LayerNorm) -> Tensor:
-    """``1/σ_t`` ``[B, n]`` of LayerNorm ``norm`` on its input ``x`` ``[B, n, d]``, in float64:
-    ``σ_t = sqrt(var_t + ε)``, the biased variance over the features, as LayerNorm takes it."""
-    x = x.double()
-    return torch.rsqrt(x.var(-1, unbiased=False) + norm.eps)
+@dataclass(frozen=True)
+class _Layout:
+    """Where one family keeps what the capture reads."""
+
+    layout: str  # "pre" or "post"
+    norm: str  # "layernorm" or "rmsnorm"
+    blocks: tuple[str, ...]  # the blocks' list under base_model: the first of these paths that exists
+    norms: Callable[[nn.Module], tuple[nn.Module, nn.Module]]  # a block's two norms, in order
+    mlp: Callable[[nn.Module], nn.Module]  # the module whose output is the MLP's branch
+    final_norm: str | None = None  # under base_model (pre-norm models)
 
 
-# Per family: (layout, the blocks' list, each block's two LayerNorms, its MLP's output module).
+_LLAMA = _Layout(
+    "pre", "rmsnorm", ("layers",), lambda b: (b.input_layernorm, b.post_attention_layernorm), lambda b: b.mlp, "norm"
+)
+_BERT = _Layout(
+    "post",
+    "layernorm",
+    ("encoder.layer",),
+    lambda b: (b.attention.output.LayerNorm, b.output.LayerNorm),
+    lambda b: b.output.dense,
+)
 _LAYOUTS = {
-    "gpt2": ("pre", "h", lambda b: (b.ln_1, b.ln_2), lambda b: b.mlp),
-    "bert": (
-        "post",
-        "encoder.layer",
-        lambda b: (b.attention.output.LayerNorm, b.output.LayerNorm),
-        lambda b: b.output.dense,
+    "gpt2": _Layout("pre", "layernorm", ("h",), lambda b: (b.ln_1, b.ln_2), lambda b: b.mlp, "ln_f"),
+    "bert": _BERT,
+    "roberta": _BERT,
+    "vit": _Layout(
+        "pre",
+        "layernorm",
+        ("layers", "encoder.layer"),  # transformers 5, 4
+        lambda b: (b.layernorm_before, b.layernorm_after),
+        lambda b: b.mlp if hasattr(b, "mlp") else b.output.dense,  # 4.x adds the residual in ViTOutput
+        "layernorm",
     ),
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,
 }
+
+
+def _inverse_scale(x: Tensor, norm: nn.Module, kind: str) -> Tensor:
+    """``1/σ_t`` ``[B, n]`` of the norm on its input ``x`` ``[B, n, d]``, in float64: LayerNorm's
+    ``σ_t = sqrt(var_t + ε)`` (the biased variance over the features), RMSNorm's
+    ``σ_t = sqrt(mean_t(x²) + ε)``."""
+    x = x.double()
+    if kind == "layernorm":
+        return torch.rsqrt(x.var(-1, unbiased=False) + norm.eps)
+    return torch.rsqrt(x.pow(2).mean(-1) + norm.variance_epsilon)
+
+
+def _rms_norm_in_float64(module: nn.Module, args: tuple, output: Tensor) -> Tensor | None:
+    """A forward hook that computes a Llama-family RMSNorm in float64 when its input is float64.
+
+    Their RMSNorm rounds its input to float32 whatever the model's dtype, so a float64 model's
+    stream would hold float32 roundings that no frozen linear map reproduces (~1e-7 relative); the
+    capture's forward pass computes ``γ ⊙ x / sqrt(mean(x²) + ε)`` in float64 instead."""
+    x = args[0]
+    if x.dtype != torch.float64:
+        return None
+    return module.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon))
 
 
 def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionStack, ResidualStreamCapture]:
     """The attention stack of :func:`from_huggingface` and, from the same forward pass, what the
     real model's residual stream needs beyond it (:class:`ResidualStreamCapture`), in float64.
 
-    GPT-2 (pre-LN): a block computes ``x + Attn(LN₁(x))`` then ``+ MLP(LN₂(·))``; frozen,
-    ``LN₁(x) = D x C Γ + 1 βᵀ`` with ``D = diag(1/σ)``, so the attention sublayer is a sum of heads
-    ``(A D) x (C Γ W_V W_O)`` plus constant rows, and the MLP's output enters as a source.
-    BERT (post-LN): ``LN₁(x + Attn(x))`` then ``LN₂(· + MLP(·))``; every branch, the skip included,
-    is then scaled by ``D`` on the left and ``C Γ`` on the right (docs/DESIGN.md, "Real transformers").
-    Other families are refused by name.
+    Pre-norm (GPT-2, ViT; Llama, Mistral, Qwen2): a block computes ``x + Attn(N₁(x))`` then
+    ``+ MLP(N₂(·))``; frozen, ``N₁(x) = D x C Γ + 1 βᵀ`` with ``D = diag(1/σ)`` (RMSNorm: no ``C``,
+    no β), so the attention sublayer is a sum of heads ``(A D) x (C Γ W_V W_O)`` plus constant
+    rows, and the MLP's output enters as a source. Post-norm (BERT, RoBERTa): ``N₁(x + Attn(x))`` then
+    ``N₂(· + MLP(·))``; every branch, the skip included, is then scaled by ``D`` on the left and
+    ``C Γ`` on the right (docs/DESIGN.md, "Real transformers"). Other families are refused by name.
+
+    Rotary positions and grouped-query attention change nothing: the patterns are read as
+    computed. A float64 Llama-family model's RMSNorms run in float64 for this pass (Hugging Face's
+    round their input to float32), so that its stream is exactly the sum of its paths; its hidden
+    states then differ from those of the model's own forward pass by about 1e-7 relative.
+
+    Returns:
+        ``(stack, capture)``; the capture is also ``stack.residual_capture``, which
+        :meth:`AttentionStack.length_sums` decomposes.
     """
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in _LAYOUTS:
         kind = model_type or type(model).__name__
-        raise ValueError(f"{_WHERE}: only GPT-2 and BERT models are captured so far, got {kind!r}")
-    layout, blocks_path, norms_of, mlp_of = _LAYOUTS[model_type]
-    blocks = _blocks(model, blocks_path)
+        raise ValueError(
+            f"{_WHERE}: GPT-2, BERT, RoBERTa, ViT, Llama, Mistral and Qwen2 models are captured, got {kind!r}"
+        )
+    spec = _LAYOUTS[model_type]
+    blocks = _blocks(model, *spec.blocks)
     count = len(blocks)
     seen: dict[str, list] = {"norm_in": [None] * (2 * count), "mlp_out": [None] * count, "final_in": [None]}
 
@@ -98,39 +174,90 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
 
         return hook
 
-    handles = []
-    for i, block in enumerate(blocks):
-        for j, norm in enumerate(norms_of(block)):
-            handles.append(norm.register_forward_pre_hook(keep("norm_in", 2 * i + j, output=False)))
-        handles.append(mlp_of(block).register_forward_hook(keep("mlp_out", i, output=True)))
-    final_norm = model.base_model.ln_f if layout == "pre" else None
+    norms = [norm for block in blocks for norm in spec.norms(block)]
+    final_norm = None if spec.final_norm is None else getattr(model.base_model, spec.final_norm)
+    handles = [norm.register_forward_pre_hook(keep("norm_in", i, output=False)) for i, norm in enumerate(norms)]
+    handles += [
+        spec.mlp(block).register_forward_hook(keep("mlp_out", i, output=True)) for i, block in enumerate(blocks)
+    ]
     if final_norm is not None:
         handles.append(final_norm.register_forward_pre_hook(keep("final_in", 0, output=False)))
+    if spec.norm == "rmsnorm":
+        handles += [norm.register_forward_hook(_rms_norm_in_float64) for norm in [*norms, final_norm]]
     try:
-        stack = from_huggingface(model, **inputs)
+        stack, attn = _read_stack(model, inputs)
     finally:
         for handle in handles:
             handle.remove()
-    norms = [norm for block in blocks for norm in norms_of(block)]
     with torch.no_grad():
         batch, tokens = stack.attn.shape[0], stack.attn.shape[-1]
-        scales = torch.stack([_inverse_scale(x, norm) for x, norm in zip(seen["norm_in"], norms)], dim=1)
+        scales = torch.stack([_inverse_scale(x, norm, spec.norm) for x, norm in zip(seen["norm_in"], norms)], dim=1)
+        weights = torch.stack([n.weight.detach().double() for n in norms]).reshape(count, 2, -1)
+        biases = torch.zeros_like(weights)
+        if spec.norm == "layernorm":
+            biases = torch.stack([n.bias.detach().double() for n in norms]).reshape(count, 2, -1)
+        value_bias, output_bias = _attention_biases(model, stack)
         final = {}
         if final_norm is not None:
             final = {
-                "final_scale": _inverse_scale(seen["final_in"][0], final_norm),
+                "final_scale": _inverse_scale(seen["final_in"][0], final_norm, spec.norm),
                 "final_weight": final_norm.weight.detach().double(),
-                "final_bias": final_norm.bias.detach().double(),
+                "final_bias": (
+                    final_norm.bias.detach().double()
+                    if spec.norm == "layernorm"
+                    else torch.zeros_like(final_norm.weight, dtype=torch.float64)
+                ),
             }
+        unembedding = getattr(model, "get_output_embeddings", lambda: None)()
         capture = ResidualStreamCapture(
-            layout=layout,
+            layout=spec.layout,
+            norm=spec.norm,
             embedding=stack.hidden_states[0].double(),
             norm_scale=scales.reshape(batch, count, 2, tokens),
-            norm_weight=torch.stack([n.weight.detach().double() for n in norms]).reshape(count, 2, -1),
-            norm_bias=torch.stack([n.bias.detach().double() for n in norms]).reshape(count, 2, -1),
+            norm_weight=weights,
+            norm_bias=biases,
+            value_bias=value_bias,
+            output_bias=output_bias,
             mlp_out=torch.stack([m.double() for m in seen["mlp_out"]], dim=1),
             residual=(seen["final_in"][0] if final_norm is not None else stack.hidden_states[-1]).double(),
+            attn_row_sums=None if stack.attn_precision is None else attn.double().sum(-1),
+            unembedding=None if unembedding is None else unembedding.weight.detach(),
+            unembedding_bias=None if unembedding is None or unembedding.bias is None else unembedding.bias.detach(),
             **final,
         )
+    if stack.token_mask is not None:
+        capture = _zero_padded_tokens(capture, stack.token_mask)
     stack.residual_capture = capture
     return stack, capture
+
+
+def _zero_padded_tokens(capture: ResidualStreamCapture, token_mask: Tensor) -> ResidualStreamCapture:
+    """``capture`` with every per-token value of a padded token set to 0: a padded query's fully
+    masked softmax can give NaN rows (Llama's in float64), which no real token reads but which
+    would reach the real rows of a product as ``0 · NaN``."""
+    padded = ~token_mask
+    where = {  # each field's padded entries, broadcast to its shape
+        "embedding": padded[:, :, None],  # [B, n, d]
+        "residual": padded[:, :, None],
+        "norm_scale": padded[:, None, None, :],  # [B, L, 2, n]
+        "final_scale": padded,  # [B, n]
+        "mlp_out": padded[:, None, :, None],  # [B, L, n, d]
+        "attn_row_sums": padded[:, None, None, :],  # [B, L, H, n]
+    }
+    fields = {}
+    for name, mask in where.items():
+        value = getattr(capture, name)
+        if value is not None:
+            fields[name] = value.masked_fill(mask.to(value.device), 0)
+    return replace(capture, **fields)
+
+
+def _attention_biases(model: nn.Module, stack: AttentionStack) -> tuple[Tensor, Tensor]:
+    """``(b_V [L, H, d_head], b_O [L, d])`` in float64, zeros where the model has none (grouped-query
+    models repeat each key/value head's bias for the query heads that share it)."""
+    value_biases, output_biases = [], []
+    for layer in _attention_layers(model):
+        _, _, b_v, b_out = _value_output(layer)
+        value_biases.append(torch.zeros(stack.num_heads, stack.d_head) if b_v is None else b_v.detach())
+        output_biases.append(torch.zeros(stack.d_model) if b_out is None else b_out.detach())
+    return torch.stack([b.double() for b in value_biases]), torch.stack([b.double() for b in output_biases])

@@ -239,14 +239,22 @@ class AttentionStack:
                 "do not apply"
             )
         capture = self.residual_capture
-        maps = (self.attn.double(), self.w_v.double(), self.w_o.double(), self.b_o.double())
-        attn, w_v, w_o, b_o = (t.to(capture.embedding.device) for t in maps)
+        device = capture.embedding.device
+        attn = self.attn.to(device, torch.float64)
+        if capture.attn_row_sums is not None:  # the patterns as the model computed them
+            attn = attn * capture.attn_row_sums[..., None]
+        if self.token_mask is not None:  # padded queries' rows may be NaN (a fully masked softmax)
+            real = self.token_mask.to(device)
+            attn = attn.masked_fill(~(real[:, None, None, :, None] & real[:, None, None, None, :]), 0)
+        w_v, w_o = self.w_v.to(device, torch.float64), self.w_o.to(device, torch.float64)
+        biases = (capture.value_bias, capture.output_bias, capture.embedding, capture.mlp_out)
         if capture.layout == "post":
             norms = (capture.norm_scale, capture.norm_weight, capture.norm_bias)
-            sums = post_ln_length_sums_ref(attn, *norms, w_v, w_o, b_o, capture.embedding, capture.mlp_out)
-        else:  # pre-LN: the norm before the attention; the MLP's output is a source
+            reference = post_ln_length_sums_ref
+        else:  # pre-norm: the norm before the attention; the MLP's output is a source
             norms = (capture.norm_scale[:, :, 0], capture.norm_weight[:, 0], capture.norm_bias[:, 0])
-            sums = pre_ln_length_sums_ref(attn, *norms, w_v, w_o, b_o, capture.embedding, capture.mlp_out)
+            reference = pre_ln_length_sums_ref
+        sums = reference(attn, *norms, w_v, w_o, *biases, centred=capture.centred)
         if self.token_mask is not None:
             sums = sums * self.token_mask.to(sums.device)[None, :, :, None]
         return sums
