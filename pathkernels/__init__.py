@@ -19,6 +19,7 @@ from pathkernels._extension import load as _load
 _load()
 
 from pathkernels import adapters, distributed, metrics, nn  # noqa: E402
+from pathkernels.analysis import PathAttribution, Readout, logit, logit_diff, path_attribution  # noqa: E402
 from pathkernels.decompose import PathDecomposition, decompose  # noqa: E402
 from pathkernels.engine import PathResiduals, path_residuals  # noqa: E402
 from pathkernels.length_sums import length_sums, truncated_output  # noqa: E402
@@ -49,10 +50,12 @@ def __dir__() -> list[str]:
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
     "MatrixNorms",
+    "PathAttribution",
     "PathDecomposition",
     "PathResiduals",
     "PathStatistics",
     "PathTree",
+    "Readout",
     "adapters",
     "build_info",
     "compat",
@@ -63,10 +66,13 @@ __all__ = [
     "distributed",
     "experiments",
     "length_sums",
+    "logit",
+    "logit_diff",
     "matrix_norms",
     "metrics",
     "models",
     "nn",
+    "path_attribution",
     "path_residuals",
     "path_statistics",
     "residual_norm",

@@ -1,0 +1,9 @@
+"""Analyses of what the adapters capture: per-path attribution of a real model's readouts.
+
+The layer between the adapters (which read models) and the application (command line, demo): it
+imports the core and reads the adapters' captures, and neither imports it.
+"""
+
+from pathkernels.analysis.attribution import PathAttribution, Readout, logit, logit_diff, path_attribution
+
+__all__ = ["PathAttribution", "Readout", "logit", "logit_diff", "path_attribution"]

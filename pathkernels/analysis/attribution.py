@@ -1,0 +1,495 @@
+"""Per-path attribution of a real transformer's readout (docs/DESIGN.md, "Real transformers").
+
+With every attention pattern and normalisation scale frozen at one forward pass (a stack from
+:func:`pathkernels.adapters.capture_huggingface_residual`), a readout ``u`` (a logit, a logit
+difference, a probe direction) at position ``t`` is exactly
+
+    u(t) = Σ_p attr(p) + c,   attr(p) = rᵀ T_S ⋯ T_{j+1} K_j F_{j+1} ⋯ F_S v,
+
+a sum over paths ``p``: a source ``K_j`` (the embedding, a layer's constant rows, an MLP's output)
+entering after sublayer ``j``, then one branch (the skip or a head) of every later sublayer, each a
+token map ``T`` and a feature map ``F``. ``r = e_t / σ_t`` and ``v = C Γ u`` pass the frozen final
+norm, and ``c = βᵀ u`` plus the readout's own bias (a model without a final norm: ``r = e_t``,
+``v = u``).
+
+Both ``rᵀ T_S ⋯`` (a row vector of n tokens) and ``F_{j+1} ⋯ F_S v`` (a column vector of d features)
+build from the top sublayer down, so the paths are walked as one trie from the top: a node holds
+the two vectors of the branches chosen above it, each child costs ``O(n²)`` and ``O(d · d_head)``,
+and each source it meets one ``n × d`` product. The walk is depth first, in chunks of nodes sized
+by the memory budget, and folds each chunk into exact per-source, per-length sums and the top and
+bottom paths, so that trees too large to store stream through.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from pathkernels._progress import progress_bar
+from pathkernels.paths import check_int
+from pathkernels.planner import DEFAULT_MEMORY_BUDGET
+
+if TYPE_CHECKING:
+    from pathkernels.adapters.residual import ResidualStreamCapture
+    from pathkernels.adapters.stack import AttentionStack
+
+_WHERE = "pathkernels.path_attribution"
+_NO_HEAD = -1  # a path's entry at a layer where it takes no head (the skip, or below its source)
+
+
+@dataclass(frozen=True)
+class Readout:
+    """Readout directions in the model's output space: ``directions [R, d]`` (one row per readout,
+    in the unembedding's space: before the final norm's frozen scale), ``bias [R]`` (each one's
+    constant, e.g. the unembedding bias) and their ``labels``."""
+
+    directions: Tensor
+    bias: Tensor
+    labels: tuple[str, ...]
+
+    @staticmethod
+    def of(value: Readout | Tensor, d_model: int, where: str = _WHERE) -> Readout:
+        """``value`` as a Readout: a Readout, a vector ``[d]`` or a matrix ``[d, R]`` of R columns
+        (as ``W_U[:, tokens]``), in float64."""
+        if isinstance(value, Readout):
+            directions, bias, labels = value.directions, value.bias, value.labels
+        elif isinstance(value, Tensor) and value.dim() in (1, 2) and value.shape[0] == d_model:
+            directions = value.reshape(d_model, -1).T
+            bias = torch.zeros(directions.shape[0], dtype=torch.float64)
+            labels = tuple(f"u{i}" for i in range(directions.shape[0]))
+        else:
+            got = list(value.shape) if isinstance(value, Tensor) else type(value).__name__
+            raise ValueError(
+                f"{where}: expected readout to be a Readout (pk.logit_diff, pk.logit), a vector [d] or a matrix "
+                f"[d, R] with d = {d_model}, got {got}"
+            )
+        if directions.dim() != 2 or directions.shape[1] != d_model or directions.shape[0] == 0:
+            raise ValueError(f"{where}: expected readout directions [R, {d_model}], got {list(directions.shape)}")
+        if not bool(torch.isfinite(directions).all()):
+            raise ValueError(f"{where}: readout has a non-finite value")
+        return Readout(directions.detach().double(), bias.detach().double().reshape(-1), tuple(labels))
+
+
+def _unembedding(model, where: str) -> tuple[Tensor, Tensor | None, int]:
+    embedding = getattr(model, "get_output_embeddings", lambda: None)()
+    if embedding is None or not hasattr(embedding, "weight"):
+        raise ValueError(f"{where}: expected a model with an output embedding (an LM head), got {type(model).__name__}")
+    weight = embedding.weight.detach()  # [vocab, d]
+    return weight, getattr(embedding, "bias", None), weight.shape[0]
+
+
+def _token(value, vocab: int, name: str, where: str) -> int:
+    token = check_int(value, name, where)
+    if not 0 <= token < vocab:
+        raise ValueError(f"{where}: expected {name} to be a token id in [0, {vocab}), got {token}")
+    return token
+
+
+def logit(model, token: int) -> Readout:
+    """The logit of ``token``: direction ``W_U[:, token]`` (``[d]``), bias ``b_U[token]``."""
+    where = "pathkernels.logit"
+    weight, bias, vocab = _unembedding(model, where)
+    a = _token(token, vocab, "token", where)
+    constant = torch.zeros(1, dtype=torch.float64) if bias is None else bias.detach()[a : a + 1].double()
+    return Readout(weight[a : a + 1].double(), constant, (f"logit[{a}]",))
+
+
+def logit_diff(model, a: int, b: int) -> Readout:
+    """The logit difference of tokens ``a`` and ``b``: direction ``W_U[:, a] − W_U[:, b]`` (``[d]``),
+    bias ``b_U[a] − b_U[b]``."""
+    where = "pathkernels.logit_diff"
+    weight, bias, vocab = _unembedding(model, where)
+    a, b = _token(a, vocab, "a", where), _token(b, vocab, "b", where)
+    direction = (weight[a].double() - weight[b].double())[None]
+    constant = torch.zeros(1, dtype=torch.float64) if bias is None else (bias[a].double() - bias[b].double()).reshape(1)
+    return Readout(direction, constant.detach(), (f"logit[{a}] − logit[{b}]",))
+
+
+@dataclass
+class _Sublayer:
+    """One sublayer of the frozen model, on one sequence's real tokens (n of them): an attention
+    sublayer (``attn`` the patterns as computed, ``[H, n, n]``) or an MLP (``attn`` None, skip only).
+    ``pre``: pre-norm, where the skip is the identity and a head reads ``D x C Γ``; post-norm, where
+    every branch passes the norm after it, ``D · C Γ``."""
+
+    layer: int
+    attn: Tensor | None
+    scale: Tensor  # D: 1/σ of the sublayer's norm, per token [n]
+    gamma: Tensor  # Γ [d]
+    w_v: Tensor | None  # [H, d, d_head]
+    w_o: Tensor | None  # [H, d_head, d]
+    pre: bool
+    centred: bool
+
+    def _norm_features(self, phi: Tensor) -> Tensor:  # C Γ φ
+        phi = phi * self.gamma
+        return phi - phi.mean(-1, keepdim=True) if self.centred else phi
+
+    def skip(self, rho: Tensor, phi: Tensor) -> tuple[Tensor, Tensor]:
+        """The skip branch: ``ρ' = Tᵀ ρ``, ``φ' = F φ`` for ρ ``[N, P, n]`` and φ ``[N, R, d]``."""
+        if self.pre:
+            return rho, phi
+        return rho * self.scale, self._norm_features(phi)
+
+    def heads(self, rho: Tensor, phi: Tensor) -> tuple[Tensor, Tensor]:
+        """Every head's branch: ``[N, H, P, n]`` and ``[N, H, R, d]``."""
+        if self.pre:  # T = A D, F = C Γ W_V W_O
+            rho_h = torch.einsum("npi,hij->nhpj", rho, self.attn) * self.scale
+            values = torch.einsum("hef,nrf->nhre", self.w_o, phi)
+            return rho_h, self._norm_features(torch.einsum("hde,nhre->nhrd", self.w_v, values))
+        # post-norm: T = D A, F = W_V W_O C Γ
+        rho_h = torch.einsum("npi,hij->nhpj", rho * self.scale, self.attn)
+        values = torch.einsum("hef,nrf->nhre", self.w_o, self._norm_features(phi))
+        return rho_h, torch.einsum("hde,nhre->nhrd", self.w_v, values)
+
+
+@dataclass
+class _Model:
+    """The frozen model of one batch element on its real tokens: sublayers bottom up, and the
+    sources, ``sources[j]`` entering below sublayer j (0: the embedding)."""
+
+    sublayers: list[_Sublayer]
+    sources: list[Tensor]  # [n, d] each, len(sublayers) + 1
+    source_names: list[str]
+    layers: int
+    heads: int
+
+
+def _frozen_model(stack: AttentionStack, capture: ResidualStreamCapture, batch: int, real: Tensor) -> _Model:
+    """The sublayers and sources of batch element ``batch`` restricted to its ``real`` tokens."""
+    device = capture.embedding.device
+    pick = real.to(device)
+    attn = stack.attn[batch].to(device, torch.float64)
+    if capture.attn_row_sums is not None:  # the patterns as the model computed them
+        attn = attn * capture.attn_row_sums[batch, ..., None]
+    attn = attn[..., pick, :][..., pick]  # [L, H, n, n]
+    row_sums = attn.sum(-1)  # r_h = A_h 1 [L, H, n]
+    w_v, w_o = stack.w_v.to(device, torch.float64), stack.w_o.to(device, torch.float64)
+    scale = capture.norm_scale[batch][..., pick]  # [L, 2, n]
+    pre, centred = capture.layout == "pre", capture.centred
+
+    def normalised(t: Tensor, layer: int, which: int) -> Tensor:  # D t C Γ + 1 βᵀ (post-norm sources)
+        t = t - t.mean(-1, keepdim=True) if centred else t
+        return scale[layer, which, :, None] * t * capture.norm_weight[layer, which] + capture.norm_bias[layer, which]
+
+    sublayers, sources, names = [], [capture.embedding[batch][pick]], ["embedding"]
+    for layer in range(stack.num_layers):
+        sublayers.append(
+            _Sublayer(
+                layer, attn[layer], scale[layer, 0], capture.norm_weight[layer, 0], w_v[layer], w_o[layer], pre, centred
+            )
+        )
+        # The attention's constant rows: Σ_h r_h (βᵀ W_V + b_Vᵀ) W_O + 1 b_Oᵀ (pre-norm; post-norm
+        # has no β before its values, and passes the rows through its norm).
+        head_rows = capture.value_bias[layer] + (capture.norm_bias[layer, 0] @ w_v[layer] if pre else 0)
+        constant = torch.einsum("hi,he,hed->id", row_sums[layer], head_rows, w_o[layer]) + capture.output_bias[layer]
+        sources.append(constant if pre else normalised(constant, layer, 0))
+        names.append(f"L{layer} attention bias")
+        mlp = capture.mlp_out[batch, layer][pick]
+        sublayers.append(
+            _Sublayer(layer, None, scale[layer, 1], capture.norm_weight[layer, 1], None, None, pre, centred)
+        )
+        sources.append(mlp if pre else normalised(mlp, layer, 1))
+        names.append(f"L{layer} MLP")
+    return _Model(sublayers, sources, names, stack.num_layers, stack.num_heads)
+
+
+@dataclass
+class PathAttribution:
+    """Attributions of one batch element's readouts to its paths (:func:`path_attribution`).
+
+    Shapes: P positions, R readouts, S sources (``source_names``: the embedding, then per layer its
+    attention's constant rows and its MLP's output), L layers.
+
+    Attributes:
+        positions: ``[P]`` token positions read out; ``labels``: the R readouts' names.
+        value: ``[P, R]`` the readouts of the model's own stream (the capture's, through the frozen
+            final norm): ``Σ_p attr(p) + constant`` over every path, exactly.
+        constant: ``[P, R]`` the part no path carries: the final norm's ``βᵀ u`` and the readout's bias.
+        by_source_length: ``[S, L+1, P, R]`` exact sums of the enumerated paths' attributions by
+            source and number of heads; ``counts [S, L+1]`` how many paths each sums.
+        unenumerated: ``[P, R]`` what paths longer than ``max_length`` carry (``value − constant −``
+            the sums; 0 up to rounding when every path was enumerated).
+        top / bottom: the ``top_k`` largest and smallest attributions per (position, readout):
+            ``values [k, P, R]``, ``paths [k, P, R, L]`` (the head at each layer, −1 where none) and
+            ``sources [k, P, R]``.
+        paths, path_sources, attribution: every enumerated path (``[M, L]``, ``[M]``) and its
+            attribution ``[M, P, R]``, when they fit the memory budget (else None).
+    """
+
+    batch: int
+    positions: Tensor
+    labels: tuple[str, ...]
+    source_names: list[str]
+    value: Tensor
+    constant: Tensor
+    by_source_length: Tensor
+    counts: Tensor
+    top_values: Tensor
+    top_paths: Tensor
+    top_sources: Tensor
+    bottom_values: Tensor
+    bottom_paths: Tensor
+    bottom_sources: Tensor
+    paths: Tensor | None = None
+    path_sources: Tensor | None = None
+    attribution: Tensor | None = None
+
+    @property
+    def by_length(self) -> Tensor:
+        """``[L+1, P, R]``: exact sums of the enumerated attributions by number of heads."""
+        return self.by_source_length.sum(0)
+
+    @property
+    def by_source(self) -> Tensor:
+        """``[S, P, R]``: exact sums of the enumerated attributions by source."""
+        return self.by_source_length.sum(1)
+
+    @property
+    def unenumerated(self) -> Tensor:
+        return self.value - self.constant - self.by_source_length.sum((0, 1))
+
+    def describe(self, path: Tensor, source: int) -> str:
+        """A path as text, source first: ``"L3H5 → L7H1 from L2 MLP"``, or ``"L2 MLP (direct)"``."""
+        heads = [f"L{layer}H{int(head)}" for layer, head in enumerate(path.tolist()) if head != _NO_HEAD]
+        origin = self.source_names[int(source)]
+        return f"{' → '.join(heads)} from {origin}" if heads else f"{origin} (direct)"
+
+    def table(self, *, position: int = 0, readout: int = 0, which: str = "top") -> list[dict]:
+        """The top (or ``which="bottom"``) paths of one position and readout (indices into
+        ``positions`` and ``labels``) as rows: rank, path, source, length, attribution and its
+        share of ``value − constant``."""
+        if which not in ("top", "bottom"):
+            raise ValueError(f"PathAttribution.table: expected which='top' or 'bottom', got {which!r}")
+        values, paths, sources = (
+            (self.top_values, self.top_paths, self.top_sources)
+            if which == "top"
+            else (self.bottom_values, self.bottom_paths, self.bottom_sources)
+        )
+        whole = float(self.value[position, readout] - self.constant[position, readout])
+        rows = []
+        for rank in range(values.shape[0]):
+            value = float(values[rank, position, readout])
+            if math.isnan(value):
+                break
+            path = paths[rank, position, readout]
+            rows.append(
+                {
+                    "rank": rank + 1,
+                    "path": self.describe(path, int(sources[rank, position, readout])),
+                    "source": self.source_names[int(sources[rank, position, readout])],
+                    "length": int((path != _NO_HEAD).sum()),
+                    "attribution": value,
+                    "share": value / whole if whole != 0 else math.nan,
+                }
+            )
+        return rows
+
+    def to_frame(self, *, position: int = 0, readout: int = 0, which: str = "top"):
+        """:meth:`table` as a pandas DataFrame (pandas is optional)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.table(position=position, readout=readout, which=which))
+
+
+def count_attribution_paths(layers: int, heads: int, max_length: int) -> int:
+    """Paths of a pre- or post-norm model with ``layers`` attention layers of ``heads`` heads, up to
+    ``max_length`` heads: the embedding reaches every layer, layer l's two sources the layers above."""
+    total = 0
+    for above, count in [(layers, 1)] + [(layers - 1 - layer, 2) for layer in range(layers)]:
+        total += count * sum(math.comb(above, k) * heads**k for k in range(min(above, max_length) + 1))
+    return total
+
+
+class _Fold:
+    """Accumulates emitted attributions: sums by source and length, counts, top and bottom k, and
+    (when ``keep``) every path."""
+
+    def __init__(self, sources: int, layers: int, positions: int, readouts: int, top_k: int, keep: bool):
+        self.sums = torch.zeros(sources, layers + 1, positions, readouts, dtype=torch.float64)
+        self.counts = torch.zeros(sources, layers + 1, dtype=torch.long)
+        self.k = top_k
+        self.best = [
+            torch.zeros(0, positions, readouts, dtype=torch.float64),  # values
+            torch.zeros(0, positions, readouts, layers, dtype=torch.long),  # paths
+            torch.zeros(0, positions, readouts, dtype=torch.long),  # sources
+        ]
+        self.worst = [t.clone() for t in self.best]
+        self.kept: list[tuple[Tensor, Tensor, Tensor]] | None = [] if keep else None
+
+    def add(self, source: int, values: Tensor, choices: Tensor, lengths: Tensor) -> None:
+        """values ``[N, P, R]`` of N paths from ``source``, their choices ``[N, L]`` and lengths ``[N]``."""
+        self.sums[source].index_add_(0, lengths, values)
+        self.counts[source].index_add_(0, lengths, torch.ones_like(lengths))
+        if self.kept is not None:
+            self.kept.append((choices, torch.full_like(lengths, source), values))
+        if self.k > 0:
+            self.best = self._merge(self.best, values, choices, source, largest=True)
+            self.worst = self._merge(self.worst, values, choices, source, largest=False)
+
+    def _merge(self, held, values, choices, source, *, largest: bool):
+        held_values, held_paths, held_sources = held
+        k = min(self.k, values.shape[0])
+        chosen = torch.topk(values, k, dim=0, largest=largest)  # [k, P, R]
+        paths = choices[chosen.indices]  # [k, P, R, L]
+        all_values = torch.cat([held_values, chosen.values])
+        all_paths = torch.cat([held_paths, paths])
+        all_sources = torch.cat([held_sources, torch.full_like(chosen.indices, source)])
+        keep = torch.topk(all_values, min(self.k, all_values.shape[0]), dim=0, largest=largest).indices
+        gather = keep[..., None].expand(-1, -1, -1, all_paths.shape[-1])
+        return [all_values.gather(0, keep), all_paths.gather(0, gather), all_sources.gather(0, keep)]
+
+
+def path_attribution(
+    stack: AttentionStack,
+    readout: Readout | Tensor,
+    *,
+    positions: int | list[int] | None = None,
+    batch: int = 0,
+    max_length: int | None = None,
+    top_k: int = 20,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    progress: bool = False,
+) -> PathAttribution:
+    """Each path's attribution to a readout of a captured model, exact per-source and per-length
+    sums, and the ``top_k`` largest and smallest paths (module docstring for the formula).
+
+    Args:
+        stack: a stack with a ``residual_capture`` (:func:`pathkernels.adapters.capture_huggingface_residual`).
+        readout: :func:`logit_diff`, :func:`logit`, a :class:`Readout`, a direction ``[d]`` or
+            directions ``[d, R]`` in the unembedding's space (before the final norm's frozen scale).
+        positions: token positions to read out (default: the last real token of ``batch``).
+        batch: the batch element.
+        max_length: enumerate only paths through at most this many heads (default: every path).
+            What the longer paths carry together is still exact: ``unenumerated``.
+        top_k: how many largest and smallest paths to keep per (position, readout).
+        memory_budget: bytes for the walk's chunks; every path's attribution is kept
+            (``attribution``) only when it fits a quarter of it.
+        progress: a progress bar over the paths.
+
+    Returns:
+        :class:`PathAttribution`, float64. ``value`` is the readout of the capture's stream,
+        ``Σ_p attr(p) + constant`` over every path; the tests hold it to the model's own logits.
+    """
+    capture = getattr(stack, "residual_capture", None)
+    if capture is None:
+        raise ValueError(
+            f"{_WHERE}: expected a stack with a residual_capture (pk.adapters.capture_huggingface_residual): "
+            "attributions need the model's frozen norms, MLP outputs and final norm"
+        )
+    batch = check_int(batch, "batch", _WHERE)
+    if not 0 <= batch < stack.batch_size:
+        raise ValueError(f"{_WHERE}: expected batch in [0, {stack.batch_size}), got {batch}")
+    top_k = check_int(top_k, "top_k", _WHERE)
+    if top_k < 0:
+        raise ValueError(f"{_WHERE}: expected top_k >= 0, got {top_k}")
+    layers, heads, d = stack.num_layers, stack.num_heads, stack.d_model
+    max_length = layers if max_length is None else check_int(max_length, "max_length", _WHERE)
+    if not 0 <= max_length <= layers:
+        raise ValueError(f"{_WHERE}: expected max_length in [0, {layers}], got {max_length}")
+    memory_budget = check_int(memory_budget, "memory_budget", _WHERE)
+    if memory_budget <= 0:
+        raise ValueError(f"{_WHERE}: expected a positive memory_budget, got {memory_budget}")
+    read = Readout.of(readout, d)
+    tokens = stack.attn.shape[-1]
+    real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu()
+    real_index = real.nonzero().flatten()
+    if positions is None:
+        positions = [int(real_index[-1])]
+    elif not isinstance(positions, (list, tuple)):
+        positions = [positions]
+    positions = [check_int(p, "positions", _WHERE) for p in positions]
+    for p in positions:
+        if not -tokens <= p < tokens or not bool(real[p]):
+            raise ValueError(
+                f"{_WHERE}: expected positions of real tokens of batch element {batch} in [0, {tokens}), got {p}"
+            )
+    positions = [p % tokens for p in positions]
+    where_real = torch.cumsum(real.long(), 0) - 1  # a real token's index among the real ones
+
+    model = _frozen_model(stack, capture, batch, real)
+    device = model.sources[0].device
+    directions, bias = read.directions.to(device), read.bias.to(device)
+    rows = where_real[positions].to(device)
+    # The frozen final norm: r = e_t / σ_t, v = C Γ u, constant βᵀ u (post-norm: none).
+    rho = torch.zeros(1, len(positions), int(real.sum()), dtype=torch.float64, device=device)
+    rho[0, torch.arange(len(positions)), rows] = 1.0
+    phi = directions[None].clone()
+    constant = bias.expand(len(positions), -1).clone()
+    if capture.final_scale is not None:
+        rho = rho * capture.final_scale[batch][real.to(device)]
+        phi = phi * capture.final_weight
+        phi = phi - phi.mean(-1, keepdim=True) if capture.centred else phi
+        constant = constant + (directions @ capture.final_bias)[None]
+    value = (rho[0] @ capture.residual[batch][real.to(device)]) @ phi[0].T + constant
+
+    total = count_attribution_paths(layers, heads, max_length)
+    node_bytes = 8 * (rho.shape[1] * rho.shape[2] + phi.shape[1] * d)
+    chunk = max(1, memory_budget // (4 * (heads + 1) * node_bytes))
+    keep = total * (8 * len(positions) * len(read.labels) + 8 * (layers + 1)) <= memory_budget // 4
+    fold = _Fold(len(model.sources), layers, len(positions), len(read.labels), top_k, keep)
+    bar = progress_bar(total, enabled=progress, unit="path", desc=_WHERE)
+    _walk(model, rho, phi, max_length, chunk, fold, bar)
+    if bar is not None:
+        bar.close()
+    kept = {}
+    if fold.kept is not None:
+        choices, sources, values = (torch.cat(parts) for parts in zip(*fold.kept)) if fold.kept else (None,) * 3
+        kept = {"paths": choices, "path_sources": sources, "attribution": values}
+    return PathAttribution(
+        batch=batch,
+        positions=torch.tensor(positions),
+        labels=read.labels,
+        source_names=model.source_names,
+        value=value,
+        constant=constant,
+        by_source_length=fold.sums,
+        counts=fold.counts,
+        top_values=fold.best[0],
+        top_paths=fold.best[1],
+        top_sources=fold.best[2],
+        bottom_values=fold.worst[0],
+        bottom_paths=fold.worst[1],
+        bottom_sources=fold.worst[2],
+        **kept,
+    )
+
+
+def _walk(model: _Model, rho: Tensor, phi: Tensor, max_length: int, chunk: int, fold: _Fold, bar) -> None:
+    """Depth first from the top: a node at level j has chosen the branches of sublayers j, j+1, …;
+    it meets source j (entering below sublayer j), then branches through sublayer j − 1."""
+    choices = torch.full((1, model.layers), _NO_HEAD, dtype=torch.long, device=rho.device)
+    lengths = torch.zeros(1, dtype=torch.long, device=rho.device)
+    pending = [(len(model.sublayers), rho, phi, choices, lengths)]
+    while pending:
+        level, rho, phi, choices, lengths = pending.pop()
+        source = model.sources[level]
+        values = torch.einsum("npd,nrd->npr", rho @ source, phi)
+        fold.add(level, values, choices, lengths)
+        if bar is not None:
+            bar.update(values.shape[0])
+        if level == 0:
+            continue
+        sublayer = model.sublayers[level - 1]
+        parts = [sublayer.skip(rho, phi) + (choices, lengths)]
+        grows = lengths < max_length
+        if sublayer.attn is not None and bool(grows.any()):
+            rho_h, phi_h = sublayer.heads(rho[grows], phi[grows])
+            heads = rho_h.shape[1]
+            head_choices = choices[grows][:, None].repeat(1, heads, 1)
+            head_choices[:, :, sublayer.layer] = torch.arange(heads, device=rho.device)
+            parts.append(
+                (
+                    rho_h.flatten(0, 1),
+                    phi_h.flatten(0, 1),
+                    head_choices.flatten(0, 1),
+                    (lengths[grows] + 1).repeat_interleave(heads),
+                )
+            )
+        for part in parts:
+            for start in range(0, part[0].shape[0], chunk):
+                pending.append((level - 1, *(t[start : start + chunk] for t in part)))

@@ -1,0 +1,228 @@
+"""pk.path_attribution (issue 24): each path's attribution to a readout of a captured model.
+
+Completeness against the models' own logits (GPT-2 and a Llama in float64 and float32, BERT through a
+probe direction), each path's attribution against its term written literally from the design's
+matrices, the sums by length against the dynamic programming of stack.length_sums(), the top and
+bottom paths against a sort of every path, and the streaming walk against the stored one.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import pathkernels as pk
+from pathkernels.adapters.residual import capture_huggingface_residual
+from pathkernels.analysis.attribution import count_attribution_paths
+
+transformers = pytest.importorskip("transformers")
+
+from test_real_models import bert, gpt2, llama  # noqa: E402
+
+
+def model_logits(model, **inputs):
+    with torch.no_grad():
+        return model.eval()(**inputs).logits
+
+
+def test_a_gpt2_logit_difference_is_the_sum_of_its_path_attributions():
+    model = gpt2()
+    ids = torch.randint(0, 50, (2, 9))
+    stack, _ = capture_huggingface_residual(model, input_ids=ids)
+    readout = pk.logit_diff(model, 3, 7)
+    result = pk.path_attribution(stack, readout, positions=[8, 4], batch=1)
+    logits = model_logits(model, input_ids=ids)[1]
+    expected = (logits[[8, 4], 3] - logits[[8, 4], 7])[:, None]
+    torch.testing.assert_close(result.value, expected, rtol=1e-10, atol=1e-10)
+    # Completeness over the stored paths, and every path enumerated once.
+    assert result.attribution.shape == (count_attribution_paths(3, 4, 3), 2, 1)
+    torch.testing.assert_close(result.attribution.sum(0) + result.constant, expected, rtol=1e-10, atol=1e-10)
+    assert float(result.unenumerated.abs().max()) < 1e-10 * float(expected.abs().max())
+    assert torch.equal(result.counts.sum(), torch.tensor(result.attribution.shape[0]))
+    assert len({(tuple(p.tolist()), int(s)) for p, s in zip(result.paths, result.path_sources)}) == len(result.paths)
+
+
+def test_the_sums_by_length_are_the_readout_of_the_length_sums():
+    """by_length[k] = rᵀ S_k v with S_k from the dynamic programming (stack.length_sums())."""
+    model = gpt2()
+    ids = torch.randint(0, 50, (1, 7))
+    stack, capture = capture_huggingface_residual(model, input_ids=ids)
+    u = torch.randn(32, 2, dtype=torch.float64)
+    result = pk.path_attribution(stack, u, positions=[6, 2], top_k=0)
+    sums = stack.length_sums()[:, 0]  # [L+1, n, d]
+    gamma, beta = capture.final_weight, capture.final_bias
+    v = u * gamma[:, None]
+    v = v - v.mean(0, keepdim=True)
+    r = capture.final_scale[0, [6, 2]]
+    expected = torch.einsum("knd,dr->knr", sums, v)[:, [6, 2]] * r[None, :, None]
+    torch.testing.assert_close(result.by_length, expected, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(result.constant, (beta @ u).expand(2, 2))
+
+
+def literal_attributions(stack, capture, position, u):
+    """Every pre-LN path's attribution from its matrices: rᵀ (A D)⋯ K (C Γ W_V W_O)⋯ v."""
+    layers, heads, width = stack.num_layers, stack.num_heads, stack.d_model
+    n = stack.attn.shape[-1]
+    attn, w_v, w_o = stack.attn[0].double(), stack.w_v.double(), stack.w_o.double()
+    centre = torch.eye(width, dtype=torch.float64) - 1.0 / width
+    ones = torch.ones(n, 1, dtype=torch.float64)
+    sources = [(0, "embedding", capture.embedding[0])]
+    for layer in range(layers):
+        rows = sum(
+            ones @ ((capture.norm_bias[layer, 0] @ w_v[layer, h] + capture.value_bias[layer, h]) @ w_o[layer, h])[None]
+            for h in range(heads)
+        )
+        sources.append((layer + 1, f"L{layer} attention bias", rows + capture.output_bias[layer]))
+        sources.append((layer + 1, f"L{layer} MLP", capture.mlp_out[0, layer]))
+    r = torch.zeros(n, dtype=torch.float64)
+    r[position] = capture.final_scale[0, position]
+    v = centre @ torch.diag(capture.final_weight) @ u
+    out = {}
+    for first_layer, name, source in sources:
+        later = range(first_layer, layers)
+        for choice in itertools.product([None, *range(heads)], repeat=len(later)):
+            term = source
+            path = [-1] * layers
+            for layer, head in zip(later, choice):
+                if head is not None:
+                    token = attn[layer, head] @ torch.diag(capture.norm_scale[0, layer, 0])
+                    feature = centre @ torch.diag(capture.norm_weight[layer, 0]) @ w_v[layer, head] @ w_o[layer, head]
+                    term = token @ term @ feature
+                    path[layer] = head
+            out[(tuple(path), name)] = float(r @ term @ v)
+    return out
+
+
+def test_each_path_attribution_is_its_literal_term():
+    layers, heads, width, n = 2, 2, 8, 5
+    model = gpt2(layers, heads, width)
+    stack, capture = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, n)))
+    u = torch.randn(width, dtype=torch.float64)
+    result = pk.path_attribution(stack, u, positions=3)
+    expected = literal_attributions(stack, capture, 3, u)
+    got = {
+        (tuple(p.tolist()), result.source_names[int(s)]): float(a[0, 0])
+        for p, s, a in zip(result.paths, result.path_sources, result.attribution)
+    }
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert math.isclose(got[key], value, rel_tol=1e-11, abs_tol=1e-12), (key, got[key], value)
+
+
+def test_the_top_and_bottom_paths_are_those_of_a_sort():
+    model = gpt2()
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 9)))
+    result = pk.path_attribution(stack, pk.logit_diff(model, 1, 2), top_k=7)
+    ordered = torch.sort(result.attribution[:, 0, 0], descending=True)
+    torch.testing.assert_close(result.top_values[:, 0, 0], ordered.values[:7], rtol=0, atol=0)
+    torch.testing.assert_close(result.bottom_values[:, 0, 0], ordered.values.flip(0)[:7], rtol=0, atol=0)
+    for rank in range(7):
+        index = ordered.indices[rank]
+        assert torch.equal(result.top_paths[rank, 0, 0], result.paths[index])
+        assert int(result.top_sources[rank, 0, 0]) == int(result.path_sources[index])
+    rows = result.table()
+    assert [row["rank"] for row in rows] == list(range(1, 8))
+    assert rows[0]["attribution"] == float(ordered.values[0])
+    assert " from " in rows[0]["path"] or rows[0]["path"].endswith("(direct)")
+
+
+def test_a_small_budget_streams_the_same_answer():
+    """A budget too small to keep every path: chunks of a few nodes, no stored attributions, the
+    same sums (to rounding: another order) and the same top paths."""
+    model = gpt2()
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 9)))
+    readout = pk.logit_diff(model, 4, 5)
+    whole = pk.path_attribution(stack, readout, top_k=5)
+    streamed = pk.path_attribution(stack, readout, top_k=5, memory_budget=20_000)
+    assert whole.attribution is not None and streamed.attribution is None
+    torch.testing.assert_close(streamed.by_source_length, whole.by_source_length, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(streamed.top_values, whole.top_values, rtol=0, atol=0)
+    assert torch.equal(streamed.top_paths, whole.top_paths)
+
+
+def test_max_length_leaves_the_longer_paths_to_unenumerated():
+    model = gpt2()
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 9)))
+    readout = pk.logit_diff(model, 4, 5)
+    whole = pk.path_attribution(stack, readout)
+    short = pk.path_attribution(stack, readout, max_length=1)
+    assert short.counts.sum() == count_attribution_paths(3, 4, 1)
+    torch.testing.assert_close(short.by_length[:2], whole.by_length[:2], rtol=1e-12, atol=1e-14)
+    assert bool((short.by_length[2:] == 0).all())
+    torch.testing.assert_close(short.unenumerated, whole.by_length[2:].sum(0), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_llama_logit_difference_is_the_sum_of_its_path_attributions(dtype):
+    """GQA, rotary, RMSNorm, a float32 softmax: complete to 1e-10 in float64 against the capture's
+    forward pass, whose logits are the model's own to float32's rounding; in float32 to 1e-4."""
+    model = llama(dtype=dtype)
+    ids = torch.randint(0, 50, (1, 9))
+    stack, capture = capture_huggingface_residual(model, input_ids=ids)
+    readout = pk.logit_diff(model, 3, 11)
+    result = pk.path_attribution(stack, readout, positions=[8, 5])
+    complete = result.by_source_length.sum((0, 1)) + result.constant
+    logits = model_logits(model, input_ids=ids)[0].double()
+    own = (logits[[8, 5], 3] - logits[[8, 5], 11])[:, None]
+    if dtype == torch.float64:
+        torch.testing.assert_close(complete, result.value, rtol=1e-10, atol=1e-10)
+        assert float((result.value - own).abs().max()) <= 1e-5 * float(logits.abs().max())
+    else:  # the float32 stream is a sum of its paths to float32's rounding
+        assert float((complete - own).abs().max()) <= 1e-4 * float(own.abs().max())
+    if dtype == torch.float64:  # exactly the capture's stream through the frozen final norm
+        norm = capture.residual[0] * capture.final_scale[0, :, None] * capture.final_weight
+        direct = norm[[8, 5]] @ readout.directions[0]
+        torch.testing.assert_close(result.value[:, 0], direct + readout.bias, rtol=1e-12, atol=1e-12)
+
+
+def test_a_bert_probe_is_the_sum_of_its_path_attributions():
+    """Post-LN, no final norm: a probe direction u reads the last hidden state, u · h_t."""
+    model = bert()
+    ids = torch.randint(0, 50, (1, 7))
+    stack, capture = capture_huggingface_residual(model, input_ids=ids)
+    u = torch.randn(32, dtype=torch.float64)
+    result = pk.path_attribution(stack, u, positions=[0, 6])
+    expected = (capture.residual[0, [0, 6]] @ u)[:, None]
+    torch.testing.assert_close(result.value, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(result.by_source_length.sum((0, 1)), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_a_padded_sequence_reads_as_it_does_alone():
+    model = gpt2()
+    ids = torch.randint(0, 50, (2, 9))
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    stack, _ = capture_huggingface_residual(model, input_ids=ids, attention_mask=mask)
+    alone, _ = capture_huggingface_residual(model, input_ids=ids[1:, :6])
+    readout = pk.logit_diff(model, 0, 9)
+    padded = pk.path_attribution(stack, readout, batch=1)
+    single = pk.path_attribution(alone, readout)
+    assert padded.positions.tolist() == [5]  # the last real token
+    torch.testing.assert_close(padded.value, single.value, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(padded.by_source_length, single.by_source_length, rtol=1e-9, atol=1e-10)
+    with pytest.raises(ValueError, match=r"^pathkernels\.path_attribution: expected positions of real tokens"):
+        pk.path_attribution(stack, readout, batch=1, positions=7)
+
+
+def test_bad_arguments_are_refused_by_name():
+    model = gpt2()
+    ids = torch.randint(0, 50, (1, 5))
+    stack, _ = capture_huggingface_residual(model, input_ids=ids)
+    plain = pk.adapters.from_huggingface(model, input_ids=ids)
+    readout = pk.logit_diff(model, 0, 1)
+    cases = [
+        ((plain, readout), {}, r"expected a stack with a residual_capture"),
+        ((stack, torch.randn(7)), {}, r"expected readout to be a Readout .* d = 32, got \[7\]"),
+        ((stack, readout), {"max_length": 4}, r"expected max_length in \[0, 3\], got 4"),
+        ((stack, readout), {"batch": 1}, r"expected batch in \[0, 1\), got 1"),
+        ((stack, readout), {"top_k": -1}, r"expected top_k >= 0"),
+        ((stack, readout), {"positions": 5}, r"expected positions of real tokens"),
+    ]
+    for args, kwargs, message in cases:
+        with pytest.raises(ValueError, match=r"^pathkernels\.path_attribution: " + message):
+            pk.path_attribution(*args, **kwargs)
+    with pytest.raises(ValueError, match=r"^pathkernels\.logit_diff: expected b to be a token id in \[0, 50\)"):
+        pk.logit_diff(model, 0, 50)
+    with pytest.raises(ValueError, match=r"^pathkernels\.logit: expected a model with an output embedding"):
+        pk.logit(bert(), 0)
