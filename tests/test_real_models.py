@@ -53,6 +53,21 @@ def test_the_paths_of_a_gpt2_sum_to_its_residual_stream():
     assert all(float(s.abs().max()) > 1e-3 for s in sums)
 
 
+def enumerated_pre_norm_sums(sources, layers, heads, token_map, feature_map):
+    """Σ by length of every pre-norm path written out: a source ``(first layer, [n, d])``, then at
+    each later layer the skip or head h's ``token_map(l, h) @ · @ feature_map(l, h)``."""
+    expected = torch.zeros(layers + 1, *sources[0][1].shape, dtype=torch.float64)
+    for first_layer, source in sources:
+        later = range(first_layer, layers)
+        for choice in itertools.product([None, *range(heads)], repeat=len(later)):
+            term = source
+            for layer, head in zip(later, choice):
+                if head is not None:
+                    term = token_map(layer, head) @ term @ feature_map(layer, head)
+            expected[sum(h is not None for h in choice)] += term
+    return expected
+
+
 def test_the_length_sums_are_the_sums_of_the_enumerated_paths():
     """Each path's term written literally from the design's matrices (D = diag(1/σ), C = I − 11ᵀ/d,
     Γ = diag(γ)), summed by length, against the dynamic programming."""
@@ -76,15 +91,7 @@ def test_the_length_sums_are_the_sums_of_the_enumerated_paths():
     for layer in range(layers):
         constant = sum(capture.norm_bias[layer, 0] @ w_v[layer, h] @ w_o[layer, h] for h in range(heads)) + b_o[layer]
         sources.append((layer + 1, ones @ constant[None] + capture.mlp_out[0, layer]))
-    expected = torch.zeros(layers + 1, n, width, dtype=torch.float64)
-    for first_layer, source in sources:
-        later = range(first_layer, layers)
-        for choice in itertools.product([None, *range(heads)], repeat=len(later)):
-            term = source
-            for layer, head in zip(later, choice):
-                if head is not None:
-                    term = token_map(layer, head) @ term @ feature_map(layer, head)
-            expected[sum(h is not None for h in choice)] += term
+    expected = enumerated_pre_norm_sums(sources, layers, heads, token_map, feature_map)
     torch.testing.assert_close(stack.length_sums()[:, 0], expected, rtol=1e-12, atol=1e-12)
 
 
@@ -279,15 +286,7 @@ def test_the_llama_length_sums_are_the_sums_of_the_enumerated_paths():
             rows = attn[layer, h].sum(-1, keepdim=True)
             constant += rows @ (capture.value_bias[layer, h] @ w_o[layer, h])[None]
         sources.append((layer + 1, constant + capture.mlp_out[0, layer]))
-    expected = torch.zeros(layers + 1, n, width, dtype=torch.float64)
-    for first_layer, source in sources:
-        later = range(first_layer, layers)
-        for choice in itertools.product([None, *range(heads)], repeat=len(later)):
-            term = source
-            for layer, head in zip(later, choice):
-                if head is not None:
-                    term = token_map(layer, head) @ term @ feature_map(layer, head)
-            expected[sum(h is not None for h in choice)] += term
+    expected = enumerated_pre_norm_sums(sources, layers, heads, token_map, feature_map)
     torch.testing.assert_close(stack.length_sums()[:, 0], expected, rtol=1e-12, atol=1e-12)
 
 
