@@ -252,3 +252,36 @@ def post_ln_length_sums_ref(
         sums = [frozen(s, layer, 1) for s in sums]
         sums[0] = sums[0] + frozen(mlp_out[:, layer], layer, 1) + norm_bias[layer, 1]
     return torch.stack(sums)
+
+
+def pre_norm_path_attribution_ref(
+    attn: Tensor,
+    norm_scale: Tensor,
+    norm_weight: Tensor,
+    w_v: Tensor,
+    w_o: Tensor,
+    source: Tensor,
+    heads: list[int],
+    r: Tensor,
+    v: Tensor,
+    *,
+    centred: bool = True,
+) -> Tensor:
+    """One pre-norm path's attribution ``rᵀ T_k ⋯ T_1 K F_1 ⋯ F_k v`` from its matrices, one
+    sequence: attn ``[L, H, n, n]`` as computed, norm_scale ``[L, n]`` and norm_weight ``[L, d]`` of
+    the attention-input norms, w_v ``[L, H, d, d_head]``, w_o ``[L, H, d_head, d]``; the source
+    ``K [n, d]``; ``heads [L]`` the head taken at each layer (−1: none; the source's layer and
+    below are −1); r ``[n]`` and v ``[d]`` the frozen readout. Head h of layer l is
+    ``T = A_h D_l``, ``F = C Γ_l W_V,h W_O,h`` (``C = I`` unless ``centred``). The term is
+    materialised, ``O(n² d + n d²)`` per head: the plain way, for tests and benchmarks."""
+    term = source
+    width = source.shape[-1]
+    centre = torch.eye(width, dtype=source.dtype, device=source.device)
+    if centred:
+        centre = centre - 1.0 / width
+    for layer, head in enumerate(heads):
+        if head >= 0:
+            token_map = attn[layer, head] * norm_scale[layer][None, :]
+            feature_map = centre @ (norm_weight[layer][:, None] * (w_v[layer, head] @ w_o[layer, head]))
+            term = token_map @ term @ feature_map
+    return r @ term @ v

@@ -15,6 +15,7 @@ import torch
 import pathkernels as pk
 from pathkernels.adapters.residual import capture_huggingface_residual
 from pathkernels.analysis.attribution import count_attribution_paths
+from pathkernels.reference import pre_norm_path_attribution_ref
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,7 +62,8 @@ def test_the_sums_by_length_are_the_readout_of_the_length_sums():
 
 
 def literal_attributions(stack, capture, position, u):
-    """Every pre-LN path's attribution from its matrices: rᵀ (A D)⋯ K (C Γ W_V W_O)⋯ v."""
+    """Every pre-LN path's attribution from its matrices: rᵀ (A D)⋯ K (C Γ W_V W_O)⋯ v, with the
+    sources written out here (the embedding, per layer the constant rows and the MLP's output)."""
     layers, heads, width = stack.num_layers, stack.num_heads, stack.d_model
     n = stack.attn.shape[-1]
     attn, w_v, w_o = stack.attn[0].double(), stack.w_v.double(), stack.w_o.double()
@@ -78,19 +80,12 @@ def literal_attributions(stack, capture, position, u):
     r = torch.zeros(n, dtype=torch.float64)
     r[position] = capture.final_scale[0, position]
     v = centre @ torch.diag(capture.final_weight) @ u
+    maps = (attn, capture.norm_scale[0, :, 0], capture.norm_weight[:, 0], w_v, w_o)
     out = {}
     for first_layer, name, source in sources:
-        later = range(first_layer, layers)
-        for choice in itertools.product([None, *range(heads)], repeat=len(later)):
-            term = source
-            path = [-1] * layers
-            for layer, head in zip(later, choice):
-                if head is not None:
-                    token = attn[layer, head] @ torch.diag(capture.norm_scale[0, layer, 0])
-                    feature = centre @ torch.diag(capture.norm_weight[layer, 0]) @ w_v[layer, head] @ w_o[layer, head]
-                    term = token @ term @ feature
-                    path[layer] = head
-            out[(tuple(path), name)] = float(r @ term @ v)
+        for choice in itertools.product([-1, *range(heads)], repeat=layers - first_layer):
+            path = (-1,) * first_layer + choice
+            out[(path, name)] = float(pre_norm_path_attribution_ref(*maps, source, list(path), r, v))
     return out
 
 

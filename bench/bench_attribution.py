@@ -1,0 +1,141 @@
+"""Benchmark of pk.path_attribution: the readout trie against the plain way of computing the same
+attributions (each path's term materialised, ``rᵀ (A D)⋯ K (C Γ W_V W_O)⋯ v``, one path at a time:
+pathkernels.reference.pre_norm_path_attribution_ref).
+
+GPT-2-shaped models built from configs in float64 (random weights, random biases and norm
+parameters), one sequence, a logit difference read at the last token. Reported per case: the
+paths, the trie's time (best of several calls) and paths per second, the plain loop's time per
+path on a sample of paths, extrapolated to the whole set, and the speed-up.
+
+    python bench/bench_attribution.py                 # the grid, about a minute on 2 cores
+    python bench/bench_attribution.py --quick
+    python bench/bench_attribution.py --out bench/results/attribution-cpu-dev.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from pathkernels.benchmarks import format_table, seconds_per_call
+
+# (layers, heads, d_model, tokens, max_length or None for every path)
+GRID = [(4, 8, 64, 16, None), (6, 8, 64, 16, None), (6, 12, 768, 16, 2), (12, 12, 768, 16, 1)]
+QUICK = [(4, 8, 64, 16, None)]
+LOOP_SAMPLE = 64
+COLUMNS = [
+    ("L", "layers", ""),
+    ("H", "heads", ""),
+    ("d", "d_model", ""),
+    ("n", "tokens", ""),
+    ("max len", "max_length", ""),
+    ("paths", "paths", ","),
+    ("trie s", "trie_s", ".3f"),
+    ("paths/s", "paths_per_s", ".3g"),
+    ("loop s (est.)", "loop_s_estimated", ".1f"),
+    ("vs loop", "speedup_vs_loop", ".0f", "x"),
+]
+
+
+def gpt2_model(layers: int, heads: int, width: int, tokens: int):
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_layer=layers, n_head=heads, n_embd=width, vocab_size=100, n_positions=tokens, initializer_range=0.3
+    )
+    model = transformers.GPT2LMHeadModel(config).double()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.normal_(0, 0.5)
+            elif "ln_" in name and name.endswith("weight"):
+                parameter.uniform_(0.5, 1.5)
+    return model
+
+
+def plain_loop(stack, capture, result, sample: int) -> float:
+    """Seconds per path of the plain way, timed on ``sample`` of the paths the trie kept (each term
+    costs the same whatever its source, so the embedding stands for every source)."""
+    from pathkernels.reference import pre_norm_path_attribution_ref
+
+    attn = stack.attn[0].double()
+    if capture.attn_row_sums is not None:
+        attn = attn * capture.attn_row_sums[0, ..., None]
+    maps = (attn, capture.norm_scale[0, :, 0], capture.norm_weight[:, 0], stack.w_v.double(), stack.w_o.double())
+    position = int(result.positions[0])
+    r = torch.zeros(attn.shape[-1], dtype=torch.float64)
+    r[position] = capture.final_scale[0, position]
+    v = torch.randn(stack.d_model, dtype=torch.float64)
+    picks = torch.randperm(result.paths.shape[0])[:sample].tolist()
+
+    def run():
+        for index in picks:
+            pre_norm_path_attribution_ref(*maps, capture.embedding[0], result.paths[index].tolist(), r, v)
+
+    return seconds_per_call(run, "cpu", min_runs=1, min_seconds=0, statistic="min") / len(picks)
+
+
+def bench_case(layers: int, heads: int, width: int, tokens: int, max_length: int | None) -> dict:
+    import pathkernels as pk
+    from pathkernels.adapters.residual import capture_huggingface_residual
+    from pathkernels.analysis.attribution import count_attribution_paths
+
+    torch.manual_seed(0)
+    model = gpt2_model(layers, heads, width, tokens)
+    stack, capture = capture_huggingface_residual(model, input_ids=torch.randint(0, 100, (1, tokens)))
+    readout = pk.logit_diff(model, 1, 2)
+    paths = count_attribution_paths(layers, heads, layers if max_length is None else max_length)
+    trie_s = seconds_per_call(
+        lambda: pk.path_attribution(stack, readout, max_length=max_length, top_k=20),
+        "cpu",
+        min_runs=3,
+        min_seconds=1.0,
+        statistic="min",
+    )
+    # A run that keeps every path's label, for the loop's sample.
+    kept = pk.path_attribution(stack, readout, max_length=max_length, top_k=0, memory_budget=1 << 34)
+    loop_per_path = plain_loop(stack, capture, kept, LOOP_SAMPLE)
+    return {
+        "layers": layers,
+        "heads": heads,
+        "d_model": width,
+        "tokens": tokens,
+        "max_length": "all" if max_length is None else max_length,
+        "paths": paths,
+        "trie_s": trie_s,
+        "paths_per_s": paths / trie_s,
+        "loop_s_per_path": loop_per_path,
+        "loop_s_estimated": loop_per_path * paths,
+        "speedup_vs_loop": loop_per_path * paths / trie_s,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="pk.path_attribution against the plain per-path computation")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+
+    import pathkernels as pk
+
+    rows = []
+    for case in QUICK if args.quick else GRID:
+        rows.append(bench_case(*case))
+        print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
+    machine = f"CPU {torch.get_num_threads()} threads"
+    print(f"pathkernels {pk.__version__} path attribution (PyTorch trie walker), {machine}, torch {torch.__version__}")
+    print(format_table(rows, COLUMNS))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"machine": machine, "torch": torch.__version__, "threads": torch.get_num_threads(), "results": rows}
+        args.out.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
