@@ -3,6 +3,7 @@
     pathkernels demo [--out DIR] [--quick]      the main job: every experiment, tables, CSV and PNG
     pathkernels collapse [--model PATH] ...     residual ratio against depth
     pathkernels paths [--model PATH] ...        residual ratio of the paths, by length
+    pathkernels attribute [--model PATH] ...    each path's share of a logit difference, top paths
     pathkernels bench [--device cuda] ...       fused ops and the engine against pure PyTorch
 
 ``--model`` takes a local Hugging Face model directory (weights are loaded, nothing is downloaded)
@@ -31,6 +32,7 @@ import pathkernels as pk
 from pathkernels import experiments
 from pathkernels._memory import check_fits
 from pathkernels.adapters.huggingface import LocalModel
+from pathkernels.analysis.attribution import count_attribution_paths, unembedding
 from pathkernels.benchmarks import (
     QUICK_NORM_CASES,
     QUICK_PATH_CASES,
@@ -335,6 +337,167 @@ def paths_table(
     return table
 
 
+# Paths enumerated by default: beyond this, `attribute` enumerates the longest lengths that fit.
+_MAX_ATTRIBUTION_PATHS = 10**7
+
+
+def _token_id(value: str, tokenizer, vocab: int, option: str) -> int:
+    """A token id from ``--target`` / ``--versus``: an integer, or with a tokenizer one token's text."""
+    try:
+        token = int(value)
+    except ValueError:
+        if tokenizer is None:
+            raise CommandLineError(f"pathkernels: {option}: expected a token id (an integer), got {value!r}") from None
+        ids = tokenizer.encode(value, add_special_tokens=False)
+        if len(ids) != 1:
+            raise CommandLineError(
+                f"pathkernels: {option}: expected text that is one token, got {value!r} ({len(ids)} tokens)"
+            ) from None
+        token = ids[0]
+    if not 0 <= token < vocab:
+        raise CommandLineError(f"pathkernels: {option}: expected a token id in [0, {vocab}), got {token}")
+    return token
+
+
+def attribute_table(
+    *,
+    model: str | None = None,
+    text: str | None = None,
+    layers: int = 4,
+    heads: int = 4,
+    width: int = 64,
+    tokens: int | None = None,
+    seed: int = 0,
+    target: str | None = None,
+    versus: str | None = None,
+    position: int | None = None,
+    top: int = 10,
+    max_length: int | None = None,
+    out: Path | None = None,
+):
+    """``pathkernels attribute``: each path's attribution to a logit difference at one token of a
+    model built from a config (or a local model), the sums by length and by source, and the top
+    and bottom paths; with ``out`` also CSV files and a plot. Returns the PathAttribution."""
+    import pandas as pd
+    import transformers
+
+    if model:
+        local = _local_model(model)
+        if local.is_vision:
+            raise CommandLineError(f"pathkernels: attribute: {model} is a vision model, with no logits to attribute")
+        inputs, what = _model_inputs(local, text, tokens)
+        network, tokenizer = local.model.double(), local.tokenizer
+        source = f"{model}, {local.weights}; inputs: {what}"
+    else:
+        tokens = 16 if tokens is None else tokens
+        torch.manual_seed(seed)
+        config = transformers.GPT2Config(
+            n_layer=layers,
+            n_head=heads,
+            n_embd=width,
+            vocab_size=1000,
+            n_positions=max(tokens, 16),
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        network, tokenizer = transformers.GPT2LMHeadModel(config).double(), None
+        inputs = {"input_ids": torch.randint(0, 1000, (1, tokens))}
+        source = f"a GPT-2 built from a config (L = {layers}, H = {heads}, d = {width}), {tokens} random token ids"
+    try:
+        stack, _ = pk.adapters.capture_huggingface_residual(network, **inputs)
+    except ValueError as error:
+        raise CommandLineError(f"pathkernels: attribute: {str(error).split(': ', 1)[-1]}") from None
+    n = stack.attn.shape[-1]
+    position = n - 1 if position is None else position
+    if not -n <= position < n:
+        raise CommandLineError(f"pathkernels: --position: expected a token position in [-{n}, {n}), got {position}")
+    position %= n
+    try:
+        weight, bias, vocab = unembedding(network, "pathkernels attribute")
+    except ValueError as error:
+        raise CommandLineError(str(error)) from None
+    with torch.no_grad():
+        output = network.eval()(**inputs)
+    if getattr(output, "logits", None) is not None:
+        logits = output.logits[0, position].double()
+    else:  # a base model with tied embeddings (AutoModel): its last hidden state is the final norm's output
+        logits = output.last_hidden_state[0, position].double() @ weight.double().T
+        logits = logits if bias is None else logits + bias.double()
+    ranked = torch.argsort(logits, descending=True).tolist()
+    a = ranked[0] if target is None else _token_id(target, tokenizer, vocab, "--target")
+    b = next(t for t in ranked if t != a) if versus is None else _token_id(versus, tokenizer, vocab, "--versus")
+    if a == b:
+        raise CommandLineError(f"pathkernels: --versus: expected a token other than --target ({a})")
+    layers_, heads_ = stack.num_layers, stack.num_heads
+    if max_length is None:
+        max_length = max(
+            (k for k in range(layers_ + 1) if count_attribution_paths(layers_, heads_, k) <= _MAX_ATTRIBUTION_PATHS),
+            default=0,
+        )
+    elif max_length > layers_:
+        raise CommandLineError(
+            f"pathkernels: --max-length: expected at most the model's {layers_} layers, got {max_length}"
+        )
+    result = pk.path_attribution(
+        stack, pk.logit_diff(network, a, b), positions=position, max_length=max_length, top_k=top, progress=True
+    )
+    paths = count_attribution_paths(layers_, heads_, max_length)
+    everything = count_attribution_paths(layers_, heads_, layers_)
+
+    def token_text(token: int) -> str:
+        return f"{token} ({tokenizer.decode([token])!r})" if tokenizer is not None else str(token)
+
+    value, constant = float(result.value[0, 0]), float(result.constant[0, 0])
+    print(f"Path attribution of {source}")
+    print(
+        f"readout: logit[{token_text(a)}] − logit[{token_text(b)}] at token {position} = {value:.6g} "
+        f"(the model's own: {float(logits[a] - logits[b]):.6g}); {constant:.4g} of it is constant "
+        "(the final norm's β and the unembedding bias)"
+    )
+    if paths == everything:
+        closure = float(result.unenumerated[0, 0])
+        print(f"paths: all {paths:,}, exactly (Σ attributions + constant − readout = {-closure:.2g})")
+    else:
+        print(
+            f"paths: the {paths:,} through at most {max_length} head{'' if max_length == 1 else 's'}, of "
+            f"{everything:,}; the longer ones carry "
+            f"{float(result.unenumerated[0, 0]):.6g} together (exact)"
+        )
+    lengths = pd.DataFrame(
+        {
+            "length": range(max_length + 1),
+            "paths": result.counts.sum(0)[: max_length + 1].tolist(),
+            "attribution": result.by_length[: max_length + 1, 0, 0].tolist(),
+        }
+    )
+    sources = pd.DataFrame(
+        {
+            "source": result.source_names,
+            "paths": result.counts.sum(1).tolist(),
+            "attribution": result.by_source[:, 0, 0].tolist(),
+        }
+    )
+    best, worst = pd.DataFrame(result.table()), pd.DataFrame(result.table(which="bottom"))
+    for title, table in (
+        ("by number of heads", lengths),
+        ("by source", sources),
+        (f"the {top} largest", best),
+        (f"the {top} smallest", worst),
+    ):
+        _heading(f"Attribution {title}")
+        print(table.to_string(index=False, float_format=_float_format))
+    if out is not None:
+        for name, table in (
+            ("attribution_by_length", lengths),
+            ("attribution_by_source", sources),
+            ("attribution_top", best),
+            ("attribution_bottom", worst),
+        ):
+            _save(out, name, table)
+        _save(out, "attribution", figure=result.plot(top))
+    return result
+
+
 def bench_tables(
     *, device: str = "cpu", quick: bool = False, out_file: Path | None = None, out_dir: Path | None = None
 ) -> tuple[object, object]:
@@ -602,6 +765,32 @@ def build_parser() -> argparse.ArgumentParser:
         help=device_help + " (under torchrun: gloo on CPU, NCCL and cuda:LOCAL_RANK with cuda)",
     )
     paths.set_defaults(run=_runner(paths_table, *_MODEL_OPTIONS, "seed", "samples_per_length", "max_exact", "device"))
+
+    attribute = command(
+        "attribute",
+        help="each path's share of a logit difference, and the top paths",
+        description="Each path (a source: the embedding, a layer's constant rows or an MLP's output, "
+        "then the heads it passes) gets its exact share of a logit difference at one token, the norms "
+        "frozen at the forward pass: sums by length and by source, and the top and bottom paths. A "
+        "GPT-2 built from a config, or a local model (GPT-2, BERT-style with an LM head, Llama family).",
+    )
+    model_options(attribute, layers=4, tokens=16)
+    attribute.add_argument("--seed", type=_integer(0), default=0, help="seed of the built-in model and its tokens")
+    attribute.add_argument(
+        "--target", help="token id (or, with a tokenizer, one token's text); default: the top prediction"
+    )
+    attribute.add_argument("--versus", help="the token it is compared with; default: the second prediction")
+    attribute.add_argument("--position", type=int, help="the token read out (default: the last)")
+    attribute.add_argument("--top", type=_integer(1), default=10, help="how many top and bottom paths to show")
+    attribute.add_argument(
+        "--max-length",
+        type=_integer(0),
+        help=f"enumerate the paths of at most this many heads (default: every path, or the most that "
+        f"keeps within {_MAX_ATTRIBUTION_PATHS:,})",
+    )
+    attribute.set_defaults(
+        run=_runner(attribute_table, *_MODEL_OPTIONS, "seed", "target", "versus", "position", "top", "max_length")
+    )
 
     bench = command(
         "bench",

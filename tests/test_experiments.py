@@ -2,6 +2,7 @@
 
 import copy
 import math
+import re
 import subprocess
 import sys
 
@@ -323,3 +324,51 @@ def test_cli_refuses_tokens_for_a_vision_model(tmp_path, capsys):
     assert "--tokens does not apply to the vision model" in capsys.readouterr().err
     assert main(["paths", "--model", str(tmp_path), "--device", "cpu"]) == 0
     assert "1 random image(s) of 16×16 pixels" in capsys.readouterr().out
+
+
+def test_cli_attribute_closes_the_logit_difference(tmp_path, capsys):
+    """`attribute` on the built-in GPT-2: the readout equals the model's own logit difference, every
+    path is enumerated, and the tables and plot are written."""
+    pytest.importorskip("transformers")
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("matplotlib")
+    argv = ["attribute", "--layers", "2", "--heads", "2", "--width", "16", "--tokens", "6", "--top", "4"]
+    assert main([*argv, "--target", "5", "--versus", "9", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    readout = re.search(r"logit\[5\] − logit\[9\] at token 5 = (\S+) \(the model's own: (\S+)\)", out)
+    assert readout is not None and math.isclose(float(readout[1]), float(readout[2]), rel_tol=1e-5, abs_tol=1e-9)
+    assert "paths: all 17, exactly" in out
+    by_length = pd.read_csv(tmp_path / "attribution_by_length.csv")
+    assert by_length["paths"].tolist() == [5, 8, 4]  # the 5 sources direct; 4 + 2·2 through one head; 4 through two
+    top = pd.read_csv(tmp_path / "attribution_top.csv")
+    assert len(top) == 4 and top["attribution"].is_monotonic_decreasing
+    assert (tmp_path / "attribution.png").stat().st_size > 0
+    # Defaults: the top prediction against the second; --max-length leaves the rest to one exact sum.
+    assert main([*argv, "--max-length", "1"]) == 0
+    assert "paths: the 13 through at most 1 head, of 17; the longer ones carry" in capsys.readouterr().out
+
+
+def test_cli_attribute_reads_a_base_model_directory_and_refuses_what_it_cannot_read(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("pandas")
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=30, n_positions=16)
+    transformers.GPT2Model(config).save_pretrained(tmp_path / "gpt2")  # no LM head: tied embeddings
+    assert main(["attribute", "--model", str(tmp_path / "gpt2"), "--tokens", "5", "--target", "3"]) == 0
+    out = capsys.readouterr().out
+    readout = re.search(r"at token 4 = (\S+) \(the model's own: (\S+)\)", out)
+    assert readout is not None and math.isclose(float(readout[1]), float(readout[2]), rel_tol=1e-9, abs_tol=1e-12)
+    bert = transformers.BertConfig(
+        num_hidden_layers=1, num_attention_heads=2, hidden_size=16, intermediate_size=32, vocab_size=30
+    )
+    transformers.BertForMaskedLM(bert).save_pretrained(tmp_path / "bert")
+    assert main(["attribute", "--model", str(tmp_path / "bert"), "--tokens", "5"]) == 2
+    assert "expected a GPT-2 or Llama-family model" in capsys.readouterr().err
+    for argv, message in (
+        (["--target", "x"], "--target: expected a token id (an integer), got 'x'"),
+        (["--target", "1000"], "--target: expected a token id in [0, 1000), got 1000"),
+        (["--target", "3", "--versus", "3"], "--versus: expected a token other than --target (3)"),
+        (["--position", "16"], "--position: expected a token position in [-16, 16), got 16"),
+        (["--max-length", "5"], "--max-length: expected at most the model's 4 layers, got 5"),
+    ):
+        assert main(["attribute", *argv]) == 2
+        assert message in capsys.readouterr().err

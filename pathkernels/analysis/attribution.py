@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from pathkernels._progress import progress_bar
+from pathkernels.decompose import check_save_path, saved
 from pathkernels.paths import check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET
 
@@ -74,10 +75,31 @@ class Readout:
         return Readout(directions.detach().double(), bias.detach().double().reshape(-1), tuple(labels))
 
 
-def _unembedding(model, where: str) -> tuple[Tensor, Tensor | None, int]:
+# Families whose logits are a linear map of the final norm's output (an LM head, or the tied word
+# embeddings of a base model). BERT's and RoBERTa's masked-LM heads transform the last hidden
+# state first (dense, GELU, LayerNorm), so a direction there is not their logit.
+_LINEAR_READOUT_FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
+
+
+def unembedding(model, where: str = "pathkernels.logit") -> tuple[Tensor, Tensor | None, int]:
+    """``(W_U [vocab, d], b_U or None, vocab)``: the model's output embedding, or, for a base model
+    whose config ties the word embeddings (GPT-2's ``AutoModel``), its input embedding. Refuses
+    families whose logits are not linear in the final norm's output."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in _LINEAR_READOUT_FAMILIES:
+        raise ValueError(
+            f"{where}: expected a GPT-2 or Llama-family model, whose logits are a linear map of its final "
+            f"norm's output, got {model_type or type(model).__name__!r}; for another model pass a direction "
+            "[d] that reads its last hidden state (a probe) instead"
+        )
     embedding = getattr(model, "get_output_embeddings", lambda: None)()
+    if embedding is None and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        embedding = getattr(model, "get_input_embeddings", lambda: None)()
     if embedding is None or not hasattr(embedding, "weight"):
-        raise ValueError(f"{where}: expected a model with an output embedding (an LM head), got {type(model).__name__}")
+        raise ValueError(
+            f"{where}: expected a model with an output embedding (an LM head, or tied word embeddings), "
+            f"got {type(model).__name__}"
+        )
     weight = embedding.weight.detach()  # [vocab, d]
     return weight, getattr(embedding, "bias", None), weight.shape[0]
 
@@ -92,7 +114,7 @@ def _token(value, vocab: int, name: str, where: str) -> int:
 def logit(model, token: int) -> Readout:
     """The logit of ``token``: direction ``W_U[:, token]`` (``[d]``), bias ``b_U[token]``."""
     where = "pathkernels.logit"
-    weight, bias, vocab = _unembedding(model, where)
+    weight, bias, vocab = unembedding(model, where)
     a = _token(token, vocab, "token", where)
     constant = torch.zeros(1, dtype=torch.float64) if bias is None else bias.detach()[a : a + 1].double()
     return Readout(weight[a : a + 1].double(), constant, (f"logit[{a}]",))
@@ -102,7 +124,7 @@ def logit_diff(model, a: int, b: int) -> Readout:
     """The logit difference of tokens ``a`` and ``b``: direction ``W_U[:, a] − W_U[:, b]`` (``[d]``),
     bias ``b_U[a] − b_U[b]``."""
     where = "pathkernels.logit_diff"
-    weight, bias, vocab = _unembedding(model, where)
+    weight, bias, vocab = unembedding(model, where)
     a, b = _token(a, vocab, "a", where), _token(b, vocab, "b", where)
     direction = (weight[a].double() - weight[b].double())[None]
     constant = torch.zeros(1, dtype=torch.float64) if bias is None else (bias[a].double() - bias[b].double()).reshape(1)
@@ -288,6 +310,34 @@ class PathAttribution:
                 }
             )
         return rows
+
+    def plot(self, k: int = 10, *, position: int = 0, readout: int = 0, ax=None, path=None):
+        """The ``k`` largest and ``k`` smallest attributions of one position and readout as
+        horizontal bars, labelled by path. Returns the matplotlib Figure; with ``path`` it is also
+        saved there (the format from the suffix)."""
+        where = "pathkernels.PathAttribution.plot"
+        check_save_path(path, where)
+        k = check_int(k, "k", where)
+        import matplotlib.pyplot as plt
+
+        top = self.table(position=position, readout=readout)[:k]
+        bottom = self.table(position=position, readout=readout, which="bottom")[:k]
+        seen = {row["path"] for row in top}
+        rows = top + [row for row in reversed(bottom) if row["path"] not in seen]
+        if ax is None:
+            fig, ax = plt.subplots(figsize=(7, 0.3 * len(rows) + 1.2))
+        else:
+            fig = ax.figure
+        values = [row["attribution"] for row in rows]
+        ax.barh(range(len(rows)), values, color=["C0" if v >= 0 else "C3" for v in values])
+        ax.set_yticks(range(len(rows)), [row["path"] for row in rows], fontsize=8)
+        ax.invert_yaxis()
+        ax.axvline(0, color="black", linewidth=0.5)
+        token = int(self.positions[position])
+        ax.set_xlabel(f"attribution to {self.labels[readout]} at token {token}")
+        whole = float(self.value[position, readout])
+        ax.set_title(f"top and bottom paths (the readout: {whole:.4g})")
+        return saved(fig, path)
 
     def to_frame(self, *, position: int = 0, readout: int = 0, which: str = "top"):
         """:meth:`table` as a pandas DataFrame (pandas is optional)."""
