@@ -2,8 +2,9 @@
 
 - :func:`from_huggingface` / :func:`stream_huggingface_attention`: transformers models (GPT-2,
   BERT/RoBERTa, ViT, Llama-style with grouped-query attention);
-- :func:`capture_huggingface_residual`: the same stack with what the model's residual stream
-  needs beyond it (GPT-2 and BERT so far), for its exact decomposition by path length;
+- :func:`capture_huggingface_residual` / :func:`capture_transformer_lens_residual`: the same stack
+  with what the model's residual stream needs beyond it (GPT-2, ViT, BERT, RoBERTa, the Llama
+  family; a HookedTransformer), for its exact decomposition by path and path length;
 - :func:`load_local_model` / :func:`local_model_inputs`: a model directory (or config) on disk and
   inputs for it (its tokenizer's, or random ids or pixels);
 - :func:`from_transformer_lens`: a ``HookedTransformer`` (or ``TransformerBridge``) with tokens,
@@ -19,7 +20,11 @@ from pathkernels.adapters.huggingface import (
     local_model_inputs,
     stream_huggingface_attention,
 )
-from pathkernels.adapters.residual import ResidualStreamCapture, capture_huggingface_residual
+from pathkernels.adapters.residual import (
+    ResidualStreamCapture,
+    capture_huggingface_residual,
+    capture_transformer_lens_residual,
+)
 from pathkernels.adapters.stack import AttentionStack
 from pathkernels.adapters.transformer_lens import from_transformer_lens
 
@@ -28,6 +33,7 @@ __all__ = [
     "LocalModel",
     "ResidualStreamCapture",
     "capture_huggingface_residual",
+    "capture_transformer_lens_residual",
     "from_huggingface",
     "from_transformer_lens",
     "load_local_model",

@@ -30,8 +30,8 @@ class ResidualStreamCapture:
 
     ``layout``: ``"pre"`` (GPT-2, Llama: each sublayer reads a normalised copy of the stream, which
     it adds to) or ``"post"`` (BERT: the stream itself is normalised after each sublayer's sum).
-    ``norm``: ``"layernorm"`` (``y = D x C Γ + 1 βᵀ``) or ``"rmsnorm"`` (``y = D x Γ``: no centring
-    ``C``, and β is 0).
+    ``norm``: ``"layernorm"`` (``y = D x C Γ + 1 βᵀ``), ``"rmsnorm"`` (``y = D x Γ``: no centring
+    ``C``, and β is 0) or ``"none"`` (a TransformerLens model without norms: ``D``, ``Γ`` are 1).
 
     ``embedding`` ``[B, n, d]``: the stream entering block 0. ``norm_scale`` ``[B, L, 2, n]``: ``1/σ_t``
     of each block's two norms, per token (pre: before attention, before the MLP; post: after each),
@@ -67,7 +67,8 @@ class ResidualStreamCapture:
 
     @property
     def centred(self) -> bool:
-        """Whether the norms centre the features (LayerNorm's ``C``; RMSNorm does not)."""
+        """Whether the norms centre the features (LayerNorm's ``C``; RMSNorm, and a model without
+        norms, ``norm="none"``, whose scales are 1, do not)."""
         return self.norm == "layernorm"
 
     def on(self, device) -> ResidualStreamCapture:
@@ -250,6 +251,141 @@ def _zero_padded_tokens(capture: ResidualStreamCapture, token_mask: Tensor) -> R
         if value is not None:
             fields[name] = value.masked_fill(mask.to(value.device), 0)
     return replace(capture, **fields)
+
+
+# TransformerLens's normalisation types: (the capture's norm, whether it has γ, whether it has β).
+_TL_NORMS = {
+    "LN": ("layernorm", True, True),
+    "LNPre": ("layernorm", False, False),  # γ and β folded into the weights after it
+    "RMS": ("rmsnorm", True, False),
+    "RMSPre": ("rmsnorm", False, False),
+    None: ("none", False, False),
+}
+
+
+def capture_transformer_lens_residual(
+    model, tokens, *, attention_mask=None
+) -> tuple[AttentionStack, ResidualStreamCapture]:
+    """:func:`capture_huggingface_residual` for a TransformerLens ``HookedTransformer`` (3.x).
+
+    One ``run_with_cache`` (eval mode, no gradients) gives the patterns and, from TransformerLens's
+    own hooks, every norm's ``hook_scale`` (``σ_t``, so ``D = 1/σ``), the MLP outputs
+    (``hook_mlp_out``), the stream entering the final norm and the embedding (``hook_resid_pre`` of
+    block 0, positions included); γ and β come from ``ln1``/``ln2``/``ln_final`` (``LN``, ``RMS``;
+    ``LNPre``/``RMSPre`` models have them folded into the weights after, and no norm is the
+    identity), the unembedding from ``W_U``/``b_U``. Attention-only models have no MLP sources.
+    Grouped-query models and rotary positions change nothing. Models whose attention and MLP read
+    the same input (``parallel_attn_mlp``) are refused, as are TransformerBridges: capture the
+    Hugging Face model a bridge wraps (``bridge.original_model``) with capture_huggingface_residual.
+    """
+    where = "pathkernels.adapters.capture_transformer_lens_residual"
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or not hasattr(model, "run_with_cache") or type(model).__name__ == "TransformerBridge":
+        raise TypeError(
+            f"{where}: expected a TransformerLens HookedTransformer, got {type(model).__name__} (for a "
+            "TransformerBridge, capture its original_model with capture_huggingface_residual)"
+        )
+    if getattr(cfg, "parallel_attn_mlp", False):
+        raise ValueError(f"{where}: models with parallel attention and MLP (parallel_attn_mlp) are not captured")
+    if cfg.normalization_type not in _TL_NORMS:
+        raise ValueError(f"{where}: normalization_type {cfg.normalization_type!r} is not captured")
+    from pathkernels.adapters.transformer_lens import from_transformer_lens
+
+    norm, has_weight, has_bias = _TL_NORMS[cfg.normalization_type]
+    layers, attn_only = cfg.n_layers, bool(cfg.attn_only)
+    normed = norm != "none"
+    names = {f"blocks.{layer}.attn.hook_pattern" for layer in range(layers)}
+    names |= {f"blocks.{layer}.hook_resid_pre" for layer in range(layers)} | {f"blocks.{layers - 1}.hook_resid_post"}
+    if normed:
+        names |= {f"blocks.{layer}.ln1.hook_scale" for layer in range(layers)} | {"ln_final.hook_scale"}
+        if not attn_only:
+            names |= {f"blocks.{layer}.ln2.hook_scale" for layer in range(layers)}
+    if not attn_only:
+        names |= {f"blocks.{layer}.hook_mlp_out" for layer in range(layers)}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            extra = {} if attention_mask is None else {"attention_mask": attention_mask}
+            _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in names, **extra)
+    finally:
+        model.train(was_training)
+    stack = from_transformer_lens(cache, attention_mask=attention_mask)
+    batch, tokens_n, d = stack.attn.shape[0], stack.attn.shape[-1], stack.d_model
+    ones = torch.ones(batch, tokens_n, dtype=torch.float64, device=stack.attn.device)
+
+    def inverse_scale(name: str) -> Tensor:
+        return 1.0 / cache[name].double().reshape(batch, tokens_n) if name in cache else ones
+
+    def parameter(module_name: str, attribute: str, present: bool, fill: float) -> Tensor:
+        module = model
+        for part in module_name.split("."):
+            module = getattr(module, part, None) if not part.isdigit() else module[int(part)]
+        if present and module is not None and hasattr(module, attribute):
+            return getattr(module, attribute).detach().double()
+        return torch.full((d,), fill, dtype=torch.float64, device=stack.attn.device)
+
+    with torch.no_grad():
+        scales = torch.stack(
+            [
+                torch.stack(
+                    [inverse_scale(f"blocks.{layer}.ln1.hook_scale"), inverse_scale(f"blocks.{layer}.ln2.hook_scale")],
+                    1,
+                )
+                for layer in range(layers)
+            ],
+            dim=1,
+        )  # [B, L, 2, n]
+        second = "ln1" if attn_only else "ln2"  # attention-only blocks have no second norm (never read)
+        weights = torch.stack(
+            [
+                torch.stack([parameter(f"blocks.{layer}.{ln}", "w", has_weight, 1.0) for ln in ("ln1", second)])
+                for layer in range(layers)
+            ]
+        )
+        biases = torch.stack(
+            [
+                torch.stack([parameter(f"blocks.{layer}.{ln}", "b", has_bias, 0.0) for ln in ("ln1", second)])
+                for layer in range(layers)
+            ]
+        )
+        heads = stack.num_heads
+        b_v = getattr(model, "b_V", None)
+        value_bias = (
+            torch.zeros(layers, heads, stack.d_head, dtype=torch.float64)
+            if b_v is None
+            else b_v.detach().double().repeat_interleave(heads // b_v.shape[1], dim=1)
+        )
+        b_o = getattr(model, "b_O", None)
+        output_bias = torch.zeros(layers, d, dtype=torch.float64) if b_o is None else b_o.detach().double()
+        embedding = cache["blocks.0.hook_resid_pre"].double()
+        mlp_out = (
+            torch.zeros(batch, layers, tokens_n, d, dtype=torch.float64)
+            if attn_only
+            else torch.stack([cache[f"blocks.{layer}.hook_mlp_out"].double() for layer in range(layers)], dim=1)
+        )
+        capture = ResidualStreamCapture(
+            layout="pre",
+            norm=norm,
+            embedding=embedding,
+            norm_scale=scales,
+            norm_weight=weights,
+            norm_bias=biases,
+            value_bias=value_bias,
+            output_bias=output_bias,
+            mlp_out=mlp_out,
+            residual=cache[f"blocks.{layers - 1}.hook_resid_post"].double(),
+            attn_row_sums=None,
+            final_scale=inverse_scale("ln_final.hook_scale"),
+            final_weight=parameter("ln_final", "w", has_weight and normed, 1.0),
+            final_bias=parameter("ln_final", "b", has_bias, 0.0),
+            unembedding=model.W_U.detach().T,
+            unembedding_bias=None if getattr(model, "b_U", None) is None else model.b_U.detach(),
+        )
+    if stack.token_mask is not None:
+        capture = _zero_padded_tokens(capture, stack.token_mask)
+    stack.residual_capture = capture
+    return stack, capture
 
 
 def _attention_biases(model: nn.Module, stack: AttentionStack) -> tuple[Tensor, Tensor]:

@@ -83,8 +83,12 @@ _LINEAR_READOUT_FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
 
 def unembedding(model, where: str = "pathkernels.logit") -> tuple[Tensor, Tensor | None, int]:
     """``(W_U [vocab, d], b_U or None, vocab)``: the model's output embedding, or, for a base model
-    whose config ties the word embeddings (GPT-2's ``AutoModel``), its input embedding. Refuses
-    families whose logits are not linear in the final norm's output."""
+    whose config ties the word embeddings (GPT-2's ``AutoModel``), its input embedding; a
+    TransformerLens model's ``W_U`` (transposed) and ``b_U``. Refuses Hugging Face families whose
+    logits are not linear in the final norm's output."""
+    if hasattr(model, "W_U") and hasattr(model, "cfg"):  # a TransformerLens HookedTransformer
+        weight = model.W_U.detach().T
+        return weight, getattr(model, "b_U", None), weight.shape[0]
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in _LINEAR_READOUT_FAMILIES:
         raise ValueError(
