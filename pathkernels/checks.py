@@ -6,6 +6,7 @@ Every message names the function called, the argument, what was expected and wha
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -289,17 +290,27 @@ def check_bias(b_o, net: Network, where: str) -> Tensor:
     return b_o.to(net.attn.dtype)
 
 
-def unpack_stack(attn, x, w_v, w_o, token_mask):
+def unpack_stack(attn, x, w_v, w_o, token_mask, where: str):
     """``(attn, x, w_v, w_o, token_mask)``, filled from an AttentionStack passed as ``attn``.
 
     The stack's ``w_v``/``w_o`` come in only with an ``x`` (path outputs); its ``token_mask`` is the
-    default mask. Anything else passes through unchanged."""
-    from pathkernels.adapters.stack import AttentionStack
-
-    if not isinstance(attn, AttentionStack):
+    default mask. Anything else passes through unchanged. Path outputs of a stack whose model has
+    norms and MLPs (``attention_only=False``) warn, as its ``length_sums`` does: they are those of
+    the attention-only network its attention layers make. (A stack is recognised by what it holds,
+    so that this core module does not import the adapters above it.)"""
+    if isinstance(attn, Tensor) or not all(hasattr(attn, name) for name in ("attn", "w_v", "w_o", "token_mask")):
         return attn, x, w_v, w_o, token_mask
     stack = attn
     if x is not None:
         w_v = stack.w_v if w_v is None else w_v
         w_o = stack.w_o if w_o is None else w_o
+        if getattr(stack, "attention_only", None) is False:
+            warnings.warn(
+                f"{where}: {stack.source or 'this model'} has norms and MLPs, which path outputs P X W_V W_O leave "
+                "out: they are those of the attention-only network of its attention layers. For the model's own "
+                "paths, capture it (pk.adapters.capture_huggingface_residual) and use stack.length_sums() or "
+                "pk.path_attribution",
+                UserWarning,
+                stacklevel=3,
+            )
     return stack.attn, x, w_v, w_o, stack.token_mask if token_mask is None else token_mask

@@ -284,7 +284,7 @@ def decompose(
     unless ``all_ranks``.
     """
     where = "pathkernels.decompose"
-    attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask)
+    attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask, "pathkernels.decompose")
     if not isinstance(attn, Tensor) or attn.dim() not in (4, 5):
         raise ValueError(
             f"{where}: expected attn of shape [B, L, H, n, n] or [L, H, n, n], got "

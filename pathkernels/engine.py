@@ -200,7 +200,7 @@ def path_residuals(
             would not fit the device's available memory (the message says how much they need).
     """
     where = "pathkernels.path_residuals"
-    attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask)
+    attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask, "pathkernels.path_residuals")
     if token_mask is not None:
         return _masked_path_residuals(
             attn,

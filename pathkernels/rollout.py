@@ -46,7 +46,7 @@ def rollout(
         ``[B, n, n]`` (``[n, n]`` unbatched), row-stochastic on the real tokens.
     """
     where = "pathkernels.rollout"
-    attn, _, _, _, token_mask = unpack_stack(attn, None, None, None, token_mask)
+    attn, _, _, _, token_mask = unpack_stack(attn, None, None, None, token_mask, "pathkernels.rollout")
     if not isinstance(attn, Tensor):
         raise TypeError(f"{where}: expected attn to be a torch.Tensor [B, L, H, n, n], got {type(attn).__name__}")
     if attn.dim() not in (4, 5) or attn.shape[-1] != attn.shape[-2]:

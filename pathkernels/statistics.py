@@ -618,7 +618,7 @@ def path_statistics(
     where = "pathkernels.path_statistics"
     top_k = check_int(top_k, "top_k", where, minimum=0)
     bins_per_decade = check_int(bins_per_decade, "bins_per_decade", where, minimum=1, maximum=1000)
-    attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask)
+    attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask, "pathkernels.path_statistics")
     kernel = op_leaf_kernel(leaf_kernel, False, attn, where)
     options = {
         "w_v": w_v,

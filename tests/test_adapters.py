@@ -153,7 +153,8 @@ def test_huggingface_stack_feeds_the_engine(device):
     model, inputs = hf_case("gpt2")
     stack = adapters.from_huggingface(model, **inputs).to(device=device, dtype=torch.float64)
     tree = pk.PathTree.complete(2, 4, skip=True)
-    result = stack.path_residuals(tree, x=stack.residual_stream(0))
+    with pytest.warns(UserWarning, match=r"path_residuals: huggingface:\w+ has norms and MLPs"):
+        result = stack.path_residuals(tree, x=stack.residual_stream(0))  # the attention-only network's
     products = path_products_ref(stack.attn, result.paths.to(device), stack.residual_stream(0), stack.w_v, stack.w_o)
     torch.testing.assert_close(result.residual, residual_norm_ref(products))
     torch.testing.assert_close(result.norm, composite_norm_ref(products))
@@ -193,7 +194,8 @@ def test_float64_models_with_a_float32_softmax(family):
     torch.testing.assert_close(stack.attn, raw, rtol=1e-6, atol=1e-7)  # the model's own, to float32 precision
     assert "softmax computed in torch.float32; rows renormalised in torch.float64" in repr(stack)
     tree = pk.PathTree.complete(2, 4, skip=True)
-    result = stack.path_residuals(tree, x=stack.residual_stream(0))
+    with pytest.warns(UserWarning, match=r"path_residuals: huggingface:\w+ has norms and MLPs"):
+        result = stack.path_residuals(tree, x=stack.residual_stream(0))  # the attention-only network's
     products = path_products_ref(stack.attn, result.paths, stack.residual_stream(0), stack.w_v, stack.w_o)
     torch.testing.assert_close(result.residual, residual_norm_ref(products), rtol=1e-10, atol=1e-12)
 

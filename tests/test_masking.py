@@ -8,6 +8,10 @@ import pathkernels as pk
 from pathkernels import adapters
 from pathkernels.testing import padded_network, random_attention, transformer_lens_attention_only
 
+# The padded-model tests compare path outputs of Hugging Face stacks, the attention-only network's
+# (which pathkernels warns about for models with norms and MLPs, tested in test_adapters.py).
+pytestmark = pytest.mark.filterwarnings("ignore:.*has norms and MLPs:UserWarning")
+
 transformers = pytest.importorskip("transformers")
 
 LENGTHS = [7, 4, 4, 5]  # two elements share a mask: one group of two

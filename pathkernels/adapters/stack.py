@@ -188,11 +188,9 @@ class AttentionStack:
     def path_residuals(self, tree: PathTree, *, x: Tensor | None = None, **kwargs) -> PathResiduals:
         """:func:`pathkernels.path_residuals` on this stack: attention products without ``x``,
         path outputs ``P_p X W_p`` with ``x [B, n, d]`` (e.g. ``stack.residual_stream(0)``).
-        A padded stack is evaluated on each sequence's real tokens."""
-        kwargs.setdefault("token_mask", self.token_mask)
-        if x is None:
-            return path_residuals(self.attn, tree, **kwargs)
-        return path_residuals(self.attn, tree, x=x, w_v=self.w_v, w_o=self.w_o, **kwargs)
+        A padded stack is evaluated on each sequence's real tokens. Path outputs of a model with
+        norms and MLPs (``attention_only=False``) warn: they are the attention-only network's."""
+        return path_residuals(self, tree, x=x, **kwargs)
 
     def length_sums(self, x: Tensor | None = None, *, skip: bool = True, biases: bool = True) -> Tensor:
         """:func:`pathkernels.length_sums` from ``x`` (default ``hidden_states[0]``): ``[L+1, B, n, d]``.
