@@ -19,7 +19,15 @@ from pathkernels._extension import load as _load
 _load()
 
 from pathkernels import adapters, distributed, metrics, nn  # noqa: E402
-from pathkernels.analysis import PathAttribution, Readout, logit, logit_diff, path_attribution  # noqa: E402
+from pathkernels.analysis import (  # noqa: E402
+    PathAttribution,
+    Readout,
+    TopPaths,
+    logit,
+    logit_diff,
+    path_attribution,
+    top_paths,
+)
 from pathkernels.decompose import PathDecomposition, decompose  # noqa: E402
 from pathkernels.engine import PathResiduals, path_residuals  # noqa: E402
 from pathkernels.length_sums import length_sums, truncated_output  # noqa: E402
@@ -56,6 +64,7 @@ __all__ = [
     "PathStatistics",
     "PathTree",
     "Readout",
+    "TopPaths",
     "adapters",
     "build_info",
     "compat",
@@ -78,5 +87,6 @@ __all__ = [
     "residual_norm",
     "rollout",
     "sample_paths",
+    "top_paths",
     "truncated_output",
 ]

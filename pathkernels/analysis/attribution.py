@@ -224,6 +224,13 @@ def _frozen_model(stack: AttentionStack, capture: ResidualStreamCapture, batch: 
     return _Model(sublayers, sources, names, stack.num_layers, stack.num_heads)
 
 
+def describe_path(path: Tensor, source_name: str) -> str:
+    """``path [L]`` (the head at each layer, −1 where none) from the source named ``source_name`` as
+    text: ``"L3H5 → L7H1 from L2 MLP"``, or ``"L2 MLP (direct)"``."""
+    heads = [f"L{layer}H{int(head)}" for layer, head in enumerate(path.tolist()) if head != _NO_HEAD]
+    return f"{' → '.join(heads)} from {source_name}" if heads else f"{source_name} (direct)"
+
+
 @dataclass
 class PathAttribution:
     """Attributions of one batch element's readouts to its paths (:func:`path_attribution`).
@@ -281,9 +288,7 @@ class PathAttribution:
 
     def describe(self, path: Tensor, source: int) -> str:
         """A path as text, source first: ``"L3H5 → L7H1 from L2 MLP"``, or ``"L2 MLP (direct)"``."""
-        heads = [f"L{layer}H{int(head)}" for layer, head in enumerate(path.tolist()) if head != _NO_HEAD]
-        origin = self.source_names[int(source)]
-        return f"{' → '.join(heads)} from {origin}" if heads else f"{origin} (direct)"
+        return describe_path(path, self.source_names[int(source)])
 
     def table(self, *, position: int = 0, readout: int = 0, which: str = "top") -> list[dict]:
         """The top (or ``which="bottom"``) paths of one position and readout (indices into
@@ -398,6 +403,73 @@ class _Fold:
         return [all_values.gather(0, keep), all_paths.gather(0, gather), all_sources.gather(0, keep)]
 
 
+@dataclass
+class _ReadOut:
+    """A checked readout of one batch element: the frozen model, the top node's ``rho [1, P, n]``
+    (``r = e_t / σ_t`` per position) and ``phi [1, R, d]`` (``v = C Γ u`` per readout), the
+    ``constant`` and the model's own ``value`` ``[P, R]``."""
+
+    model: _Model
+    rho: Tensor
+    phi: Tensor
+    constant: Tensor
+    value: Tensor
+    readout: Readout
+    positions: list[int]
+    batch: int
+    max_length: int
+
+
+def read_out(stack, readout, positions, batch, max_length, where: str) -> _ReadOut:
+    """The arguments :func:`path_attribution` and :func:`pathkernels.top_paths` share, checked in
+    the caller's name, and the frozen model and readout they start from."""
+    capture = getattr(stack, "residual_capture", None)
+    if capture is None:
+        raise ValueError(
+            f"{where}: expected a stack with a residual_capture (pk.adapters.capture_huggingface_residual): "
+            "attributions need the model's frozen norms, MLP outputs and final norm"
+        )
+    batch = check_int(batch, "batch", where)
+    if not 0 <= batch < stack.batch_size:
+        raise ValueError(f"{where}: expected batch in [0, {stack.batch_size}), got {batch}")
+    layers = stack.num_layers
+    max_length = layers if max_length is None else check_int(max_length, "max_length", where)
+    if not 0 <= max_length <= layers:
+        raise ValueError(f"{where}: expected max_length in [0, {layers}], got {max_length}")
+    read = Readout.of(readout, stack.d_model, where)
+    tokens = stack.attn.shape[-1]
+    real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu()
+    if positions is None:
+        positions = [int(real.nonzero().flatten()[-1])]
+    elif not isinstance(positions, (list, tuple)):
+        positions = [positions]
+    positions = [check_int(p, "positions", where) for p in positions]
+    for p in positions:
+        if not -tokens <= p < tokens or not bool(real[p]):
+            raise ValueError(
+                f"{where}: expected positions of real tokens of batch element {batch} in [0, {tokens}), got {p}"
+            )
+    positions = [p % tokens for p in positions]
+    where_real = torch.cumsum(real.long(), 0) - 1  # a real token's index among the real ones
+
+    model = _frozen_model(stack, capture, batch, real)
+    device = model.sources[0].device
+    directions, bias = read.directions.to(device), read.bias.to(device)
+    rows = where_real[positions].to(device)
+    # The frozen final norm: r = e_t / σ_t, v = C Γ u, constant βᵀ u (post-norm: none).
+    rho = torch.zeros(1, len(positions), int(real.sum()), dtype=torch.float64, device=device)
+    rho[0, torch.arange(len(positions)), rows] = 1.0
+    phi = directions[None].clone()
+    constant = bias.expand(len(positions), -1).clone()
+    if capture.final_scale is not None:
+        rho = rho * capture.final_scale[batch][real.to(device)]
+        phi = phi * capture.final_weight
+        phi = phi - phi.mean(-1, keepdim=True) if capture.centred else phi
+        constant = constant + (directions @ capture.final_bias)[None]
+    value = (rho[0] @ capture.residual[batch][real.to(device)]) @ phi[0].T + constant
+    return _ReadOut(model, rho, phi, constant, value, read, positions, batch, max_length)
+
+
 def path_attribution(
     stack: AttentionStack,
     readout: Readout | Tensor,
@@ -429,58 +501,15 @@ def path_attribution(
         :class:`PathAttribution`, float64. ``value`` is the readout of the capture's stream,
         ``Σ_p attr(p) + constant`` over every path; the tests hold it to the model's own logits.
     """
-    capture = getattr(stack, "residual_capture", None)
-    if capture is None:
-        raise ValueError(
-            f"{_WHERE}: expected a stack with a residual_capture (pk.adapters.capture_huggingface_residual): "
-            "attributions need the model's frozen norms, MLP outputs and final norm"
-        )
-    batch = check_int(batch, "batch", _WHERE)
-    if not 0 <= batch < stack.batch_size:
-        raise ValueError(f"{_WHERE}: expected batch in [0, {stack.batch_size}), got {batch}")
     top_k = check_int(top_k, "top_k", _WHERE)
     if top_k < 0:
         raise ValueError(f"{_WHERE}: expected top_k >= 0, got {top_k}")
-    layers, heads, d = stack.num_layers, stack.num_heads, stack.d_model
-    max_length = layers if max_length is None else check_int(max_length, "max_length", _WHERE)
-    if not 0 <= max_length <= layers:
-        raise ValueError(f"{_WHERE}: expected max_length in [0, {layers}], got {max_length}")
     memory_budget = check_int(memory_budget, "memory_budget", _WHERE)
     if memory_budget <= 0:
         raise ValueError(f"{_WHERE}: expected a positive memory_budget, got {memory_budget}")
-    read = Readout.of(readout, d)
-    tokens = stack.attn.shape[-1]
-    real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu()
-    real_index = real.nonzero().flatten()
-    if positions is None:
-        positions = [int(real_index[-1])]
-    elif not isinstance(positions, (list, tuple)):
-        positions = [positions]
-    positions = [check_int(p, "positions", _WHERE) for p in positions]
-    for p in positions:
-        if not -tokens <= p < tokens or not bool(real[p]):
-            raise ValueError(
-                f"{_WHERE}: expected positions of real tokens of batch element {batch} in [0, {tokens}), got {p}"
-            )
-    positions = [p % tokens for p in positions]
-    where_real = torch.cumsum(real.long(), 0) - 1  # a real token's index among the real ones
-
-    model = _frozen_model(stack, capture, batch, real)
-    device = model.sources[0].device
-    directions, bias = read.directions.to(device), read.bias.to(device)
-    rows = where_real[positions].to(device)
-    # The frozen final norm: r = e_t / σ_t, v = C Γ u, constant βᵀ u (post-norm: none).
-    rho = torch.zeros(1, len(positions), int(real.sum()), dtype=torch.float64, device=device)
-    rho[0, torch.arange(len(positions)), rows] = 1.0
-    phi = directions[None].clone()
-    constant = bias.expand(len(positions), -1).clone()
-    if capture.final_scale is not None:
-        rho = rho * capture.final_scale[batch][real.to(device)]
-        phi = phi * capture.final_weight
-        phi = phi - phi.mean(-1, keepdim=True) if capture.centred else phi
-        constant = constant + (directions @ capture.final_bias)[None]
-    value = (rho[0] @ capture.residual[batch][real.to(device)]) @ phi[0].T + constant
-
+    setup = read_out(stack, readout, positions, batch, max_length, _WHERE)
+    model, rho, phi, read, positions = setup.model, setup.rho, setup.phi, setup.readout, setup.positions
+    layers, heads, d, max_length = stack.num_layers, stack.num_heads, stack.d_model, setup.max_length
     total = count_attribution_paths(layers, heads, max_length)
     node_bytes = 8 * (rho.shape[1] * rho.shape[2] + phi.shape[1] * d)
     chunk = max(1, memory_budget // (4 * (heads + 1) * node_bytes))
@@ -495,12 +524,12 @@ def path_attribution(
         choices, sources, values = (torch.cat(parts) for parts in zip(*fold.kept)) if fold.kept else (None,) * 3
         kept = {"paths": choices, "path_sources": sources, "attribution": values}
     return PathAttribution(
-        batch=batch,
+        batch=setup.batch,
         positions=torch.tensor(positions),
         labels=read.labels,
         source_names=model.source_names,
-        value=value,
-        constant=constant,
+        value=setup.value,
+        constant=setup.constant,
         by_source_length=fold.sums,
         counts=fold.counts,
         top_values=fold.best[0],
@@ -511,6 +540,22 @@ def path_attribution(
         bottom_sources=fold.worst[2],
         **kept,
     )
+
+
+def children(sublayer: _Sublayer, rho: Tensor, phi: Tensor, choices: Tensor, lengths: Tensor, max_length: int):
+    """The children of nodes ``(rho [N, P, n], phi [N, R, d], choices [N, L], lengths [N])`` through
+    ``sublayer``: the skip's, then (for nodes under ``max_length`` heads) every head's, as a list of
+    ``(rho, phi, choices, lengths)`` parts."""
+    parts = [sublayer.skip(rho, phi) + (choices, lengths)]
+    grows = lengths < max_length
+    if sublayer.attn is not None and bool(grows.any()):
+        rho_h, phi_h = sublayer.heads(rho[grows], phi[grows])
+        heads = rho_h.shape[1]
+        head_choices = choices[grows][:, None].repeat(1, heads, 1)
+        head_choices[:, :, sublayer.layer] = torch.arange(heads, device=rho.device)
+        lengths_h = (lengths[grows] + 1).repeat_interleave(heads)
+        parts.append((rho_h.flatten(0, 1), phi_h.flatten(0, 1), head_choices.flatten(0, 1), lengths_h))
+    return parts
 
 
 def _walk(model: _Model, rho: Tensor, phi: Tensor, max_length: int, chunk: int, fold: _Fold, bar) -> None:
@@ -528,22 +573,6 @@ def _walk(model: _Model, rho: Tensor, phi: Tensor, max_length: int, chunk: int, 
             bar.update(values.shape[0])
         if level == 0:
             continue
-        sublayer = model.sublayers[level - 1]
-        parts = [sublayer.skip(rho, phi) + (choices, lengths)]
-        grows = lengths < max_length
-        if sublayer.attn is not None and bool(grows.any()):
-            rho_h, phi_h = sublayer.heads(rho[grows], phi[grows])
-            heads = rho_h.shape[1]
-            head_choices = choices[grows][:, None].repeat(1, heads, 1)
-            head_choices[:, :, sublayer.layer] = torch.arange(heads, device=rho.device)
-            parts.append(
-                (
-                    rho_h.flatten(0, 1),
-                    phi_h.flatten(0, 1),
-                    head_choices.flatten(0, 1),
-                    (lengths[grows] + 1).repeat_interleave(heads),
-                )
-            )
-        for part in parts:
+        for part in children(model.sublayers[level - 1], rho, phi, choices, lengths, max_length):
             for start in range(0, part[0].shape[0], chunk):
                 pending.append((level - 1, *(t[start : start + chunk] for t in part)))

@@ -1,0 +1,285 @@
+"""The exact top paths of a readout without visiting the whole tree: a best-first search over the
+readout trie with a certificate (issue 25; docs/DESIGN.md, "The top paths, certified").
+
+A node of the trie (:mod:`pathkernels.analysis.attribution`) has chosen the branches of the top
+sublayers; it holds ``ρ`` (``rᵀ`` through their token maps, ``n`` entries) and ``φ`` (their feature
+maps applied to ``v``, ``d`` entries). Every path below it has the attribution ``ρ'ᵀ K φ'``, where
+``ρ'``, ``φ'`` continue through the branches below and ``K`` is the source where it ends. So
+
+    |attr| ≤ ‖ρ'‖₁ ‖φ'‖₂ max_t ‖K_t‖₂ ≤ ‖ρ‖₁ ‖φ‖₂ · M_j,
+
+with ``‖ρᵀ T‖₁ ≤ ‖ρ‖₁ ‖T‖_∞`` (the largest row sum of |T|) and ``‖F φ‖₂ ≤ σ_max(F) ‖φ‖₂`` for each
+branch, and ``M_j = max_{i ≤ j} κ_i Π_{i ≤ m < j} G_m`` over the sources i a node at level j can still
+reach: ``κ_i`` the largest row norm of source i, ``G_m`` the largest factor ``‖T‖_∞ σ_max(F)`` of
+sublayer m's branches (the skip's is 1 in a pre-norm model). The search expands the nodes of
+largest bound first, in batches, and stops when no unexpanded node's bound exceeds the k-th value
+found: then no path left unvisited can enter the top k, and the bound is the certificate.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from pathkernels.analysis.attribution import (
+    Readout,
+    _Model,
+    _Sublayer,
+    children,
+    count_attribution_paths,
+    describe_path,
+    read_out,
+)
+from pathkernels.paths import check_int
+from pathkernels.planner import DEFAULT_MEMORY_BUDGET
+
+_WHERE = "pathkernels.top_paths"
+
+
+@dataclass
+class TopPaths:
+    """The ``k`` largest attributions (or smallest, ``largest=False``) of one readout at one token.
+
+    Attributes:
+        values: ``[k']`` attributions, best first (``k' ≤ k`` when the tree has fewer paths);
+            ``paths [k', L]`` (the head at each layer, −1 where none) and ``sources [k']`` (into
+            ``source_names``).
+        bound: no path left unvisited has an attribution above ``bound`` (below ``−bound`` for the
+            smallest, on the negated readout); ``certified``: ``bound ≤`` the k-th value, so the
+            list is exactly the top k; ``gap``: ``max(0, bound − k-th value)`` otherwise.
+        visited: paths whose attribution was computed; ``expanded``: trie nodes expanded;
+            ``total``: paths in the tree; ``seconds``: the search's time; ``stopped``: why it
+            ended (``"certified"``, ``"time_limit"`` or ``"memory_budget"``).
+        recorded: with ``record=True``, every visited path ``(paths, sources, values)``.
+    """
+
+    values: Tensor
+    paths: Tensor
+    sources: Tensor
+    source_names: list[str]
+    label: str
+    position: int
+    largest: bool
+    bound: float
+    certified: bool
+    gap: float
+    visited: int
+    expanded: int
+    total: int
+    seconds: float
+    stopped: str
+    recorded: tuple[Tensor, Tensor, Tensor] | None = None
+
+    def table(self) -> list[dict]:
+        """Rows: rank, path (text), source, length, attribution."""
+        return [
+            {
+                "rank": rank + 1,
+                "path": describe_path(self.paths[rank], self.source_names[int(self.sources[rank])]),
+                "source": self.source_names[int(self.sources[rank])],
+                "length": int((self.paths[rank] >= 0).sum()),
+                "attribution": float(self.values[rank]),
+            }
+            for rank in range(self.values.shape[0])
+        ]
+
+
+def _branch_bounds(model: _Model) -> Tensor:
+    """``G_m`` per sublayer: the largest ``‖T‖_∞ σ_max(F)`` over its branches, the skip's included."""
+    factors = []
+    for sublayer in model.sublayers:
+        factors.append(max(_skip_factor(sublayer), _head_factor(sublayer)))
+    return torch.tensor(factors, dtype=torch.float64)
+
+
+def _norm_features_matrix(sublayer: _Sublayer) -> Tensor:
+    """``C Γ`` as a ``[d, d]`` matrix."""
+    d = sublayer.gamma.shape[0]
+    centre = torch.eye(d, dtype=torch.float64, device=sublayer.gamma.device)
+    if sublayer.centred:
+        centre = centre - 1.0 / d
+    return centre * sublayer.gamma[None, :]
+
+
+def _skip_factor(sublayer: _Sublayer) -> float:
+    if sublayer.pre:
+        return 1.0
+    return float(sublayer.scale.max()) * float(torch.linalg.matrix_norm(_norm_features_matrix(sublayer), ord=2))
+
+
+def _head_factor(sublayer: _Sublayer) -> float:
+    """The largest ``‖T_h‖_∞ σ_max(F_h)`` over the heads (0 for an MLP). F_h is a product of a
+    ``d × d_head`` and a ``d_head × d`` factor, so its largest singular value is that of the
+    ``d_head × d_head`` product of their QR factors."""
+    if sublayer.attn is None:
+        return 0.0
+    if sublayer.pre:  # T = A D, F = C Γ W_V W_O
+        token = sublayer.attn * sublayer.scale[None, None, :]
+        left, right = _norm_features_matrix(sublayer) @ sublayer.w_v, sublayer.w_o
+    else:  # T = D A, F = W_V W_O C Γ
+        token = sublayer.scale[None, :, None] * sublayer.attn
+        left, right = sublayer.w_v, sublayer.w_o @ _norm_features_matrix(sublayer)
+    token_norm = token.abs().sum(-1).amax(-1)  # [H]
+    r_left = torch.linalg.qr(left).R  # [H, d_head, d_head]
+    r_right = torch.linalg.qr(right.transpose(-1, -2)).R
+    feature_norm = torch.linalg.matrix_norm(r_left @ r_right.transpose(-1, -2), ord=2)  # [H]
+    return float((token_norm * feature_norm).max())
+
+
+def _reach_bounds(model: _Model) -> Tensor:
+    """``M_j`` for j = 0..S: the largest ``κ_i Π_{i ≤ m < j} G_m`` over the sources i ≤ j."""
+    kappa = torch.stack([source.norm(dim=-1).max() for source in model.sources]).cpu()
+    growth = _branch_bounds(model)
+    reach = [float(kappa[0])]
+    for level in range(1, len(model.sources)):
+        reach.append(max(float(kappa[level]), float(growth[level - 1]) * reach[-1]))
+    return torch.tensor(reach, dtype=torch.float64)
+
+
+def top_paths(
+    stack,
+    readout: Readout | Tensor,
+    k: int = 20,
+    *,
+    position: int | None = None,
+    batch: int = 0,
+    largest: bool = True,
+    max_length: int | None = None,
+    time_limit: float | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    batch_nodes: int = 4096,
+    record: bool = False,
+) -> TopPaths:
+    """The exact ``k`` largest (or smallest) path attributions of one readout at one token, found
+    by a best-first search over the readout trie with a certificate (module docstring).
+
+    Args:
+        stack: a captured stack (:func:`pathkernels.adapters.capture_huggingface_residual`).
+        readout: one direction: :func:`pathkernels.logit_diff`, :func:`pathkernels.logit`, a
+            :class:`Readout` of one row or a vector ``[d]``.
+        k: how many paths.
+        position: the token read out (default: the last real token); ``batch``: the element.
+        largest: the largest attributions, or the smallest (the largest of the negated readout).
+        max_length: only paths through at most this many heads.
+        time_limit: seconds; at the limit the best list so far comes back with its gap.
+        memory_budget: bytes for the frontier of unexpanded nodes; reaching it also stops.
+        batch_nodes: nodes expanded per step (the ones of largest bound).
+        record: keep every visited path and its attribution (for checking the certificate).
+
+    Returns:
+        :class:`TopPaths`: the paths, their values, and the certificate (``bound``,
+        ``certified``, ``gap``) with how much of the tree was visited.
+    """
+    start = time.monotonic()
+    k = check_int(k, "k", _WHERE, minimum=1)
+    batch_nodes = check_int(batch_nodes, "batch_nodes", _WHERE, minimum=1)
+    memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
+    if time_limit is not None and not (isinstance(time_limit, (int, float)) and time_limit > 0):
+        raise ValueError(
+            f"{_WHERE}: expected time_limit to be a positive number of seconds or None, got {time_limit!r}"
+        )
+    setup = read_out(stack, readout, position, batch, max_length, _WHERE)
+    if len(setup.readout.labels) != 1:
+        raise ValueError(f"{_WHERE}: expected one readout direction, got {len(setup.readout.labels)}")
+    model, layers = setup.model, stack.num_layers
+    sign = 1.0 if largest else -1.0
+    reach = _reach_bounds(model).to(setup.rho.device)
+
+    # The frontier: unexpanded nodes, each at a level (the source it meets next).
+    rho, phi = setup.rho[:, :1], sign * setup.phi
+    level = torch.full((1,), len(model.sublayers), dtype=torch.long)
+    choices = torch.full((1, layers), -1, dtype=torch.long)
+    lengths = torch.zeros(1, dtype=torch.long)
+    bound = _bounds(rho, phi, reach, level)
+    best_values = torch.empty(0, dtype=torch.float64)
+    best_paths = torch.empty(0, layers, dtype=torch.long)
+    best_sources = torch.empty(0, dtype=torch.long)
+    pruned, visited, expanded = -math.inf, 0, 0
+    node_bytes = 8 * (rho.shape[-1] + phi.shape[-1] + layers + 3)
+    recorded: list[tuple[Tensor, Tensor, Tensor]] = []
+    stopped = "certified"
+    while level.numel():
+        kth = float(best_values[-1]) if best_values.numel() == k else -math.inf
+        alive = bound > kth
+        if not bool(alive.all()):  # nodes whose every path is below the k-th value
+            pruned = max(pruned, float(bound[~alive].max()))
+            rho, phi, level, choices, lengths, bound = (t[alive] for t in (rho, phi, level, choices, lengths, bound))
+            if not level.numel():
+                break
+        if time_limit is not None and time.monotonic() - start > time_limit:
+            stopped = "time_limit"
+            break
+        if level.numel() * node_bytes > memory_budget:
+            stopped = "memory_budget"
+            break
+        take = torch.topk(bound, min(batch_nodes, bound.numel())).indices
+        keep = torch.ones_like(bound, dtype=torch.bool)
+        keep[take] = False
+        picked = [t[take] for t in (rho, phi, level, choices, lengths)]
+        rho, phi, level, choices, lengths, bound = (t[keep] for t in (rho, phi, level, choices, lengths, bound))
+        expanded += take.numel()
+        new = []
+        for at in picked[2].unique().tolist():
+            group = picked[2] == at
+            g_rho, g_phi, g_choices, g_lengths = picked[0][group], picked[1][group], picked[3][group], picked[4][group]
+            values = torch.einsum("npd,nrd->npr", g_rho @ model.sources[at], g_phi)[:, 0, 0]
+            visited += values.numel()
+            if record:
+                recorded.append((g_choices, torch.full_like(g_lengths, at), sign * values))
+            best_values, best_paths, best_sources = _merge(
+                (best_values, best_paths, best_sources), values, g_choices, at, k
+            )
+            if at == 0:
+                continue
+            for part in children(model.sublayers[at - 1], g_rho, g_phi, g_choices, g_lengths, setup.max_length):
+                child_level = torch.full((part[0].shape[0],), at - 1, dtype=torch.long)
+                new.append((*part[:2], child_level, *part[2:]))
+        if new:
+            parts = list(zip(*new))
+            grown = [torch.cat(p) for p in parts]
+            child_bound = _bounds(grown[0], grown[1], reach, grown[2])
+            rho, phi, level, choices, lengths = (
+                torch.cat([a, b]) for a, b in zip((rho, phi, level, choices, lengths), grown)
+            )
+            bound = torch.cat([bound, child_bound])
+    kth = float(best_values[-1]) if best_values.numel() == k else -math.inf
+    remaining = max(pruned, float(bound.max()) if bound.numel() else -math.inf)
+    certified = remaining <= kth or (not bound.numel() and stopped == "certified")
+    total = count_attribution_paths(layers, stack.num_heads, setup.max_length)
+    return TopPaths(
+        values=sign * best_values,
+        paths=best_paths,
+        sources=best_sources,
+        source_names=model.source_names,
+        label=("" if largest else "−") + setup.readout.labels[0],
+        position=setup.positions[0],
+        largest=largest,
+        bound=remaining if math.isfinite(remaining) else 0.0,
+        certified=bool(certified),
+        gap=0.0 if certified else max(0.0, remaining - kth),
+        visited=visited,
+        expanded=expanded,
+        total=total,
+        seconds=time.monotonic() - start,
+        stopped=stopped,
+        recorded=tuple(torch.cat(p) for p in zip(*recorded)) if record and recorded else None,
+    )
+
+
+def _bounds(rho: Tensor, phi: Tensor, reach: Tensor, level: Tensor) -> Tensor:
+    """``‖ρ‖₁ ‖φ‖₂ M_level`` per node (one position, one readout)."""
+    return rho[:, 0].abs().sum(-1) * phi[:, 0].norm(dim=-1) * reach[level]
+
+
+def _merge(held, values: Tensor, choices: Tensor, source: int, k: int):
+    """The k largest of the held list and ``values`` (with their paths and source)."""
+    held_values, held_paths, held_sources = held
+    all_values = torch.cat([held_values, values])
+    all_paths = torch.cat([held_paths, choices])
+    all_sources = torch.cat([held_sources, torch.full((values.numel(),), source, dtype=torch.long)])
+    order = torch.topk(all_values, min(k, all_values.numel())).indices
+    return all_values[order], all_paths[order], all_sources[order]

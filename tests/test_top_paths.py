@@ -1,0 +1,122 @@
+"""pk.top_paths (issue 25): the certified best-first search returns exactly the top (and bottom)
+paths that enumerating every path gives, on pre-norm, RMSNorm and post-norm models, on nearly tied
+attributions, and with max_length; a search stopped early keeps a certificate that no path it did
+not visit exceeds."""
+
+import pytest
+import torch
+
+import pathkernels as pk
+from pathkernels.adapters.residual import capture_huggingface_residual
+
+transformers = pytest.importorskip("transformers")
+
+from test_real_models import bert, gpt2, llama  # noqa: E402
+
+
+def captured(family: str, tokens: int = 9):
+    model = {"gpt2": lambda: gpt2(4, 4, 32), "llama": llama, "bert": bert}[family]()
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, tokens)))
+    readout = torch.randn(32, dtype=torch.float64) if family == "bert" else pk.logit_diff(model, 1, 2)
+    return model, stack, readout
+
+
+def assert_same_as_enumeration(stack, readout, k: int, **kwargs):
+    every = pk.path_attribution(stack, readout, top_k=k, max_length=kwargs.get("max_length"))
+    for largest in (True, False):
+        found = pk.top_paths(stack, readout, k, largest=largest, batch_nodes=32, **kwargs)
+        assert found.certified and found.stopped == "certified" and found.gap == 0
+        values, paths, sources = (
+            (every.top_values, every.top_paths, every.top_sources)
+            if largest
+            else (every.bottom_values, every.bottom_paths, every.bottom_sources)
+        )
+        torch.testing.assert_close(found.values, values[:, 0, 0], rtol=1e-12, atol=1e-14)
+        assert torch.equal(found.paths, paths[:, 0, 0]) and torch.equal(found.sources, sources[:, 0, 0])
+        assert found.visited <= found.total == every.counts.sum()
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_the_search_finds_what_enumeration_finds(family):
+    _, stack, readout = captured(family)
+    assert_same_as_enumeration(stack, readout, 10)
+    assert_same_as_enumeration(stack, readout, 3, max_length=1)
+
+
+def test_nearly_tied_heads_are_told_apart():
+    """Every head of each layer a copy of head 0, perturbed by 1e-9: thousands of attributions
+    tie to 1e-9, and the search still returns enumeration's order."""
+    model = gpt2(3, 4, 32)
+    with torch.no_grad():
+        for block in model.transformer.h:  # GPT-2's fused QKV columns: [q | k | v], 4 heads of 8 each
+            qkv, qkv_bias = block.attn.c_attn.weight.view(32, 3, 4, 8), block.attn.c_attn.bias.view(3, 4, 8)
+            qkv[:] = qkv[:, :, :1] * (1 + 1e-9 * torch.randn(32, 3, 4, 8, dtype=torch.float64))
+            qkv_bias[:] = qkv_bias[:, :1] * (1 + 1e-9 * torch.randn(3, 4, 8, dtype=torch.float64))
+            out = block.attn.c_proj.weight.view(4, 8, 32)
+            out[:] = out[:1] * (1 + 1e-9 * torch.randn(4, 8, 32, dtype=torch.float64))
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 7)))
+    values = pk.path_attribution(stack, pk.logit_diff(model, 3, 4)).attribution[:, 0, 0]
+    near = (values[:, None] - values[None, :]).abs() < 1e-7 * values.abs().max()
+    assert int(near.sum()) > 2 * values.numel()  # the premise: many near ties
+    assert_same_as_enumeration(stack, pk.logit_diff(model, 3, 4), 12)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_stopped_search_bounds_every_path_it_did_not_visit(seed):
+    """A frontier budget too small to finish: the search stops uncertified, and every path it did
+    not visit has an attribution at most its bound (at least −bound for the smallest)."""
+    torch.manual_seed(seed)
+    _, stack, readout = captured(["gpt2", "llama", "bert"][seed % 3])
+    every = pk.path_attribution(stack, readout)
+    for largest in (True, False):
+        found = pk.top_paths(stack, readout, 5, largest=largest, batch_nodes=2, memory_budget=4000, record=True)
+        assert found.stopped == "memory_budget" and found.recorded is not None
+        seen = {(tuple(p.tolist()), int(s)) for p, s in zip(*found.recorded[:2])}
+        unseen = torch.tensor(
+            [
+                float(value[0, 0])
+                for path, source, value in zip(every.paths, every.path_sources, every.attribution)
+                if (tuple(path.tolist()), int(source)) not in seen
+            ],
+            dtype=torch.float64,
+        )
+        assert unseen.numel() > 0
+        signed = unseen if largest else -unseen
+        assert float(signed.max()) <= found.bound * (1 + 1e-12)
+        if not found.certified:
+            assert found.gap > 0
+
+
+def test_bad_arguments_are_refused_by_name():
+    model, stack, readout = captured("gpt2")
+    cases = [
+        ((stack, readout, 0), {}, r"expected k"),
+        ((stack, torch.randn(32, 2, dtype=torch.float64)), {}, r"expected one readout direction, got 2"),
+        ((stack, readout), {"time_limit": -1}, r"expected time_limit to be a positive number"),
+        ((stack, readout), {"position": 9}, r"expected positions of real tokens"),
+    ]
+    for args, kwargs, message in cases:
+        with pytest.raises((ValueError, TypeError), match=r"^pathkernels\.top_paths: " + message):
+            pk.top_paths(*args, **kwargs)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_the_branch_factors_are_the_norms_of_the_dense_maps(family):
+    """G_m from the QR factors equals max_h ‖T_h‖_∞ σ_max(F_h) of the dense d × d feature maps."""
+    from pathkernels.analysis.attribution import read_out
+    from pathkernels.analysis.top_paths import _head_factor
+
+    _, stack, readout = captured(family)
+    model = read_out(stack, readout, None, 0, None, "test").model
+    for sublayer in model.sublayers[::2]:  # the attention sublayers
+        d = sublayer.gamma.shape[0]
+        centre_gamma = (torch.eye(d, dtype=torch.float64) - 1.0 / d) * sublayer.gamma[None, :]
+        expected = []
+        for head in range(sublayer.attn.shape[0]):
+            value_output = sublayer.w_v[head] @ sublayer.w_o[head]
+            if sublayer.pre:
+                token, feature = sublayer.attn[head] * sublayer.scale[None, :], centre_gamma @ value_output
+            else:
+                token, feature = sublayer.scale[:, None] * sublayer.attn[head], value_output @ centre_gamma
+            expected.append(float(token.abs().sum(-1).max() * torch.linalg.matrix_norm(feature, ord=2)))
+        assert _head_factor(sublayer) == pytest.approx(max(expected), rel=1e-10)
