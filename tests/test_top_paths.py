@@ -120,3 +120,28 @@ def test_the_branch_factors_are_the_norms_of_the_dense_maps(family):
                 token, feature = sublayer.scale[:, None] * sublayer.attn[head], value_output @ centre_gamma
             expected.append(float(token.abs().sum(-1).max() * torch.linalg.matrix_norm(feature, ord=2)))
         assert _head_factor(sublayer) == pytest.approx(max(expected), rel=1e-10)
+
+
+def test_the_first_head_factors_are_their_definition():
+    """C_s = max over heads h and sources i ≤ s of ‖A_h D‖_∞ · max_t ‖(K_i C Γ W_V,h)_t‖₂ · σ_max(W_O,h),
+    written out head by head and source by source."""
+    from pathkernels.analysis.attribution import read_out
+    from pathkernels.analysis.top_paths import _first_head_factors
+
+    _, stack, readout = captured("gpt2")
+    model = read_out(stack, readout, None, 0, None, "test").model
+    factors = _first_head_factors(model)
+    for index, sublayer in enumerate(model.sublayers):
+        if sublayer.attn is None:
+            assert factors[index] == 0.0
+            continue
+        d = sublayer.gamma.shape[0]
+        centre_gamma = (torch.eye(d, dtype=torch.float64) - 1.0 / d) * sublayer.gamma[None, :]
+        expected = max(
+            float((sublayer.attn[h] * sublayer.scale[None, :]).abs().sum(-1).max())
+            * float((model.sources[i] @ centre_gamma @ sublayer.w_v[h]).norm(dim=-1).max())
+            * float(torch.linalg.matrix_norm(sublayer.w_o[h], ord=2))
+            for h in range(sublayer.attn.shape[0])
+            for i in range(index + 1)
+        )
+        assert factors[index] == pytest.approx(expected, rel=1e-10)

@@ -131,13 +131,45 @@ def _head_factor(sublayer: _Sublayer) -> float:
 
 
 def _reach_bounds(model: _Model) -> Tensor:
-    """``M_j`` for j = 0..S: the largest ``κ_i Π_{i ≤ m < j} G_m`` over the sources i ≤ j."""
-    kappa = torch.stack([source.norm(dim=-1).max() for source in model.sources]).cpu()
-    growth = _branch_bounds(model)
-    reach = [float(kappa[0])]
+    """``M_j`` for j = 0..S: a bound on ``|attr| / (‖ρ‖₁ ‖φ‖₂)`` over every path below a node at
+    level j. Post-norm: the largest ``κ_i Π_{i ≤ m < j} G_m`` over the sources i ≤ j. Pre-norm,
+    where a skip is the identity: the larger of ``max_{i ≤ j} κ_i`` (paths that take no further
+    head) and ``max_s C_s Π_{s < m < j} G_m`` over the attention sublayers s < j where a path takes
+    its lowest head, with the source folded into that head (:func:`_first_head_factors`)."""
+    kappa = [float(source.norm(dim=-1).max()) for source in model.sources]
+    growth = _branch_bounds(model).tolist()
+    if not model.sublayers[0].pre:
+        reach = [kappa[0]]
+        for level in range(1, len(model.sources)):
+            reach.append(max(kappa[level], growth[level - 1] * reach[-1]))
+        return torch.tensor(reach, dtype=torch.float64)
+    first = _first_head_factors(model)
+    no_head, with_head = [kappa[0]], [0.0]
     for level in range(1, len(model.sources)):
-        reach.append(max(float(kappa[level]), float(growth[level - 1]) * reach[-1]))
-    return torch.tensor(reach, dtype=torch.float64)
+        no_head.append(max(no_head[-1], kappa[level]))
+        with_head.append(max(growth[level - 1] * with_head[-1], first[level - 1]))
+    return torch.tensor([max(a, b) for a, b in zip(no_head, with_head)], dtype=torch.float64)
+
+
+def _first_head_factors(model: _Model) -> list[float]:
+    """Pre-norm, per sublayer s: ``C_s = max_{h, i ≤ s} ‖A_h D‖_∞ κ'_{i,h} σ_max(W_O,h)`` for an
+    attention sublayer (0 for an MLP), with ``κ'_{i,h} = max_t ‖(K_i C Γ W_V,h)_t‖₂``. A path whose
+    lowest head is h of sublayer s, from source i, then contributes ``Σ_t (ρᵀ A_h D)_t ·
+    (K_i C Γ W_V,h)_t · (W_O,h φ)`` ≤ ``‖ρ‖₁ ‖A_h D‖_∞ κ'_{i,h} σ_max(W_O,h) ‖φ‖₂`` for the ρ, φ
+    just above it: the source's rows meet φ only through the head's d_head values, where the
+    plain ``κ_i σ_max(F_h)`` pairs them at full width."""
+    factors = []
+    for index, sublayer in enumerate(model.sublayers):
+        if sublayer.attn is None:
+            factors.append(0.0)
+            continue
+        token_norm = (sublayer.attn * sublayer.scale[None, None, :]).abs().sum(-1).amax(-1)  # [H]
+        values = _norm_features_matrix(sublayer) @ sublayer.w_v  # C Γ W_V [H, d, d_head]
+        sources = torch.stack(model.sources[: index + 1])  # [I, n, d]
+        reach = torch.einsum("ind,hde->ihne", sources, values).norm(dim=-1).amax(dim=(0, 2))  # [H]
+        output_norm = torch.linalg.matrix_norm(sublayer.w_o, ord=2)  # [H]
+        factors.append(float((token_norm * reach * output_norm).max()))
+    return factors
 
 
 def top_paths(
