@@ -32,7 +32,7 @@ import pathkernels as pk
 from pathkernels import experiments
 from pathkernels._memory import check_fits
 from pathkernels.adapters.huggingface import LocalModel
-from pathkernels.analysis.attribution import count_attribution_paths, unembedding
+from pathkernels.analysis.attribution import count_attribution_paths, path_bars, unembedding
 from pathkernels.benchmarks import (
     QUICK_NORM_CASES,
     QUICK_PATH_CASES,
@@ -373,11 +373,14 @@ def attribute_table(
     position: int | None = None,
     top: int = 10,
     max_length: int | None = None,
+    time_limit: float = 300.0,
     out: Path | None = None,
 ):
     """``pathkernels attribute``: each path's attribution to a logit difference at one token of a
     model built from a config (or a local model), the sums by length and by source, and the top
-    and bottom paths; with ``out`` also CSV files and a plot. Returns the PathAttribution."""
+    and bottom paths; with ``out`` also CSV files and a plot. A model with more than 10^7 paths
+    gets its sums from the paths of the lengths that fit, and its top and bottom paths from the
+    certified search (pk.top_paths, ``time_limit`` seconds each). Returns the PathAttribution."""
     import pandas as pd
     import transformers
 
@@ -429,6 +432,8 @@ def attribute_table(
     if a == b:
         raise CommandLineError(f"pathkernels: --versus: expected a token other than --target ({a})")
     layers_, heads_ = stack.num_layers, stack.num_heads
+    everything = count_attribution_paths(layers_, heads_, layers_)
+    search = max_length is None and everything > _MAX_ATTRIBUTION_PATHS  # top paths by the certified search
     if max_length is None:
         max_length = max(
             (k for k in range(layers_ + 1) if count_attribution_paths(layers_, heads_, k) <= _MAX_ATTRIBUTION_PATHS),
@@ -442,7 +447,6 @@ def attribute_table(
         stack, pk.logit_diff(network, a, b), positions=position, max_length=max_length, top_k=top, progress=True
     )
     paths = count_attribution_paths(layers_, heads_, max_length)
-    everything = count_attribution_paths(layers_, heads_, layers_)
 
     def token_text(token: int) -> str:
         return f"{token} ({tokenizer.decode([token])!r})" if tokenizer is not None else str(token)
@@ -477,12 +481,32 @@ def attribute_table(
             "attribution": result.by_source[:, 0, 0].tolist(),
         }
     )
-    best, worst = pd.DataFrame(result.table()), pd.DataFrame(result.table(which="bottom"))
+    best_rows, worst_rows = result.table(), result.table(which="bottom")
+    ranked = "" if not search else f" of all {everything:,} paths"
+    if search:  # the top and bottom of every path, not only of the enumerated ones
+        found = [
+            pk.top_paths(
+                stack, pk.logit_diff(network, a, b), top, position=position, largest=largest, time_limit=time_limit
+            )
+            for largest in (True, False)
+        ]
+        for which, search_result in zip(("largest", "smallest"), found):
+            verdict = (
+                "certified"
+                if search_result.certified
+                else f"not certified ({search_result.stopped}): no other path exceeds {search_result.bound:.4g} in size"
+            )
+            print(
+                f"the {top} {which} of all paths: a best-first search visited {search_result.visited:,} paths in "
+                f"{search_result.seconds:.1f} s, {verdict}"
+            )
+        best_rows, worst_rows = found[0].table(), found[1].table()
+    best, worst = pd.DataFrame(best_rows), pd.DataFrame(worst_rows)
     for title, table in (
         ("by number of heads", lengths),
         ("by source", sources),
-        (f"the {top} largest", best),
-        (f"the {top} smallest", worst),
+        (f"the {top} largest{ranked}", best),
+        (f"the {top} smallest{ranked}", worst),
     ):
         _heading(f"Attribution {title}")
         print(table.to_string(index=False, float_format=_float_format))
@@ -494,7 +518,9 @@ def attribute_table(
             ("attribution_bottom", worst),
         ):
             _save(out, name, table)
-        _save(out, "attribution", figure=result.plot(top))
+        label = f"attribution to logit[{a}] − logit[{b}] at token {position}"
+        title = f"top and bottom paths{ranked} (the readout: {value:.4g})"
+        _save(out, "attribution", figure=path_bars(best_rows, worst_rows, label, title))
     return result
 
 
@@ -640,6 +666,17 @@ def _integer(minimum: int):
 
     parse.__name__ = f"integer >= {minimum}"
     return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return value
 
 
 # Options of the built-in network, which a --model sets for itself: their defaults.
@@ -788,8 +825,17 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"enumerate the paths of at most this many heads (default: every path, or the most that "
         f"keeps within {_MAX_ATTRIBUTION_PATHS:,})",
     )
+    attribute.add_argument(
+        "--time-limit",
+        type=_seconds,
+        default=300.0,
+        help="seconds for each search of the top and bottom paths of a model with more than "
+        f"{_MAX_ATTRIBUTION_PATHS:,} paths",
+    )
     attribute.set_defaults(
-        run=_runner(attribute_table, *_MODEL_OPTIONS, "seed", "target", "versus", "position", "top", "max_length")
+        run=_runner(
+            attribute_table, *_MODEL_OPTIONS, "seed", "target", "versus", "position", "top", "max_length", "time_limit"
+        )
     )
 
     bench = command(

@@ -372,3 +372,31 @@ def test_cli_attribute_reads_a_base_model_directory_and_refuses_what_it_cannot_r
     ):
         assert main(["attribute", *argv]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_cli_attribute_searches_the_top_paths_of_a_tree_too_large_to_enumerate(tmp_path, capsys, monkeypatch):
+    """Above the enumeration limit (lowered here to 10 paths), the sums come from the short paths
+    and the top and bottom paths from the certified search over all of them: the same as full
+    enumeration finds."""
+    pytest.importorskip("transformers")
+    pd = pytest.importorskip("pandas")
+    pytest.importorskip("matplotlib")
+    import pathkernels.cli as cli
+
+    argv = ["attribute", "--layers", "2", "--heads", "2", "--width", "16", "--tokens", "6", "--top", "4"]
+    assert main([*argv, "--target", "5", "--versus", "9", "--out", str(tmp_path / "all")]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(cli, "_MAX_ATTRIBUTION_PATHS", 10)
+    assert main([*argv, "--target", "5", "--versus", "9", "--out", str(tmp_path / "search")]) == 0
+    out = capsys.readouterr().out
+    assert "the 4 largest of all paths: a best-first search visited" in out and "certified" in out
+    assert "Attribution the 4 largest of all 17 paths" in out
+    for name in ("attribution_top.csv", "attribution_bottom.csv"):
+        every, searched = pd.read_csv(tmp_path / "all" / name), pd.read_csv(tmp_path / "search" / name)
+        assert every["path"].tolist() == searched["path"].tolist()
+        assert every["attribution"].tolist() == pytest.approx(searched["attribution"].tolist(), rel=1e-12)
+    assert (tmp_path / "search" / "attribution.png").stat().st_size > 0
+    with pytest.raises(SystemExit) as stopped:
+        main([*argv, "--time-limit", "0"])
+    assert stopped.value.code == 2
+    assert "argument --time-limit: expected a positive number of seconds, got 0" in capsys.readouterr().err

@@ -231,6 +231,27 @@ def describe_path(path: Tensor, source_name: str) -> str:
     return f"{' → '.join(heads)} from {source_name}" if heads else f"{source_name} (direct)"
 
 
+def path_bars(top: list[dict], bottom: list[dict], label: str, title: str, ax=None):
+    """Horizontal bars of the ``top`` rows then the ``bottom`` ones (rows of ``"path"`` and
+    ``"attribution"``, each path once), labelled by path; returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    seen = {row["path"] for row in top}
+    rows = top + [row for row in reversed(bottom) if row["path"] not in seen]
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(7, 0.3 * len(rows) + 1.2))
+    else:
+        fig = ax.figure
+    values = [row["attribution"] for row in rows]
+    ax.barh(range(len(rows)), values, color=["C0" if v >= 0 else "C3" for v in values])
+    ax.set_yticks(range(len(rows)), [row["path"] for row in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(0, color="black", linewidth=0.5)
+    ax.set_xlabel(label)
+    ax.set_title(title)
+    return fig
+
+
 @dataclass
 class PathAttribution:
     """Attributions of one batch element's readouts to its paths (:func:`path_attribution`).
@@ -327,26 +348,12 @@ class PathAttribution:
         where = "pathkernels.PathAttribution.plot"
         check_save_path(path, where)
         k = check_int(k, "k", where)
-        import matplotlib.pyplot as plt
-
         top = self.table(position=position, readout=readout)[:k]
         bottom = self.table(position=position, readout=readout, which="bottom")[:k]
-        seen = {row["path"] for row in top}
-        rows = top + [row for row in reversed(bottom) if row["path"] not in seen]
-        if ax is None:
-            fig, ax = plt.subplots(figsize=(7, 0.3 * len(rows) + 1.2))
-        else:
-            fig = ax.figure
-        values = [row["attribution"] for row in rows]
-        ax.barh(range(len(rows)), values, color=["C0" if v >= 0 else "C3" for v in values])
-        ax.set_yticks(range(len(rows)), [row["path"] for row in rows], fontsize=8)
-        ax.invert_yaxis()
-        ax.axvline(0, color="black", linewidth=0.5)
         token = int(self.positions[position])
-        ax.set_xlabel(f"attribution to {self.labels[readout]} at token {token}")
-        whole = float(self.value[position, readout])
-        ax.set_title(f"top and bottom paths (the readout: {whole:.4g})")
-        return saved(fig, path)
+        label = f"attribution to {self.labels[readout]} at token {token}"
+        title = f"top and bottom paths (the readout: {float(self.value[position, readout]):.4g})"
+        return saved(path_bars(top, bottom, label, title, ax), path)
 
     def to_frame(self, *, position: int = 0, readout: int = 0, which: str = "top"):
         """:meth:`table` as a pandas DataFrame (pandas is optional)."""
