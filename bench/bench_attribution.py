@@ -15,13 +15,12 @@ path on a sample of paths, extrapolated to the whole set, and the speed-up.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
-from pathkernels.benchmarks import format_table, seconds_per_call
+from pathkernels.benchmarks import run_cases, seconds_per_call
 
 # (layers, heads, d_model, tokens, max_length or None for every path)
 GRID = [(4, 8, 64, 16, None), (6, 8, 64, 16, None), (6, 12, 768, 16, 2), (12, 12, 768, 16, 1)]
@@ -120,20 +119,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
-    import pathkernels as pk
-
-    rows = []
-    for case in QUICK if args.quick else GRID:
-        rows.append(bench_case(*case))
-        print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
-    machine = f"CPU {torch.get_num_threads()} threads"
-    print(f"pathkernels {pk.__version__} path attribution (PyTorch trie walker), {machine}, torch {torch.__version__}")
-    print(format_table(rows, COLUMNS))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"machine": machine, "torch": torch.__version__, "threads": torch.get_num_threads(), "results": rows}
-        args.out.write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    run_cases(QUICK if args.quick else GRID, bench_case, COLUMNS, "path attribution (PyTorch trie walker)", args.out)
     return 0
 
 

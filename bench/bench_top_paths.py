@@ -15,14 +15,13 @@ enumeration (pk.path_attribution) and check that both lists are identical.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from pathkernels.benchmarks import format_table
+from pathkernels.benchmarks import run_cases
 
 # (layers, attention weight std or None for Hugging Face's initialisation, time limit in seconds)
 CASES = [(6, None, 600), (12, None, 600), (6, 0.02, 120), (12, 0.02, 120), (12, 0.1, 120)]
@@ -101,20 +100,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
-    import pathkernels as pk
-
-    rows = []
-    for case in CASES:
-        rows.append(bench_case(*case))
-        print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
-    machine = f"CPU {torch.get_num_threads()} threads"
-    print(f"pathkernels {pk.__version__} top_paths (best-first, certified), {machine}, torch {torch.__version__}")
-    print(format_table(rows, COLUMNS))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"machine": machine, "torch": torch.__version__, "threads": torch.get_num_threads(), "results": rows}
-        args.out.write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    run_cases(CASES, bench_case, COLUMNS, "top_paths (best-first, certified)", args.out)
     return 0
 
 

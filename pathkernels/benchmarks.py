@@ -270,3 +270,26 @@ QUICK_PATH_COLUMNS = [
 
 def format_path_table(rows: list[dict]) -> str:
     return format_table(rows, QUICK_PATH_COLUMNS)
+
+
+def run_cases(cases, bench_case, columns: list[tuple], title: str, out=None) -> list[dict]:
+    """Run ``bench_case(*case)`` for each case, printing each row as it comes, then the whole table
+    under ``title`` (with pathkernels' version, the threads and torch's); with ``out`` (a Path)
+    also write the rows as JSON there."""
+    import json
+
+    import pathkernels as pk
+
+    rows = []
+    for case in cases:
+        rows.append(bench_case(*case))
+        print(format_table(rows[-1:], columns).splitlines()[-1], flush=True)
+    machine = f"CPU {torch.get_num_threads()} threads"
+    print(f"pathkernels {pk.__version__} {title}, {machine}, torch {torch.__version__}")
+    print(format_table(rows, columns))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"machine": machine, "torch": torch.__version__, "threads": torch.get_num_threads(), "results": rows}
+        out.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {out}")
+    return rows

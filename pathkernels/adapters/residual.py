@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from pathkernels.adapters.huggingface import _attention_layers, _blocks, _read_stack, _value_output
 from pathkernels.adapters.stack import AttentionStack
+from pathkernels.adapters.transformer_lens import from_transformer_lens, run_cached
 
 _WHERE = "pathkernels.adapters.capture_huggingface_residual"
 
@@ -289,8 +290,6 @@ def capture_transformer_lens_residual(
         raise ValueError(f"{where}: models with parallel attention and MLP (parallel_attn_mlp) are not captured")
     if cfg.normalization_type not in _TL_NORMS:
         raise ValueError(f"{where}: normalization_type {cfg.normalization_type!r} is not captured")
-    from pathkernels.adapters.transformer_lens import from_transformer_lens
-
     norm, has_weight, has_bias = _TL_NORMS[cfg.normalization_type]
     layers, attn_only = cfg.n_layers, bool(cfg.attn_only)
     normed = norm != "none"
@@ -302,14 +301,7 @@ def capture_transformer_lens_residual(
             names |= {f"blocks.{layer}.ln2.hook_scale" for layer in range(layers)}
     if not attn_only:
         names |= {f"blocks.{layer}.hook_mlp_out" for layer in range(layers)}
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            extra = {} if attention_mask is None else {"attention_mask": attention_mask}
-            _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in names, **extra)
-    finally:
-        model.train(was_training)
+    cache = run_cached(model, tokens, names, attention_mask)
     stack = from_transformer_lens(cache, attention_mask=attention_mask)
     batch, tokens_n, d = stack.attn.shape[0], stack.attn.shape[-1], stack.d_model
     ones = torch.ones(batch, tokens_n, dtype=torch.float64, device=stack.attn.device)

@@ -70,6 +70,21 @@ def _softmax_precision(model) -> torch.dtype | None:
     return None if family is None else family.softmax_dtype
 
 
+def run_cached(model, tokens, names: set[str], attention_mask=None):
+    """``model.run_with_cache(tokens)`` keeping only the hooks ``names``, in eval mode (restored
+    after: a TransformerBridge wraps an HF model whose attention dropout would act) and without
+    gradients; the cache."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            extra = {} if attention_mask is None else {"attention_mask": attention_mask}
+            _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in names, **extra)
+    finally:
+        model.train(was_training)
+    return cache
+
+
 def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -> AttentionStack:
     """Attention patterns, per-head value-output maps and the residual stream from TransformerLens.
 
@@ -110,15 +125,7 @@ def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -
             raise ValueError(
                 f"{_WHERE}: expected at least one batch element and one token in tokens, got {list(tokens.shape)}"
             )
-        wanted = set(_hook_names(model.cfg.n_layers))
-        was_training = model.training
-        model.eval()  # a TransformerBridge wraps an HF model whose attention dropout would act
-        try:
-            with torch.no_grad():
-                extra = {} if attention_mask is None else {"attention_mask": attention_mask}
-                _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in wanted, **extra)
-        finally:
-            model.train(was_training)
+        cache = run_cached(model, tokens, set(_hook_names(model.cfg.n_layers)), attention_mask)
 
     num_layers = model.cfg.n_layers
     patterns = []
