@@ -11,9 +11,11 @@ maps applied to ``v``, ``d`` entries). Every path below it has the attribution `
 with ``‖ρᵀ T‖₁ ≤ ‖ρ‖₁ ‖T‖_∞`` (the largest row sum of |T|) and ``‖F φ‖₂ ≤ σ_max(F) ‖φ‖₂`` for each
 branch, and ``M_j = max_{i ≤ j} κ_i Π_{i ≤ m < j} G_m`` over the sources i a node at level j can still
 reach: ``κ_i`` the largest row norm of source i, ``G_m`` the largest factor ``‖T‖_∞ σ_max(F)`` of
-sublayer m's branches (the skip's is 1 in a pre-norm model). The search expands the nodes of
-largest bound first, in batches, and stops when no unexpanded node's bound exceeds the k-th value
-found: then no path left unvisited can enter the top k, and the bound is the certificate.
+sublayer m's branches (the skip's is 1 in a pre-norm model). In a pre-norm model the source is
+paired with the path's lowest head instead, whose ``d_head`` values are all of φ it meets
+(:func:`_first_head_factors`), a bound tighter by about ``√(d / d_head)``. The search expands the
+nodes of largest bound first, in batches, and stops when no unexpanded node's bound exceeds the
+k-th value found: then no path left unvisited can enter the top k, and the bound is the certificate.
 """
 
 from __future__ import annotations
