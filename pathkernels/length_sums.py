@@ -13,9 +13,9 @@ from pathkernels.paths import check_flag, check_int
 
 def length_sums(
     attn: Tensor,
-    x: Tensor,
-    w_v: Tensor,
-    w_o: Tensor,
+    x: Tensor | None = None,
+    w_v: Tensor | None = None,
+    w_o: Tensor | None = None,
     *,
     b_o: Tensor | None = None,
     skip: bool = True,
@@ -38,7 +38,10 @@ def length_sums(
     The result is differentiable in every input (plain torch operations).
 
     Args:
-        attn: ``[B, L, H, n, n]`` (or ``[L, H, n, n]``), row-stochastic, float32 or float64.
+        attn: ``[B, L, H, n, n]`` (or ``[L, H, n, n]``), row-stochastic, float32 or float64; or an
+            :class:`~pathkernels.adapters.AttentionStack`, whose own maps, biases and mask are
+            used (``x`` defaults to its first hidden state): ``stack.length_sums(x, skip=skip)``.
+            A captured stack (``capture_huggingface_residual``) gives the model's own stream.
         x: ``[B, n, d]`` (or ``[n, d]``); ``w_v``: ``[L, H, d, d_head]``; ``w_o``: ``[L, H, d_head, d]``.
         b_o: ``[L, d]`` output biases with the value biases folded in (``AttentionStack.b_o``), or
             None to leave the bias paths out.
@@ -52,6 +55,16 @@ def length_sums(
     """
     where = "pathkernels.length_sums"
     skip = check_flag(skip, "skip", where)
+    if not isinstance(attn, Tensor) and hasattr(attn, "length_sums") and hasattr(attn, "w_v"):  # a stack
+        given = [
+            name for name, t in (("w_v", w_v), ("w_o", w_o), ("b_o", b_o), ("token_mask", token_mask)) if t is not None
+        ]
+        if given:
+            raise ValueError(
+                f"{where}: with an AttentionStack its own w_v, w_o, b_o and token_mask are used; got "
+                f"{', '.join(given)} as well (pass x and skip only, or the stack's tensors without the stack)"
+            )
+        return attn.length_sums(x, skip=skip)
     for name, t in (("x", x), ("w_v", w_v), ("w_o", w_o)):
         if t is None:
             raise ValueError(f"{where}: expected {name}; length sums are sums of path outputs P X W")

@@ -350,3 +350,18 @@ def test_the_paths_of_a_roberta_and_a_vit_sum_to_their_streams():
         assert capture.layout == layout
         error = (stack.length_sums().sum(0) - capture.residual).abs().max() / capture.residual.abs().max()
         assert error < 1e-10, (type(model).__name__, error)
+
+
+def test_pk_length_sums_takes_a_stack():
+    """pk.length_sums(stack) is the stack's own: the model's stream for a captured one."""
+    import pathkernels as pk
+
+    model = gpt2()
+    ids = torch.randint(0, 50, (1, 7))
+    stack, capture = capture_huggingface_residual(model, input_ids=ids)
+    assert torch.equal(pk.length_sums(stack), stack.length_sums())
+    plain = pk.adapters.from_huggingface(model, input_ids=ids)
+    with pytest.warns(UserWarning, match="has LayerNorm and MLPs"):
+        torch.testing.assert_close(pk.length_sums(plain), plain.length_sums())
+    with pytest.raises(ValueError, match=r"^pathkernels\.length_sums: with an AttentionStack its own w_v, .* got w_v"):
+        pk.length_sums(stack, stack.residual_stream(0), stack.w_v, stack.w_o)
