@@ -443,9 +443,8 @@ def attribute_table(
         raise CommandLineError(
             f"pathkernels: --max-length: expected at most the model's {layers_} layers, got {max_length}"
         )
-    result = pk.path_attribution(
-        stack, pk.logit_diff(network, a, b), positions=position, max_length=max_length, top_k=top, progress=True
-    )
+    readout = pk.logit_diff(network, a, b)
+    result = pk.path_attribution(stack, readout, positions=position, max_length=max_length, top_k=top, progress=True)
     paths = count_attribution_paths(layers_, heads_, max_length)
 
     def token_text(token: int) -> str:
@@ -485,9 +484,7 @@ def attribute_table(
     ranked = "" if not search else f" of all {everything:,} paths"
     if search:  # the top and bottom of every path, not only of the enumerated ones
         found = [
-            pk.top_paths(
-                stack, pk.logit_diff(network, a, b), top, position=position, largest=largest, time_limit=time_limit
-            )
+            pk.top_paths(stack, readout, top, position=position, largest=largest, time_limit=time_limit)
             for largest in (True, False)
         ]
         for which, search_result in zip(("largest", "smallest"), found):

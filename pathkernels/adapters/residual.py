@@ -227,6 +227,12 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
             unembedding_bias=None if unembedding is None or unembedding.bias is None else unembedding.bias.detach(),
             **final,
         )
+    return _attached(stack, capture)
+
+
+def _attached(stack: AttentionStack, capture: ResidualStreamCapture) -> tuple[AttentionStack, ResidualStreamCapture]:
+    """``(stack, capture)`` with the capture's padded tokens zeroed and the capture attached to the
+    stack as its ``residual_capture``."""
     if stack.token_mask is not None:
         capture = _zero_padded_tokens(capture, stack.token_mask)
     stack.residual_capture = capture
@@ -374,10 +380,7 @@ def capture_transformer_lens_residual(
             unembedding=model.W_U.detach().T,
             unembedding_bias=None if getattr(model, "b_U", None) is None else model.b_U.detach(),
         )
-    if stack.token_mask is not None:
-        capture = _zero_padded_tokens(capture, stack.token_mask)
-    stack.residual_capture = capture
-    return stack, capture
+    return _attached(stack, capture)
 
 
 def _attention_biases(model: nn.Module, stack: AttentionStack) -> tuple[Tensor, Tensor]:

@@ -182,7 +182,6 @@ class _Model:
     sources: list[Tensor]  # [n, d] each, len(sublayers) + 1
     source_names: list[str]
     layers: int
-    heads: int
 
 
 def _frozen_model(stack: AttentionStack, capture: ResidualStreamCapture, batch: int, real: Tensor) -> _Model:
@@ -221,7 +220,7 @@ def _frozen_model(stack: AttentionStack, capture: ResidualStreamCapture, batch: 
         )
         sources.append(mlp if pre else normalised(mlp, layer, 1))
         names.append(f"L{layer} MLP")
-    return _Model(sublayers, sources, names, stack.num_layers, stack.num_heads)
+    return _Model(sublayers, sources, names, stack.num_layers)
 
 
 def describe_path(path: Tensor, source_name: str) -> str:
@@ -326,8 +325,6 @@ class PathAttribution:
         rows = []
         for rank in range(values.shape[0]):
             value = float(values[rank, position, readout])
-            if math.isnan(value):
-                break
             path = paths[rank, position, readout]
             rows.append(
                 {
@@ -372,10 +369,12 @@ def count_attribution_paths(layers: int, heads: int, max_length: int) -> int:
 
 
 class _Fold:
-    """Accumulates emitted attributions: sums by source and length, counts, top and bottom k, and
-    (when ``keep``) every path."""
+    """Accumulates emitted attributions: sums by source and length, counts, the top k (and with
+    ``bottom`` the bottom k), and (when ``keep``) every path."""
 
-    def __init__(self, sources: int, layers: int, positions: int, readouts: int, top_k: int, keep: bool):
+    def __init__(
+        self, sources: int, layers: int, positions: int, readouts: int, top_k: int, keep: bool, bottom: bool = True
+    ):
         self.sums = torch.zeros(sources, layers + 1, positions, readouts, dtype=torch.float64)
         self.counts = torch.zeros(sources, layers + 1, dtype=torch.long)
         self.k = top_k
@@ -385,6 +384,7 @@ class _Fold:
             torch.zeros(0, positions, readouts, dtype=torch.long),  # sources
         ]
         self.worst = [t.clone() for t in self.best]
+        self.bottom = bottom
         self.kept: list[tuple[Tensor, Tensor, Tensor]] | None = [] if keep else None
 
     def add(self, source: int, values: Tensor, choices: Tensor, lengths: Tensor) -> None:
@@ -395,7 +395,8 @@ class _Fold:
             self.kept.append((choices, torch.full_like(lengths, source), values))
         if self.k > 0:
             self.best = self._merge(self.best, values, choices, source, largest=True)
-            self.worst = self._merge(self.worst, values, choices, source, largest=False)
+            if self.bottom:
+                self.worst = self._merge(self.worst, values, choices, source, largest=False)
 
     def _merge(self, held, values, choices, source, *, largest: bool):
         held_values, held_paths, held_sources = held
@@ -508,12 +509,8 @@ def path_attribution(
         :class:`PathAttribution`, float64. ``value`` is the readout of the capture's stream,
         ``Σ_p attr(p) + constant`` over every path; the tests hold it to the model's own logits.
     """
-    top_k = check_int(top_k, "top_k", _WHERE)
-    if top_k < 0:
-        raise ValueError(f"{_WHERE}: expected top_k >= 0, got {top_k}")
-    memory_budget = check_int(memory_budget, "memory_budget", _WHERE)
-    if memory_budget <= 0:
-        raise ValueError(f"{_WHERE}: expected a positive memory_budget, got {memory_budget}")
+    top_k = check_int(top_k, "top_k", _WHERE, minimum=0)
+    memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
     setup = read_out(stack, readout, positions, batch, max_length, _WHERE)
     model, rho, phi, read, positions = setup.model, setup.rho, setup.phi, setup.readout, setup.positions
     layers, heads, d, max_length = stack.num_layers, stack.num_heads, stack.d_model, setup.max_length
@@ -528,7 +525,7 @@ def path_attribution(
         bar.close()
     kept = {}
     if fold.kept is not None:
-        choices, sources, values = (torch.cat(parts) for parts in zip(*fold.kept)) if fold.kept else (None,) * 3
+        choices, sources, values = (torch.cat(parts) for parts in zip(*fold.kept))  # the root's at least
         kept = {"paths": choices, "path_sources": sources, "attribution": values}
     return PathAttribution(
         batch=setup.batch,
@@ -547,6 +544,12 @@ def path_attribution(
         bottom_sources=fold.worst[2],
         **kept,
     )
+
+
+def source_values(rho: Tensor, source: Tensor, phi: Tensor) -> Tensor:
+    """``ρᵀ K φ`` per node, position and readout: ``[N, P, R]`` from ``rho [N, P, n]``, the source
+    ``K [n, d]`` and ``phi [N, R, d]``: the attributions of the paths that end at that source."""
+    return torch.einsum("npd,nrd->npr", rho @ source, phi)
 
 
 def children(sublayer: _Sublayer, rho: Tensor, phi: Tensor, choices: Tensor, lengths: Tensor, max_length: int):
@@ -573,8 +576,7 @@ def _walk(model: _Model, rho: Tensor, phi: Tensor, max_length: int, chunk: int, 
     pending = [(len(model.sublayers), rho, phi, choices, lengths)]
     while pending:
         level, rho, phi, choices, lengths = pending.pop()
-        source = model.sources[level]
-        values = torch.einsum("npd,nrd->npr", rho @ source, phi)
+        values = source_values(rho, model.sources[level], phi)
         fold.add(level, values, choices, lengths)
         if bar is not None:
             bar.update(values.shape[0])

@@ -29,12 +29,14 @@ from torch import Tensor
 
 from pathkernels.analysis.attribution import (
     Readout,
+    _Fold,
     _Model,
     _Sublayer,
     children,
     count_attribution_paths,
     describe_path,
     read_out,
+    source_values,
 )
 from pathkernels.paths import check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET
@@ -113,23 +115,30 @@ def _skip_factor(sublayer: _Sublayer) -> float:
     return float(sublayer.scale.max()) * float(torch.linalg.matrix_norm(_norm_features_matrix(sublayer), ord=2))
 
 
+def _token_norms(sublayer: _Sublayer) -> Tensor:
+    """``‖T_h‖_∞`` per head ``[H]``, the largest row sum of ``|T_h|``: ``T = A D`` (pre-norm) or
+    ``D A`` (post-norm)."""
+    if sublayer.pre:
+        token = sublayer.attn * sublayer.scale[None, None, :]
+    else:
+        token = sublayer.scale[None, :, None] * sublayer.attn
+    return token.abs().sum(-1).amax(-1)
+
+
 def _head_factor(sublayer: _Sublayer) -> float:
     """The largest ``‖T_h‖_∞ σ_max(F_h)`` over the heads (0 for an MLP). F_h is a product of a
     ``d × d_head`` and a ``d_head × d`` factor, so its largest singular value is that of the
     ``d_head × d_head`` product of their QR factors."""
     if sublayer.attn is None:
         return 0.0
-    if sublayer.pre:  # T = A D, F = C Γ W_V W_O
-        token = sublayer.attn * sublayer.scale[None, None, :]
+    if sublayer.pre:  # F = C Γ W_V W_O
         left, right = _norm_features_matrix(sublayer) @ sublayer.w_v, sublayer.w_o
-    else:  # T = D A, F = W_V W_O C Γ
-        token = sublayer.scale[None, :, None] * sublayer.attn
+    else:  # F = W_V W_O C Γ
         left, right = sublayer.w_v, sublayer.w_o @ _norm_features_matrix(sublayer)
-    token_norm = token.abs().sum(-1).amax(-1)  # [H]
     r_left = torch.linalg.qr(left).R  # [H, d_head, d_head]
     r_right = torch.linalg.qr(right.transpose(-1, -2)).R
     feature_norm = torch.linalg.matrix_norm(r_left @ r_right.transpose(-1, -2), ord=2)  # [H]
-    return float((token_norm * feature_norm).max())
+    return float((_token_norms(sublayer) * feature_norm).max())
 
 
 def _reach_bounds(model: _Model) -> Tensor:
@@ -165,12 +174,11 @@ def _first_head_factors(model: _Model) -> list[float]:
         if sublayer.attn is None:
             factors.append(0.0)
             continue
-        token_norm = (sublayer.attn * sublayer.scale[None, None, :]).abs().sum(-1).amax(-1)  # [H]
         values = _norm_features_matrix(sublayer) @ sublayer.w_v  # C Γ W_V [H, d, d_head]
         sources = torch.stack(model.sources[: index + 1])  # [I, n, d]
         reach = torch.einsum("ind,hde->ihne", sources, values).norm(dim=-1).amax(dim=(0, 2))  # [H]
         output_norm = torch.linalg.matrix_norm(sublayer.w_o, ord=2)  # [H]
-        factors.append(float((token_norm * reach * output_norm).max()))
+        factors.append(float((_token_norms(sublayer) * reach * output_norm).max()))
     return factors
 
 
@@ -229,15 +237,13 @@ def top_paths(
     choices = torch.full((1, layers), -1, dtype=torch.long)
     lengths = torch.zeros(1, dtype=torch.long)
     bound = _bounds(rho, phi, reach, level)
-    best_values = torch.empty(0, dtype=torch.float64)
-    best_paths = torch.empty(0, layers, dtype=torch.long)
-    best_sources = torch.empty(0, dtype=torch.long)
+    # The k largest of the (signed) attributions found, and with record every visited path.
+    fold = _Fold(len(model.sources), layers, 1, 1, k, keep=record, bottom=False)
     pruned, visited, expanded = -math.inf, 0, 0
     node_bytes = 8 * (rho.shape[-1] + phi.shape[-1] + layers + 3)
-    recorded: list[tuple[Tensor, Tensor, Tensor]] = []
     stopped = "certified"
     while level.numel():
-        kth = float(best_values[-1]) if best_values.numel() == k else -math.inf
+        kth = _kth(fold, k)
         alive = bound > kth
         if not bool(alive.all()):  # nodes whose every path is below the k-th value
             pruned = max(pruned, float(bound[~alive].max()))
@@ -260,13 +266,9 @@ def top_paths(
         for at in picked[2].unique().tolist():
             group = picked[2] == at
             g_rho, g_phi, g_choices, g_lengths = picked[0][group], picked[1][group], picked[3][group], picked[4][group]
-            values = torch.einsum("npd,nrd->npr", g_rho @ model.sources[at], g_phi)[:, 0, 0]
-            visited += values.numel()
-            if record:
-                recorded.append((g_choices, torch.full_like(g_lengths, at), sign * values))
-            best_values, best_paths, best_sources = _merge(
-                (best_values, best_paths, best_sources), values, g_choices, at, k
-            )
+            values = source_values(g_rho, model.sources[at], g_phi)
+            visited += values.shape[0]
+            fold.add(at, values, g_choices, g_lengths)
             if at == 0:
                 continue
             for part in children(model.sublayers[at - 1], g_rho, g_phi, g_choices, g_lengths, setup.max_length):
@@ -280,14 +282,19 @@ def top_paths(
                 torch.cat([a, b]) for a, b in zip((rho, phi, level, choices, lengths), grown)
             )
             bound = torch.cat([bound, child_bound])
-    kth = float(best_values[-1]) if best_values.numel() == k else -math.inf
+    kth = _kth(fold, k)
+    # Pruned nodes were at most the k-th value when dropped, and it only grows.
     remaining = max(pruned, float(bound.max()) if bound.numel() else -math.inf)
-    certified = remaining <= kth or (not bound.numel() and stopped == "certified")
+    certified = remaining <= kth
+    recorded = None
+    if record:
+        paths, sources, values = (torch.cat(parts) for parts in zip(*fold.kept))
+        recorded = (paths, sources, sign * values[:, 0, 0])
     total = count_attribution_paths(layers, stack.num_heads, setup.max_length)
     return TopPaths(
-        values=sign * best_values,
-        paths=best_paths,
-        sources=best_sources,
+        values=sign * fold.best[0][:, 0, 0],
+        paths=fold.best[1][:, 0, 0],
+        sources=fold.best[2][:, 0, 0],
         source_names=model.source_names,
         label=("" if largest else "−") + setup.readout.labels[0],
         position=setup.positions[0],
@@ -300,7 +307,7 @@ def top_paths(
         total=total,
         seconds=time.monotonic() - start,
         stopped=stopped,
-        recorded=tuple(torch.cat(p) for p in zip(*recorded)) if record and recorded else None,
+        recorded=recorded,
     )
 
 
@@ -309,11 +316,7 @@ def _bounds(rho: Tensor, phi: Tensor, reach: Tensor, level: Tensor) -> Tensor:
     return rho[:, 0].abs().sum(-1) * phi[:, 0].norm(dim=-1) * reach[level]
 
 
-def _merge(held, values: Tensor, choices: Tensor, source: int, k: int):
-    """The k largest of the held list and ``values`` (with their paths and source)."""
-    held_values, held_paths, held_sources = held
-    all_values = torch.cat([held_values, values])
-    all_paths = torch.cat([held_paths, choices])
-    all_sources = torch.cat([held_sources, torch.full((values.numel(),), source, dtype=torch.long)])
-    order = torch.topk(all_values, min(k, all_values.numel())).indices
-    return all_values[order], all_paths[order], all_sources[order]
+def _kth(fold: _Fold, k: int) -> float:
+    """The k-th largest attribution found, or −inf while fewer than k paths have been visited."""
+    values = fold.best[0]
+    return float(values[k - 1, 0, 0]) if values.shape[0] == k else -math.inf
