@@ -61,9 +61,7 @@ def plain_loop(stack, capture, result, sample: int) -> float:
     costs the same whatever its source, so the embedding stands for every source)."""
     from pathkernels.reference import pre_norm_path_attribution_ref
 
-    attn = stack.attn[0].double()
-    if capture.attn_row_sums is not None:
-        attn = attn * capture.attn_row_sums[0, ..., None]
+    attn = capture.patterns(stack.attn, 0)
     maps = (attn, capture.norm_scale[0, :, 0], capture.norm_weight[:, 0], stack.w_v.double(), stack.w_o.double())
     position = int(result.positions[0])
     r = torch.zeros(attn.shape[-1], dtype=torch.float64)

@@ -72,6 +72,16 @@ class ResidualStreamCapture:
         norms, ``norm="none"``, whose scales are 1, do not)."""
         return self.norm == "layernorm"
 
+    def patterns(self, attn: Tensor, batch: int | None = None) -> Tensor:
+        """The stack's ``attn [B, L, H, n, n]`` as the model computed it (only batch element
+        ``batch``, ``[L, H, n, n]``, when given), in float64 on the capture's device: times
+        ``attn_row_sums`` where the stack holds it renormalised."""
+        sums = self.attn_row_sums
+        if batch is not None:
+            attn, sums = attn[batch], None if sums is None else sums[batch]
+        attn = attn.to(self.embedding.device, torch.float64)
+        return attn if sums is None else attn * sums[..., None]
+
     def on(self, device) -> ResidualStreamCapture:
         """A copy on ``device`` (float64 throughout, whatever the stack's dtype)."""
         return ResidualStreamCapture(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()})

@@ -238,9 +238,7 @@ class AttentionStack:
             )
         capture = self.residual_capture
         device = capture.embedding.device
-        attn = self.attn.to(device, torch.float64)
-        if capture.attn_row_sums is not None:  # the patterns as the model computed them
-            attn = attn * capture.attn_row_sums[..., None]
+        attn = capture.patterns(self.attn)
         if self.token_mask is not None:  # padded queries' rows may be NaN (a fully masked softmax)
             real = self.token_mask.to(device)
             attn = attn.masked_fill(~(real[:, None, None, :, None] & real[:, None, None, None, :]), 0)

@@ -188,10 +188,7 @@ def _frozen_model(stack: AttentionStack, capture: ResidualStreamCapture, batch: 
     """The sublayers and sources of batch element ``batch`` restricted to its ``real`` tokens."""
     device = capture.embedding.device
     pick = real.to(device)
-    attn = stack.attn[batch].to(device, torch.float64)
-    if capture.attn_row_sums is not None:  # the patterns as the model computed them
-        attn = attn * capture.attn_row_sums[batch, ..., None]
-    attn = attn[..., pick, :][..., pick]  # [L, H, n, n]
+    attn = capture.patterns(stack.attn, batch)[..., pick, :][..., pick]  # as computed, [L, H, n, n]
     row_sums = attn.sum(-1)  # r_h = A_h 1 [L, H, n]
     w_v, w_o = stack.w_v.to(device, torch.float64), stack.w_o.to(device, torch.float64)
     scale = capture.norm_scale[batch][..., pick]  # [L, 2, n]
