@@ -176,6 +176,16 @@ PATHKERNELS_GEMM_INLINE void row_tail(int64_t rows_left, int64_t depth, const T*
   }
 }
 
+// A thread's scratch of `count` elements on a 64-byte boundary, so that no vector load of a packed
+// panel straddles two cache lines (std::vector aligns to 16 bytes only).
+template <typename T>
+T* aligned_scratch(std::vector<T>& storage, int64_t count) {
+  constexpr size_t kSlack = 64 / sizeof(T);
+  storage.resize(static_cast<size_t>(count) + kSlack);
+  const auto address = reinterpret_cast<uintptr_t>(storage.data());
+  return storage.data() + ((64 - address % 64) % 64) / sizeof(T);
+}
+
 // One panel of C: columns j..j+width−1 of every row, width ≤ kVecs · lanes. A panel that several
 // row tiles read is packed into a contiguous buffer (B's rows lie a level apart in the engine, which
 // costs TLB and cache-set misses on every tile): a whole one by its first row tile, as it reads it;
@@ -191,20 +201,20 @@ PATHKERNELS_GEMM_INLINE void gemm_panel(int64_t rows, int64_t width, int64_t dep
   int64_t panel_ld = ldb;
   int64_t i = 0;
   if (width == kWidth && rows > kRows) {
-    packed.resize(static_cast<size_t>(depth * kWidth));
-    tile<T, kBytes, kRows, kVecs, kPackedA>(depth, a, lda, b, ldb, c, ldc, width, accumulate, packed.data());
+    T* scratch = aligned_scratch(packed, depth * kWidth);
+    tile<T, kBytes, kRows, kVecs, kPackedA>(depth, a, lda, b, ldb, c, ldc, width, accumulate, scratch);
     i = kRows;
-    panel = packed.data();
+    panel = scratch;
     panel_ld = kWidth;
   } else if (width < kWidth) {
-    packed.resize(static_cast<size_t>(depth * kWidth));
+    T* scratch = aligned_scratch(packed, depth * kWidth);
     for (int64_t k = 0; k < depth; ++k) {
-      T* dst = packed.data() + k * kWidth;
+      T* dst = scratch + k * kWidth;
       const T* src = b + k * ldb;
       std::memcpy(dst, src, width * sizeof(T));
       std::fill(dst + width, dst + kWidth, T(0));
     }
-    panel = packed.data();
+    panel = scratch;
     panel_ld = kWidth;
   }
   for (; i + kRows <= rows; i += kRows) {
@@ -235,17 +245,17 @@ PATHKERNELS_GEMM_INLINE void last_panel(int64_t rows, int64_t width, int64_t dep
 // a tile addresses it from one pointer.
 template <typename T, int kRows>
 const T* pack_a(int64_t rows, int64_t depth, const T* a, int64_t lda, std::vector<T>& buffer) {
-  buffer.resize(static_cast<size_t>(rows * depth));
+  T* packed = aligned_scratch(buffer, rows * depth);
   for (int64_t i = 0; i < rows; i += kRows) {
     const int64_t height = std::min<int64_t>(kRows, rows - i);
-    T* dst = buffer.data() + i * depth;
+    T* dst = packed + i * depth;
     for (int64_t k = 0; k < depth; ++k) {
       for (int64_t r = 0; r < height; ++r) {
         dst[k * height + r] = a[(i + r) * lda + k];
       }
     }
   }
-  return buffer.data();
+  return packed;
 }
 
 // C by panels of kVecs vectors, then the remaining columns in a panel of fewer (narrow products,
