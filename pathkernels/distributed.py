@@ -103,7 +103,7 @@ def fingerprint(tensors: dict[str, Tensor | None], tree) -> dict:
     """What every rank must agree on: the inputs (by checksum) and the tree (exactly)."""
     summary: dict[str, Any] = {name: _tensor_summary(t) for name, t in tensors.items()}
     summary["tree"] = repr(tree)
-    if not tree.is_complete or tree.max_length is not None:
+    if not tree.is_complete:  # a complete tree, max_length or not, is its repr
         summary["paths_sha1"] = hashlib.sha1(tree.paths().numpy().tobytes()).hexdigest()
     return summary
 

@@ -197,7 +197,8 @@ class PathTree:
         self.num_heads = num_heads
         self.skip = skip
         self.max_length = max_length
-        self._paths = paths  # [M, L] in result order, or None for a lazily enumerated complete tree
+        self._paths = paths  # [M, L] in result order, or None for a complete tree
+        self._short: _ShortPaths | None = None  # a complete tree with max_length < L: its heads alone
         self._unique: tuple[Tensor, Tensor] | None = None
         self._subtrees: dict[int, tuple[list[Tensor], list[Tensor], Tensor]] = {}
 
@@ -226,15 +227,7 @@ class PathTree:
         if tree.num_paths > MAX_LEAVES or (short and tree.num_paths > MAX_ENUMERATED_PATHS):
             raise _too_many_paths(tree.num_paths, where, MAX_LEAVES if tree.num_paths > MAX_LEAVES else None)
         if short:
-            table = tree.num_paths * num_layers * 8  # the [M, L] int64 table of paths
-            available = available_memory(torch.device("cpu"))
-            if available is not None and table > available // 2:
-                raise ValueError(
-                    f"{where}: the {tree.num_paths:,} paths of at most {max_length} heads over {num_layers} layers "
-                    f"take {format_bytes(table)} as a table of paths [M, L], more than half the "
-                    f"{format_bytes(available)} available; pk.length_sums gives exact sums per length without it"
-                )
-            tree._paths = _enumerate_short_paths(num_layers, num_heads, max_length)
+            tree._short = _ShortPaths(num_layers, num_heads, max_length)
         return tree
 
     @classmethod
@@ -277,6 +270,8 @@ class PathTree:
 
     def nodes_per_level(self) -> list[int]:
         """Distinct prefixes at each depth ``0..L`` (level 0 is the root); the last are the leaves."""
+        if self._short is not None:
+            return self._short.nodes_per_level(self.num_heads, self.max_length)
         if self._paths is None:
             choices = self.num_heads + int(self.skip)
             return [choices**level for level in range(self.num_layers + 1)]
@@ -289,12 +284,23 @@ class PathTree:
         paths a chunk at a time)."""
         if self._paths is not None:
             return self._paths
+        where = "pathkernels.PathTree.paths"
         if self.num_paths > MAX_ENUMERATED_PATHS:
-            raise _too_many_paths(self.num_paths, "pathkernels.PathTree.paths")
+            raise _too_many_paths(self.num_paths, where)
+        table = self.num_paths * self.num_layers * 8
+        available = available_memory(torch.device("cpu"))
+        if available is not None and table > available // 2:
+            raise ValueError(
+                f"{where}: the {self.num_paths:,} paths over {self.num_layers} layers take {format_bytes(table)} as "
+                f"a table [M, L], more than half the {format_bytes(available)} available; read them a range at a "
+                "time with path_range(start, stop)"
+            )
         return self.path_range(0, self.num_paths)
 
     def lengths(self) -> Tensor:
         """``[M]`` int64: heads taken by each path."""
+        if self._short is not None:
+            return self._short.lengths(0, self.num_paths)
         return (self.paths() != SKIP).sum(1)
 
     # --- what the engine needs -------------------------------------------------------------------
@@ -303,6 +309,8 @@ class PathTree:
         """Paths ``start..stop-1`` in result order, as ``[stop - start, L]``."""
         if self._paths is not None:
             return self._paths[start:stop]
+        if self._short is not None:
+            return self._short.table(start, stop)
         return self._complete_paths(torch.arange(start, stop, dtype=torch.long))
 
     def _complete_paths(self, index: Tensor) -> Tensor:
@@ -326,6 +334,8 @@ class PathTree:
                 f"pathkernels.PathTree.leaf_paths: expected leaves in [0, {self.num_leaves}), got values from "
                 f"{int(leaves.min())} to {int(leaves.max())}"
             )
+        if self._short is not None:
+            return self._short.gather(leaves.cpu().long())
         if self._paths is None:
             return self._complete_paths(leaves.cpu())
         return self._unique_paths()[0][leaves.cpu()]
@@ -336,6 +346,8 @@ class PathTree:
         is computed once and the block's prefix adds its own count."""
         if self._paths is not None:
             return (self.leaf_range(start, stop) != SKIP).sum(1)
+        if self._short is not None:
+            return self._short.lengths(start, stop)
         if not self.skip:
             return torch.full((stop - start,), self.num_layers, dtype=torch.long)
         choices = self.num_heads + 1
@@ -378,7 +390,7 @@ class PathTree:
         ``k // C^(j-1)`` with parent ``k % C^(j-1)``, and the leaf with free digits
         ``d_1 … d_depth`` (most significant first) lands at ``Σ_j d_j C^(j-1)``.
         """
-        if self._paths is not None:
+        if self._paths is not None or self._short is not None:
             raise ValueError("pathkernels.PathTree.subtree_chunk: only for complete trees without max_length")
         choices = self.num_heads + int(self.skip)
         block = choices**depth
@@ -409,44 +421,110 @@ class PathTree:
         return self._unique_paths()[1]
 
 
-def _enumerate_short_paths(num_layers: int, num_heads: int, max_length: int) -> Tensor:
-    """All paths with at most ``max_length`` heads, ``[M, L]`` in lexicographic order (skip first).
+class _ShortPaths:
+    """Every path with at most ``k`` heads through ``L`` layers, in lexicographic order (skip
+    first), held by its heads alone: entry e says that path ``row[e]`` takes head ``head[e]`` at
+    layer ``layer[e]``, the entries sorted by path and, within one, by layer (CSR: path i owns
+    entries ``start[i]..start[i+1]-1``). That is ``M · k`` entries at most, where the ``[M, L]``
+    table of the same paths is mostly skips: at L = 20,000 and k = 1, 20,001 entries against a
+    3.2 GB table.
 
-    Filled column by column without copying prefixes: a prefix that may still take a head is a
-    block of consecutive rows (its skip child's rows, then each head's), and a prefix that may not
-    is skip to the end, which the table holds from the start. Only the rows that take a head at a
-    layer are written there, so the work is the table's size plus ``M · max_length``."""
-    # completions[rem][r]: paths over rem layers with at most r heads (rem layers, the last one
-    # either skipped or taking one of the H heads).
-    completions = [[1] * (max_length + 1)]
-    for _ in range(num_layers):
-        last = completions[-1]
-        completions.append([last[r] + (num_heads * last[r - 1] if r else 0) for r in range(max_length + 1)])
-    total = completions[num_layers][max_length]
-    table_of_paths = torch.full((total, num_layers), SKIP, dtype=torch.long)  # torch fills it in parallel
-    paths = table_of_paths.numpy()  # numpy's view: a few small operations per layer cost less there
-    # Prefixes that may still take a head: their first row and how many heads they may still take.
-    starts = np.zeros(1 if max_length >= 1 else 0, dtype=np.int64)
-    budgets = np.full_like(starts, max_length)
-    heads = np.arange(num_heads, dtype=np.int64)
-    for layer in range(num_layers):
-        if starts.size == 0:
-            break
-        table = np.array(completions[num_layers - layer - 1], dtype=np.int64)
-        skip_rows = table[budgets]  # the skip child's rows come first
-        head_rows = table[budgets - 1]  # then each head's, as many
-        # Head h of the prefix at `start` covers rows start + skip_rows + h · head_rows onwards.
-        first = (starts + skip_rows)[:, None] + heads * head_rows[:, None]  # [blocks, H]
-        lengths = np.repeat(head_rows, num_heads)
-        offsets = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        paths[np.repeat(first.ravel(), lengths) + offsets, layer] = np.repeat(np.tile(heads, starts.size), lengths)
-        # Next layer's open prefixes: each skip child (same budget), and each head child that may
-        # still take one, in row order (a block's children follow its skip child).
-        starts = np.concatenate([starts[:, None], first], axis=1).ravel()
-        budgets = np.repeat(budgets, num_heads + 1) - np.tile(np.arange(num_heads + 1) > 0, budgets.size)
-        open_ = budgets >= 1
-        starts, budgets = starts[open_], budgets[open_]
-    return table_of_paths
+    Built by the heads' depth, not layer by layer. In lexicographic order, the paths below a prefix
+    that ends at layer p with budget b (heads it may still take) start with those that skip every
+    layer from p on, and those whose next head is h at layer q ≥ p occupy rows
+    ``s + N(L-q-1, b) + h·N(L-q-1, b-1)`` onwards, ``N(L-q-1, b-1)`` of them, with
+    ``N(r, b) = Σ_{j≤b} C(r, j) H^j`` the paths over r layers with at most b heads and s the
+    prefix's first row: the skip child comes first at every layer. So one vectorised step per
+    head taken writes every entry of that depth, and the work is the entries' count.
+    """
+
+    def __init__(self, num_layers: int, num_heads: int, max_length: int):
+        self.num_layers = num_layers
+        completions = _short_path_counts(num_layers, num_heads, max_length)  # [L + 1, k + 1]: N(r, b)
+        self.num_paths = int(completions[num_layers, max_length])
+        heads = np.arange(num_heads, dtype=np.int64)
+        rows, layers, taken = [], [], []
+        # Open prefixes (those that may still take a head): first row, next layer, budget.
+        starts = np.zeros(1 if max_length >= 1 else 0, dtype=np.int64)
+        nexts = np.zeros_like(starts)
+        budgets = np.full_like(starts, max_length)
+        while starts.size:
+            span = num_layers - nexts  # layers where each prefix's next head may sit
+            owner = np.repeat(np.arange(starts.size), span)
+            layer = nexts[owner] + _ranges(span)
+            budget = budgets[owner]
+            remaining = num_layers - layer - 1
+            block = completions[remaining, budget - 1]  # rows under each (layer, head) child
+            first = (starts[owner] + completions[remaining, budget])[:, None] + heads * block[:, None]  # [c, H]
+            first, block = first.ravel(), np.repeat(block, num_heads)
+            layer, budget = np.repeat(layer, num_heads), np.repeat(budget, num_heads)
+            head = np.tile(heads, owner.size)
+            rows.append(np.repeat(first, block) + _ranges(block))
+            layers.append(np.repeat(layer, block))
+            taken.append(np.repeat(head, block))
+            open_ = (budget > 1) & (layer + 1 < num_layers)
+            starts, nexts, budgets = first[open_], layer[open_] + 1, budget[open_] - 1
+        # CSR without a sort: the entries of depth d are each path's (d+1)-th head, at start[row] + d.
+        counts = np.bincount(np.concatenate(rows or [np.zeros(0, np.int64)]), minlength=self.num_paths)
+        start = np.concatenate([[0], np.cumsum(counts)])
+        layer_of, head_of = np.empty(int(start[-1]), np.int64), np.empty(int(start[-1]), np.int64)
+        for depth, (row, layer, head) in enumerate(zip(rows, layers, taken)):
+            position = start[row] + depth
+            layer_of[position], head_of[position] = layer, head
+        self.layer, self.head = torch.from_numpy(layer_of), torch.from_numpy(head_of)
+        self.row = torch.from_numpy(np.repeat(np.arange(self.num_paths, dtype=np.int64), counts))
+        self.start = torch.from_numpy(start)
+
+    def lengths(self, start: int, stop: int) -> Tensor:
+        """``[stop - start]`` int64: heads taken by paths ``start..stop-1``."""
+        return self.start[start + 1 : stop + 1] - self.start[start:stop]
+
+    def table(self, start: int, stop: int) -> Tensor:
+        """Paths ``start..stop-1`` as the ``[stop - start, L]`` table (``-1`` = skip)."""
+        table = torch.full((stop - start, self.num_layers), SKIP, dtype=torch.long)
+        first, last = int(self.start[start]), int(self.start[stop])
+        table[self.row[first:last] - start, self.layer[first:last]] = self.head[first:last]
+        return table
+
+    def gather(self, index: Tensor) -> Tensor:
+        """Paths ``index [k]`` (any order) as a ``[k, L]`` table."""
+        counts = self.start[index + 1] - self.start[index]
+        owner = torch.repeat_interleave(torch.arange(index.numel()), counts)
+        entry = self.start[index].repeat_interleave(counts) + torch.from_numpy(_ranges(counts.numpy()))
+        table = torch.full((index.numel(), self.num_layers), SKIP, dtype=torch.long)
+        table[owner, self.layer[entry]] = self.head[entry]
+        return table
+
+    def nodes_per_level(self, num_heads: int, max_length: int) -> list[int]:
+        """Distinct prefixes at each depth: every prefix of at most ``max_length`` heads continues
+        (it may skip to the end), so depth l has ``Σ_{j≤k} C(l, j) H^j``, that is N(l, k)."""
+        return [int(v) for v in _short_path_counts(self.num_layers, num_heads, max_length)[:, max_length]]
+
+
+def _ranges(lengths: np.ndarray) -> np.ndarray:
+    """``0..n-1`` for each n of ``lengths``, concatenated."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+
+
+def _short_path_counts(num_layers: int, num_heads: int, max_length: int) -> np.ndarray:
+    """``N [L + 1, k + 1]`` int64: ``N[r, b] = Σ_{j≤b} C(r, j) H^j``, the paths over r layers with at
+    most b heads. Column by column in j: ``C(r, j) H^j = C(r, j-1) H^(j-1) · (r-j+1) H / j``, exact
+    in integers; every value is at most the tree's own path count (r ≤ L, b ≤ k), which the caller
+    keeps below 2^31, so int64 holds the products."""
+    r = np.arange(num_layers + 1, dtype=np.int64)
+    term = np.ones(num_layers + 1, dtype=np.int64)  # C(r, j) H^j at j = 0
+    columns = [term]
+    for j in range(1, max_length + 1):
+        term = term * np.maximum(r - j + 1, 0) * num_heads // j
+        columns.append(columns[-1] + term)
+    return np.stack(columns, axis=1)
+
+
+def _enumerate_short_paths(num_layers: int, num_heads: int, max_length: int) -> Tensor:
+    """All paths with at most ``max_length`` heads, ``[M, L]`` in lexicographic order (skip first)."""
+    short = _ShortPaths(num_layers, num_heads, max_length)
+    return short.table(0, short.num_paths)
 
 
 def sample_paths(

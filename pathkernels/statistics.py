@@ -784,7 +784,7 @@ class _Checkpoint:
         if fingerprint is None:
             fingerprint = distributed.fingerprint({"attn": net.attn, "x": net.x, "w_v": net.w_v, "w_o": net.w_o}, tree)
         identity = dict(fingerprint)
-        tree_paths = None if tree.is_complete and tree.max_length is None else tree.paths()
+        tree_paths = None if tree.is_complete else tree.paths()  # a complete tree is its repr, in the fingerprint
         identity.update(
             format=_CHECKPOINT_FORMAT,
             inputs_sha256=tensor_digest(

@@ -48,21 +48,38 @@ def test_complete_tree_enumerates_every_path_in_lexicographic_order(layers, head
 def test_short_path_trees_are_every_short_path_in_order(layers, heads, data):
     max_length = data.draw(st.integers(0, layers - 1))
     tree = pk.PathTree.complete(layers, heads, skip=True, max_length=max_length)
-    assert torch.equal(tree.paths(), brute_force_paths(layers, heads, True, max_length))
+    expected = brute_force_paths(layers, heads, True, max_length)
+    assert torch.equal(tree.paths(), expected)
+    assert tree.nodes_per_level() == [1] + [torch.unique(expected[:, :k], dim=0).shape[0] for k in range(1, layers + 1)]
+    # What the engine reads of it: ranges, any leaves, their lengths, each from the heads alone.
+    start = data.draw(st.integers(0, len(tree)))
+    stop = data.draw(st.integers(start, len(tree)))
+    assert torch.equal(tree.path_range(start, stop), expected[start:stop])
+    assert torch.equal(tree.leaf_lengths(start, stop), (expected[start:stop] >= 0).sum(1))
+    leaves = torch.tensor(data.draw(st.lists(st.integers(0, len(tree) - 1), max_size=12)), dtype=torch.long)
+    assert torch.equal(tree.leaf_paths(leaves), expected[leaves])
+    assert tree.leaf_of_path() is None and tree.num_leaves == len(tree)
 
 
-def test_deep_short_path_trees_are_built_from_their_paths_alone():
-    """L = 2000 with at most one head: 4,001 paths. Growing every prefix layer by layer took
-    minutes; the table is now written column by column, each path's head once."""
-    tree = pk.PathTree.complete(2000, 2, skip=True, max_length=1)
-    paths = tree.paths()
-    assert paths.shape == (4001, 2000) and bool((paths[0] == -1).all())
+def test_deep_short_path_trees_hold_their_heads_alone():
+    """L = 20,000 with at most one head: 20,001 paths, whose [M, L] table would take 3.2 GB.
+    Growing every prefix layer by layer took minutes at L = 1000 and hung here; the tree now
+    keeps each path's heads (one entry per head taken) and writes table rows only on request."""
+    layers = 20_000
+    tree = pk.PathTree.complete(layers, 2, skip=True, max_length=1)
+    assert len(tree) == 2 * layers + 1
+    assert tree._short.layer.numel() == tree._short.head.numel() == 2 * layers  # one entry per head taken
+    assert torch.equal(tree.lengths(), (torch.arange(2 * layers + 1) > 0).long())
     # Lexicographic, skip first: the head comes ever earlier; row 1 + 2j + h takes head h at layer L-1-j.
-    layer = 1999 - torch.arange(2000).repeat_interleave(2)
-    head = torch.arange(2).repeat(2000)
-    assert torch.equal((paths[1:] >= 0).float().argmax(1), layer)
-    assert torch.equal(paths[1:].gather(1, layer.unsqueeze(1)).squeeze(1), head)
-    assert int((paths >= 0).sum()) == 4000
+    rows = torch.tensor([0, 1, 2, 3, 2 * layers - 1, 2 * layers])
+    paths = tree.leaf_paths(rows)
+    assert bool((paths[0] == -1).all())
+    j, h = (rows[1:] - 1) // 2, (rows[1:] - 1) % 2
+    assert torch.equal((paths[1:] >= 0).float().argmax(1), layers - 1 - j)
+    assert torch.equal(paths[1:].gather(1, (layers - 1 - j).unsqueeze(1)).squeeze(1), h)
+    assert torch.equal(paths[1:].clamp(min=0).sum(1), h)  # and no other head
+    assert torch.equal(tree.path_range(2 * layers - 1, 2 * layers + 1), paths[-2:])
+    assert tree.nodes_per_level()[:3] == [1, 3, 5] and tree.nodes_per_level()[-1] == len(tree)
 
 
 def test_counts_are_exact_python_ints_beyond_int64():
