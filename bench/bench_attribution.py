@@ -1,13 +1,16 @@
-"""Benchmark of pk.path_attribution: the readout trie against the plain way of computing the same
-attributions (each path's term materialised, ``rᵀ (A D)⋯ K (C Γ W_V W_O)⋯ v``, one path at a time:
+"""Benchmark of pk.path_attribution: the readout trie on the C++ readout engine, against the same
+trie with its steps in plain PyTorch (einsums: pathkernels.reference.readout_values_ref and
+readout_heads_ref) and against the plain way of computing the same attributions (each path's term
+materialised, ``rᵀ (A D)⋯ K (C Γ W_V W_O)⋯ v``, one path at a time:
 pathkernels.reference.pre_norm_path_attribution_ref).
 
 GPT-2-shaped models built from configs in float64 (random weights, random biases and norm
 parameters), one sequence, a logit difference read at the last token. Reported per case: the
-paths, the trie's time (best of several calls) and paths per second, the plain loop's time per
-path on a sample of paths, extrapolated to the whole set, and the speed-up.
+paths, the engine's time (best of several calls) and paths per second, the PyTorch trie's time and
+the engine's speed-up over it, the plain loop's time per path on a sample of paths, extrapolated to
+the whole set, and the speed-up over that.
 
-    python bench/bench_attribution.py                 # the grid, about a minute on 2 cores
+    python bench/bench_attribution.py                 # the grid, about two minutes on 2 cores
     python bench/bench_attribution.py --quick
     python bench/bench_attribution.py --out bench/results/attribution-cpu-dev.json
 """
@@ -23,7 +26,14 @@ import torch
 from pathkernels.benchmarks import run_cases, seconds_per_call
 
 # (layers, heads, d_model, tokens, max_length or None for every path)
-GRID = [(4, 8, 64, 16, None), (6, 8, 64, 16, None), (6, 12, 768, 16, 2), (12, 12, 768, 16, 1)]
+GRID = [
+    (4, 8, 64, 16, None),
+    (6, 8, 64, 16, None),
+    (7, 8, 64, 16, None),
+    (6, 12, 768, 16, 2),
+    (12, 12, 768, 16, 2),
+    (12, 12, 768, 16, 3),
+]
 QUICK = [(4, 8, 64, 16, None)]
 LOOP_SAMPLE = 64
 COLUMNS = [
@@ -33,8 +43,10 @@ COLUMNS = [
     ("n", "tokens", ""),
     ("max len", "max_length", ""),
     ("paths", "paths", ","),
-    ("trie s", "trie_s", ".3f"),
+    ("engine s", "trie_s", ".3f"),
     ("paths/s", "paths_per_s", ".3g"),
+    ("torch trie s", "torch_trie_s", ".3f"),
+    ("vs torch trie", "speedup_vs_torch_trie", ".1f", "x"),
     ("loop s (est.)", "loop_s_estimated", ".1f"),
     ("vs loop", "speedup_vs_loop", ".0f", "x"),
 ]
@@ -79,7 +91,9 @@ def plain_loop(stack, capture, result, sample: int) -> float:
 def bench_case(layers: int, heads: int, width: int, tokens: int, max_length: int | None) -> dict:
     import pathkernels as pk
     from pathkernels.adapters.residual import capture_huggingface_residual
-    from pathkernels.analysis.attribution import count_attribution_paths
+    from pathkernels.analysis.attribution import ReadoutSteps, attribute, count_attribution_paths, read_out
+    from pathkernels.planner import DEFAULT_MEMORY_BUDGET
+    from pathkernels.reference import readout_expand_ref, readout_heads_ref, readout_values_ref
 
     torch.manual_seed(0)
     model = gpt2_model(layers, heads, width, tokens)
@@ -93,8 +107,18 @@ def bench_case(layers: int, heads: int, width: int, tokens: int, max_length: int
         min_seconds=1.0,
         statistic="min",
     )
-    # A run that keeps every path's label, for the loop's sample.
-    kept = pk.path_attribution(stack, readout, max_length=max_length, top_k=0, memory_budget=1 << 34)
+    setup = read_out(stack, readout, None, 0, max_length, "bench")
+    torch_steps = ReadoutSteps(readout_values_ref, readout_heads_ref, readout_expand_ref)
+    torch_trie_s = seconds_per_call(
+        lambda: attribute(setup, 20, DEFAULT_MEMORY_BUDGET, steps=torch_steps, low_rank=False),
+        "cpu",
+        min_runs=3,
+        min_seconds=1.0,
+        statistic="min",
+    )
+    # A run that keeps every path's label, for the loop's sample (a budget just large enough).
+    budget = max(1 << 26, 5 * paths * 8 * (layers + 2))
+    kept = pk.path_attribution(stack, readout, max_length=max_length, top_k=0, memory_budget=budget)
     loop_per_path = plain_loop(stack, capture, kept, LOOP_SAMPLE)
     return {
         "layers": layers,
@@ -105,6 +129,8 @@ def bench_case(layers: int, heads: int, width: int, tokens: int, max_length: int
         "paths": paths,
         "trie_s": trie_s,
         "paths_per_s": paths / trie_s,
+        "torch_trie_s": torch_trie_s,
+        "speedup_vs_torch_trie": torch_trie_s / trie_s,
         "loop_s_per_path": loop_per_path,
         "loop_s_estimated": loop_per_path * paths,
         "speedup_vs_loop": loop_per_path * paths / trie_s,
@@ -117,7 +143,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
-    run_cases(QUICK if args.quick else GRID, bench_case, COLUMNS, "path attribution (PyTorch trie walker)", args.out)
+    run_cases(QUICK if args.quick else GRID, bench_case, COLUMNS, "path attribution (readout engine)", args.out)
     return 0
 
 

@@ -44,6 +44,15 @@ TORCH_LIBRARY(pathkernels, m) {
       "_statistics_update(Tensor residual, Tensor norm, Tensor lengths, Tensor edges, Tensor(a!) counts, "
       "Tensor(b!) log10_ratio_sums, Tensor(c!) sums, Tensor(d!) sums_of_squares, Tensor(e!) minima, "
       "Tensor(f!) maxima, Tensor(g!) argmin, Tensor(h!) argmax, Tensor(i!) histograms) -> ()");
+  // The readout engine (issue 24; csrc/readout/readout.h): one step of the top-down readout trie,
+  // float64. rho [N, P, n] and phi [N, R, d] per node; values [N, P, R] = rho_i K phi_iᵀ through the
+  // source K [n, d]; the children through each head h, rho_i T_h [H, N, P, n] and phi_i F_in[h] F_out[h]
+  // [H, N, R, d'] (F_in [H, d, e], F_out [H, e, d'] or none: phi_i F_in[h], d' = e). CPU: the engine's
+  // GEMM, the same bits however the nodes are batched.
+  m.def("_readout_values(Tensor rho, Tensor phi, Tensor source) -> Tensor");
+  m.def(
+      "_readout_heads(Tensor rho, Tensor phi, Tensor token_maps, Tensor feature_in, Tensor? feature_out=None) "
+      "-> (Tensor rho_heads, Tensor phi_heads)");
 }
 
 namespace {

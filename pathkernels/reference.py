@@ -285,3 +285,27 @@ def pre_norm_path_attribution_ref(
             feature_map = centre @ (norm_weight[layer][:, None] * (w_v[layer, head] @ w_o[layer, head]))
             term = token_map @ term @ feature_map
     return r @ term @ v
+
+
+def readout_values_ref(rho: Tensor, phi: Tensor, source: Tensor) -> Tensor:
+    """``torch.ops.pathkernels._readout_values`` in plain PyTorch: ``rho_i K phi_iᵀ`` per node,
+    ``[N, P, R]`` from ``rho [N, P, n]``, ``phi [N, R, d]`` and ``source K [n, d]``."""
+    return torch.einsum("npd,nrd->npr", rho @ source, phi)
+
+
+def readout_heads_ref(
+    rho: Tensor, phi: Tensor, token_maps: Tensor, feature_in: Tensor, feature_out: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``torch.ops.pathkernels._readout_heads`` in plain PyTorch: ``rho_i T_h`` ``[H, N, P, n]`` and
+    ``phi_i F_in[h] F_out[h]`` ``[H, N, R, d']`` (``phi_i F_in[h]`` without ``feature_out``)."""
+    rho_heads = torch.einsum("npi,hij->hnpj", rho, token_maps)
+    phi_heads = torch.einsum("nrd,hde->hnre", phi, feature_in)
+    if feature_out is not None:
+        phi_heads = torch.einsum("hnre,hed->hnrd", phi_heads, feature_out)
+    return rho_heads, phi_heads
+
+
+def readout_expand_ref(z: Tensor, factor: Tensor) -> Tensor:
+    """The readout trie's change of a node's φ from d_head to d coordinates: ``z [N, R, e] @ factor
+    [e, d]``."""
+    return z @ factor

@@ -54,6 +54,23 @@ void gemm_portable(int64_t rows, int64_t cols, int64_t depth, const T* a, int64_
   }
 }
 
+// dot's rule (gemm_cpu.h), written once: eight lanes of chains, a fixed tree at the end. The
+// x86 entry points below compile it for their targets, where the lanes become one or two vectors.
+template <typename T, bool kFused>
+PATHKERNELS_GEMM_INLINE T dot_lanes(int64_t n, const T* x, const T* y) {
+  T lane[8] = {};
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    for (int l = 0; l < 8; ++l) {
+      lane[l] = kFused ? std::fma(x[k + l], y[k + l], lane[l]) : x[k + l] * y[k + l] + lane[l];
+    }
+  }
+  for (int l = 0; k + l < n; ++l) {
+    lane[l] = kFused ? std::fma(x[k + l], y[k + l], lane[l]) : x[k + l] * y[k + l] + lane[l];
+  }
+  return ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
+}
+
 #if PATHKERNELS_GEMM_X86
 
 template <typename T, int kBytes>
@@ -377,6 +394,16 @@ __attribute__((target("avx2,fma"), flatten)) void gemm_avx2(int64_t rows, int64_
   gemm_tiles<T, 32, 4, 3>(rows, cols, depth, a, lda, b, ldb, c, ldc, accumulate);
 }
 
+template <typename T>
+__attribute__((target("avx512f,fma"), flatten)) T dot_avx512(int64_t n, const T* x, const T* y) {
+  return dot_lanes<T, true>(n, x, y);
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"), flatten)) T dot_avx2(int64_t n, const T* x, const T* y) {
+  return dot_lanes<T, true>(n, x, y);
+}
+
 bool cpu_has(GemmIsa isa) {
   __builtin_cpu_init();
   switch (isa) {
@@ -459,6 +486,26 @@ void gemm(int64_t rows, int64_t cols, int64_t depth, const T* a, int64_t lda, co
     gemm_portable<T, false>(rows, cols, depth, a, lda, b, ldb, c, ldc, accumulate);
   }
 }
+
+template <typename T>
+T dot(int64_t n, const T* x, const T* y, GemmIsa isa) {
+  if (isa == GemmIsa::kAuto) {
+    isa = widest_isa();
+  }
+#if PATHKERNELS_GEMM_X86
+  if (isa == GemmIsa::kAvx512) {
+    return dot_avx512<T>(n, x, y);
+  }
+  if (isa == GemmIsa::kAvx2) {
+    return dot_avx2<T>(n, x, y);
+  }
+#endif
+  static const bool fused = cpu_has_fma();
+  return fused ? dot_lanes<T, true>(n, x, y) : dot_lanes<T, false>(n, x, y);
+}
+
+template float dot<float>(int64_t, const float*, const float*, GemmIsa);
+template double dot<double>(int64_t, const double*, const double*, GemmIsa);
 
 template void gemm<float>(int64_t, int64_t, int64_t, const float*, int64_t, const float*, int64_t, float*, int64_t,
                           bool, GemmIsa);

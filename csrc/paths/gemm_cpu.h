@@ -37,6 +37,12 @@ template <typename T>
 void gemm(int64_t rows, int64_t cols, int64_t depth, const T* a, int64_t lda, const T* b, int64_t ldb, T* c,
           int64_t ldc, bool accumulate, GemmIsa isa = GemmIsa::kAuto);
 
+// Σ_k x[k]·y[k] by a rule that depends on n alone: eight chains of fused multiply-adds, chain l
+// over k ≡ l (mod 8) in increasing k, then ((c0 + c4) + (c1 + c5)) + ((c2 + c6) + (c3 + c7)).
+// The same bits from every kernel on a CPU with FMA, as gemm's.
+template <typename T>
+T dot(int64_t n, const T* x, const T* y, GemmIsa isa = GemmIsa::kAuto);
+
 // out [r, c] = a [r, k] @ b [k, c] (+ out with accumulate): CPU tensors of one floating dtype
 // (float32 or float64); out has a unit column stride, a and b are made so where they are not.
 void mm_out(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b, bool accumulate = false,

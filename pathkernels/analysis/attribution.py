@@ -22,7 +22,9 @@ bottom paths, so that trees too large to store stream through.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -135,6 +137,30 @@ def logit_diff(model, a: int, b: int) -> Readout:
     return Readout(direction, constant.detach(), (f"logit[{a}] − logit[{b}]",))
 
 
+@dataclass(frozen=True)
+class ReadoutSteps:
+    """The products of a step of the readout trie, as functions of tensors: ``values(rho [N, P, n],
+    phi [N, R, d], source [n, d]) -> [N, P, R]``, ``heads(rho, phi, token_maps [H, n, n], feature_in
+    [H, d, e], feature_out [H, e, d'] or None) -> ([H, N, P, n], [H, N, R, d'])`` and ``expand(z [N, R,
+    e], factor [e, d]) -> [N, R, d]``. :data:`ENGINE` runs them in the C++ readout engine;
+    ``pathkernels.reference`` has their plain-PyTorch form, for tests and benchmarks."""
+
+    values: Callable[[Tensor, Tensor, Tensor], Tensor]
+    heads: Callable[..., tuple[Tensor, Tensor]]
+    expand: Callable[[Tensor, Tensor], Tensor]
+
+
+def _engine_expand(z: Tensor, factor: Tensor) -> Tensor:
+    """``z [N, R, e] @ factor [e, d]`` by the CPU engine's GEMM (the same bits however the nodes are
+    batched), by ATen elsewhere."""
+    if not z.is_cpu:
+        return z @ factor
+    return torch.ops.pathkernels._engine_mm(z.reshape(-1, z.shape[-1]), factor).view(*z.shape[:-1], factor.shape[-1])
+
+
+ENGINE = ReadoutSteps(torch.ops.pathkernels._readout_values, torch.ops.pathkernels._readout_heads, _engine_expand)
+
+
 @dataclass
 class _Sublayer:
     """One sublayer of the frozen model, on one sequence's real tokens (n of them): an attention
@@ -155,22 +181,41 @@ class _Sublayer:
         phi = phi * self.gamma
         return phi - phi.mean(-1, keepdim=True) if self.centred else phi
 
+    def norm_features_matrix(self) -> Tensor:
+        """``C Γ`` as a ``[d, d]`` matrix."""
+        d = self.gamma.shape[0]
+        centre = torch.eye(d, dtype=torch.float64, device=self.gamma.device)
+        if self.centred:
+            centre = centre - 1.0 / d
+        return centre * self.gamma[None, :]
+
+    @functools.cached_property
+    def token_maps(self) -> Tensor:
+        """Every head's token map ``T_h`` ``[H, n, n]``, in the row form ``ρ' = ρ T_h``: ``A_h D``
+        (pre-norm) or ``D A_h`` (post-norm)."""
+        if self.pre:
+            return (self.attn * self.scale[None, None, :]).contiguous()
+        return (self.scale[None, :, None] * self.attn).contiguous()
+
+    @functools.cached_property
+    def feature_factors(self) -> tuple[Tensor, Tensor]:
+        """Every head's feature map in the row form ``φ' = φ F_in[h] F_out[h]``, ``F_in [H, d, d_head]``
+        and ``F_out [H, d_head, d]``: ``Fᵀ = W_Oᵀ W_Vᵀ Γ C`` (pre-norm) or ``Γ C W_Oᵀ W_Vᵀ``
+        (post-norm), with the frozen norm folded into the factor beside it."""
+        w_o_t, w_v_t = self.w_o.transpose(-1, -2), self.w_v.transpose(-1, -2)
+        if self.pre:  # W_Vᵀ Γ C: scale the columns, centre the rows
+            out = w_v_t * self.gamma
+            out = out - out.mean(-1, keepdim=True) if self.centred else out
+            return w_o_t.contiguous(), out.contiguous()
+        # Γ C W_Oᵀ: centre the columns, scale the rows
+        into = w_o_t - w_o_t.mean(-2, keepdim=True) if self.centred else w_o_t
+        return (self.gamma[:, None] * into).contiguous(), w_v_t.contiguous()
+
     def skip(self, rho: Tensor, phi: Tensor) -> tuple[Tensor, Tensor]:
         """The skip branch: ``ρ' = Tᵀ ρ``, ``φ' = F φ`` for ρ ``[N, P, n]`` and φ ``[N, R, d]``."""
         if self.pre:
             return rho, phi
         return rho * self.scale, self._norm_features(phi)
-
-    def heads(self, rho: Tensor, phi: Tensor) -> tuple[Tensor, Tensor]:
-        """Every head's branch: ``[N, H, P, n]`` and ``[N, H, R, d]``."""
-        if self.pre:  # T = A D, F = C Γ W_V W_O
-            rho_h = torch.einsum("npi,hij->nhpj", rho, self.attn) * self.scale
-            values = torch.einsum("hef,nrf->nhre", self.w_o, phi)
-            return rho_h, self._norm_features(torch.einsum("hde,nhre->nhrd", self.w_v, values))
-        # post-norm: T = D A, F = W_V W_O C Γ
-        rho_h = torch.einsum("npi,hij->nhpj", rho * self.scale, self.attn)
-        values = torch.einsum("hef,nrf->nhre", self.w_o, self._norm_features(phi))
-        return rho_h, torch.einsum("hde,nhre->nhrd", self.w_v, values)
 
 
 @dataclass
@@ -182,6 +227,7 @@ class _Model:
     sources: list[Tensor]  # [n, d] each, len(sublayers) + 1
     source_names: list[str]
     layers: int
+    num_heads: int
 
 
 def _frozen_model(stack: AttentionStack, capture: ResidualStreamCapture, batch: int, real: Tensor) -> _Model:
@@ -217,7 +263,7 @@ def _frozen_model(stack: AttentionStack, capture: ResidualStreamCapture, batch: 
         )
         sources.append(mlp if pre else normalised(mlp, layer, 1))
         names.append(f"L{layer} MLP")
-    return _Model(sublayers, sources, names, stack.num_layers)
+    return _Model(sublayers, sources, names, stack.num_layers, stack.num_heads)
 
 
 def describe_path(path: Tensor, source_name: str) -> str:
@@ -509,15 +555,31 @@ def path_attribution(
     top_k = check_int(top_k, "top_k", _WHERE, minimum=0)
     memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
     setup = read_out(stack, readout, positions, batch, max_length, _WHERE)
+    return attribute(setup, top_k, memory_budget, progress)
+
+
+def attribute(
+    setup: _ReadOut,
+    top_k: int,
+    memory_budget: int,
+    progress: bool = False,
+    steps: ReadoutSteps = ENGINE,
+    low_rank: bool = True,
+) -> PathAttribution:
+    """:func:`path_attribution` of a checked readout (:func:`read_out`), its trie steps by ``steps``
+    (the engine, or for comparisons ``pathkernels.reference``'s plain-PyTorch form); ``low_rank``
+    as in :class:`_Walker` (pre-norm models only)."""
     model, rho, phi, read, positions = setup.model, setup.rho, setup.phi, setup.readout, setup.positions
-    layers, heads, d, max_length = stack.num_layers, stack.num_heads, stack.d_model, setup.max_length
+    layers, max_length = model.layers, setup.max_length
+    heads, d = model.num_heads, phi.shape[-1]
     total = count_attribution_paths(layers, heads, max_length)
     node_bytes = 8 * (rho.shape[1] * rho.shape[2] + phi.shape[1] * d)
     chunk = max(1, memory_budget // (4 * (heads + 1) * node_bytes))
     keep = total * (8 * len(positions) * len(read.labels) + 8 * (layers + 1)) <= memory_budget // 4
     fold = _Fold(len(model.sources), layers, len(positions), len(read.labels), top_k, keep)
     bar = progress_bar(total, enabled=progress, unit="path", desc=_WHERE)
-    _walk(model, rho, phi, max_length, chunk, fold, bar)
+    walker = _Walker(model, steps, low_rank=low_rank, max_length=max_length, cache_bytes=memory_budget // 2)
+    walker.walk(rho, phi, max_length, chunk, fold, bar)
     if bar is not None:
         bar.close()
     kept = {}
@@ -543,42 +605,162 @@ def path_attribution(
     )
 
 
-def source_values(rho: Tensor, source: Tensor, phi: Tensor) -> Tensor:
-    """``ρᵀ K φ`` per node, position and readout: ``[N, P, R]`` from ``rho [N, P, n]``, the source
-    ``K [n, d]`` and ``phi [N, R, d]``: the attributions of the paths that end at that source."""
-    return torch.einsum("npd,nrd->npr", rho @ source, phi)
+class _Walker:
+    """The steps of the readout trie over a frozen model, by ``steps`` (the readout engine, or
+    ``pathkernels.reference``'s plain-PyTorch form).
+
+    A chunk of nodes is ``(rho [N, P, n], phi [N, R, ·], choices [N, L], lengths [N], runs)``. With
+    ``low_rank`` (pre-norm models, where a skip leaves φ alone) a node below a head keeps φ in that
+    head's d_head coordinates: its basis is ``(s, h)``, the last head taken, and ``φ = z F_out[s, h]``
+    with ``z [R, d_head]``, so a head's child costs ``φ F_in`` alone (no ``F_out``). Where enough
+    nodes share a basis, their matrices are computed once (and cached within ``cache_bytes``): a
+    child through head h' of sublayer s' is then ``z (F_out[s, h] F_in[s', h'])``, ``d_head × d_head``
+    per node instead of ``d × d_head``, and the value at source K is ``ρ (K F_out[s, h]ᵀ) zᵀ``,
+    ``n · d_head`` instead of ``n · d``; elsewhere φ is expanded for the step. Whether a basis's
+    nodes are enough depends on the tree alone (:meth:`_shared`), so the bits do not depend on how
+    the walk is chunked. ``runs`` lists the chunk's consecutive nodes of one basis, ``(count,
+    basis)``: a head's children are one run, so a chunk holds at most H runs, one engine call each.
+    Basis ``None``: φ in the model's d coordinates (the nodes above every head, and every node
+    without ``low_rank``)."""
+
+    def __init__(
+        self,
+        model: _Model,
+        steps: ReadoutSteps = ENGINE,
+        *,
+        low_rank: bool,
+        max_length: int | None = None,
+        cache_bytes: int = 1 << 28,
+    ):
+        self.model, self.steps = model, steps
+        self.low_rank = low_rank and model.sublayers[0].pre
+        self.max_length = model.layers if max_length is None else max_length
+        self.cache_bytes = cache_bytes
+        self._cache: dict[tuple, Tensor] = {}
+        self._cached = 0
+        self._shared_by: dict[tuple[int, bool], bool] = {}
+
+    def _remember(self, key: tuple, compute) -> Tensor:
+        if key not in self._cache:
+            value = compute()
+            if self._cached + 8 * value.numel() > self.cache_bytes:
+                self._cache.clear()
+                self._cached = 0
+            self._cache[key] = value
+            self._cached += 8 * value.numel()
+        return self._cache[key]
+
+    def _shared(self, sublayer: int, growing: bool) -> bool:
+        """Whether the nodes whose last head is in ``sublayer`` are at least d_head per basis (per
+        basis and level for values; with ``growing``, those that may still take a head, per basis
+        and sublayer below): the count of their prefixes above it, ``Σ_k C(A, k) H^k`` over the A
+        attention sublayers above, up to ``max_length − 1`` heads (``− 2`` when growing)."""
+        if (sublayer, growing) not in self._shared_by:
+            above = sum(1 for s in self.model.sublayers[sublayer + 1 :] if s.attn is not None)
+            top = self.max_length - (2 if growing else 1)
+            heads, head_dim = self.model.num_heads, self.model.sublayers[sublayer].w_v.shape[-1]
+            nodes = sum(math.comb(above, k) * heads**k for k in range(min(top, above) + 1))
+            self._shared_by[sublayer, growing] = nodes >= head_dim
+        return self._shared_by[sublayer, growing]
+
+    def _output_factor(self, basis: tuple[int, int]) -> Tensor:  # F_out[s, h] [d_head, d]
+        sublayer, head = basis
+        return self.model.sublayers[sublayer].feature_factors[1][head]
+
+    def _run_values(self, level: int, rho: Tensor, phi: Tensor, basis) -> Tensor:
+        source = self.model.sources[level]
+        if basis is not None:  # φ = z F_out[basis], which enough nodes share (_low)
+            source = self._remember(("source", level, basis), lambda: source @ self._output_factor(basis).T)
+        return self.steps.values(rho, phi, source)
+
+    def _low(self, at: int) -> bool:
+        """Whether the children through sublayer ``at``'s heads keep φ in d_head coordinates: with
+        ``low_rank``, where enough nodes will share each of their bases."""
+        return self.low_rank and self._shared(at, growing=False)
+
+    def _run_heads(self, at: int, rho: Tensor, phi: Tensor, basis) -> tuple[Tensor, Tensor]:
+        sublayer = self.model.sublayers[at]
+        feature_in, feature_out = sublayer.feature_factors
+        low = self._low(at)
+        if basis is not None:  # φ = z F_out[basis]
+            if low and self._shared(basis[0], growing=True):
+                feature_in = self._remember(("heads", at, basis), lambda: self._output_factor(basis) @ feature_in)
+            else:
+                phi = self.steps.expand(phi, self._output_factor(basis))
+        return self.steps.heads(rho, phi, sublayer.token_maps, feature_in, None if low else feature_out)
+
+    def values(self, level: int, rho: Tensor, phi: Tensor, runs: list[tuple]) -> Tensor:
+        """``ρ K φᵀ`` at source ``level`` for every node: ``[N, P, R]``, the attributions of the
+        paths that end there."""
+        if len(runs) == 1:
+            return self._run_values(level, rho, phi, runs[0][1])
+        parts, start = [], 0
+        for count, basis in runs:
+            run = slice(start, start + count)
+            parts.append(self._run_values(level, rho[run], phi[run], basis))
+            start += count
+        return torch.cat(parts)
+
+    def _heads(self, at: int, rho: Tensor, phi: Tensor, runs: list[tuple]) -> tuple[Tensor, Tensor]:
+        """Every head's children of every node, head-major: ``[H, N, P, n]`` and ``[H, N, R, ·]``."""
+        if len(runs) == 1:
+            return self._run_heads(at, rho, phi, runs[0][1])
+        parts, start = [], 0
+        for count, basis in runs:
+            run = slice(start, start + count)
+            parts.append(self._run_heads(at, rho[run], phi[run], basis))
+            start += count
+        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+
+    def children(self, level: int, rho, phi, choices, lengths, runs: list[tuple], max_length: int) -> list[tuple]:
+        """The children of a chunk at ``level`` through sublayer ``level − 1``: the skip's, then (for
+        nodes under ``max_length`` heads) every head's, head by head: a list of parts, each a chunk
+        tuple."""
+        sublayer = self.model.sublayers[level - 1]
+        rho_skip, phi_skip = sublayer.skip(rho, phi)
+        parts = [(rho_skip, phi_skip, choices, lengths, runs)]
+        grows = lengths < max_length
+        if sublayer.attn is None or not bool(grows.any()):
+            return parts
+        if not bool(grows.all()):
+            rho, phi, choices, lengths = rho[grows], phi[grows], choices[grows], lengths[grows]
+            counts = torch.tensor([count for count, _ in runs], device=grows.device)
+            kept = torch.segment_reduce(grows.double(), "sum", lengths=counts).long().tolist()
+            runs = [(k, basis) for k, (_, basis) in zip(kept, runs) if k]
+        rho_h, phi_h = self._heads(level - 1, rho, phi, runs)
+        heads, grown = rho_h.shape[0], rho_h.shape[1]
+        head_choices = choices[None].repeat(heads, 1, 1)
+        head_choices[:, :, sublayer.layer] = torch.arange(heads, device=rho.device)[:, None]
+        runs_h = [(grown, (level - 1, h)) for h in range(heads)] if self._low(level - 1) else [(heads * grown, None)]
+        lengths_h = (lengths + 1).repeat(heads)
+        return parts + [(rho_h.flatten(0, 1), phi_h.flatten(0, 1), head_choices.flatten(0, 1), lengths_h, runs_h)]
+
+    def walk(self, rho: Tensor, phi: Tensor, max_length: int, chunk: int, fold: _Fold, bar) -> None:
+        """Depth first from the top: a node at level j has chosen the branches of sublayers j, j+1, …;
+        it meets source j (entering below sublayer j), then branches through sublayer j − 1."""
+        choices = torch.full((1, self.model.layers), _NO_HEAD, dtype=torch.long, device=rho.device)
+        lengths = torch.zeros(1, dtype=torch.long, device=rho.device)
+        pending = [(len(self.model.sublayers), rho, phi, choices, lengths, [(1, None)])]
+        while pending:
+            level, rho, phi, choices, lengths, runs = pending.pop()
+            values = self.values(level, rho, phi, runs)
+            fold.add(level, values, choices, lengths)
+            if bar is not None:
+                bar.update(values.shape[0])
+            if level == 0:
+                continue
+            for *part, part_runs in self.children(level, rho, phi, choices, lengths, runs, max_length):
+                for start in range(0, part[0].shape[0], chunk):
+                    stop = start + chunk
+                    pending.append((level - 1, *(t[start:stop] for t in part), _slice_runs(part_runs, start, stop)))
 
 
-def children(sublayer: _Sublayer, rho: Tensor, phi: Tensor, choices: Tensor, lengths: Tensor, max_length: int):
-    """The children of nodes ``(rho [N, P, n], phi [N, R, d], choices [N, L], lengths [N])`` through
-    ``sublayer``: the skip's, then (for nodes under ``max_length`` heads) every head's, as a list of
-    ``(rho, phi, choices, lengths)`` parts."""
-    parts = [sublayer.skip(rho, phi) + (choices, lengths)]
-    grows = lengths < max_length
-    if sublayer.attn is not None and bool(grows.any()):
-        rho_h, phi_h = sublayer.heads(rho[grows], phi[grows])
-        heads = rho_h.shape[1]
-        head_choices = choices[grows][:, None].repeat(1, heads, 1)
-        head_choices[:, :, sublayer.layer] = torch.arange(heads, device=rho.device)
-        lengths_h = (lengths[grows] + 1).repeat_interleave(heads)
-        parts.append((rho_h.flatten(0, 1), phi_h.flatten(0, 1), head_choices.flatten(0, 1), lengths_h))
-    return parts
-
-
-def _walk(model: _Model, rho: Tensor, phi: Tensor, max_length: int, chunk: int, fold: _Fold, bar) -> None:
-    """Depth first from the top: a node at level j has chosen the branches of sublayers j, j+1, …;
-    it meets source j (entering below sublayer j), then branches through sublayer j − 1."""
-    choices = torch.full((1, model.layers), _NO_HEAD, dtype=torch.long, device=rho.device)
-    lengths = torch.zeros(1, dtype=torch.long, device=rho.device)
-    pending = [(len(model.sublayers), rho, phi, choices, lengths)]
-    while pending:
-        level, rho, phi, choices, lengths = pending.pop()
-        values = source_values(rho, model.sources[level], phi)
-        fold.add(level, values, choices, lengths)
-        if bar is not None:
-            bar.update(values.shape[0])
-        if level == 0:
-            continue
-        for part in children(model.sublayers[level - 1], rho, phi, choices, lengths, max_length):
-            for start in range(0, part[0].shape[0], chunk):
-                pending.append((level - 1, *(t[start : start + chunk] for t in part)))
+def _slice_runs(runs: list[tuple], start: int, stop: int) -> list[tuple]:
+    """The runs ``(count, basis)`` of nodes ``start..stop-1``."""
+    sliced, first = [], 0
+    for count, basis in runs:
+        low, high = max(start, first), min(stop, first + count)
+        if low < high:
+            sliced.append((high - low, basis))
+        first += count
+    return sliced

@@ -32,11 +32,10 @@ from pathkernels.analysis.attribution import (
     _Fold,
     _Model,
     _Sublayer,
-    children,
+    _Walker,
     count_attribution_paths,
     describe_path,
     read_out,
-    source_values,
 )
 from pathkernels.paths import check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET
@@ -100,29 +99,16 @@ def _branch_bounds(model: _Model) -> Tensor:
     return torch.tensor(factors, dtype=torch.float64)
 
 
-def _norm_features_matrix(sublayer: _Sublayer) -> Tensor:
-    """``C Γ`` as a ``[d, d]`` matrix."""
-    d = sublayer.gamma.shape[0]
-    centre = torch.eye(d, dtype=torch.float64, device=sublayer.gamma.device)
-    if sublayer.centred:
-        centre = centre - 1.0 / d
-    return centre * sublayer.gamma[None, :]
-
-
 def _skip_factor(sublayer: _Sublayer) -> float:
     if sublayer.pre:
         return 1.0
-    return float(sublayer.scale.max()) * float(torch.linalg.matrix_norm(_norm_features_matrix(sublayer), ord=2))
+    return float(sublayer.scale.max()) * float(torch.linalg.matrix_norm(sublayer.norm_features_matrix(), ord=2))
 
 
 def _token_norms(sublayer: _Sublayer) -> Tensor:
     """``‖T_h‖_∞`` per head ``[H]``, the largest row sum of ``|T_h|``: ``T = A D`` (pre-norm) or
     ``D A`` (post-norm)."""
-    if sublayer.pre:
-        token = sublayer.attn * sublayer.scale[None, None, :]
-    else:
-        token = sublayer.scale[None, :, None] * sublayer.attn
-    return token.abs().sum(-1).amax(-1)
+    return sublayer.token_maps.abs().sum(-1).amax(-1)
 
 
 def _head_factor(sublayer: _Sublayer) -> float:
@@ -132,9 +118,9 @@ def _head_factor(sublayer: _Sublayer) -> float:
     if sublayer.attn is None:
         return 0.0
     if sublayer.pre:  # F = C Γ W_V W_O
-        left, right = _norm_features_matrix(sublayer) @ sublayer.w_v, sublayer.w_o
+        left, right = sublayer.norm_features_matrix() @ sublayer.w_v, sublayer.w_o
     else:  # F = W_V W_O C Γ
-        left, right = sublayer.w_v, sublayer.w_o @ _norm_features_matrix(sublayer)
+        left, right = sublayer.w_v, sublayer.w_o @ sublayer.norm_features_matrix()
     r_left = torch.linalg.qr(left).R  # [H, d_head, d_head]
     r_right = torch.linalg.qr(right.transpose(-1, -2)).R
     feature_norm = torch.linalg.matrix_norm(r_left @ r_right.transpose(-1, -2), ord=2)  # [H]
@@ -174,7 +160,7 @@ def _first_head_factors(model: _Model) -> list[float]:
         if sublayer.attn is None:
             factors.append(0.0)
             continue
-        values = _norm_features_matrix(sublayer) @ sublayer.w_v  # C Γ W_V [H, d, d_head]
+        values = sublayer.norm_features_matrix() @ sublayer.w_v  # C Γ W_V [H, d, d_head]
         sources = torch.stack(model.sources[: index + 1])  # [I, n, d]
         reach = torch.einsum("ind,hde->ihne", sources, values).norm(dim=-1).amax(dim=(0, 2))  # [H]
         output_norm = torch.linalg.matrix_norm(sublayer.w_o, ord=2)  # [H]
@@ -230,6 +216,7 @@ def top_paths(
     model, layers = setup.model, stack.num_layers
     sign = 1.0 if largest else -1.0
     reach = _reach_bounds(model).to(setup.rho.device)
+    walker = _Walker(model, low_rank=False)  # the frontier mixes nodes below many heads: φ in d coordinates
 
     # The frontier: unexpanded nodes, each at a level (the source it meets next).
     rho, phi = setup.rho[:, :1], sign * setup.phi
@@ -266,12 +253,13 @@ def top_paths(
         for at in picked[2].unique().tolist():
             group = picked[2] == at
             g_rho, g_phi, g_choices, g_lengths = picked[0][group], picked[1][group], picked[3][group], picked[4][group]
-            values = source_values(g_rho, model.sources[at], g_phi)
+            values = walker.values(at, g_rho, g_phi, [(g_rho.shape[0], None)])
             visited += values.shape[0]
             fold.add(at, values, g_choices, g_lengths)
             if at == 0:
                 continue
-            for part in children(model.sublayers[at - 1], g_rho, g_phi, g_choices, g_lengths, setup.max_length):
+            runs = [(g_rho.shape[0], None)]
+            for *part, _ in walker.children(at, g_rho, g_phi, g_choices, g_lengths, runs, setup.max_length):
                 child_level = torch.full((part[0].shape[0],), at - 1, dtype=torch.long)
                 new.append((*part[:2], child_level, *part[2:]))
         if new:
