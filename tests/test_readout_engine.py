@@ -76,6 +76,24 @@ def test_the_bits_do_not_depend_on_the_batch(shape, data):
     assert torch.equal(part_rho, rho_heads[:, part]) and torch.equal(part_phi, phi_heads[:, part])
 
 
+@settings(max_examples=20, deadline=None)
+@given(shapes, st.booleans())
+def test_the_aten_form_other_devices_run_agrees_with_the_cpu_kernel(shape, with_output_factor):
+    """The ops' ATen form (what CUDA runs, through cuBLAS) called on CPU tensors by redispatching
+    to its dispatch key: the same results as the CPU kernel, to rounding."""
+    rho, phi, source, maps, f_in, f_out = random_step(*shape)
+    f_out = f_out if with_output_factor else None
+    aten = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+    values = values_op.default.redispatch(aten, rho, phi, source)
+    scale = torch.einsum("npi,id,nrd->npr", rho.abs(), source.abs(), phi.abs())
+    assert bool(((values - values_op(rho, phi, source)).abs() <= 1e-13 * scale + 1e-300).all())
+    for got, expected in zip(
+        heads_op.default.redispatch(aten, rho, phi, maps, f_in, f_out), heads_op(rho, phi, maps, f_in, f_out)
+    ):
+        assert got.shape == expected.shape and got.is_contiguous()
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-11)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_agrees_with_the_cpu():
     cpu = random_step(500, 2, 2, 16, 96, 6, 16, seed=1)

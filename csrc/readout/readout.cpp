@@ -68,20 +68,29 @@ HeadsShape check_heads(const at::Tensor& rho, const at::Tensor& phi, const at::T
 namespace {
 
 at::Tensor values_aten(const at::Tensor& rho, const at::Tensor& phi, const at::Tensor& source) {
-  check_values(rho, phi, source);
-  return at::bmm(at::matmul(rho, source), phi.transpose(1, 2));
+  const ValuesShape s = check_values(rho, phi, source);
+  const at::Tensor rows = at::mm(rho.reshape({-1, s.tokens}), source).view({s.nodes, s.positions, s.features});
+  return at::bmm(rows, phi.transpose(1, 2));
 }
 
 std::tuple<at::Tensor, at::Tensor> heads_aten(const at::Tensor& rho, const at::Tensor& phi,
                                               const at::Tensor& token_maps, const at::Tensor& feature_in,
                                               const std::optional<at::Tensor>& feature_out) {
-  check_heads(rho, phi, token_maps, feature_in, feature_out);
-  at::Tensor rho_heads = at::matmul(rho.unsqueeze(0), token_maps.unsqueeze(1));  // [H, N, P, n]
-  at::Tensor phi_heads = at::matmul(phi.unsqueeze(0), feature_in.unsqueeze(1));  // [H, N, R, e]
+  const HeadsShape s = check_heads(rho, phi, token_maps, feature_in, feature_out);
+  // Every head in one GEMM against the heads' maps side by side ([n, H·n] and [d, H·e]), never a
+  // broadcast batch (which would copy the nodes once per head), then head-major.
+  const at::Tensor maps_side_by_side = token_maps.permute({1, 0, 2}).reshape({s.tokens, s.heads * s.tokens});
+  at::Tensor rho_heads = at::mm(rho.reshape({-1, s.tokens}), maps_side_by_side)
+                             .view({s.nodes, s.positions, s.heads, s.tokens})
+                             .permute({2, 0, 1, 3});
+  const at::Tensor in_side_by_side = feature_in.permute({1, 0, 2}).reshape({s.features, s.heads * s.head_dim});
+  at::Tensor phi_heads = at::mm(phi.reshape({-1, s.features}), in_side_by_side)
+                             .view({s.nodes * s.readouts, s.heads, s.head_dim})
+                             .transpose(0, 1);  // [H, N·R, e]
   if (feature_out.has_value()) {
-    phi_heads = at::matmul(phi_heads, feature_out->unsqueeze(1));
+    phi_heads = at::bmm(phi_heads, *feature_out);  // [H, N·R, d']
   }
-  return {rho_heads.contiguous(), phi_heads.contiguous()};
+  return {rho_heads.contiguous(), phi_heads.reshape({s.heads, s.nodes, s.readouts, s.out_features}).contiguous()};
 }
 
 }  // namespace
