@@ -171,3 +171,23 @@ def test_the_walk_on_the_engine_is_the_walk_in_plain_pytorch(family, max_length)
     torch.testing.assert_close(engine.by_source_length, plain.by_source_length, rtol=0, atol=1e-11 * scale)
     torch.testing.assert_close(engine.top_values, plain.top_values, rtol=0, atol=1e-12 * scale)
     torch.testing.assert_close(engine.bottom_values, plain.bottom_values, rtol=0, atol=1e-12 * scale)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_model_on_the_gpu_attributes_as_on_the_cpu():
+    """path_attribution walks on the capture's device (the ops' ATen form) and folds on the CPU;
+    top_paths searches on the CPU: both give what the CPU model gives."""
+    import pathkernels as pk
+    from pathkernels.adapters.residual import capture_huggingface_residual
+
+    model = gpt2(4, 4, 32)
+    ids = torch.randint(0, 50, (1, 9))
+    on_cpu, _ = capture_huggingface_residual(model, input_ids=ids)
+    on_gpu, _ = capture_huggingface_residual(model.cuda(), input_ids=ids.cuda())
+    readout = pk.logit_diff(model, 1, 2)
+    cpu, gpu = pk.path_attribution(on_cpu, readout), pk.path_attribution(on_gpu, readout)
+    torch.testing.assert_close(gpu.by_source_length, cpu.by_source_length, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(gpu.value, cpu.value, rtol=1e-9, atol=1e-9)
+    assert torch.equal(gpu.top_paths, cpu.top_paths)
+    found = pk.top_paths(on_gpu, readout, 5)
+    assert found.certified and torch.equal(found.paths, cpu.top_paths[:5, 0, 0])

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -431,7 +431,9 @@ class _Fold:
         self.kept: list[tuple[Tensor, Tensor, Tensor]] | None = [] if keep else None
 
     def add(self, source: int, values: Tensor, choices: Tensor, lengths: Tensor) -> None:
-        """values ``[N, P, R]`` of N paths from ``source``, their choices ``[N, L]`` and lengths ``[N]``."""
+        """values ``[N, P, R]`` of N paths from ``source``, their choices ``[N, L]`` and lengths ``[N]``,
+        on any device (the fold keeps its results on the CPU)."""
+        values, choices, lengths = values.cpu(), choices.cpu(), lengths.cpu()
         self.sums[source].index_add_(0, lengths, values)
         self.counts[source].index_add_(0, lengths, torch.ones_like(lengths))
         if self.kept is not None:
@@ -469,6 +471,23 @@ class _ReadOut:
     positions: list[int]
     batch: int
     max_length: int
+
+    def to(self, device) -> _ReadOut:
+        """The same readout with every tensor, the frozen model's included, on ``device``."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        sublayers = [
+            replace(s, attn=move(s.attn), scale=move(s.scale), gamma=move(s.gamma), w_v=move(s.w_v), w_o=move(s.w_o))
+            for s in self.model.sublayers
+        ]
+        model = replace(self.model, sublayers=sublayers, sources=[move(t) for t in self.model.sources])
+        return replace(
+            self,
+            model=model,
+            rho=move(self.rho),
+            phi=move(self.phi),
+            constant=move(self.constant),
+            value=move(self.value),
+        )
 
 
 def read_out(stack, readout, positions, batch, max_length, where: str) -> _ReadOut:
@@ -591,8 +610,8 @@ def attribute(
         positions=torch.tensor(positions),
         labels=read.labels,
         source_names=model.source_names,
-        value=setup.value,
-        constant=setup.constant,
+        value=setup.value.cpu(),
+        constant=setup.constant.cpu(),
         by_source_length=fold.sums,
         counts=fold.counts,
         top_values=fold.best[0],

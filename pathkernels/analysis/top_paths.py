@@ -195,7 +195,8 @@ def top_paths(
         max_length: only paths through at most this many heads.
         time_limit: seconds; at the limit the best list so far comes back with its gap.
         memory_budget: bytes for the frontier of unexpanded nodes; reaching it also stops.
-        batch_nodes: nodes expanded per step (the ones of largest bound).
+        batch_nodes: nodes expanded per step (the ones of largest bound), one readout-engine call
+            per level among them. The search runs on the CPU, whatever the model's device.
         record: keep every visited path and its attribution (for checking the certificate).
 
     Returns:
@@ -210,7 +211,7 @@ def top_paths(
         raise ValueError(
             f"{_WHERE}: expected time_limit to be a positive number of seconds or None, got {time_limit!r}"
         )
-    setup = read_out(stack, readout, position, batch, max_length, _WHERE)
+    setup = read_out(stack, readout, position, batch, max_length, _WHERE).to("cpu")  # a search of small steps
     if len(setup.readout.labels) != 1:
         raise ValueError(f"{_WHERE}: expected one readout direction, got {len(setup.readout.labels)}")
     model, layers = setup.model, stack.num_layers
