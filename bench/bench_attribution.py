@@ -17,13 +17,11 @@ the whole set, and the speed-up over that.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-from pathkernels.benchmarks import run_cases, seconds_per_call
+from pathkernels.benchmarks import bench_main, seconds_per_call
 
 # (layers, heads, d_model, tokens, max_length or None for every path)
 GRID = [
@@ -138,13 +136,8 @@ def bench_case(layers: int, heads: int, width: int, tokens: int, max_length: int
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="pk.path_attribution against the plain per-path computation")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
-
-    run_cases(QUICK if args.quick else GRID, bench_case, COLUMNS, "path attribution (readout engine)", args.out)
-    return 0
+    description = "pk.path_attribution against the plain per-path computation"
+    return bench_main(argv, description, "path attribution (readout engine)", bench_case, COLUMNS, GRID, QUICK)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,12 @@ enumeration (pk.path_attribution) and check that both lists are identical.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from pathkernels.benchmarks import run_cases
+from pathkernels.benchmarks import bench_main
 
 # (layers, attention weight std or None for Hugging Face's initialisation, time limit in seconds)
 CASES = [(6, None, 600), (12, None, 600), (6, 0.02, 120), (12, 0.02, 120), (12, 0.1, 120)]
@@ -96,12 +94,9 @@ def bench_case(layers: int, attn_std: float | None, time_limit: float, k: int = 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="pk.top_paths on GPT-2-shaped models")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
-
-    run_cases(CASES, bench_case, COLUMNS, "top_paths (best-first, certified)", args.out)
-    return 0
+    return bench_main(
+        argv, "pk.top_paths on GPT-2-shaped models", "top_paths (best-first, certified)", bench_case, COLUMNS, CASES
+    )
 
 
 if __name__ == "__main__":

@@ -11,12 +11,10 @@ Per case: the paths, the best of five builds, and the time to write the first 1,
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
 
-from pathkernels.benchmarks import run_cases
+from pathkernels.benchmarks import bench_main
 
 # (layers, heads, max_length): the four cases, then wider and longer short trees.
 CASES = [(1000, 1, 1), (2000, 1, 1), (96, 96, 1), (20_000, 1, 1), (12, 12, 3), (200, 2, 2), (1000, 4, 2)]
@@ -52,11 +50,8 @@ def bench_case(layers: int, heads: int, max_length: int, repeats: int = 5) -> di
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Building short-path trees")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args(argv)
-    run_cases(CASES, bench_case, COLUMNS, "PathTree.complete(skip=True, max_length=k)", args.out)
-    return 0
+    title = "PathTree.complete(skip=True, max_length=k)"
+    return bench_main(argv, "Building short-path trees", title, bench_case, COLUMNS, CASES)
 
 
 if __name__ == "__main__":

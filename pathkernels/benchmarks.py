@@ -293,3 +293,18 @@ def run_cases(cases, bench_case, columns: list[tuple], title: str, out=None) -> 
         out.write_text(json.dumps(payload, indent=2) + "\n")
         print(f"wrote {out}")
     return rows
+
+
+def bench_main(argv, description: str, title: str, bench_case, columns: list[tuple], cases, quick_cases=None) -> int:
+    """A benchmark script's command line: ``--out FILE`` (JSON rows) and, with ``quick_cases``,
+    ``--quick``; runs the cases through :func:`run_cases`."""
+    import argparse
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description=description)
+    if quick_cases is not None:
+        parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    run_cases(quick_cases if getattr(args, "quick", False) else cases, bench_case, columns, title, args.out)
+    return 0

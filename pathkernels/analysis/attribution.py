@@ -708,27 +708,28 @@ class _Walker:
                 phi = self.steps.expand(phi, self._output_factor(basis))
         return self.steps.heads(rho, phi, sublayer.token_maps, feature_in, None if low else feature_out)
 
+    @staticmethod
+    def _by_runs(step, rho: Tensor, phi: Tensor, runs: list[tuple]) -> list:
+        """``step(rho, phi, basis)`` on each run of the chunk, in order."""
+        results, start = [], 0
+        for count, basis in runs:
+            run = slice(start, start + count)
+            results.append(step(rho[run], phi[run], basis))
+            start += count
+        return results
+
     def values(self, level: int, rho: Tensor, phi: Tensor, runs: list[tuple]) -> Tensor:
         """``ρ K φᵀ`` at source ``level`` for every node: ``[N, P, R]``, the attributions of the
         paths that end there."""
-        if len(runs) == 1:
-            return self._run_values(level, rho, phi, runs[0][1])
-        parts, start = [], 0
-        for count, basis in runs:
-            run = slice(start, start + count)
-            parts.append(self._run_values(level, rho[run], phi[run], basis))
-            start += count
-        return torch.cat(parts)
+        step = functools.partial(self._run_values, level)
+        return step(rho, phi, runs[0][1]) if len(runs) == 1 else torch.cat(self._by_runs(step, rho, phi, runs))
 
     def _heads(self, at: int, rho: Tensor, phi: Tensor, runs: list[tuple]) -> tuple[Tensor, Tensor]:
         """Every head's children of every node, head-major: ``[H, N, P, n]`` and ``[H, N, R, ·]``."""
+        step = functools.partial(self._run_heads, at)
         if len(runs) == 1:
-            return self._run_heads(at, rho, phi, runs[0][1])
-        parts, start = [], 0
-        for count, basis in runs:
-            run = slice(start, start + count)
-            parts.append(self._run_heads(at, rho[run], phi[run], basis))
-            start += count
+            return step(rho, phi, runs[0][1])
+        parts = self._by_runs(step, rho, phi, runs)
         return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
 
     def children(self, level: int, rho, phi, choices, lengths, runs: list[tuple], max_length: int) -> list[tuple]:
