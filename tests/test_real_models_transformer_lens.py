@@ -1,22 +1,25 @@
-"""Paths of a TransformerLens HookedTransformer (3.x), issue 24: its residual stream as an exact sum
-of paths, and its logit differences as sums of path attributions, for every normalisation type,
-attention-only models, grouped-query attention and rotary positions. Models are built from
-configs in float64 with random biases and norm parameters."""
+"""Paths of a TransformerLens model, issue 24: its residual stream as an exact sum of paths, and
+its logit differences as sums of path attributions, for every normalisation type, attention-only
+models, grouped-query attention and rotary positions: a HookedTransformer on 3.x, a
+TransformerBridge over its native model on 4.x (tests/test_transformer_lens_versions.py runs this
+module against 4.x too), and bridges over Hugging Face models. Models are built from configs in
+float64 with random biases and norm parameters."""
+
+import copy
 
 import pytest
 import torch
 
 import pathkernels as pk
+from pathkernels.testing import transformer_lens_major
 
 transformer_lens = pytest.importorskip("transformer_lens")
-HookedTransformer = getattr(transformer_lens, "HookedTransformer", None)
-if HookedTransformer is None:  # transformer-lens 4.x has no HookedTransformer
-    pytest.skip("needs transformer-lens 3.x (HookedTransformer)", allow_module_level=True)
-pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
-def hooked(normalization_type="LN", attn_only=False, **extra):
-    config = transformer_lens.HookedTransformerConfig(
+def tl_model(normalization_type="LN", attn_only=False, **extra):
+    """The model a user of the installed TransformerLens holds, random biases and norm parameters."""
+    config = dict(
         n_layers=3,
         d_model=32,
         n_ctx=16,
@@ -28,15 +31,22 @@ def hooked(normalization_type="LN", attn_only=False, **extra):
         normalization_type=normalization_type,
         d_vocab=50,
         dtype=torch.float64,
-        seed=0,
         **extra,
     )
-    model = HookedTransformer(config)
+    if transformer_lens_major() == 3:
+        model = transformer_lens.HookedTransformer(transformer_lens.HookedTransformerConfig(seed=0, **config))
+    else:
+        from transformer_lens.config import TransformerBridgeConfig
+        from transformer_lens.model_bridge import TransformerBridge
+
+        torch.manual_seed(0)
+        model = TransformerBridge.boot_native(TransformerBridgeConfig(**config), dtype=torch.float64)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if name.split(".")[-1].startswith("b"):
+            last = name.split(".")[-1]
+            if last.startswith("b"):  # b, b_Q, …, bias
                 parameter.normal_(0, 0.5)
-            elif name.split(".")[-1] == "w" and "ln" in name:
+            elif last in ("w", "weight") and ("ln" in name or "norm" in name):
                 parameter.uniform_(0.5, 1.5)
     return model
 
@@ -57,25 +67,55 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_a_hooked_transformer_is_the_sum_of_its_paths(case):
-    model = hooked(**CASES[case])
+def test_a_transformer_lens_model_is_the_sum_of_its_paths(case):
+    model = tl_model(**CASES[case])
     tokens = torch.randint(0, 50, (2, 9))
     stack, capture = pk.adapters.capture_transformer_lens_residual(model, tokens)
     sums = stack.length_sums()
     error = (sums.sum(0) - capture.residual).abs().max() / capture.residual.abs().max()
     assert error < 1e-10, error
     result = pk.path_attribution(stack, pk.logit_diff(model, 3, 7), batch=1, positions=[8, 2])
+    complete = result.by_source_length.sum((0, 1)) + result.constant
+    torch.testing.assert_close(complete, result.value, rtol=1e-10, atol=1e-10)
     with torch.no_grad():
         logits = model(tokens)[1].double()
     expected = (logits[[8, 2], 3] - logits[[8, 2], 7])[:, None]
-    torch.testing.assert_close(result.value, expected, rtol=1e-10, atol=1e-10)
-    complete = result.by_source_length.sum((0, 1)) + result.constant
-    torch.testing.assert_close(complete, expected, rtol=1e-10, atol=1e-10)
+    # 4.x's native RMSNorms compute in float32; the capture runs them in float64 (its docstring).
+    float32_norms = transformer_lens_major() >= 4 and "RMS" in str(CASES[case].get("normalization_type"))
+    tolerance = 1e-6 if float32_norms else 1e-10
+    torch.testing.assert_close(result.value, expected, rtol=tolerance, atol=tolerance)
 
 
-def test_parallel_blocks_and_bridges_are_refused_by_name():
-    model = hooked(parallel_attn_mlp=True)
-    with pytest.raises(ValueError, match=r"^pathkernels\.adapters\.capture_transformer_lens_residual: .*parallel"):
-        pk.adapters.capture_transformer_lens_residual(model, torch.randint(0, 50, (1, 4)))
-    with pytest.raises(TypeError, match=r"expected a TransformerLens HookedTransformer, got Linear"):
+def test_parallel_blocks_and_other_models_are_refused_by_name():
+    if transformer_lens_major() == 3:
+        model = tl_model(parallel_attn_mlp=True)
+        with pytest.raises(ValueError, match=r"^pathkernels\.adapters\.capture_transformer_lens_residual: .*parallel"):
+            pk.adapters.capture_transformer_lens_residual(model, torch.randint(0, 50, (1, 4)))
+    with pytest.raises(
+        TypeError, match=r"expected a TransformerLens HookedTransformer or TransformerBridge, got Linear"
+    ):
         pk.adapters.capture_transformer_lens_residual(torch.nn.Linear(2, 2), torch.randint(0, 50, (1, 4)))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_transformer_bridge_over_a_hugging_face_model_captures_what_the_model_gives(family, tmp_path):
+    """A 4.x TransformerBridge over a float64 Hugging Face GPT-2 or Llama (grouped-query heads, a
+    float32 softmax and float32 RMSNorms): the same capture as the Hugging Face model's own."""
+    from test_adapters import bridge_over, hf_case, llama_style
+
+    model = (hf_case("gpt2")[0] if family == "gpt2" else llama_style("llama")).double()
+    original = copy.deepcopy(model)  # the bridge wraps the modules of the model it is given
+    bridge = bridge_over(model, tmp_path, dtype=torch.float64)
+    ids = torch.randint(0, 40, (2, 7))
+    stack, capture = pk.adapters.capture_transformer_lens_residual(bridge, ids)
+    _, expected = pk.adapters.capture_huggingface_residual(original, input_ids=ids)
+    torch.testing.assert_close(capture.residual, expected.residual, rtol=1e-12, atol=1e-12)
+    error = (stack.length_sums().sum(0) - capture.residual).abs().max() / capture.residual.abs().max()
+    assert error < 1e-10, error
+    readout = pk.logit_diff(original, 3, 7)
+    torch.testing.assert_close(
+        pk.path_attribution(stack, readout).value,
+        pk.path_attribution(pk.adapters.capture_huggingface_residual(original, input_ids=ids)[0], readout).value,
+        rtol=1e-10,
+        atol=1e-10,
+    )

@@ -15,7 +15,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TL4 = ROOT / "build" / "transformer-lens-4"
-SELECTED = ["tests/test_adapters.py", "tests/test_masking.py", "tests/test_readme.py"]
+SELECTED = [
+    "tests/test_adapters.py",
+    "tests/test_masking.py",
+    "tests/test_readme.py",
+    "tests/test_real_models_transformer_lens.py",
+]
 
 
 def test_the_transformer_lens_tests_pass_against_4x():

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from pathkernels.adapters.huggingface import _attention_layers, _blocks, _read_stack, _value_output
 from pathkernels.adapters.stack import AttentionStack
-from pathkernels.adapters.transformer_lens import from_transformer_lens, run_cached
+from pathkernels.adapters.transformer_lens import _bias, _per_query_head, from_transformer_lens, run_cached
 
 _WHERE = "pathkernels.adapters.capture_huggingface_residual"
 
@@ -140,13 +140,28 @@ def _inverse_scale(x: Tensor, norm: nn.Module, kind: str) -> Tensor:
 def _rms_norm_in_float64(module: nn.Module, args: tuple, output: Tensor) -> Tensor | None:
     """A forward hook that computes a Llama-family RMSNorm in float64 when its input is float64.
 
-    Their RMSNorm rounds its input to float32 whatever the model's dtype, so a float64 model's
-    stream would hold float32 roundings that no frozen linear map reproduces (~1e-7 relative); the
-    capture's forward pass computes ``γ ⊙ x / sqrt(mean(x²) + ε)`` in float64 instead."""
+    Their RMSNorm (Hugging Face's, and TransformerLens 4.x's native ones) rounds its input to
+    float32 whatever the model's dtype, so a float64 model's stream would hold float32 roundings
+    that no frozen linear map reproduces (~1e-7 relative); the capture's forward pass computes
+    ``γ ⊙ x / sqrt(mean(x²) + ε)`` (no γ in a parameter-free one) in float64 instead."""
     x = args[0]
     if x.dtype != torch.float64:
         return None
-    return module.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon))
+    eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+    normalised = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    weight = getattr(module, "weight", None)
+    return normalised if weight is None else weight * normalised
+
+
+def _float32_rms_norms(model: nn.Module) -> list[nn.Module]:
+    """The RMSNorms of a TransformerLens model that compute in float32 (4.x's native ones, and the
+    Hugging Face ones a TransformerBridge wraps)."""
+    return [
+        module
+        for module in model.modules()
+        if type(module).__name__ in ("NativeRMSNorm", "NativeRMSNormPre")
+        or (type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"))
+    ]
 
 
 def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionStack, ResidualStreamCapture]:
@@ -283,7 +298,8 @@ _TL_NORMS = {
 def capture_transformer_lens_residual(
     model, tokens, *, attention_mask=None
 ) -> tuple[AttentionStack, ResidualStreamCapture]:
-    """:func:`capture_huggingface_residual` for a TransformerLens ``HookedTransformer`` (3.x).
+    """:func:`capture_huggingface_residual` for a TransformerLens ``HookedTransformer`` (3.x) or
+    ``TransformerBridge`` (4.x: over its native models or a Hugging Face one; the same hooks).
 
     One ``run_with_cache`` (eval mode, no gradients) gives the patterns and, from TransformerLens's
     own hooks, every norm's ``hook_scale`` (``σ_t``, so ``D = 1/σ``), the MLP outputs
@@ -291,16 +307,16 @@ def capture_transformer_lens_residual(
     block 0, positions included); γ and β come from ``ln1``/``ln2``/``ln_final`` (``LN``, ``RMS``;
     ``LNPre``/``RMSPre`` models have them folded into the weights after, and no norm is the
     identity), the unembedding from ``W_U``/``b_U``. Attention-only models have no MLP sources.
-    Grouped-query models and rotary positions change nothing. Models whose attention and MLP read
-    the same input (``parallel_attn_mlp``) are refused, as are TransformerBridges: capture the
-    Hugging Face model a bridge wraps (``bridge.original_model``) with capture_huggingface_residual.
+    Grouped-query models and rotary positions change nothing. RMSNorms that compute in float32
+    (4.x's native ones, Hugging Face's under a bridge) run in float64 for this pass, as in
+    :func:`capture_huggingface_residual`. Models whose attention and MLP read the same input
+    (``parallel_attn_mlp``) are refused.
     """
     where = "pathkernels.adapters.capture_transformer_lens_residual"
     cfg = getattr(model, "cfg", None)
-    if cfg is None or not hasattr(model, "run_with_cache") or type(model).__name__ == "TransformerBridge":
+    if cfg is None or not hasattr(model, "run_with_cache"):
         raise TypeError(
-            f"{where}: expected a TransformerLens HookedTransformer, got {type(model).__name__} (for a "
-            "TransformerBridge, capture its original_model with capture_huggingface_residual)"
+            f"{where}: expected a TransformerLens HookedTransformer or TransformerBridge, got {type(model).__name__}"
         )
     if getattr(cfg, "parallel_attn_mlp", False):
         raise ValueError(f"{where}: models with parallel attention and MLP (parallel_attn_mlp) are not captured")
@@ -317,7 +333,12 @@ def capture_transformer_lens_residual(
             names |= {f"blocks.{layer}.ln2.hook_scale" for layer in range(layers)}
     if not attn_only:
         names |= {f"blocks.{layer}.hook_mlp_out" for layer in range(layers)}
-    cache = run_cached(model, tokens, names, attention_mask)
+    handles = [norm.register_forward_hook(_rms_norm_in_float64) for norm in _float32_rms_norms(model)]
+    try:
+        cache = run_cached(model, tokens, names, attention_mask)
+    finally:
+        for handle in handles:
+            handle.remove()
     stack = from_transformer_lens(cache, attention_mask=attention_mask)
     batch, tokens_n, d = stack.attn.shape[0], stack.attn.shape[-1], stack.d_model
     ones = torch.ones(batch, tokens_n, dtype=torch.float64, device=stack.attn.device)
@@ -358,14 +379,13 @@ def capture_transformer_lens_residual(
             ]
         )
         heads = stack.num_heads
-        b_v = getattr(model, "b_V", None)
+        b_v, b_o = _bias(model, "b_V"), _bias(model, "b_O")
         value_bias = (
             torch.zeros(layers, heads, stack.d_head, dtype=torch.float64)
             if b_v is None
-            else b_v.detach().double().repeat_interleave(heads // b_v.shape[1], dim=1)
+            else _per_query_head(b_v, heads, "b_V").double()
         )
-        b_o = getattr(model, "b_O", None)
-        output_bias = torch.zeros(layers, d, dtype=torch.float64) if b_o is None else b_o.detach().double()
+        output_bias = torch.zeros(layers, d, dtype=torch.float64) if b_o is None else b_o.double()
         embedding = cache["blocks.0.hook_resid_pre"].double()
         mlp_out = (
             torch.zeros(batch, layers, tokens_n, d, dtype=torch.float64)
@@ -383,7 +403,13 @@ def capture_transformer_lens_residual(
             output_bias=output_bias,
             mlp_out=mlp_out,
             residual=cache[f"blocks.{layers - 1}.hook_resid_post"].double(),
-            attn_row_sums=None,
+            attn_row_sums=(
+                None
+                if stack.attn_precision is None  # else the stack's rows are renormalised: keep the model's sums
+                else torch.stack([cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(layers)], 1)
+                .double()
+                .sum(-1)
+            ),
             final_scale=inverse_scale("ln_final.hook_scale"),
             final_weight=parameter("ln_final", "w", has_weight and normed, 1.0),
             final_bias=parameter("ln_final", "b", has_bias, 0.0),
