@@ -112,6 +112,49 @@ def test_opcheck_and_meta():
     assert [t.shape for t in heads_op(meta[0], meta[1], *meta[3:])] == [(3, 7, 2, 5), (3, 7, 3, 11)]
 
 
+DAMAGES = ["none", "float32", "int64", "bool", "complex", "meta", "shape", "rank", "non-contiguous"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes, st.sampled_from(["values", "heads"]), st.integers(0, 5), st.sampled_from(DAMAGES))
+def test_hostile_inputs_give_the_formula_or_an_error_naming_the_op(shape, op, which, damage):
+    """One operand damaged at a time: each call either gives the float64 formula (a transposed,
+    non-contiguous view is a valid input) or raises a ValueError / TypeError that names the op."""
+    rho, phi, source, maps, f_in, f_out = random_step(*shape)
+    operands = [rho, phi, source] if op == "values" else [rho, phi, maps, f_in, f_out]
+    index = which % len(operands)
+    t = operands[index]
+    operands[index] = {
+        "none": lambda: t,
+        "float32": lambda: t.float(),
+        "int64": lambda: t.long(),
+        "bool": lambda: t > 0,
+        "complex": lambda: t.to(torch.complex128),
+        "meta": lambda: t.to("meta"),
+        "shape": lambda: torch.cat([t, t[..., :1]], dim=-1),
+        "rank": lambda: t[None],
+        "non-contiguous": lambda: t.transpose(-1, -2).contiguous().transpose(-1, -2),
+    }[damage]()
+    name = "_readout_values" if op == "values" else "_readout_heads"
+    # Valid: no damage, a strided view, or a wider feature_out (its d' is free).
+    valid = damage in ("none", "non-contiguous") or (damage == "shape" and op == "heads" and index == 4)
+    try:
+        got = (values_op if op == "values" else heads_op)(*operands)
+    except (ValueError, TypeError) as error:
+        assert f"pathkernels.{name}: expected" in str(error), str(error)
+        assert not valid, str(error)
+        return
+    assert valid, f"{name} accepted {damage} operand {index}"
+    if op == "values":
+        rho, phi, source = operands
+        torch.testing.assert_close(got, torch.einsum("npi,id,nrd->npr", rho, source, phi), rtol=1e-10, atol=1e-10)
+    else:
+        rho, phi, maps, f_in, f_out = operands
+        torch.testing.assert_close(got[0], torch.einsum("npi,hij->hnpj", rho, maps), rtol=1e-10, atol=1e-10)
+        expected = torch.einsum("nrd,hde,hef->hnrf", phi, f_in, f_out)
+        torch.testing.assert_close(got[1], expected, rtol=1e-10, atol=1e-9)
+
+
 def test_bad_inputs_are_refused_by_name():
     rho, phi, source, maps, f_in, f_out = random_step(4, 1, 1, 5, 6, 2, 3, seed=0)
     cases = [
