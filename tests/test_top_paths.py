@@ -145,3 +145,46 @@ def test_the_first_head_factors_are_their_definition():
             for i in range(index + 1)
         )
         assert factors[index] == pytest.approx(expected, rel=1e-10)
+
+
+def test_the_chain_factors_are_their_definition_and_bound_every_path():
+    """The chain bound written out chain by chain (every set of heads, one per attention sublayer
+    taken, top to bottom): σ(V_top) · Π ‖T‖_∞ · Π σ(V_lower U_upper) · κ'_lowest; and at the top
+    node it bounds every path that takes a head, by enumeration."""
+    import itertools
+
+    from pathkernels.analysis.attribution import read_out
+    from pathkernels.analysis.top_paths import _chain_factors, _source_head_factors, _token_norms
+
+    model_hf = gpt2(3, 2, 16)
+    stack, _ = capture_huggingface_residual(model_hf, input_ids=torch.randint(0, 50, (1, 6)))
+    readout = pk.logit_diff(model_hf, 1, 2)
+    setup = read_out(stack, readout, None, 0, None, "test")
+    model = setup.model
+    chains = _chain_factors(model)
+    attention = [index for index, sublayer in enumerate(model.sublayers) if sublayer.attn is not None]
+
+    def u(index):
+        return model.sublayers[index].norm_features_matrix() @ model.sublayers[index].w_v
+
+    def sigma(matrix):
+        return float(torch.linalg.matrix_norm(matrix, ord=2))
+
+    for level in range(len(model.sources)):
+        expected = 0.0
+        below = [index for index in attention if index < level]
+        for size in range(1, len(below) + 1):
+            for taken in itertools.combinations(sorted(below, reverse=True), size):  # top first
+                for heads in itertools.product(range(stack.num_heads), repeat=size):
+                    value = sigma(model.sublayers[taken[0]].w_o[heads[0]])
+                    for index, head in zip(taken, heads):
+                        value *= float(_token_norms(model.sublayers[index])[head])
+                    for (upper, g), (lower, g2) in zip(zip(taken, heads), zip(taken[1:], heads[1:])):
+                        value *= sigma(model.sublayers[lower].w_o[g2] @ u(upper)[g])
+                    value *= float(_source_head_factors(model, taken[-1])[heads[-1]])
+                    expected = max(expected, value)
+        assert chains[level] == pytest.approx(expected, rel=1e-10, abs=1e-300)
+    every = pk.path_attribution(stack, readout)
+    with_head = (every.paths >= 0).any(1)
+    bound = float(setup.rho.abs().sum() * setup.phi.norm()) * chains[-1]
+    assert bool((every.attribution[with_head, 0, 0].abs() <= bound).all())

@@ -131,8 +131,9 @@ def _reach_bounds(model: _Model) -> Tensor:
     """``M_j`` for j = 0..S: a bound on ``|attr| / (‖ρ‖₁ ‖φ‖₂)`` over every path below a node at
     level j. Post-norm: the largest ``κ_i Π_{i ≤ m < j} G_m`` over the sources i ≤ j. Pre-norm,
     where a skip is the identity: the larger of ``max_{i ≤ j} κ_i`` (paths that take no further
-    head) and ``max_s C_s Π_{s < m < j} G_m`` over the attention sublayers s < j where a path takes
-    its lowest head, with the source folded into that head (:func:`_first_head_factors`)."""
+    head) and, for the paths that do, the smaller of two bounds: ``max_s C_s Π_{s < m < j} G_m``
+    over the attention sublayers s < j where a path takes its lowest head, with the source folded
+    into that head (:func:`_first_head_factors`), and the chain bound of :func:`_chain_factors`."""
     kappa = [float(source.norm(dim=-1).max()) for source in model.sources]
     growth = _branch_bounds(model).tolist()
     if not model.sublayers[0].pre:
@@ -140,12 +141,22 @@ def _reach_bounds(model: _Model) -> Tensor:
         for level in range(1, len(model.sources)):
             reach.append(max(kappa[level], growth[level - 1] * reach[-1]))
         return torch.tensor(reach, dtype=torch.float64)
-    first = _first_head_factors(model)
+    first, chains = _first_head_factors(model), _chain_factors(model)
     no_head, with_head = [kappa[0]], [0.0]
     for level in range(1, len(model.sources)):
         no_head.append(max(no_head[-1], kappa[level]))
         with_head.append(max(growth[level - 1] * with_head[-1], first[level - 1]))
+    with_head = [min(a, b) for a, b in zip(with_head, chains)]
     return torch.tensor([max(a, b) for a, b in zip(no_head, with_head)], dtype=torch.float64)
+
+
+def _source_head_factors(model: _Model, index: int) -> Tensor:
+    """``κ'_{s,h} = max_{i ≤ s, t} ‖(K_i U_h)_t‖₂`` per head ``[H]`` of attention sublayer s = ``index``,
+    ``U_h = C Γ W_V,h``: how far a source that meets the path's lowest head, h of s, reaches
+    through that head's d_head values."""
+    values = model.sublayers[index].norm_features_matrix() @ model.sublayers[index].w_v  # [H, d, d_head]
+    sources = torch.stack(model.sources[: index + 1])  # [I, n, d]
+    return torch.einsum("ind,hde->ihne", sources, values).norm(dim=-1).amax(dim=(0, 2))
 
 
 def _first_head_factors(model: _Model) -> list[float]:
@@ -160,12 +171,39 @@ def _first_head_factors(model: _Model) -> list[float]:
         if sublayer.attn is None:
             factors.append(0.0)
             continue
-        values = sublayer.norm_features_matrix() @ sublayer.w_v  # C Γ W_V [H, d, d_head]
-        sources = torch.stack(model.sources[: index + 1])  # [I, n, d]
-        reach = torch.einsum("ind,hde->ihne", sources, values).norm(dim=-1).amax(dim=(0, 2))  # [H]
         output_norm = torch.linalg.matrix_norm(sublayer.w_o, ord=2)  # [H]
-        factors.append(float((_token_norms(sublayer) * reach * output_norm).max()))
+        factors.append(float((_token_norms(sublayer) * _source_head_factors(model, index) * output_norm).max()))
     return factors
+
+
+def _chain_factors(model: _Model) -> list[float]:
+    """Pre-norm, per level j: a bound on ``|attr| / (‖ρ‖₁ ‖φ‖₂)`` over the paths below a node at
+    level j that take at least one more head, from the chain of those heads as a whole.
+
+    With ``F_h = U_h V_h`` (``U = C Γ W_V`` ``d × d_head``, ``V = W_O``), a path through heads
+    ``t`` (top) … ``b`` (lowest) from source i has ``attr = rᵀ K_i U_b (V_b U_·) ⋯ (V_· U_t) (V_t φ)``
+    with ``‖r‖₁ ≤ ‖ρ‖₁ Π ‖T‖_∞``, so ``|attr| ≤ ‖ρ‖₁ ‖φ‖₂ σ(V_t) · Q_t``, where, over the chains
+    that start at head g of sublayer s,
+    ``Q_{s,g} = ‖T_{s,g}‖_∞ max(κ'_{s,g}, max_{s' < s, g'} σ(V_{s',g'} U_{s,g}) Q_{s',g'})``
+    (:func:`_source_head_factors` for κ'). Consecutive heads meet through the ``d_head × d_head``
+    product of one's output and the next one's input map, which is far below the product of
+    their spectral norms when the heads' subspaces are not aligned."""
+    chain: dict[int, Tensor] = {}  # Q per attention sublayer [H], bottom up
+    for index, sublayer in enumerate(model.sublayers):
+        if sublayer.attn is None:
+            continue
+        best = _source_head_factors(model, index)
+        into = sublayer.norm_features_matrix() @ sublayer.w_v  # U of this sublayer's heads [H, d, e]
+        for lower, q in chain.items():
+            pair = torch.linalg.matrix_norm(torch.einsum("ged,hdf->hgef", model.sublayers[lower].w_o, into), ord=2)
+            best = torch.maximum(best, (pair * q[None, :]).amax(1))  # [H upper, H lower] → [H upper]
+        chain[index] = _token_norms(sublayer) * best
+    starts = {  # σ(V_t) Q_t at the best head t of each sublayer
+        index: float((torch.linalg.matrix_norm(model.sublayers[index].w_o, ord=2) * q).max())
+        for index, q in chain.items()
+    }
+    levels = range(len(model.sources))
+    return [max([start for index, start in starts.items() if index < level], default=0.0) for level in levels]
 
 
 def top_paths(
