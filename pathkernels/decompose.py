@@ -28,6 +28,16 @@ DEFAULT_MAX_RESULT_BYTES = 1 << 30
 
 _MAX_SCATTER = 20_000  # points drawn by PathDecomposition.plot
 
+# decompose(stack) of a stack that holds a captured model: pathkernels.analysis.real_paths registers
+# its decomposition here on import (the analysis layer builds on this module, not the reverse).
+_model_decomposer = None
+
+
+def register_model_decomposer(function) -> None:
+    """Set what :func:`decompose` calls for a stack with a ``residual_capture``."""
+    global _model_decomposer
+    _model_decomposer = function
+
 
 def check_save_path(path, where: str) -> None:
     """Refuse a ``path=`` that is neither None, a str nor an os.PathLike, before any work."""
@@ -269,7 +279,10 @@ def decompose(
     Shapes as in :func:`pk.path_residuals`: attn ``[B, L, H, n, n]``, optional x ``[B, n, d]``,
     w_v ``[L, H, d, d_head]``, w_o ``[L, H, d_head, d]``. Returns a :class:`PathDecomposition`.
     ``attn`` may be an :class:`~pathkernels.adapters.AttentionStack` (its maps and token mask are
-    then the defaults); ``token_mask [B, n]`` evaluates each batch element on its real tokens.
+    then the defaults); ``token_mask [B, n]`` evaluates each batch element on its real tokens. A
+    stack that holds a captured model (``capture_huggingface_residual``) is decomposed into the
+    model's own paths instead, each a source and the heads it passes, every path or those up to
+    ``max_length`` (:func:`pathkernels.analysis.real_paths.decompose_model`).
 
     An exact decomposition of a complete tree whose per-path results (residual and norm per path
     and batch element) would exceed ``max_result_bytes`` (1 GiB by default), or 2^31 paths,
@@ -284,6 +297,17 @@ def decompose(
     unless ``all_ranks``.
     """
     where = "pathkernels.decompose"
+    if not isinstance(attn, Tensor) and getattr(attn, "residual_capture", None) is not None:
+        options = (("x", x), ("w_v", w_v), ("w_o", w_o), ("tree", tree), ("num_samples", num_samples))
+        options += (("samples_per_length", samples_per_length), ("group", group), ("token_mask", token_mask))
+        passed = [name for name, value in options if value is not None] + ([] if skip is True else ["skip"])
+        if passed:
+            raise ValueError(
+                f"{where}: a stack with a residual_capture is decomposed into the model's own paths (every path, "
+                f"or those up to max_length); {', '.join(passed)} do not apply (decompose stack.attn for its "
+                "attention products)"
+            )
+        return _model_decomposer(attn, max_length=max_length, memory_budget=memory_budget, progress=progress)
     attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask, "pathkernels.decompose")
     if not isinstance(attn, Tensor) or attn.dim() not in (4, 5):
         raise ValueError(

@@ -1,0 +1,232 @@
+"""Exact decompositions of a captured model's residual stream into its paths (issue 24).
+
+With every pattern and normalisation scale frozen at one forward pass (a stack from
+:func:`pathkernels.adapters.capture_huggingface_residual` or ``capture_transformer_lens_residual``),
+the stream the blocks leave is exactly a sum of path terms (docs/DESIGN.md, "Real transformers"):
+a source ``K_j`` ``[n, d]`` (the embedding, a layer's constant rows, an MLP's output) entering below
+sublayer j, then one branch of every sublayer above it, each a token map on the left and a feature
+map on the right,
+
+    Y_p = T_top ⋯ T_bottom K_j G_bottom ⋯ G_top,
+
+with ``T = A D`` and ``G = C Γ W_V W_O`` for a pre-norm head (a skip is the identity), and for a
+post-norm model ``D A`` and ``W_V W_O C Γ`` for a head, ``D`` and ``C Γ`` for a skip.
+:func:`decompose_model` measures each term as :func:`pathkernels.decompose` measures a path of an
+attention network: its residual ``‖Y_p − 1 mean(Y_p)ᵀ‖_{1,∞}``, its norm ``‖Y_p‖_{1,∞}`` and their
+ratio, on each sequence's real tokens.
+
+The terms are built from the bottom up on a trie per source (a node holds the product of the
+branches below it), depth first in chunks sized by the memory budget: ``n² d`` for the token map and
+``2 n d d_head`` for the factored feature map per head child.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from pathkernels._progress import progress_bar
+from pathkernels.analysis.attribution import _frozen_model, _Model, _Sublayer, describe_path
+from pathkernels.decompose import PathDecomposition, _require, register_model_decomposer
+from pathkernels.engine import PathResiduals
+from pathkernels.ops import residual_norm
+from pathkernels.paths import MAX_ENUMERATED_PATHS, PathTree, check_int
+from pathkernels.planner import DEFAULT_MEMORY_BUDGET
+
+_WHERE = "pathkernels.decompose"
+_NO_HEAD = -1
+
+
+@dataclass
+class ModelPathDecomposition(PathDecomposition):
+    """:class:`~pathkernels.PathDecomposition` of a captured model's paths: each path is a source
+    and the heads it passes, ``sources[i]`` indexing ``source_names``. ``by_length()``, ``plot()``
+    and the estimators are those of the attention-network decomposition; ``to_frame()`` names each
+    path as ``"L3H5 → L7H1 from L2 MLP"``, and :meth:`by_source` sums it up per source."""
+
+    sources: Tensor = field(default=None, repr=False)  # [M] int64
+    source_names: list[str] = field(default_factory=list)
+
+    def to_frame(self):
+        """A pandas DataFrame, one row per path: ``path`` (its heads and source), ``source``,
+        ``length``, ``ratio``, ``residual`` and ``norm`` (averaged over the batch)."""
+        pd = _require("pandas")
+        residuals = self.results.residual.double().reshape(-1, self.paths.shape[0]).mean(0)
+        norms = self.results.norm.double().reshape(-1, self.paths.shape[0]).mean(0)
+        names = [self.source_names[int(s)] for s in self.sources]
+        return pd.DataFrame(
+            {
+                "path": [describe_path(path, name) for path, name in zip(self.paths, names)],
+                "source": names,
+                "length": self.lengths.tolist(),
+                "ratio": self.path_ratio().tolist(),
+                "residual": residuals.tolist(),
+                "norm": norms.tolist(),
+            }
+        )
+
+    def by_source(self):
+        """A pandas DataFrame, one row per source: its ``paths`` and the ``mean``, ``min`` and
+        ``max`` residual ratio over its (batch element, path) pairs."""
+        pd = _require("pandas")
+        ratio = self.results.ratio.double().reshape(-1, self.paths.shape[0])
+        rows = []
+        for index, name in enumerate(self.source_names):
+            values = ratio[:, self.sources == index].flatten()
+            values = values[~values.isnan()]
+            rows.append(
+                {
+                    "source": name,
+                    "paths": int((self.sources == index).sum()),
+                    "mean": values.mean().item() if values.numel() else math.nan,
+                    "min": values.min().item() if values.numel() else math.nan,
+                    "max": values.max().item() if values.numel() else math.nan,
+                }
+            )
+        return pd.DataFrame(rows)
+
+
+def _skip(sublayer: _Sublayer, terms: Tensor) -> Tensor:
+    """A sublayer's skip on terms ``[N, n, d]``: the identity pre-norm, ``D Y C Γ`` post-norm."""
+    if sublayer.pre:
+        return terms
+    centred = terms - terms.mean(-1, keepdim=True) if sublayer.centred else terms
+    return sublayer.scale[:, None] * centred * sublayer.gamma
+
+
+def _heads(sublayer: _Sublayer, terms: Tensor) -> Tensor:
+    """Every head's branch on terms ``[N, n, d]``: ``T_h Y G_h`` ``[H, N, n, d]``, with
+    ``G_h = F_out[h]ᵀ F_in[h]ᵀ`` (the readout's row-form factors, :attr:`_Sublayer.feature_factors`):
+    one GEMM into every head's d_head columns, the token maps there (``n² d_head`` rather than
+    ``n² d``), then each head's ``d_head × d`` factor."""
+    feature_in, feature_out = sublayer.feature_factors  # [H, d, e], [H, e, d]
+    heads, head_dim, d = feature_in.shape[0], feature_in.shape[-1], terms.shape[-1]
+    nodes, tokens = terms.shape[0], terms.shape[1]
+    into = feature_out.transpose(-1, -2).permute(1, 0, 2).reshape(d, heads * head_dim)  # [d, H·e]
+    narrow = (terms.reshape(-1, d) @ into).view(nodes, tokens, heads, head_dim).permute(2, 0, 1, 3)  # [H, N, n, e]
+    narrow = torch.matmul(sublayer.token_maps.unsqueeze(1), narrow)  # T_h on the token axis
+    wide = torch.bmm(narrow.reshape(heads, nodes * tokens, head_dim), feature_in.transpose(-1, -2))  # [H, N·n, d]
+    return wide.view(heads, nodes, tokens, d)
+
+
+def path_terms(model: _Model, max_length: int, chunk: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """Every path's term of one frozen sequence, in chunks: ``(terms [N, n, d], choices [N, L],
+    source)``, each source's trie depth first from the bottom. A node at position s has passed
+    sublayers j … s − 1 above its source j; its children pass sublayer s."""
+    device = model.sources[0].device
+    top = len(model.sublayers)
+    for source in range(top + 1):
+        choices = torch.full((1, model.layers), _NO_HEAD, dtype=torch.long, device=device)
+        pending = [(source, model.sources[source][None], choices, torch.zeros(1, dtype=torch.long, device=device))]
+        while pending:
+            position, terms, choices, lengths = pending.pop()
+            if position == top:
+                yield terms, choices, source
+                continue
+            sublayer = model.sublayers[position]
+            parts = [(_skip(sublayer, terms), choices, lengths)]
+            grows = lengths < max_length
+            if sublayer.attn is not None and bool(grows.any()):
+                grown = _heads(sublayer, terms[grows])  # [H, N', n, d]
+                heads = grown.shape[0]
+                head_choices = choices[grows][None].repeat(heads, 1, 1)
+                head_choices[:, :, sublayer.layer] = torch.arange(heads, device=device)[:, None]
+                parts.append((grown.flatten(0, 1), head_choices.flatten(0, 1), (lengths[grows] + 1).repeat(heads)))
+            for part in reversed(parts):  # the skip's subtree first
+                for start in range(0, part[0].shape[0], chunk):
+                    pending.append((position + 1, *(t[start : start + chunk] for t in part)))
+
+
+def path_counts_by_length(model: _Model, max_length: int) -> list[int]:
+    """Exact path counts by length ``0..L``: source j reaches the A_j attention sublayers above it,
+    ``C(A_j, k) H^k`` paths of length k."""
+    counts = [0] * (model.layers + 1)
+    for source in range(len(model.sources)):
+        above = sum(1 for sublayer in model.sublayers[source:] if sublayer.attn is not None)
+        for k in range(min(above, max_length) + 1):
+            counts[k] += math.comb(above, k) * model.num_heads**k
+    return counts
+
+
+def _canonical_order(choices: Tensor, sources: Tensor) -> Tensor:
+    """The permutation that sorts paths by source, then heads layer by layer (skip first)."""
+    order = torch.arange(sources.numel())
+    for column in [*choices.unbind(1)][::-1] + [sources]:  # least significant key first, stable sorts
+        order = order[torch.sort(column[order], stable=True).indices]
+    return order
+
+
+def decompose_model(
+    stack,
+    *,
+    max_length: int | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    progress: bool = False,
+) -> ModelPathDecomposition:
+    """Every path of a captured model and its term's residual ratio (module docstring).
+
+    Args:
+        stack: a stack with a ``residual_capture``.
+        max_length: only paths through at most this many heads (default: every path).
+        memory_budget: bytes for the chunks of terms in flight.
+        progress: a progress bar over the paths of every sequence.
+
+    Returns:
+        :class:`ModelPathDecomposition`, float64, ``method="exact"``: ``results.residual``,
+        ``norm`` and ``ratio`` ``[B, M]``, paths ``[M, L]`` and ``sources [M]`` sorted by source,
+        then by heads. The terms of each sequence sum to the captured stream (``length_sums``).
+    """
+    capture = stack.residual_capture
+    layers, heads = stack.num_layers, stack.num_heads
+    max_length = layers if max_length is None else check_int(max_length, "max_length", _WHERE, minimum=0)
+    memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
+    tokens = stack.attn.shape[-1]
+    masks = [
+        torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[b].cpu()
+        for b in range(stack.batch_size)
+    ]
+    models = [_frozen_model(stack, capture, b, real) for b, real in enumerate(masks)]
+    counts = path_counts_by_length(models[0], max_length)
+    total = sum(counts)
+    if total > MAX_ENUMERATED_PATHS:
+        raise ValueError(
+            f"{_WHERE}: the model has {total:,} paths of at most {max_length} heads, beyond the "
+            f"{MAX_ENUMERATED_PATHS:,} a decomposition lists; pass a smaller max_length, or use pk.length_sums "
+            "(exact sums per length) or pk.top_paths (the largest paths of a readout)"
+        )
+    chunk = max(1, memory_budget // (4 * (heads + 1) * 8 * tokens * stack.d_model))
+    bar = progress_bar(total * stack.batch_size, enabled=progress, unit="path", desc=_WHERE)
+    residuals, norms = [], []
+    for model in models:
+        parts = []
+        for terms, choices, source in path_terms(model, max_length, chunk):
+            residual, norm = residual_norm(terms, return_norm=True)
+            parts.append((choices.cpu(), torch.full((terms.shape[0],), source), residual.cpu(), norm.cpu()))
+            if bar is not None:
+                bar.update(terms.shape[0])
+        choices, sources, residual, norm = (torch.cat(column) for column in zip(*parts))
+        order = _canonical_order(choices, sources)
+        paths, path_sources = choices[order], sources[order]  # the same for every sequence
+        residuals.append(residual[order])
+        norms.append(norm[order])
+    if bar is not None:
+        bar.close()
+    results = PathResiduals(torch.stack(residuals), torch.stack(norms), PathTree.from_paths(paths, num_heads=heads))
+    return ModelPathDecomposition(
+        results=results,
+        method="exact",
+        num_layers=layers,
+        num_heads=heads,
+        skip=True,
+        path_counts=counts,
+        weights=torch.ones(paths.shape[0], dtype=torch.float64),
+        sources=path_sources,
+        source_names=models[0].source_names,
+    )
+
+
+register_model_decomposer(decompose_model)

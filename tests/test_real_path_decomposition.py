@@ -1,0 +1,111 @@
+"""pk.decompose of a captured model (issue 24): the model's own paths, each a source and the heads
+it passes, their terms built from the bottom up. The terms sum to the captured stream; each term,
+read out, is the path's attribution that the top-down readout trie computes independently; the
+residual ratios are those of the terms; padded sequences read as they do alone."""
+
+import pytest
+import torch
+
+import pathkernels as pk
+from pathkernels.adapters.residual import capture_huggingface_residual
+
+transformers = pytest.importorskip("transformers")
+
+from test_real_models import bert, gpt2, llama  # noqa: E402
+
+FAMILIES = {"gpt2": gpt2, "bert": bert, "llama": llama}
+
+
+def frozen(stack, batch=0):
+    from pathkernels.analysis.attribution import _frozen_model
+
+    real = torch.ones(stack.attn.shape[-1], dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch]
+    return _frozen_model(stack, stack.residual_capture, batch, real), real
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_terms_sum_to_the_stream_and_read_out_as_the_attributions(family):
+    from pathkernels.analysis.real_paths import path_terms
+
+    model_hf = FAMILIES[family]()
+    stack, capture = capture_huggingface_residual(model_hf, input_ids=torch.randint(0, 50, (1, 7)))
+    model, _ = frozen(stack)
+    terms, choices, sources = [], [], []
+    for chunk_terms, chunk_choices, source in path_terms(model, stack.num_layers, chunk=5):
+        terms.append(chunk_terms)
+        choices.append(chunk_choices)
+        sources += [source] * chunk_terms.shape[0]
+    terms, choices, sources = torch.cat(terms), torch.cat(choices), torch.tensor(sources)
+    stream = capture.residual[0]
+    torch.testing.assert_close(terms.sum(0), stream, rtol=0, atol=1e-10 * stream.abs().max())
+    # Read out through the frozen final norm: r = e_t / σ_t, v = C Γ u (post-norm: r = e_t, v = u).
+    readout = torch.randn(stack.d_model, dtype=torch.float64)
+    attribution = pk.path_attribution(stack, readout, positions=4)
+    setup_rho, setup_phi = _readout_vectors(stack, readout, 4)
+    read = torch.einsum("t,mtd,d->m", setup_rho, terms, setup_phi)
+    by_path = {
+        (tuple(path.tolist()), int(source)): float(value)
+        for path, source, value in zip(attribution.paths, attribution.path_sources, attribution.attribution[:, 0, 0])
+    }
+    assert len(by_path) == terms.shape[0]
+    keys = [(tuple(path.tolist()), int(source)) for path, source in zip(choices, sources)]
+    expected = torch.tensor([by_path[key] for key in keys], dtype=torch.float64)
+    torch.testing.assert_close(read, expected, rtol=0, atol=1e-10 * expected.abs().max())
+
+
+def _readout_vectors(stack, direction, position):
+    from pathkernels.analysis.attribution import read_out
+
+    setup = read_out(stack, direction, position, 0, None, "test")
+    return setup.rho[0, 0], setup.phi[0, 0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_ratios_are_those_of_the_terms(family):
+    from pathkernels.analysis.real_paths import _canonical_order, path_terms
+    from pathkernels.reference import composite_norm_ref, residual_norm_ref
+
+    model_hf = FAMILIES[family]()
+    stack, _ = capture_huggingface_residual(model_hf, input_ids=torch.randint(0, 50, (1, 6)))
+    decomposition = pk.decompose(stack, max_length=2, memory_budget=1 << 16)
+    model, _ = frozen(stack)
+    parts = list(path_terms(model, 2, chunk=1000))
+    terms = torch.cat([p[0] for p in parts])
+    choices = torch.cat([p[1] for p in parts])
+    sources = torch.cat([torch.full((p[0].shape[0],), p[2]) for p in parts])
+    order = _canonical_order(choices, sources)
+    assert torch.equal(decomposition.paths, choices[order]) and torch.equal(decomposition.sources, sources[order])
+    torch.testing.assert_close(decomposition.results.residual[0], residual_norm_ref(terms[order]), rtol=1e-12, atol=0)
+    torch.testing.assert_close(decomposition.results.norm[0], composite_norm_ref(terms[order]), rtol=1e-12, atol=0)
+    assert decomposition.method == "exact" and bool((decomposition.lengths <= 2).all())
+    assert decomposition.path_counts == torch.bincount(decomposition.lengths, minlength=4).tolist()
+    every = pk.path_attribution(stack, torch.randn(32, dtype=torch.float64), max_length=2)
+    assert sum(decomposition.path_counts) == int(every.counts.sum())
+    frame = decomposition.to_frame()
+    assert len(frame) == len(decomposition.paths) and frame["path"][0] == "embedding (direct)"
+    assert decomposition.by_source()["paths"].sum() == len(frame)
+    assert list(decomposition.by_length()["path_count"]) == [c for c in decomposition.path_counts if c]
+
+
+def test_a_padded_sequence_decomposes_as_it_does_alone():
+    model = gpt2()
+    ids = torch.randint(0, 50, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    padded, _ = capture_huggingface_residual(model, input_ids=ids, attention_mask=mask)
+    alone, _ = capture_huggingface_residual(model, input_ids=ids[1:, 3:])
+    both, single = pk.decompose(padded, max_length=2), pk.decompose(alone, max_length=2)
+    assert torch.equal(both.paths, single.paths) and torch.equal(both.sources, single.sources)
+    torch.testing.assert_close(both.results.ratio[1], single.results.ratio[0], rtol=1e-9, atol=1e-12)
+
+
+def test_options_of_attention_networks_are_refused_by_name():
+    stack, _ = capture_huggingface_residual(gpt2(), input_ids=torch.randint(0, 50, (1, 5)))
+    with pytest.raises(ValueError, match=r"^pathkernels\.decompose: a stack with a residual_capture .* num_samples"):
+        pk.decompose(stack, num_samples=10)
+    with pytest.raises(ValueError, match=r"skip do not apply"):
+        pk.decompose(stack, skip=False)
+    with pytest.raises(ValueError, match=r"^pathkernels\.decompose: expected max_length >= 0, got -1"):
+        pk.decompose(stack, max_length=-1)
+    # The attention products stay one call away.
+    assert pk.decompose(stack.attn).results.residual.shape[0] == 1
