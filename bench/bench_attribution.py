@@ -66,6 +66,18 @@ def gpt2_model(layers: int, heads: int, width: int, tokens: int):
     return model
 
 
+def case_columns(layers: int, heads: int, width: int, tokens: int, max_length: int | None, paths: int) -> dict:
+    """A case's first columns (:data:`COLUMNS`' first six), shared with bench_model_paths.py."""
+    return {
+        "layers": layers,
+        "heads": heads,
+        "d_model": width,
+        "tokens": tokens,
+        "max_length": "all" if max_length is None else max_length,
+        "paths": paths,
+    }
+
+
 def plain_loop(stack, capture, result, sample: int) -> float:
     """Seconds per path of the plain way, timed on ``sample`` of the paths the trie kept (each term
     costs the same whatever its source, so the embedding stands for every source)."""
@@ -119,12 +131,7 @@ def bench_case(layers: int, heads: int, width: int, tokens: int, max_length: int
     kept = pk.path_attribution(stack, readout, max_length=max_length, top_k=0, memory_budget=budget)
     loop_per_path = plain_loop(stack, capture, kept, LOOP_SAMPLE)
     return {
-        "layers": layers,
-        "heads": heads,
-        "d_model": width,
-        "tokens": tokens,
-        "max_length": "all" if max_length is None else max_length,
-        "paths": paths,
+        **case_columns(layers, heads, width, tokens, max_length, paths),
         "trie_s": trie_s,
         "paths_per_s": paths / trie_s,
         "torch_trie_s": torch_trie_s,

@@ -13,26 +13,23 @@ from __future__ import annotations
 import sys
 
 import torch
+from bench_attribution import COLUMNS as ATTRIBUTION_COLUMNS
+from bench_attribution import case_columns, gpt2_model
 
 from pathkernels.benchmarks import bench_main, seconds_per_call
+
+MODEL_COLUMNS = ATTRIBUTION_COLUMNS[:6]
 
 # (layers, heads, d_model, tokens, max_length or None for every path)
 CASES = [(6, 8, 64, 16, None), (12, 12, 768, 16, 1), (12, 12, 768, 16, 2)]
 COLUMNS = [
-    ("L", "layers", ""),
-    ("H", "heads", ""),
-    ("d", "d_model", ""),
-    ("n", "tokens", ""),
-    ("max len", "max_length", ""),
-    ("paths", "paths", ","),
+    *MODEL_COLUMNS,  # L, H, d, n, max len, paths: bench_attribution.py's cases
     ("s", "seconds", ".3f"),
     ("paths/s", "paths_per_s", ".3g"),
 ]
 
 
 def bench_case(layers: int, heads: int, width: int, tokens: int, max_length: int | None) -> dict:
-    from bench_attribution import gpt2_model
-
     import pathkernels as pk
 
     torch.manual_seed(0)
@@ -43,12 +40,7 @@ def bench_case(layers: int, heads: int, width: int, tokens: int, max_length: int
         lambda: pk.decompose(stack, max_length=max_length), "cpu", min_runs=3, min_seconds=0, statistic="min"
     )
     return {
-        "layers": layers,
-        "heads": heads,
-        "d_model": width,
-        "tokens": tokens,
-        "max_length": "all" if max_length is None else max_length,
-        "paths": paths,
+        **case_columns(layers, heads, width, tokens, max_length, paths),
         "seconds": seconds,
         "paths_per_s": paths / seconds,
     }
