@@ -176,8 +176,16 @@ def test_bad_inputs_are_refused_by_name():
             call()
 
 
-transformers = pytest.importorskip("transformers")
-from test_real_models import bert, gpt2, llama  # noqa: E402
+def real_model(family: str):
+    """A model of test_real_models (which needs transformers; the op tests above do not)."""
+    pytest.importorskip("transformers")
+    import test_real_models
+
+    return {
+        "gpt2": lambda: test_real_models.gpt2(4, 4, 32),
+        "llama": test_real_models.llama,
+        "bert": test_real_models.bert,
+    }[family]()
 
 
 def canonical_order(result, heads: int):
@@ -198,7 +206,7 @@ def test_the_walk_on_the_engine_is_the_walk_in_plain_pytorch(family, max_length)
     from pathkernels.analysis.attribution import ReadoutSteps, attribute, read_out
     from pathkernels.reference import readout_expand_ref, readout_heads_ref, readout_values_ref
 
-    model = {"gpt2": lambda: gpt2(4, 4, 32), "llama": llama, "bert": bert}[family]()
+    model = real_model(family)
     stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 9)))
     readout = torch.randn(32, 2, dtype=torch.float64)
     setup = read_out(stack, readout, [3, 8], 0, max_length, "test")
@@ -223,7 +231,7 @@ def test_a_model_on_the_gpu_attributes_as_on_the_cpu():
     import pathkernels as pk
     from pathkernels.adapters.residual import capture_huggingface_residual
 
-    model = gpt2(4, 4, 32)
+    model = real_model("gpt2")
     ids = torch.randint(0, 50, (1, 9))
     on_cpu, _ = capture_huggingface_residual(model, input_ids=ids)
     on_gpu, _ = capture_huggingface_residual(model.cuda(), input_ids=ids.cuda())
