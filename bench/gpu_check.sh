@@ -7,7 +7,8 @@
 # 4. runs the GPU benchmarks;
 # 5. writes a summary and the logs into RESULTS_DIR (default bench/results/gpu-<card>-<date>).
 # --quick (about 6 minutes): the build for this card's architecture alone; the CUDA cases of the
-# leaf-kernel, engine, norm and statistics tests, with the CPU GEMM's and the hostile-input tests;
+# leaf-kernel, engine, norm, statistics and readout-engine tests, with the CPU GEMM's and the
+# hostile-input tests;
 # memcheck of every kernel and racecheck of the leaf and engine kernels; bench_gpu_leaves.py
 # --quick; the engine's profile; bench_norms.py --quick; bench_gpu_statistics.py (10^8 paths and a
 # resumed checkpoint).
