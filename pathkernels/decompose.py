@@ -281,8 +281,8 @@ def decompose(
     ``attn`` may be an :class:`~pathkernels.adapters.AttentionStack` (its maps and token mask are
     then the defaults); ``token_mask [B, n]`` evaluates each batch element on its real tokens. A
     stack that holds a captured model (``capture_huggingface_residual``) is decomposed into the
-    model's own paths instead, each a source and the heads it passes, every path or those up to
-    ``max_length`` (:func:`pathkernels.analysis.real_paths.decompose_model`).
+    model's own paths instead, each a source and the heads it passes: every path, those up to
+    ``max_length``, or a uniform or stratified sample (:func:`pathkernels.analysis.real_paths.decompose_model`).
 
     An exact decomposition of a complete tree whose per-path results (residual and norm per path
     and batch element) would exceed ``max_result_bytes`` (1 GiB by default), or 2^31 paths,
@@ -298,16 +298,23 @@ def decompose(
     """
     where = "pathkernels.decompose"
     if not isinstance(attn, Tensor) and getattr(attn, "residual_capture", None) is not None:
-        options = (("x", x), ("w_v", w_v), ("w_o", w_o), ("tree", tree), ("num_samples", num_samples))
-        options += (("samples_per_length", samples_per_length), ("group", group), ("token_mask", token_mask))
+        options = (("x", x), ("w_v", w_v), ("w_o", w_o), ("tree", tree), ("group", group), ("token_mask", token_mask))
         passed = [name for name, value in options if value is not None] + ([] if skip is True else ["skip"])
         if passed:
             raise ValueError(
                 f"{where}: a stack with a residual_capture is decomposed into the model's own paths (every path, "
-                f"or those up to max_length); {', '.join(passed)} do not apply (decompose stack.attn for its "
-                "attention products)"
+                f"those up to max_length, or a sample); {', '.join(passed)} do not apply (decompose stack.attn "
+                "for its attention products)"
             )
-        return _model_decomposer(attn, max_length=max_length, memory_budget=memory_budget, progress=progress)
+        return _model_decomposer(
+            attn,
+            max_length=max_length,
+            num_samples=num_samples,
+            samples_per_length=samples_per_length,
+            generator=generator,
+            memory_budget=memory_budget,
+            progress=progress,
+        )
     attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask, "pathkernels.decompose")
     if not isinstance(attn, Tensor) or attn.dim() not in (4, 5):
         raise ValueError(

@@ -101,11 +101,82 @@ def test_a_padded_sequence_decomposes_as_it_does_alone():
 
 def test_options_of_attention_networks_are_refused_by_name():
     stack, _ = capture_huggingface_residual(gpt2(), input_ids=torch.randint(0, 50, (1, 5)))
-    with pytest.raises(ValueError, match=r"^pathkernels\.decompose: a stack with a residual_capture .* num_samples"):
-        pk.decompose(stack, num_samples=10)
+    with pytest.raises(ValueError, match=r"^pathkernels\.decompose: a stack with a residual_capture .* tree"):
+        pk.decompose(stack, tree=pk.PathTree.complete(3, 4, skip=True))
     with pytest.raises(ValueError, match=r"skip do not apply"):
         pk.decompose(stack, skip=False)
     with pytest.raises(ValueError, match=r"^pathkernels\.decompose: expected max_length >= 0, got -1"):
         pk.decompose(stack, max_length=-1)
+    with pytest.raises(ValueError, match=r"^pathkernels\.decompose: uniform sampling draws from all paths"):
+        pk.decompose(stack, num_samples=5, max_length=1)
+    with pytest.raises(ValueError, match=r"^pathkernels\.decompose: no paths of length 7"):
+        pk.decompose(stack, samples_per_length={7: 3})
     # The attention products stay one call away.
     assert pk.decompose(stack.attn).results.residual.shape[0] == 1
+
+
+# --- samples ---------------------------------------------------------------------------------------
+
+
+def test_a_term_built_alone_is_the_term_of_the_trie():
+    from pathkernels.analysis.real_paths import path_terms, terms_of
+
+    for family in ("gpt2", "bert"):
+        stack, _ = capture_huggingface_residual(FAMILIES[family](), input_ids=torch.randint(0, 50, (1, 6)))
+        model, _ = frozen(stack)
+        parts = list(path_terms(model, stack.num_layers, chunk=7))
+        terms = torch.cat([p[0] for p in parts])
+        choices = torch.cat([p[1] for p in parts])
+        sources = torch.cat([torch.full((p[0].shape[0],), p[2]) for p in parts])
+        shuffle = torch.randperm(sources.numel())
+        alone = terms_of(model, choices[shuffle], sources[shuffle])
+        torch.testing.assert_close(alone, terms[shuffle], rtol=1e-12, atol=1e-12 * terms.abs().max())
+
+
+def test_draws_are_uniform_over_the_paths():
+    """50,000 draws with replacement over the 187 paths of a 3-layer, 4-head model (and over the 80
+    of length 2): every path's frequency within six standard deviations of its expectation."""
+    from pathkernels.analysis.real_paths import _draw
+
+    stack, _ = capture_huggingface_residual(gpt2(), input_ids=torch.randint(0, 50, (1, 5)))
+    model, _ = frozen(stack)
+    exact = pk.decompose(stack)
+    for lengths, population in ((list(range(4)), len(exact.paths)), ([2], int((exact.lengths == 2).sum()))):
+        draws = 50_000
+        choices, sources = _draw(model, draws, lengths, torch.Generator().manual_seed(1))
+        rows = torch.cat([sources[:, None], choices], 1)
+        unique, frequency = torch.unique(rows, dim=0, return_counts=True)
+        assert unique.shape[0] == population
+        expected = draws / population
+        spread = (expected * (1 - 1 / population)) ** 0.5
+        assert bool(((frequency - expected).abs() < 6 * spread).all()), (frequency.min(), frequency.max())
+
+
+def test_samples_measure_their_paths_as_the_exact_decomposition_does():
+    stack, _ = capture_huggingface_residual(llama(), input_ids=torch.randint(0, 50, (2, 6)))
+    exact = pk.decompose(stack)
+    ratio_of = {
+        (int(source), tuple(path.tolist())): exact.results.ratio[:, i]
+        for i, (source, path) in enumerate(zip(exact.sources, exact.paths))
+    }
+    uniform = pk.decompose(stack, num_samples=40, generator=torch.Generator().manual_seed(0))
+    assert uniform.method == "uniform" and len(uniform.paths) == 40
+    keys = [(int(source), tuple(path.tolist())) for source, path in zip(uniform.sources, uniform.paths)]
+    assert len(set(keys)) == 40  # without replacement
+    expected = torch.stack([ratio_of[key] for key in keys], dim=1)
+    torch.testing.assert_close(uniform.results.ratio, expected, rtol=1e-10, atol=1e-14)
+    # Weights: each path stands for count_k / n_k paths of its length.
+    lengths = uniform.lengths
+    for k in lengths.unique().tolist():
+        drawn = int((lengths == k).sum())
+        assert torch.allclose(uniform.weights[lengths == k], torch.tensor(exact.path_counts[k] / drawn).double())
+    # Stratified: a stratum with no more paths than asked for is whole, and its mean is exact.
+    stratified = pk.decompose(stack, samples_per_length={0: 100, 2: 10}, generator=torch.Generator().manual_seed(0))
+    table = stratified.by_length().set_index("length")
+    assert bool(table.loc[0, "exact"]) and not bool(table.loc[2, "exact"])
+    assert table.loc[0, "evaluated"] == exact.path_counts[0] and table.loc[2, "evaluated"] == 10
+    exact_table = exact.by_length().set_index("length")
+    assert table.loc[0, "mean"] == pytest.approx(exact_table.loc[0, "mean"], rel=1e-10)
+    assert stratified.path_counts[1] == 0 and stratified.path_counts[2] == exact.path_counts[2]
+    # Asking for every path gives the exact decomposition.
+    assert pk.decompose(stack, num_samples=10**6).method == "exact"

@@ -22,6 +22,7 @@ branches below it), depth first in chunks sized by the memory budget: ``n² d`` 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -160,46 +161,223 @@ def _canonical_order(choices: Tensor, sources: Tensor) -> Tensor:
     return order
 
 
+def _head(sublayer: _Sublayer, terms: Tensor, head: int) -> Tensor:
+    """One head's branch on terms ``[N, n, d]``: ``T_h Y G_h``, in :func:`_heads`' order."""
+    feature_in, feature_out = sublayer.feature_factors
+    narrow = torch.matmul(sublayer.token_maps[head], terms @ feature_out[head].T)  # [N, n, e]
+    return narrow @ feature_in[head].T
+
+
+def terms_of(model: _Model, choices: Tensor, sources: Tensor) -> Tensor:
+    """The terms ``[M, n, d]`` of given paths (``choices [M, L]``, ``sources [M]``), each passing the
+    sublayers from its source up: its head's branch where it takes one, the skip elsewhere."""
+    device = model.sources[0].device
+    choices, sources = choices.to(device), sources.to(device)
+    terms = torch.zeros(sources.numel(), *model.sources[0].shape, dtype=torch.float64, device=device)
+    for position, sublayer in enumerate(model.sublayers + [None]):
+        entering = sources == position
+        terms[entering] = model.sources[position]
+        if sublayer is None:
+            break
+        on = sources <= position
+        taken = choices[:, sublayer.layer] if sublayer.attn is not None else torch.full_like(sources, _NO_HEAD)
+        skipping = on & (taken == _NO_HEAD)
+        terms[skipping] = _skip(sublayer, terms[skipping])
+        for head in taken[on & (taken != _NO_HEAD)].unique().tolist():
+            chosen = on & (taken == head)
+            terms[chosen] = _head(sublayer, terms[chosen], head)
+    return terms
+
+
+def _reach(model: _Model) -> list[int]:
+    """``A_j`` per source: the attention sublayers above it."""
+    return [sum(1 for sublayer in model.sublayers[j:] if sublayer.attn is not None) for j in range(len(model.sources))]
+
+
+def _draw(model: _Model, count: int, lengths: list[int], generator) -> tuple[Tensor, Tensor]:
+    """``count`` paths drawn uniformly, with replacement, from those whose length is in ``lengths``:
+    a (source, length) pair in proportion to its ``C(A_j, k) H^k`` paths, a uniform set of k of its
+    attention sublayers, a uniform head at each."""
+    attention = [index for index, sublayer in enumerate(model.sublayers) if sublayer.attn is not None]
+    pairs = [(j, k) for j, above in enumerate(_reach(model)) for k in lengths if k <= above]
+    weights = torch.tensor(
+        [float(math.comb(_reach(model)[j], k) * model.num_heads**k) for j, k in pairs], dtype=torch.float64
+    )
+    picked = torch.multinomial(weights, count, replacement=True, generator=generator)
+    sources = torch.tensor([pairs[i][0] for i in picked.tolist()], dtype=torch.long)
+    taken = torch.tensor([pairs[i][1] for i in picked.tolist()], dtype=torch.long)
+    # Random keys, the sublayers below each path's source pushed last: its k smallest are a uniform k-set.
+    keys = torch.rand(count, len(attention), generator=generator, dtype=torch.float64)
+    keys[torch.tensor(attention)[None, :] < sources[:, None]] = 2.0
+    rank = keys.argsort(1).argsort(1)
+    chosen = rank < taken[:, None]
+    choices = torch.full((count, model.layers), _NO_HEAD, dtype=torch.long)
+    layer_of = torch.tensor([model.sublayers[index].layer for index in attention])
+    heads = torch.randint(model.num_heads, (count, len(attention)), generator=generator)
+    rows, columns = chosen.nonzero(as_tuple=True)
+    choices[rows, layer_of[columns]] = heads[rows, columns]
+    return choices, sources
+
+
+def _every_path_of_length(model: _Model, length: int) -> tuple[Tensor, Tensor]:
+    """Every path of exactly ``length`` heads (a stratum small enough to evaluate whole)."""
+    choices, sources = [], []
+    for source in range(len(model.sources)):
+        above = [s.layer for index, s in enumerate(model.sublayers) if s.attn is not None and index >= source]
+        for layers in itertools.combinations(above, length):
+            for heads in itertools.product(range(model.num_heads), repeat=length):
+                path = [_NO_HEAD] * model.layers
+                for layer, head in zip(layers, heads):
+                    path[layer] = head
+                choices.append(path)
+                sources.append(source)
+    return torch.tensor(choices, dtype=torch.long).reshape(-1, model.layers), torch.tensor(sources, dtype=torch.long)
+
+
+def _distinct(model: _Model, count: int, lengths: list[int], generator) -> tuple[Tensor, Tensor]:
+    """``count`` distinct paths drawn uniformly without replacement (draws, keeping first
+    occurrences, until there are enough)."""
+    choices = torch.zeros(0, model.layers, dtype=torch.long)
+    sources = torch.zeros(0, dtype=torch.long)
+    while sources.numel() < count:
+        more = _draw(model, count - sources.numel() + 16, lengths, generator)
+        choices, sources = torch.cat([choices, more[0]]), torch.cat([sources, more[1]])
+        rows = torch.cat([sources[:, None], choices], 1)
+        _, inverse = torch.unique(rows, dim=0, return_inverse=True)
+        first = torch.full((int(inverse.max()) + 1,), rows.shape[0], dtype=torch.long)
+        first.scatter_reduce_(0, inverse, torch.arange(rows.shape[0]), reduce="amin")
+        keep = first.sort().values
+        choices, sources = choices[keep], sources[keep]
+    return choices[:count], sources[:count]
+
+
 def decompose_model(
     stack,
     *,
     max_length: int | None = None,
+    num_samples: int | None = None,
+    samples_per_length: int | dict[int, int] | None = None,
+    generator: torch.Generator | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     progress: bool = False,
 ) -> ModelPathDecomposition:
-    """Every path of a captured model and its term's residual ratio (module docstring).
+    """The paths of a captured model and their terms' residual ratios (module docstring): every
+    path, or a sample with the estimators of :class:`~pathkernels.PathDecomposition`.
 
     Args:
         stack: a stack with a ``residual_capture``.
         max_length: only paths through at most this many heads (default: every path).
+        num_samples: paths drawn uniformly without replacement from every path.
+        samples_per_length: paths drawn per length (an int for every length ``≤ max_length``, or
+            ``{k: n_k}``); a length with no more paths than asked for is evaluated whole.
+        generator: for the draws.
         memory_budget: bytes for the chunks of terms in flight.
         progress: a progress bar over the paths of every sequence.
 
     Returns:
-        :class:`ModelPathDecomposition`, float64, ``method="exact"``: ``results.residual``,
-        ``norm`` and ``ratio`` ``[B, M]``, paths ``[M, L]`` and ``sources [M]`` sorted by source,
-        then by heads. The terms of each sequence sum to the captured stream (``length_sums``).
+        :class:`ModelPathDecomposition`, float64: ``results.residual``, ``norm`` and ``ratio``
+        ``[B, M]``, paths ``[M, L]`` and ``sources [M]`` (sorted by source, then by heads, when
+        exact; in draw order when sampled). The terms of each sequence sum to the captured stream.
     """
-    capture = stack.residual_capture
-    layers, heads = stack.num_layers, stack.num_heads
+    layers = stack.num_layers
     max_length = layers if max_length is None else check_int(max_length, "max_length", _WHERE, minimum=0)
     memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
+    if num_samples is not None and samples_per_length is not None:
+        raise ValueError(f"{_WHERE}: pass at most one of num_samples and samples_per_length")
     tokens = stack.attn.shape[-1]
     masks = [
         torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[b].cpu()
         for b in range(stack.batch_size)
     ]
-    models = [_frozen_model(stack, capture, b, real) for b, real in enumerate(masks)]
+    models = [_frozen_model(stack, stack.residual_capture, b, real) for b, real in enumerate(masks)]
     counts = path_counts_by_length(models[0], max_length)
+    drawn = _sample(models[0], counts, max_length, num_samples, samples_per_length, generator)
+    if drawn is None:
+        return _exact(stack, models, counts, max_length, memory_budget, progress)
+    method, choices, sources, counts = drawn
+    chunk = max(1, memory_budget // (4 * 8 * tokens * stack.d_model))
+    residuals, norms = [], []
+    bar = progress_bar(sources.numel() * len(models), enabled=progress, unit="path", desc=_WHERE)
+    for model in models:
+        parts = []
+        for start in range(0, sources.numel(), chunk):
+            terms = terms_of(model, choices[start : start + chunk], sources[start : start + chunk])
+            parts.append([t.cpu() for t in residual_norm(terms, return_norm=True)])
+            if bar is not None:
+                bar.update(terms.shape[0])
+        residuals.append(torch.cat([p[0] for p in parts]))
+        norms.append(torch.cat([p[1] for p in parts]))
+    if bar is not None:
+        bar.close()
+    lengths = (choices != _NO_HEAD).sum(1)
+    evaluated = torch.bincount(lengths, minlength=layers + 1)
+    weights = torch.tensor([counts[k] / max(int(evaluated[k]), 1) for k in range(layers + 1)], dtype=torch.float64)
+    return _decomposition(stack, models[0], method, residuals, norms, choices, sources, counts, weights[lengths])
+
+
+def _sample(model: _Model, counts, max_length, num_samples, samples_per_length, generator):
+    """The sample ``(method, choices, sources, counts)`` the arguments ask for, or None for every
+    path (also when the sample would hold every path)."""
+    total, top = sum(counts), min(max_length, model.layers)
+    if num_samples is not None:
+        if max_length != model.layers:
+            raise ValueError(
+                f"{_WHERE}: uniform sampling draws from all paths; for short paths use samples_per_length "
+                "with max_length"
+            )
+        num_samples = check_int(num_samples, "num_samples", _WHERE, minimum=1)
+        if num_samples >= total:
+            return None
+        choices, sources = _distinct(model, num_samples, list(range(top + 1)), generator)
+        return "uniform", choices, sources, counts
+    if samples_per_length is None:
+        return None
+    if isinstance(samples_per_length, int) and not isinstance(samples_per_length, bool):
+        samples_per_length = {k: samples_per_length for k in range(top + 1) if counts[k] > 0}
+    if not isinstance(samples_per_length, dict):
+        raise TypeError(f"{_WHERE}: expected samples_per_length as an int or a dict {{length: count}}")
+    parts = []
+    for k, wanted in sorted(samples_per_length.items()):
+        if not isinstance(k, int) or not 0 <= k <= top or counts[k] == 0:
+            raise ValueError(f"{_WHERE}: no paths of length {k} (lengths 0..{top} exist)")
+        wanted = check_int(wanted, f"samples_per_length[{k}]", _WHERE, minimum=1)
+        parts.append(
+            _every_path_of_length(model, k) if wanted >= counts[k] else _distinct(model, wanted, [k], generator)
+        )
+    choices, sources = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    stratum_counts = [counts[k] if k in samples_per_length else 0 for k in range(model.layers + 1)]
+    return "stratified", choices, sources, stratum_counts
+
+
+def _decomposition(stack, model, method, residuals, norms, choices, sources, counts, weights):
+    results = PathResiduals(
+        torch.stack(residuals), torch.stack(norms), PathTree.from_paths(choices, num_heads=stack.num_heads)
+    )
+    return ModelPathDecomposition(
+        results=results,
+        method=method,
+        num_layers=stack.num_layers,
+        num_heads=stack.num_heads,
+        skip=True,
+        path_counts=list(counts),
+        weights=weights,
+        sources=sources,
+        source_names=model.source_names,
+    )
+
+
+def _exact(stack, models, counts, max_length, memory_budget, progress) -> ModelPathDecomposition:
+    """Every path up to ``max_length`` heads, on the tries of :func:`path_terms`."""
     total = sum(counts)
     if total > MAX_ENUMERATED_PATHS:
         raise ValueError(
             f"{_WHERE}: the model has {total:,} paths of at most {max_length} heads, beyond the "
-            f"{MAX_ENUMERATED_PATHS:,} a decomposition lists; pass a smaller max_length, or use pk.length_sums "
-            "(exact sums per length) or pk.top_paths (the largest paths of a readout)"
+            f"{MAX_ENUMERATED_PATHS:,} a decomposition lists; pass a smaller max_length, num_samples or "
+            "samples_per_length, or use pk.length_sums (exact sums per length) or pk.top_paths"
         )
-    chunk = max(1, memory_budget // (4 * (heads + 1) * 8 * tokens * stack.d_model))
-    bar = progress_bar(total * stack.batch_size, enabled=progress, unit="path", desc=_WHERE)
+    tokens = stack.attn.shape[-1]
+    chunk = max(1, memory_budget // (4 * (stack.num_heads + 1) * 8 * tokens * stack.d_model))
+    bar = progress_bar(total * len(models), enabled=progress, unit="path", desc=_WHERE)
     residuals, norms = [], []
     for model in models:
         parts = []
@@ -215,18 +393,8 @@ def decompose_model(
         norms.append(norm[order])
     if bar is not None:
         bar.close()
-    results = PathResiduals(torch.stack(residuals), torch.stack(norms), PathTree.from_paths(paths, num_heads=heads))
-    return ModelPathDecomposition(
-        results=results,
-        method="exact",
-        num_layers=layers,
-        num_heads=heads,
-        skip=True,
-        path_counts=counts,
-        weights=torch.ones(paths.shape[0], dtype=torch.float64),
-        sources=path_sources,
-        source_names=models[0].source_names,
-    )
+    weights = torch.ones(paths.shape[0], dtype=torch.float64)
+    return _decomposition(stack, models[0], "exact", residuals, norms, paths, path_sources, counts, weights)
 
 
 register_model_decomposer(decompose_model)
