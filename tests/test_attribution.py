@@ -221,3 +221,26 @@ def test_bad_arguments_are_refused_by_name():
         pk.logit_diff(model, 0, 50)
     with pytest.raises(ValueError, match=r"^pathkernels\.logit: expected a GPT-2 or Llama-family model, .* 'bert'"):
         pk.logit(transformers.BertForMaskedLM(bert().config), 0)  # its MLM head transforms first
+
+
+def test_a_tree_restricts_the_paths_to_its_head_choices():
+    """tree=: the attributions of its head choices, from every source below each one's lowest head,
+    are those of the full enumeration; the other paths' share is unenumerated."""
+    model = gpt2()
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 8)))
+    readout = pk.logit_diff(model, 4, 5)
+    every = pk.path_attribution(stack, readout, top_k=3)
+    chosen = pk.PathTree.from_paths(torch.tensor([[-1, -1, -1], [0, -1, 2], [-1, 3, -1], [1, 1, 1]]), num_heads=4)
+    some = pk.path_attribution(stack, readout, tree=chosen, top_k=3)
+    rows = {tuple(row) for row in chosen.paths().tolist()}
+    inside = torch.tensor([tuple(row) in rows for row in every.paths.tolist()])
+    assert int(some.counts.sum()) == int(inside.sum()) == some.paths.shape[0]
+    expected = {
+        (tuple(p.tolist()), int(s)): v for p, s, v in zip(every.paths, every.path_sources, every.attribution[:, 0, 0])
+    }
+    for path, source, value in zip(some.paths, some.path_sources, some.attribution[:, 0, 0]):
+        assert float(value) == pytest.approx(float(expected[tuple(path.tolist()), int(source)]), rel=1e-12, abs=1e-15)
+    outside = every.attribution[~inside, 0, 0].sum()
+    torch.testing.assert_close(some.unenumerated[0, 0], outside, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match=r"^pathkernels\.path_attribution: the tree has 2 layers"):
+        pk.path_attribution(stack, readout, tree=pk.PathTree.complete(2, 4, skip=True))

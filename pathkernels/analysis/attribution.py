@@ -32,8 +32,9 @@ import torch
 from torch import Tensor
 
 from pathkernels._progress import progress_bar
+from pathkernels.checks import check_tree_shape
 from pathkernels.decompose import check_save_path, saved
-from pathkernels.paths import check_int
+from pathkernels.paths import PathTree, check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET
 
 if TYPE_CHECKING:
@@ -411,13 +412,42 @@ def count_attribution_paths(layers: int, heads: int, max_length: int) -> int:
     return total
 
 
+class _PathSet:
+    """Membership of head choices ``[N, L]`` (−1 where none) in a tree's paths, by an integer key
+    per row (the choices + 1 as base-(H+1) digits) where it fits int64, else by tuples."""
+
+    def __init__(self, paths: Tensor, num_heads: int):
+        layers = paths.shape[1]
+        self.fits = (num_heads + 1) ** layers < 2**62
+        self.weights = (num_heads + 1) ** torch.arange(layers, dtype=torch.long) if self.fits else None
+        self.keys = self._keys(paths).unique() if self.fits else {tuple(row) for row in paths.tolist()}
+
+    def _keys(self, choices: Tensor) -> Tensor:
+        return (choices + 1) @ self.weights
+
+    def contains(self, choices: Tensor) -> Tensor:
+        """``[N]`` bool."""
+        if self.fits:
+            return torch.isin(self._keys(choices), self.keys)
+        return torch.tensor([tuple(row) in self.keys for row in choices.tolist()], dtype=torch.bool)
+
+
 class _Fold:
     """Accumulates emitted attributions: sums by source and length, counts, the top k (and with
     ``bottom`` the bottom k), and (when ``keep``) every path."""
 
     def __init__(
-        self, sources: int, layers: int, positions: int, readouts: int, top_k: int, keep: bool, bottom: bool = True
+        self,
+        sources: int,
+        layers: int,
+        positions: int,
+        readouts: int,
+        top_k: int,
+        keep: bool,
+        bottom: bool = True,
+        only: _PathSet | None = None,
     ):
+        self.only = only  # fold only these paths' attributions (a tree's), when given
         self.sums = torch.zeros(sources, layers + 1, positions, readouts, dtype=torch.float64)
         self.counts = torch.zeros(sources, layers + 1, dtype=torch.long)
         self.k = top_k
@@ -434,6 +464,9 @@ class _Fold:
         """values ``[N, P, R]`` of N paths from ``source``, their choices ``[N, L]`` and lengths ``[N]``,
         on any device (the fold keeps its results on the CPU)."""
         values, choices, lengths = values.cpu(), choices.cpu(), lengths.cpu()
+        if self.only is not None:
+            inside = self.only.contains(choices)
+            values, choices, lengths = values[inside], choices[inside], lengths[inside]
         self.sums[source].index_add_(0, lengths, values)
         self.counts[source].index_add_(0, lengths, torch.ones_like(lengths))
         if self.kept is not None:
@@ -547,6 +580,7 @@ def path_attribution(
     positions: int | list[int] | None = None,
     batch: int = 0,
     max_length: int | None = None,
+    tree: PathTree | None = None,
     top_k: int = 20,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     progress: bool = False,
@@ -562,6 +596,9 @@ def path_attribution(
         batch: the batch element.
         max_length: enumerate only paths through at most this many heads (default: every path).
             What the longer paths carry together is still exact: ``unenumerated``.
+        tree: enumerate only these head choices (a :class:`~pathkernels.PathTree` over the L
+            layers: its paths' heads, −1 where none), each from every source below its lowest
+            head; what the others carry is ``unenumerated``.
         top_k: how many largest and smallest paths to keep per (position, readout).
         memory_budget: bytes for the walk's chunks; every path's attribution is kept
             (``attribution``) only when it fits a quarter of it.
@@ -573,8 +610,15 @@ def path_attribution(
     """
     top_k = check_int(top_k, "top_k", _WHERE, minimum=0)
     memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
+    only = None
+    if tree is not None:
+        check_tree_shape(tree, stack.num_layers, stack.num_heads, _WHERE)
+        paths = tree.paths()
+        longest = int((paths != _NO_HEAD).sum(1).max()) if paths.shape[0] else 0
+        max_length = longest if max_length is None else min(check_int(max_length, "max_length", _WHERE), longest)
+        only = _PathSet(paths, stack.num_heads)
     setup = read_out(stack, readout, positions, batch, max_length, _WHERE)
-    return attribute(setup, top_k, memory_budget, progress)
+    return attribute(setup, top_k, memory_budget, progress, only=only)
 
 
 def attribute(
@@ -584,6 +628,7 @@ def attribute(
     progress: bool = False,
     steps: ReadoutSteps = ENGINE,
     low_rank: bool = True,
+    only: _PathSet | None = None,
 ) -> PathAttribution:
     """:func:`path_attribution` of a checked readout (:func:`read_out`), its trie steps by ``steps``
     (the engine, or for comparisons ``pathkernels.reference``'s plain-PyTorch form); ``low_rank``
@@ -595,7 +640,7 @@ def attribute(
     node_bytes = 8 * (rho.shape[1] * rho.shape[2] + phi.shape[1] * d)
     chunk = max(1, memory_budget // (4 * (heads + 1) * node_bytes))
     keep = total * (8 * len(positions) * len(read.labels) + 8 * (layers + 1)) <= memory_budget // 4
-    fold = _Fold(len(model.sources), layers, len(positions), len(read.labels), top_k, keep)
+    fold = _Fold(len(model.sources), layers, len(positions), len(read.labels), top_k, keep, only=only)
     bar = progress_bar(total, enabled=progress, unit="path", desc=_WHERE)
     walker = _Walker(model, steps, low_rank=low_rank, max_length=max_length, cache_bytes=memory_budget // 2)
     walker.walk(rho, phi, max_length, chunk, fold, bar)
