@@ -41,6 +41,14 @@ def test_the_search_finds_what_enumeration_finds(family):
     _, stack, readout = captured(family)
     assert_same_as_enumeration(stack, readout, 10)
     assert_same_as_enumeration(stack, readout, 3, max_length=1)
+    for bound in ("first_head", "plain"):
+        assert_same_as_enumeration(stack, readout, 4, bound=bound)
+
+
+def test_progress_reports_the_search(capsys):
+    _, stack, readout = captured("gpt2")
+    pk.top_paths(stack, readout, 3, progress=True)
+    assert "pathkernels.top_paths" in capsys.readouterr().err
 
 
 def test_nearly_tied_heads_are_told_apart():
@@ -61,15 +69,19 @@ def test_nearly_tied_heads_are_told_apart():
     assert_same_as_enumeration(stack, pk.logit_diff(model, 3, 4), 12)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_a_stopped_search_bounds_every_path_it_did_not_visit(seed):
+@pytest.mark.parametrize("bound", ["chain", "first_head", "plain"])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_stopped_search_bounds_every_path_it_did_not_visit(seed, bound):
     """A frontier budget too small to finish: the search stops uncertified, and every path it did
-    not visit has an attribution at most its bound (at least −bound for the smallest)."""
+    not visit has an attribution at most its bound (at least −bound for the smallest), whichever
+    bound prunes."""
     torch.manual_seed(seed)
     _, stack, readout = captured(["gpt2", "llama", "bert"][seed % 3])
     every = pk.path_attribution(stack, readout)
     for largest in (True, False):
-        found = pk.top_paths(stack, readout, 5, largest=largest, batch_nodes=2, memory_budget=4000, record=True)
+        found = pk.top_paths(
+            stack, readout, 5, largest=largest, batch_nodes=2, memory_budget=4000, record=True, bound=bound
+        )
         assert found.stopped == "memory_budget" and found.recorded is not None
         seen = {(tuple(p.tolist()), int(s)) for p, s in zip(*found.recorded[:2])}
         unseen = torch.tensor(
@@ -94,6 +106,7 @@ def test_bad_arguments_are_refused_by_name():
         ((stack, torch.randn(32, 2, dtype=torch.float64)), {}, r"expected one readout direction, got 2"),
         ((stack, readout), {"time_limit": -1}, r"expected time_limit to be a positive number"),
         ((stack, readout), {"position": 9}, r"expected positions of real tokens"),
+        ((stack, readout), {"bound": "tight"}, r"expected bound in \('chain', 'first_head', 'plain'\), got 'tight'"),
     ]
     for args, kwargs, message in cases:
         with pytest.raises((ValueError, TypeError), match=r"^pathkernels\.top_paths: " + message):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pathkernels._progress import progress_bar
 from pathkernels.analysis.attribution import (
     Readout,
     _Fold,
@@ -41,6 +42,7 @@ from pathkernels.paths import check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET
 
 _WHERE = "pathkernels.top_paths"
+_BOUNDS = ("chain", "first_head", "plain")
 
 
 @dataclass
@@ -127,21 +129,24 @@ def _head_factor(sublayer: _Sublayer) -> float:
     return float((_token_norms(sublayer) * feature_norm).max())
 
 
-def _reach_bounds(model: _Model) -> Tensor:
+def _reach_bounds(model: _Model, bound: str = "chain") -> Tensor:
     """``M_j`` for j = 0..S: a bound on ``|attr| / (‖ρ‖₁ ‖φ‖₂)`` over every path below a node at
     level j. Post-norm: the largest ``κ_i Π_{i ≤ m < j} G_m`` over the sources i ≤ j. Pre-norm,
     where a skip is the identity: the larger of ``max_{i ≤ j} κ_i`` (paths that take no further
     head) and, for the paths that do, the smaller of two bounds: ``max_s C_s Π_{s < m < j} G_m``
     over the attention sublayers s < j where a path takes its lowest head, with the source folded
-    into that head (:func:`_first_head_factors`), and the chain bound of :func:`_chain_factors`."""
+    into that head (:func:`_first_head_factors`), and the chain bound of :func:`_chain_factors`.
+    ``bound`` picks fewer of them: ``"first_head"`` leaves the chain bound out, ``"plain"`` takes the
+    post-norm form for every model."""
     kappa = [float(source.norm(dim=-1).max()) for source in model.sources]
     growth = _branch_bounds(model).tolist()
-    if not model.sublayers[0].pre:
+    if not model.sublayers[0].pre or bound == "plain":
         reach = [kappa[0]]
         for level in range(1, len(model.sources)):
             reach.append(max(kappa[level], growth[level - 1] * reach[-1]))
         return torch.tensor(reach, dtype=torch.float64)
-    first, chains = _first_head_factors(model), _chain_factors(model)
+    first = _first_head_factors(model)
+    chains = _chain_factors(model) if bound == "chain" else [math.inf] * len(model.sources)
     no_head, with_head = [kappa[0]], [0.0]
     for level in range(1, len(model.sources)):
         no_head.append(max(no_head[-1], kappa[level]))
@@ -219,6 +224,8 @@ def top_paths(
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     batch_nodes: int = 4096,
     record: bool = False,
+    bound: str = "chain",
+    progress: bool = False,
 ) -> TopPaths:
     """The exact ``k`` largest (or smallest) path attributions of one readout at one token, found
     by a best-first search over the readout trie with a certificate (module docstring).
@@ -236,6 +243,11 @@ def top_paths(
         batch_nodes: nodes expanded per step (the ones of largest bound), one readout-engine call
             per level among them. The search runs on the CPU, whatever the model's device.
         record: keep every visited path and its attribution (for checking the certificate).
+        bound: which bound prunes (docs/DESIGN.md, "The top paths, certified"): ``"chain"`` (the
+            default: pre-norm models pair consecutive heads and fold the source into the lowest),
+            ``"first_head"`` (the source folded, the rest per-sublayer maxima) or ``"plain"`` (the
+            product of per-sublayer maxima); post-norm models use ``"plain"`` in every case.
+        progress: report the paths visited, the frontier, the largest open bound and the k-th value.
 
     Returns:
         :class:`TopPaths`: the paths, their values, and the certificate (``bound``,
@@ -249,12 +261,14 @@ def top_paths(
         raise ValueError(
             f"{_WHERE}: expected time_limit to be a positive number of seconds or None, got {time_limit!r}"
         )
+    if bound not in _BOUNDS:
+        raise ValueError(f"{_WHERE}: expected bound in {_BOUNDS}, got {bound!r}")
     setup = read_out(stack, readout, position, batch, max_length, _WHERE).to("cpu")  # a search of small steps
     if len(setup.readout.labels) != 1:
         raise ValueError(f"{_WHERE}: expected one readout direction, got {len(setup.readout.labels)}")
     model, layers = setup.model, stack.num_layers
     sign = 1.0 if largest else -1.0
-    reach = _reach_bounds(model).to(setup.rho.device)
+    reach = _reach_bounds(model, bound).to(setup.rho.device)
     walker = _Walker(model, low_rank=False)  # the frontier mixes nodes below many heads: φ in d coordinates
 
     # The frontier: unexpanded nodes, each at a level (the source it meets next).
@@ -262,18 +276,20 @@ def top_paths(
     level = torch.full((1,), len(model.sublayers), dtype=torch.long)
     choices = torch.full((1, layers), -1, dtype=torch.long)
     lengths = torch.zeros(1, dtype=torch.long)
-    bound = _bounds(rho, phi, reach, level)
+    bounds = _bounds(rho, phi, reach, level)
     # The k largest of the (signed) attributions found, and with record every visited path.
     fold = _Fold(len(model.sources), layers, 1, 1, k, keep=record, bottom=False)
     pruned, visited, expanded = -math.inf, 0, 0
+    total = count_attribution_paths(layers, stack.num_heads, setup.max_length)
+    bar = progress_bar(total, enabled=progress, unit="path", desc=_WHERE)
     node_bytes = 8 * (rho.shape[-1] + phi.shape[-1] + layers + 3)
     stopped = "certified"
     while level.numel():
         kth = _kth(fold, k)
-        alive = bound > kth
+        alive = bounds > kth
         if not bool(alive.all()):  # nodes whose every path is below the k-th value
-            pruned = max(pruned, float(bound[~alive].max()))
-            rho, phi, level, choices, lengths, bound = (t[alive] for t in (rho, phi, level, choices, lengths, bound))
+            pruned = max(pruned, float(bounds[~alive].max()))
+            rho, phi, level, choices, lengths, bounds = (t[alive] for t in (rho, phi, level, choices, lengths, bounds))
             if not level.numel():
                 break
         if time_limit is not None and time.monotonic() - start > time_limit:
@@ -282,18 +298,23 @@ def top_paths(
         if level.numel() * node_bytes > memory_budget:
             stopped = "memory_budget"
             break
-        take = torch.topk(bound, min(batch_nodes, bound.numel())).indices
-        keep = torch.ones_like(bound, dtype=torch.bool)
+        take = torch.topk(bounds, min(batch_nodes, bounds.numel())).indices
+        keep = torch.ones_like(bounds, dtype=torch.bool)
         keep[take] = False
         picked = [t[take] for t in (rho, phi, level, choices, lengths)]
-        rho, phi, level, choices, lengths, bound = (t[keep] for t in (rho, phi, level, choices, lengths, bound))
+        rho, phi, level, choices, lengths, bounds = (t[keep] for t in (rho, phi, level, choices, lengths, bounds))
         expanded += take.numel()
+        if bar is not None:
+            open_bound = float(bounds.max()) if bounds.numel() else 0.0
+            bar.set_postfix_str(f"frontier {bounds.numel():,}, open bound {open_bound:.3g}, k-th {kth:.3g}")
         new = []
         for at in picked[2].unique().tolist():
             group = picked[2] == at
             g_rho, g_phi, g_choices, g_lengths = picked[0][group], picked[1][group], picked[3][group], picked[4][group]
             values = walker.values(at, g_rho, g_phi, [(g_rho.shape[0], None)])
             visited += values.shape[0]
+            if bar is not None:
+                bar.update(values.shape[0])
             fold.add(at, values, g_choices, g_lengths)
             if at == 0:
                 continue
@@ -308,16 +329,17 @@ def top_paths(
             rho, phi, level, choices, lengths = (
                 torch.cat([a, b]) for a, b in zip((rho, phi, level, choices, lengths), grown)
             )
-            bound = torch.cat([bound, child_bound])
+            bounds = torch.cat([bounds, child_bound])
     kth = _kth(fold, k)
     # Pruned nodes were at most the k-th value when dropped, and it only grows.
-    remaining = max(pruned, float(bound.max()) if bound.numel() else -math.inf)
+    remaining = max(pruned, float(bounds.max()) if bounds.numel() else -math.inf)
     certified = remaining <= kth
     recorded = None
     if record:
         paths, sources, values = (torch.cat(parts) for parts in zip(*fold.kept))
         recorded = (paths, sources, sign * values[:, 0, 0])
-    total = count_attribution_paths(layers, stack.num_heads, setup.max_length)
+    if bar is not None:
+        bar.close()
     return TopPaths(
         values=sign * fold.best[0][:, 0, 0],
         paths=fold.best[1][:, 0, 0],
