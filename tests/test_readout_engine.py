@@ -226,8 +226,8 @@ def test_the_walk_on_the_engine_is_the_walk_in_plain_pytorch(family, max_length)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_model_on_the_gpu_attributes_as_on_the_cpu():
-    """path_attribution walks on the capture's device (the ops' ATen form) and folds on the CPU;
-    top_paths searches on the CPU: both give what the CPU model gives."""
+    """path_attribution and top_paths walk on the capture's device (the ops' ATen form) and fold
+    on the CPU: both give what the CPU model gives."""
     import pathkernels as pk
     from pathkernels.adapters.residual import capture_huggingface_residual
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -504,23 +504,6 @@ class _ReadOut:
     positions: list[int]
     batch: int
     max_length: int
-
-    def to(self, device) -> _ReadOut:
-        """The same readout with every tensor, the frozen model's included, on ``device``."""
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        sublayers = [
-            replace(s, attn=move(s.attn), scale=move(s.scale), gamma=move(s.gamma), w_v=move(s.w_v), w_o=move(s.w_o))
-            for s in self.model.sublayers
-        ]
-        model = replace(self.model, sublayers=sublayers, sources=[move(t) for t in self.model.sources])
-        return replace(
-            self,
-            model=model,
-            rho=move(self.rho),
-            phi=move(self.phi),
-            constant=move(self.constant),
-            value=move(self.value),
-        )
 
 
 def read_out(stack, readout, positions, batch, max_length, where: str) -> _ReadOut:

@@ -241,7 +241,7 @@ def top_paths(
         time_limit: seconds; at the limit the best list so far comes back with its gap.
         memory_budget: bytes for the frontier of unexpanded nodes; reaching it also stops.
         batch_nodes: nodes expanded per step (the ones of largest bound), one readout-engine call
-            per level among them. The search runs on the CPU, whatever the model's device.
+            per level among them, on the capture's device.
         record: keep every visited path and its attribution (for checking the certificate).
         bound: which bound prunes (docs/DESIGN.md, "The top paths, certified"): ``"chain"`` (the
             default: pre-norm models pair consecutive heads and fold the source into the lowest),
@@ -263,7 +263,7 @@ def top_paths(
         )
     if bound not in _BOUNDS:
         raise ValueError(f"{_WHERE}: expected bound in {_BOUNDS}, got {bound!r}")
-    setup = read_out(stack, readout, position, batch, max_length, _WHERE).to("cpu")  # a search of small steps
+    setup = read_out(stack, readout, position, batch, max_length, _WHERE)
     if len(setup.readout.labels) != 1:
         raise ValueError(f"{_WHERE}: expected one readout direction, got {len(setup.readout.labels)}")
     model, layers = setup.model, stack.num_layers
@@ -273,9 +273,10 @@ def top_paths(
 
     # The frontier: unexpanded nodes, each at a level (the source it meets next).
     rho, phi = setup.rho[:, :1], sign * setup.phi
-    level = torch.full((1,), len(model.sublayers), dtype=torch.long)
-    choices = torch.full((1, layers), -1, dtype=torch.long)
-    lengths = torch.zeros(1, dtype=torch.long)
+    device = rho.device  # the capture's: the frontier lives there, the fold on the CPU
+    level = torch.full((1,), len(model.sublayers), dtype=torch.long, device=device)
+    choices = torch.full((1, layers), -1, dtype=torch.long, device=device)
+    lengths = torch.zeros(1, dtype=torch.long, device=device)
     bounds = _bounds(rho, phi, reach, level)
     # The k largest of the (signed) attributions found, and with record every visited path.
     fold = _Fold(len(model.sources), layers, 1, 1, k, keep=record, bottom=False)
@@ -320,7 +321,7 @@ def top_paths(
                 continue
             runs = [(g_rho.shape[0], None)]
             for *part, _ in walker.children(at, g_rho, g_phi, g_choices, g_lengths, runs, setup.max_length):
-                child_level = torch.full((part[0].shape[0],), at - 1, dtype=torch.long)
+                child_level = torch.full((part[0].shape[0],), at - 1, dtype=torch.long, device=device)
                 new.append((*part[:2], child_level, *part[2:]))
         if new:
             parts = list(zip(*new))
