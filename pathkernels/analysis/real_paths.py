@@ -146,8 +146,7 @@ def path_counts_by_length(model: _Model, max_length: int) -> list[int]:
     """Exact path counts by length ``0..L``: source j reaches the A_j attention sublayers above it,
     ``C(A_j, k) H^k`` paths of length k."""
     counts = [0] * (model.layers + 1)
-    for source in range(len(model.sources)):
-        above = sum(1 for sublayer in model.sublayers[source:] if sublayer.attn is not None)
+    for above in _reach(model):
         for k in range(min(above, max_length) + 1):
             counts[k] += math.comb(above, k) * model.num_heads**k
     return counts
@@ -199,10 +198,9 @@ def _draw(model: _Model, count: int, lengths: list[int], generator) -> tuple[Ten
     a (source, length) pair in proportion to its ``C(A_j, k) H^k`` paths, a uniform set of k of its
     attention sublayers, a uniform head at each."""
     attention = [index for index, sublayer in enumerate(model.sublayers) if sublayer.attn is not None]
-    pairs = [(j, k) for j, above in enumerate(_reach(model)) for k in lengths if k <= above]
-    weights = torch.tensor(
-        [float(math.comb(_reach(model)[j], k) * model.num_heads**k) for j, k in pairs], dtype=torch.float64
-    )
+    reach = _reach(model)
+    pairs = [(j, k) for j, above in enumerate(reach) for k in lengths if k <= above]
+    weights = torch.tensor([float(math.comb(reach[j], k) * model.num_heads**k) for j, k in pairs], dtype=torch.float64)
     picked = torch.multinomial(weights, count, replacement=True, generator=generator)
     sources = torch.tensor([pairs[i][0] for i in picked.tolist()], dtype=torch.long)
     taken = torch.tensor([pairs[i][1] for i in picked.tolist()], dtype=torch.long)
