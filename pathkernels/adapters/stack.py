@@ -228,8 +228,9 @@ class AttentionStack:
         )
 
     def _model_length_sums(self, x, skip: bool, biases: bool) -> Tensor:
-        """:meth:`length_sums` of the captured model (the float64 references compute it until the
-        C++ engine takes it over, issue 24)."""
+        """:meth:`length_sums` of the captured model, by the float64 recurrences of
+        :mod:`pathkernels.reference` (one pass over the layers, ``O(L H n² d)``: no path is
+        enumerated, so no engine is needed)."""
         if x is not None or not skip or not biases:
             raise ValueError(
                 "pathkernels.AttentionStack.length_sums: this stack holds the model's captured residual stream, "
