@@ -314,6 +314,7 @@ def decompose(
             generator=generator,
             memory_budget=memory_budget,
             progress=progress,
+            max_result_bytes=max_result_bytes,
         )
     attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask, "pathkernels.decompose")
     if not isinstance(attn, Tensor) or attn.dim() not in (4, 5):

@@ -180,3 +180,12 @@ def test_samples_measure_their_paths_as_the_exact_decomposition_does():
     assert stratified.path_counts[1] == 0 and stratified.path_counts[2] == exact.path_counts[2]
     # Asking for every path gives the exact decomposition.
     assert pk.decompose(stack, num_samples=10**6).method == "exact"
+
+
+def test_results_beyond_the_budget_are_refused_before_any_work():
+    stack, _ = capture_huggingface_residual(gpt2(), input_ids=torch.randint(0, 50, (1, 5)))
+    with pytest.raises(ValueError, match=r"^pathkernels\.decompose: the results of 187 paths would take .* more than"):
+        pk.decompose(stack, max_result_bytes=1000)
+    with pytest.raises(ValueError, match=r"the results of 30 paths"):
+        pk.decompose(stack, num_samples=30, max_result_bytes=1000)
+    assert len(pk.decompose(stack, num_samples=30, max_result_bytes=10_000).paths) == 30

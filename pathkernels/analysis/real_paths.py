@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from pathkernels._memory import format_bytes
 from pathkernels._progress import progress_bar
 from pathkernels.analysis.attribution import _frozen_model, _Model, _Sublayer, describe_path
-from pathkernels.decompose import PathDecomposition, _require, register_model_decomposer
+from pathkernels.decompose import DEFAULT_MAX_RESULT_BYTES, PathDecomposition, _require, register_model_decomposer
 from pathkernels.engine import PathResiduals
 from pathkernels.ops import residual_norm
 from pathkernels.paths import MAX_ENUMERATED_PATHS, PathTree, check_int
@@ -258,6 +259,7 @@ def decompose_model(
     generator: torch.Generator | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     progress: bool = False,
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
 ) -> ModelPathDecomposition:
     """The paths of a captured model and their terms' residual ratios (module docstring): every
     path, or a sample with the estimators of :class:`~pathkernels.PathDecomposition`.
@@ -271,6 +273,8 @@ def decompose_model(
         generator: for the draws.
         memory_budget: bytes for the chunks of terms in flight.
         progress: a progress bar over the paths of every sequence.
+        max_result_bytes: refuse, before any work, a decomposition whose per-path results (the
+            paths, their sources, and a residual and a norm per sequence) would take more.
 
     Returns:
         :class:`ModelPathDecomposition`, float64: ``results.residual``, ``norm`` and ``ratio``
@@ -280,6 +284,7 @@ def decompose_model(
     layers = stack.num_layers
     max_length = layers if max_length is None else check_int(max_length, "max_length", _WHERE, minimum=0)
     memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
+    max_result_bytes = check_int(max_result_bytes, "max_result_bytes", _WHERE, minimum=0)
     if num_samples is not None and samples_per_length is not None:
         raise ValueError(f"{_WHERE}: pass at most one of num_samples and samples_per_length")
     tokens = stack.attn.shape[-1]
@@ -289,6 +294,16 @@ def decompose_model(
     ]
     models = [_frozen_model(stack, stack.residual_capture, b, real) for b, real in enumerate(masks)]
     counts = path_counts_by_length(models[0], max_length)
+    per_path = 8 * (layers + 1) + 16 * stack.batch_size  # choices, source, residual and norm per sequence
+    asked = sum(counts) if num_samples is None and samples_per_length is None else None
+    if num_samples is not None:
+        asked = min(check_int(num_samples, "num_samples", _WHERE, minimum=1), sum(counts))
+    if asked is not None and asked * per_path > max_result_bytes:
+        raise ValueError(
+            f"{_WHERE}: the results of {asked:,} paths would take {format_bytes(asked * per_path)}, more than "
+            f"max_result_bytes ({format_bytes(max_result_bytes)}); pass a smaller max_length, num_samples or "
+            "samples_per_length, or use pk.length_sums (exact sums per length) or pk.top_paths"
+        )
     drawn = _sample(models[0], counts, max_length, num_samples, samples_per_length, generator)
     if drawn is None:
         return _exact(stack, models, counts, max_length, memory_budget, progress)
