@@ -11,7 +11,7 @@
 # hostile-input tests;
 # memcheck of every kernel and racecheck of the leaf and engine kernels; bench_gpu_leaves.py
 # --quick; the engine's profile; bench_norms.py --quick; bench_gpu_statistics.py (10^8 paths and a
-# resumed checkpoint).
+# resumed checkpoint); bench_gpu_readout.py (the readout engine, CUDA against CPU).
 # Each step is stopped after STEP_TIMEOUT seconds (default 600), so one hang cannot eat the lease.
 set -uo pipefail
 quick=false
@@ -69,7 +69,8 @@ if $quick; then
   step profile-engine $PYTHON bench/profile_gpu_engine.py --out "$out/gpu_profile.json"
   step bench-norms $PYTHON bench/bench_norms.py --device cuda --quick --out "$out/norms.json"
   step bench-gpu-statistics $PYTHON bench/bench_gpu_statistics.py --out "$out/gpu_statistics.json"
-  logs="tests crash-backtrace bench-gpu-leaves profile-engine bench-norms bench-gpu-statistics"
+  step bench-gpu-readout $PYTHON bench/bench_gpu_readout.py --out "$out/gpu_readout.json"
+  logs="tests crash-backtrace bench-gpu-leaves profile-engine bench-norms bench-gpu-statistics bench-gpu-readout"
 else
   step tests $PYTHON -m pytest -q -rs --durations=5 $parallel tests
   for tool in memcheck racecheck; do
@@ -81,7 +82,8 @@ else
   step bench-norms $PYTHON bench/bench_norms.py --device cuda --out "$out/norms.json"
   step bench-gpu-statistics $PYTHON bench/bench_gpu_statistics.py --full --out "$out/gpu_statistics.json"
   step bench-paths $PYTHON bench/bench_paths.py --device cuda --quick --out "$out/paths.json"
-  logs="tests bench-gpu-leaves profile-engine bench-norms bench-gpu-statistics bench-paths"
+  step bench-gpu-readout $PYTHON bench/bench_gpu_readout.py --out "$out/gpu_readout.json"
+  logs="tests bench-gpu-leaves profile-engine bench-norms bench-gpu-statistics bench-paths bench-gpu-readout"
 fi
 for log in $logs; do
   { echo; echo "$log:"; tail -n 30 "$out/$log.log" | sed 's/^/    /'; } >> "$summary"
