@@ -405,11 +405,19 @@ class PathAttribution:
 
 def count_attribution_paths(layers: int, heads: int, max_length: int) -> int:
     """Paths of a pre- or post-norm model with ``layers`` attention layers of ``heads`` heads, up to
-    ``max_length`` heads: the embedding reaches every layer, layer l's two sources the layers above."""
-    total = 0
-    for above, count in [(layers, 1)] + [(layers - 1 - layer, 2) for layer in range(layers)]:
-        total += count * sum(math.comb(above, k) * heads**k for k in range(min(above, max_length) + 1))
-    return total
+    ``max_length`` heads (:func:`count_attribution_paths_by_length`, summed)."""
+    return sum(count_attribution_paths_by_length(layers, heads, max_length))
+
+
+def count_attribution_paths_by_length(layers: int, heads: int, max_length: int) -> list[int]:
+    """Those paths by length ``0..L``: the embedding reaches every attention layer, layer l's two
+    sources (its attention's constant rows and its MLP's output) the A = L − 1 − l layers above,
+    each with ``C(A, k) H^k`` paths of length k."""
+    counts = [0] * (layers + 1)
+    for above, sources in [(layers, 1)] + [(layers - 1 - layer, 2) for layer in range(layers)]:
+        for k in range(min(above, max_length) + 1):
+            counts[k] += sources * math.comb(above, k) * heads**k
+    return counts
 
 
 class _PathSet:

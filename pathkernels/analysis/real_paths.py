@@ -32,7 +32,13 @@ from torch import Tensor
 
 from pathkernels._memory import format_bytes
 from pathkernels._progress import progress_bar
-from pathkernels.analysis.attribution import _frozen_model, _Model, _Sublayer, describe_path
+from pathkernels.analysis.attribution import (
+    _frozen_model,
+    _Model,
+    _Sublayer,
+    count_attribution_paths_by_length,
+    describe_path,
+)
 from pathkernels.decompose import DEFAULT_MAX_RESULT_BYTES, PathDecomposition, _require, register_model_decomposer
 from pathkernels.engine import PathResiduals
 from pathkernels.ops import residual_norm
@@ -141,16 +147,6 @@ def path_terms(model: _Model, max_length: int, chunk: int) -> Iterator[tuple[Ten
             for part in reversed(parts):  # the skip's subtree first
                 for start in range(0, part[0].shape[0], chunk):
                     pending.append((position + 1, *(t[start : start + chunk] for t in part)))
-
-
-def path_counts_by_length(model: _Model, max_length: int) -> list[int]:
-    """Exact path counts by length ``0..L``: source j reaches the A_j attention sublayers above it,
-    ``C(A_j, k) H^k`` paths of length k."""
-    counts = [0] * (model.layers + 1)
-    for above in _reach(model):
-        for k in range(min(above, max_length) + 1):
-            counts[k] += math.comb(above, k) * model.num_heads**k
-    return counts
 
 
 def _canonical_order(choices: Tensor, sources: Tensor) -> Tensor:
@@ -293,7 +289,7 @@ def decompose_model(
         for b in range(stack.batch_size)
     ]
     models = [_frozen_model(stack, stack.residual_capture, b, real) for b, real in enumerate(masks)]
-    counts = path_counts_by_length(models[0], max_length)
+    counts = count_attribution_paths_by_length(layers, stack.num_heads, max_length)
     per_path = 8 * (layers + 1) + 16 * stack.batch_size  # choices, source, residual and norm per sequence
     asked = sum(counts) if num_samples is None and samples_per_length is None else None
     if num_samples is not None:
