@@ -199,15 +199,20 @@ class _Sublayer:
         return (self.scale[None, :, None] * self.attn).contiguous()
 
     @functools.cached_property
+    def norm_values(self) -> Tensor:
+        """Pre-norm, ``C Γ W_V`` per head ``[H, d, d_head]``: each head's input map with the frozen
+        norm before it (scale the rows, centre the columns), without a ``d × d`` product."""
+        values = self.gamma[:, None] * self.w_v
+        return values - values.mean(-2, keepdim=True) if self.centred else values
+
+    @functools.cached_property
     def feature_factors(self) -> tuple[Tensor, Tensor]:
         """Every head's feature map in the row form ``φ' = φ F_in[h] F_out[h]``, ``F_in [H, d, d_head]``
         and ``F_out [H, d_head, d]``: ``Fᵀ = W_Oᵀ W_Vᵀ Γ C`` (pre-norm) or ``Γ C W_Oᵀ W_Vᵀ``
         (post-norm), with the frozen norm folded into the factor beside it."""
         w_o_t, w_v_t = self.w_o.transpose(-1, -2), self.w_v.transpose(-1, -2)
-        if self.pre:  # W_Vᵀ Γ C: scale the columns, centre the rows
-            out = w_v_t * self.gamma
-            out = out - out.mean(-1, keepdim=True) if self.centred else out
-            return w_o_t.contiguous(), out.contiguous()
+        if self.pre:  # W_Vᵀ Γ C = (C Γ W_V)ᵀ
+            return w_o_t.contiguous(), self.norm_values.transpose(-1, -2).contiguous()
         # Γ C W_Oᵀ: centre the columns, scale the rows
         into = w_o_t - w_o_t.mean(-2, keepdim=True) if self.centred else w_o_t
         return (self.gamma[:, None] * into).contiguous(), w_v_t.contiguous()

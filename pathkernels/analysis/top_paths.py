@@ -120,7 +120,7 @@ def _head_factor(sublayer: _Sublayer) -> float:
     if sublayer.attn is None:
         return 0.0
     if sublayer.pre:  # F = C Γ W_V W_O
-        left, right = sublayer.norm_features_matrix() @ sublayer.w_v, sublayer.w_o
+        left, right = sublayer.norm_values, sublayer.w_o
     else:  # F = W_V W_O C Γ
         left, right = sublayer.w_v, sublayer.w_o @ sublayer.norm_features_matrix()
     r_left = torch.linalg.qr(left).R  # [H, d_head, d_head]
@@ -159,7 +159,7 @@ def _source_head_factors(model: _Model, index: int) -> Tensor:
     """``κ'_{s,h} = max_{i ≤ s, t} ‖(K_i U_h)_t‖₂`` per head ``[H]`` of attention sublayer s = ``index``,
     ``U_h = C Γ W_V,h``: how far a source that meets the path's lowest head, h of s, reaches
     through that head's d_head values."""
-    values = model.sublayers[index].norm_features_matrix() @ model.sublayers[index].w_v  # [H, d, d_head]
+    values = model.sublayers[index].norm_values  # [H, d, d_head]
     sources = torch.stack(model.sources[: index + 1])  # [I, n, d]
     return torch.einsum("ind,hde->ihne", sources, values).norm(dim=-1).amax(dim=(0, 2))
 
@@ -198,7 +198,7 @@ def _chain_factors(model: _Model) -> list[float]:
         if sublayer.attn is None:
             continue
         best = _source_head_factors(model, index)
-        into = sublayer.norm_features_matrix() @ sublayer.w_v  # U of this sublayer's heads [H, d, e]
+        into = sublayer.norm_values  # U of this sublayer's heads [H, d, e]
         for lower, q in chain.items():
             pair = torch.linalg.matrix_norm(torch.einsum("ged,hdf->hgef", model.sublayers[lower].w_o, into), ord=2)
             best = torch.maximum(best, (pair * q[None, :]).amax(1))  # [H upper, H lower] → [H upper]
