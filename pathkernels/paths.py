@@ -271,7 +271,7 @@ class PathTree:
     def nodes_per_level(self) -> list[int]:
         """Distinct prefixes at each depth ``0..L`` (level 0 is the root); the last are the leaves."""
         if self._short is not None:
-            return self._short.nodes_per_level(self.num_heads, self.max_length)
+            return list(self._short.nodes_per_level)
         if self._paths is None:
             choices = self.num_heads + int(self.skip)
             return [choices**level for level in range(self.num_layers + 1)]
@@ -442,6 +442,8 @@ class _ShortPaths:
         self.num_layers = num_layers
         completions = _short_path_counts(num_layers, num_heads, max_length)  # [L + 1, k + 1]: N(r, b)
         self.num_paths = int(completions[num_layers, max_length])
+        # Every prefix of at most k heads continues (it may skip to the end), so depth l has N(l, k).
+        self.nodes_per_level = [int(v) for v in completions[:, max_length]]
         heads = np.arange(num_heads, dtype=np.int64)
         rows, layers, taken = [], [], []
         # Open prefixes (those that may still take a head): first row, next layer, budget.
@@ -494,11 +496,6 @@ class _ShortPaths:
         table = torch.full((index.numel(), self.num_layers), SKIP, dtype=torch.long)
         table[owner, self.layer[entry]] = self.head[entry]
         return table
-
-    def nodes_per_level(self, num_heads: int, max_length: int) -> list[int]:
-        """Distinct prefixes at each depth: every prefix of at most ``max_length`` heads continues
-        (it may skip to the end), so depth l has ``Σ_{j≤k} C(l, j) H^j``, that is N(l, k)."""
-        return [int(v) for v in _short_path_counts(self.num_layers, num_heads, max_length)[:, max_length]]
 
 
 def _ranges(lengths: np.ndarray) -> np.ndarray:
