@@ -277,7 +277,7 @@ def decompose_model(
         ``[B, M]``, paths ``[M, L]`` and ``sources [M]`` (sorted by source, then by heads, when
         exact; in draw order when sampled). The terms of each sequence sum to the captured stream.
     """
-    layers = stack.num_layers
+    layers, heads = stack.num_layers, stack.num_heads
     max_length = layers if max_length is None else check_int(max_length, "max_length", _WHERE, minimum=0)
     memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
     max_result_bytes = check_int(max_result_bytes, "max_result_bytes", _WHERE, minimum=0)
@@ -289,11 +289,12 @@ def decompose_model(
         for b in range(stack.batch_size)
     ]
     models = [_frozen_model(stack, stack.residual_capture, b, real) for b, real in enumerate(masks)]
-    counts = count_attribution_paths_by_length(layers, stack.num_heads, max_length)
+    counts = count_attribution_paths_by_length(layers, heads, max_length)
     per_path = 8 * (layers + 1) + 16 * stack.batch_size  # choices, source, residual and norm per sequence
     asked = sum(counts) if num_samples is None and samples_per_length is None else None
     if num_samples is not None:
-        asked = min(check_int(num_samples, "num_samples", _WHERE, minimum=1), sum(counts))
+        num_samples = check_int(num_samples, "num_samples", _WHERE, minimum=1)
+        asked = min(num_samples, sum(counts))
     if asked is not None and asked * per_path > max_result_bytes:
         raise ValueError(
             f"{_WHERE}: the results of {asked:,} paths would take {format_bytes(asked * per_path)}, more than "
@@ -301,32 +302,70 @@ def decompose_model(
             "samples_per_length, or use pk.length_sums (exact sums per length) or pk.top_paths"
         )
     drawn = _sample(models[0], counts, max_length, num_samples, samples_per_length, generator)
+    term_bytes = 8 * tokens * stack.d_model  # one term [n, d] in float64
     if drawn is None:
-        return _exact(stack, models, counts, max_length, memory_budget, progress)
-    method, choices, sources, counts = drawn
-    chunk = max(1, memory_budget // (4 * 8 * tokens * stack.d_model))
+        method = "exact"
+        if sum(counts) > MAX_ENUMERATED_PATHS:
+            raise ValueError(
+                f"{_WHERE}: the model has {sum(counts):,} paths of at most {max_length} heads, beyond the "
+                f"{MAX_ENUMERATED_PATHS:,} a decomposition lists; pass a smaller max_length, num_samples or "
+                "samples_per_length, or use pk.length_sums (exact sums per length) or pk.top_paths"
+            )
+        chunk = max(1, memory_budget // (4 * (stack.num_heads + 1) * term_bytes))  # a chunk and its children
+
+        def pieces(model):
+            for terms, choices, source in path_terms(model, max_length, chunk):
+                yield terms, choices, torch.full((terms.shape[0],), source)
+
+    else:
+        method, drawn_choices, drawn_sources, counts = drawn
+        chunk = max(1, memory_budget // (4 * term_bytes))
+
+        def pieces(model):
+            for start in range(0, drawn_sources.numel(), chunk):
+                choices, sources = drawn_choices[start : start + chunk], drawn_sources[start : start + chunk]
+                yield terms_of(model, choices, sources), choices, sources
+
+    evaluated_paths = sum(counts) if drawn is None else drawn_sources.numel()
+    bar = progress_bar(evaluated_paths * len(models), enabled=progress, unit="path", desc=_WHERE)
     residuals, norms = [], []
-    bar = progress_bar(sources.numel() * len(models), enabled=progress, unit="path", desc=_WHERE)
     for model in models:
         parts = []
-        for start in range(0, sources.numel(), chunk):
-            terms = terms_of(model, choices[start : start + chunk], sources[start : start + chunk])
-            parts.append([t.cpu() for t in residual_norm(terms, return_norm=True)])
+        for terms, choices, sources in pieces(model):
+            residual, norm = residual_norm(terms, return_norm=True)
+            parts.append((choices.cpu(), sources.cpu(), residual.cpu(), norm.cpu()))
             if bar is not None:
                 bar.update(terms.shape[0])
-        residuals.append(torch.cat([p[0] for p in parts]))
-        norms.append(torch.cat([p[1] for p in parts]))
+        paths, path_sources, residual, norm = (torch.cat(column) for column in zip(*parts))
+        if method == "exact":  # the tries' depth-first order, sorted (the same for every sequence)
+            order = _canonical_order(paths, path_sources)
+            paths, path_sources, residual, norm = paths[order], path_sources[order], residual[order], norm[order]
+        residuals.append(residual)
+        norms.append(norm)
     if bar is not None:
         bar.close()
-    lengths = (choices != _NO_HEAD).sum(1)
+    # Each path stands for count_k / evaluated_k paths of its length (1 where every path was evaluated).
+    lengths = (paths != _NO_HEAD).sum(1)
     evaluated = torch.bincount(lengths, minlength=layers + 1)
     weights = torch.tensor([counts[k] / max(int(evaluated[k]), 1) for k in range(layers + 1)], dtype=torch.float64)
-    return _decomposition(stack, models[0], method, residuals, norms, choices, sources, counts, weights[lengths])
+    results = PathResiduals(torch.stack(residuals), torch.stack(norms), PathTree.from_paths(paths, num_heads=heads))
+    return ModelPathDecomposition(
+        results=results,
+        method=method,
+        num_layers=layers,
+        num_heads=heads,
+        skip=True,
+        path_counts=list(counts),
+        weights=weights[lengths],
+        sources=path_sources,
+        source_names=models[0].source_names,
+    )
 
 
 def _sample(model: _Model, counts, max_length, num_samples, samples_per_length, generator):
-    """The sample ``(method, choices, sources, counts)`` the arguments ask for, or None for every
-    path (also when the sample would hold every path)."""
+    """The sample ``(method, choices, sources, counts)`` the arguments ask for (``num_samples``
+    already checked by the caller), or None for every path (also when the sample would hold every
+    path)."""
     total, top = sum(counts), min(max_length, model.layers)
     if num_samples is not None:
         if max_length != model.layers:
@@ -334,7 +373,6 @@ def _sample(model: _Model, counts, max_length, num_samples, samples_per_length, 
                 f"{_WHERE}: uniform sampling draws from all paths; for short paths use samples_per_length "
                 "with max_length"
             )
-        num_samples = check_int(num_samples, "num_samples", _WHERE, minimum=1)
         if num_samples >= total:
             return None
         choices, sources = _distinct(model, num_samples, list(range(top + 1)), generator)
@@ -356,54 +394,6 @@ def _sample(model: _Model, counts, max_length, num_samples, samples_per_length, 
     choices, sources = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     stratum_counts = [counts[k] if k in samples_per_length else 0 for k in range(model.layers + 1)]
     return "stratified", choices, sources, stratum_counts
-
-
-def _decomposition(stack, model, method, residuals, norms, choices, sources, counts, weights):
-    results = PathResiduals(
-        torch.stack(residuals), torch.stack(norms), PathTree.from_paths(choices, num_heads=stack.num_heads)
-    )
-    return ModelPathDecomposition(
-        results=results,
-        method=method,
-        num_layers=stack.num_layers,
-        num_heads=stack.num_heads,
-        skip=True,
-        path_counts=list(counts),
-        weights=weights,
-        sources=sources,
-        source_names=model.source_names,
-    )
-
-
-def _exact(stack, models, counts, max_length, memory_budget, progress) -> ModelPathDecomposition:
-    """Every path up to ``max_length`` heads, on the tries of :func:`path_terms`."""
-    total = sum(counts)
-    if total > MAX_ENUMERATED_PATHS:
-        raise ValueError(
-            f"{_WHERE}: the model has {total:,} paths of at most {max_length} heads, beyond the "
-            f"{MAX_ENUMERATED_PATHS:,} a decomposition lists; pass a smaller max_length, num_samples or "
-            "samples_per_length, or use pk.length_sums (exact sums per length) or pk.top_paths"
-        )
-    tokens = stack.attn.shape[-1]
-    chunk = max(1, memory_budget // (4 * (stack.num_heads + 1) * 8 * tokens * stack.d_model))
-    bar = progress_bar(total * len(models), enabled=progress, unit="path", desc=_WHERE)
-    residuals, norms = [], []
-    for model in models:
-        parts = []
-        for terms, choices, source in path_terms(model, max_length, chunk):
-            residual, norm = residual_norm(terms, return_norm=True)
-            parts.append((choices.cpu(), torch.full((terms.shape[0],), source), residual.cpu(), norm.cpu()))
-            if bar is not None:
-                bar.update(terms.shape[0])
-        choices, sources, residual, norm = (torch.cat(column) for column in zip(*parts))
-        order = _canonical_order(choices, sources)
-        paths, path_sources = choices[order], sources[order]  # the same for every sequence
-        residuals.append(residual[order])
-        norms.append(norm[order])
-    if bar is not None:
-        bar.close()
-    weights = torch.ones(paths.shape[0], dtype=torch.float64)
-    return _decomposition(stack, models[0], "exact", residuals, norms, paths, path_sources, counts, weights)
 
 
 register_model_decomposer(decompose_model)
