@@ -18,6 +18,7 @@ TL4 = ROOT / "build" / "transformer-lens-4"
 SELECTED = [
     "tests/test_adapters.py",
     "tests/test_masking.py",
+    "tests/test_model_families.py",
     "tests/test_readme.py",
     "tests/test_real_models_transformer_lens.py",
 ]

@@ -47,6 +47,7 @@ class ResidualStreamCapture:
     ``final_weight`` and ``final_bias`` ``[d]`` are kept for readouts; post: the last hidden state,
     and no final norm). ``unembedding`` ``[vocab, d]`` and ``unembedding_bias`` ``[vocab]``: the
     model's output embedding (its weight as the model holds it, not copied), None without an LM head.
+    ``final_norm``: the final norm's kind where it differs from the blocks' ``norm`` (else None).
     """
 
     layout: str
@@ -65,12 +66,20 @@ class ResidualStreamCapture:
     final_bias: Tensor | None = None
     unembedding: Tensor | None = None
     unembedding_bias: Tensor | None = None
+    final_norm: str | None = None
 
     @property
     def centred(self) -> bool:
-        """Whether the norms centre the features (LayerNorm's ``C``; RMSNorm, and a model without
-        norms, ``norm="none"``, whose scales are 1, do not)."""
+        """Whether the blocks' norms centre the features (LayerNorm's ``C``; RMSNorm, and a model
+        without norms, ``norm="none"``, whose scales are 1, do not)."""
         return self.norm == "layernorm"
+
+    @property
+    def final_centred(self) -> bool:
+        """Whether the final norm centres the features: its own kind (``final_norm``; an RMSNorm
+        before the unembedding of a LayerNorm model, TransformerLens's ``final_rms``), else the
+        blocks' (``norm``)."""
+        return (self.norm if self.final_norm is None else self.final_norm) == "layernorm"
 
     def patterns(self, attn: Tensor, batch: int | None = None) -> Tensor:
         """The stack's ``attn [B, L, H, n, n]`` as the model computed it (only batch element
@@ -138,29 +147,53 @@ def _inverse_scale(x: Tensor, norm: nn.Module, kind: str) -> Tensor:
 
 
 def _rms_norm_in_float64(module: nn.Module, args: tuple, output: Tensor) -> Tensor | None:
-    """A forward hook that computes a Llama-family RMSNorm in float64 when its input is float64.
+    """A forward hook that computes an RMSNorm in float64 when its input is float64.
 
-    Their RMSNorm (Hugging Face's, and TransformerLens 4.x's native ones) rounds its input to
-    float32 whatever the model's dtype, so a float64 model's stream would hold float32 roundings
-    that no frozen linear map reproduces (~1e-7 relative); the capture's forward pass computes
-    ``γ ⊙ x / sqrt(mean(x²) + ε)`` (no γ in a parameter-free one) in float64 instead."""
+    Hugging Face's RMSNorms (Llama's, Gemma's, …) and TransformerLens 4.x's native ones round their
+    input to float32 whatever the model's dtype, so a float64 model's stream would hold float32
+    roundings that no frozen linear map reproduces (~1e-7 relative); the capture's forward pass
+    computes ``γ ⊙ x / sqrt(mean(x²) + ε)`` (no γ in a parameter-free one) in float64 instead."""
     x = args[0]
     if x.dtype != torch.float64:
         return None
-    eps = module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
-    normalised = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    normalised = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _rms_eps(module))
+    gain = rms_gain(module)
+    return normalised if gain is None else gain.to(normalised.dtype) * normalised
+
+
+def _rms_eps(module: nn.Module) -> float:
+    return module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
+
+
+def rms_gain(module: nn.Module) -> Tensor | None:
+    """The gain ``γ`` ``[d]`` of an RMSNorm module, ``y = γ ⊙ x / sqrt(mean(x²) + ε)``, in float64 (None
+    for a parameter-free one). Gemma-style norms store ``γ − 1`` as their weight and compute
+    ``(1 + w)``; which convention a module follows is read from its own output on a constant input,
+    where ``x / sqrt(mean(x²) + ε)`` is ``1 / sqrt(1 + ε)`` in every feature."""
     weight = getattr(module, "weight", None)
-    return normalised if weight is None else weight * normalised
+    if weight is None:
+        return None
+    w = weight.detach().double()
+    probe = torch.ones(1, w.shape[-1], dtype=weight.dtype, device=weight.device)
+    with torch.no_grad():
+        seen = module.forward(probe).double()[0] * (1 + _rms_eps(module)) ** 0.5  # forward: no hooks
+    offset = bool((seen - (w + 1)).abs().max() < (seen - w).abs().max())
+    return w + 1 if offset else w
 
 
 def _float32_rms_norms(model: nn.Module) -> list[nn.Module]:
-    """The RMSNorms of a TransformerLens model that compute in float32 (4.x's native ones, and the
-    Hugging Face ones a TransformerBridge wraps)."""
+    """The RMSNorms of a model that compute in float32 whatever its dtype: Hugging Face's (Llama's
+    ``variance_epsilon`` ones, Gemma's ``eps`` ones) and TransformerLens 4.x's native ones (a
+    HookedTransformer's own RMSNorms compute in the model's dtype)."""
     return [
         module
         for module in model.modules()
         if type(module).__name__ in ("NativeRMSNorm", "NativeRMSNormPre")
-        or (type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"))
+        or (
+            type(module).__name__.endswith("RMSNorm")
+            and type(module).__module__.startswith("transformers.")
+            and (hasattr(module, "variance_epsilon") or hasattr(module, "eps"))
+        )
     ]
 
 
@@ -322,7 +355,11 @@ def capture_transformer_lens_residual(
         raise ValueError(f"{where}: models with parallel attention and MLP (parallel_attn_mlp) are not captured")
     if cfg.normalization_type not in _TL_NORMS:
         raise ValueError(f"{where}: normalization_type {cfg.normalization_type!r} is not captured")
+    _refuse_output_norms(model, cfg, where)
     norm, has_weight, has_bias = _TL_NORMS[cfg.normalization_type]
+    # TransformerLens's final_rms: an RMSNorm (with γ unless the weights are folded) before the
+    # unembedding of a LayerNorm model.
+    final_norm = "rmsnorm" if norm == "layernorm" and getattr(cfg, "final_rms", False) else None
     layers, attn_only = cfg.n_layers, bool(cfg.attn_only)
     normed = norm != "none"
     names = {f"blocks.{layer}.attn.hook_pattern" for layer in range(layers)}
@@ -351,7 +388,8 @@ def capture_transformer_lens_residual(
         for part in module_name.split("."):
             module = getattr(module, part, None) if not part.isdigit() else module[int(part)]
         if present and module is not None and hasattr(module, attribute):
-            return getattr(module, attribute).detach().double()
+            value = getattr(module, attribute).detach().double()
+            return value + 1 if attribute == "w" and _uses_weight_offset(module, cfg) else value
         return torch.full((d,), fill, dtype=torch.float64, device=stack.attn.device)
 
     with torch.no_grad():
@@ -412,11 +450,50 @@ def capture_transformer_lens_residual(
             ),
             final_scale=inverse_scale("ln_final.hook_scale"),
             final_weight=parameter("ln_final", "w", has_weight and normed, 1.0),
-            final_bias=parameter("ln_final", "b", has_bias, 0.0),
+            final_bias=parameter("ln_final", "b", has_bias and final_norm is None, 0.0),
             unembedding=model.W_U.detach().T,
             unembedding_bias=None if getattr(model, "b_U", None) is None else model.b_U.detach(),
+            final_norm=final_norm,
         )
     return _attached(stack, capture)
+
+
+def _uses_weight_offset(norm, cfg) -> bool:
+    """Whether a TransformerLens norm computes ``x̂ · (1 + w)`` (a bridge over a Gemma-style RMSNorm,
+    which stores γ as an offset from 1): 4.x bridges say so per norm (``uses_weight_offset``), 3.x
+    bridges apply the config's ``rmsnorm_uses_offset`` to every norm they wrap. A HookedTransformer's
+    own norms hold γ itself (its weight conversion adds the 1)."""
+    flag = getattr(norm, "uses_weight_offset", None)
+    if flag is not None:
+        return bool(flag)
+    return hasattr(norm, "original_component") and bool(getattr(cfg, "rmsnorm_uses_offset", False))
+
+
+# TransformerLens's post-norm decoders (OLMo 2 and 3): their ln1 and ln2 normalise each sublayer's
+# output, not its input.
+_TL_POST_NORM_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+
+
+def _refuse_output_norms(model, cfg, where: str) -> None:
+    """Refuse, by name, TransformerLens models with a norm on a sublayer's output (Gemma-2's
+    ``use_normalization_before_and_after``, the ``ln1_post``/``ln2_post`` of a bridge's blocks, OLMo 2's
+    post-norm blocks): the capture reads each norm as the one before its sublayer, so their paths
+    would not sum to the stream."""
+    blocks = getattr(model, "blocks", None) or []
+    after = bool(getattr(cfg, "use_normalization_before_and_after", False)) or any(
+        hasattr(block, name) for block in blocks for name in ("ln1_post", "ln2_post")
+    )
+    if after:
+        raise ValueError(
+            f"{where}: models with a norm on each sublayer's output (use_normalization_before_and_after, "
+            "ln1_post/ln2_post, as in Gemma-2 and Gemma-3) are not captured"
+        )
+    architecture = getattr(cfg, "original_architecture", None) or getattr(cfg, "architecture", None)
+    if architecture in _TL_POST_NORM_ARCHITECTURES:
+        raise ValueError(
+            f"{where}: {architecture} normalises each sublayer's output (ln1 and ln2 after the sublayer); "
+            "such post-norm blocks are not captured"
+        )
 
 
 def _attention_biases(model: nn.Module, stack: AttentionStack) -> tuple[Tensor, Tensor]:

@@ -60,14 +60,25 @@ def _attention_only(model) -> bool | None:
     return bool(cfg.attn_only) and getattr(cfg, "normalization_type", None) is None
 
 
-def _softmax_precision(model) -> torch.dtype | None:
+def _softmax_precision(model, attn: torch.Tensor) -> torch.dtype | None:
     """For a bridge over a Hugging Face model, the dtype its family computes the patterns in (see
-    :func:`from_huggingface`); None otherwise."""
+    :func:`from_huggingface`); None otherwise.
+
+    Most Hugging Face decoders (Gemma, Qwen3, OPT among them) take the softmax in float32 whatever
+    the model's dtype. For a family the adapters do not know, float64 patterns ``attn`` whose rows
+    miss 1 by more than float64's rounding yet within float32's were computed in float32."""
     from pathkernels.adapters.huggingface import _FAMILIES
 
     original = model.__dict__.get("original_model") if hasattr(model, "__dict__") else None
+    if original is None:
+        return None
     family = _FAMILIES.get(getattr(getattr(original, "config", None), "model_type", None))
-    return None if family is None else family.softmax_dtype
+    if family is not None:
+        return family.softmax_dtype
+    if attn.dtype != torch.float64:
+        return None
+    miss = (attn.sum(-1) - 1).abs()
+    return torch.float32 if bool(((miss > 1e-13) & (miss < 1e-5)).any()) else None
 
 
 def run_cached(model, tokens, names: set[str], attention_mask=None):
@@ -164,6 +175,6 @@ def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -
         hidden_states=None if hidden is None else hidden.detach(),
         source=f"transformer_lens:{type(model).__name__}",
         token_mask=attention_mask,
-        attn_precision=_softmax_precision(model),
+        attn_precision=_softmax_precision(model, attn),
         attention_only=_attention_only(model),
     )

@@ -87,12 +87,24 @@ _LINEAR_READOUT_FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
 def unembedding(model, where: str = "pathkernels.logit") -> tuple[Tensor, Tensor | None, int]:
     """``(W_U [vocab, d], b_U or None, vocab)``: the model's output embedding, or, for a base model
     whose config ties the word embeddings (GPT-2's ``AutoModel``), its input embedding; a
-    TransformerLens model's ``W_U`` (transposed) and ``b_U``. Refuses Hugging Face families whose
-    logits are not linear in the final norm's output."""
+    TransformerLens model's ``W_U`` (transposed) and ``b_U``; a sequence classifier's ``score``
+    head (``[num_labels, d]``: its class logits, read at the token the head reads, the last real
+    one). Refuses Hugging Face families and heads whose logits are not linear in the final norm's
+    output (BERT's pooled classifier among them)."""
     if hasattr(model, "W_U") and hasattr(model, "cfg"):  # a TransformerLens HookedTransformer
         weight = model.W_U.detach().T
         return weight, getattr(model, "b_U", None), weight.shape[0]
     model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if _is_classifier(model):
+        score = getattr(model, "score", None)
+        if model_type not in _LINEAR_READOUT_FAMILIES or not isinstance(score, torch.nn.Linear):
+            raise ValueError(
+                f"{where}: {type(model).__name__} classifies through a non-linear head (a pooler, such as "
+                "BERT's tanh pooler, or a dense layer and an activation), so a path attribution cannot read "
+                "its class logits; pass a direction [d] that reads its last hidden state (a probe) instead"
+            )
+        weight = score.weight.detach()  # [num_labels, d]: the class logits read the final norm's output
+        return weight, score.bias, weight.shape[0]
     if model_type not in _LINEAR_READOUT_FAMILIES:
         raise ValueError(
             f"{where}: expected a GPT-2 or Llama-family model, whose logits are a linear map of its final "
@@ -111,6 +123,30 @@ def unembedding(model, where: str = "pathkernels.logit") -> tuple[Tensor, Tensor
     return weight, getattr(embedding, "bias", None), weight.shape[0]
 
 
+def logit_soft_cap(model) -> float | None:
+    """The cap ``c`` of a model whose logits are soft-capped, ``c · tanh(z / c)`` of the linear
+    readout ``z`` (Gemma-2's ``final_logit_softcapping``, TransformerLens's
+    ``output_logits_soft_cap``), or None. A path attribution is linear, so it attributes ``z``."""
+    cfg = getattr(model, "cfg", None)
+    cap = getattr(cfg, "output_logits_soft_cap", None) if cfg is not None else None
+    if cap is None:
+        cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    return float(cap) if cap is not None and float(cap) > 0 else None
+
+
+def _is_classifier(model) -> bool:
+    """Whether ``model`` is a Hugging Face sequence classifier (its logits are classes, not tokens)."""
+    return type(model).__name__.endswith("ForSequenceClassification")
+
+
+def _logit_label(model, *tokens: int) -> str:
+    """The label of the logit of ``tokens`` (one) or of their difference (two): a class logit's for
+    a sequence classifier, marked as the value before the soft cap where the model caps."""
+    name = "class logit" if _is_classifier(model) else "logit"
+    text = " − ".join(f"{name}[{token}]" for token in tokens)
+    return text if logit_soft_cap(model) is None else f"{text} (before the logit soft cap)"
+
+
 def _token(value, vocab: int, name: str, where: str) -> int:
     token = check_int(value, name, where)
     if not 0 <= token < vocab:
@@ -119,23 +155,26 @@ def _token(value, vocab: int, name: str, where: str) -> int:
 
 
 def logit(model, token: int) -> Readout:
-    """The logit of ``token``: direction ``W_U[:, token]`` (``[d]``), bias ``b_U[token]``."""
+    """The logit of ``token``: direction ``W_U[:, token]`` (``[d]``), bias ``b_U[token]``. For a model
+    whose logits are soft-capped (:func:`logit_soft_cap`) it is the logit before the cap, and its
+    label says so."""
     where = "pathkernels.logit"
     weight, bias, vocab = unembedding(model, where)
     a = _token(token, vocab, "token", where)
     constant = torch.zeros(1, dtype=torch.float64) if bias is None else bias.detach()[a : a + 1].double()
-    return Readout(weight[a : a + 1].double(), constant, (f"logit[{a}]",))
+    return Readout(weight[a : a + 1].double(), constant, (_logit_label(model, a),))
 
 
 def logit_diff(model, a: int, b: int) -> Readout:
     """The logit difference of tokens ``a`` and ``b``: direction ``W_U[:, a] − W_U[:, b]`` (``[d]``),
-    bias ``b_U[a] − b_U[b]``."""
+    bias ``b_U[a] − b_U[b]``. For a model whose logits are soft-capped (:func:`logit_soft_cap`) it
+    is the difference before the cap, and its label says so."""
     where = "pathkernels.logit_diff"
     weight, bias, vocab = unembedding(model, where)
     a, b = _token(a, vocab, "a", where), _token(b, vocab, "b", where)
     direction = (weight[a].double() - weight[b].double())[None]
     constant = torch.zeros(1, dtype=torch.float64) if bias is None else (bias[a].double() - bias[b].double()).reshape(1)
-    return Readout(direction, constant.detach(), (f"logit[{a}] − logit[{b}]",))
+    return Readout(direction, constant.detach(), (_logit_label(model, a, b),))
 
 
 @dataclass(frozen=True)
@@ -563,7 +602,7 @@ def read_out(stack, readout, positions, batch, max_length, where: str) -> _ReadO
     if capture.final_scale is not None:
         rho = rho * capture.final_scale[batch][real.to(device)]
         phi = phi * capture.final_weight
-        phi = phi - phi.mean(-1, keepdim=True) if capture.centred else phi
+        phi = phi - phi.mean(-1, keepdim=True) if capture.final_centred else phi
         constant = constant + (directions @ capture.final_bias)[None]
     value = (rho[0] @ capture.residual[batch][real.to(device)]) @ phi[0].T + constant
     return _ReadOut(model, rho, phi, constant, value, read, positions, batch, max_length)
