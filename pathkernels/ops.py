@@ -10,6 +10,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from pathkernels.paths import check_flag
+
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 # Layout of norm_parts' outputs (csrc/common/norm_math.h): parts [..., T, 3] and argmax [..., T, 2].
@@ -89,6 +91,12 @@ def _norm_parts_backward_fake(grad_parts, x, parts, argmax, centered, with_norm=
 def _path_chunk_norms_fake(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block, leaf_kernel="simt"):
     op = "pathkernels.path_chunk_norms"
     check_one_device(op, attn=attn, attn_mean=attn_mean, root=root, root_mean=root_mean, w_v=w_v, w_o=w_o)
+    # The kernels read the index lists on the CPU wherever the operands are, but meta indices hold
+    # no values: with real operands they only route the call here, to uninitialised outputs.
+    if attn.device.type != "meta" and any(t.device.type == "meta" for t in [*parents, *heads]):
+        raise ValueError(
+            f"{op}: expected parents and heads with values (on the CPU or attn's device), got meta tensors"
+        )
     for level, (parent, head) in enumerate(zip(parents, heads), start=1):
         for index in (parent, head):
             if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
@@ -175,6 +183,7 @@ def matrix_norms(x: Tensor, *, residual: bool = False) -> MatrixNorms:
         ``l1 = max_j Σ_i |v_ij|``, ``linf = max_i Σ_j |v_ij|``, ``composite = sqrt(l1 · linf)``.
         Differentiable (subgradient through the maxima).
     """
+    residual = check_flag(residual, "residual", "pathkernels.matrix_norms")
     parts = _norm_parts(x, residual, with_norm=False, op="pathkernels.matrix_norms")[..., _RESIDUAL_TARGET, :]
     return MatrixNorms(parts[..., _L1], parts[..., _LINF], parts[..., _COMPOSITE])
 
@@ -209,7 +218,8 @@ def residual_norm(x: Tensor, *, return_norm: bool = False) -> Tensor | tuple[Ten
         ``[...]``, or ``(residual, norm)`` with ``return_norm=True``, in x's dtype.
         Differentiable, so it can serve as a regulariser against rank collapse.
     """
-    parts = _norm_parts(x, True, with_norm=return_norm)
+    return_norm = check_flag(return_norm, "return_norm", "pathkernels.residual_norm")
+    parts = _norm_parts(x, True, with_norm=return_norm, op="pathkernels.residual_norm")
     residual = parts[..., _RESIDUAL_TARGET, _COMPOSITE]
     if return_norm:
         return residual, parts[..., _PLAIN_TARGET, _COMPOSITE]

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from pathkernels import masking
 from pathkernels.checks import check_finite, check_nonempty_batch, unpack_stack
+from pathkernels.paths import check_flag
 
 _FUSIONS = ("mean", "max", "min")
 
@@ -57,6 +58,7 @@ def rollout(
         raise ValueError(f"{where}: expected attn on a CPU or CUDA device, got {attn.device}")
     if head_fusion not in _FUSIONS:
         raise ValueError(f"{where}: expected head_fusion in {_FUSIONS}, got {head_fusion!r}")
+    residual = check_flag(residual, "residual", where)
     if not 0.0 <= discard_ratio < 1.0:
         raise ValueError(f"{where}: expected discard_ratio in [0, 1), got {discard_ratio}")
     batched = attn.dim() == 5

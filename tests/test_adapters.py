@@ -480,7 +480,10 @@ def test_transformer_bridge_over_a_float64_llama(tmp_path):
         torch.testing.assert_close(getattr(from_bridge, name), getattr(from_hf, name), rtol=1e-12, atol=1e-12)
     # Hugging Face's last hidden state is after the final norm; TransformerLens's resid_post before it.
     torch.testing.assert_close(from_bridge.hidden_states[:-1], from_hf.hidden_states[:-1], rtol=1e-12, atol=1e-12)
-    with pytest.raises(ValueError, match=r"expected at least one batch element and one token in tokens, got \[0, 3\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"expected tokens \[B, n\] \(or \[n\]\) with at least one batch element and one token, got \[0, 3\]",
+    ):
         adapters.from_transformer_lens(bridge, torch.zeros(0, 3, dtype=torch.long))
 
 

@@ -20,7 +20,13 @@ from torch import Tensor, nn
 
 from pathkernels.adapters.huggingface import _attention_layers, _blocks, _read_stack, _value_output
 from pathkernels.adapters.stack import AttentionStack
-from pathkernels.adapters.transformer_lens import _bias, _per_query_head, from_transformer_lens, run_cached
+from pathkernels.adapters.transformer_lens import (
+    _bias,
+    _per_query_head,
+    check_tokens,
+    from_transformer_lens,
+    run_cached,
+)
 
 _WHERE = "pathkernels.adapters.capture_huggingface_residual"
 
@@ -356,6 +362,7 @@ def capture_transformer_lens_residual(
     if cfg.normalization_type not in _TL_NORMS:
         raise ValueError(f"{where}: normalization_type {cfg.normalization_type!r} is not captured")
     _refuse_output_norms(model, cfg, where)
+    tokens = check_tokens(model, tokens, where)
     norm, has_weight, has_bias = _TL_NORMS[cfg.normalization_type]
     # TransformerLens's final_rms: an RMSNorm (with γ unless the weights are folded) before the
     # unembedding of a LayerNorm model.

@@ -20,7 +20,7 @@ from pathkernels.checks import (
 )
 from pathkernels.engine import PathResiduals, path_residuals
 from pathkernels.length_sums import length_sums
-from pathkernels.paths import SKIP, PathTree
+from pathkernels.paths import SKIP, PathTree, check_flag
 from pathkernels.reference import post_ln_length_sums_ref, pre_ln_length_sums_ref
 
 if TYPE_CHECKING:
@@ -207,6 +207,8 @@ class AttentionStack:
         stream the blocks leave (before a final norm); padded rows are 0. ``x``, ``skip=False``
         and ``biases=False`` do not apply there.
         """
+        where = "pathkernels.AttentionStack.length_sums"
+        skip, biases = check_flag(skip, "skip", where), check_flag(biases, "biases", where)
         if self.residual_capture is not None:
             return self._model_length_sums(x, skip, biases)
         if self.attention_only is False:

@@ -81,6 +81,40 @@ def _softmax_precision(model, attn: torch.Tensor) -> torch.dtype | None:
     return torch.float32 if bool(((miss > 1e-13) & (miss < 1e-5)).any()) else None
 
 
+def check_tokens(model, tokens, where: str):
+    """``tokens`` as the model will read them, refused in the caller's name where the model would
+    index its embedding out of range (a negative id wraps around to the end of the vocabulary):
+    ids ``[B, n]`` (or ``[n]``; a nested list becomes a tensor) in ``[0, d_vocab)``, at least one
+    batch element and one token. Text passes through, for the model to tokenise."""
+    if isinstance(tokens, str) or (isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], str)):
+        return tokens
+    if isinstance(tokens, (list, tuple)):
+        try:
+            tokens = torch.tensor(tokens)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(
+                f"{where}: expected tokens to be token ids [B, n] or text, got a ragged or mixed list"
+            ) from None
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(
+            f"{where}: expected tokens to be a tensor of token ids [B, n] or text, got {type(tokens).__name__}"
+        )
+    if tokens.dim() not in (1, 2) or 0 in tokens.shape:
+        raise ValueError(
+            f"{where}: expected tokens [B, n] (or [n]) with at least one batch element and one token, got "
+            f"{list(tokens.shape)}"
+        )
+    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise TypeError(f"{where}: expected integer token ids, got {tokens.dtype}")
+    vocab = getattr(model.cfg, "d_vocab", None)
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or (vocab is not None and vocab > 0 and high >= vocab):
+        raise ValueError(
+            f"{where}: expected token ids in [0, {vocab}) (the model's d_vocab), got values from {low} to {high}"
+        )
+    return tokens
+
+
 def run_cached(model, tokens, names: set[str], attention_mask=None):
     """``model.run_with_cache(tokens)`` keeping only the hooks ``names``, in eval mode (restored
     after: a TransformerBridge wraps an HF model whose attention dropout would act) and without
@@ -132,10 +166,7 @@ def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -
             )
         if tokens is None:
             raise ValueError(f"{_WHERE}: expected tokens to run the model on")
-        if isinstance(tokens, torch.Tensor) and (tokens.dim() == 0 or 0 in tokens.shape):
-            raise ValueError(
-                f"{_WHERE}: expected at least one batch element and one token in tokens, got {list(tokens.shape)}"
-            )
+        tokens = check_tokens(model, tokens, _WHERE)
         cache = run_cached(model, tokens, set(_hook_names(model.cfg.n_layers)), attention_mask)
 
     num_layers = model.cfg.n_layers

@@ -34,7 +34,7 @@ from torch import Tensor
 from pathkernels._progress import progress_bar
 from pathkernels.checks import check_tree_shape
 from pathkernels.decompose import check_save_path, saved
-from pathkernels.paths import PathTree, check_int
+from pathkernels.paths import PathTree, check_flag, check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET
 
 if TYPE_CHECKING:
@@ -71,11 +71,25 @@ class Readout:
                 f"{where}: expected readout to be a Readout (pk.logit_diff, pk.logit), a vector [d] or a matrix "
                 f"[d, R] with d = {d_model}, got {got}"
             )
-        if directions.dim() != 2 or directions.shape[1] != d_model or directions.shape[0] == 0:
-            raise ValueError(f"{where}: expected readout directions [R, {d_model}], got {list(directions.shape)}")
-        if not bool(torch.isfinite(directions).all()):
-            raise ValueError(f"{where}: readout has a non-finite value")
-        return Readout(directions.detach().double(), bias.detach().double().reshape(-1), tuple(labels))
+        if not isinstance(directions, Tensor) or directions.dim() != 2 or directions.shape[1] != d_model:
+            got = list(directions.shape) if isinstance(directions, Tensor) else type(directions).__name__
+            raise ValueError(f"{where}: expected readout directions [R, {d_model}], got {got}")
+        count = directions.shape[0]
+        if count == 0:
+            raise ValueError(f"{where}: expected at least one readout direction, got directions [0, {d_model}]")
+        if not isinstance(bias, Tensor) or bias.numel() != count:
+            got = list(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
+            raise ValueError(
+                f"{where}: expected the readout's bias to hold one value per direction ({count}), got {got}"
+            )
+        if not isinstance(labels, (tuple, list)) or len(labels) != count:
+            raise ValueError(f"{where}: expected one readout label per direction ({count}), got {labels!r}")
+        for name, value in (("directions", directions), ("bias", bias)):
+            if not value.is_floating_point() and value.dtype not in (torch.int32, torch.int64):
+                raise TypeError(f"{where}: expected the readout's {name} to be real numbers, got {value.dtype}")
+            if not bool(torch.isfinite(value).all()):
+                raise ValueError(f"{where}: expected finite readout {name}, got a NaN or infinite value")
+        return Readout(directions.detach().double(), bias.detach().double().reshape(-1), tuple(map(str, labels)))
 
 
 # Families whose logits are a linear map of the final norm's output (an LM head, or the tied word
@@ -645,6 +659,7 @@ def path_attribution(
     """
     top_k = check_int(top_k, "top_k", _WHERE, minimum=0)
     memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
+    progress = check_flag(progress, "progress", _WHERE)
     only = None
     if tree is not None:
         check_tree_shape(tree, stack.num_layers, stack.num_heads, _WHERE)

@@ -42,7 +42,7 @@ from pathkernels.analysis.attribution import (
 from pathkernels.decompose import DEFAULT_MAX_RESULT_BYTES, PathDecomposition, _require, register_model_decomposer
 from pathkernels.engine import PathResiduals
 from pathkernels.ops import residual_norm
-from pathkernels.paths import MAX_ENUMERATED_PATHS, PathTree, check_int
+from pathkernels.paths import MAX_ENUMERATED_PATHS, PathTree, check_flag, check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET
 
 _WHERE = "pathkernels.decompose"
@@ -281,6 +281,7 @@ def decompose_model(
     max_length = layers if max_length is None else check_int(max_length, "max_length", _WHERE, minimum=0)
     memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
     max_result_bytes = check_int(max_result_bytes, "max_result_bytes", _WHERE, minimum=0)
+    progress = check_flag(progress, "progress", _WHERE)
     if num_samples is not None and samples_per_length is not None:
         raise ValueError(f"{_WHERE}: pass at most one of num_samples and samples_per_length")
     tokens = stack.attn.shape[-1]

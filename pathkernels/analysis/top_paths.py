@@ -21,6 +21,7 @@ k-th value found: then no path left unvisited can enter the top k, and the bound
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -38,7 +39,7 @@ from pathkernels.analysis.attribution import (
     describe_path,
     read_out,
 )
-from pathkernels.paths import check_int
+from pathkernels.paths import check_flag, check_int
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET
 
 _WHERE = "pathkernels.top_paths"
@@ -263,6 +264,15 @@ def top_paths(
         )
     if bound not in _BOUNDS:
         raise ValueError(f"{_WHERE}: expected bound in {_BOUNDS}, got {bound!r}")
+    largest, record, progress = (
+        check_flag(value, name, _WHERE)
+        for name, value in (("largest", largest), ("record", record), ("progress", progress))
+    )
+    if position is not None and (isinstance(position, bool) or not isinstance(position, numbers.Integral)):
+        raise TypeError(
+            f"{_WHERE}: expected position to be one token position (an int) or None, got {type(position).__name__} "
+            f"{position!r}; for several positions call top_paths once per position"
+        )
     setup = read_out(stack, readout, position, batch, max_length, _WHERE)
     if len(setup.readout.labels) != 1:
         raise ValueError(f"{_WHERE}: expected one readout direction, got {len(setup.readout.labels)}")
