@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cstdio>
 #include <string>
 
 namespace pathkernels {
@@ -17,6 +18,14 @@ inline std::string shape_string(at::IntArrayRef sizes) {
     out += (i ? ", " : "") + std::to_string(sizes[i]);
   }
   return out + "]";
+}
+
+// A floating-point value as Python's repr writes it, shortest round trip aside: 17 significant
+// digits, "nan", "inf". (Streamed into a message it would take the path that crashed.)
+inline std::string number_string(double value) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), "%.17g", value);
+  return buffer;
 }
 
 // A dtype as Python writes it ("torch.float32"), so that the ops' messages read like the wrappers'.

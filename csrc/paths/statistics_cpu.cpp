@@ -104,8 +104,8 @@ void statistics_update(const at::Tensor& residual, const at::Tensor& norm, const
   const double* e = edges.const_data_ptr<double>();
   for (int64_t i = 0; i < bins - 1; ++i) {
     TORCH_CHECK_VALUE(std::isfinite(e[i]) && e[i] > 0.0 && (i == 0 || e[i] > e[i - 1]), op,
-                      ": expected edges to be positive, finite and strictly ascending; edge ", i, " is ", e[i],
-                      i > 0 ? c10::str(" after ", e[i - 1]) : std::string());
+                      ": expected edges to be positive, finite and strictly ascending; edge ", std::to_string(i),
+                      " is ", number_string(e[i]), i > 0 ? " after " + number_string(e[i - 1]) : std::string());
   }
   const int64_t* length = lengths.const_data_ptr<int64_t>();
   for (int64_t k = 0; k < count; ++k) {
