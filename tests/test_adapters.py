@@ -176,7 +176,10 @@ def llama_style(model_type: str):
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "vit"])
 def test_float64_models_with_a_float32_softmax(family):
-    """Their rows sum to 1 only to ~1e-7: checked to float32's tolerance, renormalised in float64."""
+    """Their eager attention takes the softmax in float32 (rows summing to 1 only to ~1e-7): the
+    adapter computes a float64 model's patterns in float64, as the model would in float64 throughout."""
+    from float64_reference import float64_steps
+
     if family == "vit":
         model, inputs = hf_case("vit")
         model = model.double()
@@ -187,12 +190,14 @@ def test_float64_models_with_a_float32_softmax(family):
     reference.set_attn_implementation("eager")
     with torch.no_grad():
         raw = torch.stack(reference.eval()(**inputs, output_attentions=True).attentions, dim=1)
+        with float64_steps(reference):
+            exact = torch.stack(reference(**inputs, output_attentions=True).attentions, dim=1)
     assert float((raw.sum(-1) - 1).abs().max()) > 1e-12  # the premise: float32 rounding, not float64's
     stack = adapters.from_huggingface(model, **inputs)
-    assert stack.attn.dtype == torch.float64 and stack.attn_precision == torch.float32
+    assert stack.attn.dtype == torch.float64 and stack.attn_precision is None
     assert float((stack.attn.sum(-1, dtype=torch.float64) - 1).abs().max()) < 1e-14
+    torch.testing.assert_close(stack.attn, exact, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(stack.attn, raw, rtol=1e-6, atol=1e-7)  # the model's own, to float32 precision
-    assert "softmax computed in torch.float32; rows renormalised in torch.float64" in repr(stack)
     tree = pk.PathTree.complete(2, 4, skip=True)
     with pytest.warns(UserWarning, match=r"path_residuals: huggingface:\w+ has norms and MLPs"):
         result = stack.path_residuals(tree, x=stack.residual_stream(0))  # the attention-only network's
@@ -466,7 +471,7 @@ def test_transformer_bridge_matches_huggingface(tmp_path):
 
 def test_transformer_bridge_over_a_float64_llama(tmp_path):
     """No attention biases, grouped-query heads and a float32 softmax in a float64 model: the bridge
-    gives what the Hugging Face adapter gives, float32 softmax recorded and renormalised alike."""
+    gives what the Hugging Face adapter gives, the patterns computed in float64 alike."""
     pytest.importorskip("transformer_lens")
     model = llama_style("llama")
     original = copy.deepcopy(model)
@@ -474,7 +479,7 @@ def test_transformer_bridge_over_a_float64_llama(tmp_path):
     ids = torch.randint(0, 50, (2, 7))
     from_bridge = adapters.from_transformer_lens(bridge, ids)
     from_hf = adapters.from_huggingface(original, input_ids=ids)
-    assert from_bridge.attn_precision == from_hf.attn_precision == torch.float32
+    assert from_bridge.attn_precision is None and from_hf.attn_precision is None
     assert from_bridge.w_v.shape == (2, 4, 32, 8) and not bool(from_bridge.b_o.any())
     for name in ("attn", "w_v", "w_o", "b_o"):
         torch.testing.assert_close(getattr(from_bridge, name), getattr(from_hf, name), rtol=1e-12, atol=1e-12)

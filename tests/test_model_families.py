@@ -19,6 +19,7 @@ import math
 
 import pytest
 import torch
+from float64_reference import logits_in_float64
 
 import pathkernels as pk
 from pathkernels.adapters.residual import capture_huggingface_residual
@@ -80,15 +81,11 @@ def test_a_sequence_classifier_is_read_through_its_score_head(family):
     stack, _ = capture_huggingface_residual(model, input_ids=ids, attention_mask=mask)
     readout = pk.logit_diff(model, 2, 0)
     assert readout.labels == ("class logit[2] − class logit[0]",)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask).logits.double()
-    # The Llama family's RMSNorms round to float32 in the model's own forward pass (the capture's
-    # runs them in float64), GPT-2's LayerNorms do not.
-    tolerance = 1e-10 if family == "gpt2" else 1e-6
+    logits = logits_in_float64(model, input_ids=ids, attention_mask=mask)
     for batch in (0, 1):
         result = pk.path_attribution(stack, readout, batch=batch)
         expected = (logits[batch, 2] - logits[batch, 0]).reshape(1, 1)
-        torch.testing.assert_close(result.value, expected, rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(result.value, expected, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(complete(result), result.value, rtol=1e-12, atol=1e-12)
     single = pk.logit(model, 1)
     assert single.labels == ("class logit[1]",)
@@ -183,30 +180,11 @@ def gemma(version: int, dtype: torch.dtype):
     return model.eval()
 
 
-def gemma_logits_in_float64(model, ids):
-    """The model's logits with every RMSNorm computed in float64 as ``x / sqrt(mean(x²) + ε) · (1 + w)``
-    (Gemma's own rounds its input to float32 whatever the model's dtype)."""
-
-    def exact(module, args, output):
-        x = args[0]
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps) * (1 + module.weight)
-
-    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
-    handles = [norm.register_forward_hook(exact) for norm in norms]
-    try:
-        with torch.no_grad():
-            return model(ids).logits.double()
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_a_transformer_bridge_over_a_gemma_reads_its_offset_norms(dtype, tmp_path):
     """Gemma's norms compute ``x̂ · (1 + w)``: read as ``x̂ · w`` the value was 47 % off and the paths
-    did not sum to it. Float64: the paths sum to the value exactly; the value is the model's to the
-    rounding of its float32 softmax (the reference computes its norms in float64, as the capture
-    does, but takes the model's own softmax: the bridge's and the model's attention round apart)."""
+    did not sum to it. Float64: exact, against the model's forward pass with its float32 steps (the
+    softmax, the norms) in float64."""
     from test_adapters import bridge_over
 
     model = gemma(1, dtype)
@@ -216,7 +194,7 @@ def test_a_transformer_bridge_over_a_gemma_reads_its_offset_norms(dtype, tmp_pat
     stack, capture = pk.adapters.capture_transformer_lens_residual(bridge, ids)
     result = pk.path_attribution(stack, pk.logit_diff(bridge, 3, 7), batch=1, positions=[6, 3])
     if dtype == torch.float64:
-        logits, tolerance = gemma_logits_in_float64(original, ids)[1], 1e-6
+        logits, tolerance = logits_in_float64(original, input_ids=ids)[1], 1e-10
         torch.testing.assert_close(complete(result), result.value, rtol=1e-12, atol=1e-12)
     else:
         with torch.no_grad():

@@ -245,14 +245,16 @@ def final_norm_input(model, **inputs):
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
 def test_the_paths_of_a_llama_family_model_sum_to_its_residual_stream(family):
     """RMSNorm without centring or β, grouped-query attention, rotary positions and a float32
-    softmax whose rows sum to 1 only to ~1e-7: Σ over path lengths equals the stream entering the
-    final norm to 1e-10, and that stream is the model's own to float32's rounding of its norms."""
+    softmax and float32 norms in the model's own forward pass: Σ over path lengths equals the stream
+    entering the final norm to 1e-10, and that stream is the model's own computed in float64 to
+    1e-12 (to float32's rounding of the model's unmodified forward pass)."""
+    from float64_reference import float64_steps
+
     model = llama(family)
     ids = torch.randint(0, 50, (2, 9))
     stack, capture = capture_huggingface_residual(model, input_ids=ids)
     assert capture.layout == "pre" and capture.norm == "rmsnorm" and not capture.centred
-    assert capture.attn_row_sums is not None  # float32 softmax, renormalised in the stack
-    assert float((capture.attn_row_sums - 1).abs().max()) > 1e-12  # so the bias terms need them
+    assert capture.attn_row_sums is None  # the softmax computed in float64
     if family != "mistral":
         assert float(capture.value_bias.abs().max()) > 0.1
     assert capture.unembedding is model.lm_head.weight or torch.equal(capture.unembedding, model.lm_head.weight)
@@ -262,15 +264,18 @@ def test_the_paths_of_a_llama_family_model_sum_to_its_residual_stream(family):
     assert all(float(s.abs().max()) > 1e-3 for s in sums)
     own = final_norm_input(model, input_ids=ids)
     assert (own - capture.residual).abs().max() < 1e-5 * own.abs().max()
+    with float64_steps(model):
+        exact = final_norm_input(model, input_ids=ids)
+    assert (exact - capture.residual).abs().max() < 1e-12 * exact.abs().max()
 
 
 def test_the_llama_length_sums_are_the_sums_of_the_enumerated_paths():
-    """Each path literally: token maps A_h D with the patterns as computed (rows not quite
-    stochastic), feature maps Γ W_V W_O (RMSNorm: no centring), constants (A_h 1) b_Vᵀ W_O."""
+    """Each path literally: token maps A_h D with the patterns as computed, feature maps Γ W_V W_O
+    (RMSNorm: no centring), constants (A_h 1) b_Vᵀ W_O."""
     layers, heads, width, n = 2, 2, 8, 5
     model = llama(layers=layers, heads=heads, kv_heads=1, width=width)
     stack, capture = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, n)))
-    attn = stack.attn[0].double() * capture.attn_row_sums[0, ..., None]
+    attn = capture.patterns(stack.attn, 0)
     w_v, w_o = stack.w_v.double(), stack.w_o.double()
 
     def token_map(layer, head):

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from pathkernels.adapters.precision import in_float64
 from pathkernels.adapters.stack import AttentionStack, fold_value_bias
 from pathkernels.masking import check_token_mask
 
@@ -116,14 +117,10 @@ class _Family:
     """What the adapter needs to know of one model family."""
 
     layers: Callable  # (model, config) -> list[_AttentionLayer]
-    softmax_in_float32: bool  # its eager attention takes the softmax in float32 whatever the model's dtype
+    # Its eager attention takes the softmax in float32 whatever the model's dtype (the adapters
+    # compute it in float64 for a float64 model: softmax_in_input_precision).
+    softmax_in_float32: bool
     zero_based_positions: bool  # position_ids default to 0..n-1 (a left-padded sequence's must start at 0)
-
-    @property
-    def softmax_dtype(self) -> torch.dtype | None:
-        """The dtype its patterns are computed in when that is not the model's (AttentionStack's
-        ``attn_precision``)."""
-        return torch.float32 if self.softmax_in_float32 else None
 
 
 _FAMILIES: dict[str, _Family] = {
@@ -323,7 +320,7 @@ def _stream(model: nn.Module, layers: list[_AttentionLayer], callback: Callable[
     if _family(model).softmax_in_float32:
         handles += [layer.attention.register_forward_pre_hook(_finite_in_float32, with_kwargs=True) for layer in layers]
     try:
-        with _eager_eval(model), torch.no_grad():
+        with _eager_eval(model), torch.no_grad(), in_float64(model):
             output = model(**inputs)
     finally:
         for handle in handles:
@@ -349,10 +346,11 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
     token's position is the number of real tokens before it), so that each sequence sees the
     positions it has alone; RoBERTa derives its own from the padding tokens, and ViT has none.
 
-    Llama, Mistral, Qwen2 and ViT take the softmax in float32 even in a float64 model, so their
-    rows sum to 1 only to ~1e-7 there: the stack then checks them to float32's tolerance,
-    renormalises them in float64 and records ``attn_precision=torch.float32`` (its ``repr`` says
-    so).
+    Float64 means float64: Llama, Mistral, Qwen2 and ViT take the softmax (and the Llama family its
+    RMSNorms) in float32 even in a float64 model; for a float64 model the pass computes those steps
+    in float64 (:func:`pathkernels.adapters.precision.in_float64`), so that the patterns are the
+    model's own computed in float64 throughout, their rows summing to 1 to float64's rounding. The
+    model's unmodified forward pass differs from it by float32's rounding (~1e-7 relative).
 
     Returns:
         :class:`AttentionStack` with ``attn [B, L, H, n, n]``, ``w_v [L, H, d, d_head]``,
@@ -397,7 +395,6 @@ def _read_stack(model: nn.Module, inputs: dict) -> tuple[AttentionStack, Tensor]
         hidden_states=hidden,
         source=f"huggingface:{model.config.model_type}",
         token_mask=token_mask,
-        attn_precision=family.softmax_dtype,
         attention_only=False,  # every family read has norms and MLPs
     )
     return stack, attn

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from pathkernels.adapters.huggingface import _attention_layers, _blocks, _read_stack, _value_output
+from pathkernels.adapters.precision import rms_gain
 from pathkernels.adapters.stack import AttentionStack
 from pathkernels.adapters.transformer_lens import (
     _bias,
@@ -152,57 +153,6 @@ def _inverse_scale(x: Tensor, norm: nn.Module, kind: str) -> Tensor:
     return torch.rsqrt(x.pow(2).mean(-1) + norm.variance_epsilon)
 
 
-def _rms_norm_in_float64(module: nn.Module, args: tuple, output: Tensor) -> Tensor | None:
-    """A forward hook that computes an RMSNorm in float64 when its input is float64.
-
-    Hugging Face's RMSNorms (Llama's, Gemma's, …) and TransformerLens 4.x's native ones round their
-    input to float32 whatever the model's dtype, so a float64 model's stream would hold float32
-    roundings that no frozen linear map reproduces (~1e-7 relative); the capture's forward pass
-    computes ``γ ⊙ x / sqrt(mean(x²) + ε)`` (no γ in a parameter-free one) in float64 instead."""
-    x = args[0]
-    if x.dtype != torch.float64:
-        return None
-    normalised = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _rms_eps(module))
-    gain = rms_gain(module)
-    return normalised if gain is None else gain.to(normalised.dtype) * normalised
-
-
-def _rms_eps(module: nn.Module) -> float:
-    return module.variance_epsilon if hasattr(module, "variance_epsilon") else module.eps
-
-
-def rms_gain(module: nn.Module) -> Tensor | None:
-    """The gain ``γ`` ``[d]`` of an RMSNorm module, ``y = γ ⊙ x / sqrt(mean(x²) + ε)``, in float64 (None
-    for a parameter-free one). Gemma-style norms store ``γ − 1`` as their weight and compute
-    ``(1 + w)``; which convention a module follows is read from its own output on a constant input,
-    where ``x / sqrt(mean(x²) + ε)`` is ``1 / sqrt(1 + ε)`` in every feature."""
-    weight = getattr(module, "weight", None)
-    if weight is None:
-        return None
-    w = weight.detach().double()
-    probe = torch.ones(1, w.shape[-1], dtype=weight.dtype, device=weight.device)
-    with torch.no_grad():
-        seen = module.forward(probe).double()[0] * (1 + _rms_eps(module)) ** 0.5  # forward: no hooks
-    offset = bool((seen - (w + 1)).abs().max() < (seen - w).abs().max())
-    return w + 1 if offset else w
-
-
-def _float32_rms_norms(model: nn.Module) -> list[nn.Module]:
-    """The RMSNorms of a model that compute in float32 whatever its dtype: Hugging Face's (Llama's
-    ``variance_epsilon`` ones, Gemma's ``eps`` ones) and TransformerLens 4.x's native ones (a
-    HookedTransformer's own RMSNorms compute in the model's dtype)."""
-    return [
-        module
-        for module in model.modules()
-        if type(module).__name__ in ("NativeRMSNorm", "NativeRMSNormPre")
-        or (
-            type(module).__name__.endswith("RMSNorm")
-            and type(module).__module__.startswith("transformers.")
-            and (hasattr(module, "variance_epsilon") or hasattr(module, "eps"))
-        )
-    ]
-
-
 def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionStack, ResidualStreamCapture]:
     """The attention stack of :func:`from_huggingface` and, from the same forward pass, what the
     real model's residual stream needs beyond it (:class:`ResidualStreamCapture`), in float64.
@@ -215,9 +165,10 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
     ``C Γ`` on the right (docs/DESIGN.md, "Real transformers"). Other families are refused by name.
 
     Rotary positions and grouped-query attention change nothing: the patterns are read as
-    computed. A float64 Llama-family model's RMSNorms run in float64 for this pass (Hugging Face's
-    round their input to float32), so that its stream is exactly the sum of its paths; its hidden
-    states then differ from those of the model's own forward pass by about 1e-7 relative.
+    computed. A float64 model's softmax and RMSNorms, which Hugging Face computes in float32, run in
+    float64 for this pass (:func:`pathkernels.adapters.precision.in_float64`), so that its stream is
+    exactly the sum of its paths and the model's own in float64; its unmodified forward pass
+    differs from it by float32's rounding (about 1e-7 relative).
 
     Returns:
         ``(stack, capture)``; the capture is also ``stack.residual_capture``, which
@@ -248,8 +199,6 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
     ]
     if final_norm is not None:
         handles.append(final_norm.register_forward_pre_hook(keep("final_in", 0, output=False)))
-    if spec.norm == "rmsnorm":
-        handles += [norm.register_forward_hook(_rms_norm_in_float64) for norm in [*norms, final_norm]]
     try:
         stack, attn = _read_stack(model, inputs)
     finally:
@@ -258,7 +207,7 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
     with torch.no_grad():
         batch, tokens = stack.attn.shape[0], stack.attn.shape[-1]
         scales = torch.stack([_inverse_scale(x, norm, spec.norm) for x, norm in zip(seen["norm_in"], norms)], dim=1)
-        weights = torch.stack([n.weight.detach().double() for n in norms]).reshape(count, 2, -1)
+        weights = torch.stack([_gain(n, spec.norm) for n in norms]).reshape(count, 2, -1)
         biases = torch.zeros_like(weights)
         if spec.norm == "layernorm":
             biases = torch.stack([n.bias.detach().double() for n in norms]).reshape(count, 2, -1)
@@ -267,7 +216,7 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
         if final_norm is not None:
             final = {
                 "final_scale": _inverse_scale(seen["final_in"][0], final_norm, spec.norm),
-                "final_weight": final_norm.weight.detach().double(),
+                "final_weight": _gain(final_norm, spec.norm),
                 "final_bias": (
                     final_norm.bias.detach().double()
                     if spec.norm == "layernorm"
@@ -292,6 +241,14 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
             **final,
         )
     return _attached(stack, capture)
+
+
+def _gain(norm: nn.Module, kind: str) -> Tensor:
+    """A Hugging Face norm's γ ``[d]`` in float64: an RMSNorm's as it computes it (Gemma's store
+    ``γ − 1``), a LayerNorm's weight."""
+    if kind == "rmsnorm":
+        return rms_gain(norm)
+    return norm.weight.detach().double()
 
 
 def _attached(stack: AttentionStack, capture: ResidualStreamCapture) -> tuple[AttentionStack, ResidualStreamCapture]:
@@ -346,10 +303,13 @@ def capture_transformer_lens_residual(
     block 0, positions included); γ and β come from ``ln1``/``ln2``/``ln_final`` (``LN``, ``RMS``;
     ``LNPre``/``RMSPre`` models have them folded into the weights after, and no norm is the
     identity), the unembedding from ``W_U``/``b_U``. Attention-only models have no MLP sources.
-    Grouped-query models and rotary positions change nothing. RMSNorms that compute in float32
-    (4.x's native ones, Hugging Face's under a bridge) run in float64 for this pass, as in
-    :func:`capture_huggingface_residual`. Models whose attention and MLP read the same input
-    (``parallel_attn_mlp``) are refused.
+    Grouped-query models and rotary positions change nothing. A float64 model's steps that compute
+    in float32 (4.x's native RMSNorms, a bridged Hugging Face model's softmax and RMSNorms) run in
+    float64 for this pass, as in :func:`capture_huggingface_residual`; Gemma-style norms, which
+    compute ``x̂ · (1 + w)``, are read as such; ``final_rms`` (an RMSNorm before the unembedding of
+    a LayerNorm model) is read as it is. Refused by name: models whose attention and MLP read the
+    same input (``parallel_attn_mlp``), and models with a norm on each sublayer's output
+    (``use_normalization_before_and_after``, ``ln1_post``/``ln2_post``, OLMo 2's post-norm blocks).
     """
     where = "pathkernels.adapters.capture_transformer_lens_residual"
     cfg = getattr(model, "cfg", None)
@@ -377,12 +337,7 @@ def capture_transformer_lens_residual(
             names |= {f"blocks.{layer}.ln2.hook_scale" for layer in range(layers)}
     if not attn_only:
         names |= {f"blocks.{layer}.hook_mlp_out" for layer in range(layers)}
-    handles = [norm.register_forward_hook(_rms_norm_in_float64) for norm in _float32_rms_norms(model)]
-    try:
-        cache = run_cached(model, tokens, names, attention_mask)
-    finally:
-        for handle in handles:
-            handle.remove()
+    cache = run_cached(model, tokens, names, attention_mask)
     stack = from_transformer_lens(cache, attention_mask=attention_mask)
     batch, tokens_n, d = stack.attn.shape[0], stack.attn.shape[-1], stack.d_model
     ones = torch.ones(batch, tokens_n, dtype=torch.float64, device=stack.attn.device)

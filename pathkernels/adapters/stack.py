@@ -45,8 +45,9 @@ class AttentionStack:
         hidden_states: ``[L+1, B, n, d]`` as the source reports them (for Hugging Face, the
             model's ``hidden_states``), or None.
         source: where it came from, e.g. ``"huggingface:gpt2"``.
-        attn_precision: the dtype the patterns were computed in (Llama, Mistral, Qwen2 and ViT take
-            their softmax in float32 even in a float64 model), or None. Where it is coarser than
+        attn_precision: the dtype the patterns were computed in, where coarser than attn's (a
+            bridge whose float64 model took its softmax in float32 some way the adapters could not
+            change), or None. Where it is coarser than
             attn's own, the rows are checked to that precision at construction and renormalised in
             attn's dtype, so that they sum to 1 to its precision, and ``repr`` says so; otherwise it
             is set to None.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from pathkernels.adapters.precision import in_float64
 from pathkernels.adapters.stack import AttentionStack, fold_value_bias
 
 _WHERE = "pathkernels.adapters.from_transformer_lens"
@@ -61,21 +62,13 @@ def _attention_only(model) -> bool | None:
 
 
 def _softmax_precision(model, attn: torch.Tensor) -> torch.dtype | None:
-    """For a bridge over a Hugging Face model, the dtype its family computes the patterns in (see
-    :func:`from_huggingface`); None otherwise.
-
-    Most Hugging Face decoders (Gemma, Qwen3, OPT among them) take the softmax in float32 whatever
-    the model's dtype. For a family the adapters do not know, float64 patterns ``attn`` whose rows
-    miss 1 by more than float64's rounding yet within float32's were computed in float32."""
-    from pathkernels.adapters.huggingface import _FAMILIES
-
+    """For a bridge over a Hugging Face model, ``torch.float32`` where its float64 patterns ``attn``
+    were computed in float32 (rows that miss 1 by more than float64's rounding, yet within
+    float32's); None otherwise. The adapters compute a float64 model's softmax in float64
+    (:func:`~pathkernels.adapters.huggingface.softmax_in_input_precision`), so this is the
+    fallback for an attention the bridge computes in float32 some other way."""
     original = model.__dict__.get("original_model") if hasattr(model, "__dict__") else None
-    if original is None:
-        return None
-    family = _FAMILIES.get(getattr(getattr(original, "config", None), "model_type", None))
-    if family is not None:
-        return family.softmax_dtype
-    if attn.dtype != torch.float64:
+    if original is None or attn.dtype != torch.float64:
         return None
     miss = (attn.sum(-1) - 1).abs()
     return torch.float32 if bool(((miss > 1e-13) & (miss < 1e-5)).any()) else None
@@ -122,7 +115,7 @@ def run_cached(model, tokens, names: set[str], attention_mask=None):
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), in_float64(model):
             extra = {} if attention_mask is None else {"attention_mask": attention_mask}
             _, cache = model.run_with_cache(tokens, names_filter=lambda name: name in names, **extra)
     finally:
