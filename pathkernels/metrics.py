@@ -42,6 +42,7 @@ from torch import Tensor
 from pathkernels.checks import check_finite
 from pathkernels.masking import per_matrix
 from pathkernels.ops import composite_norm
+from pathkernels.paths import check_flag
 
 # Computed in float32: LAPACK has no half SVD, and half squares overflow at 256.
 _UPCAST = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
@@ -397,6 +398,7 @@ def rank1_residual(
     x = _prepare(x, token_mask, "x", where)
     if norm not in _RANK1_NORMS:
         raise ValueError(f"{where}: expected norm in {_RANK1_NORMS}, got {norm!r}")
+    relative = check_flag(relative, "relative", where)
 
     def frobenius(x: Tensor) -> Tensor:
         xs, e_x = _scaled(x)

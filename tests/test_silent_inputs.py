@@ -29,6 +29,7 @@ def flag_calls():
         "pathkernels.rollout: expected residual": lambda v: pk.rollout(attn, residual=v),
         "pathkernels.matrix_norms: expected residual": lambda v: pk.matrix_norms(x, residual=v),
         "pathkernels.residual_norm: expected return_norm": lambda v: pk.residual_norm(x, return_norm=v),
+        "pathkernels.metrics.rank1_residual: expected relative": lambda v: pk.metrics.rank1_residual(x, relative=v),
     }
 
 
