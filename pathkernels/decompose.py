@@ -10,18 +10,20 @@ import torch
 from torch import Tensor
 
 from pathkernels.checks import check_tree_shape, unpack_stack, validate_inputs
-from pathkernels.engine import PathResiduals, path_residuals
+from pathkernels.engine import PathResiduals, evaluate_paths
 from pathkernels.paths import (
+    DEFAULT_MAX_PATHS,
     MAX_ENUMERATED_PATHS,
     MAX_LEAVES,
     PathTree,
     check_flag,
     check_int,
+    check_max_paths,
     count_by_length,
     sample_paths,
 )
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET
-from pathkernels.statistics import PathStatistics, path_statistics
+from pathkernels.statistics import PathStatistics, stream_statistics
 
 # Exact decompositions whose per-path results would take more than this stream to PathStatistics.
 DEFAULT_MAX_RESULT_BYTES = 1 << 30
@@ -78,6 +80,16 @@ class PathDecomposition:
     means are unbiased estimates of the per-length means. Standard errors carry the finite-population
     correction ``sqrt(1 − n_k / count_k)``: a length whose every path was evaluated is exact, with
     standard error 0.
+
+    Zero paths: a path whose term is exactly the zero matrix (norm 0: a path through a pruned head,
+    W_O = 0; an all-zero x or value map; a captured model's constant rows at zero-initialised
+    biases, and the heads they pass) has no residual ratio: its
+    ``results.ratio`` is 0/0 = NaN, and ``to_frame()`` shows it so. Every statistic of the ratio
+    (the tables, :meth:`path_ratio`'s batch means, :meth:`mean_ratio`, the plots) leaves such
+    (batch element, path) pairs out and counts them in a ``zero_norm`` column: they add nothing
+    to the network's output, and counting them as collapsed (ratio 0) would pull the means down.
+    Where every pair of a length is a zero path, its ratio columns are 0 (the zero matrix's
+    residual is 0), never NaN.
     """
 
     results: PathResiduals
@@ -97,15 +109,24 @@ class PathDecomposition:
         return self.results.lengths
 
     def path_ratio(self) -> Tensor:
-        """``[M]``: each path's residual ratio, averaged over the batch."""
-        return self.results.ratio.double().reshape(-1, self.paths.shape[0]).mean(0)
+        """``[M]``: each path's residual ratio, averaged over the batch elements where the path is
+        not a zero path (NaN where it is one in every element)."""
+        return self._ratios().nanmean(0)
+
+    def _ratios(self) -> Tensor:
+        """``[B, M]`` float64 ratios, NaN at zero paths (norm 0), whatever 0/0 gave."""
+        ratio = self.results.ratio.double().reshape(-1, self.paths.shape[0])
+        norm = self.results.norm.reshape(-1, self.paths.shape[0])
+        return torch.where(norm.to(ratio.device) == 0, math.nan, ratio)
 
     def to_frame(self):
         """A pandas DataFrame, one row per evaluated path.
 
         Columns: ``path`` (TransformerLens head labels of the heads taken, in layer order, e.g.
         ``"L0H1 L2H3"``; ``"skip"`` for the all-skip path), ``length``, ``ratio``, ``residual`` and
-        ``norm`` (averaged over the batch) and ``weight`` (how many paths of the network it stands for).
+        ``norm`` (averaged over the batch; the ratio over the elements where the path is not a
+        zero path, NaN for a path that is one in every element) and ``weight`` (how many paths of
+        the network it stands for).
         """
         pd = _require("pandas")
         residuals = self.results.residual.double().reshape(-1, self.paths.shape[0])
@@ -130,41 +151,49 @@ class PathDecomposition:
 
         Columns: ``length``, ``path_count`` (exact, a Python int), ``evaluated`` (paths), ``exact``
         (every path of that length evaluated), then statistics of the residual ratio over every
-        (batch element, evaluated path) pair of that length, pooled: ``mean``, ``stderr`` (0
-        where exact; else ``s/sqrt(n) · sqrt(1 − n/count)``, s the standard deviation of the
-        paths' batch means, since paths are what is sampled), ``median``, ``q10``, ``q90``,
-        ``min`` and ``max`` (NaN ratios, 0/0, left out of these two), ``zeros`` (pairs whose ratio
-        is exactly 0: below float64's range, or a path whose rows are all equal) and
-        ``log10_mean`` (the mean of log10 ratio over the other pairs). The streamed table of
+        (batch element, evaluated path) pair of that length, pooled, zero paths left out (the
+        class docstring): ``mean``, ``stderr`` (0 where exact; else ``s/sqrt(n') · sqrt(1 −
+        n/count)``, s the standard deviation of the n' paths' batch means, since paths are what
+        is sampled), ``median``, ``q10``, ``q90``, ``min``, ``max``, ``zeros`` (pairs whose ratio
+        is exactly 0: below float64's range, or a path whose rows are all equal), ``zero_norm``
+        (pairs that are zero paths, left out) and ``log10_mean`` (the mean of log10 ratio over
+        the pairs whose ratio is not 0; NaN where there is none). The streamed table of
         :meth:`PathStatistics.by_length` has these columns with the same definitions, its median
         and quantiles read from a histogram.
         """
         pd = _require("pandas")
-        ratio = self.results.ratio.cpu()  # [B, M]
-        path_means = self.path_ratio()
+        ratio = self._ratios().cpu()  # [B, M], NaN at zero paths
+        zero_paths = self.results.norm.reshape(ratio.shape).cpu() == 0
+        path_means = ratio.nanmean(0)
+        lengths = self.lengths.cpu()
         rows = []
         for k, count in enumerate(self.path_counts):
             if count == 0:
                 continue
-            chosen = self.lengths == k
-            values = ratio[:, chosen].flatten()
+            chosen = lengths == k
+            pairs = ratio[:, chosen].flatten()
+            values = pairs[~zero_paths[:, chosen].flatten()]  # the pairs with a ratio
             evaluated = int(chosen.sum())
             exact = evaluated >= count  # sampled paths are distinct, so this means all of them
             row = {"length": k, "path_count": count, "evaluated": evaluated, "exact": exact}
             if evaluated:
                 means = path_means[chosen]
-                std = means.std(correction=1).item() if evaluated > 1 else float("nan")
+                means = means[~means.isnan()]  # the paths that are not zero paths in every element
+                std = means.std(correction=1).item() if means.numel() > 1 else math.nan
+                stderr = std / math.sqrt(means.numel()) * math.sqrt(1 - evaluated / count) if means.numel() else 0.0
                 numbers = values[~values.isnan()]
                 nonzero = values[values != 0]
+                some = values.numel() > 0  # else every pair is a zero path: its columns are 0
                 row.update(
-                    mean=values.mean().item(),
-                    stderr=0.0 if exact else std / math.sqrt(evaluated) * math.sqrt(1 - evaluated / count),
-                    median=values.median().item(),
-                    q10=values.quantile(0.1).item(),
-                    q90=values.quantile(0.9).item(),
-                    min=numbers.min().item() if numbers.numel() else math.nan,
-                    max=numbers.max().item() if numbers.numel() else math.nan,
+                    mean=values.mean().item() if some else 0.0,
+                    stderr=0.0 if exact else stderr,
+                    median=values.median().item() if some else 0.0,
+                    q10=values.quantile(0.1).item() if some else 0.0,
+                    q90=values.quantile(0.9).item() if some else 0.0,
+                    min=numbers.min().item() if numbers.numel() else 0.0,
+                    max=numbers.max().item() if numbers.numel() else 0.0,
                     zeros=int((values == 0).sum()),
+                    zero_norm=pairs.numel() - values.numel(),
                     log10_mean=nonzero.log10().mean().item() if nonzero.numel() else math.nan,
                 )
             rows.append(row)
@@ -175,30 +204,38 @@ class PathDecomposition:
     def mean_ratio(self) -> tuple[float, float]:
         """Estimate of the mean residual ratio over all paths, with its standard error.
 
-        Exact trees: the plain mean (stderr 0). Uniform sampling (n of N paths, without
-        replacement): the sample mean, ``stderr = s / sqrt(n) · sqrt(1 − n/N)``. Stratified:
-        ``Σ_k (count_k / total) · mean_k`` with ``stderr² = Σ_k (count_k / total)² s_k² / n_k ·
-        (1 − n_k / count_k)``.
+        Over the paths' batch means (:meth:`path_ratio`), zero paths left out (0 if every path is
+        one). Exact trees: the plain mean (stderr 0). Uniform sampling (n of N paths, without
+        replacement; n' of them not zero paths): the sample mean, ``stderr = s / sqrt(n') ·
+        sqrt(1 − n/N)``. Stratified: ``Σ_k w_k mean_k / Σ_k w_k`` with ``w_k = count_k · n'_k /
+        n_k`` (the estimated number of paths of length k that are not zero paths: ``count_k``
+        when there are none) and ``stderr² = Σ_k (w_k / Σ w)² s_k² / n'_k · (1 − n_k / count_k)``.
         """
         ratio = self.path_ratio()
+        lengths = self.lengths.to(ratio.device)
+        kept = ~ratio.isnan()
         if self.method in ("exact", "uniform"):
-            n, total = ratio.numel(), sum(self.path_counts)
+            n, total, values = ratio.numel(), sum(self.path_counts), ratio[kept]
+            mean = values.mean().item() if values.numel() else 0.0
             if self.method == "exact" or n >= total:
-                return ratio.mean().item(), 0.0
-            stderr = ratio.std(correction=1).item() / math.sqrt(n) * math.sqrt(1 - n / total) if n > 1 else math.nan
-            return ratio.mean().item(), stderr
-        total = sum(self.path_counts)
-        mean = variance = 0.0
+                return mean, 0.0
+            spread = values.std(correction=1).item() if values.numel() > 1 else math.nan
+            return mean, spread / math.sqrt(values.numel()) * math.sqrt(1 - n / total) if values.numel() else 0.0
+        strata = []  # (w_k, mean_k, variance term before the shares)
         for k, count in enumerate(self.path_counts):
-            values = ratio[self.lengths == k]
+            chosen = lengths == k
+            evaluated, values = int(chosen.sum()), ratio[chosen & kept]
             if count == 0 or values.numel() == 0:
                 continue
-            share = count / total
-            mean += share * values.mean().item()
-            evaluated = values.numel()
+            weight = count * (values.numel() / evaluated)
+            term = 0.0
             if evaluated < count:  # an exactly evaluated length adds no variance
-                spread = values.var(correction=1).item() if evaluated > 1 else math.nan
-                variance += share**2 * spread / evaluated * (1 - evaluated / count)
+                spread = values.var(correction=1).item() if values.numel() > 1 else math.nan
+                term = spread / values.numel() * (1 - evaluated / count)
+            strata.append((weight, values.mean().item(), term))
+        total = sum(weight for weight, _, _ in strata)
+        mean = sum(weight / total * stratum_mean for weight, stratum_mean, _ in strata) if strata else 0.0
+        variance = sum((weight / total) ** 2 * term for weight, _, term in strata)
         return mean, math.sqrt(variance)
 
     def plot(self, ax=None, *, path=None):
@@ -215,10 +252,11 @@ class PathDecomposition:
             fig, ax = plt.subplots(figsize=(6, 4))
         else:
             fig = ax.figure
-        ratio = self.results.ratio.cpu()
-        lengths = self.lengths.expand_as(ratio).flatten()
+        ratio = self._ratios().cpu()
+        lengths = self.lengths.cpu().expand_as(ratio).flatten()
         ratio = ratio.flatten()
         zeros = int((ratio == 0).sum())
+        zero_paths = int(ratio.isnan().sum())
         shown = ratio > 0
         ratio, lengths = ratio[shown], lengths[shown]
         generator = torch.Generator().manual_seed(0)
@@ -229,6 +267,8 @@ class PathDecomposition:
             label = f"{_MAX_SCATTER:,} of {int(shown.sum()):,} {label}"
         if zeros:
             label += f" ({zeros:,} exact zeros not shown)"
+        if zero_paths:
+            label += f" ({zero_paths:,} zero paths, without a ratio, not shown)"
         jitter = (torch.rand(ratio.shape, generator=generator) - 0.5) * 0.3
         ax.scatter((lengths + jitter).numpy(), ratio.numpy(), s=4, alpha=0.3, label=label)
         table = self.by_length()
@@ -262,6 +302,7 @@ def decompose(
     all_ranks: bool = False,
     token_mask: Tensor | None = None,
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES,
+    max_paths: int = DEFAULT_MAX_PATHS,
 ) -> PathDecomposition | PathStatistics | None:
     """Decompose an attention network into paths and measure each path's residual ratio.
 
@@ -290,6 +331,13 @@ def decompose(
     memory: the same ``by_length()`` table, exact except its median and quantiles, which come
     from histograms (``from_histogram`` True, with their error bound).
 
+    ``max_paths`` bounds the work: a call that would evaluate more paths (every path of the tree,
+    ``num_samples``, or the sum of ``samples_per_length``) is refused before any work, with the time
+    it would take at the measured rates and the ways round (``max_length``, sampling, or a larger
+    ``max_paths``). The default, 10^10 paths, is what :func:`pk.path_statistics` streams by
+    default: half an hour on an H200, up to a day on 2 CPU cores. It bounds a captured model's
+    decomposition too (whose per-path results must also fit ``max_result_bytes``).
+
     Across processes (``group``, ``all_ranks``: see :func:`pk.path_residuals`) every rank draws the
     same sample from the same ``generator`` state and evaluates a disjoint share of it, so a run is
     reproducible for a given seed whatever the world size, and the estimators are those of one
@@ -297,6 +345,10 @@ def decompose(
     unless ``all_ranks``.
     """
     where = "pathkernels.decompose"
+    ways_round = (
+        "Pass max_length (only the short paths), num_samples or samples_per_length (a sample, with standard "
+        "errors), or use pk.length_sums for exact sums per length"
+    )
     if not isinstance(attn, Tensor) and getattr(attn, "residual_capture", None) is not None:
         options = (("x", x), ("w_v", w_v), ("w_o", w_o), ("tree", tree), ("group", group), ("token_mask", token_mask))
         passed = [name for name, value in options if value is not None] + ([] if skip is True else ["skip"])
@@ -306,6 +358,14 @@ def decompose(
                 f"those up to max_length, or a sample); {', '.join(passed)} do not apply (decompose stack.attn "
                 "for its attention products)"
             )
+        # The analysis layer registered the decomposer of captured models, so it is loaded already.
+        from pathkernels.analysis.attribution import count_attribution_paths_by_length
+
+        top = max_length if _is_int(max_length) else attn.num_layers
+        model_counts = count_attribution_paths_by_length(attn.num_layers, attn.num_heads, top)
+        check_max_paths(
+            _model_paths_to_evaluate(model_counts, top, num_samples, samples_per_length), max_paths, where, ways_round
+        )
         return _model_decomposer(
             attn,
             max_length=max_length,
@@ -316,7 +376,7 @@ def decompose(
             progress=progress,
             max_result_bytes=max_result_bytes,
         )
-    attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask, "pathkernels.decompose")
+    attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask, where)
     if not isinstance(attn, Tensor) or attn.dim() not in (4, 5):
         raise ValueError(
             f"{where}: expected attn of shape [B, L, H, n, n] or [L, H, n, n], got "
@@ -349,6 +409,7 @@ def decompose(
 
     if tree is not None:
         check_tree_shape(tree, layers, heads, where)
+        check_max_paths(tree.num_paths, max_paths, where, ways_round)
         method, counts = "exact", tree.count_by_length()
         weights = torch.ones(len(tree), dtype=torch.float64)
     elif num_samples is not None:
@@ -359,6 +420,7 @@ def decompose(
             )
         if not isinstance(num_samples, int) or num_samples < 1:
             raise ValueError(f"{where}: expected num_samples to be an int >= 1, got {num_samples!r}")
+        check_max_paths(min(num_samples, sum(counts)), max_paths, where, ways_round)
         if num_samples >= sum(counts):  # the sample would be every path: evaluate them all, exactly
             method, tree = "exact", PathTree.complete(layers, heads, skip=skip)
             weights = torch.ones(len(tree), dtype=torch.float64)
@@ -375,18 +437,19 @@ def decompose(
         method = "stratified"
         if isinstance(samples_per_length, int):
             samples_per_length = {k: samples_per_length for k in range(top + 1) if counts[k] > 0}
-        parts = []
         for k, n_k in sorted(samples_per_length.items()):
             if not 0 <= k <= top or counts[k] == 0:
                 raise ValueError(f"{where}: no paths of length {k} (lengths 0..{top} exist with skip={skip})")
             if not isinstance(n_k, int) or n_k < 1:
                 raise ValueError(f"{where}: expected samples_per_length[{k}] to be an int >= 1, got {n_k!r}")
-            # A stratum with no more paths than asked for is evaluated whole (exactly, no repeats);
-            # the others are drawn without replacement.
-            drawn = sample_paths(
-                layers, heads, min(n_k, counts[k]), skip=skip, length=k, generator=generator, replace=False
-            )
-            parts.append(drawn)
+        # A stratum with no more paths than asked for is evaluated whole (exactly, no repeats); the
+        # others are drawn without replacement.
+        strata = {k: min(n_k, counts[k]) for k, n_k in sorted(samples_per_length.items())}
+        check_max_paths(sum(strata.values()), max_paths, where, ways_round)
+        parts = [
+            sample_paths(layers, heads, n_k, skip=skip, length=k, generator=generator, replace=False)
+            for k, n_k in strata.items()
+        ]
         tree = PathTree.from_paths(torch.cat(parts), num_heads=heads)
         evaluated = {k: part.shape[0] for k, part in zip(sorted(samples_per_length), parts)}
         counts = [counts[k] if k in evaluated else 0 for k in range(layers + 1)]
@@ -404,19 +467,44 @@ def decompose(
                 f"({MAX_LEAVES:,}); pass max_length, num_samples or samples_per_length, or use pk.length_sums "
                 "for exact sums per length"
             )
-        if max_length is None and (total > MAX_ENUMERATED_PATHS or result_bytes > max_result_bytes):
-            # Too many paths to keep one result each: the same table from streamed statistics.
-            tree = PathTree.complete(layers, heads, skip=skip)
-            return path_statistics(attn, tree, token_mask=token_mask, **engine_options)
-        if total > MAX_ENUMERATED_PATHS:
+        if max_length is not None and total > MAX_ENUMERATED_PATHS:  # listed, short paths: never more
             raise ValueError(
                 f"{where}: the exact tree has {total:,} paths; pass a smaller max_length, num_samples or "
                 "samples_per_length, or use pk.length_sums for exact sums per length"
             )
+        check_max_paths(total, max_paths, where, ways_round)
+        if max_length is None and (total > MAX_ENUMERATED_PATHS or result_bytes > max_result_bytes):
+            # Too many paths to keep one result each: the same table from streamed statistics.
+            tree = PathTree.complete(layers, heads, skip=skip)
+            return stream_statistics(attn, tree, where, token_mask=token_mask, max_paths=max_paths, **engine_options)
         tree = PathTree.complete(layers, heads, skip=skip, max_length=max_length)
         weights = torch.ones(len(tree), dtype=torch.float64)
 
-    results = path_residuals(attn, tree, token_mask=token_mask, **engine_options)
+    results = evaluate_paths(attn, tree, where, token_mask=token_mask, **engine_options)
     if results is None:
         return None
     return PathDecomposition(results, method, layers, heads, skip, list(counts), weights)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _model_paths_to_evaluate(counts: list[int], top: int, num_samples, samples_per_length) -> int:
+    """How many paths the decomposition of a captured model evaluates (``counts``: its paths by
+    length): ``min(num_samples, every path)``, the strata's ``Σ min(n_k, count_k)``, or every path
+    up to ``top`` heads. Arguments that are not well formed count as nothing here: the
+    decomposition's own checks refuse them."""
+    if num_samples is not None:
+        return min(num_samples, sum(counts)) if _is_int(num_samples) else 0
+    if samples_per_length is not None:
+        if _is_int(samples_per_length):
+            samples_per_length = dict.fromkeys(range(top + 1), samples_per_length)
+        if not isinstance(samples_per_length, dict):
+            return 0
+        return sum(
+            min(n_k, counts[k])
+            for k, n_k in samples_per_length.items()
+            if _is_int(k) and 0 <= k < len(counts) and _is_int(n_k)
+        )
+    return sum(counts[: top + 1])

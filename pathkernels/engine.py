@@ -30,7 +30,7 @@ from pathkernels.checks import (
     mask_group_inputs,
     unpack_stack,
 )
-from pathkernels.paths import SKIP, PathTree
+from pathkernels.paths import SKIP, PathTree, check_flag
 from pathkernels.planner import (
     DEFAULT_MEMORY_BUDGET,
     check_budget,
@@ -199,8 +199,53 @@ def path_residuals(
             ``memory_budget`` below the engine's minimum (the message gives it), or results that
             would not fit the device's available memory (the message says how much they need).
     """
-    where = "pathkernels.path_residuals"
-    attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask, "pathkernels.path_residuals")
+    return evaluate_paths(
+        attn,
+        tree,
+        "pathkernels.path_residuals",
+        x=x,
+        w_v=w_v,
+        w_o=w_o,
+        memory_budget=memory_budget,
+        progress=progress,
+        materialize=materialize,
+        group=group,
+        all_ranks=all_ranks,
+        fast=fast,
+        token_mask=token_mask,
+        leaf_kernel=leaf_kernel,
+    )
+
+
+def evaluate_paths(
+    attn: Tensor,
+    tree: PathTree,
+    where: str,
+    *,
+    x: Tensor | None = None,
+    w_v: Tensor | None = None,
+    w_o: Tensor | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    progress: bool = False,
+    materialize: bool = False,
+    group=None,
+    all_ranks: bool = False,
+    fast: bool = False,
+    token_mask: Tensor | None = None,
+    leaf_kernel: str = "fused",
+) -> PathResiduals | None:
+    """:func:`path_residuals` on behalf of ``where``, the public function the user called (such as
+    ``"pathkernels.decompose"``): its checks, errors and warnings name that function."""
+    progress, materialize, all_ranks, fast = (
+        check_flag(value, name, where)
+        for name, value in (
+            ("progress", progress),
+            ("materialize", materialize),
+            ("all_ranks", all_ranks),
+            ("fast", fast),
+        )
+    )
+    attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask, where)
     if token_mask is not None:
         return _masked_path_residuals(
             attn,
@@ -223,12 +268,12 @@ def path_residuals(
         group = distributed.resolve_group(group, where)
         if group is not None:
             return _path_residuals_across(
-                attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks, kernel
+                attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks, kernel, where
             )
         net, memory_budget = check_inputs(attn, tree, x, w_v, w_o, memory_budget, where)
         products = _materialize(net, tree, memory_budget, where) if materialize else None
         bar = progress_bar(tree.num_leaves, enabled=progress)
-        residual, norm = leaf_norms(net, tree, 0, tree.num_leaves, memory_budget, bar, leaf_kernel=kernel)
+        residual, norm = leaf_norms(net, tree, 0, tree.num_leaves, memory_budget, bar, leaf_kernel=kernel, where=where)
         return _result(net, tree, residual, norm, products)
 
 
@@ -245,11 +290,11 @@ def _masked_path_residuals(attn, tree, x, token_mask, where: str, *, materialize
             "size); materialise each sequence on its own"
         )
     if mask is None:
-        result = path_residuals(attn, tree, x=x, materialize=materialize, **kwargs)
+        result = evaluate_paths(attn, tree, where, x=x, materialize=materialize, **kwargs)
     else:
         residual = norm = None
         for _, group, group_attn, group_x in mask_group_inputs(net, mask, where):
-            part = path_residuals(group_attn, tree, x=group_x, **kwargs)
+            part = evaluate_paths(group_attn, tree, where, x=group_x, **kwargs)
             if part is None:  # a rank other than 0 of a process group: the results went to rank 0
                 continue
             if residual is None:
@@ -368,24 +413,32 @@ def chunk_norms(net: Network, operands: tuple, chunk, leaf_block: int, leaf_kern
 
 @torch.no_grad()
 def leaf_norms(
-    net: Network, tree: PathTree, first: int, last: int, memory_budget: int, bar=None, *, leaf_kernel: str = "simt"
+    net: Network,
+    tree: PathTree,
+    first: int,
+    last: int,
+    memory_budget: int,
+    bar=None,
+    *,
+    leaf_kernel: str = "simt",
+    where: str = "pathkernels.path_residuals",
 ) -> tuple[Tensor, Tensor]:
     """Residual and norm ``[B, last - first]`` of leaves ``first..last-1``, chunk by chunk, in
     leaf order (``bar``: a progress bar to update and close). ``leaf_kernel``: the op's (see
     :func:`op_leaf_kernel`). Each is in attn's dtype, or float64 when a float32 value lies outside float32's
-    range (:func:`engine_reports`)."""
+    range (:func:`engine_reports`). ``where``: the public function called, for messages."""
     device = net.attn.device
     residual = torch.empty(net.attn.shape[0], last - first, dtype=net.attn.dtype, device=device)
     norm = torch.empty_like(residual)
     device_copies: dict[int, tuple[Tensor, Tensor]] = {}
     pieces = (
         (start, stop, chunk, leaf_block, _on_device(chunk.leaf_position, device, device_copies))
-        for start, stop, chunk, leaf_block in chunks(tree, net, memory_budget, first, last)
+        for start, stop, chunk, leaf_block in chunks(tree, net, memory_budget, first, last, where=where)
     )
     try:
         for start, stop, chunk_residual, chunk_norm in chunk_reports(net, tree, pieces, leaf_kernel, memory_budget):
-            residual = _widened(residual, chunk_residual.dtype, "pathkernels.path_residuals")
-            norm = _widened(norm, chunk_norm.dtype, "pathkernels.path_residuals")
+            residual = _widened(residual, chunk_residual.dtype, where)
+            norm = _widened(norm, chunk_norm.dtype, where)
             residual[:, start - first : stop - first] = chunk_residual
             norm[:, start - first : stop - first] = chunk_norm
             if bar is not None:
@@ -556,10 +609,9 @@ def _result(net: Network, tree: PathTree, residual: Tensor, norm: Tensor, produc
 
 
 def _path_residuals_across(
-    attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks, leaf_kernel: str
+    attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks, leaf_kernel: str, where: str
 ):
     """path_residuals split over the ranks of ``group`` (see pathkernels.distributed)."""
-    where = "pathkernels.path_residuals"
     import torch.distributed as dist
 
     net, error, summary = None, None, None
@@ -577,7 +629,7 @@ def _path_residuals_across(
     parts = None
     try:
         bar = progress_bar(last - first, enabled=progress and rank == 0, desc=f"pathkernels (rank 0 of {world})")
-        parts = leaf_norms(net, tree, first, last, memory_budget, bar, leaf_kernel=leaf_kernel)
+        parts = leaf_norms(net, tree, first, last, memory_budget, bar, leaf_kernel=leaf_kernel, where=where)
     except Exception as caught:
         error = caught
     distributed.agree(where, group, error)

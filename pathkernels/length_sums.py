@@ -1,7 +1,17 @@
 """Exact sums of the path outputs of each length, by dynamic programming over layers (no
-enumeration), and the truncated outputs they give."""
+enumeration), and the truncated outputs they give.
+
+The recursion runs in float64 on *scaled* sums: each length's sum is kept as a mantissa whose
+largest entry lies in [0.5, 1) times a power of two per batch element, ``S_k = M_k · 2^{e_k}``,
+rescaled after every layer. So no intermediate overflows or underflows, whatever the depth and the
+scale of the inputs (value maps that grow the stream 50× a layer over 40 layers reach 1e68 and
+more), and the result is returned in the inputs' dtype where that dtype holds it; where it does
+not, the call is refused, naming the lengths, rather than returning inf, NaN or 0.
+"""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -9,6 +19,10 @@ from torch import Tensor
 from pathkernels._memory import check_fits
 from pathkernels.checks import check_bias, check_masked_network, check_network, mask_group_inputs
 from pathkernels.paths import check_flag, check_int
+
+# The exponent of a mantissa of zeros: below every real one by far, so it never sets a scale, and
+# sums with it stay within int64.
+_ZERO_EXPONENT = -(1 << 40)
 
 
 def length_sums(
@@ -35,7 +49,17 @@ def length_sums(
     network with zero biases. A bias path is a matrix of equal rows, so its residual
     ``‖Y − 1μᵀ‖`` is exactly 0: biases shift the tokens, they never spread them apart.
 
-    The result is differentiable in every input (plain torch operations).
+    Range: the recursion runs in float64 (for float32 inputs too) on sums scaled by a power of two
+    per length and batch element, rescaled every layer (the module docstring), so intermediate
+    values never overflow or underflow. Each ``S_k`` is returned to its dtype's precision relative
+    to its largest entry (in float32 about 6e-8 where no cancellation intervenes). Where the
+    largest entry of some ``S_k`` lies outside the result dtype's normal range (float32: 1.2e-38 to
+    3.4e38; float64: 2.2e-308 to 1.8e308), the call raises a ValueError naming the lengths: float32
+    would return inf, NaN or 0 there. Pass float64 inputs for float64 sums, or rescale x or the
+    value maps (``S_k`` scales as ``x · W^k``).
+
+    The result is differentiable in every input (torch operations throughout; the scales are
+    powers of two read from detached values, constants to autograd).
 
     Args:
         attn: ``[B, L, H, n, n]`` (or ``[L, H, n, n]``), row-stochastic, float32 or float64; or an
@@ -50,8 +74,11 @@ def length_sums(
             computed on its real tokens only, and its padded rows are 0.
 
     Returns:
-        ``[L+1, B, n, d]`` (``[L+1, n, d]`` unbatched): index k holds the sum over paths of length k.
-        Without skip and biases only ``k = L`` is non-zero.
+        ``[L+1, B, n, d]`` (``[L+1, n, d]`` unbatched) in the inputs' dtype: index k holds the sum
+        over paths of length k. Without skip and biases only ``k = L`` is non-zero.
+
+    Raises:
+        ValueError: for a sum outside the result dtype's range (above), and for the inputs' checks.
     """
     where = "pathkernels.length_sums"
     skip = check_flag(skip, "skip", where)
@@ -71,33 +98,165 @@ def length_sums(
     if token_mask is not None:
         return _masked_length_sums(attn, x, w_v, w_o, b_o, skip, token_mask, where)
     net = check_network(attn, x, w_v, w_o, where)
-    layers = net.attn.shape[1]
     if b_o is not None:
         b_o = check_bias(b_o, net, where)
     check_length_sums_fit(net, where)
-    zero = torch.zeros_like(net.x)
-    sums = [net.x] + [zero] * layers  # S_0 .. S_L, each [B, n, d]; out of place, so autograd can follow
-    for layer in range(layers):
-        attn_l = net.attn[:, layer]  # [B, H, n, n]
-        top = layer + 1  # lengths 0..layer can feed a head at this layer
-        mixed = torch.einsum("bhij,kbjd->kbhid", attn_l, torch.stack(sums[:top]))  # [k, B, H, n, d]
-        heads_out = torch.einsum("kbhid,hde,hef->kbif", mixed, net.w_v[layer], net.w_o[layer])
-        carried = sums if skip else [zero] * (layers + 1)
-        sums = carried[:1] + [carried[k] + heads_out[k - 1] for k in range(1, top + 1)] + carried[top + 1 :]
-        if b_o is not None:
-            sums[1] = sums[1] + b_o[layer]  # broadcast over the batch and the n rows: 1 b_O[l]ᵀ
-    sums = torch.stack(sums)  # [L+1, B, n, d]
+    mantissas, exponents = _scaled_length_sums(net, b_o, skip)
+    sums = _in_dtype(
+        mantissas,
+        exponents,
+        net.x.dtype,
+        where,
+        lambda ks: f"the sums of the paths of length{'s' if len(ks) > 1 else ''} {_listed(ks)}",
+        lambda k, b: f"that of length {k}" + (f" (batch element {b})" if net.batched else ""),
+        lambda direction: (
+            f"Pass float64 inputs for float64 sums, or scale x or the value maps {direction} (S_k scales as x · W^k)"
+        ),
+    )
     return sums if net.batched else sums[:, 0]
+
+
+def _scaled_length_sums(net, b_o: Tensor | None, skip: bool) -> tuple[Tensor, Tensor]:
+    """The recursion of :func:`length_sums` in float64 on scaled sums: mantissas ``[L+1, B, n, d]``
+    (each length's and batch element's largest entry in [0.5, 1), or all 0) and int64 exponents
+    ``[L+1, B]``, ``S_k[b] = M_k[b] · 2^{e_k[b]}``.
+
+    The inputs are scaled alike (x per batch element, w_v, w_o and b_o per layer), so a head's
+    products of mantissas stay within ``n · d · d_head`` of 1. A layer's new sum of length k adds
+    its terms at their largest exponent ``E`` (a term ``M · 2^e`` enters as ``M · 2^{e − E}``, which
+    flushes to 0 only terms below 2^-1074 of the largest), then rescales to a fresh mantissa."""
+    attn = net.attn.double()
+    x, x_exponent = _normalized(net.x.double(), 2)  # [B, n, d], [B]
+    w_v, v_exponent = _normalized(net.w_v.double(), 3)  # [L, H, d, d_head], [L]
+    w_o, o_exponent = _normalized(net.w_o.double(), 3)
+    if b_o is not None:
+        b_o, b_exponent = _normalized(b_o.double(), 1)  # [L, d], [L]
+    layers = attn.shape[1]
+    zero, zero_exponent = torch.zeros_like(x), torch.full_like(x_exponent, _ZERO_EXPONENT)
+    # S_0 .. S_L as lists, updated out of place, so that autograd can follow.
+    mantissas = [x] + [zero] * layers
+    exponents = [x_exponent] + [zero_exponent] * layers
+    for layer in range(layers):
+        top = layer + 1  # lengths 0..layer can feed a head at this layer
+        # Σ_h A[l, h] (M_k W_V[l, h]) W_O[l, h] for k < top: d_head columns through the n × n maps.
+        valued = torch.einsum("kbjd,hde->kbhje", torch.stack(mantissas[:top]), w_v[layer])
+        mixed = torch.einsum("bhij,kbhje->kbhie", attn[:, layer], valued)
+        heads = torch.einsum("kbhie,hef->kbif", mixed, w_o[layer])  # [top, B, n, d]: lengths 1..top
+        terms = [(heads, torch.stack(exponents[:top]) + (v_exponent[layer] + o_exponent[layer]))]
+        if skip:
+            terms.append((torch.stack(mantissas[1 : top + 1]), torch.stack(exponents[1 : top + 1])))
+        largest = torch.stack([exponent for _, exponent in terms]).amax(0)  # [top, B]
+        if b_o is not None:  # 1 b_O[l]ᵀ, a path of length 1
+            largest = torch.cat([largest[:1].clamp_min(b_exponent[layer]), largest[1:]])
+        new = sum(_times_power_of_two(mantissa, exponent - largest) for mantissa, exponent in terms)
+        if b_o is not None:
+            bias = _times_power_of_two(b_o[layer].expand_as(x), b_exponent[layer] - largest[0])
+            new = torch.cat([(new[0] + bias).unsqueeze(0), new[1:]])
+        new, shift = _normalized(new, 2)  # [top, B, n, d], [top, B]
+        new_exponents = torch.where(shift == _ZERO_EXPONENT, _ZERO_EXPONENT, largest + shift)
+        carried = slice(top + 1, None)
+        mantissas = (
+            ([mantissas[0]] if skip else [zero])
+            + list(new.unbind(0))
+            + (mantissas[carried] if skip else [zero] * (layers - top))
+        )
+        exponents = (
+            ([exponents[0]] if skip else [zero_exponent])
+            + list(new_exponents.unbind(0))
+            + (exponents[carried] if skip else [zero_exponent] * (layers - top))
+        )
+    return torch.stack(mantissas), torch.stack(exponents)
+
+
+def _normalized(t: Tensor, dims: int) -> tuple[Tensor, Tensor]:
+    """``t = mantissa · 2^exponent`` per slice over its last ``dims`` dims: each slice's largest
+    |entry| in [0.5, 1) (a slice of zeros stays 0, with exponent ``_ZERO_EXPONENT``). The exponent
+    (int64, ``t``'s leading shape) comes from detached values: a constant to autograd."""
+    reduced = tuple(range(t.dim() - dims, t.dim()))
+    largest = t.detach().abs().amax(dim=reduced)
+    exponent = torch.frexp(largest).exponent.long()
+    exponent = torch.where(largest > 0, exponent, _ZERO_EXPONENT)
+    return _times_power_of_two(t, -exponent), exponent
+
+
+def _power_of_two(k: Tensor) -> Tensor:
+    """``2^k`` in float64, exactly, for int64 ``k`` (0 below ``2^-1074``; ``k <= 1023``): built
+    from its bits, so that every device gives the same numbers (``torch.ldexp`` goes through a
+    float32 power for integer exponents)."""
+    k = k.clamp(-1075, 1023)
+    normal = (k + 1023).clamp_min(0) << 52  # biased exponent, zero mantissa
+    subnormal = torch.bitwise_left_shift(torch.ones_like(k), (k + 1074).clamp(0, 51))
+    bits = torch.where(k >= -1022, normal, torch.where(k >= -1074, subnormal, torch.zeros_like(k)))
+    return bits.view(torch.float64)
+
+
+def _times_power_of_two(t: Tensor, k: Tensor) -> Tensor:
+    """``t · 2^k`` (float64 ``t``; int64 ``k`` of ``t``'s leading shape, broadcast over the rest):
+    two exact factors, so that scales up to ``2^±2046`` apply, and a result below 2^-1074 is 0."""
+    k = k.clamp(-2200, 2046).reshape(*k.shape, *([1] * (t.dim() - k.dim())))
+    half = torch.div(k, 2, rounding_mode="floor")
+    return t * _power_of_two(half) * _power_of_two(k - half)
+
+
+def _in_dtype(mantissas: Tensor, exponents: Tensor, dtype: torch.dtype, where: str, subject, detail, advice: str):
+    """``mantissas [K, B, n, d] · 2^exponents [K, B]`` as a ``dtype`` tensor, refused (ValueError)
+    where the largest entry of some slice ``[k, b]`` lies outside ``dtype``'s normal range: above its
+    largest finite number, or below its smallest normal number, where the slice would be lost to 0
+    or keep only some of its digits. For the message: ``subject(ks)`` names the slices of indices
+    ``ks`` along K, ``detail(k, b)`` one slice, and ``advice(direction)`` the way round."""
+    info = torch.finfo(dtype)
+    largest = mantissas.detach().abs().amax(dim=(-2, -1))  # [K, B]: in [0.5, 1), or 0
+    result = _times_power_of_two(mantissas, exponents).to(dtype)
+    nonzero = largest > 0
+    over = nonzero & ((exponents > math.frexp(info.max)[1]) | ~torch.isfinite(result.detach()).all(-1).all(-1))
+    under = nonzero & (exponents < math.frexp(info.tiny)[1])
+    name = str(dtype).removeprefix("torch.")
+    for bad, limit, words in (
+        (over, info.max, ("exceed", "largest finite number", "reaches", "inf or NaN", "down")),
+        (under, info.tiny, ("lie below", "smallest normal number", "reaches only", "0 or lose digits", "up")),
+    ):
+        if bool(bad.any()):
+            verb, edge, reaches, lost, direction = words
+            log10 = (largest.log10() + exponents * math.log10(2)).masked_fill(~bad, math.nan)
+            k, b = divmod(int(log10.abs().nan_to_num(-1.0).argmax()), bad.shape[1])
+            ks = sorted({int(i) for i in bad.nonzero()[:, 0].tolist()})
+            raise ValueError(
+                f"{where}: {subject(ks)} {verb} {name}'s {edge} ({limit:.2g}): {detail(k, b)} {reaches} about "
+                f"{_power_of_ten(float(log10[k, b]))}, where {name} would hold {lost}. {advice(direction)}"
+            )
+    return result
+
+
+def _power_of_ten(log10: float) -> str:
+    """``10^log10`` as "1.3e+68", whatever its size."""
+    exponent = math.floor(log10)
+    mantissa = round(10 ** (log10 - exponent), 1)
+    if mantissa >= 10:
+        mantissa, exponent = 1.0, exponent + 1
+    return f"{mantissa:.1f}e{exponent:+03d}"
+
+
+def _listed(ks: list[int]) -> str:
+    """``[3, 4, 5, 9]`` (sorted) as "3–5, 9"."""
+    runs = []
+    for k in ks:
+        if runs and k == runs[-1][1] + 1:
+            runs[-1][1] = k
+        else:
+            runs.append([k, k])
+    return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs)
 
 
 def check_length_sums_fit(net, where: str) -> None:
     """Refuse up front work whose largest step would not fit the device's memory: at the last layer
     ``[L, B, H, n, d]`` of mixed sums, beside ``[L+1, B, n, d]`` sums in two copies (the step's
-    output and its stacking)."""
+    output and its stacking), all in float64 (the recursion's dtype), and for float32 inputs the
+    float32 result."""
     batch, layers, heads, n = net.attn.shape[:4]
     d = net.x.shape[-1]
+    result = 0 if net.x.dtype == torch.float64 else (layers + 1) * batch * n * d * net.x.element_size()
     check_fits(
-        (layers * heads + 3 * (layers + 1)) * batch * n * d * net.x.element_size(),
+        (layers * heads + 3 * (layers + 1)) * batch * n * d * 8 + result,
         net.attn.device,
         where,
         f"{layers} layers × {heads} heads of [B, n, d] = [{batch}, {n}, {d}] sums need about",
@@ -124,12 +283,16 @@ def _masked_length_sums(attn, x, w_v, w_o, b_o, skip: bool, token_mask, where: s
 def truncated_output(sums: Tensor, max_length: int) -> Tensor:
     """Output of the paths of length ≤ ``max_length``: ``Σ_{k ≤ max_length} S_k`` from :func:`length_sums`.
 
+    Summed in float64, scaled by a power of two, so that a sum beyond the range of ``sums``' dtype
+    is refused (ValueError, as in :func:`length_sums`) rather than returned as inf, NaN or 0.
+    Differentiable.
+
     Args:
         sums: ``[L+1, B, n, d]`` (or ``[L+1, n, d]``), as :func:`length_sums` returns them.
         max_length: an int ``>= 0``; lengths above L add nothing.
 
     Returns:
-        ``[B, n, d]`` (or ``[n, d]``).
+        ``[B, n, d]`` (or ``[n, d]``), in ``sums``' dtype.
     """
     where = "pathkernels.truncated_output"
     if not isinstance(sums, Tensor) or sums.dim() < 3:
@@ -138,4 +301,22 @@ def truncated_output(sums: Tensor, max_length: int) -> Tensor:
             f"{list(sums.shape) if isinstance(sums, Tensor) else type(sums).__name__}"
         )
     max_length = check_int(max_length, "max_length", where, minimum=0)
-    return sums[: max_length + 1].sum(0)
+    kept = sums[: max_length + 1]
+    if not sums.dtype.is_floating_point or sums.dim() > 4 or sums.numel() == 0:
+        return kept.sum(0)
+    batched = sums.dim() == 4
+    scaled, scale = _normalized(kept.double().flatten(), 1)  # one power of two for all: |entries| < 1
+    total = scaled.reshape(kept.shape).sum(0)  # at most L + 1 in size: no overflow
+    total = total if batched else total.unsqueeze(0)  # [B, n, d]
+    mantissas, shift = _normalized(total, 2)  # a fresh scale per batch element
+    exponents = torch.where(shift == _ZERO_EXPONENT, _ZERO_EXPONENT, shift + scale)
+    out = _in_dtype(
+        mantissas.unsqueeze(0),
+        exponents.unsqueeze(0),
+        sums.dtype,
+        where,
+        lambda ks: f"the output of the paths of length ≤ {max_length}",
+        lambda k, b: f"batch element {b}" if batched else "it",
+        lambda direction: f"Pass float64 sums (length_sums of float64 inputs), or scale the inputs {direction}",
+    )[0]
+    return out if batched else out[0]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pathkernels._memory import available_memory, format_bytes
+from pathkernels._memory import available_memory, check_fits, format_bytes
 
 SKIP = -1
 
@@ -24,6 +24,47 @@ SKIP = -1
 # refuse with the count); sampling and length_sums handle such networks.
 MAX_ENUMERATED_PATHS = 1 << 31  # path lists and per-path results
 MAX_LEAVES = 1 << 62  # leaf indices are int64: a complete tree streamed by path_statistics stays below
+
+# The most paths one call evaluates unless its max_paths= says otherwise: the work that
+# pk.path_statistics streams (and pk.decompose through it) without complaint. Measured rates
+# (docs/BENCHMARKS.md) run from about 10^5 paths/s (2 CPU cores, n = 64) to 5.9·10^6 (an H200), so
+# 10^10 paths take half an hour to a day; a 10^15-path tree would take years.
+DEFAULT_MAX_PATHS = 10**10
+SLOWEST_PATHS_PER_SECOND = 1e5  # the range of rates a refusal quotes, as its message words them
+FASTEST_PATHS_PER_SECOND = 6e6
+
+
+def check_max_paths(num_paths: int, max_paths, where: str, ways_round: str) -> int:
+    """``max_paths`` as an int >= 1, and a refusal (ValueError) before any work when the call would
+    evaluate ``num_paths`` > ``max_paths`` paths: the message names the count, the bound, the time
+    it would take at the measured rates, ``ways_round`` and the larger ``max_paths=`` that runs it.
+    The one check of a call's work by its number of paths (pk.decompose, pk.path_statistics)."""
+    max_paths = check_int(max_paths, "max_paths", where, minimum=1)
+    if num_paths > max_paths:
+        fastest, slowest = (
+            _duration(num_paths / rate) for rate in (FASTEST_PATHS_PER_SECOND, SLOWEST_PATHS_PER_SECOND)
+        )
+        raise ValueError(
+            f"{where}: the call would evaluate {num_paths:,} paths, more than max_paths={max_paths:,}: {fastest} to "
+            f"{slowest} at the 6·10^6 to 10^5 paths/s measured on an H200 and on 2 CPU cores (docs/BENCHMARKS.md). "
+            f"{ways_round}; or pass max_paths={num_paths} to run them all"
+        )
+    return max_paths
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` for a message: "40 s", "3.2 hours", "317 years", "3.2e+06 years"."""
+    for unit, size in (("years", 365.25 * 86400), ("days", 86400), ("hours", 3600), ("minutes", 60), ("s", 1)):
+        if seconds >= 2 * size or unit == "s":
+            count = seconds / size
+            return (
+                f"{count:.1f} {unit}"
+                if count < 10
+                else f"{count:,.0f} {unit}"
+                if count < 1e6
+                else f"{count:.1e} {unit}"
+            )
+    raise AssertionError
 
 
 def count_paths(num_layers: int, num_heads: int, *, skip: bool = False, max_length: int | None = None) -> int:
@@ -559,6 +600,15 @@ def sample_paths(
         length = check_int(length, "length", where, minimum=0, maximum=num_layers)
         if length < num_layers and not skip:
             raise ValueError(f"{where}: paths of length {length} < num_layers={num_layers} need skip=True")
+    # The draws [num_samples, L] in int64 and their temporaries (random keys and their order with a
+    # length; repeats to drop without replacement): refused up front, not by the allocator.
+    check_fits(
+        SAMPLE_COPIES * 8 * num_samples * num_layers,
+        torch.device("cpu"),
+        where,
+        f"num_samples={num_samples:,} paths of {num_layers} layers (int64, with the draws' temporaries) need about",
+        "draw fewer paths (num_samples), or draw them in batches",
+    )
     if replace:
         return _draw_paths(num_layers, num_heads, num_samples, skip, length, generator)
     if length is None:
@@ -590,6 +640,9 @@ def sample_paths(
         first.scatter_reduce_(0, inverse, torch.arange(drawn.shape[0]), reduce="amin")
         kept = drawn[first.sort().values]
     return kept[:num_samples]
+
+
+SAMPLE_COPIES = 3  # sample_paths' peak: the paths, and two arrays of their size while drawing them
 
 
 def _draw_paths(

@@ -80,9 +80,18 @@ def check_budget(memory_budget, net: Network, where: str) -> int:
     return memory_budget
 
 
-def chunks(tree: PathTree, net: Network, memory_budget: int, first: int, last: int):
+def chunks(
+    tree: PathTree,
+    net: Network,
+    memory_budget: int,
+    first: int,
+    last: int,
+    *,
+    where: str = "pathkernels.path_residuals",
+):
     """Consecutive runs of leaves ``first..last-1`` whose tries fit the memory budget (on CPU, the
-    smaller of it and a cache-sized working set): (start, stop, TrieChunk, leaf_block).
+    smaller of it and a cache-sized working set): (start, stop, TrieChunk, leaf_block). ``where``:
+    the public function called, whom the warning about a small budget names.
 
     A complete tree (without ``max_length``) is cut into whole subtrees of ``C^depth`` leaves,
     whose tries have a closed form (:meth:`PathTree.subtree_chunk`); only the unaligned ends of
@@ -103,7 +112,7 @@ def chunks(tree: PathTree, net: Network, memory_budget: int, first: int, last: i
     size_cap = max(1, (chunk_budget - fixed) // max(1, node // 2 + INDEX_BYTES_PER_LEAF))
     if size_cap < min(FEW_LEAVES, last - first):
         warnings.warn(
-            f"pathkernels.path_residuals: memory_budget={memory_budget:,} bytes allows chunks of at most {size_cap:,} "
+            f"{where}: memory_budget={memory_budget:,} bytes allows chunks of at most {size_cap:,} "
             f"leaves at n = {net.attn.shape[-1]}, width {net.width}; such small chunks run up to a few hundred times "
             f"slower than a budget of {format_bytes(ADVISED_BUDGET)} or more",
             RuntimeWarning,

@@ -27,7 +27,7 @@ from pathkernels._files import read_sealed, tensor_digest, write_sealed
 from pathkernels._progress import progress_bar
 from pathkernels.checks import check_masked_network, mask_group_inputs, unpack_stack
 from pathkernels.engine import check_inputs, chunk_reports, op_leaf_kernel, to_device
-from pathkernels.paths import SKIP, PathTree, check_int
+from pathkernels.paths import DEFAULT_MAX_PATHS, SKIP, PathTree, check_flag, check_int, check_max_paths
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET, chunks
 
 QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
@@ -102,6 +102,12 @@ class PathStatistics:
     :func:`histogram_edges`, with under- and overflow bins; ``top_values`` ``[B, L+1, top_k]``
     the largest ratios per length (``-inf`` where a length has fewer paths) and ``top_paths``
     ``[B, L+1, top_k, L]`` their paths.
+
+    Zero paths: a path whose term is exactly the zero matrix (norm 0: through a pruned head,
+    W_O = 0, or from an all-zero x or value map) has no residual ratio (0/0). ``zero_norms`` counts
+    them; the ratio's sums, log sums, extremes, histogram and top leave them out, so its means,
+    standard deviations and quantiles are over the other paths (``counts − zero_norms`` of them).
+    The residual's and the norm's statistics count every path (a zero path's are 0).
     """
 
     num_layers: int
@@ -121,6 +127,11 @@ class PathStatistics:
     histograms: dict[str, Tensor] = field(repr=False)  # "ratio"/"residual" -> [B, L+1, bins+1] int64
     top_values: Tensor = field(repr=False)  # [B, L+1, top_k] float64
     top_paths: Tensor = field(repr=False)  # [B, L+1, top_k, L] int64
+    zero_norms: Tensor = field(default=None, repr=False)  # [B, L+1] int64: paths of norm 0, without a ratio
+
+    def __post_init__(self):
+        if self.zero_norms is None:  # statistics saved before zero paths were counted apart
+            self.zero_norms = torch.zeros_like(self.counts)
 
     @property
     def edges(self) -> Tensor:
@@ -159,6 +170,7 @@ class PathStatistics:
             histograms={name: torch.zeros(*shape, bins, dtype=torch.long, device=device) for name in _HISTOGRAMS},
             top_values=torch.full((*shape, top_k), -math.inf, dtype=torch.float64, device=device),
             top_paths=torch.full((*shape, top_k, layers), _NO_PATH, dtype=torch.long, device=device),
+            zero_norms=torch.zeros(shape, dtype=torch.long, device=device),
         )
 
     # --- accumulation ------------------------------------------------------------------------
@@ -168,11 +180,15 @@ class PathStatistics:
         the tree's leaf order (so that the first path reaching an extreme is the one kept);
         ``paths_of(leaves)`` gives the paths ``[k, L]`` of chunk leaves ``leaves [k]``, asked only
         for those that reach an extreme or the top. On the CPU one pass of the C++ op
-        ``_statistics_update``; elsewhere torch ops (:meth:`_add_torch`), with the same numbers."""
+        ``_statistics_update``; elsewhere, and for a chunk that holds a zero path (whose 0/0 ratio
+        the C++ op would add to the sums), torch ops (:meth:`_add_torch`), with the same numbers."""
         if residual.device.type != "cpu":
             self._add_torch(residual, norm, paths_of(torch.arange(residual.shape[1])))
             return
         residual, norm = residual.double().contiguous(), norm.double().contiguous()
+        if bool((norm == 0).any()):
+            self._add_torch(residual, norm, paths_of(torch.arange(residual.shape[1])))
+            return
         stacked = {name: self._packed(name, _MEASURES) for name in ("sums", "sums_of_squares", "minima", "maxima")}
         first = torch.full((len(_EXTREMES), len(_MEASURES), *self.counts.shape), -1, dtype=torch.long)
         torch.ops.pathkernels._statistics_update(
@@ -224,13 +240,21 @@ class PathStatistics:
         leaves = torch.arange(count, device=residual.device).expand(batch, count).flatten()  # within the chunk
         values = {"residual": residual.double(), "norm": norm.double()}
         values["ratio"] = values["residual"] / values["norm"]
+        # A zero path (norm 0) has no ratio: it adds 0 to the ratio's sums and 1 to zero_norms.
+        # (Adding 0.0 leaves a float64 sum as it was, so the sums are those of the other paths.)
+        has_ratio = (values["norm"] != 0).flatten()
         self.counts.view(-1).index_add_(0, slot, torch.ones_like(slot))
-        self.log10_ratio_sums.view(-1).index_add_(0, slot, positive_log10(values["ratio"]).flatten())
+        self.zero_norms.view(-1).index_add_(0, slot, (~has_ratio).long())
+        ratio = torch.where(has_ratio, values["ratio"].flatten(), 0.0)
+        self.log10_ratio_sums.view(-1).index_add_(0, slot, positive_log10(ratio))
         for name, value in values.items():
             flat = value.flatten()
-            self.sums[name].view(-1).index_add_(0, slot, flat)
-            self.sums_of_squares[name].view(-1).index_add_(0, slot, flat * flat)
-            number = ~flat.isnan()  # a zero norm gives a NaN ratio: it has no place among the extremes
+            summed = ratio if name == "ratio" else flat
+            self.sums[name].view(-1).index_add_(0, slot, summed)
+            self.sums_of_squares[name].view(-1).index_add_(0, slot, summed * summed)
+            number = ~flat.isnan()  # a NaN (inf/inf, beyond float64) has no place among the extremes
+            if name == "ratio":
+                number &= has_ratio
             # No boolean indexing (a host sync on CUDA, per chunk): the values left out are replaced
             # by ones that cannot win.
             none = torch.iinfo(torch.long).max
@@ -256,12 +280,14 @@ class PathStatistics:
         for name in _HISTOGRAMS:
             flat = values[name].flatten()
             # Bin 0: below the first edge, exact zeros; bins 1..E-1 regular; bin E: from the last
-            # edge up (and NaN, a zero norm's ratio).
+            # edge up (and NaN). Zero paths have no ratio to count.
             index = torch.bucketize(flat, edges, right=True)
+            weight = has_ratio.long() if name == "ratio" else torch.ones_like(index)
             histogram = self.histograms[name].view(-1, edges.numel() + 1)
-            histogram.view(-1).index_add_(0, slot * (edges.numel() + 1) + index, torch.ones_like(index))
+            histogram.view(-1).index_add_(0, slot * (edges.numel() + 1) + index, weight)
         if self.top_k:
-            self._add_top(values["ratio"], lengths, lambda leaves: paths[leaves.to(paths.device)])
+            top = torch.where(has_ratio.view_as(values["ratio"]), values["ratio"], math.nan)
+            self._add_top(top, lengths, lambda leaves: paths[leaves.to(paths.device)])
 
     def _add_top(self, ratio: Tensor, lengths: Tensor, paths_of: Callable[[Tensor], Tensor]) -> None:
         """Merge the chunk's ratios ``[B, c]`` into the top ``top_k`` of each length. Only leaves
@@ -289,15 +315,24 @@ class PathStatistics:
 
     # --- reading -------------------------------------------------------------------------------
 
+    def measured(self, measure: str = "ratio") -> Tensor:
+        """``[B, L+1]`` how many paths ``measure``'s statistics are over: every path for the
+        residual and the norm, those of norm other than 0 for the ratio."""
+        return self.counts - self.zero_norms if measure == "ratio" else self.counts
+
     def mean(self, measure: str = "ratio") -> Tensor:
-        """``[B, L+1]`` float64 means (NaN where a length has no path)."""
-        return self.sums[measure] / self.counts
+        """``[B, L+1]`` float64 means (NaN where a length has no path; the ratio's 0 where every
+        path of a length is a zero path, whose residual is 0)."""
+        n = self.measured(measure)
+        return torch.where((n == 0) & (self.counts > 0), 0.0, self.sums[measure] / n)
 
     def std(self, measure: str = "ratio") -> Tensor:
-        """``[B, L+1]`` sample standard deviations (n − 1), from the float64 sums."""
-        n = self.counts.double()
+        """``[B, L+1]`` sample standard deviations, ``sqrt((Σx² − (Σx)²/n) / (n − 1))`` from the
+        float64 sums over the :meth:`measured` paths (0 for one path, and the ratio's where every
+        path of a length is a zero path; NaN where a length has no path)."""
+        n = self.measured(measure).double()
         variance = (self.sums_of_squares[measure] - self.sums[measure] ** 2 / n) / (n - 1)
-        return variance.clamp_min(0).sqrt()
+        return torch.where((n <= 1) & (self.counts > 0), 0.0, variance.clamp_min(0).sqrt())
 
     def quantiles(self, measure: str = "ratio", q=QUANTILES) -> tuple[Tensor, float]:
         """Quantiles ``[B, L+1, len(q)]`` read from the histogram (log-interpolated within a bin),
@@ -318,18 +353,22 @@ class PathStatistics:
 
         ``length``, ``path_count``, ``evaluated`` (every path), ``exact`` (True), ``mean``,
         ``stderr`` (0), ``median``, ``q10``, ``q90``, ``min``, ``max``, ``zeros`` (exact zeros,
-        counted apart) and ``log10_mean`` (over the other ratios) of the residual ratio; then
-        ``std`` and ``q05 … q95``. The median and the quantiles are read from the histogram:
+        counted apart), ``zero_norm`` (zero paths, left out: see the class docstring) and
+        ``log10_mean`` (over the ratios that are not 0) of the residual ratio; then ``std``
+        (``sqrt((Σr² − (Σr)²/m) / (m − 1))`` over the m pairs with a ratio; 0 for one) and
+        ``q05 … q95``. The median and the quantiles are read from the histogram:
         ``from_histogram`` is True and ``quantile_rel_error`` is their bound (one bin's width,
         where they are not 0); the rest is exact. Over every (batch element, path) pair pooled
         (counts, sums and histograms add), as the in-memory table is, or one element with
-        ``batch_element``.
+        ``batch_element``. A length whose every pair is a zero path has 0 in its ratio columns
+        (a zero matrix's residual is 0), never NaN.
         """
         from pathkernels.decompose import _require
 
         pd = _require("pandas")
         pick = slice(None) if batch_element is None else slice(batch_element, batch_element + 1)
         counts = self.counts[pick].sum(0).cpu()
+        zero_norms = self.zero_norms[pick].sum(0).cpu()
         sums = self.sums["ratio"][pick].sum(0).cpu()
         squares = self.sums_of_squares["ratio"][pick].sum(0).cpu()
         logs = self.log10_ratio_sums[pick].sum(0).cpu()
@@ -345,26 +384,33 @@ class PathStatistics:
             n = int(counts[k])
             if n == 0:
                 continue
-            mean = float(sums[k]) / n
-            variance = (float(squares[k]) - float(sums[k]) ** 2 / n) / (n - 1) if n > 1 else math.nan
+            m = n - int(zero_norms[k])  # the pairs with a ratio
+            variance = (float(squares[k]) - float(sums[k]) ** 2 / m) / (m - 1) if m > 1 else 0.0
             paths = n // per_element
             row = {
                 "length": k,
                 "path_count": paths,
                 "evaluated": paths,
                 "exact": True,
-                "mean": mean,
+                "mean": float(sums[k]) / m if m else 0.0,
                 "stderr": 0.0,
-                "median": float(quantiles[k, named["q50"]]),
-                "q10": float(quantiles[k, named["q10"]]),
-                "q90": float(quantiles[k, named["q90"]]),
-                "min": float(minima[k]),
-                "max": float(maxima[k]),
+                "median": float(quantiles[k, named["q50"]]) if m else 0.0,
+                "q10": float(quantiles[k, named["q10"]]) if m else 0.0,
+                "q90": float(quantiles[k, named["q90"]]) if m else 0.0,
+                "min": float(minima[k]) if m else 0.0,
+                "max": float(maxima[k]) if m else 0.0,
                 "zeros": int(zeros[k]),
-                "log10_mean": float(logs[k]) / (n - int(zeros[k])) if n > int(zeros[k]) else math.nan,
-                "std": math.sqrt(max(variance, 0.0)),
+                "zero_norm": n - m,
+                "log10_mean": float(logs[k]) / (m - int(zeros[k])) if m > int(zeros[k]) else math.nan,
+                "std": math.sqrt(max(variance, 0.0)) if m > 1 else 0.0,
             }
-            row.update({name: float(quantiles[k, i]) for name, i in named.items() if name not in ("q10", "q50", "q90")})
+            row.update(
+                {
+                    name: float(quantiles[k, i]) if m else 0.0
+                    for name, i in named.items()
+                    if name not in ("q10", "q50", "q90")
+                }
+            )
             row.update(quantile_rel_error=error, from_histogram=True)
             rows.append(row)
         frame = pd.DataFrame(rows)
@@ -372,9 +418,11 @@ class PathStatistics:
         return frame
 
     def mean_ratio(self) -> tuple[float, float]:
-        """The mean residual ratio over every path and batch element, and its standard error: 0,
-        as in :meth:`PathDecomposition.mean_ratio` for an exact tree."""
-        return float(self.sums["ratio"].sum() / self.counts.sum()), 0.0
+        """The mean residual ratio over every path and batch element (zero paths left out; 0 if
+        every path is one), and its standard error: 0, as in :meth:`PathDecomposition.mean_ratio`
+        for an exact tree."""
+        measured = int(self.measured("ratio").sum())
+        return (float(self.sums["ratio"].sum()) / measured if measured else 0.0), 0.0
 
     def top(self, k: int | None = None, *, length: int | None = None, batch_element: int = 0):
         """The ``k`` paths with the largest ratio (of one ``length``, or overall) for one batch
@@ -393,8 +441,9 @@ class PathStatistics:
         return [(float(values[i]), paths[i].tolist()) for i in order.tolist() if values[i] > -math.inf]
 
     def to_frame(self):
-        """A pandas DataFrame, one row per (batch element, length): count and the per-measure
-        mean, std, min, max (with the paths where they occur)."""
+        """A pandas DataFrame, one row per (batch element, length): count, ``zero_norm`` (zero
+        paths, left out of the ratio's columns) and the per-measure mean, std, min, max (with the
+        paths where they occur)."""
         from pathkernels.decompose import _require
 
         pd = _require("pandas")
@@ -403,7 +452,12 @@ class PathStatistics:
             for k in range(self.num_layers + 1):
                 if int(self.counts[b, k]) == 0:
                     continue
-                row = {"batch": b, "length": k, "count": int(self.counts[b, k])}
+                row = {
+                    "batch": b,
+                    "length": k,
+                    "count": int(self.counts[b, k]),
+                    "zero_norm": int(self.zero_norms[b, k]),
+                }
                 for name in _MEASURES:
                     row.update(
                         {
@@ -436,6 +490,9 @@ class PathStatistics:
         ax.fill_between(table["length"], positive["q05"], positive["q95"], color="C3", alpha=0.2, label="5–95 %")
         zeros = int(table["zeros"].sum())
         min_label = "min" if not zeros else f"min, where not 0 ({zeros:,} exact zeros not shown)"
+        zero_paths = int(table["zero_norm"].sum())
+        if zero_paths:
+            min_label += f"; {zero_paths:,} zero paths (no ratio) left out"
         ax.plot(table["length"], positive["min"], "v", color="C0", ms=4, label=min_label)
         ax.plot(table["length"], positive["max"], "^", color="C0", ms=4, label="max")
         ax.set_yscale("log")
@@ -471,6 +528,7 @@ class PathStatistics:
             self.counts.device,
         )
         out.counts = self.counts + other.counts
+        out.zero_norms = self.zero_norms + other.zero_norms
         out.log10_ratio_sums = self.log10_ratio_sums + other.log10_ratio_sums
         for name in _MEASURES:
             out.sums[name] = self.sums[name] + other.sums[name]
@@ -576,6 +634,7 @@ def path_statistics(
     checkpoint_every: float = 180.0,
     token_mask: Tensor | None = None,
     leaf_kernel: str = "fused",
+    max_paths: int = DEFAULT_MAX_PATHS,
 ) -> PathStatistics | None:
     """Exact per-length statistics of the residual ratio, residual and norm of every path.
 
@@ -610,15 +669,71 @@ def path_statistics(
             element is measured on its real tokens, as in :func:`pathkernels.path_residuals`
             (one stream per group of equal masks; with a checkpoint, each group keeps its files
             in a subfolder ``mask-group-<i>``).
+        max_paths: the most paths (the tree's leaves) the call streams: a larger tree is refused
+            before any work, with the time it would take at the measured rates (10^10 paths, the
+            default, take half an hour on an H200 and up to a day on 2 CPU cores). Pass a tree
+            with ``max_length``, a sample (:func:`pathkernels.decompose` with ``num_samples``),
+            or a larger ``max_paths`` for a long run (with a ``checkpoint``).
 
     Returns:
         :class:`PathStatistics`, with the paths of the extremes and of the largest ratios; with a
         group, None on ranks other than 0 unless ``all_ranks``.
     """
-    where = "pathkernels.path_statistics"
+    return stream_statistics(
+        attn,
+        tree,
+        "pathkernels.path_statistics",
+        x=x,
+        w_v=w_v,
+        w_o=w_o,
+        top_k=top_k,
+        bins_per_decade=bins_per_decade,
+        memory_budget=memory_budget,
+        progress=progress,
+        group=group,
+        all_ranks=all_ranks,
+        checkpoint=checkpoint,
+        checkpoint_every=checkpoint_every,
+        token_mask=token_mask,
+        leaf_kernel=leaf_kernel,
+        max_paths=max_paths,
+    )
+
+
+def stream_statistics(
+    attn: Tensor,
+    tree: PathTree,
+    where: str,
+    *,
+    x: Tensor | None = None,
+    w_v: Tensor | None = None,
+    w_o: Tensor | None = None,
+    top_k: int = 0,
+    bins_per_decade: int = 10,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    progress: bool = False,
+    group=None,
+    all_ranks: bool = False,
+    checkpoint: str | os.PathLike | None = None,
+    checkpoint_every: float = 180.0,
+    token_mask: Tensor | None = None,
+    leaf_kernel: str = "fused",
+    max_paths: int = DEFAULT_MAX_PATHS,
+) -> PathStatistics | None:
+    """:func:`path_statistics` on behalf of ``where``, the public function the user called (such
+    as ``"pathkernels.decompose"``): its checks, errors and warnings name that function."""
     top_k = check_int(top_k, "top_k", where, minimum=0)
     bins_per_decade = check_int(bins_per_decade, "bins_per_decade", where, minimum=1, maximum=1000)
-    attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask, "pathkernels.path_statistics")
+    progress, all_ranks = check_flag(progress, "progress", where), check_flag(all_ranks, "all_ranks", where)
+    if isinstance(tree, PathTree):  # anything else is refused by the checks below
+        max_paths = check_max_paths(
+            tree.num_leaves,
+            max_paths,
+            where,
+            "Stream a tree with max_length (PathTree.complete(..., max_length=k)), sample paths (pk.decompose with "
+            "num_samples or samples_per_length), or use pk.length_sums for exact sums per length",
+        )
+    attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask, where)
     kernel = op_leaf_kernel(leaf_kernel, False, attn, where)
     options = {
         "w_v": w_v,
@@ -631,6 +746,7 @@ def path_statistics(
         "all_ranks": all_ranks,
         "checkpoint_every": checkpoint_every,
         "leaf_kernel": leaf_kernel,
+        "max_paths": max_paths,
     }
     if token_mask is not None:
         return _masked_statistics(attn, tree, x, token_mask, checkpoint, where, options)
@@ -682,11 +798,11 @@ def _masked_statistics(attn, tree: PathTree, x, token_mask, checkpoint, where: s
     net, mask = check_masked_network(attn, x, options["w_v"], options["w_o"], token_mask, where)
     options = {**options, "w_v": net.w_v, "w_o": net.w_o}  # in the compute dtype
     if mask is None:
-        return path_statistics(net.attn, tree, x=net.x, checkpoint=checkpoint, **options)
+        return stream_statistics(net.attn, tree, where, x=net.x, checkpoint=checkpoint, **options)
     out = None
     for index, group, group_attn, group_x in mask_group_inputs(net, mask, where):
         folder = None if checkpoint is None else Path(checkpoint) / f"mask-group-{index}"
-        part = path_statistics(group_attn, tree, x=group_x, checkpoint=folder, **options)
+        part = stream_statistics(group_attn, tree, where, x=group_x, checkpoint=folder, **options)
         if part is None:  # a rank other than 0 of a process group: the statistics went to rank 0
             continue
         if out is None:
@@ -735,7 +851,9 @@ def _stream(
             resumed_at = reached
             pieces = (
                 (start, stop, chunk, leaf_block, to_device(chunk.leaf_position, net.attn.device))
-                for start, stop, chunk, leaf_block in chunks(tree, net, settings.memory_budget, first, last)
+                for start, stop, chunk, leaf_block in chunks(
+                    tree, net, settings.memory_budget, first, last, where=where
+                )
                 if stop > resumed_at
             )
             for start, stop, residual, norm in chunk_reports(
@@ -767,8 +885,9 @@ def _stream(
 
 # Raised when what a checkpoint holds changes meaning: 2 when the histograms' bin 0 came to hold
 # exact zeros only and the log sums to leave them out; 3 when checkpoints became sealed files
-# (pathkernels/_files.py) with a SHA-256 of the inputs in their identity.
-_CHECKPOINT_FORMAT = 3
+# (pathkernels/_files.py) with a SHA-256 of the inputs in their identity; 4 when zero paths (norm
+# 0) left the ratio's sums for a count of their own (zero_norms).
+_CHECKPOINT_FORMAT = 4
 
 
 class _Checkpoint:

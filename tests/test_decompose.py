@@ -168,13 +168,23 @@ def test_bad_arguments():
 
 def test_decompose_of_a_huge_tree_streams_its_statistics(monkeypatch):
     """13^12 paths: too many to keep one result each, so decompose hands the complete tree to
-    path_statistics (stubbed here: the real run takes hours on 2 cores)."""
+    path_statistics (stubbed here: the real run takes days on 2 cores), in its own name and with
+    its max_paths; above the default max_paths it is refused before any work."""
     module = sys.modules["pathkernels.decompose"]
     calls = []
-    monkeypatch.setattr(module, "path_statistics", lambda attn, tree, **kwargs: calls.append(tree) or "streamed")
+    monkeypatch.setattr(
+        module,
+        "stream_statistics",
+        lambda attn, tree, where, **kwargs: calls.append((tree, where, kwargs)) or "streamed",
+    )
     big = random_attention(1, 12, 12, 3, 3, dtype=torch.float64)
-    assert pk.decompose(big) == "streamed"
-    assert calls[0].num_paths == 13**12 and calls[0].is_complete
+    with pytest.raises(ValueError, match=r"^pathkernels\.decompose: the call would evaluate 23,298,085,122,481 paths"):
+        pk.decompose(big)
+    assert not calls
+    assert pk.decompose(big, max_paths=13**12) == "streamed"
+    tree, where, kwargs = calls[0]
+    assert tree.num_paths == 13**12 and tree.is_complete
+    assert where == "pathkernels.decompose" and kwargs["max_paths"] == 13**12
 
 
 @pytest.mark.parametrize("with_x", [False, True])
@@ -237,3 +247,123 @@ def test_exact_zeros_are_counted_apart():
     assert f"{zeros:,} exact zeros not shown" in figure.axes[0].get_legend().get_texts()[0].get_text()
     legend = " ".join(text.get_text() for text in streamed.plot().axes[0].get_legend().get_texts())
     assert f"{zeros:,} exact zeros not shown" in legend
+
+
+def pruned(batch=2, layers=4, heads=3, n=5, d=4):
+    """Path outputs of a network whose head 0 of layer 1 is pruned (W_O = 0): every path through it
+    is a zero path (its term is the zero matrix: ratio 0/0). With batch > 1, element 1 has x = 0,
+    so each of its paths is one."""
+    generator = torch.Generator().manual_seed(5)
+    attn = random_attention(batch, layers, heads, n, n, dtype=torch.float64, generator=generator)
+    x = torch.randn(batch, n, d, dtype=torch.float64, generator=generator)
+    w_v = torch.randn(layers, heads, d, 2, dtype=torch.float64, generator=generator)
+    w_o = torch.randn(layers, heads, 2, d, dtype=torch.float64, generator=generator)
+    w_o[1, 0] = 0
+    if batch > 1:
+        x[1] = 0
+    return attn, {"x": x, "w_v": w_v, "w_o": w_o}
+
+
+RATIO_COLUMNS = ["mean", "stderr", "median", "q10", "q90", "min", "max"]
+
+
+def test_zero_paths_are_left_out_of_the_ratio_statistics_and_counted():
+    """A zero path has no ratio (0/0 = NaN per path): the in-memory and streamed tables leave its
+    pairs out of every ratio column and count them in zero_norm, so no column turns NaN (mean and
+    median were NaN while min and max skipped them); a length whose every pair is a zero path (the
+    element with x = 0) reads 0. The estimators leave them out too."""
+    attn, outputs = pruned()
+    dec = pk.decompose(attn, **outputs)
+    streamed = pk.decompose(attn, max_result_bytes=1, **outputs)
+    through = (dec.paths[:, 1] == 0).unsqueeze(0) | torch.tensor([[False], [True]])  # [B, M]: zero paths
+    assert bool((dec.results.norm[through] == 0).all()) and bool((dec.results.norm[~through] > 0).all())
+    assert bool(dec.results.ratio[through].isnan().all())  # the per-path value: no ratio
+    for table in (dec.by_length(), streamed.by_length()):
+        for _, row in table.iterrows():
+            chosen = (dec.lengths == row["length"]).expand_as(through)
+            values = dec.results.ratio[chosen & ~through]
+            assert row["zero_norm"] == int((chosen & through).sum())
+            assert row["mean"] == pytest.approx(values.mean().item(), rel=1e-12)
+            assert row["min"] == values.min().item() and row["max"] == values.max().item()
+            assert not any(math.isnan(row[column]) for column in RATIO_COLUMNS), row
+    assert dec.by_length()["median"].tolist() == [
+        dec.results.ratio[(dec.lengths == k).expand_as(through) & ~through].median().item() for k in range(5)
+    ]
+    mean, stderr = dec.mean_ratio()
+    alive = dec.results.ratio[0, ~through[0]]  # element 1 has none: the path means are element 0's
+    assert (mean, stderr) == (pytest.approx(alive.mean().item(), rel=1e-12), 0.0)
+    assert streamed.mean_ratio()[0] == pytest.approx(dec.results.ratio[~through].mean().item(), rel=1e-12)
+    assert bool(dec.path_ratio()[through[0]].isnan().all()) and not bool(dec.path_ratio()[~through[0]].isnan().any())
+    frame = dec.to_frame()
+    assert frame["ratio"].isna().tolist() == through[0].tolist()
+    # Element 1 alone: every pair a zero path, so every ratio column reads 0.
+    alone = pk.decompose(attn[1:], **{**outputs, "x": outputs["x"][1:]}).by_length()
+    assert (alone["zero_norm"] == alone["path_count"]).all()
+    assert (alone[RATIO_COLUMNS] == 0).all().all()
+
+
+def test_sampled_estimators_leave_zero_paths_out():
+    """Uniform and stratified samples of a network with a pruned head estimate the exact mean over
+    the paths that are not zero paths, within a few standard errors, which stay finite."""
+    attn, outputs = pruned(batch=1, layers=5)
+    exact = pk.decompose(attn, **outputs)
+    truth = exact.mean_ratio()[0]
+    assert truth == pytest.approx(exact.results.ratio[exact.results.norm != 0].mean().item(), rel=1e-12)
+    uniform = pk.decompose(attn, num_samples=500, generator=torch.Generator().manual_seed(1), **outputs)
+    stratified = pk.decompose(attn, samples_per_length=60, generator=torch.Generator().manual_seed(2), **outputs)
+    for dec in (uniform, stratified):
+        mean, stderr = dec.mean_ratio()
+        assert math.isfinite(stderr) and 0 < stderr and abs(mean - truth) <= 5 * stderr, dec.method
+        table = dec.by_length()
+        table = table[table["evaluated"] > 0]  # a length no draw reached has no estimate (NaN)
+        assert not table[RATIO_COLUMNS].isna().any().any() and table["zero_norm"].sum() > 0
+        sampled = table.set_index("length")
+        for k, row in pk.decompose(attn, **outputs).by_length().set_index("length").iterrows():
+            if k in sampled.index and not sampled.loc[k, "exact"]:
+                assert abs(sampled.loc[k, "mean"] - row["mean"]) <= 5 * sampled.loc[k, "stderr"], (dec.method, k)
+    # The stratified estimator, by hand: each length weighs count_k · n'_k / n_k, its estimated
+    # number of paths that are not zero paths (n'_k of its n_k drawn paths are not).
+    ratio, weights, means, alive_shares = stratified.path_ratio(), [], [], set()
+    for k, count in enumerate(stratified.path_counts):
+        drawn = ratio[stratified.lengths == k]
+        alive = drawn[~drawn.isnan()]
+        if count and alive.numel():
+            weights.append(count * alive.numel() / drawn.numel())
+            means.append(alive.mean().item())
+            alive_shares.add(alive.numel() / drawn.numel())
+    assert len(alive_shares) > 1  # lengths differ in their share of zero paths
+    expected = sum(w * m for w, m in zip(weights, means)) / sum(weights)
+    assert stratified.mean_ratio()[0] == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_captured_model_at_zero_biases_has_no_nan_in_its_table():
+    """docs/USAGE.md's example: GPT-2 at initialisation has zero attention biases, so each layer's
+    constant-row paths are zero paths, and its by_length() table printed NaN means and medians."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=50)
+    gpt2 = transformers.GPT2LMHeadModel(config).double().eval()
+    stack, _ = pk.adapters.capture_huggingface_residual(gpt2, input_ids=torch.randint(0, 50, (1, 6)))
+    dec = pk.decompose(stack, max_length=2)
+    table = dec.by_length()
+    assert table["zero_norm"].sum() > 0  # the layers' constant rows
+    assert not table[RATIO_COLUMNS].isna().any().any(), table
+    assert math.isfinite(dec.mean_ratio()[0])
+
+
+def test_budget_errors_and_warnings_name_decompose():
+    """decompose's memory-budget errors named pathkernels.path_residuals (or path_statistics when it
+    streamed), and its small-budget warning too."""
+    attn = random_attention(1, 3, 2, 6, 6, dtype=torch.float64)
+    for streamed in (False, True):
+        extra = {"max_result_bytes": 1} if streamed else {}
+        with pytest.raises(ValueError, match=r"^pathkernels\.decompose: memory_budget=10 bytes is too small"):
+            pk.decompose(attn, memory_budget=10, **extra)
+        with pytest.raises(ValueError, match=r"^pathkernels\.decompose: expected memory_budget to be a positive int"):
+            pk.decompose(attn, memory_budget="1 GiB", **extra)
+        with pytest.warns(RuntimeWarning, match=r"^pathkernels\.decompose: memory_budget=3,000 bytes allows chunks"):
+            pk.decompose(attn, memory_budget=3000, **extra)
+    with pytest.raises(ValueError, match=r"^pathkernels\.path_residuals: memory_budget=10 bytes is too small"):
+        pk.path_residuals(attn, pk.PathTree.complete(3, 2, skip=True), memory_budget=10)
+    with pytest.raises(ValueError, match=r"^pathkernels\.path_statistics: memory_budget=10 bytes is too small"):
+        pk.path_statistics(attn, pk.PathTree.complete(3, 2, skip=True), memory_budget=10)

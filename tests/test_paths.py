@@ -90,6 +90,17 @@ def test_counts_are_exact_python_ints_beyond_int64():
     assert pk.count_paths(6, 4, skip=True, max_length=2) == 1 + 6 * 4 + 15 * 16
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_max_length_beyond_the_layers_keeps_every_path(skip):
+    """max_length > L caps nothing: the counts are those without it (an IndexError without the cap
+    at L)."""
+    for max_length in (6, 7, 100):
+        assert pk.count_paths(6, 4, skip=skip, max_length=max_length) == pk.count_paths(6, 4, skip=skip)
+        assert pk.count_by_length(6, 4, skip=skip, max_length=max_length) == pk.count_by_length(6, 4, skip=skip)
+    assert pk.count_paths(6, 4, skip=True, max_length=100) == 5**6
+    assert len(pk.PathTree.complete(3, 2, skip=True, max_length=5)) == 3**3
+
+
 def test_too_large_tree_says_how_many_and_what_to_do():
     tree = pk.PathTree.complete(12, 12, skip=True)  # fine to stream (path_statistics), not to list
     with pytest.raises(ValueError, match=r"23,298,085,122,481 paths.*path_statistics.*max_length.*sampl.*length_sums"):

@@ -25,7 +25,15 @@ def network():
 
 def flag_calls():
     attn, x = network()
+    tree = pk.PathTree.complete(2, 2)
     return {
+        "pathkernels.path_residuals: expected progress": lambda v: pk.path_residuals(attn, tree, progress=v),
+        "pathkernels.path_residuals: expected materialize": lambda v: pk.path_residuals(attn, tree, materialize=v),
+        "pathkernels.path_residuals: expected fast": lambda v: pk.path_residuals(attn, tree, fast=v),
+        "pathkernels.path_residuals: expected all_ranks": lambda v: pk.path_residuals(attn, tree, all_ranks=v),
+        "pathkernels.path_statistics: expected progress": lambda v: pk.path_statistics(attn, tree, progress=v),
+        "pathkernels.path_statistics: expected all_ranks": lambda v: pk.path_statistics(attn, tree, all_ranks=v),
+        "pathkernels.decompose: expected progress": lambda v: pk.decompose(attn, progress=v),
         "pathkernels.rollout: expected residual": lambda v: pk.rollout(attn, residual=v),
         "pathkernels.matrix_norms: expected residual": lambda v: pk.matrix_norms(x, residual=v),
         "pathkernels.residual_norm: expected return_norm": lambda v: pk.residual_norm(x, return_norm=v),

@@ -381,7 +381,8 @@ def test_statistics_of_a_padded_batch_are_those_of_each_sequence_alone(tmp_path)
 def test_the_cpu_fold_equals_the_torch_fold():
     """The C++ fold (_statistics_update) against the torch ops the other devices use, bit for bit
     (the log10 sums too: both take ATen's log10 of the chunk's ratios): chunk after chunk, with
-    ties, a zero norm (NaN ratio), values beyond both histogram ends."""
+    ties, values beyond both histogram ends. (A chunk with a zero path goes to the torch fold on
+    the CPU too: test_a_zero_path_leaves_the_ratio_statistics_alone.)"""
     tree = pk.PathTree.complete(4, 3, skip=True)
     paths = tree.paths()
     ops_fold = PathStatistics.empty(2, tree, torch.float32, 7, 3, "cpu")
@@ -390,13 +391,14 @@ def test_the_cpu_fold_equals_the_torch_fold():
         chunk = paths[start : start + 37]
         residual = torch.rand(2, chunk.shape[0], dtype=torch.float64) ** 12
         norm = torch.rand(2, chunk.shape[0], dtype=torch.float64) + 0.5
-        residual[0, 0], norm[1, 1], residual[1, 1] = 0.0, 0.0, 0.0  # a zero residual; 0/0
+        residual[0, 0] = 0.0  # a zero residual
+        residual[1, 1], norm[1, 1] = 40.0, 2.0  # a ratio of 20, beyond the last edge
         residual[1, -1], norm[1, -1] = 1e-45, 1e3  # below float32's range; ratio below the edges
         if chunk.shape[0] > 6:
             residual[0, 4:6], norm[0, 4:6] = 0.25, 0.125  # a tie; ratio 2, residual 0.25
         ops_fold.add(residual, norm, (chunk != -1).sum(1), lambda leaves, chunk=chunk: chunk[leaves])
         torch_fold._add_torch(residual, norm, chunk)
-    for item in ("counts", "log10_ratio_sums", "top_values", "top_paths"):
+    for item in ("counts", "zero_norms", "log10_ratio_sums", "top_values", "top_paths"):
         torch.testing.assert_close(getattr(ops_fold, item), getattr(torch_fold, item), rtol=0, atol=0, equal_nan=True)
     for item in ("sums", "sums_of_squares", "minima", "maxima", "argmin", "argmax", "histograms"):
         for key, value in getattr(ops_fold, item).items():
@@ -430,3 +432,104 @@ def test_leaf_lengths_and_paths_of_blocks(tree):
         assert torch.equal(tree.leaf_lengths(start, stop), lengths[start:stop]), (start, stop)
     picked = torch.tensor([0, 5, tree.num_leaves - 1])
     assert torch.equal(tree.leaf_paths(picked), leaves[picked])
+
+
+def pruned_network(batch=2):
+    """A float64 network whose head 0 of layer 1 is pruned (W_O = 0): every path through it is a
+    zero path (norm 0, no ratio); batch element 1 (if any) has x = 0, so all of its paths are."""
+    generator = torch.Generator().manual_seed(3)
+    attn = random_attention(batch, 4, 3, 5, 5, dtype=torch.float64, generator=generator, temperature=0.5)
+    x = torch.randn(batch, 5, 4, dtype=torch.float64, generator=generator)
+    w_v = torch.randn(4, 3, 4, 2, dtype=torch.float64, generator=generator)
+    w_o = torch.randn(4, 3, 2, 4, dtype=torch.float64, generator=generator)
+    w_o[1, 0] = 0
+    if batch > 1:
+        x[1] = 0
+    return attn, {"x": x, "w_v": w_v, "w_o": w_o}
+
+
+@pytest.mark.parametrize("zero_paths", [False, True], ids=["no-zero-paths", "zero-paths"])
+def test_by_length_equals_a_direct_computation_from_every_path(zero_paths):
+    """Every column of the streamed table against the enumerated ratios of its (batch element,
+    path) pairs: count, zeros, zero paths (left out), mean, std (n − 1), min, max, log10_mean and
+    the histogram's quantiles (within a bin of the order statistics). Pooled and per element; with
+    zero paths (a pruned head; an element whose x is 0, all of whose paths are zero paths) no
+    column turns NaN (0/0 made mean, median and std NaN; std is 0 for a single pair)."""
+    pytest.importorskip("pandas")
+    if zero_paths:
+        attn, outputs = pruned_network()
+    else:
+        attn, outputs = random_attention(2, 4, 3, 5, 5, dtype=torch.float64, temperature=0.5), {}
+    tree = pk.PathTree.complete(4, 3, skip=True)
+    stats = pk.path_statistics(attn, tree, bins_per_decade=40, **outputs)
+    result = pk.path_residuals(attn, tree, **outputs)
+    lengths = tree.lengths()
+    bin_factor = 10 ** (1 / 40)
+    for element in (None, 0, 1):
+        table = stats.by_length(element)
+        pick = slice(None) if element is None else slice(element, element + 1)
+        assert table["length"].tolist() == [0, 1, 2, 3, 4]
+        for _, row in table.iterrows():
+            chosen = lengths == row["length"]
+            ratio, norm = result.ratio[pick][:, chosen].flatten(), result.norm[pick][:, chosen].flatten()
+            values = ratio[norm != 0].sort().values  # the pairs with a ratio
+            assert row["path_count"] == int(chosen.sum())
+            assert row["zero_norm"] == int((norm == 0).sum()) and row["zeros"] == int((values == 0).sum())
+            numbers = ["mean", "std", "min", "max", "median", "q05", "q10", "q25", "q75", "q90", "q95"]
+            if values.numel() == 0:  # every pair a zero path: 0, not NaN
+                assert [row[column] for column in numbers] == [0.0] * len(numbers), row
+                continue
+            assert row["mean"] == pytest.approx(values.mean().item(), rel=1e-12)
+            spread = values.std(correction=1).item() if values.numel() > 1 else 0.0  # one pair: no spread
+            assert row["std"] == pytest.approx(spread, rel=1e-9)
+            assert row["min"] == values[0].item() and row["max"] == values[-1].item()
+            positive = values[values > 0]
+            if positive.numel():
+                assert row["log10_mean"] == pytest.approx(positive.log10().mean().item(), rel=1e-12)
+            count = values.numel()
+            for column in numbers[4:]:
+                level = 0.5 if column == "median" else int(column[1:]) / 100
+                low = values[max(0, math.floor(level * count) - 1)].item() / bin_factor
+                high = values[min(count - 1, math.ceil(level * count))].item() * bin_factor
+                assert low <= row[column] <= high, (element, row["length"], column)
+            assert not any(math.isnan(row[column]) for column in numbers), row
+    if zero_paths:
+        assert int(stats.zero_norms.sum()) > 0 and not bool(stats.mean().isnan().any())
+        measured = result.norm != 0
+        assert stats.mean_ratio()[0] == pytest.approx(result.ratio[measured].mean().item(), rel=1e-12)
+
+
+def test_a_zero_path_leaves_the_ratio_statistics_alone():
+    """A chunk with zero paths (norm 0) on the CPU goes to the torch fold, which counts them in
+    zero_norms and leaves them out of every ratio statistic (the C++ fold added 0/0 = NaN to the
+    sums), while the residual's and the norm's statistics count them. The fold equals that of the
+    same chunk whose zero paths are replaced by paths no ratio statistic sees the difference of."""
+    tree = pk.PathTree.complete(3, 2, skip=True)
+    paths = tree.paths()
+    lengths = (paths != -1).sum(1)
+    residual = torch.rand(2, paths.shape[0], dtype=torch.float64)
+    norm = residual + torch.rand(2, paths.shape[0], dtype=torch.float64)
+    zero = torch.zeros_like(norm, dtype=torch.bool)
+    zero[0, ::3], zero[1, 5] = True, True
+    residual, norm = residual.masked_fill(zero, 0.0), norm.masked_fill(zero, 0.0)
+    stats = PathStatistics.empty(2, tree, torch.float64, 10, 2, "cpu")
+    stats.add(residual, norm, lengths, lambda leaves: paths[leaves])
+    for b in range(2):
+        for k in range(4):
+            mine = lengths == k
+            kept = mine & ~zero[b]
+            ratio = residual[b, kept] / norm[b, kept]
+            assert int(stats.counts[b, k]) == int(mine.sum()) and int(stats.zero_norms[b, k]) == int(
+                (mine & zero[b]).sum()
+            )
+            assert int(stats.histograms["ratio"][b, k].sum()) == int(kept.sum())
+            assert int(stats.histograms["residual"][b, k].sum()) == int(mine.sum())
+            torch.testing.assert_close(stats.sums["ratio"][b, k], ratio.sum(), rtol=1e-14, atol=0)
+            torch.testing.assert_close(stats.sums["norm"][b, k], norm[b, mine].sum(), rtol=1e-14, atol=0)
+            assert float(stats.minima["ratio"][b, k]) == (ratio.min().item() if ratio.numel() else math.inf)
+            assert float(stats.minima["norm"][b, k]) == norm[b, mine].min().item()  # 0 where a zero path is
+            tops = [value for value, _ in stats.top(2, length=k, batch_element=b)]
+            assert tops == ratio.sort(descending=True).values[:2].tolist()
+    assert not bool(stats.mean("ratio").isnan().any()) and not bool(stats.std("ratio")[:, 1:].isnan().any())
+    merged = stats.merge(stats)
+    assert torch.equal(merged.zero_norms, 2 * stats.zero_norms)
