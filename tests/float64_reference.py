@@ -9,9 +9,10 @@ import torch
 
 @contextlib.contextmanager
 def float64_steps(model):
-    """Within the block, ``model``'s attention softmax (``softmax(x, dtype=torch.float32)``) and its
-    RMSNorms (``x / sqrt(mean(x²) + ε) · γ``, Gemma's ``γ = 1 + w``) compute in float64 where their
-    input is float64."""
+    """Within the block, ``model``'s attention softmax (``softmax(x, dtype=torch.float32)``), its
+    RMSNorms (``x / sqrt(mean(x²) + ε) · γ``, Gemma's ``γ = 1 + w``) and OLMo's LayerNorms compute in
+    float64 where their input is float64. The model's own attention implementation runs (SDPA,
+    where it has one: float64 throughout)."""
 
     def exact_norm(module, args, output):
         x = args[0]
@@ -27,8 +28,18 @@ def float64_steps(model):
     def exact_softmax(x, dim=None, _stacklevel=3, dtype=None):
         return softmax(x, dim=dim, dtype=torch.float64 if x.dtype == torch.float64 else dtype)
 
+    def exact_layer_norm(module, args, output):  # OLMo's parameter-free LayerNorm, ε = 1e-5
+        x = args[0]
+        if x.dtype != torch.float64:
+            return None
+        centred = x - x.mean(-1, keepdim=True)
+        return centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-5)
+
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     handles = [norm.register_forward_hook(exact_norm) for norm in norms]
+    handles += [
+        m.register_forward_hook(exact_layer_norm) for m in model.modules() if type(m).__name__ == "OlmoLayerNorm"
+    ]
     torch.nn.functional.softmax = exact_softmax
     try:
         yield

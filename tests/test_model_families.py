@@ -15,6 +15,7 @@ run against 3.x here and against 4.x in tests/test_transformer_lens_versions.py 
 """
 
 import copy
+import itertools
 import math
 
 import pytest
@@ -219,3 +220,213 @@ def test_the_soft_cap_of_a_hugging_face_config_is_read():
     config = transformers.Gemma2Config(final_logit_softcapping=30.0)
     holder = type("Holder", (), {"config": config})()
     assert math.isclose(pk.analysis.attribution.logit_soft_cap(holder), 30.0)
+
+
+# --- Direct Hugging Face capture of more families ------------------------------------------------
+
+SMALL = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64, vocab_size=50)
+
+
+def family_configs():
+    """Every family the capture reads beyond GPT-2, BERT, ViT and Llama, as ``(config, model class)``
+    builders: parallel blocks (GPT-NeoX, GPT-J, Phi, Falcon), Gemma's ``(1 + w)`` norms and scaled
+    embeddings, norms after each sublayer (Gemma-2 and -3, OLMo 2), sliding windows, query/key norms
+    (Qwen3, Gemma-3, OLMo 2), parameter-free LayerNorms (OLMo), OPT pre- and post-norm with its
+    projections, multi-query and grouped attention (Falcon)."""
+    tf = transformers
+    gqa = dict(SMALL, num_key_value_heads=2, head_dim=8)
+    falcon = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, vocab_size=50)
+    opt = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, ffn_dim=64, vocab_size=50)
+    return {
+        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**gqa)),
+        "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**gqa)),
+        "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**gqa)),
+        "gemma2-sliding-biased": lambda: tf.Gemma2ForCausalLM(
+            tf.Gemma2Config(**gqa, sliding_window=3, attention_bias=True)
+        ),
+        "gemma3": lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**gqa, sliding_window=3)),
+        "olmo": lambda: tf.OlmoForCausalLM(tf.OlmoConfig(**SMALL)),
+        "olmo2": lambda: tf.Olmo2ForCausalLM(tf.Olmo2Config(**SMALL, attention_bias=True)),
+        "gpt_neox": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**SMALL, rotary_pct=0.5)),
+        "gpt_neox-sequential": lambda: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(**SMALL, use_parallel_residual=False)),
+        "gptj": lambda: tf.GPTJForCausalLM(
+            tf.GPTJConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=50, rotary_dim=4, n_positions=32)
+        ),
+        "phi": lambda: tf.PhiForCausalLM(tf.PhiConfig(**SMALL, partial_rotary_factor=0.5)),
+        "falcon": lambda: tf.FalconForCausalLM(tf.FalconConfig(**falcon)),
+        "falcon-sequential": lambda: tf.FalconForCausalLM(
+            tf.FalconConfig(**falcon, parallel_attn=False, multi_query=False)
+        ),
+        "falcon-grouped": lambda: tf.FalconForCausalLM(
+            tf.FalconConfig(**falcon, new_decoder_architecture=True, num_kv_heads=2)
+        ),
+        "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(**opt, word_embed_proj_dim=32)),
+        "opt-post-projected": lambda: tf.OPTForCausalLM(
+            tf.OPTConfig(**opt, word_embed_proj_dim=16, do_layer_norm_before=False)
+        ),
+    }
+
+
+FAMILIES = list(family_configs())
+
+
+def family_model(name: str, dtype=torch.float64):
+    """A tiny model of family ``name``: weights ×5 so that heads attend sharply and matter, every
+    bias ~ N(0, 0.3²), every norm's γ = 1 + N(0, 0.3²) (Gemma's stored ``γ − 1`` ~ N(0, 0.3²))."""
+    torch.manual_seed(0)
+    model = family_configs()[name]().to(torch.float64).eval()
+    gemma_style = type(model).__name__.startswith("Gemma")
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            is_norm = "norm" in parameter_name.lower() or parameter_name.split(".")[-2].startswith("ln")
+            if parameter_name.endswith("bias"):
+                parameter.normal_(0, 0.3)
+            elif is_norm and parameter_name.endswith("weight"):
+                parameter.normal_(0, 0.3).add_(0 if gemma_style else 1)
+            elif parameter.dim() == 2:
+                parameter.mul_(5)
+    return model.to(dtype)
+
+
+def uncapped(model):
+    """A copy of ``model`` without its final logit soft cap (Gemma-2's): the reference of a pre-cap
+    attribution."""
+    model = copy.deepcopy(model)
+    if getattr(model.config, "final_logit_softcapping", None) is not None:
+        model.config.final_logit_softcapping = None
+    return model
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_a_family_is_the_sum_of_its_paths_and_reads_out_its_logits(name):
+    """Float64: the paths sum to the stream entering the final norm (1e-12), the readout is the
+    model's logit difference computed in float64 throughout (1e-10; before the soft cap for
+    Gemma-2), and the paths with the constant add up to it (1e-12)."""
+    model = family_model(name)
+    ids = torch.randint(0, 50, (2, 7))
+    stack, capture = capture_huggingface_residual(model, input_ids=ids)
+    sums = stack.length_sums()
+    error = (sums.sum(0) - capture.residual).abs().max() / capture.residual.abs().max()
+    assert error < 1e-12, error
+    assert all(float(s.abs().max()) > 1e-3 for s in sums[: stack.num_layers + 1])  # every length carries weight
+    readout = pk.logit_diff(model, 3, 7)
+    result = pk.path_attribution(stack, readout, batch=1, positions=[6, 2])
+    logits = logits_in_float64(uncapped(model), input_ids=ids)[1]
+    expected = (logits[[6, 2], 3] - logits[[6, 2], 7])[:, None]
+    torch.testing.assert_close(result.value, expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(complete(result), result.value, rtol=1e-12, atol=1e-12)
+    capped = pk.analysis.attribution.logit_soft_cap(model) is not None
+    assert ("before the logit soft cap" in readout.labels[0]) == capped
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_neox", "falcon-grouped", "opt", "olmo2"])
+def test_a_float32_family_is_decomposed_to_float32s_precision(name):
+    model = family_model(name, torch.float32)
+    ids = torch.randint(0, 50, (2, 7))
+    stack, capture = capture_huggingface_residual(model, input_ids=ids)
+    error = (stack.length_sums().sum(0) - capture.residual).abs().max() / capture.residual.abs().max()
+    assert error < 1e-5, error
+    result = pk.path_attribution(stack, pk.logit_diff(model, 3, 7), batch=0)
+    with torch.no_grad():
+        logits = uncapped(model)(input_ids=ids).logits.double()[0]
+    expected = (logits[-1, 3] - logits[-1, 7]).reshape(1, 1)
+    torch.testing.assert_close(result.value, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["gemma2-sliding-biased", "gpt_neox", "phi", "falcon", "opt", "olmo2"])
+def test_a_left_padded_batch_reads_as_each_sequence_alone(name):
+    model = family_model(name)
+    long = torch.randint(1, 50, (1, 7))
+    short = torch.randint(1, 50, (1, 4))
+    ids = torch.cat([long, torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1)])
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    stack, _ = capture_huggingface_residual(model, input_ids=ids, attention_mask=mask)
+    alone, _ = capture_huggingface_residual(model, input_ids=short)
+    readout = pk.logit_diff(model, 3, 7)
+    padded = pk.path_attribution(stack, readout, batch=1)
+    single = pk.path_attribution(alone, readout)
+    torch.testing.assert_close(padded.value, single.value, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(padded.by_source_length, single.by_source_length, rtol=1e-9, atol=1e-10)
+
+
+def literal_pre_norm_attributions(stack, capture, position: int, u: torch.Tensor) -> dict:
+    """Every path's attribution of a pre-norm model written from the design's matrices, one
+    sequence: a head of layer l is the token map ``D'_l A_h D_l`` and the feature map
+    ``C Γ_l W_V W_O Γ'_l`` (``D'``, ``Γ'``: the norm on the attention's output, else I); the sources
+    are the embedding, per layer the constant rows ``D' (Σ_h (A_h 1)(βᵀ W_V + b_Vᵀ) W_O + 1 b_Oᵀ) Γ'``
+    and the MLP's output; the readout ``r = e_t / σ_t``, ``v = C_f Γ_f u``."""
+    layers, heads, d = stack.num_layers, stack.num_heads, stack.d_model
+    n = stack.attn.shape[-1]
+    attn, w_v, w_o = stack.attn[0].double(), stack.w_v.double(), stack.w_o.double()
+    eye = torch.eye(d, dtype=torch.float64)
+
+    def centring(on: bool) -> torch.Tensor:
+        return eye - 1.0 / d if on else eye
+
+    out_scale = torch.ones(layers, n, dtype=torch.float64)
+    out_gain = torch.ones(layers, d, dtype=torch.float64)
+    if capture.attention_output_scale is not None:
+        out_scale, out_gain = capture.attention_output_scale[0], capture.attention_output_weight
+
+    def token_map(layer, head):
+        return torch.diag(out_scale[layer]) @ attn[layer, head] @ torch.diag(capture.norm_scale[0, layer, 0])
+
+    def feature_map(layer, head):
+        into = centring(capture.centred) @ torch.diag(capture.norm_weight[layer, 0]) @ w_v[layer, head]
+        return into @ w_o[layer, head] @ torch.diag(out_gain[layer])
+
+    sources = [(0, "embedding", capture.embedding[0])]
+    for layer in range(layers):
+        rows = sum(
+            attn[layer, h].sum(-1, keepdim=True)
+            @ ((capture.norm_bias[layer, 0] @ w_v[layer, h] + capture.value_bias[layer, h]) @ w_o[layer, h])[None]
+            for h in range(heads)
+        )
+        rows = torch.diag(out_scale[layer]) @ (rows + capture.output_bias[layer]) @ torch.diag(out_gain[layer])
+        sources.append((layer + 1, f"L{layer} attention bias", rows))
+        sources.append((layer + 1, f"L{layer} MLP", capture.mlp_out[0, layer]))
+    r = torch.zeros(n, dtype=torch.float64)
+    r[position] = capture.final_scale[0, position]
+    v = centring(capture.final_centred) @ torch.diag(capture.final_weight) @ u
+    out = {}
+    for first_layer, name, source in sources:
+        for choice in itertools.product([-1, *range(heads)], repeat=layers - first_layer):
+            term = source
+            for layer, head in zip(range(first_layer, layers), choice):
+                if head >= 0:
+                    term = token_map(layer, head) @ term @ feature_map(layer, head)
+            out[((-1,) * first_layer + choice, name)] = float(r @ term @ v)
+    return out
+
+
+@pytest.mark.parametrize("name", [f for f in FAMILIES if f != "opt-post-projected"])
+def test_each_path_of_a_family_is_its_literal_term(name):
+    model = family_model(name)
+    stack, capture = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 5)))
+    u = torch.randn(stack.d_model, dtype=torch.float64)
+    result = pk.path_attribution(stack, u, positions=3)
+    expected = literal_pre_norm_attributions(stack, capture, 3, u)
+    got = {
+        (tuple(p.tolist()), result.source_names[int(s)]): float(a[0, 0])
+        for p, s, a in zip(result.paths, result.path_sources, result.attribution)
+    }
+    assert got.keys() == expected.keys()
+    scale = max(abs(value) for value in expected.values())
+    for key, value in expected.items():
+        assert math.isclose(got[key], value, rel_tol=1e-10, abs_tol=1e-12 * scale), (key, got[key], value)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_neox", "falcon-grouped", "olmo2", "opt-post-projected"])
+def test_the_top_paths_of_a_family_are_those_of_enumeration(name):
+    from test_top_paths import assert_same_as_enumeration
+
+    model = family_model(name)
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 6)))
+    assert_same_as_enumeration(stack, pk.logit_diff(model, 1, 2), 8)
+
+
+def test_an_olmo_that_clips_its_values_is_refused_by_name():
+    config = transformers.OlmoConfig(**SMALL, clip_qkv=8.0)
+    with pytest.raises(ValueError, match=r"capture_huggingface_residual: OLMo with clip_qkv clamps its values"):
+        capture_huggingface_residual(transformers.OlmoForCausalLM(config), input_ids=torch.randint(0, 50, (1, 4)))

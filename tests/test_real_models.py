@@ -160,12 +160,8 @@ def test_the_bert_length_sums_are_the_sums_of_the_enumerated_paths():
 
 
 def test_other_families_are_refused_by_name():
-    model = transformers.OPTModel(
-        transformers.OPTConfig(
-            num_hidden_layers=1, num_attention_heads=2, hidden_size=8, ffn_dim=16, vocab_size=50, word_embed_proj_dim=8
-        )
-    )
-    with pytest.raises(ValueError, match=r"^pathkernels\.adapters\.capture_huggingface_residual: GPT-2, .* got 'opt'"):
+    model = transformers.BloomModel(transformers.BloomConfig(n_layer=1, n_head=2, hidden_size=8, vocab_size=50))
+    with pytest.raises(ValueError, match=r"^pathkernels\.adapters\.capture_huggingface_residual: GPT-2, .* 'bloom'"):
         capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 4)))
 
 

@@ -32,7 +32,7 @@ class _AttentionLayer:
 
     attention: nn.Module  # its forward returns (attn_output, attn_weights [B, H, n, n])
     value: nn.Module  # Linear or Conv1D whose output holds the values
-    value_columns: slice  # the value columns of its output (all of them unless QKV is fused)
+    value_columns: slice | Tensor  # the value columns of its output (all unless QKV is fused): [kv_heads · d_head]
     output: nn.Module  # Linear or Conv1D: concatenated heads [H·d_head] -> d
     num_heads: int
     num_kv_heads: int
@@ -101,15 +101,94 @@ def _vit_layers(model, config) -> list[_AttentionLayer]:
 
 
 def _llama_layers(model, config) -> list[_AttentionLayer]:
+    return _self_attention_layers(_blocks(model, "layers"), "self_attn", "v_proj", "o_proj", config)
+
+
+def _fused_value_columns(layout: str, heads: int, kv_heads: int, head_dim: int) -> Tensor:
+    """The value columns, kv head by kv head, of a fused query-key-value projection's output:
+    - ``"per_head"`` (GPT-NeoX, Falcon without multi-query): per head ``[q | k | v]``;
+    - ``"per_group"`` (Falcon's new decoder architecture): per kv group ``[q_1 … q_g | k | v]``;
+    - ``"multi_query"`` (Falcon-7B): ``[q_1 … q_H | k | v]``, one key/value head."""
+    step = torch.arange(head_dim)
+    if layout == "per_head":
+        starts = torch.arange(heads) * 3 + 2
+    elif layout == "per_group":
+        per_group = heads // kv_heads + 2
+        starts = torch.arange(kv_heads) * per_group + per_group - 1
+    else:
+        starts = torch.tensor([heads + 1])
+    return (starts[:, None] * head_dim + step[None, :]).reshape(-1)
+
+
+def _self_attention_layers(blocks, attention: str, value: str, output: str, config, kv_heads=None, head_dim=None):
+    """Layers whose attention module ``block.<attention>`` holds separate ``value`` and ``output``
+    projections (OPT, GPT-J, Phi, OLMo and the Llama-style families)."""
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = kv_heads or getattr(config, "num_key_value_heads", None) or heads
+    head_dim = head_dim or getattr(config, "head_dim", None) or config.hidden_size // heads
+    out = []
+    for block in blocks:
+        module = getattr(block, attention)
+        out.append(
+            _AttentionLayer(
+                module, getattr(module, value), slice(None), getattr(module, output), heads, kv_heads, head_dim
+            )
+        )
+    return out
+
+
+def _gpt_neox_layers(model, config) -> list[_AttentionLayer]:
+    heads = config.num_attention_heads
+    head_dim = config.hidden_size // heads
+    columns = _fused_value_columns("per_head", heads, heads, head_dim)
     return [
         _AttentionLayer(
-            layer.self_attn, layer.self_attn.v_proj, slice(None), layer.self_attn.o_proj, heads, kv_heads, head_dim
+            layer.attention, layer.attention.query_key_value, columns, layer.attention.dense, heads, heads, head_dim
         )
         for layer in _blocks(model, "layers")
     ]
+
+
+def _falcon_layers(model, config) -> list[_AttentionLayer]:
+    heads = config.num_attention_heads
+    head_dim = config.hidden_size // heads
+    if config.new_decoder_architecture:
+        kv_heads, layout = config.num_kv_heads, "per_group"
+    elif config.multi_query:
+        kv_heads, layout = 1, "multi_query"
+    else:
+        kv_heads, layout = heads, "per_head"
+    columns = _fused_value_columns(layout, heads, kv_heads, head_dim)
+    return [
+        _AttentionLayer(
+            block.self_attention,
+            block.self_attention.query_key_value,
+            columns,
+            block.self_attention.dense,
+            heads,
+            kv_heads,
+            head_dim,
+        )
+        for block in _blocks(model, "h")
+    ]
+
+
+def _gptj_layers(model, config) -> list[_AttentionLayer]:
+    heads = config.n_head
+    return _self_attention_layers(
+        _blocks(model, "h"), "attn", "v_proj", "out_proj", config, heads, config.n_embd // heads
+    )
+
+
+def _phi_layers(model, config) -> list[_AttentionLayer]:
+    return _self_attention_layers(_blocks(model, "layers"), "self_attn", "v_proj", "dense", config)
+
+
+def _opt_layers(model, config) -> list[_AttentionLayer]:
+    heads = config.num_attention_heads
+    return _self_attention_layers(
+        _blocks(model, "decoder.layers", "layers"), "self_attn", "v_proj", "out_proj", config, heads
+    )
 
 
 @dataclass(frozen=True)
@@ -131,6 +210,17 @@ _FAMILIES: dict[str, _Family] = {
     "llama": _Family(_llama_layers, softmax_in_float32=True, zero_based_positions=True),
     "mistral": _Family(_llama_layers, softmax_in_float32=True, zero_based_positions=True),
     "qwen2": _Family(_llama_layers, softmax_in_float32=True, zero_based_positions=True),
+    "qwen3": _Family(_llama_layers, softmax_in_float32=True, zero_based_positions=True),
+    "gemma": _Family(_llama_layers, softmax_in_float32=True, zero_based_positions=True),
+    "gemma2": _Family(_llama_layers, softmax_in_float32=True, zero_based_positions=True),
+    "gemma3_text": _Family(_llama_layers, softmax_in_float32=True, zero_based_positions=True),
+    "olmo": _Family(_llama_layers, softmax_in_float32=True, zero_based_positions=True),
+    "olmo2": _Family(_llama_layers, softmax_in_float32=True, zero_based_positions=True),
+    "gpt_neox": _Family(_gpt_neox_layers, softmax_in_float32=True, zero_based_positions=True),
+    "gptj": _Family(_gptj_layers, softmax_in_float32=False, zero_based_positions=True),
+    "phi": _Family(_phi_layers, softmax_in_float32=True, zero_based_positions=True),
+    "falcon": _Family(_falcon_layers, softmax_in_float32=False, zero_based_positions=True),
+    "opt": _Family(_opt_layers, softmax_in_float32=True, zero_based_positions=False),  # from attention_mask
 }
 
 
@@ -246,9 +336,10 @@ def _eager_eval(model):
     setter = getattr(model, "set_attn_implementation", None)
 
     def set_implementation(value):
-        if setter is not None and isinstance(value, str):
+        settable = getattr(model, "_can_set_attn_implementation", lambda: True)()
+        if setter is not None and isinstance(value, str) and settable:
             setter(value)
-        else:
+        else:  # a family that chooses its attention by the config alone (Falcon)
             config._attn_implementation = value
 
     was_training = model.training
@@ -372,14 +463,29 @@ def _read_stack(model: nn.Module, inputs: dict) -> tuple[AttentionStack, Tensor]
     def keep(index: int, attn: Tensor) -> None:
         patterns[index] = attn
 
-    output = _stream(model, layers, keep, {**_prepared_inputs(model, inputs, _WHERE), "output_hidden_states": True})
+    # OPT's project_out maps the last hidden state to the word-embedding width: keep its input,
+    # the stream the blocks leave.
+    projection = getattr(getattr(model.base_model, "decoder", None), "project_out", None)
+    before_projection: list[Tensor] = []
+    handle = None
+    if projection is not None:
+        handle = projection.register_forward_pre_hook(lambda module, args: before_projection.append(args[0].detach()))
+    try:
+        output = _stream(model, layers, keep, {**_prepared_inputs(model, inputs, _WHERE), "output_hidden_states": True})
+    finally:
+        if handle is not None:
+            handle.remove()
     with torch.no_grad():  # stacking copies, so the stack does not alias or track the parameters
         maps = [_value_output(layer) for layer in layers]
         w_v = torch.stack([w for w, _, _, _ in maps])
         w_o = torch.stack([w for _, w, _, _ in maps])
         b_o = torch.stack([fold_value_bias(b_v, w_o, b_out) for _, w_o, b_v, b_out in maps])
     hidden = getattr(output, "hidden_states", None)
-    hidden = None if hidden is None else torch.stack(list(hidden)).detach()
+    if hidden is not None:
+        hidden = list(hidden)
+        if before_projection:
+            hidden[-1] = before_projection[-1]
+        hidden = torch.stack(hidden).detach()
     token_mask = inputs.get("attention_mask")
     if isinstance(token_mask, Tensor) and token_mask.dim() != 2:
         raise ValueError(

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from pathkernels.adapters.huggingface import _attention_layers, _blocks, _read_stack, _value_output
-from pathkernels.adapters.precision import rms_gain
+from pathkernels.adapters.precision import norm_eps, rms_gain
 from pathkernels.adapters.stack import AttentionStack
 from pathkernels.adapters.transformer_lens import (
     _bias,
@@ -55,6 +55,10 @@ class ResidualStreamCapture:
     and no final norm). ``unembedding`` ``[vocab, d]`` and ``unembedding_bias`` ``[vocab]``: the
     model's output embedding (its weight as the model holds it, not copied), None without an LM head.
     ``final_norm``: the final norm's kind where it differs from the blocks' ``norm`` (else None).
+    ``attention_output_scale`` ``[B, L, n]`` and ``attention_output_weight`` ``[L, d]``: ``1/σ'_t``
+    and γ' of an RMSNorm on each attention sublayer's output (Gemma-2 and -3, OLMo 2), which
+    scales every head's term, ``D' · (A D x C Γ W_V W_O) · Γ'``, and the sublayer's constant rows;
+    None where the model has none. (An RMSNorm on the MLP's output is in ``mlp_out`` already.)
     """
 
     layout: str
@@ -74,6 +78,8 @@ class ResidualStreamCapture:
     unembedding: Tensor | None = None
     unembedding_bias: Tensor | None = None
     final_norm: str | None = None
+    attention_output_scale: Tensor | None = None
+    attention_output_weight: Tensor | None = None
 
     @property
     def centred(self) -> bool:
@@ -110,13 +116,31 @@ class _Layout:
     layout: str  # "pre" or "post"
     norm: str  # "layernorm" or "rmsnorm"
     blocks: tuple[str, ...]  # the blocks' list under base_model: the first of these paths that exists
-    norms: Callable[[nn.Module], tuple[nn.Module, nn.Module]]  # a block's two norms, in order
+    # A block's norms before its attention and before its MLP (None: none; a parallel block's MLP
+    # reads the block's input, through its own norm or the attention's).
+    norms: Callable[[nn.Module], tuple[nn.Module | None, nn.Module | None]]
     mlp: Callable[[nn.Module], nn.Module]  # the module whose output is the MLP's branch
-    final_norm: str | None = None  # under base_model (pre-norm models)
+    final_norm: str | None = None  # under base_model, dotted (pre-norm models)
+    # RMSNorms on the attention's and the MLP's outputs, before their residual sums (Gemma-2, OLMo 2).
+    output_norms: Callable[[nn.Module], tuple[nn.Module, nn.Module]] | None = None
+
+
+def _first(block: nn.Module, *names: str) -> nn.Module | None:
+    """The first of ``block``'s submodules ``names`` that it has."""
+    return next((getattr(block, name) for name in names if getattr(block, name, None) is not None), None)
 
 
 _LLAMA = _Layout(
     "pre", "rmsnorm", ("layers",), lambda b: (b.input_layernorm, b.post_attention_layernorm), lambda b: b.mlp, "norm"
+)
+_GEMMA2 = _Layout(
+    "pre",
+    "rmsnorm",
+    ("layers",),
+    lambda b: (b.input_layernorm, b.pre_feedforward_layernorm),
+    lambda b: b.mlp,
+    "norm",
+    lambda b: (b.post_attention_layernorm, b.post_feedforward_layernorm),
 )
 _BERT = _Layout(
     "post",
@@ -125,6 +149,22 @@ _BERT = _Layout(
     lambda b: (b.attention.output.LayerNorm, b.output.LayerNorm),
     lambda b: b.output.dense,
 )
+
+
+def _opt_layout(config) -> _Layout:
+    """OPT: pre-norm (``do_layer_norm_before``, most sizes) or post-norm (OPT-350m)."""
+    pre = config.do_layer_norm_before
+    final = "decoder.final_layer_norm" if pre and not getattr(config, "_remove_final_layer_norm", False) else None
+    return _Layout(
+        "pre" if pre else "post",
+        "layernorm",
+        ("decoder.layers",),
+        lambda b: (b.self_attn_layer_norm, b.final_layer_norm),
+        lambda b: b.fc2,
+        final,
+    )
+
+
 _LAYOUTS = {
     "gpt2": _Layout("pre", "layernorm", ("h",), lambda b: (b.ln_1, b.ln_2), lambda b: b.mlp, "ln_f"),
     "bert": _BERT,
@@ -140,17 +180,95 @@ _LAYOUTS = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,
+    "qwen3": _LLAMA,  # its query and key norms shape the patterns only
+    "gemma": _LLAMA,  # (1 + w) norms (rms_gain), embeddings scaled before block 0
+    "gemma2": _GEMMA2,
+    "gemma3_text": _GEMMA2,
+    "olmo": _Layout(
+        "pre",
+        "layernorm",
+        ("layers",),
+        lambda b: (b.input_layernorm, b.post_attention_layernorm),
+        lambda b: b.mlp,
+        "norm",
+    ),
+    "olmo2": _Layout(
+        "pre",
+        "rmsnorm",
+        ("layers",),
+        lambda b: (None, None),
+        lambda b: b.mlp,
+        "norm",
+        lambda b: (b.post_attention_layernorm, b.post_feedforward_layernorm),
+    ),
+    "gpt_neox": _Layout(  # parallel (use_parallel_residual) or not: the same frozen paths
+        "pre",
+        "layernorm",
+        ("layers",),
+        lambda b: (b.input_layernorm, b.post_attention_layernorm),
+        lambda b: b.mlp,
+        "final_layer_norm",
+    ),
+    "gptj": _Layout("pre", "layernorm", ("h",), lambda b: (b.ln_1, b.ln_1), lambda b: b.mlp, "ln_f"),  # parallel
+    "phi": _Layout(
+        "pre",
+        "layernorm",
+        ("layers",),
+        lambda b: (b.input_layernorm, b.input_layernorm),
+        lambda b: b.mlp,
+        "final_layernorm",
+    ),
+    "falcon": _Layout(
+        "pre",
+        "layernorm",
+        ("h",),
+        lambda b: (
+            _first(b, "ln_attn", "input_layernorm"),
+            _first(b, "ln_mlp", "post_attention_layernorm", "input_layernorm"),
+        ),
+        lambda b: b.mlp,
+        "ln_f",
+    ),
 }
+CAPTURED_FAMILIES = (
+    "GPT-2, GPT-NeoX (Pythia), GPT-J, Phi, Falcon, OPT, BERT, RoBERTa, ViT, Llama, Mistral, Qwen2, Qwen3, Gemma, "
+    "Gemma-2, Gemma-3, OLMo and OLMo 2"
+)
 
 
-def _inverse_scale(x: Tensor, norm: nn.Module, kind: str) -> Tensor:
+def _layout(model) -> _Layout:
+    """The capture's layout of ``model``'s family, refused by name where it has none."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type == "opt":
+        return _opt_layout(config)
+    if model_type not in _LAYOUTS:
+        raise ValueError(
+            f"{_WHERE}: {CAPTURED_FAMILIES} models are captured, got {model_type or type(model).__name__!r}"
+        )
+    if model_type == "olmo" and getattr(config, "clip_qkv", None) is not None:
+        raise ValueError(
+            f"{_WHERE}: OLMo with clip_qkv clamps its values, so a head is not linear in its input; not captured"
+        )
+    return _LAYOUTS[model_type]
+
+
+def _module_at(root: nn.Module, path: str) -> nn.Module | None:
+    for name in path.split("."):
+        root = getattr(root, name, None)
+    return root
+
+
+def _inverse_scale(x: Tensor, norm: nn.Module | None, kind: str) -> Tensor:
     """``1/σ_t`` ``[B, n]`` of the norm on its input ``x`` ``[B, n, d]``, in float64: LayerNorm's
     ``σ_t = sqrt(var_t + ε)`` (the biased variance over the features), RMSNorm's
-    ``σ_t = sqrt(mean_t(x²) + ε)``."""
+    ``σ_t = sqrt(mean_t(x²) + ε)``; 1 where there is no norm."""
     x = x.double()
+    if norm is None:
+        return torch.ones(x.shape[:-1], dtype=torch.float64, device=x.device)
     if kind == "layernorm":
-        return torch.rsqrt(x.var(-1, unbiased=False) + norm.eps)
-    return torch.rsqrt(x.pow(2).mean(-1) + norm.variance_epsilon)
+        return torch.rsqrt(x.var(-1, unbiased=False) + norm_eps(norm))
+    return torch.rsqrt(x.pow(2).mean(-1) + norm_eps(norm))
 
 
 def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionStack, ResidualStreamCapture]:
@@ -174,29 +292,34 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
         ``(stack, capture)``; the capture is also ``stack.residual_capture``, which
         :meth:`AttentionStack.length_sums` decomposes.
     """
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in _LAYOUTS:
-        kind = model_type or type(model).__name__
-        raise ValueError(
-            f"{_WHERE}: GPT-2, BERT, RoBERTa, ViT, Llama, Mistral and Qwen2 models are captured, got {kind!r}"
-        )
-    spec = _LAYOUTS[model_type]
+    spec = _layout(model)
     blocks = _blocks(model, *spec.blocks)
     count = len(blocks)
-    seen: dict[str, list] = {"norm_in": [None] * (2 * count), "mlp_out": [None] * count, "final_in": [None]}
+    norms = [norm for block in blocks for norm in spec.norms(block)]
+    outputs = [] if spec.output_norms is None else [spec.output_norms(block) for block in blocks]
+    final_norm = None if spec.final_norm is None else _module_at(model.base_model, spec.final_norm)
+    seen: dict[str, list] = {
+        "norm_in": [None] * (2 * count),
+        "mlp_out": [None] * count,
+        "final_in": [None],
+        "output_in": [None] * count,
+    }
 
     def keep(name: str, index: int, output: bool):
-        def hook(module, args, result=None):
-            seen[name][index] = (result if output else args[0]).detach()
+        def hook(module, args, result=None):  # a copy: some families add to the branch in place (Falcon)
+            seen[name][index] = (result if output else args[0]).detach().clone()
 
         return hook
 
-    norms = [norm for block in blocks for norm in spec.norms(block)]
-    final_norm = None if spec.final_norm is None else getattr(model.base_model, spec.final_norm)
-    handles = [norm.register_forward_pre_hook(keep("norm_in", i, output=False)) for i, norm in enumerate(norms)]
-    handles += [
-        spec.mlp(block).register_forward_hook(keep("mlp_out", i, output=True)) for i, block in enumerate(blocks)
+    handles = [
+        norm.register_forward_pre_hook(keep("norm_in", i, output=False))
+        for i, norm in enumerate(norms)
+        if norm is not None
     ]
+    # The MLP's branch as it enters the stream: after the norm on its output, where there is one.
+    mlp_branches = [spec.mlp(block) if not outputs else outputs[i][1] for i, block in enumerate(blocks)]
+    handles += [module.register_forward_hook(keep("mlp_out", i, output=True)) for i, module in enumerate(mlp_branches)]
+    handles += [out[0].register_forward_pre_hook(keep("output_in", i, output=False)) for i, out in enumerate(outputs)]
     if final_norm is not None:
         handles.append(final_norm.register_forward_pre_hook(keep("final_in", 0, output=False)))
     try:
@@ -205,25 +328,34 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
         for handle in handles:
             handle.remove()
     with torch.no_grad():
-        batch, tokens = stack.attn.shape[0], stack.attn.shape[-1]
-        scales = torch.stack([_inverse_scale(x, norm, spec.norm) for x, norm in zip(seen["norm_in"], norms)], dim=1)
-        weights = torch.stack([_gain(n, spec.norm) for n in norms]).reshape(count, 2, -1)
-        biases = torch.zeros_like(weights)
-        if spec.norm == "layernorm":
-            biases = torch.stack([n.bias.detach().double() for n in norms]).reshape(count, 2, -1)
+        batch, tokens, d = stack.attn.shape[0], stack.attn.shape[-1], stack.d_model
+        device = stack.attn.device
+        identity = torch.ones(batch, tokens, d, dtype=torch.float64, device=device)  # the input of no norm
+        scales = torch.stack(  # OPT's MLP norm reads its tokens flattened, [B·n, d]
+            [
+                _inverse_scale(identity if x is None else x, norm, spec.norm).reshape(batch, tokens)
+                for x, norm in zip(seen["norm_in"], norms)
+            ],
+            dim=1,
+        )
+        weights = torch.stack([_gain(n, spec.norm, d, device) for n in norms]).reshape(count, 2, -1)
+        biases = torch.stack([_shift(n, spec.norm, d, device) for n in norms]).reshape(count, 2, -1)
         value_bias, output_bias = _attention_biases(model, stack)
-        final = {}
+        extra = {}
         if final_norm is not None:
-            final = {
+            extra |= {
                 "final_scale": _inverse_scale(seen["final_in"][0], final_norm, spec.norm),
-                "final_weight": _gain(final_norm, spec.norm),
-                "final_bias": (
-                    final_norm.bias.detach().double()
-                    if spec.norm == "layernorm"
-                    else torch.zeros_like(final_norm.weight, dtype=torch.float64)
-                ),
+                "final_weight": _gain(final_norm, spec.norm, d, device),
+                "final_bias": _shift(final_norm, spec.norm, d, device),
             }
-        unembedding = getattr(model, "get_output_embeddings", lambda: None)()
+        if outputs:
+            extra |= {
+                "attention_output_scale": torch.stack(
+                    [_inverse_scale(x, out[0], "rmsnorm") for x, out in zip(seen["output_in"], outputs)], dim=1
+                ),
+                "attention_output_weight": torch.stack([_gain(out[0], "rmsnorm", d, device) for out in outputs]),
+            }
+        unembedding, unembedding_bias = output_embedding(model)
         capture = ResidualStreamCapture(
             layout=spec.layout,
             norm=spec.norm,
@@ -233,22 +365,46 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
             norm_bias=biases,
             value_bias=value_bias,
             output_bias=output_bias,
-            mlp_out=torch.stack([m.double() for m in seen["mlp_out"]], dim=1),
+            mlp_out=torch.stack([m.double().reshape(batch, tokens, d) for m in seen["mlp_out"]], dim=1),
             residual=(seen["final_in"][0] if final_norm is not None else stack.hidden_states[-1]).double(),
             attn_row_sums=None if stack.attn_precision is None else attn.double().sum(-1),
-            unembedding=None if unembedding is None else unembedding.weight.detach(),
-            unembedding_bias=None if unembedding is None or unembedding.bias is None else unembedding.bias.detach(),
-            **final,
+            unembedding=unembedding,
+            unembedding_bias=unembedding_bias,
+            **extra,
         )
     return _attached(stack, capture)
 
 
-def _gain(norm: nn.Module, kind: str) -> Tensor:
+def output_embedding(model) -> tuple[Tensor | None, Tensor | None]:
+    """``(W_U [vocab, d], b_U | None)`` of a Hugging Face model's LM head in the stream's space (OPT's
+    ``project_out`` folded in), or ``(None, None)`` without one."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if head is None:
+        return None, None
+    weight = head.weight.detach()
+    project = getattr(getattr(model.base_model, "decoder", None), "project_out", None)
+    if project is not None:  # OPT: logits = project_out(N(x)) W_Uᵀ
+        weight = weight @ project.weight.detach()
+    return weight, None if head.bias is None else head.bias.detach()
+
+
+def _gain(norm: nn.Module | None, kind: str, d: int, device) -> Tensor:
     """A Hugging Face norm's γ ``[d]`` in float64: an RMSNorm's as it computes it (Gemma's store
-    ``γ − 1``), a LayerNorm's weight."""
-    if kind == "rmsnorm":
-        return rms_gain(norm)
-    return norm.weight.detach().double()
+    ``γ − 1``), a LayerNorm's weight; 1 for no norm or a norm without parameters (OLMo's)."""
+    gain = None
+    if norm is not None:
+        gain = rms_gain(norm) if kind == "rmsnorm" else getattr(norm, "weight", None)
+    if gain is None:
+        return torch.ones(d, dtype=torch.float64, device=device)
+    return gain.detach().double()
+
+
+def _shift(norm: nn.Module | None, kind: str, d: int, device) -> Tensor:
+    """A LayerNorm's β ``[d]`` in float64; 0 for an RMSNorm, no norm or a norm without a bias."""
+    bias = getattr(norm, "bias", None) if norm is not None and kind == "layernorm" else None
+    if bias is None:
+        return torch.zeros(d, dtype=torch.float64, device=device)
+    return bias.detach().double()
 
 
 def _attached(stack: AttentionStack, capture: ResidualStreamCapture) -> tuple[AttentionStack, ResidualStreamCapture]:
@@ -272,6 +428,7 @@ def _zero_padded_tokens(capture: ResidualStreamCapture, token_mask: Tensor) -> R
         "final_scale": padded,  # [B, n]
         "mlp_out": padded[:, None, :, None],  # [B, L, n, d]
         "attn_row_sums": padded[:, None, None, :],  # [B, L, H, n]
+        "attention_output_scale": padded[:, None, :],  # [B, L, n]
     }
     fields = {}
     for name, mask in where.items():

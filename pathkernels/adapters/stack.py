@@ -248,6 +248,13 @@ class AttentionStack:
             attn = attn.masked_fill(~(real[:, None, None, :, None] & real[:, None, None, None, :]), 0)
         w_v, w_o = self.w_v.to(device, torch.float64), self.w_o.to(device, torch.float64)
         biases = (capture.value_bias, capture.output_bias, capture.embedding, capture.mlp_out)
+        if capture.attention_output_scale is not None:  # an RMSNorm on the attention's output: D' · Γ'
+            out_scale, gain = capture.attention_output_scale, capture.attention_output_weight  # [B, L, n], [L, d]
+            attn = out_scale[:, :, None, :, None] * attn  # D' A
+            w_o = w_o * gain[:, None, None, :]  # W_O Γ'
+            # D' 1 (b_O ⊙ γ')ᵀ differs by token: it enters with the MLP's output, b_O itself as 0.
+            mlp_out = capture.mlp_out + out_scale[..., None] * (capture.output_bias * gain)[None, :, None, :]
+            biases = (capture.value_bias, torch.zeros_like(capture.output_bias), capture.embedding, mlp_out)
         if capture.layout == "post":
             norms = (capture.norm_scale, capture.norm_weight, capture.norm_bias)
             reference = post_ln_length_sums_ref

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from pathkernels._progress import progress_bar
+from pathkernels.adapters.residual import output_embedding
 from pathkernels.checks import check_tree_shape
 from pathkernels.decompose import check_save_path, saved
 from pathkernels.paths import PathTree, check_flag, check_int
@@ -95,7 +96,23 @@ class Readout:
 # Families whose logits are a linear map of the final norm's output (an LM head, or the tied word
 # embeddings of a base model). BERT's and RoBERTa's masked-LM heads transform the last hidden
 # state first (dense, GELU, LayerNorm), so a direction there is not their logit.
-_LINEAR_READOUT_FAMILIES = ("gpt2", "llama", "mistral", "qwen2")
+_LINEAR_READOUT_FAMILIES = (
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "olmo",
+    "olmo2",
+    "gpt_neox",
+    "gptj",
+    "phi",
+    "falcon",
+    "opt",
+)
 
 
 def unembedding(model, where: str = "pathkernels.logit") -> tuple[Tensor, Tensor | None, int]:
@@ -125,16 +142,16 @@ def unembedding(model, where: str = "pathkernels.logit") -> tuple[Tensor, Tensor
             f"norm's output, got {model_type or type(model).__name__!r}; for another model pass a direction "
             "[d] that reads its last hidden state (a probe) instead"
         )
-    embedding = getattr(model, "get_output_embeddings", lambda: None)()
-    if embedding is None and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+    weight, bias = output_embedding(model)  # [vocab, d] in the stream's space
+    if weight is None and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         embedding = getattr(model, "get_input_embeddings", lambda: None)()
-    if embedding is None or not hasattr(embedding, "weight"):
+        weight = None if embedding is None else embedding.weight.detach()
+    if weight is None:
         raise ValueError(
             f"{where}: expected a model with an output embedding (an LM head, or tied word embeddings), "
             f"got {type(model).__name__}"
         )
-    weight = embedding.weight.detach()  # [vocab, d]
-    return weight, getattr(embedding, "bias", None), weight.shape[0]
+    return weight, bias, weight.shape[0]
 
 
 def logit_soft_cap(model) -> float | None:
@@ -294,7 +311,6 @@ def _frozen_model(stack: AttentionStack, capture: ResidualStreamCapture, batch: 
     device = capture.embedding.device
     pick = real.to(device)
     attn = capture.patterns(stack.attn, batch)[..., pick, :][..., pick]  # as computed, [L, H, n, n]
-    row_sums = attn.sum(-1)  # r_h = A_h 1 [L, H, n]
     w_v, w_o = stack.w_v.to(device, torch.float64), stack.w_o.to(device, torch.float64)
     scale = capture.norm_scale[batch][..., pick]  # [L, 2, n]
     pre, centred = capture.layout == "pre", capture.centred
@@ -302,6 +318,14 @@ def _frozen_model(stack: AttentionStack, capture: ResidualStreamCapture, batch: 
     def normalised(t: Tensor, layer: int, which: int) -> Tensor:  # D t C Γ + 1 βᵀ (post-norm sources)
         t = t - t.mean(-1, keepdim=True) if centred else t
         return scale[layer, which, :, None] * t * capture.norm_weight[layer, which] + capture.norm_bias[layer, which]
+
+    output_bias = capture.output_bias[:, None, :]  # [L, 1, d]: the same for every token
+    if capture.attention_output_scale is not None:  # an RMSNorm on the attention's output: D' · Γ'
+        out_scale, gain = capture.attention_output_scale[batch][..., pick], capture.attention_output_weight  # [L, n]
+        attn = out_scale[:, None, :, None] * attn  # D' A
+        w_o = w_o * gain[:, None, None, :]  # W_O Γ'
+        output_bias = out_scale[..., None] * (capture.output_bias * gain)[:, None, :]  # D' 1 (b_O ⊙ γ')ᵀ
+    row_sums = attn.sum(-1)  # r_h = A_h 1 [L, H, n]
 
     sublayers, sources, names = [], [capture.embedding[batch][pick]], ["embedding"]
     for layer in range(stack.num_layers):
@@ -313,7 +337,7 @@ def _frozen_model(stack: AttentionStack, capture: ResidualStreamCapture, batch: 
         # The attention's constant rows: Σ_h r_h (βᵀ W_V + b_Vᵀ) W_O + 1 b_Oᵀ (pre-norm; post-norm
         # has no β before its values, and passes the rows through its norm).
         head_rows = capture.value_bias[layer] + (capture.norm_bias[layer, 0] @ w_v[layer] if pre else 0)
-        constant = torch.einsum("hi,he,hed->id", row_sums[layer], head_rows, w_o[layer]) + capture.output_bias[layer]
+        constant = torch.einsum("hi,he,hed->id", row_sums[layer], head_rows, w_o[layer]) + output_bias[layer]
         sources.append(constant if pre else normalised(constant, layer, 0))
         names.append(f"L{layer} attention bias")
         mlp = capture.mlp_out[batch, layer][pick]
