@@ -146,12 +146,32 @@ def test_transformer_lens_soft_capped_logits_are_attributed_before_the_cap():
     assert not torch.allclose(result.value, (capped[[8, 2], 3] - capped[[8, 2], 7])[:, None], rtol=1e-3)
 
 
-def test_transformer_lens_norms_after_each_sublayer_are_refused_by_name():
-    model = tl_model(normalization_type="RMS", use_normalization_before_and_after=True)
-    if not getattr(model.cfg, "use_normalization_before_and_after", False):
-        pytest.skip("this TransformerLens ignores use_normalization_before_and_after")
-    with pytest.raises(ValueError, match=r"capture_transformer_lens_residual: .*norm on each sublayer's output"):
-        pk.adapters.capture_transformer_lens_residual(model, torch.randint(0, 50, (1, 4)))
+TL_BLOCKS = {
+    "norms before and after each sublayer": {"normalization_type": "RMS", "use_normalization_before_and_after": True},
+    "parallel attention and MLP (LayerNorm)": {"parallel_attn_mlp": True},
+    "parallel attention and MLP (RMSNorm)": {"parallel_attn_mlp": True, "normalization_type": "RMS"},
+    "post-norm blocks (OLMo 2)": {"normalization_type": "RMS", "original_architecture": "Olmo2ForCausalLM"},
+}
+
+
+@pytest.mark.parametrize("case", TL_BLOCKS)
+def test_transformer_lens_blocks_with_norms_after_or_beside_their_sublayers(case):
+    """Gemma-2's norms after each sublayer (an RMSNorm's D' and Γ' around every head's term), parallel
+    blocks (the MLP reads the block's input) and OLMo 2's post-norm blocks: the paths sum to the
+    stream, and the logit difference is the model's (4.x's native model builds the plain blocks for
+    what it does not know; the capture reads what the blocks are)."""
+    model = tl_model(**TL_BLOCKS[case])
+    tokens = torch.randint(0, 50, (2, 9))
+    stack, capture = pk.adapters.capture_transformer_lens_residual(model, tokens)
+    error = (stack.length_sums().sum(0) - capture.residual).abs().max() / capture.residual.abs().max()
+    assert error < 1e-12, error
+    result = pk.path_attribution(stack, pk.logit_diff(model, 3, 7), batch=1, positions=[8, 2])
+    with torch.no_grad():
+        logits = model(tokens)[1].double()
+    expected = (logits[[8, 2], 3] - logits[[8, 2], 7])[:, None]
+    tolerance = 1e-6 if pk.testing.transformer_lens_major() >= 4 else 1e-10  # 4.x's native RMSNorm: float32
+    torch.testing.assert_close(result.value, expected, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(complete(result), result.value, rtol=1e-12, atol=1e-12)
 
 
 # --- TransformerBridges over Hugging Face Gemma models -------------------------------------------
@@ -207,13 +227,24 @@ def test_a_transformer_bridge_over_a_gemma_reads_its_offset_norms(dtype, tmp_pat
     assert error < (1e-10 if dtype == torch.float64 else 1e-5), error
 
 
-def test_a_transformer_bridge_over_a_gemma2_is_refused_by_name(tmp_path):
-    """Gemma-2 normalises each sublayer's output as well as its input (``ln1_post``, ``ln2_post``)."""
+@pytest.mark.parametrize("name", ["gemma2", "olmo2"])
+def test_a_transformer_bridge_over_a_model_with_norms_after_its_sublayers(name, tmp_path):
+    """Gemma-2 (norms before and after each sublayer, soft-capped logits) and OLMo 2 (norms after
+    only), float64, through a bridge: exact against the model's float64 forward (before the cap)."""
     from test_adapters import bridge_over
 
-    bridge = bridge_over(gemma(2, torch.float32), tmp_path)
-    with pytest.raises(ValueError, match=r"capture_transformer_lens_residual: .*norm on each sublayer's output"):
-        pk.adapters.capture_transformer_lens_residual(bridge, torch.randint(0, 40, (1, 4)))
+    model = family_model(name)
+    reference = uncapped(model)  # the bridge wraps the modules of the model it is given
+    bridge = bridge_over(model, tmp_path, dtype=torch.float64)
+    ids = torch.randint(0, 40, (2, 6))
+    stack, capture = pk.adapters.capture_transformer_lens_residual(bridge, ids)
+    assert capture.attention_output_scale is not None
+    error = (stack.length_sums().sum(0) - capture.residual).abs().max() / capture.residual.abs().max()
+    assert error < 1e-12, error
+    result = pk.path_attribution(stack, pk.logit_diff(bridge, 3, 7), batch=1)
+    logits = logits_in_float64(reference, input_ids=ids)[1]
+    torch.testing.assert_close(result.value, (logits[-1, 3] - logits[-1, 7]).reshape(1, 1), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(complete(result), result.value, rtol=1e-12, atol=1e-12)
 
 
 def test_the_soft_cap_of_a_hugging_face_config_is_read():

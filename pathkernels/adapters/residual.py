@@ -464,9 +464,11 @@ def capture_transformer_lens_residual(
     in float32 (4.x's native RMSNorms, a bridged Hugging Face model's softmax and RMSNorms) run in
     float64 for this pass, as in :func:`capture_huggingface_residual`; Gemma-style norms, which
     compute ``x̂ · (1 + w)``, are read as such; ``final_rms`` (an RMSNorm before the unembedding of
-    a LayerNorm model) is read as it is. Refused by name: models whose attention and MLP read the
-    same input (``parallel_attn_mlp``), and models with a norm on each sublayer's output
-    (``use_normalization_before_and_after``, ``ln1_post``/``ln2_post``, OLMo 2's post-norm blocks).
+    a LayerNorm model) is read as it is. Parallel blocks (``parallel_attn_mlp``: the MLP reads the
+    block's input) give the same frozen paths. RMSNorms on a sublayer's output (Gemma-2's
+    ``use_normalization_before_and_after``, ``ln1_post``/``ln2_post``; OLMo 2's post-norm blocks)
+    scale each head's term and the sublayer's constants on both sides, ``D' · (⋯) · Γ'``; a
+    LayerNorm there is refused by name.
     """
     where = "pathkernels.adapters.capture_transformer_lens_residual"
     cfg = getattr(model, "cfg", None)
@@ -474,11 +476,9 @@ def capture_transformer_lens_residual(
         raise TypeError(
             f"{where}: expected a TransformerLens HookedTransformer or TransformerBridge, got {type(model).__name__}"
         )
-    if getattr(cfg, "parallel_attn_mlp", False):
-        raise ValueError(f"{where}: models with parallel attention and MLP (parallel_attn_mlp) are not captured")
     if cfg.normalization_type not in _TL_NORMS:
         raise ValueError(f"{where}: normalization_type {cfg.normalization_type!r} is not captured")
-    _refuse_output_norms(model, cfg, where)
+    inputs, outputs = _tl_sublayer_norms(model, cfg, where)
     tokens = check_tokens(model, tokens, where)
     norm, has_weight, has_bias = _TL_NORMS[cfg.normalization_type]
     # TransformerLens's final_rms: an RMSNorm (with γ unless the weights are folded) before the
@@ -488,10 +488,11 @@ def capture_transformer_lens_residual(
     normed = norm != "none"
     names = {f"blocks.{layer}.attn.hook_pattern" for layer in range(layers)}
     names |= {f"blocks.{layer}.hook_resid_pre" for layer in range(layers)} | {f"blocks.{layers - 1}.hook_resid_post"}
+    sublayer_norms = [name for name in (*inputs, *(outputs or ())) if name is not None]
+    sublayer_norms = sublayer_norms if not attn_only else [name for name in sublayer_norms if name.startswith("ln1")]
     if normed:
-        names |= {f"blocks.{layer}.ln1.hook_scale" for layer in range(layers)} | {"ln_final.hook_scale"}
-        if not attn_only:
-            names |= {f"blocks.{layer}.ln2.hook_scale" for layer in range(layers)}
+        names |= {f"blocks.{layer}.{ln}.hook_scale" for layer in range(layers) for ln in sublayer_norms}
+        names |= {"ln_final.hook_scale"}
     if not attn_only:
         names |= {f"blocks.{layer}.hook_mlp_out" for layer in range(layers)}
     cache = run_cached(model, tokens, names, attention_mask)
@@ -511,30 +512,29 @@ def capture_transformer_lens_residual(
             return value + 1 if attribute == "w" and _uses_weight_offset(module, cfg) else value
         return torch.full((d,), fill, dtype=torch.float64, device=stack.attn.device)
 
+    def per_layer(ln: str | None, make) -> Tensor:  # [L, ...] of one norm slot, its value or the identity's
+        return torch.stack([make(None if ln is None else f"blocks.{layer}.{ln}") for layer in range(layers)])
+
+    def scale_of(name):
+        return ones if name is None else inverse_scale(f"{name}.hook_scale")
+
+    def weight_of(name):
+        return parameter(name or "", "w", has_weight and name is not None, 1.0)
+
+    def bias_of(name):
+        return parameter(name or "", "b", has_bias and name is not None, 0.0)
+
     with torch.no_grad():
-        scales = torch.stack(
-            [
-                torch.stack(
-                    [inverse_scale(f"blocks.{layer}.ln1.hook_scale"), inverse_scale(f"blocks.{layer}.ln2.hook_scale")],
-                    1,
-                )
-                for layer in range(layers)
-            ],
-            dim=1,
-        )  # [B, L, 2, n]
-        second = "ln1" if attn_only else "ln2"  # attention-only blocks have no second norm (never read)
-        weights = torch.stack(
-            [
-                torch.stack([parameter(f"blocks.{layer}.{ln}", "w", has_weight, 1.0) for ln in ("ln1", second)])
-                for layer in range(layers)
-            ]
-        )
-        biases = torch.stack(
-            [
-                torch.stack([parameter(f"blocks.{layer}.{ln}", "b", has_bias, 0.0) for ln in ("ln1", second)])
-                for layer in range(layers)
-            ]
-        )
+        first, second = inputs[0], inputs[1] if not attn_only else inputs[0]  # attention-only: one norm
+        scales = torch.stack([per_layer(first, scale_of), per_layer(second, scale_of)], 1).permute(2, 0, 1, 3)
+        weights = torch.stack([per_layer(first, weight_of), per_layer(second, weight_of)], 1)  # [L, 2, d]
+        biases = torch.stack([per_layer(first, bias_of), per_layer(second, bias_of)], 1)
+        extra = {}
+        if outputs is not None:  # an RMSNorm on the attention's output (the MLP's is in hook_mlp_out)
+            extra = {
+                "attention_output_scale": per_layer(outputs[0], scale_of).permute(1, 0, 2),  # [B, L, n]
+                "attention_output_weight": per_layer(outputs[0], lambda name: parameter(name, "w", True, 1.0)),
+            }
         heads = stack.num_heads
         b_v, b_o = _bias(model, "b_V"), _bias(model, "b_O")
         value_bias = (
@@ -573,6 +573,7 @@ def capture_transformer_lens_residual(
             unembedding=model.W_U.detach().T,
             unembedding_bias=None if getattr(model, "b_U", None) is None else model.b_U.detach(),
             final_norm=final_norm,
+            **extra,
         )
     return _attached(stack, capture)
 
@@ -593,26 +594,43 @@ def _uses_weight_offset(norm, cfg) -> bool:
 _TL_POST_NORM_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 
 
-def _refuse_output_norms(model, cfg, where: str) -> None:
-    """Refuse, by name, TransformerLens models with a norm on a sublayer's output (Gemma-2's
-    ``use_normalization_before_and_after``, the ``ln1_post``/``ln2_post`` of a bridge's blocks, OLMo 2's
-    post-norm blocks): the capture reads each norm as the one before its sublayer, so their paths
-    would not sum to the stream."""
-    blocks = getattr(model, "blocks", None) or []
-    after = bool(getattr(cfg, "use_normalization_before_and_after", False)) or any(
-        hasattr(block, name) for block in blocks for name in ("ln1_post", "ln2_post")
-    )
-    if after:
-        raise ValueError(
-            f"{where}: models with a norm on each sublayer's output (use_normalization_before_and_after, "
-            "ln1_post/ln2_post, as in Gemma-2 and Gemma-3) are not captured"
-        )
+def _tl_sublayer_norms(model, cfg, where: str) -> tuple[tuple[str | None, str | None], tuple[str, str] | None]:
+    """The names of a TransformerLens block's norms: before its attention and its MLP (None: none),
+    and on their outputs (None where there are none), as the blocks hold them: ``ln1``, ``ln2``
+    before; ``ln1_post``, ``ln2_post`` after (Gemma-2's ``use_normalization_before_and_after``; a
+    4.x bridge over OLMo 2 has only these); a 3.x OLMo 2 (HookedTransformer, or a bridge over the
+    Hugging Face model) applies ``ln1`` and ``ln2`` after its sublayers instead. A norm after a
+    sublayer must be an RMSNorm (a frozen diagonal on each side); others are refused by name."""
+    blocks = list(getattr(model, "blocks", None) or [])
+    has = lambda name: bool(blocks) and all(hasattr(block, name) for block in blocks)  # noqa: E731
+    original = model.__dict__.get("original_model") if hasattr(model, "__dict__") else None
+    # A HookedTransformer, or a bridge over a Hugging Face model (not over 4.x's native one, which
+    # has no post-norm blocks).
+    hugging_face = original is not None and type(original).__module__.startswith("transformers.")
+    reads_post_norm = type(model).__name__ == "HookedTransformer" or hugging_face
     architecture = getattr(cfg, "original_architecture", None) or getattr(cfg, "architecture", None)
-    if architecture in _TL_POST_NORM_ARCHITECTURES:
-        raise ValueError(
-            f"{where}: {architecture} normalises each sublayer's output (ln1 and ln2 after the sublayer); "
-            "such post-norm blocks are not captured"
-        )
+    if has("ln1_post"):
+        inputs = ("ln1" if has("ln1") else None, "ln2" if has("ln2") else None)
+        outputs = ("ln1_post", "ln2_post")
+    elif architecture in _TL_POST_NORM_ARCHITECTURES and reads_post_norm:
+        inputs, outputs = (None, None), ("ln1", "ln2")
+    else:
+        return ("ln1", "ln2"), None
+    for block in blocks:
+        for name in outputs:
+            norm = getattr(block, name, None)
+            if norm is not None and not _is_rms_norm(norm):
+                raise ValueError(
+                    f"{where}: the norm after a sublayer ({name}, {type(norm).__name__}) centres its input; only "
+                    "RMSNorms after a sublayer are captured"
+                )
+    return inputs, outputs
+
+
+def _is_rms_norm(norm) -> bool:
+    """Whether a TransformerLens norm is an RMSNorm: its class says so, or a bridge's flag does."""
+    flag = getattr(norm, "uses_rms_norm", None)
+    return bool(flag) if flag is not None else "RMS" in type(norm).__name__
 
 
 def _attention_biases(model: nn.Module, stack: AttentionStack) -> tuple[Tensor, Tensor]:
