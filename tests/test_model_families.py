@@ -461,3 +461,42 @@ def test_an_olmo_that_clips_its_values_is_refused_by_name():
     config = transformers.OlmoConfig(**SMALL, clip_qkv=8.0)
     with pytest.raises(ValueError, match=r"capture_huggingface_residual: OLMo with clip_qkv clamps its values"):
         capture_huggingface_residual(transformers.OlmoForCausalLM(config), input_ids=torch.randint(0, 50, (1, 4)))
+
+
+# What TransformerLens cannot build or does not expose, by version: these must fail, and say so.
+_BRIDGE_LIMITS = {
+    "falcon-grouped": (None, "TransformerLens's bridge cannot split Falcon's grouped query-key-value projection"),
+    "opt-post-projected": (r"post-norm blocks \(BERT's, OPT-350m's", None),
+}
+_BRIDGE_LIMITS_3 = {name: (r"gives no attention patterns", None) for name in ("gptj", "opt")}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_through_a_transformer_lens_bridge(name, tmp_path):
+    """Each family through a TransformerBridge over the Hugging Face model, float64: exact against
+    the model's float64 forward, or refused by name where TransformerLens gives no patterns (3.x's
+    GPT-J and OPT bridges) or the blocks are post-norm."""
+    from test_adapters import bridge_over
+
+    limits = {**_BRIDGE_LIMITS, **(_BRIDGE_LIMITS_3 if pk.testing.transformer_lens_major() == 3 else {})}
+    refused, unbuildable = limits.get(name, (None, None))
+    model = family_model(name)
+    reference = uncapped(model)
+    try:
+        bridge = bridge_over(model, tmp_path, dtype=torch.float64)
+    except RuntimeError:
+        if unbuildable:
+            pytest.xfail(unbuildable)
+        raise
+    assert unbuildable is None, f"TransformerLens now builds {name}: test it"
+    ids = torch.randint(0, 40, (1, 6))
+    if refused:
+        with pytest.raises(ValueError, match=r"capture_transformer_lens_residual: .*" + refused):
+            pk.adapters.capture_transformer_lens_residual(bridge, ids)
+        return
+    stack, capture = pk.adapters.capture_transformer_lens_residual(bridge, ids)
+    error = (stack.length_sums().sum(0) - capture.residual).abs().max() / capture.residual.abs().max()
+    assert error < 1e-12, error
+    result = pk.path_attribution(stack, pk.logit_diff(bridge, 3, 7))
+    logits = logits_in_float64(reference, input_ids=ids)[0]
+    torch.testing.assert_close(result.value, (logits[-1, 3] - logits[-1, 7]).reshape(1, 1), rtol=1e-10, atol=1e-10)

@@ -26,6 +26,7 @@ from pathkernels.adapters.transformer_lens import (
     _per_query_head,
     check_tokens,
     from_transformer_lens,
+    require_patterns,
     run_cached,
 )
 
@@ -496,6 +497,7 @@ def capture_transformer_lens_residual(
     if not attn_only:
         names |= {f"blocks.{layer}.hook_mlp_out" for layer in range(layers)}
     cache = run_cached(model, tokens, names, attention_mask)
+    require_patterns(model, cache, where)
     stack = from_transformer_lens(cache, attention_mask=attention_mask)
     batch, tokens_n, d = stack.attn.shape[0], stack.attn.shape[-1], stack.d_model
     ones = torch.ones(batch, tokens_n, dtype=torch.float64, device=stack.attn.device)
@@ -604,6 +606,16 @@ def _tl_sublayer_norms(model, cfg, where: str) -> tuple[tuple[str | None, str | 
     blocks = list(getattr(model, "blocks", None) or [])
     has = lambda name: bool(blocks) and all(hasattr(block, name) for block in blocks)  # noqa: E731
     original = model.__dict__.get("original_model") if hasattr(model, "__dict__") else None
+    original_config = getattr(original, "config", None)
+    post_norm = type(model).__name__ == "HookedEncoder" or getattr(original_config, "model_type", None) in (
+        "bert",
+        "roberta",
+    )
+    if post_norm or getattr(original_config, "do_layer_norm_before", True) is False:
+        raise ValueError(
+            f"{where}: post-norm blocks (BERT's, OPT-350m's: a norm after each residual sum) are not captured "
+            "through TransformerLens; capture the Hugging Face model itself (capture_huggingface_residual)"
+        )
     # A HookedTransformer, or a bridge over a Hugging Face model (not over 4.x's native one, which
     # has no post-norm blocks).
     hugging_face = original is not None and type(original).__module__.startswith("transformers.")

@@ -108,6 +108,19 @@ def check_tokens(model, tokens, where: str):
     return tokens
 
 
+def require_patterns(model, cache, where: str) -> None:
+    """Refuse, in the caller's name, a model whose run gave no attention patterns (some bridges of
+    some TransformerLens versions expose no ``hook_pattern``)."""
+    missing = [f"blocks.{layer}.attn.hook_pattern" for layer in range(model.cfg.n_layers)]
+    missing = [name for name in missing if name not in cache]
+    if missing:
+        architecture = getattr(model.cfg, "architecture", None) or type(model).__name__
+        raise ValueError(
+            f"{where}: this TransformerLens's {architecture} gives no attention patterns ({missing[0]}); read the "
+            "Hugging Face model itself (from_huggingface, capture_huggingface_residual) instead"
+        )
+
+
 def run_cached(model, tokens, names: set[str], attention_mask=None):
     """``model.run_with_cache(tokens)`` keeping only the hooks ``names``, in eval mode (restored
     after: a TransformerBridge wraps an HF model whose attention dropout would act) and without
@@ -146,7 +159,8 @@ def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -
         ValueError: if an attention row does not sum to 1 (padding, or a cache made in training mode),
             or tokens hold no batch element or no token.
     """
-    if _is_cache(model_or_cache):
+    from_model = not _is_cache(model_or_cache)
+    if not from_model:
         if tokens is not None:
             raise ValueError(f"{_WHERE}: pass tokens with a model, not with an ActivationCache")
         cache, model = model_or_cache, model_or_cache.model
@@ -166,6 +180,8 @@ def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -
     patterns = []
     for layer in range(num_layers):
         name = f"blocks.{layer}.attn.hook_pattern"
+        if from_model:
+            require_patterns(model, cache, _WHERE)
         if name not in cache:
             raise ValueError(f"{_WHERE}: the cache has no {name}; run the model with that hook cached")
         pattern = cache[name]

@@ -122,8 +122,12 @@ def unembedding(model, where: str = "pathkernels.logit") -> tuple[Tensor, Tensor
     head (``[num_labels, d]``: its class logits, read at the token the head reads, the last real
     one). Refuses Hugging Face families and heads whose logits are not linear in the final norm's
     output (BERT's pooled classifier among them)."""
-    if hasattr(model, "W_U") and hasattr(model, "cfg"):  # a TransformerLens HookedTransformer
-        weight = model.W_U.detach().T
+    if hasattr(model, "W_U") and hasattr(model, "cfg"):  # a TransformerLens HookedTransformer or bridge
+        weight = model.W_U.detach().T  # [vocab, d]
+        original = model.__dict__.get("original_model")
+        project = getattr(getattr(getattr(original, "base_model", None), "decoder", None), "project_out", None)
+        if project is not None and weight.shape[1] != model.cfg.d_model:  # a bridged OPT: W_U reads project_out's
+            weight = weight @ project.weight.detach()
         return weight, getattr(model, "b_U", None), weight.shape[0]
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if _is_classifier(model):
