@@ -500,3 +500,26 @@ def test_every_family_through_a_transformer_lens_bridge(name, tmp_path):
     result = pk.path_attribution(stack, pk.logit_diff(bridge, 3, 7))
     logits = logits_in_float64(reference, input_ids=ids)[0]
     torch.testing.assert_close(result.value, (logits[-1, 3] - logits[-1, 7]).reshape(1, 1), rtol=1e-10, atol=1e-10)
+
+
+def test_a_saved_model_is_loaded_with_the_head_it_was_saved_with(tmp_path):
+    """A Llama with an untied LM head, saved: loaded as what it was saved as (the head was dropped,
+    and the model refused), so that its own head reads out the attribution; a saved BERT masked LM
+    keeps its LM head too (its logits are not linear: a probe direction reads it)."""
+    config = transformers.LlamaConfig(**SMALL, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    model.save_pretrained(tmp_path / "llama")
+    local = pk.adapters.load_local_model(tmp_path / "llama")
+    assert type(local.model).__name__ == "LlamaForCausalLM" and local.pretrained
+    assert torch.equal(local.model.lm_head.weight, model.lm_head.weight)
+    ids = torch.randint(0, 50, (1, 6))
+    stack, _ = capture_huggingface_residual(local.model, input_ids=ids)
+    result = pk.path_attribution(stack, pk.logit_diff(local.model, 3, 7))
+    logits = logits_in_float64(model, input_ids=ids)[0]
+    torch.testing.assert_close(result.value, (logits[-1, 3] - logits[-1, 7]).reshape(1, 1), rtol=1e-10, atol=1e-10)
+    bert = transformers.BertForMaskedLM(
+        transformers.BertConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64)
+    )
+    bert.save_pretrained(tmp_path / "bert")
+    assert type(pk.adapters.load_local_model(tmp_path / "bert").model).__name__ == "BertForMaskedLM"

@@ -534,7 +534,9 @@ class LocalModel:
 def load_local_model(path) -> LocalModel:
     """A supported transformers model from a local directory (weights loaded) or a config (a
     ``config.json``, or a directory with no weights: random weights, seed 0), with the directory's
-    tokenizer when it has one. Nothing is downloaded.
+    tokenizer when it has one. Nothing is downloaded. The model is the class the checkpoint was
+    saved as (``config.architectures``: an LM head, untied or tied, a classifier's ``score``), so
+    that its own head reads it out; the base model where the config names no class.
 
     Raises:
         FileNotFoundError: no such path. ImportError: transformers is missing. ValueError: the path
@@ -551,12 +553,15 @@ def load_local_model(path) -> LocalModel:
         raise FileNotFoundError("no such file or directory (models are never downloaded)")
     has_weights = location.is_dir() and (any(location.glob("*.safetensors")) or any(location.glob("*.bin")))
     try:
+        config = transformers.AutoConfig.from_pretrained(location, local_files_only=True)
+        model_class = _saved_class(transformers, config)
         if has_weights:
-            model = transformers.AutoModel.from_pretrained(location, local_files_only=True)
+            model = model_class.from_pretrained(location, local_files_only=True)
         else:
-            config = transformers.AutoConfig.from_pretrained(location, local_files_only=True)
             torch.manual_seed(0)
-            model = transformers.AutoModel.from_config(config)
+            model = (
+                model_class(config) if model_class is not transformers.AutoModel else model_class.from_config(config)
+            )
     except (OSError, ValueError, KeyError, TypeError, json.JSONDecodeError) as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ValueError(f"cannot read it as a transformers model: {reason}") from None
@@ -568,6 +573,17 @@ def load_local_model(path) -> LocalModel:
         except Exception:  # noqa: BLE001 (files that no tokenizer class reads: treated as none)
             tokenizer = None
     return LocalModel(str(path), model, has_weights, tokenizer)
+
+
+def _saved_class(transformers, config):
+    """The class a checkpoint was saved as (its config's ``architectures``: a causal or masked LM, a
+    sequence classifier, with the head its weights hold), or ``AutoModel`` where it names none that
+    this transformers has."""
+    for name in getattr(config, "architectures", None) or []:
+        model_class = getattr(transformers, name, None)
+        if isinstance(model_class, type) and hasattr(model_class, "from_pretrained"):
+            return model_class
+    return transformers.AutoModel
 
 
 def local_model_inputs(
