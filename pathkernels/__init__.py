@@ -26,6 +26,7 @@ from pathkernels.analysis import (  # noqa: E402
     logit,
     logit_diff,
     path_attribution,
+    path_terms,
     top_paths,
 )
 from pathkernels.decompose import PathDecomposition, decompose  # noqa: E402
@@ -84,6 +85,7 @@ __all__ = [
     "path_attribution",
     "path_residuals",
     "path_statistics",
+    "path_terms",
     "residual_norm",
     "rollout",
     "sample_paths",

@@ -381,20 +381,16 @@ def test_a_left_padded_batch_reads_as_each_sequence_alone(name):
     torch.testing.assert_close(padded.by_source_length, single.by_source_length, rtol=1e-9, atol=1e-10)
 
 
-def literal_pre_norm_attributions(stack, capture, position: int, u: torch.Tensor) -> dict:
-    """Every path's attribution of a pre-norm model written from the design's matrices, one
-    sequence: a head of layer l is the token map ``D'_l A_h D_l`` and the feature map
+def literal_pre_norm_terms(stack, capture) -> dict:
+    """Every path's term ``[n, d]`` of a pre-norm model's first sequence, written from the design's
+    matrices: a head of layer l is the token map ``D'_l A_h D_l`` and the feature map
     ``C Γ_l W_V W_O Γ'_l`` (``D'``, ``Γ'``: the norm on the attention's output, else I); the sources
     are the embedding, per layer the constant rows ``D' (Σ_h (A_h 1)(βᵀ W_V + b_Vᵀ) W_O + 1 b_Oᵀ) Γ'``
-    and the MLP's output; the readout ``r = e_t / σ_t``, ``v = C_f Γ_f u``."""
+    and the MLP's output. Keys: ``(heads per layer, source name)``."""
     layers, heads, d = stack.num_layers, stack.num_heads, stack.d_model
     n = stack.attn.shape[-1]
     attn, w_v, w_o = stack.attn[0].double(), stack.w_v.double(), stack.w_o.double()
-    eye = torch.eye(d, dtype=torch.float64)
-
-    def centring(on: bool) -> torch.Tensor:
-        return eye - 1.0 / d if on else eye
-
+    centre = torch.eye(d, dtype=torch.float64) - (1.0 / d if capture.centred else 0.0)
     out_scale = torch.ones(layers, n, dtype=torch.float64)
     out_gain = torch.ones(layers, d, dtype=torch.float64)
     if capture.attention_output_scale is not None:
@@ -404,7 +400,7 @@ def literal_pre_norm_attributions(stack, capture, position: int, u: torch.Tensor
         return torch.diag(out_scale[layer]) @ attn[layer, head] @ torch.diag(capture.norm_scale[0, layer, 0])
 
     def feature_map(layer, head):
-        into = centring(capture.centred) @ torch.diag(capture.norm_weight[layer, 0]) @ w_v[layer, head]
+        into = centre @ torch.diag(capture.norm_weight[layer, 0]) @ w_v[layer, head]
         return into @ w_o[layer, head] @ torch.diag(out_gain[layer])
 
     sources = [(0, "embedding", capture.embedding[0])]
@@ -417,9 +413,6 @@ def literal_pre_norm_attributions(stack, capture, position: int, u: torch.Tensor
         rows = torch.diag(out_scale[layer]) @ (rows + capture.output_bias[layer]) @ torch.diag(out_gain[layer])
         sources.append((layer + 1, f"L{layer} attention bias", rows))
         sources.append((layer + 1, f"L{layer} MLP", capture.mlp_out[0, layer]))
-    r = torch.zeros(n, dtype=torch.float64)
-    r[position] = capture.final_scale[0, position]
-    v = centring(capture.final_centred) @ torch.diag(capture.final_weight) @ u
     out = {}
     for first_layer, name, source in sources:
         for choice in itertools.product([-1, *range(heads)], repeat=layers - first_layer):
@@ -427,8 +420,19 @@ def literal_pre_norm_attributions(stack, capture, position: int, u: torch.Tensor
             for layer, head in zip(range(first_layer, layers), choice):
                 if head >= 0:
                     term = token_map(layer, head) @ term @ feature_map(layer, head)
-            out[((-1,) * first_layer + choice, name)] = float(r @ term @ v)
+            out[((-1,) * first_layer + choice, name)] = term
     return out
+
+
+def literal_pre_norm_attributions(stack, capture, position: int, u: torch.Tensor) -> dict:
+    """Every path's attribution from its literal term: ``r Y_p v`` with the frozen final norm's
+    ``r = e_t / σ_t`` and ``v = C_f Γ_f u``."""
+    d, n = stack.d_model, stack.attn.shape[-1]
+    r = torch.zeros(n, dtype=torch.float64)
+    r[position] = capture.final_scale[0, position]
+    centre = torch.eye(d, dtype=torch.float64) - (1.0 / d if capture.final_centred else 0.0)
+    v = centre @ torch.diag(capture.final_weight) @ u
+    return {key: float(r @ term @ v) for key, term in literal_pre_norm_terms(stack, capture).items()}
 
 
 @pytest.mark.parametrize("name", [f for f in FAMILIES if f != "opt-post-projected"])
@@ -523,3 +527,47 @@ def test_a_saved_model_is_loaded_with_the_head_it_was_saved_with(tmp_path):
     )
     bert.save_pretrained(tmp_path / "bert")
     assert type(pk.adapters.load_local_model(tmp_path / "bert").model).__name__ == "BertForMaskedLM"
+
+
+@pytest.mark.parametrize("name", ["gemma2-sliding-biased", "falcon", "opt-post-projected"])
+def test_the_term_vectors_of_chosen_paths(name):
+    """pk.path_terms: every path's term sums to the stream; each term read out through the frozen
+    final norm is its attribution (two computations); pre-norm terms equal their literal products;
+    tokens and sources by name select; a padded token has none; bad paths are refused by name."""
+    model = family_model(name)
+    ids = torch.randint(1, 50, (2, 5))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    stack, capture = capture_huggingface_residual(model, input_ids=ids, attention_mask=mask)
+    decomposition = pk.decompose(stack)
+    for batch, real in ((0, [0, 1, 2, 3, 4]), (1, [2, 3, 4])):
+        terms = decomposition.terms(batch=batch)
+        assert terms.shape == (decomposition.paths.shape[0], len(real), stack.d_model)
+        stream = capture.residual[batch][real]
+        torch.testing.assert_close(terms.sum(0), stream, rtol=1e-12, atol=1e-12 * float(stream.abs().max()))
+    chosen = decomposition.terms([0, 3, 5], batch=1, tokens=[2, 4])  # positions 2 and 4: real tokens 0 and 2
+    torch.testing.assert_close(chosen, terms[[0, 3, 5]][:, [0, 2]], rtol=1e-12, atol=1e-15)
+    attribution = pk.path_attribution(stack, pk.logit_diff(model, 3, 7), batch=0, positions=[4])
+    final = capture.final_scale is not None
+    direction = pk.logit_diff(model, 3, 7).directions[0]
+    if final:
+        direction = direction * capture.final_weight
+        direction = direction - direction.mean() if capture.final_centred else direction
+    picked = pk.path_terms(stack, attribution.paths, attribution.path_sources, tokens=[4])[:, 0]  # [M, d]
+    scale = capture.final_scale[0, 4] if final else 1.0
+    torch.testing.assert_close(scale * picked @ direction, attribution.attribution[:, 0, 0], rtol=1e-10, atol=1e-12)
+    if capture.layout == "pre":
+        literal = literal_pre_norm_terms(stack, capture)
+        keys = list(literal)[::7]
+        paths = torch.tensor([key[0] for key in keys])
+        terms = pk.path_terms(stack, paths, [key[1] for key in keys], tokens=[-1, 0])
+        for term, key in zip(terms, keys):
+            torch.testing.assert_close(term, literal[key][[-1, 0]], rtol=1e-10, atol=1e-12)
+    heads = torch.full((1, stack.num_layers), -1)
+    heads[0, 0] = 1
+    with pytest.raises(ValueError, match=r"^pathkernels\.path_terms: path 0 takes a head below its source \(L0 MLP\)"):
+        pk.path_terms(stack, heads, "L0 MLP")
+    with pytest.raises(ValueError, match=r"^pathkernels\.path_terms: expected tokens among the real positions"):
+        pk.path_terms(stack, heads, "embedding", batch=1, tokens=[0])
+    with pytest.raises(ValueError, match=r"^pathkernels\.path_terms: the terms of 1 paths on 5 tokens take"):
+        pk.path_terms(stack, heads, "embedding", memory_budget=100)

@@ -7,7 +7,7 @@ imports the core and reads the adapters' captures, and neither imports it.
 """
 
 from pathkernels.analysis.attribution import PathAttribution, Readout, logit, logit_diff, path_attribution
-from pathkernels.analysis.real_paths import ModelPathDecomposition, decompose_model
+from pathkernels.analysis.real_paths import ModelPathDecomposition, decompose_model, path_terms
 from pathkernels.analysis.top_paths import TopPaths, top_paths
 
 __all__ = [
@@ -19,5 +19,6 @@ __all__ = [
     "logit",
     "logit_diff",
     "path_attribution",
+    "path_terms",
     "top_paths",
 ]

@@ -58,6 +58,7 @@ class ModelPathDecomposition(PathDecomposition):
 
     sources: Tensor = field(default=None, repr=False)  # [M] int64
     source_names: list[str] = field(default_factory=list)
+    stack: object = field(default=None, repr=False)  # the captured stack decomposed (for terms())
 
     def to_frame(self):
         """A pandas DataFrame, one row per path: ``path`` (its heads and source), ``source``,
@@ -75,6 +76,20 @@ class ModelPathDecomposition(PathDecomposition):
                 "residual": residuals.tolist(),
                 "norm": norms.tolist(),
             }
+        )
+
+    def terms(self, index=None, *, batch: int = 0, tokens=None, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> Tensor:
+        """The term vectors ``[M', T, d]`` of the decomposed paths ``index`` (an int, a slice, a list
+        or a bool mask over the M paths; default: all) on tokens ``tokens`` of sequence ``batch``:
+        :func:`path_terms` of this decomposition's stack."""
+        chosen = torch.arange(self.paths.shape[0])[index if index is not None else slice(None)].reshape(-1)
+        return path_terms(
+            self.stack,
+            self.paths[chosen],
+            self.sources[chosen],
+            batch=batch,
+            tokens=tokens,
+            memory_budget=memory_budget,
         )
 
     def by_source(self):
@@ -121,7 +136,7 @@ def _heads(sublayer: _Sublayer, terms: Tensor) -> Tensor:
     return wide.view(heads, nodes, tokens, d)
 
 
-def path_terms(model: _Model, max_length: int, chunk: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+def _every_term(model: _Model, max_length: int, chunk: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
     """Every path's term of one frozen sequence, in chunks: ``(terms [N, n, d], choices [N, L],
     source)``, each source's trie depth first from the bottom. A node at position s has passed
     sublayers j … s − 1 above its source j; its children pass sublayer s."""
@@ -183,6 +198,125 @@ def terms_of(model: _Model, choices: Tensor, sources: Tensor) -> Tensor:
             chosen = on & (taken == head)
             terms[chosen] = _head(sublayer, terms[chosen], head)
     return terms
+
+
+def path_terms(
+    stack,
+    paths,
+    sources,
+    *,
+    batch: int = 0,
+    tokens=None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> Tensor:
+    """The term vectors of chosen paths of a captured model, ``Y_p`` ``[M, T, d]`` in float64: what
+    each path writes into the stream the blocks leave (module docstring), on tokens ``tokens`` of
+    sequence ``batch``. Summed over every path they give that stream; read out, each gives its
+    attribution (:func:`pathkernels.path_attribution`); ``pk.decompose(stack)`` measures them.
+
+    Args:
+        stack: a captured stack (:func:`pathkernels.adapters.capture_huggingface_residual` or
+            ``capture_transformer_lens_residual``).
+        paths: ``[M, L]`` ints, the head each path takes at each layer (−1: none), as
+            ``ModelPathDecomposition.paths`` and ``PathAttribution.paths`` hold them. A path takes
+            heads only above its source.
+        sources: ``[M]`` source indices into the stack's source names (``"embedding"``, ``"L{l}
+            attention bias"``, ``"L{l} MLP"``, as the results' ``source_names``), or those names.
+        batch: the sequence.
+        tokens: positions among the sequence's tokens (default: every real token, in order); a
+            padded token has no term.
+        memory_budget: bytes for the result and the work (``M · n · d`` float64 per chunk of
+            paths); beyond it, refused with what it would need.
+
+    Returns:
+        ``[M, T, d]`` float64 on the capture's device.
+    """
+    where = "pathkernels.path_terms"
+    capture = getattr(stack, "residual_capture", None)
+    if capture is None:
+        raise ValueError(
+            f"{where}: expected a captured stack (pk.adapters.capture_huggingface_residual): a path's term needs the "
+            "model's frozen norms and sources"
+        )
+    batch = check_int(batch, "batch", where, minimum=0, maximum=stack.batch_size - 1)
+    memory_budget = check_int(memory_budget, "memory_budget", where, minimum=1)
+    n_all = stack.attn.shape[-1]
+    real = torch.ones(n_all, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
+    model = _frozen_model(stack, capture, batch, real)
+    names = model.source_names
+    choices, source_index = _checked_paths(paths, sources, model, names, where)
+    real_positions = real.nonzero().flatten()
+    if tokens is None:
+        rows = torch.arange(real_positions.numel())
+    else:
+        wanted = torch.as_tensor(tokens).reshape(-1)
+        if wanted.dtype.is_floating_point or wanted.dtype == torch.bool:
+            raise TypeError(f"{where}: expected tokens to be integer positions, got {wanted.dtype}")
+        wanted = torch.where(wanted < 0, wanted + n_all, wanted)
+        if bool(((wanted < 0) | (wanted >= n_all)).any()) or not bool(real[wanted.clamp(0, n_all - 1)].all()):
+            raise ValueError(
+                f"{where}: expected tokens among the real positions of sequence {batch} (of {n_all}), got "
+                f"{torch.as_tensor(tokens).reshape(-1).tolist()}"
+            )
+        rows = torch.searchsorted(real_positions, wanted)  # each position's index among the real tokens
+    n, d = real_positions.numel(), stack.d_model
+    count = choices.shape[0]
+    result_bytes = 8 * count * rows.numel() * d
+    per_path = 8 * n * d * 3  # a chunk's terms, and a head's branch beside them
+    if result_bytes + per_path > memory_budget:
+        raise ValueError(
+            f"{where}: the terms of {count:,} paths on {rows.numel()} tokens take {format_bytes(result_bytes)} and "
+            f"a chunk at least {format_bytes(per_path)}, more than memory_budget={memory_budget:,} bytes; pass fewer "
+            "paths or tokens, or a larger memory_budget"
+        )
+    chunk = max(1, (memory_budget - result_bytes) // per_path)
+    device = model.sources[0].device
+    out = torch.empty(count, rows.numel(), d, dtype=torch.float64, device=device)
+    rows = rows.to(device)
+    for start in range(0, count, chunk):
+        stop = min(count, start + chunk)
+        out[start:stop] = terms_of(model, choices[start:stop], source_index[start:stop])[:, rows]
+    return out
+
+
+def _checked_paths(paths, sources, model: _Model, names: list[str], where: str) -> tuple[Tensor, Tensor]:
+    """``(choices [M, L], sources [M])`` checked against the frozen model: heads in ``[−1, H)``, a
+    source index or name each, and heads only above the path's source."""
+    paths = torch.as_tensor(paths)
+    if paths.dim() == 1:
+        paths = paths[None]
+    if paths.dim() != 2 or paths.shape[1] != model.layers or paths.dtype.is_floating_point or paths.dtype == torch.bool:
+        raise ValueError(
+            f"{where}: expected paths [M, {model.layers}] of head indices (−1: none), got "
+            f"{list(paths.shape)} {str(paths.dtype).removeprefix('torch.')}"
+        )
+    if bool(((paths < _NO_HEAD) | (paths >= model.num_heads)).any()):
+        raise ValueError(f"{where}: expected heads in [-1, {model.num_heads}) in paths, got {paths.unique().tolist()}")
+    if isinstance(sources, (str, int)):
+        sources = [sources]
+    if isinstance(sources, (list, tuple)) and sources and all(isinstance(s, str) for s in sources):
+        unknown = [s for s in sources if s not in names]
+        if unknown:
+            raise ValueError(f"{where}: expected sources among {names}, got {unknown}")
+        sources = [names.index(s) for s in sources]
+    sources = torch.as_tensor(sources).reshape(-1)
+    if sources.dtype.is_floating_point or sources.dtype == torch.bool:
+        raise TypeError(f"{where}: expected sources as indices or names, got {sources.dtype}")
+    if sources.numel() == 1 and paths.shape[0] > 1:
+        sources = sources.expand(paths.shape[0])
+    if sources.numel() != paths.shape[0]:
+        raise ValueError(f"{where}: expected one source per path ({paths.shape[0]}), got {sources.numel()}")
+    if bool(((sources < 0) | (sources >= len(names))).any()):
+        raise ValueError(f"{where}: expected source indices in [0, {len(names)}), got {sources.tolist()}")
+    # Source j enters below sublayer j; layer l's attention is sublayer 2 l.
+    attention_index = torch.tensor([i for i, s in enumerate(model.sublayers) if s.attn is not None])
+    below = attention_index[None, :] < sources[:, None]  # [M, L]: layer l's heads lie below the source
+    if bool(((paths != _NO_HEAD) & below).any()):
+        bad = int(((paths != _NO_HEAD) & below).any(1).nonzero()[0])
+        raise ValueError(
+            f"{where}: path {bad} takes a head below its source ({names[int(sources[bad])]}): {paths[bad].tolist()}"
+        )
+    return paths.long(), sources.long()
 
 
 def _reach(model: _Model) -> list[int]:
@@ -315,7 +449,7 @@ def decompose_model(
         chunk = max(1, memory_budget // (4 * (stack.num_heads + 1) * term_bytes))  # a chunk and its children
 
         def pieces(model):
-            for terms, choices, source in path_terms(model, max_length, chunk):
+            for terms, choices, source in _every_term(model, max_length, chunk):
                 yield terms, choices, torch.full((terms.shape[0],), source)
 
     else:
@@ -360,6 +494,7 @@ def decompose_model(
         weights=weights[lengths],
         sources=path_sources,
         source_names=models[0].source_names,
+        stack=stack,
     )
 
 
