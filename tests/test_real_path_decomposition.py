@@ -25,13 +25,13 @@ def frozen(stack, batch=0):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_terms_sum_to_the_stream_and_read_out_as_the_attributions(family):
-    from pathkernels.analysis.real_paths import path_terms
+    from pathkernels.analysis.real_paths import _every_term
 
     model_hf = FAMILIES[family]()
     stack, capture = capture_huggingface_residual(model_hf, input_ids=torch.randint(0, 50, (1, 7)))
     model, _ = frozen(stack)
     terms, choices, sources = [], [], []
-    for chunk_terms, chunk_choices, source in path_terms(model, stack.num_layers, chunk=5):
+    for chunk_terms, chunk_choices, source in _every_term(model, stack.num_layers, chunk=5):
         terms.append(chunk_terms)
         choices.append(chunk_choices)
         sources += [source] * chunk_terms.shape[0]
@@ -62,14 +62,14 @@ def _readout_vectors(stack, direction, position):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_ratios_are_those_of_the_terms(family):
-    from pathkernels.analysis.real_paths import _canonical_order, path_terms
+    from pathkernels.analysis.real_paths import _canonical_order, _every_term
     from pathkernels.reference import composite_norm_ref, residual_norm_ref
 
     model_hf = FAMILIES[family]()
     stack, _ = capture_huggingface_residual(model_hf, input_ids=torch.randint(0, 50, (1, 6)))
     decomposition = pk.decompose(stack, max_length=2, memory_budget=1 << 16)
     model, _ = frozen(stack)
-    parts = list(path_terms(model, 2, chunk=1000))
+    parts = list(_every_term(model, 2, chunk=1000))
     terms = torch.cat([p[0] for p in parts])
     choices = torch.cat([p[1] for p in parts])
     sources = torch.cat([torch.full((p[0].shape[0],), p[2]) for p in parts])
@@ -119,12 +119,12 @@ def test_options_of_attention_networks_are_refused_by_name():
 
 
 def test_a_term_built_alone_is_the_term_of_the_trie():
-    from pathkernels.analysis.real_paths import path_terms, terms_of
+    from pathkernels.analysis.real_paths import _every_term, terms_of
 
     for family in ("gpt2", "bert"):
         stack, _ = capture_huggingface_residual(FAMILIES[family](), input_ids=torch.randint(0, 50, (1, 6)))
         model, _ = frozen(stack)
-        parts = list(path_terms(model, stack.num_layers, chunk=7))
+        parts = list(_every_term(model, stack.num_layers, chunk=7))
         terms = torch.cat([p[0] for p in parts])
         choices = torch.cat([p[1] for p in parts])
         sources = torch.cat([torch.full((p[0].shape[0],), p[2]) for p in parts])
