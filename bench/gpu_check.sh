@@ -6,12 +6,14 @@
 # 3. runs compute-sanitizer memcheck and racecheck on small cases of every CUDA kernel;
 # 4. runs the GPU benchmarks;
 # 5. writes a summary and the logs into RESULTS_DIR (default bench/results/gpu-<card>-<date>).
-# --quick (about 6 minutes): the build for this card's architecture alone; the CUDA cases of the
+# --quick (about 8 minutes): the build for this card's architecture alone; the CUDA cases of the
 # leaf-kernel, engine, norm, statistics and readout-engine tests, with the CPU GEMM's and the
-# hostile-input tests;
+# hostile-input tests, and the Triton leaf kernel's tests compiled for the GPU (no interpreter);
 # memcheck of every kernel and racecheck of the leaf and engine kernels; bench_gpu_leaves.py
-# --quick; the engine's profile; bench_norms.py --quick; bench_gpu_statistics.py (10^8 paths and a
-# resumed checkpoint); bench_gpu_readout.py (the readout engine, CUDA against CPU).
+# --quick (its whole-leaf-level section times the Triton kernel, autotuned over its quick space,
+# against cuBLAS and the CUDA kernels, and writes its JSON after every case); the engine's profile;
+# bench_norms.py --quick; bench_gpu_statistics.py (10^8 paths and a resumed checkpoint);
+# bench_gpu_readout.py (the readout engine, CUDA against CPU).
 # Each step is stopped after STEP_TIMEOUT seconds (default 600), so one hang cannot eat the lease.
 set -uo pipefail
 quick=false
@@ -58,7 +60,8 @@ SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-san
 if $quick; then
   step tests env PATHKERNELS_TEST_DEVICES=cuda $PYTHON -m pytest -q -rs --durations=5 $parallel \
     tests/test_fused_leaf.py tests/test_engine.py tests/test_norms.py tests/test_statistics.py \
-    tests/test_engine_gemm.py tests/test_hostile_inputs.py tests/test_readout_engine.py -k "not compile"
+    tests/test_engine_gemm.py tests/test_hostile_inputs.py tests/test_readout_engine.py tests/test_triton_leaf.py \
+    -k "not compile"
   # 2026-11-27 this test crashed (SIGSEGV) in the op under the machine's GCC 13 build: a native
   # backtrace, from cuda-gdb (which also debugs host code; the image has no gdb).
   step crash-backtrace cuda-gdb -batch -ex run -ex bt -ex quit --args $PYTHON -m pytest -q -p no:cacheprovider \

@@ -309,3 +309,18 @@ def readout_expand_ref(z: Tensor, factor: Tensor) -> Tensor:
     """The readout trie's change of a node's φ from d_head to d coordinates: ``z [N, R, e] @ factor
     [e, d]``."""
     return z @ factor
+
+
+def triton_leaf_norms_ref(
+    attn_centred: Tensor, attn_mean: Tensor, parents: Tensor, parent_means: Tensor, scale: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """``triton_leaf_norms`` in float64 on the CPU, from the formula: for parent k and head h, with
+    ``R_k = scale_k parents[:, k]`` (attn_centred ``[H, n, n]`` = C(A_h), attn_mean ``[H, n]`` = a_h,
+    parents ``[n, c, m]``, parent_means ``[c, m]`` = μ_k, scale ``[c]``), the leaf ``R = C(A_h) R_k``
+    and its column mean ``μ = μ_k + R_kᵀ a_h``: ``‖R‖_{1,∞}`` and ``‖1μᵀ + R‖_{1,∞}``, each ``[c, H]``."""
+    right = parents.double().cpu()
+    if scale is not None:
+        right = right * scale.double().cpu()[None, :, None]
+    leaves = torch.einsum("hik,kcj->chij", attn_centred.double().cpu(), right)
+    means = parent_means.double().cpu()[:, None, :] + torch.einsum("hk,kcj->chj", attn_mean.double().cpu(), right)
+    return composite_norm_ref(leaves), composite_norm_ref(leaves + means[:, :, None, :])
