@@ -34,6 +34,15 @@ TORCH_LIBRARY(pathkernels, m) {
   m.def(
       "_fused_leaf_norms(Tensor attn, Tensor right, Tensor mean, Tensor? scale=None, str kernel=\"simt\") "
       "-> (Tensor residual, Tensor norm)");
+  // The leaves of a block of parents under every head at once (csrc/paths/heads_leaf.h): attn C(A_h)
+  // [H, n, n] (n <= 128), attn_mean a_h [H, n], right R'_k [n, c, m], mean μ_k [c, m], optional scale
+  // [c] (float64, default 1), all float32 -> per parent k and head h, with R = scale_k · C(A_h) R'_k
+  // and μ = μ_k + scale_k R'_kᵀ a_h, ‖R‖_{1,∞} and ‖1μᵀ + R‖_{1,∞}, each [c, H] in float64. kernel:
+  // "tf32x3", "tf32x3_128" (3×TF32, 64- or 128-column tiles), "tf32", "tf32_128" (one TF32 pass).
+  // The CPU kernel is the CUDA kernel's per-thread code run thread by thread (a test harness).
+  m.def(
+      "_heads_leaf_norms(Tensor attn, Tensor attn_mean, Tensor right, Tensor mean, Tensor? scale=None, "
+      "str kernel=\"tf32x3\") -> (Tensor residual, Tensor norm)");
   // The CPU engine's GEMM on its own (csrc/paths/gemm_cpu.h), for the tests: a [r, k] @ b [k, c],
   // each element one chain of fused multiply-adds over k, whatever the shapes. isa: "auto",
   // "avx512", "avx2" or "portable" (the kernels must agree bit for bit).

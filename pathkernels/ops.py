@@ -224,3 +224,40 @@ def residual_norm(x: Tensor, *, return_norm: bool = False) -> Tensor | tuple[Ten
     if return_norm:
         return residual, parts[..., _PLAIN_TARGET, _COMPOSITE]
     return residual
+
+
+@torch.library.register_fake("pathkernels::_heads_leaf_norms")
+def _heads_leaf_norms_fake(attn, attn_mean, right, mean, scale=None, kernel="tf32x3"):
+    check_one_device(
+        "pathkernels._heads_leaf_norms", attn=attn, attn_mean=attn_mean, right=right, mean=mean, scale=scale
+    )
+    shape = (right.shape[1], attn.shape[0])
+    return right.new_empty(shape, dtype=torch.float64), right.new_empty(shape, dtype=torch.float64)
+
+
+def heads_leaf_norms(
+    attn_centred: Tensor,
+    attn_mean: Tensor,
+    right: Tensor,
+    mean: Tensor,
+    scale: Tensor | None = None,
+    kernel: str = "tf32x3",
+) -> tuple[Tensor, Tensor]:
+    """The leaves of a block of parents under every head, reduced on chip in one launch.
+
+    For parent k (residual ``R_k = scale_k · R'_k``, column means ``μ_k``) and head h
+    (``C(A_h) = A_h − 1 a_hᵀ``, ``a_h = 1ᵀA_h/n``), the leaf is ``R = C(A_h) R_k`` and its column means
+    ``μ = μ_k + R_kᵀ a_h`` (the centring identity); neither is stored. float32 on TF32 tensor cores
+    (CUDA, compute capability 8.0+); on the CPU the kernel's per-thread code runs as a test harness.
+
+    Args:
+        attn_centred: ``[H, n, n]``, C(A_h), n ≤ 128; attn_mean: ``[H, n]``, a_h.
+        right: ``[n, c, m]``, the parents' R'_k (the layout of a path-tree level); mean: ``[c, m]``, μ_k.
+        scale: ``[c]`` float64 (powers of two in the engine), or None for 1.
+        kernel: ``"tf32x3"`` or ``"tf32x3_128"`` (3×TF32, float32 accuracy; 64- or 128-column tiles),
+            ``"tf32"`` or ``"tf32_128"`` (one TF32 pass, about 2⁻¹¹ relative per product).
+
+    Returns:
+        ``(residual, norm)``, each ``[c, H]`` float64: ``‖R‖_{1,∞}`` and ``‖1μᵀ + R‖_{1,∞}``.
+    """
+    return torch.ops.pathkernels._heads_leaf_norms(attn_centred, attn_mean, right, mean, scale, kernel)
