@@ -58,7 +58,8 @@ def engine_cases():
 
 def leaf_cases():
     """The fused leaf kernels alone: every tile height (32, 64, 128 rows), partial k-slices and
-    column tiles, several column tiles per leaf (row sums folded across tiles), strided leaves."""
+    column tiles, several column tiles per leaf (row sums folded across tiles), strided leaves; the
+    all-heads kernel's variants likewise."""
     for dtype in (torch.float32, torch.float64):
         kernels = ["simt"] + (["tf32x3", "tf32"] if dtype == torch.float32 and tensor_cores else [])
         for n, count, m in [(1, 1, 1), (17, 3, 65), (64, 2, 64), (100, 2, 130), (128, 1, 129)]:
@@ -72,6 +73,24 @@ def leaf_cases():
                     scale,
                     kernel,
                 )
+    if not tensor_cores:
+        return
+    # The all-heads leaf kernel: every variant, one and several column tiles (the cross-tile finish),
+    # tile heights 32, 64, 128, a strided block of parents, scales far below float32's range.
+    big_tiles = torch.cuda.get_device_properties(0).shared_memory_per_block_optin >= 168 * 1024
+    for n, heads, count, m in [(1, 1, 1, 1), (17, 3, 5, 65), (64, 4, 3, 200), (100, 2, 9, 130)]:
+        level = torch.randn(n, count + 2, m, device="cuda")
+        scale = 2.0 ** torch.randint(-300, 4, (count,), device="cuda", dtype=torch.float64)
+        attn = torch.randn(heads, n, n, device="cuda")
+        for kernel in ("tf32x3", "tf32") + (("tf32x3_128", "tf32_128") if big_tiles or n <= 64 else ()):
+            torch.ops.pathkernels._heads_leaf_norms(
+                attn,
+                torch.randn(heads, n, device="cuda"),
+                level[:, 1 : count + 1],
+                torch.randn(count, m, device="cuda"),
+                scale,
+                kernel,
+            )
 
 
 for group, cases in (("norms", norm_cases), ("engine", engine_cases), ("leaves", leaf_cases)):
