@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from pathkernels import ops
+from pathkernels.paths import check_int
 
 __all__ = ["composite_norm", "l1_matrix_norm", "linf_matrix_norm", "sample_P_matrix", "sample_path"]
 
@@ -55,12 +56,16 @@ def sample_path(depth: int, num_layers: int, num_heads: int) -> tuple[list[int],
     Uses Python's ``random`` module, with the original's calls in the original's order, so
     ``random.seed(s)`` reproduces the original's paths.
     """
+    return _sample_path(depth, num_layers, num_heads, "pathkernels.compat.sample_path")
+
+
+def _sample_path(depth, num_layers, num_heads, where: str) -> tuple[list[int], list[int]]:
+    """:func:`sample_path` on behalf of ``where``, which its errors name."""
+    num_layers = check_int(num_layers, "num_layers", where, minimum=0)
+    num_heads = check_int(num_heads, "num_heads", where, minimum=1)
+    depth = check_int(depth, "depth", where)
     if not 0 <= depth <= num_layers:
-        raise ValueError(
-            f"pathkernels.compat.sample_path: expected 0 <= depth <= num_layers = {num_layers}, got {depth}"
-        )
-    if num_heads < 1:
-        raise ValueError(f"pathkernels.compat.sample_path: expected num_heads >= 1, got {num_heads}")
+        raise ValueError(f"{where}: expected 0 <= depth <= num_layers = {num_layers}, got {depth}")
     selected_layers = sorted(random.sample(list(range(num_layers)), depth))
     selected_heads = random.choices(list(range(num_heads)), k=depth)
     return selected_layers, selected_heads
@@ -77,11 +82,20 @@ def sample_P_matrix(attentions: Tensor, depth: int) -> Tensor:
         ``[t, t]``: ``A[l_1, s, h_1] A[l_2, s, h_2] ⋯`` in ascending layer order (the original's
         order, the reverse of the paper's), for a random sample s.
     """
+    where = "pathkernels.compat.sample_P_matrix"
     if not isinstance(attentions, Tensor) or attentions.dim() != 5 or attentions.shape[-1] != attentions.shape[-2]:
         shape = list(attentions.shape) if isinstance(attentions, Tensor) else type(attentions).__name__
-        raise ValueError(f"pathkernels.compat.sample_P_matrix: expected attentions [L, S, H, t, t], got {shape}")
+        raise ValueError(f"{where}: expected attentions [L, S, H, t, t], got {shape}")
+    if not attentions.is_floating_point():
+        raise TypeError(f"{where}: expected attentions of a real floating-point dtype, got {attentions.dtype}")
+    if attentions.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{where}: expected attentions on a CPU or CUDA device, got {attentions.device}")
+    if 0 in attentions.shape[:3]:
+        raise ValueError(
+            f"{where}: expected at least one layer, sample and head in attentions, got {list(attentions.shape)}"
+        )
     num_layers, num_samples, num_heads, t, _ = attentions.shape
-    selected_layers, selected_heads = sample_path(depth, num_layers, num_heads)
+    selected_layers, selected_heads = _sample_path(depth, num_layers, num_heads, where)
     sample_idx = random.choice(list(range(num_samples)))
     product = torch.eye(t, dtype=attentions.dtype, device=attentions.device)
     for layer, head in zip(selected_layers, selected_heads):

@@ -387,6 +387,7 @@ def decompose(
     if max_length is not None:
         max_length = check_int(max_length, "max_length", where, minimum=0)
     max_result_bytes = check_int(max_result_bytes, "max_result_bytes", where, minimum=0)
+    _check_sampling(num_samples, samples_per_length, generator, where)
     layers, heads = attn.shape[-4], attn.shape[-3]
     engine_options = {
         "x": x,
@@ -418,8 +419,6 @@ def decompose(
                 f"{where}: uniform sampling draws from all paths; for short paths use "
                 "samples_per_length with max_length"
             )
-        if not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"{where}: expected num_samples to be an int >= 1, got {num_samples!r}")
         check_max_paths(min(num_samples, sum(counts)), max_paths, where, ways_round)
         if num_samples >= sum(counts):  # the sample would be every path: evaluate them all, exactly
             method, tree = "exact", PathTree.complete(layers, heads, skip=skip)
@@ -437,11 +436,12 @@ def decompose(
         method = "stratified"
         if isinstance(samples_per_length, int):
             samples_per_length = {k: samples_per_length for k in range(top + 1) if counts[k] > 0}
-        for k, n_k in sorted(samples_per_length.items()):
+        for k in sorted(samples_per_length):
             if not 0 <= k <= top or counts[k] == 0:
-                raise ValueError(f"{where}: no paths of length {k} (lengths 0..{top} exist with skip={skip})")
-            if not isinstance(n_k, int) or n_k < 1:
-                raise ValueError(f"{where}: expected samples_per_length[{k}] to be an int >= 1, got {n_k!r}")
+                raise ValueError(
+                    f"{where}: samples_per_length asks for length {k}, but there are no paths of length {k} "
+                    f"(lengths 0..{top} exist with skip={skip})"
+                )
         # A stratum with no more paths than asked for is evaluated whole (exactly, no repeats); the
         # others are drawn without replacement.
         strata = {k: min(n_k, counts[k]) for k, n_k in sorted(samples_per_length.items())}
@@ -484,6 +484,31 @@ def decompose(
     if results is None:
         return None
     return PathDecomposition(results, method, layers, heads, skip, list(counts), weights)
+
+
+def _check_sampling(num_samples, samples_per_length, generator, where: str) -> None:
+    """The sampling arguments' types and values, before any work: ``num_samples`` an int >= 1,
+    ``samples_per_length`` an int >= 1 or a dict of such ints by int length, ``generator`` a
+    ``torch.Generator`` (each or None)."""
+    if num_samples is not None:
+        check_int(num_samples, "num_samples", where, minimum=1)
+    if samples_per_length is not None:
+        if isinstance(samples_per_length, dict):
+            for k, n_k in samples_per_length.items():
+                check_int(k, "a length of samples_per_length", where, minimum=0)
+                check_int(n_k, f"samples_per_length[{k}]", where, minimum=1)
+        elif not _is_int(samples_per_length):
+            raise TypeError(
+                f"{where}: expected samples_per_length to be an int or a dict {{length: count}} of ints, got "
+                f"{type(samples_per_length).__name__} {samples_per_length!r}"
+            )
+        else:
+            check_int(samples_per_length, "samples_per_length", where, minimum=1)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"{where}: expected generator to be a torch.Generator (e.g. torch.Generator().manual_seed(0)) or None, "
+            f"got {type(generator).__name__} {generator!r}"
+        )
 
 
 def _is_int(value) -> bool:

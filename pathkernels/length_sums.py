@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from pathkernels._memory import check_fits
-from pathkernels.checks import check_bias, check_masked_network, check_network, mask_group_inputs
+from pathkernels.checks import check_bias, check_finite, check_masked_network, check_network, mask_group_inputs
 from pathkernels.paths import check_flag, check_int
 
 # The exponent of a mantissa of zeros: below every real one by far, so it never sets a scale, and
@@ -95,6 +95,7 @@ def length_sums(
     for name, t in (("x", x), ("w_v", w_v), ("w_o", w_o)):
         if t is None:
             raise ValueError(f"{where}: expected {name}; length sums are sums of path outputs P X W")
+    _check_shapes_fit(attn, x, where)  # before any pass over the values (a stride-0 input holds few)
     if token_mask is not None:
         return _masked_length_sums(attn, x, w_v, w_o, b_o, skip, token_mask, where)
     net = check_network(attn, x, w_v, w_o, where)
@@ -253,15 +254,32 @@ def check_length_sums_fit(net, where: str) -> None:
     output and its stacking), all in float64 (the recursion's dtype), and for float32 inputs the
     float32 result."""
     batch, layers, heads, n = net.attn.shape[:4]
-    d = net.x.shape[-1]
-    result = 0 if net.x.dtype == torch.float64 else (layers + 1) * batch * n * d * net.x.element_size()
+    _check_fit(batch, layers, heads, n, net.x.shape[-1], net.x.dtype, net.attn.device, where)
+
+
+def _check_fit(batch: int, layers: int, heads: int, n: int, d: int, dtype: torch.dtype, device, where: str) -> None:
+    result = 0 if dtype == torch.float64 else (layers + 1) * batch * n * d * 4
+    # The checks of the values read every entry once more (finiteness, row sums: a bool and a
+    # float64 copy of attn, ``B·L·H·n²`` entries), which a stride-0 input does not hold either.
+    checks = 9 * batch * layers * heads * n * n
     check_fits(
-        (layers * heads + 3 * (layers + 1)) * batch * n * d * 8 + result,
-        net.attn.device,
+        (layers * heads + 3 * (layers + 1)) * batch * n * d * 8 + result + checks,
+        device,
         where,
         f"{layers} layers × {heads} heads of [B, n, d] = [{batch}, {n}, {d}] sums need about",
         "pass fewer tokens or a smaller batch (the batch elements are independent)",
     )
+
+
+def _check_shapes_fit(attn, x, where: str) -> None:
+    """:func:`check_length_sums_fit` from the shapes alone, before :func:`check_network` reads the
+    values: inputs of the expected ranks only (the others are refused by the checks that follow)."""
+    if not (isinstance(attn, Tensor) and isinstance(x, Tensor) and (attn.dim(), x.dim()) in ((5, 3), (4, 2))):
+        return
+    if attn.device.type not in ("cpu", "cuda"):
+        return
+    batch, layers, heads, n = (attn.shape if attn.dim() == 5 else (1, *attn.shape))[:4]
+    _check_fit(batch, layers, heads, n, x.shape[-1], x.dtype, attn.device, where)
 
 
 def _masked_length_sums(attn, x, w_v, w_o, b_o, skip: bool, token_mask, where: str) -> Tensor:
@@ -295,14 +313,21 @@ def truncated_output(sums: Tensor, max_length: int) -> Tensor:
         ``[B, n, d]`` (or ``[n, d]``), in ``sums``' dtype.
     """
     where = "pathkernels.truncated_output"
-    if not isinstance(sums, Tensor) or sums.dim() < 3:
+    if not isinstance(sums, Tensor) or sums.dim() not in (3, 4) or sums.shape[0] == 0:
         raise ValueError(
             f"{where}: expected sums [L+1, B, n, d] or [L+1, n, d] from pk.length_sums, got "
             f"{list(sums.shape) if isinstance(sums, Tensor) else type(sums).__name__}"
         )
+    if not sums.dtype.is_floating_point:
+        raise TypeError(
+            f"{where}: expected sums of a floating-point dtype (pk.length_sums gives them), got {sums.dtype}"
+        )
+    if sums.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{where}: expected sums on a CPU or CUDA device, got {sums.device}")
     max_length = check_int(max_length, "max_length", where, minimum=0)
+    check_finite(sums, "sums", where)
     kept = sums[: max_length + 1]
-    if not sums.dtype.is_floating_point or sums.dim() > 4 or sums.numel() == 0:
+    if sums.numel() == 0:
         return kept.sum(0)
     batched = sums.dim() == 4
     scaled, scale = _normalized(kept.double().flatten(), 1)  # one power of two for all: |entries| < 1

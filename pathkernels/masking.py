@@ -38,10 +38,15 @@ def check_token_mask(token_mask, batch: int, n: int, device: torch.device, where
         return None
     if not isinstance(token_mask, Tensor):
         raise TypeError(f"{where}: expected token_mask to be a torch.Tensor [B, n], got {type(token_mask).__name__}")
+    check_mask_device(token_mask, where)
     if token_mask.shape != (batch, n):
         raise ValueError(f"{where}: expected token_mask of shape [B, n] = [{batch}, {n}], got {list(token_mask.shape)}")
     if token_mask.dtype != torch.bool:
-        if token_mask.is_complex() or bool(((token_mask != 0) & (token_mask != 1)).any()):
+        if token_mask.is_complex():
+            raise TypeError(
+                f"{where}: expected token_mask of bools or 0/1 values (1 = a real token), got {token_mask.dtype}"
+            )
+        if bool(((token_mask != 0) & (token_mask != 1)).any()):
             raise ValueError(
                 f"{where}: expected token_mask of bools or 0/1 values (1 = a real token), got "
                 f"{token_mask.dtype} values {torch.unique(token_mask)[:5].tolist()}"
@@ -56,6 +61,12 @@ def check_token_mask(token_mask, batch: int, n: int, device: torch.device, where
     if bool(token_mask.all()):
         return None
     return token_mask.to(device)
+
+
+def check_mask_device(token_mask: Tensor, where: str) -> None:
+    """Refuse a mask that holds no values to read (the meta device)."""
+    if token_mask.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{where}: expected token_mask on a CPU or CUDA device, got {token_mask.device}")
 
 
 def batched_mask(token_mask, batched: bool):
@@ -91,6 +102,7 @@ def per_matrix(fn, x: Tensor, token_mask: Tensor | None, where: str, *, square: 
         return fn(x)
     if not isinstance(token_mask, Tensor):
         raise TypeError(f"{where}: expected token_mask to be a torch.Tensor, got {type(token_mask).__name__}")
+    check_mask_device(token_mask, where)
     if square and token_mask.dim() != x.dim() - 1:
         raise ValueError(
             f"{where}: expected token_mask with {x.dim() - 1} dims for matrices {list(x.shape)} (e.g. [B, 1, 1, n] "

@@ -34,6 +34,7 @@ Padded batches: every function takes ``token_mask`` (True at real tokens, e.g. a
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -51,8 +52,9 @@ _UPCAST = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 _BITS = {torch.float64: (torch.int64, 1023, 52, -1022, 1023), torch.float32: (torch.int32, 127, 23, -126, 127)}
 
 
-def _matrices(x: Tensor | Sequence[Tensor], where: str, *, min_rows: int = 1) -> Tensor:
-    """Check ``x`` (or stack a sequence of same-shape tensors, e.g. HF ``hidden_states``)."""
+def _matrices(x: Tensor | Sequence[Tensor], where: str, *, min_rows: int = 1, name: str = "x") -> Tensor:
+    """Check ``x`` (or stack a sequence of same-shape tensors, e.g. HF ``hidden_states``), naming it
+    ``name`` in the messages."""
     if isinstance(x, (list, tuple)):
         if not x:
             raise ValueError(f"{where}: expected a tensor [..., n, d] or a non-empty sequence of them")
@@ -67,17 +69,19 @@ def _matrices(x: Tensor | Sequence[Tensor], where: str, *, min_rows: int = 1) ->
             raise ValueError(f"{where}: expected a sequence of tensors of one shape, got shapes {sorted(shapes)}")
         x = torch.stack(list(x))
     if not isinstance(x, Tensor):
-        raise TypeError(f"{where}: expected x to be a torch.Tensor [..., n, d], got {type(x).__name__}")
+        raise TypeError(f"{where}: expected {name} to be a torch.Tensor [..., n, d], got {type(x).__name__}")
     if x.dim() < 2:
-        raise ValueError(f"{where}: expected x to have at least 2 dimensions [..., n, d], got {x.dim()}")
+        raise ValueError(f"{where}: expected {name} to have at least 2 dimensions [..., n, d], got {x.dim()}")
     if not x.is_floating_point():
-        raise TypeError(f"{where}: expected a floating-point tensor, got {x.dtype}")
+        raise TypeError(f"{where}: expected {name} to be a floating-point tensor, got {x.dtype}")
     if x.shape[-2] < min_rows:
-        raise ValueError(f"{where}: expected at least {min_rows} tokens (rows) in [..., n, d], got {x.shape[-2]}")
+        raise ValueError(
+            f"{where}: expected at least {min_rows} tokens (rows) in {name} [..., n, d], got {x.shape[-2]}"
+        )
     if x.shape[-1] < 1:
-        raise ValueError(f"{where}: expected at least one column in [..., n, d], got {list(x.shape)}")
+        raise ValueError(f"{where}: expected at least one column in {name} [..., n, d], got {list(x.shape)}")
     if x.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{where}: expected x on a CPU or CUDA device, got {x.device}")
+        raise ValueError(f"{where}: expected {name} on a CPU or CUDA device, got {x.device}")
     return x
 
 
@@ -92,9 +96,9 @@ def _prepare(
 ) -> Tensor:
     """``x`` checked (:func:`_matrices`), refused where it holds NaN or inf at a real token (padded
     rows, and padded columns of square inputs, may hold anything), in the dtype it is computed in."""
-    x = _matrices(x, where, min_rows=min_rows)
+    x = _matrices(x, where, min_rows=min_rows, name=name)
     checked = x
-    if isinstance(token_mask, Tensor):
+    if isinstance(token_mask, Tensor) and token_mask.device.type in ("cpu", "cuda"):  # per_matrix refuses others
         try:
             real = torch.broadcast_to(token_mask.to(x.device) != 0, x.shape[:-1])
         except RuntimeError:
@@ -595,6 +599,10 @@ def token_cosine_similarity(
     """
     where = "pathkernels.metrics.token_cosine_similarity"
     x = _prepare(x, token_mask, "x", where, min_rows=2)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"{where}: expected eps to be a positive real number, got {type(eps).__name__} {eps!r}")
+    if not (0 < eps < math.inf):  # NaN too
+        raise ValueError(f"{where}: expected eps to be a positive finite number, got {eps!r}")
 
     def similarity(x: Tensor) -> Tensor:
         n = x.shape[-2]

@@ -29,8 +29,16 @@ class DeEscalation(nn.Module):
         self.tau = float(tau)
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dim() < 2:
-            raise ValueError(f"pathkernels.nn.DeEscalation: expected x [..., n, d], got {x.dim()} dimension(s)")
+        """``x [..., n, d]`` (n ≥ 1, real floating point) -> ``X − τ·1μᵀ``. As a torch module it
+        computes on any device, the meta device included (shapes only), and NaN or inf in x
+        propagate to the tokens' columns they reach, as in torch."""
+        where = "pathkernels.nn.DeEscalation"
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{where}: expected x to be a torch.Tensor [..., n, d], got {type(x).__name__}")
+        if x.dim() < 2 or x.shape[-2] == 0:
+            raise ValueError(f"{where}: expected x [..., n, d] with n >= 1 tokens, got {list(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"{where}: expected x of a real floating-point dtype, got {x.dtype}")
         return x - self.tau * x.mean(dim=-2, keepdim=True)
 
     def extra_repr(self) -> str:

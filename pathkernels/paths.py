@@ -67,29 +67,66 @@ def _duration(seconds: float) -> str:
     raise AssertionError
 
 
+# The most bits the exact counts of one call may take, all together: 2^30 bits (128 MiB), a
+# count of 10^(3·10^8). Beyond it, counting alone would take minutes to hours and the numbers
+# gigabytes: ``count_by_length(10**4, 10**4, skip=True)`` took 80 s for 1.3·10^9 bits.
+MAX_COUNT_BITS = 1 << 30
+
+
 def count_paths(num_layers: int, num_heads: int, *, skip: bool = False, max_length: int | None = None) -> int:
-    """Exact number of paths: ``H^L`` without skip; ``Σ_{k ≤ max_length} C(L, k) H^k`` with skip."""
-    num_layers, num_heads, max_length = _check_shape_args(num_layers, num_heads, max_length, "pathkernels.count_paths")
-    skip = check_flag(skip, "skip", "pathkernels.count_paths")
-    return sum(_count_by_length(num_layers, num_heads, skip, max_length))
+    """Exact number of paths: ``H^L`` without skip; ``Σ_{k ≤ max_length} C(L, k) H^k`` with skip
+    (``(H+1)^L`` when ``max_length`` keeps every path). Refused (ValueError) when the terms to add
+    would take more than ``MAX_COUNT_BITS`` bits."""
+    where = "pathkernels.count_paths"
+    num_layers, num_heads, max_length = _check_shape_args(num_layers, num_heads, max_length, where)
+    skip = check_flag(skip, "skip", where)
+    if not skip:
+        _check_count_size(num_layers, num_heads, num_heads, 1, where)
+        return num_heads**num_layers
+    if max_length is None or max_length >= num_layers:
+        _check_count_size(num_layers, num_heads, num_heads + 1, 1, where)
+        return (num_heads + 1) ** num_layers
+    return sum(_count_by_length(num_layers, num_heads, skip, max_length, where))
 
 
 def count_by_length(num_layers: int, num_heads: int, *, skip: bool = False, max_length: int | None = None) -> list[int]:
-    """Exact path counts by length ``k = 0..L``: ``C(L, k) H^k`` with skip, only ``H^L`` at k = L without."""
+    """Exact path counts by length ``k = 0..L``: ``C(L, k) H^k`` with skip, only ``H^L`` at k = L
+    without. Refused (ValueError) when they would take more than ``MAX_COUNT_BITS`` bits."""
     where = "pathkernels.count_by_length"
     num_layers, num_heads, max_length = _check_shape_args(num_layers, num_heads, max_length, where)
-    return _count_by_length(num_layers, num_heads, check_flag(skip, "skip", where), max_length)
+    return _count_by_length(num_layers, num_heads, check_flag(skip, "skip", where), max_length, where)
 
 
-def _count_by_length(num_layers: int, num_heads: int, skip: bool, max_length: int | None) -> list[int]:
-    """:func:`count_by_length` of checked arguments."""
+def _check_count_size(num_layers: int, num_heads: int, base: int, terms: int, where: str) -> None:
+    """Refuse ``terms`` counts of up to ``base^L`` each beyond ``MAX_COUNT_BITS`` bits together."""
+    bits = terms * num_layers * math.log2(base) if base > 1 else 0.0
+    if bits > MAX_COUNT_BITS:
+        raise ValueError(
+            f"{where}: the counts of num_layers={num_layers:,} layers of num_heads={num_heads:,} heads "
+            f"would take about {bits:.3g} bits, more than the {MAX_COUNT_BITS:,} (128 MiB) counted exactly; pass "
+            "fewer layers or heads, or a smaller max_length"
+        )
+
+
+def _count_by_length(
+    num_layers: int, num_heads: int, skip: bool, max_length: int | None, where: str = "pathkernels.count_by_length"
+) -> list[int]:
+    """:func:`count_by_length` of checked arguments. With skip, term by term:
+    ``C(L, k) H^k = C(L, k−1) H^(k−1) · (L − k + 1) H / k``, exact in integers (``C(L, k−1)(L−k+1)``
+    is ``k C(L, k)``), so that each term costs one product and one division by small numbers."""
     top = num_layers if max_length is None else min(max_length, num_layers)
     counts = [0] * (num_layers + 1)
+    if not skip:
+        if top == num_layers:
+            _check_count_size(num_layers, num_heads, num_heads, 1, where)
+            counts[num_layers] = num_heads**num_layers
+        return counts
+    _check_count_size(num_layers, num_heads, num_heads + 1, top + 1, where)
+    term = 1
     for k in range(top + 1):
-        if skip:
-            counts[k] = math.comb(num_layers, k) * num_heads**k
-        elif k == num_layers:
-            counts[k] = num_heads**num_layers
+        if k:
+            term = term * (num_layers - k + 1) * num_heads // k
+        counts[k] = term
     return counts
 
 
@@ -128,7 +165,9 @@ def check_paths(
             f"(equal lengths; -1 = skip), got {type(paths).__name__} {str(paths)[:80]}"
         ) from None
     if paths.dtype.is_floating_point or paths.dtype.is_complex or paths.dtype == torch.bool:
-        raise TypeError(f"{where}: expected an integer tensor of heads, got {paths.dtype}")
+        raise TypeError(f"{where}: expected paths as an integer tensor of heads, got {paths.dtype}")
+    if paths.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{where}: expected paths on a CPU or CUDA device, got {paths.device}")
     if paths.dim() != 2 or paths.shape[0] == 0 or paths.shape[1] == 0:
         raise ValueError(f"{where}: expected paths of shape [M, L] with M, L >= 1, got {list(paths.shape)}")
     if num_layers is not None and paths.shape[1] != num_layers:

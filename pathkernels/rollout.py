@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -56,9 +58,14 @@ def rollout(
         raise TypeError(f"{where}: expected floating-point attention, got {attn.dtype}")
     if attn.device.type not in ("cpu", "cuda"):
         raise ValueError(f"{where}: expected attn on a CPU or CUDA device, got {attn.device}")
-    if head_fusion not in _FUSIONS:
+    if not isinstance(head_fusion, str) or head_fusion not in _FUSIONS:
         raise ValueError(f"{where}: expected head_fusion in {_FUSIONS}, got {head_fusion!r}")
     residual = check_flag(residual, "residual", where)
+    if isinstance(discard_ratio, bool) or not isinstance(discard_ratio, numbers.Real):
+        raise TypeError(
+            f"{where}: expected discard_ratio to be a real number in [0, 1), got "
+            f"{type(discard_ratio).__name__} {discard_ratio!r}"
+        )
     if not 0.0 <= discard_ratio < 1.0:
         raise ValueError(f"{where}: expected discard_ratio in [0, 1), got {discard_ratio}")
     batched = attn.dim() == 5

@@ -262,7 +262,7 @@ def test_length_sums_refuse_work_that_would_not_fit(monkeypatch):
 
     attn = random_attention(2, 3, 2, 5, 5, dtype=torch.float64)
     x, w = torch.randn(2, 5, 4, dtype=torch.float64), torch.randn(3, 2, 4, 4, dtype=torch.float64)
-    need = (3 * 2 + 3 * 4) * 2 * 5 * 4 * 8
+    need = (3 * 2 + 3 * 4) * 2 * 5 * 4 * 8 + 9 * 2 * 3 * 2 * 5 * 5  # the sums, and the checks' copies of attn
     monkeypatch.setattr(module, "available_memory", lambda device: need - 1)
     with pytest.raises(ValueError, match=r"length_sums: 3 layers × 2 heads of \[B, n, d\] = \[2, 5, 4\] sums need"):
         pk.length_sums(attn, x, w, w)

@@ -319,3 +319,68 @@ def test_truncated_output_refuses_a_sum_beyond_its_dtype():
     torch.testing.assert_close(pk.truncated_output(mixed, 1), torch.tensor([[2e38, 2e-30]]), rtol=1e-7, atol=0)
     with pytest.raises(ValueError, match=r"^pathkernels\.truncated_output: .* exceed float64's largest finite number"):
         pk.truncated_output(torch.full((2, 2, 2), 1e308, dtype=torch.float64), 1)
+
+
+def test_refusals_write_numbers_and_lengths_as_read():
+    """The range refusals' numbers ("1.3e+68") and length lists ("3–5, 9")."""
+    from pathkernels.length_sums import _listed, _power_of_ten
+
+    assert _power_of_ten(math.log10(1.34e68)) == "1.3e+68"
+    assert _power_of_ten(math.log10(1.26e-38)) == "1.3e-38"
+    assert _power_of_ten(math.log10(9.96)) == "1.0e+01"  # rounds up into the next decade
+    assert _listed([3, 4, 5, 9]) == "3–5, 9"
+    assert _listed([0, 2]) == "0, 2"
+    assert _listed([1, 2]) == "1–2"
+    assert _listed([0, 2, 3]) == "0, 2–3"  # a run continues the last run, not the first
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_memory_estimate_counts_each_array_of_the_recursion(monkeypatch, dtype):
+    """[L, B, H, n, d] mixed sums, [L+1, B, n, d] sums in three copies (float64), a float32 result,
+    and the checks' bool and float64 copies of attn (9 bytes per entry): B, L, H, n and d all differ,
+    so that a size read from the wrong dimension changes the estimate."""
+    from pathkernels import _memory
+
+    batch, layers, heads, n, d = 2, 3, 4, 5, 6
+    attn, x, w_v, w_o = network(batch, layers, heads, n, d, 7, dtype=dtype)
+    result = 0 if dtype == torch.float64 else (layers + 1) * batch * n * d * 4
+    need = (layers * heads + 3 * (layers + 1)) * batch * n * d * 8 + result + 9 * batch * layers * heads * n * n
+    monkeypatch.setattr(_memory, "available_memory", lambda device: need - 1)
+    with pytest.raises(ValueError, match=r"^pathkernels\.length_sums: 3 layers × 4 heads of \[B, n, d\] = \[2, 5, 6\]"):
+        pk.length_sums(attn, x, w_v, w_o)
+    monkeypatch.setattr(_memory, "available_memory", lambda device: need)
+    assert pk.length_sums(attn, x, w_v, w_o).shape == (layers + 1, batch, n, d)
+
+
+def test_a_padded_batch_is_summed_on_each_sequences_real_tokens():
+    """Sequences of 5, 3 and 2 real tokens of 5: each one's sums are those of its real block alone,
+    its padded rows 0; one length more than the layers (3, and 2 heads: no size stands for another)."""
+    from pathkernels.testing import padded_network
+
+    attn, x, w_v, w_o, mask = padded_network([5, 3, 2], layers=3, heads=2, n=5, d=4)
+    sums = pk.length_sums(attn, x, w_v, w_o, token_mask=mask)
+    assert sums.shape == (4, 3, 5, 4)
+    for b, length in enumerate([5, 3, 2]):
+        alone = pk.length_sums(attn[b : b + 1, :, :, :length, :length], x[b : b + 1, :length], w_v, w_o)
+        torch.testing.assert_close(sums[:, b, :length], alone[:, 0])
+        assert not sums[:, b, length:].any()
+
+
+@pytest.mark.parametrize(
+    "sums, error, message",
+    [
+        (
+            torch.ones(3, 2),
+            ValueError,
+            r"expected sums \[L\+1, B, n, d\] or \[L\+1, n, d\] from pk.length_sums, got \[3, 2\]",
+        ),
+        (torch.ones(0, 2, 2), ValueError, r"expected sums \[L\+1, B, n, d\] .*got \[0, 2, 2\]"),
+        (torch.ones(3, 2, 2, device="meta"), ValueError, r"expected sums on a CPU or CUDA device, got meta"),
+        (torch.ones(3, 2, 2, dtype=torch.long), TypeError, r"expected sums of a floating-point dtype"),
+        (torch.full((3, 2, 2), math.nan), ValueError, r"sums has a non-finite value \(nan\)"),
+    ],
+)
+def test_truncated_output_refuses_what_length_sums_does_not_give(sums, error, message):
+    """They gave a number: an empty sum, an integer sum, NaN, a sum over the wrong axis."""
+    with pytest.raises(error, match=r"^pathkernels\.truncated_output: " + message):
+        pk.truncated_output(sums, 1)

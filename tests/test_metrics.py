@@ -121,13 +121,17 @@ def test_collapse_under_pure_attention_is_measured():
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda: metrics.residual_ratio(torch.ones(3)), ValueError, "residual_ratio: expected x to have at least 2"),
+        (
+            lambda: metrics.residual_ratio(torch.ones(3)),
+            ValueError,
+            "residual_ratio: expected hidden_states to have at least 2",
+        ),
         (lambda: metrics.token_similarity(torch.ones(2, 2, dtype=torch.int64)), TypeError, "floating-point"),
         (lambda: metrics.stable_rank([torch.ones(2, 2), torch.ones(3, 2)]), ValueError, "of one shape"),
         (lambda: metrics.effective_rank([]), ValueError, "non-empty sequence"),
         (lambda: metrics.token_cosine_similarity(torch.ones(1, 4)), ValueError, "at least 2 tokens"),
         (lambda: metrics.escalation_rate(torch.ones(1, 3, 2)), ValueError, "at least two layers"),
-        (lambda: metrics.dobrushin("P"), TypeError, "expected x to be a torch.Tensor"),
+        (lambda: metrics.dobrushin("P"), TypeError, "expected p to be a torch.Tensor"),
         (lambda: pk.nn.DeEscalation()(torch.ones(3)), ValueError, r"DeEscalation: expected x \[..., n, d\]"),
     ],
 )

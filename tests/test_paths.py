@@ -6,11 +6,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
-import pathkernels as pk
-from pathkernels.paths import MAX_ENUMERATED_PATHS, build_trie_chunk
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import pathkernels as pk  # noqa: E402
+from pathkernels.paths import MAX_ENUMERATED_PATHS, build_trie_chunk  # noqa: E402
 
 
 def brute_force_paths(num_layers, num_heads, skip, max_length=None):
@@ -126,7 +128,7 @@ def test_from_paths_keeps_order_and_duplicates():
 @pytest.mark.parametrize(
     "paths, error, message",
     [
-        (torch.zeros(3, 2, dtype=torch.float32), TypeError, "expected an integer tensor"),
+        (torch.zeros(3, 2, dtype=torch.float32), TypeError, "expected paths as an integer tensor"),
         (torch.zeros(4, dtype=torch.long), ValueError, r"expected paths of shape \[M, L\]"),
         (torch.zeros(0, 3, dtype=torch.long), ValueError, r"expected paths of shape \[M, L\]"),
         (torch.tensor([[0, -2]]), ValueError, r"expected heads in \[-1, 1\)"),
@@ -298,3 +300,44 @@ def test_sampling_without_replacement_is_a_uniform_subset(length):
         assert bool(((counts - expected).abs() <= 5 * spread + 1).all()), counts
     with pytest.raises(ValueError, match=f"expected num_samples <= {size} with replace=False"):
         pk.sample_paths(3, 2, size + 1, skip=True, length=length, replace=False)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_leaf_lengths_of_complete_trees_in_blocks_and_ranges(skip):
+    """The aligned blocks the engine streams (the low digits' pattern, plus the prefix's heads) and
+    any other range give the heads each leaf takes."""
+    tree = pk.PathTree.complete(4, 3, skip=skip)
+    lengths = (tree.paths() != -1).sum(1)
+    choices = 4 if skip else 3
+    for depth in range(5):
+        block = choices**depth
+        for start in range(0, tree.num_leaves, block):
+            assert torch.equal(tree.leaf_lengths(start, start + block), lengths[start : start + block])
+    for start, stop in ((0, 7), (5, 41), (13, tree.num_leaves)):
+        assert torch.equal(tree.leaf_lengths(start, stop), lengths[start:stop])
+    # A set of paths: its leaves are its distinct paths, sorted.
+    paths = torch.tensor([[2, -1, 0, 1], [-1, -1, -1, -1], [2, -1, 0, 1], [0, 1, 2, 0]])
+    explicit = pk.PathTree.from_paths(paths, num_heads=3)
+    assert explicit.leaf_lengths(0, 3).tolist() == [0, 4, 3]
+
+
+def test_counts_are_refused_beyond_the_bits_they_may_take(monkeypatch):
+    """Counts of more than MAX_COUNT_BITS bits together are refused, whatever way they are counted:
+    H^L alone, (H+1)^L alone, or the L+1 (or max_length+1) terms by length. 80 s went into
+    counting 10^4 layers of 10^4 heads by length before the bound."""
+    import pathkernels.paths as paths
+
+    monkeypatch.setattr(paths, "MAX_COUNT_BITS", 100)
+    assert pk.count_paths(100, 2) == 2**100  # 100 bits: H^L, one term
+    assert pk.count_by_length(100, 2)[-1] == 2**100
+    assert pk.count_paths(50, 3, skip=True) == 4**50  # (H+1)^L, one term of 100 bits
+    for call in (
+        lambda: pk.count_paths(101, 2),
+        lambda: pk.count_by_length(101, 2),
+        lambda: pk.count_paths(51, 3, skip=True),
+        lambda: pk.count_paths(50, 3, skip=True, max_length=1),  # two terms of up to 100 bits
+        lambda: pk.count_by_length(50, 3, skip=True),
+    ):
+        with pytest.raises(ValueError, match=r"^pathkernels\.count_(paths|by_length): the counts of num_layers="):
+            call()
+    assert pk.count_paths(25, 3, skip=True, max_length=1) == 1 + 25 * 3  # two terms of 50 bits

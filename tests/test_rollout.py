@@ -75,3 +75,56 @@ def test_discard_ratio_zeroes_the_smallest_off_diagonal_entries():
 def test_bad_input(kwargs, error, message):
     with pytest.raises(error, match="pathkernels.rollout: .*" + message):
         pk.rollout(**kwargs)
+
+
+def test_discard_ratio_counts_the_off_diagonal_entries():
+    """int((n − 1) · ratio) of each row's n − 1 off-diagonal entries are zeroed: one of three at
+    ratio 0.5 (n · ratio would zero two)."""
+    a = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.15, 0.25, 0.4, 0.2], [0.6, 0.1, 0.05, 0.25]])
+    out = pk.rollout(a[None, None], residual=False, discard_ratio=0.5)
+    kept = a.clone()
+    for row, column in enumerate([1, 3, 0, 2]):  # each row's smallest off-diagonal entry
+        kept[row, column] = 0
+    torch.testing.assert_close(out, kept / kept.sum(-1, keepdim=True))
+
+
+def test_discard_ratio_keeps_the_diagonal_even_where_it_ties_the_largest_entry():
+    """A zero diagonal lifted to exactly the largest entry would tie the off-diagonal entries it must
+    stay above: the lift is the largest entry plus 1."""
+    a = torch.full((3, 3), 0.5, dtype=torch.float64).fill_diagonal_(0.0)
+    out = pk.rollout(a[None, None], residual=False, discard_ratio=0.5)  # one of the two 0.5s per row
+    assert torch.equal(out.diagonal(), torch.zeros(3, dtype=torch.float64))
+    assert torch.equal((out > 0).sum(-1), torch.ones(3, dtype=torch.long))  # the other 0.5, normalised to 1
+    assert torch.equal(out.sum(-1), torch.ones(3, dtype=torch.float64))
+
+
+def test_masked_rollout_is_each_sequence_on_its_real_tokens():
+    """Three sequences of 5, 3 and 2 real tokens (B ≠ n, so that no index can stand for another):
+    each equals the rollout of its real block alone, and its padded rows and columns are 0."""
+    from pathkernels.testing import padded_network
+
+    attn, _, _, _, mask = padded_network([5, 3, 2], layers=2, heads=3, n=5, d=2)
+    out = pk.rollout(attn, token_mask=mask)
+    assert out.shape == (3, 5, 5)
+    for b, length in enumerate([5, 3, 2]):
+        alone = pk.rollout(attn[b : b + 1, :, :, :length, :length])[0]
+        torch.testing.assert_close(out[b, :length, :length], alone)
+        assert not out[b, length:].any() and not out[b, :, length:].any()
+    torch.testing.assert_close(pk.rollout(attn[0], token_mask=mask[0]), out[0])  # unbatched
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"attn": torch.ones(1, 1, 2, 2, device="meta")}, ValueError, r"expected attn on a CPU or CUDA device"),
+        ({"discard_ratio": "0.5"}, TypeError, r"expected discard_ratio to be a real number in \[0, 1\), got str"),
+        ({"discard_ratio": float("nan")}, ValueError, r"expected discard_ratio in \[0, 1\), got nan"),
+        ({"head_fusion": None}, ValueError, r"expected head_fusion in \('mean', 'max', 'min'\), got None"),
+        ({"token_mask": torch.zeros(2)}, ValueError, r"token_mask keeps no token of batch element 0"),
+    ],
+)
+def test_arguments_of_the_wrong_kind_are_refused_in_its_name(kwargs, error, message):
+    """A meta tensor reached the values (an error of torch's); a string ratio was compared with a
+    number (TypeError: '<=' not supported)."""
+    with pytest.raises(error, match="^pathkernels.rollout: " + message):
+        pk.rollout(**({"attn": torch.full((1, 1, 2, 2), 0.5)} | kwargs))
