@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 import time
 from collections.abc import Callable
@@ -25,9 +26,18 @@ from torch import Tensor
 from pathkernels import distributed
 from pathkernels._files import read_sealed, tensor_digest, write_sealed
 from pathkernels._progress import progress_bar
-from pathkernels.checks import check_masked_network, mask_group_inputs, unpack_stack
+from pathkernels.checks import check_masked_network, first_index, mask_group_inputs, unpack_stack
 from pathkernels.engine import check_inputs, chunk_reports, op_leaf_kernel, to_device
-from pathkernels.paths import DEFAULT_MAX_PATHS, SKIP, PathTree, check_flag, check_int, check_max_paths
+from pathkernels.paths import (
+    DEFAULT_MAX_PATHS,
+    MAX_SIZE,
+    SKIP,
+    PathTree,
+    _count_by_length,
+    check_flag,
+    check_int,
+    check_max_paths,
+)
 from pathkernels.planner import DEFAULT_MEMORY_BUDGET, chunks
 
 QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
@@ -508,6 +518,10 @@ class PathStatistics:
         """The statistics of two disjoint sets of leaves of the same network, exactly: counts,
         sums and histograms add, extremes compare, top paths merge. Leaf indices stay those of the
         path where each occurs (ties in extremes keep this one's)."""
+        if not isinstance(other, PathStatistics):
+            raise TypeError(
+                f"pathkernels.PathStatistics.merge: expected other to be a PathStatistics, got {type(other).__name__}"
+            )
         for name in ("num_layers", "num_heads", "dtype", "bins_per_decade", "top_k"):
             if getattr(self, name) != getattr(other, name):
                 raise ValueError(
@@ -600,12 +614,14 @@ class PathStatistics:
 
     @classmethod
     def load(cls, path) -> PathStatistics:
-        """Read what :meth:`save` wrote; a damaged, truncated or foreign file is refused."""
+        """Read what :meth:`save` wrote; a damaged, truncated or foreign file is refused, and so
+        are statistics that contradict themselves (:func:`checked_state`)."""
         where = "pathkernels.PathStatistics.load"
-        state = read_sealed(Path(path), where, "the file", "Save the statistics again.")
+        advice = "Save the statistics again."
+        state = read_sealed(Path(path), where, "the file", advice)
         if not isinstance(state, dict) or state.pop("pathkernels.PathStatistics", None) != 1:
             raise ValueError(f"{where}: {path} was not written by PathStatistics.save")
-        return cls.from_state(state)
+        return cls.from_state(checked_state(state, where, f"the file {path}", advice))
 
 
 @dataclass(frozen=True)
@@ -615,6 +631,238 @@ class _TreeShape:
     num_layers: int
     num_heads: int
     skip: bool
+
+
+# The relative rounding of a float64 sum of m non-negative terms is below m · 2^-52 (plus a little
+# for the sums of squares' own squares): the slack of checked_state's bounds on the sums.
+_SUM_SLACK = 2.0**-52
+
+
+def checked_state(
+    state,
+    where: str,
+    what: str,
+    advice: str,
+    *,
+    expected: dict | None = None,
+    leaves: tuple[int, int] | None = None,
+    tree: PathTree | None = None,
+) -> dict:
+    """``state`` (what :meth:`PathStatistics.state` gives) if it is statistics that a run can have
+    produced, else a ValueError ``"{where}: {what} is not consistent: {field} …. {advice}"`` naming
+    the first field that contradicts the others.
+
+    Checked: the fields and their types, dtypes and shapes ``[B, L+1, …]``; counts ``>= 0`` and
+    equal for every batch element (each element sees every path), ``0 <= zero_norms <= counts``;
+    per measure over its ``m`` paths (``counts − zero_norms`` for the ratio): no NaN, sums and sums
+    of squares ``>= 0`` and 0 where ``m = 0``, ``m·min <= Σx <= m·max`` and ``(Σx)²/m <= Σx² <=
+    m·max²`` to within the rounding of a float64 sum, the extremes ``+inf``/``-inf`` where ``m = 0``
+    and ``0 <= min <= max`` elsewhere; histograms of ``bins + 1`` non-negative counts summing to
+    ``m``, whose first and last occupied bins hold the minimum and the maximum; the extremes' and
+    the top's paths ``[-1, H)`` heads (no skip without ``skip``) through exactly k heads at length
+    k, rows of -2 where there is none; the top descending, ``min(top_k, m)`` of them, the first
+    equal to the maximum ratio.
+
+    ``expected``: field values the caller needs (``num_layers``, ``num_heads``, ``skip``,
+    ``dtype``, ``bins_per_decade``, ``top_k``, ``batch``). ``leaves = (first, reached)`` with
+    ``tree``: a checkpoint's leaf range, whose paths the counts must be (their total per batch
+    element; per length exactly for up to 2^20 leaves, and never beyond the tree's own count)."""
+
+    def refuse(field_name: str, problem: str):
+        raise ValueError(f"{where}: {what} is not consistent: {field_name} {problem}. {advice}")
+
+    if not isinstance(state, dict):
+        refuse("the statistics", f"are a {type(state).__name__}, expected a dict of fields")
+    names = [item.name for item in fields(PathStatistics)]
+    missing = [name for name in names if name not in state and name != "zero_norms"]
+    unknown = sorted(str(name) for name in state if name not in names)
+    if missing or unknown:
+        refuse(
+            "the fields",
+            f"are not PathStatistics' ({'missing ' + ', '.join(missing) if missing else ''}"
+            f"{'; ' if missing and unknown else ''}{'unknown ' + ', '.join(unknown) if unknown else ''})",
+        )
+
+    def integer(name: str, minimum: int, maximum: int | None = None) -> int:
+        value = state[name]
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or value < minimum
+            or (maximum is not None and value > maximum)
+        ):
+            bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+            refuse(name, f"is {value!r}, expected an int {bounds}")
+        return value
+
+    layers, heads = integer("num_layers", 1, MAX_SIZE), integer("num_heads", 1, MAX_SIZE)
+    bins_per_decade, top_k = integer("bins_per_decade", 1, 1000), integer("top_k", 0)
+    skip = state["skip"]
+    if not isinstance(skip, bool):
+        refuse("skip", f"is {skip!r}, expected True or False")
+    if state["dtype"] not in ("float32", "float64"):
+        refuse("dtype", f"is {state['dtype']!r}, expected 'float32' or 'float64' (the engine's dtypes)")
+    counts = state["counts"]
+    if not (isinstance(counts, Tensor) and counts.dtype == torch.long and counts.dim() == 2 and counts.shape[0] >= 1):
+        refuse("counts", f"is {_described(counts)}, expected an int64 tensor [B, L+1]")
+    batch, levels = counts.shape[0], layers + 1
+    shape = (batch, levels)
+
+    def tensor(name: str, value, dtype: torch.dtype, size: tuple[int, ...], what_of: str) -> Tensor:
+        if not (isinstance(value, Tensor) and value.dtype == dtype and tuple(value.shape) == size):
+            refuse(
+                name,
+                f"is {_described(value)}, expected {what_of}: a {str(dtype).removeprefix('torch.')} tensor "
+                f"{list(size)}",
+            )
+        return value
+
+    def measures(name: str, keys: tuple[str, ...]) -> dict:
+        value = state[name]
+        if not isinstance(value, dict) or sorted(value) != sorted(keys):
+            got = sorted(map(str, value)) if isinstance(value, dict) else type(value).__name__
+            refuse(name, f"holds {got}, expected one tensor for each of {list(keys)}")
+        return value
+
+    def where_any(bad: Tensor, field_name: str, problem: str) -> None:
+        if bool(bad.any()):
+            index = first_index(bad)
+            refuse(field_name, f"{problem} at index {list(index)}")
+
+    tensor("counts", counts, torch.long, shape, f"[B, L+1] with L = {layers} layers")
+    where_any(counts < 0, "counts", "hold a negative count")
+    where_any(counts != counts[:1], "counts", "differ between batch elements (each sees every path)")
+    given = {
+        "num_layers": layers,
+        "num_heads": heads,
+        "skip": skip,
+        "dtype": state["dtype"],
+        "bins_per_decade": bins_per_decade,
+        "top_k": top_k,
+        "batch": batch,
+    }
+    for name, value in (expected or {}).items():
+        value = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+        if given[name] != value:
+            field_name = "counts" if name == "batch" else name
+            got = f"are for {given[name]} batch elements" if name == "batch" else f"is {given[name]!r}"
+            refuse(field_name, f"{got}, but this call has {value!r}")
+    if leaves is not None:
+        first, reached = leaves
+        total = int(counts[0].sum())
+        if total != reached - first:
+            refuse(
+                "counts",
+                f"hold {total:,} paths per batch element, but leaves {first:,} to {reached:,} are {reached - first:,}",
+            )
+        if tree is not None:
+            if reached - first <= 1 << 20:
+                exact = torch.bincount(tree.leaf_lengths(first, reached), minlength=levels)
+            else:
+                exact = None
+                if tree.is_complete:
+                    bound = torch.tensor(_count_by_length(layers, heads, skip, tree.max_length))
+                else:
+                    bound = torch.bincount(tree.leaf_lengths(0, tree.num_leaves), minlength=levels)
+                where_any(counts[0] > bound, "counts", "exceed the tree's paths of that length")
+            if exact is not None:
+                where_any(counts[0] != exact, "counts", f"are not those of leaves {first:,} to {reached:,} by length")
+    zero_norms = state.get("zero_norms")
+    zero_norms = torch.zeros_like(counts) if zero_norms is None else zero_norms
+    tensor("zero_norms", zero_norms, torch.long, shape, "[B, L+1] like counts")
+    where_any((zero_norms < 0) | (zero_norms > counts), "zero_norms", "lies outside [0, counts]")
+    measured = {"ratio": counts - zero_norms, "residual": counts, "norm": counts}
+    log_sums = tensor("log10_ratio_sums", state["log10_ratio_sums"], torch.float64, shape, "[B, L+1] like counts")
+    where_any(~torch.isfinite(log_sums), "log10_ratio_sums", "is not finite")
+    where_any((measured["ratio"] == 0) & (log_sums != 0), "log10_ratio_sums", "is not 0 where no path has a ratio")
+    edges = histogram_edges(bins_per_decade)
+    extremes = {name: measures(name, _MEASURES) for name in ("sums", "sums_of_squares", "minima", "maxima")}
+    paths = {name: measures(name, _MEASURES) for name in _EXTREMES}
+    histograms = measures("histograms", _HISTOGRAMS)
+
+    def check_paths_at(name: str, rows: Tensor, none: Tensor) -> None:
+        """``rows [..., L+1, (k,) L]``: -2 where ``none``, else paths of the tree's shape through
+        exactly as many heads as the length they are filed under."""
+        lengths = torch.arange(levels).view(1, levels, *([1] * (rows.dim() - 3)))
+        none = none.unsqueeze(-1).expand_as(rows)
+        where_any(none & (rows != _NO_PATH), name, "holds a path where there is none (expected -2)")
+        low = SKIP if skip else 0
+        where_any(~none & ((rows < low) | (rows >= heads)), name, f"holds a head outside [{low}, {heads})")
+        taken = (rows >= 0).sum(-1)
+        where_any(~none[..., 0] & (taken != lengths), name, "holds a path whose number of heads is not its length")
+
+    for measure in _MEASURES:
+        m = measured[measure]
+        total = tensor(f"sums[{measure!r}]", extremes["sums"][measure], torch.float64, shape, "[B, L+1]")
+        squares = tensor(
+            f"sums_of_squares[{measure!r}]", extremes["sums_of_squares"][measure], torch.float64, shape, "[B, L+1]"
+        )
+        low = tensor(f"minima[{measure!r}]", extremes["minima"][measure], torch.float64, shape, "[B, L+1]")
+        high = tensor(f"maxima[{measure!r}]", extremes["maxima"][measure], torch.float64, shape, "[B, L+1]")
+        empty = m == 0
+        for name, value in ((f"sums[{measure!r}]", total), (f"sums_of_squares[{measure!r}]", squares)):
+            where_any(value.isnan() | (value < 0), name, "is NaN or negative")
+            where_any(empty & (value != 0), name, "is not 0 where the length has no path")
+        where_any(low.isnan(), f"minima[{measure!r}]", "is NaN")
+        where_any(high.isnan(), f"maxima[{measure!r}]", "is NaN")
+        where_any(empty & (low != math.inf), f"minima[{measure!r}]", "is not inf where the length has no path")
+        where_any(empty & (high != -math.inf), f"maxima[{measure!r}]", "is not -inf where the length has no path")
+        where_any(~empty & ((low < 0) | (low > high)), f"minima[{measure!r}]", "is negative or above the maximum")
+        slack = 1 + m.double() * _SUM_SLACK + 1e-12
+        count = m.double()
+        finite = ~empty & torch.isfinite(high) & torch.isfinite(total) & torch.isfinite(squares)
+        where_any(
+            finite & ((total > count * high * slack) | (total * slack < count * low)),
+            f"sums[{measure!r}]",
+            "is not within [count · minimum, count · maximum]",
+        )
+        where_any(
+            finite & ((squares > count * high * high * slack) | (squares * slack * slack < total * total / count)),
+            f"sums_of_squares[{measure!r}]",
+            "is not within [sum² / count, count · maximum²]",
+        )
+        for name in _EXTREMES:
+            rows = tensor(
+                f"{name}[{measure!r}]", paths[name][measure], torch.long, (*shape, layers), "[B, L+1, L] paths"
+            )
+            check_paths_at(f"{name}[{measure!r}]", rows, empty)
+    for measure in _HISTOGRAMS:
+        name = f"histograms[{measure!r}]"
+        counts_in = tensor(
+            name, histograms[measure], torch.long, (*shape, edges.numel() + 1), f"{bins_per_decade} bins per decade"
+        )
+        where_any(counts_in < 0, name, "is negative")
+        m = measured[measure]
+        where_any(counts_in.sum(-1) != m, name, "does not sum to the number of paths (counts)")
+        # The first and last occupied bins hold the minimum and the maximum.
+        occupied = counts_in > 0
+        first_bin = torch.where(occupied.any(-1), occupied.long().argmax(-1), -1)
+        last_bin = torch.where(occupied.any(-1), edges.numel() - occupied.flip(-1).long().argmax(-1), -1)
+        low_bin = torch.bucketize(extremes["minima"][measure].clamp_max(1e300), edges, right=True)
+        high_bin = torch.bucketize(extremes["maxima"][measure].clamp(0, 1e300), edges, right=True)
+        where_any((m > 0) & (first_bin != low_bin), name, f"does not begin at the bin of minima[{measure!r}]")
+        where_any((m > 0) & (last_bin != high_bin), name, f"does not end at the bin of maxima[{measure!r}]")
+    top_values = tensor("top_values", state["top_values"], torch.float64, (*shape, top_k), f"[B, L+1, top_k = {top_k}]")
+    top_paths = tensor("top_paths", state["top_paths"], torch.long, (*shape, top_k, layers), "[B, L+1, top_k, L]")
+    where_any(top_values.isnan() | ((top_values < 0) & (top_values != -math.inf)), "top_values", "is NaN or negative")
+    where_any(top_values[..., 1:] > top_values[..., :-1], "top_values", "is not in descending order")
+    kept = (top_values != -math.inf).sum(-1)
+    where_any(kept != measured["ratio"].clamp_max(top_k), "top_values", "does not hold min(top_k, count) ratios")
+    if top_k:
+        where_any(
+            (measured["ratio"] > 0) & (top_values[..., 0] != extremes["maxima"]["ratio"]),
+            "top_values",
+            "does not begin with maxima['ratio']",
+        )
+    check_paths_at("top_paths", top_paths, top_values == -math.inf)
+    return state
+
+
+def _described(value) -> str:
+    """A field's value for a message: a tensor's dtype and shape, or its type."""
+    if isinstance(value, Tensor):
+        return f"a {str(value.dtype).removeprefix('torch.')} tensor {list(value.shape)}"
+    return f"a {type(value).__name__}"
 
 
 def path_statistics(
@@ -725,6 +973,18 @@ def stream_statistics(
     top_k = check_int(top_k, "top_k", where, minimum=0)
     bins_per_decade = check_int(bins_per_decade, "bins_per_decade", where, minimum=1, maximum=1000)
     progress, all_ranks = check_flag(progress, "progress", where), check_flag(all_ranks, "all_ranks", where)
+    if checkpoint is not None and not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(
+            f"{where}: expected checkpoint to be a folder (a str or os.PathLike) or None, got "
+            f"{type(checkpoint).__name__} {checkpoint!r}"
+        )
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, numbers.Real):
+        raise TypeError(
+            f"{where}: expected checkpoint_every to be a number of seconds, got "
+            f"{type(checkpoint_every).__name__} {checkpoint_every!r}"
+        )
+    if not checkpoint_every >= 0:  # NaN too
+        raise ValueError(f"{where}: expected checkpoint_every >= 0 seconds, got {checkpoint_every!r}")
     if isinstance(tree, PathTree):  # anything else is refused by the checks below
         max_paths = check_max_paths(
             tree.num_leaves,
@@ -860,7 +1120,11 @@ def _stream(
                 net, tree, pieces, settings.leaf_kernel, settings.memory_budget
             ):
                 if start != reached:
-                    raise RuntimeError(f"{where}: the checkpoint stops at leaf {reached:,}, inside a chunk")
+                    raise ValueError(
+                        f"{where}: the checkpoint {store.path if store else ''} is not consistent: reached is "
+                        f"{reached:,}, inside a chunk of this run (leaves {start:,} to {stop:,}). Delete it, or pass "
+                        "another checkpoint folder, to start afresh."
+                    )
                 # The values path_residuals would report (float32-rounded where float32 holds them).
                 lengths = to_device(tree.leaf_lengths(start, stop), residual.device)
                 stats.add(
@@ -918,6 +1182,16 @@ class _Checkpoint:
             threads=torch.get_num_threads() if net.attn.device.type == "cpu" else 1,
         )
         self.identity = identity
+        self.tree = tree
+        self.expected = {
+            "num_layers": tree.num_layers,
+            "num_heads": tree.num_heads,
+            "skip": tree.skip,
+            "dtype": net.attn.dtype,
+            "bins_per_decade": settings.bins_per_decade,
+            "top_k": settings.top_k,
+            "batch": net.attn.shape[0],
+        }
 
     def load(self) -> tuple[PathStatistics, int] | None:
         if not self.path.exists():
@@ -932,7 +1206,26 @@ class _Checkpoint:
                 f"{self.where}: the checkpoint {self.path} was written for other inputs or settings "
                 f"({', '.join(differing)} differ); use another folder, or delete it to start afresh"
             )
-        return PathStatistics.from_state(state["statistics"]), state["reached"]
+        # Intact bytes and the right identity still leave the contents to check: a file edited and
+        # sealed again, or written by a faulty run, must not resume into wrong statistics.
+        what = f"the checkpoint {self.path}"
+        first, last = self.identity["leaves"]
+        reached = state.get("reached")
+        if isinstance(reached, bool) or not isinstance(reached, int) or not first <= reached <= last:
+            raise ValueError(
+                f"{self.where}: {what} is not consistent: reached is {reached!r}, expected a leaf in "
+                f"[{first:,}, {last:,}] (this rank's leaves). {advice}"
+            )
+        statistics = checked_state(
+            state["statistics"],
+            self.where,
+            what,
+            advice,
+            expected=self.expected,
+            leaves=(first, reached),
+            tree=self.tree,
+        )
+        return PathStatistics.from_state(statistics), reached
 
     def save(self, stats: PathStatistics, reached: int) -> None:
         write_sealed(self.path, {"identity": self.identity, "reached": reached, "statistics": stats.state()})

@@ -2,6 +2,7 @@
 
 import math
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -326,6 +327,220 @@ def test_a_checkpoint_tells_inputs_apart_by_their_bytes(tmp_path):
     pk.path_statistics(attn, tree, checkpoint=tmp_path)
     with pytest.raises(ValueError, match=r"was written for other inputs or settings \(inputs_sha256 differ"):
         pk.path_statistics(crafted, tree, checkpoint=tmp_path)
+
+
+def _nan_at(tensor, index):
+    tensor[index] = math.nan
+
+
+# (field named in the refusal, an edit of the checkpoint's contents): each re-sealed with the
+# library's own seal, so that only the consistency of what it holds can refuse it.
+EDITS = {
+    "reached beyond the end": ("reached", lambda state: state.update(reached=10**6)),
+    "reached negative": ("reached", lambda state: state.update(reached=-1)),
+    "reached not an int": ("reached", lambda state: state.update(reached=27.0)),
+    "doubled counts": ("counts", lambda state: state["statistics"]["counts"].mul_(2)),
+    "a count moved to another length": (
+        "counts",
+        lambda state: state["statistics"]["counts"][:, 1:3].add_(torch.tensor([1, -1])),
+    ),
+    "negative counts": ("counts", lambda state: state["statistics"]["counts"][0].neg_()),
+    "zero paths beyond the counts": ("zero_norms", lambda state: state["statistics"]["zero_norms"].fill_(99)),
+    "NaN maxima": ("maxima['ratio']", lambda state: _nan_at(state["statistics"]["maxima"]["ratio"], (0, 1))),
+    "minimum above the maximum": ("minima['norm']", lambda state: state["statistics"]["minima"]["norm"].mul_(1e3)),
+    "sums edited": ("sums['residual']", lambda state: state["statistics"]["sums"]["residual"].mul_(10)),
+    "sums of squares edited": (
+        "sums_of_squares['ratio']",
+        lambda state: state["statistics"]["sums_of_squares"]["ratio"].mul_(0.5),
+    ),
+    "a histogram that does not sum to the counts": (
+        "histograms['ratio']",
+        lambda state: state["statistics"]["histograms"]["ratio"][0, 2, 100].add_(1),
+    ),
+    "a histogram moved to another bin": (
+        "histograms['residual']",
+        lambda state: state["statistics"]["histograms"]["residual"][0, 2].copy_(
+            state["statistics"]["histograms"]["residual"][0, 2].roll(5)
+        ),
+    ),
+    "argmin out of range": ("argmin['norm']", lambda state: state["statistics"]["argmin"]["norm"][0, 1, 0].fill_(7)),
+    "argmax of another length": (
+        "argmax['ratio']",
+        lambda state: state["statistics"]["argmax"]["ratio"][0, 2].fill_(-1),
+    ),
+    "a top ratio above the maximum": ("top_values", lambda state: state["statistics"]["top_values"][0, 1, 0].add_(1)),
+    "top paths where there is none": (
+        "top_paths",
+        lambda state: state["statistics"]["top_paths"][0, 0, 1].fill_(0),
+    ),
+    "log sums of no path": ("log10_ratio_sums", lambda state: state["statistics"]["log10_ratio_sums"].fill_(math.inf)),
+    "a state for another dtype": ("dtype", lambda state: state["statistics"].update(dtype="float32")),
+    "a state for a half-precision dtype": ("dtype", lambda state: state["statistics"].update(dtype="float16")),
+    "a state for another tree": ("num_heads", lambda state: state["statistics"].update(num_heads=3)),
+    "a state without skip": ("skip", lambda state: state["statistics"].update(skip=False)),
+    "a state for another batch": (
+        "counts",
+        lambda state: state["statistics"].update(counts=state["statistics"]["counts"].repeat(2, 1)),
+    ),
+    "a field missing": ("the fields", lambda state: state["statistics"].pop("sums")),
+    "no layer": ("num_layers", lambda state: state["statistics"].update(num_layers=0)),
+    "counts of no batch element": (
+        "counts",
+        lambda state: state["statistics"].update(counts=state["statistics"]["counts"][:0]),
+    ),
+    "a field of another dtype": (
+        "sums['norm']",
+        lambda state: state["statistics"]["sums"].update(norm=state["statistics"]["sums"]["norm"].float()),
+    ),
+    "statistics that are not a dict": ("the statistics", lambda state: state.update(statistics=[1, 2])),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_a_checkpoint_edited_and_sealed_again_is_refused(tmp_path, edit):
+    """Contents that no run can produce, under a valid seal and identity: refused, naming the field
+    (they used to resume: reached beyond the end returned the stored numbers as the statistics of
+    every path; doubled counts halved every mean)."""
+    from pathkernels._files import write_sealed
+
+    attn = random_attention(1, 3, 2, 4, 4, dtype=torch.float64)
+    tree = pk.PathTree.complete(3, 2, skip=True)
+    intact = pk.path_statistics(attn, tree, checkpoint=tmp_path, top_k=2)
+    path = tmp_path / "rank0-of-1.pt"
+    state = read_sealed(path, "test", "the checkpoint", "")
+    field, change = EDITS[edit]
+    change(state)
+    write_sealed(path, state)
+    pattern = rf"^pathkernels\.path_statistics: the checkpoint .*rank0-of-1\.pt is not consistent: {re.escape(field)} "
+    with pytest.raises(ValueError, match=pattern + r".*Delete it, or pass another checkpoint folder"):
+        pk.path_statistics(attn, tree, checkpoint=tmp_path, top_k=2)
+    path.unlink()  # a fresh run is then accepted and gives the intact statistics
+    again = pk.path_statistics(attn, tree, checkpoint=tmp_path, top_k=2)
+    assert torch.equal(again.counts, intact.counts) and torch.equal(again.maxima["ratio"], intact.maxima["ratio"])
+
+
+def test_a_partial_checkpoint_is_checked_against_its_leaves(tmp_path):
+    """A checkpoint written part-way (reached inside the tree): its counts must be those of the
+    leaves it reached, per length; an intact one resumes to the uninterrupted statistics."""
+    from pathkernels._files import write_sealed
+
+    attn = random_attention(2, 4, 2, 4, 4, dtype=torch.float64)
+    tree = pk.PathTree.complete(4, 2, skip=True)
+    whole = pk.path_statistics(attn, tree, top_k=3, memory_budget=1 << 14)
+    path = tmp_path / "rank0-of-1.pt"
+    pk.path_statistics(attn, tree, top_k=3, memory_budget=1 << 14, checkpoint=tmp_path)
+    state = read_sealed(path, "test", "", "")
+    # Statistics of the first 27 leaves (an aligned block of 3^3): what a run stopped there saved.
+    part = PathStatistics.empty(2, tree, torch.float64, 10, 3, "cpu")
+    result = pk.path_residuals(attn, tree)
+    part.add(result.residual[:, :27], result.norm[:, :27], tree.leaf_lengths(0, 27), lambda k: tree.leaf_paths(k))
+    state.update(reached=27, statistics=part.state())
+    write_sealed(path, state)
+    resumed = pk.path_statistics(attn, tree, top_k=3, memory_budget=1 << 14, checkpoint=tmp_path)
+    assert torch.equal(resumed.counts, whole.counts) and torch.equal(
+        resumed.histograms["ratio"], whole.histograms["ratio"]
+    )
+    assert torch.equal(resumed.top_paths, whole.top_paths)
+    torch.testing.assert_close(resumed.sums["ratio"], whole.sums["ratio"], rtol=1e-14, atol=0)
+    state.update(reached=28)  # one leaf further than its statistics
+    write_sealed(path, state)
+    with pytest.raises(ValueError, match=r"not consistent: counts hold 27 paths per batch element, but leaves 0 to 28"):
+        pk.path_statistics(attn, tree, top_k=3, memory_budget=1 << 14, checkpoint=tmp_path)
+    state.update(reached=27)
+    state["statistics"]["counts"][:, 1] += 1  # 27 paths, but not those of leaves 0..26 by length
+    state["statistics"]["counts"][:, 2] -= 1
+    write_sealed(path, state)
+    with pytest.raises(ValueError, match=r"not consistent: counts are not those of leaves 0 to 27 by length"):
+        pk.path_statistics(attn, tree, top_k=3, memory_budget=1 << 14, checkpoint=tmp_path)
+
+
+def _statistics_of_leaves(attn, tree, first, stop):
+    """The statistics a run streams over leaves ``first..stop-1`` (top 3), folded in one chunk."""
+    stats = PathStatistics.empty(attn.shape[0], tree, torch.float64, 10, 3, "cpu")
+    result = pk.path_residuals(attn, tree)
+    leaves = slice(first, stop)
+    paths_of = lambda k: tree.leaf_paths(k + first)  # noqa: E731
+    stats.add(result.residual[:, leaves], result.norm[:, leaves], tree.leaf_lengths(first, stop), paths_of)
+    return stats.state()
+
+
+def test_a_later_ranks_checkpoint_is_checked_against_its_own_leaves():
+    """A rank whose leaves start at 27: its counts are those of leaves 27.. it reached, not 0.."""
+    from pathkernels.statistics import checked_state
+
+    attn = random_attention(1, 4, 2, 4, 4, dtype=torch.float64)
+    tree = pk.PathTree.complete(4, 2, skip=True)
+    state = _statistics_of_leaves(attn, tree, 27, 54)
+    assert checked_state(state, "t", "it", "", leaves=(27, 54), tree=tree) is state
+    with pytest.raises(ValueError, match=r"^t: it is not consistent: counts hold 27 paths .* leaves 27 to 81 are 54"):
+        checked_state(state, "t", "it", "", leaves=(27, 81), tree=tree)
+    with pytest.raises(ValueError, match=r"counts are not those of leaves 0 to 27 by length"):
+        checked_state(state, "t", "it", "", leaves=(0, 27), tree=tree)
+
+
+def test_counts_of_more_leaves_than_are_listed_are_bounded_by_the_tree():
+    """Beyond 2^20 leaves the counts are not recounted by length but bounded by the tree's: a whole
+    tree of 2^21 leaves reaches its bound exactly, one count more exceeds it."""
+    from pathkernels.statistics import checked_state, histogram_edges
+
+    layers = 21
+    tree = pk.PathTree.complete(layers, 1, skip=True)
+    counts = torch.tensor([pk.count_by_length(layers, 1, skip=True)], dtype=torch.long)  # every leaf, by length
+    state = PathStatistics.empty(1, tree, torch.float64, 10, 0, "cpu").state()
+    value, bin_of_value = (
+        0.5,
+        int(torch.bucketize(torch.tensor(0.5, dtype=torch.float64), histogram_edges(10), right=True)),
+    )
+    state["counts"] = counts
+    state["log10_ratio_sums"] = counts.double() * math.log10(value)
+    for measure in ("ratio", "residual", "norm"):
+        state["sums"][measure] = counts.double() * value
+        state["sums_of_squares"][measure] = counts.double() * value * value
+        state["minima"][measure] = torch.full((1, layers + 1), value, dtype=torch.float64)
+        state["maxima"][measure] = torch.full((1, layers + 1), value, dtype=torch.float64)
+        for extreme in ("argmin", "argmax"):  # the path of k heads on the first k layers
+            state[extreme][measure] = torch.tensor(
+                [[[0] * k + [-1] * (layers - k) for k in range(layers + 1)]], dtype=torch.long
+            )
+    for measure in ("ratio", "residual"):
+        state["histograms"][measure].zero_()
+        state["histograms"][measure][0, :, bin_of_value] = counts[0]
+    assert checked_state(state, "t", "it", "", leaves=(0, 1 << layers), tree=tree) is state
+    state["counts"] = counts.clone()
+    state["counts"][0, 3] += 1  # 2^21 + 1 paths, and one of length 3 more than the tree has
+    with pytest.raises(ValueError, match=r"counts hold 2,097,153 paths per batch element"):
+        checked_state(state, "t", "it", "", leaves=(0, 1 << layers), tree=tree)
+    with pytest.raises(ValueError, match=r"counts exceed the tree's paths of that length at index \[3\]"):
+        checked_state(state, "t", "it", "", leaves=(0, (1 << layers) + 1), tree=tree)
+
+
+def test_exact_zeros_resume(tmp_path):
+    """A head of uniform attention makes every path through it rank 1: residual and ratio exactly
+    0, a minimum of 0 that the checks accept (and the histograms' bin 0 holds)."""
+    attn = random_attention(1, 3, 2, 4, 4, dtype=torch.float64)
+    attn[:, 1, 0] = 0.25
+    tree = pk.PathTree.complete(3, 2, skip=True)
+    first = pk.path_statistics(attn, tree, top_k=2, checkpoint=tmp_path)
+    assert float(first.minima["ratio"].min()) == 0.0 and int(first.histograms["ratio"][..., 0].sum()) > 0
+    again = pk.path_statistics(attn, tree, top_k=2, checkpoint=tmp_path)  # read back from the checkpoint
+    assert torch.equal(again.minima["ratio"], first.minima["ratio"])
+
+
+def test_saved_statistics_edited_and_sealed_again_are_refused(tmp_path):
+    from pathkernels._files import write_sealed
+
+    attn = random_attention(1, 3, 2, 4, 4, dtype=torch.float64)
+    saved = tmp_path / "stats.pt"
+    pk.path_statistics(attn, pk.PathTree.complete(3, 2, skip=True), top_k=2).save(saved)
+    state = read_sealed(saved, "test", "", "")
+    state["histograms"]["residual"][0, 1, 3] += 5
+    write_sealed(saved, state)
+    with pytest.raises(
+        ValueError,
+        match=r"^pathkernels\.PathStatistics\.load: the file .*stats\.pt is not consistent: histograms\['residual'\] "
+        r"does not sum to the number of paths .*Save the statistics again\.$",
+    ):
+        PathStatistics.load(saved)
 
 
 def test_decompose_streams_when_per_path_results_would_be_too_large():
