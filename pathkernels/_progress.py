@@ -3,10 +3,55 @@ stderr about every 10 seconds, so that a log shows the work going on without a l
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from contextvars import ContextVar
 
 LOG_INTERVAL = 10.0  # seconds between two plain lines
+
+# The end (time.monotonic()) of the time limit in force, set by time_limit(); None: no limit.
+_DEADLINE: ContextVar[float | None] = ContextVar("pathkernels_deadline", default=None)
+
+
+class TimeLimitReached(Exception):
+    """A progress bar was updated after the end of the :func:`time_limit` in force."""
+
+
+@contextlib.contextmanager
+def time_limit(end: float):
+    """Within the block, every bar of :func:`progress_bar` (one that draws nothing where progress
+    is off) raises :class:`TimeLimitReached` when it is updated after ``time.monotonic()`` has
+    passed ``end``: how the command line stops a walk at its ``--time-limit`` between two chunks.
+    The work that was stopped leaves no result; the caller keeps what it had before it. Per thread
+    (and per asyncio task): other threads' bars are not limited."""
+    token = _DEADLINE.set(float(end))
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+class _Limited:
+    """A bar (or None) whose ``update`` raises :class:`TimeLimitReached` past ``end``."""
+
+    def __init__(self, bar, end: float):
+        self.bar, self.end = bar, end
+
+    def update(self, count: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(count)
+        if time.monotonic() > self.end:
+            self.close()
+            raise TimeLimitReached
+
+    def set_postfix_str(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 class _LogLines:
@@ -52,9 +97,14 @@ def progress_bar(total: int, *, enabled: bool = True, unit: str = "path", desc: 
     """A bar with ``update(count)``, ``set_postfix_str(text)`` and ``close()``; None when not enabled.
 
     tqdm (when installed) where bars can be drawn (:func:`draws_bars`); elsewhere plain lines on
-    stderr about every 10 seconds, and one when the work ends."""
-    if not enabled:
-        return None
+    stderr about every 10 seconds, and one when the work ends. Within :func:`time_limit`, a bar
+    that stops the work at the limit (one that draws nothing when not enabled)."""
+    end = _DEADLINE.get()
+    bar = _bar(total, unit, desc) if enabled else None
+    return bar if end is None else _Limited(bar, end)
+
+
+def _bar(total: int, unit: str, desc: str):
     if draws_bars():
         try:
             from tqdm.auto import tqdm

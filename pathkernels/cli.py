@@ -19,10 +19,13 @@ has. Progress shows as bars on a terminal, and as a plain line about every 10 s 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +34,7 @@ import torch
 import pathkernels as pk
 from pathkernels import experiments
 from pathkernels._memory import check_fits
+from pathkernels._progress import TimeLimitReached, time_limit
 from pathkernels.adapters.huggingface import LocalModel
 from pathkernels.analysis.attribution import count_attribution_paths, path_bars, unembedding
 from pathkernels.benchmarks import (
@@ -359,6 +363,59 @@ def _token_id(value: str, tokenizer, vocab: int, option: str) -> int:
     return token
 
 
+class _Clock:
+    """A command's ``--time-limit``: the seconds it has left, from the start of its work."""
+
+    def __init__(self, seconds: float | None):
+        self.start = time.monotonic()
+        self.seconds = seconds
+        self.end = math.inf if seconds is None else self.start + seconds
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
+# Worker threads left running past the time limit (a search still in its set-up): the process
+# does not wait for them when it ends (main, as the program's entry point).
+_ABANDONED: list[threading.Thread] = []
+
+
+def _within(seconds: float, function, *args, **kwargs):
+    """``(True, function(*args, **kwargs))`` if it returns within ``seconds``, else ``(False,
+    None)``, the call left to finish in a daemon thread (its result dropped): for work that a
+    time limit cannot stop from outside, such as the set-up of :func:`pathkernels.top_paths`'
+    bounds. Its exception, if it raises in time, is raised here."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["value"] = function(*args, **kwargs)
+        except BaseException as error:  # noqa: BLE001 (handed to the caller)
+            outcome["error"] = error
+
+    worker = threading.Thread(target=run, name="pathkernels-bounded", daemon=True)
+    worker.start()
+    worker.join(None if math.isinf(seconds) else max(seconds, 0.0))
+    if worker.is_alive():
+        _ABANDONED.append(worker)
+        return False, None
+    if "error" in outcome:
+        raise outcome["error"]
+    return True, outcome["value"]
+
+
+def _gpt2_bytes(config, tokens: int) -> int:
+    """Bytes a GPT-2 built from ``config`` needs in float64 for ``tokens`` tokens: its parameters
+    (initialised in float32, then a float64 copy: 12 bytes each) and its capture (the attention
+    maps and their copies, 40 bytes per entry, and about 24 activations of [n, d] per layer)."""
+    d, layers, heads = config.n_embd, config.n_layer, config.n_head
+    parameters = (config.vocab_size + config.n_positions) * d + layers * (12 * d * d + 13 * d) + 2 * d
+    return 12 * parameters + 40 * layers * heads * tokens * tokens + 8 * 24 * layers * tokens * d
+
+
 def attribute_table(
     *,
     model: str | None = None,
@@ -373,27 +430,57 @@ def attribute_table(
     position: int | None = None,
     top: int = 10,
     max_length: int | None = None,
-    time_limit: float = 300.0,
+    time_limit: float | None = 300.0,
     out: Path | None = None,
 ):
     """``pathkernels attribute``: each path's attribution to a logit difference at one token of a
     model built from a config (or a local model), the sums by length and by source, and the top
     and bottom paths; with ``out`` also CSV files and a plot. A model with more than 10^7 paths
     gets its sums from the paths of the lengths that fit, and its top and bottom paths from the
-    certified search (pk.top_paths, ``time_limit`` seconds each). Returns the PathAttribution."""
+    certified search (pk.top_paths).
+
+    ``time_limit`` (seconds, None for none) bounds the whole command: building and capturing the
+    model (which cannot be stopped part-way: they run in a thread, left behind at the limit), the
+    walk over the paths (lengths 0, 1, … each walked whole within the limit: the longest that
+    finished is reported, what the longer paths carry stays exact) and the two searches (each
+    given half of what is left; at the limit a search returns its best list with its gap, or, if
+    its set-up alone outlasts it, nothing). What stopped where is printed. Work that would not fit
+    the machine's memory is refused before any is done. Returns the PathAttribution, or None when
+    the limit came before any path was attributed."""
     import pandas as pd
     import transformers
 
+    clock = _Clock(time_limit)
     if model:
         local = _local_model(model)
         if local.is_vision:
-            raise CommandLineError(f"pathkernels: attribute: {model} is a vision model, with no logits to attribute")
+            raise CommandLineError(
+                f"pathkernels attribute: --model {model} is a vision model, with no logits to attribute"
+            )
         inputs, what = _model_inputs(local, text, tokens)
-        network, tokenizer = local.model.double(), local.tokenizer
+        config = local.model.config
+        parameters = sum(p.numel() for p in local.model.parameters() if p.dtype != torch.float64)
+        check_fits(
+            8 * parameters,
+            torch.device("cpu"),
+            "pathkernels attribute",
+            f"the model's float64 copy ({parameters:,} parameters) needs about",
+            "attribute a smaller model, or one saved in float64",
+            error=CommandLineError,
+        )
+        check_attention_fits(
+            "attribute",
+            batch=1,
+            layers=config.num_hidden_layers,
+            heads=config.num_attention_heads,
+            tokens=_sequence_length(local, inputs),
+            bytes_per_entry=40,  # the float64 maps, the capture's copies and the walk's token maps
+            device="cpu",
+        )
+        build, tokenizer = local.model.double, local.tokenizer
         source = f"{model}, {local.weights}; inputs: {what}"
     else:
         tokens = 16 if tokens is None else tokens
-        torch.manual_seed(seed)
         config = transformers.GPT2Config(
             n_layer=layers,
             n_head=heads,
@@ -403,13 +490,35 @@ def attribute_table(
             bos_token_id=0,
             eos_token_id=0,
         )
-        network, tokenizer = transformers.GPT2LMHeadModel(config).double(), None
-        inputs = {"input_ids": torch.randint(0, 1000, (1, tokens))}
+        check_fits(
+            _gpt2_bytes(config, tokens),
+            torch.device("cpu"),
+            "pathkernels attribute",
+            f"a GPT-2 of L = {layers}, H = {heads}, d = {width} and its capture of {tokens} tokens need about",
+            "pass a smaller --layers, --width or --tokens",
+            error=CommandLineError,
+        )
+        inputs, tokenizer = None, None  # the token ids are drawn after the model, from the same seed
         source = f"a GPT-2 built from a config (L = {layers}, H = {heads}, d = {width}), {tokens} random token ids"
+
+        def build():
+            torch.manual_seed(seed)
+            return transformers.GPT2LMHeadModel(config).double()
+
+    # Building and capturing cannot be stopped part-way (minutes for a large model): they run aside
+    # and are left behind at the limit.
+    done, network = _within(clock.left(), build)
+    if not done:
+        return _stopped(clock, "building the model")
+    if inputs is None:
+        inputs = {"input_ids": torch.randint(0, 1000, (1, tokens))}
     try:
-        stack, _ = pk.adapters.capture_huggingface_residual(network, **inputs)
+        done, captured = _within(clock.left(), pk.adapters.capture_huggingface_residual, network, **inputs)
     except ValueError as error:
-        raise CommandLineError(f"pathkernels: attribute: {str(error).split(': ', 1)[-1]}") from None
+        raise CommandLineError(f"pathkernels attribute: {str(error).split(': ', 1)[-1]}") from None
+    if not done:
+        return _stopped(clock, "capturing the model")
+    stack = captured[0]
     n = stack.attn.shape[-1]
     position = n - 1 if position is None else position
     if not -n <= position < n:
@@ -444,7 +553,10 @@ def attribute_table(
             f"pathkernels: --max-length: expected at most the model's {layers_} layers, got {max_length}"
         )
     readout = pk.logit_diff(network, a, b)
-    result = pk.path_attribution(stack, readout, positions=position, max_length=max_length, top_k=top, progress=True)
+    wanted = max_length
+    # The searches get half of what is left after the walk; the walk the rest (all of it without them).
+    walk_end = time.monotonic() + (clock.left() / 2 if search else clock.left())
+    result, max_length = _attribution_walk(stack, readout, position, top, wanted, walk_end)
     paths = count_attribution_paths(layers_, heads_, max_length)
 
     def token_text(token: int) -> str:
@@ -466,6 +578,12 @@ def attribute_table(
             f"{everything:,}; the longer ones carry "
             f"{float(result.unenumerated[0, 0]):.6g} together (exact)"
         )
+    if max_length < wanted:
+        print(
+            f"time limit: the walk stopped at the --time-limit of {clock.seconds:g} s before the "
+            f"{count_attribution_paths(layers_, heads_, max_length + 1):,} paths through at most {max_length + 1} "
+            f"heads ({clock.elapsed():.1f} s in); a larger --time-limit reaches them"
+        )
     lengths = pd.DataFrame(
         {
             "length": range(max_length + 1),
@@ -480,30 +598,50 @@ def attribute_table(
             "attribution": result.by_source[:, 0, 0].tolist(),
         }
     )
-    best_rows, worst_rows = result.table(), result.table(which="bottom")
-    ranked = "" if not search else f" of all {everything:,} paths"
+    rows = {"largest": result.table(), "smallest": result.table(which="bottom")}
+    of_all = {"largest": "", "smallest": ""}  # the tables' reach: the enumerated paths, or all of them
     if search:  # the top and bottom of every path, not only of the enumerated ones
-        found = [
-            pk.top_paths(stack, readout, top, position=position, largest=largest, time_limit=time_limit)
-            for largest in (True, False)
-        ]
-        for which, search_result in zip(("largest", "smallest"), found):
+        for which in ("largest", "smallest"):
+            share = clock.left() / (2 if which == "largest" else 1)
+            if share <= 0:
+                print(f"the {top} {which} of all paths: not searched, the --time-limit of {clock.seconds:g} s is spent")
+                continue
+            # The search stops itself at its time limit, but not within the set-up of its bounds
+            # (minutes for a GPT-2-small shape): it runs aside, and is left behind at the limit.
+            done, found = _within(
+                share + 1.0,
+                pk.top_paths,
+                stack,
+                readout,
+                top,
+                position=position,
+                largest=which == "largest",
+                time_limit=None if math.isinf(share) else share,
+            )
+            if not done:
+                print(
+                    f"the {top} {which} of all paths: not searched, the set-up of the search's bounds outlasted "
+                    f"the --time-limit of {clock.seconds:g} s (those of the enumerated paths are shown)"
+                )
+                break  # the other search's set-up would take as long
             verdict = (
                 "certified"
-                if search_result.certified
-                else f"not certified ({search_result.stopped}): no other path exceeds {search_result.bound:.4g} in size"
+                if found.certified
+                else f"not certified ({found.stopped}): no other path exceeds {found.bound:.4g} in size"
             )
             print(
-                f"the {top} {which} of all paths: a best-first search visited {search_result.visited:,} paths in "
-                f"{search_result.seconds:.1f} s, {verdict}"
+                f"the {top} {which} of all paths: a best-first search visited {found.visited:,} paths in "
+                f"{found.seconds:.1f} s, {verdict}"
             )
-        best_rows, worst_rows = found[0].table(), found[1].table()
+            rows[which], of_all[which] = found.table(), f" of all {everything:,} paths"
+    best_rows, worst_rows = rows["largest"], rows["smallest"]
+    ranked = of_all["largest"] if of_all["largest"] == of_all["smallest"] else ""
     best, worst = pd.DataFrame(best_rows), pd.DataFrame(worst_rows)
     for title, table in (
         ("by number of heads", lengths),
         ("by source", sources),
-        (f"the {top} largest{ranked}", best),
-        (f"the {top} smallest{ranked}", worst),
+        (f"the {top} largest{of_all['largest']}", best),
+        (f"the {top} smallest{of_all['smallest']}", worst),
     ):
         _heading(f"Attribution {title}")
         print(table.to_string(index=False, float_format=_float_format))
@@ -519,6 +657,45 @@ def attribute_table(
         title = f"top and bottom paths{ranked} (the readout: {value:.4g})"
         _save(out, "attribution", figure=path_bars(best_rows, worst_rows, label, title))
     return result
+
+
+def _stopped(clock: _Clock, stage: str) -> None:
+    """Say that ``attribute`` reached its time limit after ``stage``, before any path."""
+    print(
+        f"pathkernels attribute: stopped at the --time-limit of {clock.seconds:g} s while {stage} "
+        f"({clock.elapsed():.1f} s in): no path attributed; a larger --time-limit goes on to the paths"
+    )
+
+
+def _attribution_walk(stack, readout, position: int, top: int, wanted: int, end: float):
+    """``(result, k)``: :func:`pathkernels.path_attribution` of the paths through at most k heads
+    for the largest ``k <= wanted`` whose walk finishes by ``end`` (``time.monotonic()``).
+
+    Lengths 0 and up, each walk whole (what the longer paths carry together is exact in each): a
+    walk still running at ``end`` is stopped between two chunks and the previous one is kept.
+    After each walk the next goes straight to ``wanted`` when the rate just measured says it
+    takes at most half of what is left. Length 0 (a few paths) runs whatever the limit."""
+    layers, heads = stack.num_layers, stack.num_heads
+    counts = [count_attribution_paths(layers, heads, k) for k in range(wanted + 1)]
+    result, done, k, seconds_per_path = None, -1, 0, math.inf
+    while True:
+        started = time.monotonic()
+        try:
+            with time_limit(end) if k > 0 else contextlib.nullcontext():
+                result = pk.path_attribution(
+                    stack,
+                    readout,
+                    positions=position,
+                    max_length=k,
+                    top_k=top,
+                    progress=k == wanted or (done >= 0 and seconds_per_path * counts[k] > 10),
+                )
+        except TimeLimitReached:
+            return result, done
+        done, seconds_per_path = k, (time.monotonic() - started) / counts[k]
+        if k == wanted:
+            return result, done
+        k = wanted if seconds_per_path * counts[wanted] <= (end - time.monotonic()) / 2 else k + 1
 
 
 def bench_tables(
@@ -826,8 +1003,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-limit",
         type=_seconds,
         default=300.0,
-        help="seconds for each search of the top and bottom paths of a model with more than "
-        f"{_MAX_ATTRIBUTION_PATHS:,} paths",
+        help="seconds for the whole command (the model, its capture, the walk over the paths and, for a model "
+        f"with more than {_MAX_ATTRIBUTION_PATHS:,} paths, the searches of the top and bottom paths): at the "
+        "limit it reports what it found and says what was left",
     )
     attribute.set_defaults(
         run=_runner(
@@ -862,6 +1040,17 @@ def _runner(function, *names: str):
 
 
 def main(argv=None) -> int:
+    code = _main(argv)
+    if argv is None and any(worker.is_alive() for worker in _ABANDONED):
+        # The program's entry point, with a search left running past the time limit: end now, as
+        # an interpreter that waited for it (or tore torch down under it) would not.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     _check_options(args, args.command_parser)
     where = args.command_parser.prog
@@ -873,7 +1062,12 @@ def main(argv=None) -> int:
     except CommandLineError as error:
         if args.debug:
             raise
-        print(str(error), file=sys.stderr)
+        # The helpers that several commands share say "pathkernels:"; the line names the command.
+        message = str(error)
+        print(
+            f"{where}: {message.removeprefix('pathkernels: ')}" if message.startswith("pathkernels: ") else message,
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print(f"{where}: interrupted", file=sys.stderr)
