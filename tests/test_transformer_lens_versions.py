@@ -28,7 +28,10 @@ def test_the_transformer_lens_tests_pass_against_4x():
     if os.environ.get("PATHKERNELS_EXPECT_TRANSFORMER_LENS"):
         pytest.skip("already the run against a chosen TransformerLens")
     if not (TL4 / "transformer_lens").is_dir():
-        pytest.skip(f"TransformerLens 4.x is not installed in {TL4} (make test installs it)")
+        message = f"TransformerLens 4.x is not installed in {TL4} (make test installs it)"
+        if os.environ.get("CI"):  # in CI the run against 4.x is required, not optional
+            pytest.fail(f"{message}; CI={os.environ['CI']} needs it")
+        pytest.skip(message)
     pytest.importorskip("transformers")
     env = {
         **os.environ,
