@@ -9,12 +9,13 @@
 # --quick (about 8 minutes): the build for this card's architecture alone; the CUDA cases of the
 # leaf-kernel, engine, norm, statistics and readout-engine tests, with the CPU GEMM's and the
 # hostile-input tests, the Triton leaf kernel's tests compiled for the GPU (no interpreter) and the
-# all-heads CUDA leaf kernel's tests;
+# all-heads CUDA leaf kernel's and the Triton norm kernels' tests;
 # memcheck of every kernel and racecheck of the leaf and engine kernels; bench_gpu_leaves.py
 # --quick (its whole-leaf-level section times the Triton kernel, autotuned over its quick space,
 # against cuBLAS and the CUDA kernels, and writes its JSON after every case); bench_gpu_heads_leaf.py
 # --quick (the all-heads CUDA leaf kernel's variants against cuBLAS and the per-head kernels); the engine's profile;
-# bench_norms.py --quick; bench_gpu_statistics.py (10^8 paths and a resumed checkpoint);
+# bench_norms.py --quick, and its Triton section (the Triton norm kernels, autotuned, against the CUDA
+# kernel, torch.compile, x.sum() and a copy); bench_gpu_statistics.py (10^8 paths and a resumed checkpoint);
 # bench_gpu_readout.py (the readout engine, CUDA against CPU).
 # Each step is stopped after STEP_TIMEOUT seconds (default 600), so one hang cannot eat the lease.
 set -uo pipefail
@@ -63,7 +64,7 @@ if $quick; then
   step tests env PATHKERNELS_TEST_DEVICES=cuda $PYTHON -m pytest -q -rs --durations=5 $parallel \
     tests/test_fused_leaf.py tests/test_engine.py tests/test_norms.py tests/test_statistics.py \
     tests/test_engine_gemm.py tests/test_hostile_inputs.py tests/test_readout_engine.py tests/test_triton_leaf.py \
-    tests/test_heads_leaf.py -k "not compile"
+    tests/test_heads_leaf.py tests/test_triton_norms.py -k "not compile"
   # 2026-11-27 this test crashed (SIGSEGV) in the op under the machine's GCC 13 build: a native
   # backtrace, from cuda-gdb (which also debugs host code; the image has no gdb).
   step crash-backtrace cuda-gdb -batch -ex run -ex bt -ex quit --args $PYTHON -m pytest -q -p no:cacheprovider \
@@ -74,9 +75,10 @@ if $quick; then
   step bench-gpu-heads-leaf $PYTHON bench/bench_gpu_heads_leaf.py --quick --out "$out/gpu_heads_leaf.json"
   step profile-engine $PYTHON bench/profile_gpu_engine.py --out "$out/gpu_profile.json"
   step bench-norms $PYTHON bench/bench_norms.py --device cuda --quick --out "$out/norms.json"
+  step bench-norms-triton $PYTHON bench/bench_norms.py --device cuda --only triton --quick --out "$out/norms_triton.json"
   step bench-gpu-statistics $PYTHON bench/bench_gpu_statistics.py --out "$out/gpu_statistics.json"
   step bench-gpu-readout $PYTHON bench/bench_gpu_readout.py --out "$out/gpu_readout.json"
-  logs="tests crash-backtrace bench-gpu-leaves bench-gpu-heads-leaf profile-engine bench-norms bench-gpu-statistics bench-gpu-readout"
+  logs="tests crash-backtrace bench-gpu-leaves bench-gpu-heads-leaf profile-engine bench-norms bench-norms-triton bench-gpu-statistics bench-gpu-readout"
 else
   step tests $PYTHON -m pytest -q -rs --durations=5 $parallel tests
   for tool in memcheck racecheck; do
@@ -87,10 +89,11 @@ else
   step bench-gpu-heads-leaf $PYTHON bench/bench_gpu_heads_leaf.py --out "$out/gpu_heads_leaf.json"
   step profile-engine $PYTHON bench/profile_gpu_engine.py --out "$out/gpu_profile.json"
   step bench-norms $PYTHON bench/bench_norms.py --device cuda --out "$out/norms.json"
+  step bench-norms-triton $PYTHON bench/bench_norms.py --device cuda --only triton --out "$out/norms_triton.json"
   step bench-gpu-statistics $PYTHON bench/bench_gpu_statistics.py --full --out "$out/gpu_statistics.json"
   step bench-paths $PYTHON bench/bench_paths.py --device cuda --quick --out "$out/paths.json"
   step bench-gpu-readout $PYTHON bench/bench_gpu_readout.py --out "$out/gpu_readout.json"
-  logs="tests bench-gpu-leaves bench-gpu-heads-leaf profile-engine bench-norms bench-gpu-statistics bench-paths bench-gpu-readout"
+  logs="tests bench-gpu-leaves bench-gpu-heads-leaf profile-engine bench-norms bench-norms-triton bench-gpu-statistics bench-paths bench-gpu-readout"
 fi
 for log in $logs; do
   { echo; echo "$log:"; tail -n 30 "$out/$log.log" | sed 's/^/    /'; } >> "$summary"
