@@ -28,7 +28,7 @@ import torch
 
 import pathkernels as pk
 from pathkernels.benchmarks import seconds_per_call
-from pathkernels.engine import _tf32_matmuls
+from pathkernels.core.engine import _tf32_matmuls
 from pathkernels.testing import random_attention
 
 HEADS_KERNELS = ("tf32x3", "tf32x3_128", "tf32", "tf32_128")

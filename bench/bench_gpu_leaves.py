@@ -12,7 +12,7 @@
    (the H heads and their a_h stacked into one [H(n + 1), n] × [n, c·m] GEMM: float32, TF32, and
    float32 followed by the torch reduction, the baseline that computes the same norms), the CUDA
    kernels head by head as the engine launches them (a GEMV for μ, then ``_fused_leaf_norms``), and
-   the Triton kernel of pathkernels.triton_leaf ("triton-ieee", "triton-tf32", "triton-tf32x3",
+   the Triton kernel of pathkernels.core.triton_leaf ("triton-ieee", "triton-tf32", "triton-tf32x3",
    "triton-tf32x3-triton": one launch for every head): TFLOP/s, × cuBLAS float32 (the bare GEMM),
    the largest relative error against float64 on the first parents, and the autotuner's choice and
    time. ``--only triton`` runs this section alone; ``--device cpu`` (with TRITON_INTERPRET=1, set
@@ -45,7 +45,7 @@ import torch
 
 import pathkernels as pk
 from pathkernels.benchmarks import gemm_rate, head_node_flops, seconds_per_call
-from pathkernels.engine import _tf32_matmuls
+from pathkernels.core.engine import _tf32_matmuls
 from pathkernels.reference import composite_norm_ref, levelwise_ref, triton_leaf_norms_ref
 from pathkernels.testing import random_attention
 
@@ -253,14 +253,14 @@ def print_heads_case(r: dict) -> None:
 
 
 def import_triton_leaf(device: str, results: dict):
-    """pathkernels.triton_leaf, or None with the error recorded: the other candidates still run. On
+    """pathkernels.core.triton_leaf, or None with the error recorded: the other candidates still run. On
     the CPU under TRITON_INTERPRET=1 (set here, before the module is imported)."""
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     try:
         import triton
 
-        import pathkernels.triton_leaf as triton_leaf
+        import pathkernels.core.triton_leaf as triton_leaf
 
         triton_leaf.require_triton()
         results["triton"] = triton.__version__

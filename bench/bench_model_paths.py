@@ -38,7 +38,7 @@ COLUMNS = [
 
 def bench_case(layers: int, heads: int, width: int, tokens: int, max_length: int | None, samples: int | None) -> dict:
     import pathkernels as pk
-    from pathkernels.analysis.attribution import count_attribution_paths
+    from pathkernels.core.paths import count_attribution_paths
 
     torch.manual_seed(0)
     model = gpt2_model(layers, heads, width, tokens)

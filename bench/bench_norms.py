@@ -5,7 +5,7 @@
    achieved bandwidth (one read of x, the floor) as a fraction of the copy bandwidth measured in the
    same run (out.copy_(x): one read, one write).
 2. (``--triton``, or ``--only triton`` for this section alone) The Triton kernels of
-   pathkernels.triton_norms (issue 35, item 5) on batches of at least ``--mib`` MiB (256 by default)
+   pathkernels.core.triton_norms (issue 35, item 5) on batches of at least ``--mib`` MiB (256 by default)
    of [B, 64, 64], [B, 128, 128], [B, 256, 256] and [B, 32, 768] matrices, each op
    (residual_norm, residual+norm, composite_norm) against, in the same run and interleaved round by
    round: x.sum() (one read), a device copy (out.copy_(x): one read and one write), the existing
@@ -71,14 +71,14 @@ def attempt(record: dict, name: str, fn):
 
 
 def import_triton_norms(device: str, results: dict):
-    """pathkernels.triton_norms, or None with the error recorded: the other candidates still run. On
+    """pathkernels.core.triton_norms, or None with the error recorded: the other candidates still run. On
     the CPU under TRITON_INTERPRET=1 (set here, before the module is imported)."""
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     try:
         import triton
 
-        import pathkernels.triton_norms as triton_norms
+        import pathkernels.core.triton_norms as triton_norms
 
         triton_norms.require_triton()
         results["triton"] = triton.__version__

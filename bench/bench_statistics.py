@@ -26,8 +26,8 @@ import time
 import torch
 
 import pathkernels as pk
-from pathkernels import ops
 from pathkernels.benchmarks import format_table, peak_rss, reset_peak_rss
+from pathkernels.core import ops
 from pathkernels.testing import random_attention
 
 

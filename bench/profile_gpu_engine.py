@@ -21,7 +21,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import pathkernels as pk
-from pathkernels import engine
+from pathkernels.core import engine
 from pathkernels.testing import random_attention
 
 LAYERS, HEADS, N = 6, 10, 64

@@ -13,12 +13,12 @@ import importlib
 
 import torch  # noqa: F401  (loads libtorch before the extension)
 
-from pathkernels._extension import build_info
-from pathkernels._extension import load as _load
+from pathkernels.core._extension import build_info
+from pathkernels.core._extension import load as _load
 
 _load()
 
-from pathkernels import adapters, distributed, metrics, nn  # noqa: E402
+from pathkernels import adapters, metrics, nn  # noqa: E402
 from pathkernels.analysis import (  # noqa: E402
     PathAttribution,
     Readout,
@@ -29,14 +29,15 @@ from pathkernels.analysis import (  # noqa: E402
     path_terms,
     top_paths,
 )
-from pathkernels.decompose import PathDecomposition, decompose  # noqa: E402
-from pathkernels.engine import PathResiduals, path_residuals  # noqa: E402
-from pathkernels.length_sums import length_sums, truncated_output  # noqa: E402
-from pathkernels.ops import MatrixNorms, composite_norm, matrix_norms, residual_norm  # noqa: E402
-from pathkernels.paths import PathTree, count_by_length, count_paths, sample_paths  # noqa: E402
-from pathkernels.planner import DEFAULT_MEMORY_BUDGET  # noqa: E402
+from pathkernels.core import distributed  # noqa: E402
+from pathkernels.core.decompose import PathDecomposition, decompose  # noqa: E402
+from pathkernels.core.engine import PathResiduals, path_residuals  # noqa: E402
+from pathkernels.core.length_sums import length_sums, truncated_output  # noqa: E402
+from pathkernels.core.ops import MatrixNorms, composite_norm, matrix_norms, residual_norm  # noqa: E402
+from pathkernels.core.paths import PathTree, count_by_length, count_paths, sample_paths  # noqa: E402
+from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET  # noqa: E402
+from pathkernels.core.statistics import PathStatistics, path_statistics  # noqa: E402
 from pathkernels.rollout import rollout  # noqa: E402
-from pathkernels.statistics import PathStatistics, path_statistics  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from pathkernels import ops, reference
+from pathkernels import reference
+from pathkernels.core import ops
 from pathkernels.testing import random_matrices
 
 NORM_CASES = [(4096, 64, 64), (256, 512, 512), (64, 128, 768), (256, 128, 768)]
@@ -221,8 +222,8 @@ def path_benchmark(
     own process and measures peak memory). The loop is timed on ``loop_sample`` sampled paths and
     extrapolated to the whole tree.
     """
-    from pathkernels.engine import path_residuals
-    from pathkernels.paths import PathTree, count_paths, sample_paths
+    from pathkernels.core.engine import path_residuals
+    from pathkernels.core.paths import PathTree, count_paths, sample_paths
     from pathkernels.testing import random_attention
 
     attn = random_attention(layers, heads, n, n, dtype=dtype, device=device, generator=torch.Generator().manual_seed(0))

@@ -33,10 +33,8 @@ import torch
 
 import pathkernels as pk
 from pathkernels import experiments
-from pathkernels._memory import check_fits
-from pathkernels._progress import TimeLimitReached, time_limit
 from pathkernels.adapters.huggingface import LocalModel
-from pathkernels.analysis.attribution import count_attribution_paths, path_bars, unembedding
+from pathkernels.analysis.attribution import path_bars, unembedding
 from pathkernels.benchmarks import (
     QUICK_NORM_CASES,
     QUICK_PATH_CASES,
@@ -46,7 +44,10 @@ from pathkernels.benchmarks import (
     norm_benchmark,
     path_benchmark,
 )
-from pathkernels.decompose import saved
+from pathkernels.core._figures import saved
+from pathkernels.core._memory import check_fits
+from pathkernels.core._progress import TimeLimitReached, time_limit
+from pathkernels.core.paths import count_attribution_paths
 from pathkernels.testing import random_attention
 
 DEFAULT_OUT = "demo_output"

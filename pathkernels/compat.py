@@ -26,8 +26,8 @@ import random
 import torch
 from torch import Tensor
 
-from pathkernels import ops
-from pathkernels.paths import check_int
+from pathkernels.core import ops
+from pathkernels.core.paths import check_int
 
 __all__ = ["composite_norm", "l1_matrix_norm", "linf_matrix_norm", "sample_P_matrix", "sample_path"]
 

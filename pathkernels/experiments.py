@@ -22,12 +22,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from pathkernels._progress import progress_bar
-from pathkernels.decompose import _require, decompose
-from pathkernels.length_sums import truncated_output
+from pathkernels.core._figures import require
+from pathkernels.core._progress import progress_bar
+from pathkernels.core.decompose import decompose
+from pathkernels.core.length_sums import truncated_output
+from pathkernels.core.paths import count_by_length
 from pathkernels.metrics import residual_ratio
 from pathkernels.models import VARIANTS, SelfAttentionNetwork
-from pathkernels.paths import count_by_length
 
 # (layers, heads) of architectures people decompose.
 ARCHITECTURES: dict[str, tuple[int, int]] = {
@@ -83,7 +84,7 @@ def collapse_vs_depth(
         DataFrame with columns ``variant``, ``depth`` (0 = the input), ``mean``, ``median``,
         ``q10``, ``q90`` over batch and seeds.
     """
-    pd = _require("pandas")
+    pd = require("pandas")
     rows = []
     bar = progress_bar(len(variants) * seeds, enabled=progress, unit="model", desc="collapse vs depth")
     for variant in variants:
@@ -143,7 +144,7 @@ def path_length_distribution(architectures: dict[str, tuple[int, int]] | None = 
         DataFrame with ``architecture``, ``layers``, ``heads``, ``length``, ``path_count`` (exact
         Python int), ``share`` and ``log10_share``.
     """
-    pd = _require("pandas")
+    pd = require("pandas")
     rows = []
     for name, (layers, heads) in (architectures or ARCHITECTURES).items():
         counts = count_by_length(layers, heads, skip=True)
@@ -269,7 +270,7 @@ def path_effectiveness(
         :class:`EffectivenessResult`; ``table`` has one row per k = 0..L with ``max_length``,
         ``token_accuracy``, ``sequence_accuracy`` and ``path_count`` (paths of length ≤ k).
     """
-    _require("pandas")
+    require("pandas")
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     model = SortingModel(vocab, n, d_model, num_heads, num_layers)
@@ -307,7 +308,7 @@ def truncation_accuracy(model: SortingModel, tokens: Tensor, target: Tensor):
     Returns:
         DataFrame with ``max_length``, ``token_accuracy``, ``sequence_accuracy`` and ``path_count``.
     """
-    pd = _require("pandas")
+    pd = require("pandas")
     network = model.network
     num_layers, num_heads = len(network.attention), network.attention[0].num_heads
     model64 = copy.deepcopy(model).double().eval()
@@ -350,7 +351,7 @@ def plot_effectiveness(table, ax=None):
 
 
 def _pyplot():
-    _require("matplotlib")
+    require("matplotlib")
     import matplotlib
 
     if matplotlib.get_backend().lower() not in ("agg", "pdf", "svg") and not _has_display():

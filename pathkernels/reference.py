@@ -55,7 +55,7 @@ def path_products_ref(
     attn ``[B, L, H, n, n]``, paths ``[M, L]`` (-1 = skip), x ``[B, n, d]``, w_v ``[L, H, d, d_head]``,
     w_o ``[L, H, d_head, d]`` -> ``[B, M, n, n]`` (or ``[B, M, n, d]``).
     """
-    from pathkernels.paths import check_paths
+    from pathkernels.core.paths import check_paths
 
     paths, _ = check_paths(
         paths, "pathkernels.reference.path_products_ref", num_heads=attn.shape[2], num_layers=attn.shape[1]
@@ -99,7 +99,7 @@ def trie_products_ref(
     ``path_residuals(..., materialize=True)`` returns, and a second evaluator beside the per-path
     loop :func:`path_products_ref`.
     """
-    from pathkernels.paths import SKIP, build_trie_chunk
+    from pathkernels.core.paths import SKIP, build_trie_chunk
 
     chunk = build_trie_chunk(tree.leaf_range(0, tree.num_leaves))
     batch, n = attn.shape[0], attn.shape[-1]

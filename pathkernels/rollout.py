@@ -7,9 +7,9 @@ import numbers
 import torch
 from torch import Tensor
 
-from pathkernels import masking
-from pathkernels.checks import check_finite, check_nonempty_batch, unpack_stack
-from pathkernels.paths import check_flag
+from pathkernels.core import masking
+from pathkernels.core.checks import check_finite, check_nonempty_batch, unpack_stack
+from pathkernels.core.paths import check_flag
 
 _FUSIONS = ("mean", "max", "min")
 

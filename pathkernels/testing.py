@@ -30,7 +30,7 @@ def devices() -> list[str]:
     """
     import os
 
-    from pathkernels._extension import has_cuda_kernels
+    from pathkernels.core._extension import has_cuda_kernels
 
     found = ["cpu"]
     if torch.cuda.is_available() and has_cuda_kernels():
@@ -110,7 +110,7 @@ def path_condition_numbers(
     Returns:
         ``[B, M]`` float64 (inf where the residual is exactly 0).
     """
-    from pathkernels.paths import check_paths
+    from pathkernels.core.paths import check_paths
     from pathkernels.reference import composite_norm_ref
 
     paths, _ = check_paths(

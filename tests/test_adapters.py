@@ -13,7 +13,7 @@ import torch
 
 import pathkernels as pk
 from pathkernels import adapters
-from pathkernels.checks import check_row_stochastic
+from pathkernels.core.checks import check_row_stochastic
 from pathkernels.reference import (
     composite_norm_ref,
     path_products_ref,

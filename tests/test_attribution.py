@@ -14,7 +14,7 @@ import torch
 
 import pathkernels as pk
 from pathkernels.adapters.residual import capture_huggingface_residual
-from pathkernels.analysis.attribution import count_attribution_paths
+from pathkernels.core.paths import count_attribution_paths
 from pathkernels.reference import pre_norm_path_attribution_ref
 
 transformers = pytest.importorskip("transformers")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import pathkernels as pk
-from pathkernels._extension import check_build_info
+from pathkernels.core._extension import check_build_info
 
 
 def test_build_info_names_the_torch_it_was_built_against():
@@ -31,7 +31,7 @@ def test_missing_binary_says_how_to_rebuild(monkeypatch):
     import sys
 
     import pathkernels
-    from pathkernels import _extension
+    from pathkernels.core import _extension
 
     monkeypatch.delattr(pathkernels, "_C")
     monkeypatch.setitem(sys.modules, "pathkernels._C", None)

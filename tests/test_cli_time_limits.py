@@ -44,7 +44,7 @@ def test_the_walk_stops_at_the_limit_and_keeps_the_lengths_it_finished(monkeypat
     found = re.search(r"paths: the (\d+) through at most (\d) heads?, of 161; the longer ones carry", out)
     assert found is not None, out
     reached = int(found[2])
-    assert reached < 2 and int(found[1]) == pk.analysis.attribution.count_attribution_paths(4, 2, reached)
+    assert reached < 2 and int(found[1]) == pk.core.paths.count_attribution_paths(4, 2, reached)
     assert "time limit: the walk stopped at the --time-limit of 2 s before the" in out
     # What it reports is exact: the sums of the lengths it walked are those of every path's walk.
     every = pd.read_csv(tmp_path / "all" / "attribution_by_length.csv")

@@ -146,7 +146,7 @@ def test_plot_returns_a_log_scale_figure(tmp_path):
 
 def test_plot_of_a_large_decomposition_draws_a_subset(monkeypatch):
     pytest.importorskip("matplotlib")
-    module = sys.modules["pathkernels.decompose"]  # the module, not the function pk.decompose
+    module = sys.modules["pathkernels.core.decompose"]  # the module, not the function pk.decompose
     monkeypatch.setattr(module, "_MAX_SCATTER", 100)
     dec = pk.decompose(attention())  # 256 paths
     ax = dec.plot().axes[0]
@@ -170,7 +170,7 @@ def test_decompose_of_a_huge_tree_streams_its_statistics(monkeypatch):
     """13^12 paths: too many to keep one result each, so decompose hands the complete tree to
     path_statistics (stubbed here: the real run takes days on 2 cores), in its own name and with
     its max_paths; above the default max_paths it is refused before any work."""
-    module = sys.modules["pathkernels.decompose"]
+    module = sys.modules["pathkernels.core.decompose"]
     calls = []
     monkeypatch.setattr(
         module,

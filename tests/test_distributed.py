@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import pathkernels as pk
-from pathkernels.distributed import leaf_range
+from pathkernels.core.distributed import leaf_range
 
 sys.path.insert(0, str(Path(__file__).parent))
 import itertools

@@ -96,10 +96,10 @@ def test_leaf_blocks_threads_and_chunks_change_no_bit_on_the_cpu(dtype, mode):
     """The CPU engine's results are a function of the problem alone: forced leaf blocks (1 to a
     whole level), 1, 2 and 3 threads, memory budgets from the minimum up, and the same paths
     evaluated as one complete tree or as two shuffled halves give the same bits."""
-    from pathkernels.checks import check_network
-    from pathkernels.engine import engine_operands
-    from pathkernels.paths import build_trie_chunk
-    from pathkernels.planner import minimum_budget
+    from pathkernels.core.checks import check_network
+    from pathkernels.core.engine import engine_operands
+    from pathkernels.core.paths import build_trie_chunk
+    from pathkernels.core.planner import minimum_budget
 
     attn, x, w_v, w_o = network(2, 4, 3, 9, *((7, 3) if mode == "outputs" else ()), dtype=dtype)
     # Magnitudes over many binades, so that any change in the order of rounding would show.
@@ -137,7 +137,7 @@ def test_leaf_blocks_threads_and_chunks_change_no_bit_on_the_cpu(dtype, mode):
 
 
 def test_chunks_cover_a_range_with_whole_subtrees_between_built_ends():
-    from pathkernels import checks, engine, planner
+    from pathkernels.core import checks, engine, planner
 
     attn = random_attention(1, 6, 3, 8, 8, dtype=torch.float64)
     tree = pk.PathTree.complete(6, 3, skip=True)  # 4^6 leaves
@@ -338,7 +338,7 @@ def test_float32_range_across_a_tree(device, mode, leaf_kernel):
 def test_chunks_settled_late_report_what_chunks_settled_at_once_do(device, monkeypatch):
     """The chunk pipeline (a chunk's range checks read after the next chunk is queued) changes no
     value: float32 trees whose out-of-range leaves, rerun in float64, lie in many chunks."""
-    from pathkernels import engine
+    from pathkernels.core import engine
 
     layers, heads, n, d = 11, 1, 8, 4
     # Exact in float32 and float64 alike, so that the float64 engine sees the very same matrices.
@@ -577,9 +577,9 @@ def test_bad_input(call, error, message):
 def test_materialized_products_beyond_the_budget_are_refused():
     """At the smallest budget the engine runs with (it grows with the thread count), products that
     do not fit are refused with the sizes, whatever the machine."""
-    from pathkernels._memory import format_bytes
-    from pathkernels.checks import check_network
-    from pathkernels.planner import minimum_budget
+    from pathkernels.core._memory import format_bytes
+    from pathkernels.core.checks import check_network
+    from pathkernels.core.planner import minimum_budget
 
     attn, x, w_v, w_o = network(2, 3, 8, 4, 3, 2)
     tree = pk.PathTree.complete(3, 8, skip=True)  # 729 paths: [2, 729, 4, 3] float64 is 137 KiB
@@ -593,8 +593,8 @@ def test_materialized_products_beyond_the_budget_are_refused():
 
 
 def test_the_minimum_budget_is_exact_and_small_budgets_warn():
-    from pathkernels.checks import check_network
-    from pathkernels.planner import minimum_budget
+    from pathkernels.core.checks import check_network
+    from pathkernels.core.planner import minimum_budget
 
     attn = network(1, 3, 2, 8)[0]
     tree = pk.PathTree.complete(3, 2, skip=True)
@@ -635,9 +635,9 @@ def test_inputs_that_require_grad_give_results_without_gradient():
 
 
 def test_fixed_size_calls_compile():
-    from pathkernels.checks import check_network
-    from pathkernels.engine import engine_operands
-    from pathkernels.paths import build_trie_chunk
+    from pathkernels.core.checks import check_network
+    from pathkernels.core.engine import engine_operands
+    from pathkernels.core.paths import build_trie_chunk
 
     attn = network(1, 3, 2, 5)[0]
     tree = pk.PathTree.complete(3, 2, skip=True)
@@ -657,9 +657,9 @@ def test_fixed_size_calls_compile():
 
 def _op_operands(device):
     """Valid operands of path_chunk_norms for a 3-layer, 2-head complete tree with skip."""
-    from pathkernels.checks import check_network
-    from pathkernels.engine import engine_operands
-    from pathkernels.paths import build_trie_chunk
+    from pathkernels.core.checks import check_network
+    from pathkernels.core.engine import engine_operands
+    from pathkernels.core.paths import build_trie_chunk
 
     attn = network(1, 3, 2, 5)[0].to(device)
     chunk = build_trie_chunk(pk.PathTree.complete(3, 2, skip=True).paths())
@@ -767,10 +767,10 @@ def test_condition_numbers_bound_the_float32_error():
 
 @pytest.mark.parametrize("outputs", [False, True])
 def test_path_chunk_norms_passes_opcheck(device, outputs):
-    from pathkernels import ops
-    from pathkernels.checks import check_network
-    from pathkernels.engine import engine_operands
-    from pathkernels.paths import build_trie_chunk
+    from pathkernels.core import ops
+    from pathkernels.core.checks import check_network
+    from pathkernels.core.engine import engine_operands
+    from pathkernels.core.paths import build_trie_chunk
 
     attn, x, w_v, w_o = network(1, 3, 2, 5, d=3 if outputs else None, d_head=2 if outputs else None)
     to = lambda t: None if t is None else t.to(device)  # noqa: E731

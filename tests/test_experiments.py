@@ -241,7 +241,7 @@ def test_progress_off_a_terminal_is_plain_lines(tmp_path):
 
 
 def test_plain_progress_lines_come_about_every_interval(monkeypatch, capsys):
-    from pathkernels import _progress
+    from pathkernels.core import _progress
 
     clock = iter([0.0, 3.0, 11.0, 12.0, 25.0, 26.0]).__next__
     monkeypatch.setattr(_progress.time, "monotonic", clock)

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import pathkernels as pk  # noqa: E402
-from pathkernels.paths import MAX_SIZE  # noqa: E402
+from pathkernels.core.paths import MAX_SIZE  # noqa: E402
 from pathkernels.reference import composite_norm_ref, path_products_ref, residual_norm_ref  # noqa: E402
 
 EXAMPLES = 2000 if os.environ.get("PATHKERNELS_FUZZ") == "long" else 40

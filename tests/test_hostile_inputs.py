@@ -70,9 +70,9 @@ def test_empty_matrices_are_refused_by_the_op():
 def test_a_huge_leaf_block_is_the_whole_chunk():
     """leaf_block = 2^63 − 1 overflowed the block loop; it now means one block of every leaf, and
     gives what the planner's blocks give (the CPU engine's results do not depend on the blocks)."""
-    from pathkernels.checks import check_network
-    from pathkernels.engine import chunk_norms, engine_operands
-    from pathkernels.planner import chunks
+    from pathkernels.core.checks import check_network
+    from pathkernels.core.engine import chunk_norms, engine_operands
+    from pathkernels.core.planner import chunks
 
     attn = random_attention(2, 3, 2, 5, 5, dtype=torch.float64)
     tree = pk.PathTree.complete(3, 2, skip=True)
@@ -165,7 +165,7 @@ def test_the_fused_leaf_op_refuses_scales_that_are_not_positive():
 @pytest.mark.parametrize("damage", ["nan", "descending", "zero"])
 def test_the_statistics_fold_refuses_edges_it_cannot_bin_by(damage):
     """NaN or descending edges were accepted (a NaN edge was cast to int64)."""
-    from pathkernels.statistics import PathStatistics, histogram_edges
+    from pathkernels.core.statistics import PathStatistics, histogram_edges
 
     tree = pk.PathTree.complete(2, 2, skip=True)
     stats = PathStatistics.empty(1, tree, torch.float64, 1, 0, "cpu")
@@ -258,7 +258,7 @@ def test_composite_norms_of_matrices_beyond_the_square_root_of_the_range(scale):
 
 def test_length_sums_refuse_work_that_would_not_fit(monkeypatch):
     """Its largest step, [L, B, H, n, d], failed in torch's allocator; the estimate comes first."""
-    from pathkernels import _memory as module  # where every memory check reads the device's free memory
+    from pathkernels.core import _memory as module  # where every memory check reads the device's free memory
 
     attn = random_attention(2, 3, 2, 5, 5, dtype=torch.float64)
     x, w = torch.randn(2, 5, 4, dtype=torch.float64), torch.randn(3, 2, 4, 4, dtype=torch.float64)

@@ -39,7 +39,7 @@ import pytest
 import torch
 
 import pathkernels as pk
-from pathkernels._files import read_sealed, write_sealed
+from pathkernels.core._files import read_sealed, write_sealed
 from pathkernels.reference import path_products_ref
 
 NAN, INF = math.nan, math.inf

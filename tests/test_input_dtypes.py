@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pathkernels as pk
-from pathkernels.checks import renormalise_rows
+from pathkernels.core.checks import renormalise_rows
 from pathkernels.testing import padded_network, random_attention
 
 LOW_PRECISION = [torch.float16, torch.bfloat16]

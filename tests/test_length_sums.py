@@ -323,7 +323,7 @@ def test_truncated_output_refuses_a_sum_beyond_its_dtype():
 
 def test_refusals_write_numbers_and_lengths_as_read():
     """The range refusals' numbers ("1.3e+68") and length lists ("3–5, 9")."""
-    from pathkernels.length_sums import _listed, _power_of_ten
+    from pathkernels.core.length_sums import _listed, _power_of_ten
 
     assert _power_of_ten(math.log10(1.34e68)) == "1.3e+68"
     assert _power_of_ten(math.log10(1.26e-38)) == "1.3e-38"
@@ -339,7 +339,7 @@ def test_the_memory_estimate_counts_each_array_of_the_recursion(monkeypatch, dty
     """[L, B, H, n, d] mixed sums, [L+1, B, n, d] sums in three copies (float64), a float32 result,
     and the checks' bool and float64 copies of attn (9 bytes per entry): B, L, H, n and d all differ,
     so that a size read from the wrong dimension changes the estimate."""
-    from pathkernels import _memory
+    from pathkernels.core import _memory
 
     batch, layers, heads, n, d = 2, 3, 4, 5, 6
     attn, x, w_v, w_o = network(batch, layers, heads, n, d, 7, dtype=dtype)

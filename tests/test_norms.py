@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pathkernels as pk
-from pathkernels import ops
+from pathkernels.core import ops
 from pathkernels.reference import (
     composite_norm_ref,
     matrix_norms_ref,

@@ -12,7 +12,7 @@ from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import pathkernels as pk  # noqa: E402
-from pathkernels.paths import MAX_ENUMERATED_PATHS, build_trie_chunk  # noqa: E402
+from pathkernels.core.paths import MAX_ENUMERATED_PATHS, build_trie_chunk  # noqa: E402
 
 
 def brute_force_paths(num_layers, num_heads, skip, max_length=None):
@@ -325,7 +325,7 @@ def test_counts_are_refused_beyond_the_bits_they_may_take(monkeypatch):
     """Counts of more than MAX_COUNT_BITS bits together are refused, whatever way they are counted:
     H^L alone, (H+1)^L alone, or the L+1 (or max_length+1) terms by length. 80 s went into
     counting 10^4 layers of 10^4 heads by length before the bound."""
-    import pathkernels.paths as paths
+    import pathkernels.core.paths as paths
 
     monkeypatch.setattr(paths, "MAX_COUNT_BITS", 100)
     assert pk.count_paths(100, 2) == 2**100  # 100 bits: H^L, one term

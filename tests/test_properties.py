@@ -15,8 +15,8 @@ from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import pathkernels as pk  # noqa: E402
-from pathkernels.checks import check_network  # noqa: E402
-from pathkernels.planner import minimum_budget  # noqa: E402
+from pathkernels.core.checks import check_network  # noqa: E402
+from pathkernels.core.planner import minimum_budget  # noqa: E402
 from pathkernels.reference import (  # noqa: E402
     attention_network_ref,
     composite_norm_ref,

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import pathkernels as pk
-from pathkernels._files import read_sealed
-from pathkernels.statistics import QUANTILES, SMALLEST_POSITIVE, PathStatistics, histogram_edges
+from pathkernels.core._files import read_sealed
+from pathkernels.core.statistics import QUANTILES, SMALLEST_POSITIVE, PathStatistics, histogram_edges
 from pathkernels.testing import padded_network, random_attention
 
 
@@ -320,7 +320,7 @@ def test_a_checkpoint_tells_inputs_apart_by_their_bytes(tmp_path):
     crafted = attn.clone()
     for (i, j), change in zip(((0, 0), (0, 1), (1, 0), (1, 1)), (0.125, -0.125, -0.125, 0.125)):
         crafted[0, 0, 0, i, j] += change
-    from pathkernels.distributed import fingerprint
+    from pathkernels.core.distributed import fingerprint
 
     tree = pk.PathTree.complete(1, 1)
     assert fingerprint({"attn": attn}, tree) == fingerprint({"attn": crafted}, tree)  # the weak checksums agree
@@ -401,7 +401,7 @@ def test_a_checkpoint_edited_and_sealed_again_is_refused(tmp_path, edit):
     """Contents that no run can produce, under a valid seal and identity: refused, naming the field
     (they used to resume: reached beyond the end returned the stored numbers as the statistics of
     every path; doubled counts halved every mean)."""
-    from pathkernels._files import write_sealed
+    from pathkernels.core._files import write_sealed
 
     attn = random_attention(1, 3, 2, 4, 4, dtype=torch.float64)
     tree = pk.PathTree.complete(3, 2, skip=True)
@@ -422,7 +422,7 @@ def test_a_checkpoint_edited_and_sealed_again_is_refused(tmp_path, edit):
 def test_a_partial_checkpoint_is_checked_against_its_leaves(tmp_path):
     """A checkpoint written part-way (reached inside the tree): its counts must be those of the
     leaves it reached, per length; an intact one resumes to the uninterrupted statistics."""
-    from pathkernels._files import write_sealed
+    from pathkernels.core._files import write_sealed
 
     attn = random_attention(2, 4, 2, 4, 4, dtype=torch.float64)
     tree = pk.PathTree.complete(4, 2, skip=True)
@@ -466,7 +466,7 @@ def _statistics_of_leaves(attn, tree, first, stop):
 
 def test_a_later_ranks_checkpoint_is_checked_against_its_own_leaves():
     """A rank whose leaves start at 27: its counts are those of leaves 27.. it reached, not 0.."""
-    from pathkernels.statistics import checked_state
+    from pathkernels.core.statistics import checked_state
 
     attn = random_attention(1, 4, 2, 4, 4, dtype=torch.float64)
     tree = pk.PathTree.complete(4, 2, skip=True)
@@ -481,7 +481,7 @@ def test_a_later_ranks_checkpoint_is_checked_against_its_own_leaves():
 def test_counts_of_more_leaves_than_are_listed_are_bounded_by_the_tree():
     """Beyond 2^20 leaves the counts are not recounted by length but bounded by the tree's: a whole
     tree of 2^21 leaves reaches its bound exactly, one count more exceeds it."""
-    from pathkernels.statistics import checked_state, histogram_edges
+    from pathkernels.core.statistics import checked_state, histogram_edges
 
     layers = 21
     tree = pk.PathTree.complete(layers, 1, skip=True)
@@ -527,7 +527,7 @@ def test_exact_zeros_resume(tmp_path):
 
 
 def test_saved_statistics_edited_and_sealed_again_are_refused(tmp_path):
-    from pathkernels._files import write_sealed
+    from pathkernels.core._files import write_sealed
 
     attn = random_attention(1, 3, 2, 4, 4, dtype=torch.float64)
     saved = tmp_path / "stats.pt"

@@ -1,6 +1,6 @@
-"""The Triton leaf kernel (pathkernels.triton_leaf, issue 35): every head's leaves of a block of
+"""The Triton leaf kernel (pathkernels.core.triton_leaf, issue 35): every head's leaves of a block of
 parents in one launch. Where there is no GPU it runs in Triton's interpreter: TRITON_INTERPRET=1 is
-set only while this file imports pathkernels.triton_leaf (Triton reads it when the kernels are
+set only while this file imports pathkernels.core.triton_leaf (Triton reads it when the kernels are
 decorated) and restored at once, so no other test sees it. On a GPU the same tests run the compiled
 kernel. Checked against a float64 reference written from the formula, against the CPU-tested
 `_fused_leaf_norms` op head by head, against a float64 emulation of the TF32 arithmetic (the operands
@@ -21,7 +21,7 @@ from pathkernels.reference import composite_norm_ref
 from pathkernels.reference import triton_leaf_norms_ref as reference
 from pathkernels.testing import random_attention
 
-MODULE = "pathkernels.triton_leaf"
+MODULE = "pathkernels.core.triton_leaf"
 U = 2.0**-24  # float32's unit round-off
 # Error per product beyond float32's, relative to |C(A)| |R'|: tf32x3 drops lo·lo and rounds lo;
 # one TF32 pass rounds both operands to 11 significant bits. Triton's own tf32x3 (GPU only; the
@@ -43,7 +43,7 @@ SHAPES = [
 
 
 def _import_triton_leaf():
-    """pathkernels.triton_leaf, imported under TRITON_INTERPRET=1 where there is no GPU."""
+    """pathkernels.core.triton_leaf, imported under TRITON_INTERPRET=1 where there is no GPU."""
     if MODULE not in sys.modules and not torch.cuda.is_available():
         previous = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1"
@@ -425,7 +425,7 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import pathkernels.triton_leaf as t
+import pathkernels.core.triton_leaf as t
 
 kernel = t._leaf_norms_kernel
 pointers = {"attn_ptr": "*fp32", "attn_mean_ptr": "*fp32", "parents_ptr": "*fp32", "parent_means_ptr": "*fp32",
@@ -475,7 +475,7 @@ def test_without_triton():
     raise an error that names them (a fresh interpreter in which `import triton` fails)."""
     script = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, pathkernels, pathkernels.triton_leaf as t\n"
+        "import torch, pathkernels, pathkernels.core.triton_leaf as t\n"
         "x = torch.zeros(2, 2)\n"
         "try:\n"
         "    t.triton_leaf_norms(x[None], x[:1], x[:, None], x[:1])\n"

@@ -1,6 +1,6 @@
-"""The Triton norm kernels (pathkernels.triton_norms, issue 35 item 5): ‖x‖_{1,∞} and ‖x − 1μᵀ‖_{1,∞} of a
+"""The Triton norm kernels (pathkernels.core.triton_norms, issue 35 item 5): ‖x‖_{1,∞} and ‖x − 1μᵀ‖_{1,∞} of a
 batch of matrices in one launch. Where there is no GPU they run in Triton's interpreter:
-TRITON_INTERPRET=1 is set only while this file imports pathkernels.triton_norms (Triton reads it when
+TRITON_INTERPRET=1 is set only while this file imports pathkernels.core.triton_norms (Triton reads it when
 the kernels are decorated) and restored at once, so no other test sees it. On a GPU the same tests
 run the compiled kernel. Checked against a float64 reference written from the formula, against
 pk.composite_norm / pk.residual_norm (the C++ ops), on a hand-worked matrix, and, without a GPU, on
@@ -19,7 +19,7 @@ import torch
 
 import pathkernels as pk
 
-MODULE = "pathkernels.triton_norms"
+MODULE = "pathkernels.core.triton_norms"
 # Room against pk's values: float32 and float64 differ from the C++ kernels in the order of the sums
 # only (both accumulate in float64): a float32 result is the same float64 value rounded, a float64
 # result a few ulp apart; 16-bit results (float32 sums) one rounding of x's dtype at most.
@@ -34,7 +34,7 @@ SHAPES = [(1, 1), (3, 5), (16, 256), (64, 64), (64, 65), (33, 70), (17, 300), (2
 
 
 def _import_triton_norms():
-    """pathkernels.triton_norms, imported under TRITON_INTERPRET=1 where there is no GPU."""
+    """pathkernels.core.triton_norms, imported under TRITON_INTERPRET=1 where there is no GPU."""
     if MODULE not in sys.modules and not torch.cuda.is_available():
         previous = os.environ.get("TRITON_INTERPRET")
         os.environ["TRITON_INTERPRET"] = "1"
@@ -403,7 +403,7 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-import pathkernels.triton_norms as t
+import pathkernels.core.triton_norms as t
 
 kernel = t._norms_kernel
 patterns = {"v4": r"\bld\.global(\.\S+)*\.v4\.b32", "v2_64": r"\bld\.global(\.\S+)*\.v2\.b64",
@@ -471,7 +471,7 @@ def test_without_triton():
     that names them (a fresh interpreter in which `import triton` fails)."""
     script = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, pathkernels, pathkernels.triton_norms as t\n"
+        "import torch, pathkernels, pathkernels.core.triton_norms as t\n"
         "for fn in (t.triton_composite_norm, t.triton_residual_norm):\n"
         "    try:\n"
         "        fn(torch.zeros(2, 2))\n"

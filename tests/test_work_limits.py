@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pathkernels as pk
-from pathkernels.paths import DEFAULT_MAX_PATHS
+from pathkernels.core.paths import DEFAULT_MAX_PATHS
 from pathkernels.testing import random_attention
 
 HUGE = random_attention(1, 15, 9, 3, 3, dtype=torch.float64)  # (9 + 1)^15 = 10^15 paths with skip
@@ -61,7 +61,7 @@ def test_the_bound_is_inclusive_and_a_larger_max_paths_runs(monkeypatch):
     with pytest.raises(ValueError, match=r"^pathkernels\.path_statistics: the call would evaluate 27 paths"):
         pk.path_statistics(attn, tree, max_paths=26)
     streamed = []
-    module = sys.modules["pathkernels.statistics"]
+    module = sys.modules["pathkernels.core.statistics"]
     monkeypatch.setattr(module, "_stream", lambda net, tree, *args, **kwargs: streamed.append(tree) or "streamed")
     assert pk.path_statistics(HUGE, pk.PathTree.complete(15, 9, skip=True), max_paths=10**15) == "streamed"
     assert streamed[0].num_paths == 10**15

@@ -1,6 +1,6 @@
 """A mutation check: do the tests notice when one token of the code changes?
 
-    python tools/mutate.py pathkernels/paths.py --function count_paths --limit 40 --seed 0 \\
+    python tools/mutate.py pathkernels/core/paths.py --function count_paths --limit 40 --seed 0 \\
         -- tests/test_paths.py -k count
 
 applies single-token mutations, one at a time, to the functions of one module, runs the given
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
         prog="tools/mutate.py",
         description="Single-token mutations of one module's functions, each run against a subset of the tests.",
     )
-    parser.add_argument("module", type=Path, help="the module to mutate, e.g. pathkernels/paths.py")
+    parser.add_argument("module", type=Path, help="the module to mutate, e.g. pathkernels/core/paths.py")
     parser.add_argument("--function", action="append", default=[], help="only this function (repeatable)")
     parser.add_argument("--limit", type=int, help="run this many mutants, sampled (default: every one)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sample")

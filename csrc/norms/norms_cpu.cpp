@@ -45,9 +45,12 @@ PATHKERNELS_MULTIVERSION void norm_parts_matrix(const T* x, const T* next, const
   write_target(parts, argmax, w.col_res, m, w.row_abs, s.rows);
 }
 
-// Matrices per parallel task: enough elements (~64K) to amortise the task.
+// Matrices per parallel task: 256K elements (1 MiB of float32, ~30-100 us of work) at least, so
+// that handing a task to another thread (a wake-up and a barrier: microseconds when the machine is
+// quiet, milliseconds when its cores are busy) stays small beside the task itself. A batch below
+// that runs on the calling thread alone.
 int64_t batch_grain(const MatrixBatch& s) {
-  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, s.rows * s.cols));
+  return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, s.rows * s.cols));
 }
 
 std::tuple<at::Tensor, at::Tensor> norm_parts_cpu(const at::Tensor& x, bool centered, bool with_norm) {

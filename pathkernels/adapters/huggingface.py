@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from pathkernels.adapters.precision import in_float64
 from pathkernels.adapters.stack import AttentionStack, fold_value_bias
-from pathkernels.masking import check_token_mask
+from pathkernels.core.masking import check_token_mask
 
 _WHERE = "pathkernels.adapters.from_huggingface"
 

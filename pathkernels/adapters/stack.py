@@ -10,17 +10,17 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from pathkernels import masking
-from pathkernels.checks import (
+from pathkernels.core import masking
+from pathkernels.core.checks import (
     ROW_SUM_TOLERANCE,
     check_nonempty_batch,
     check_row_stochastic,
     renormalise_rows,
     restricted_attention,
 )
-from pathkernels.engine import PathResiduals, path_residuals
-from pathkernels.length_sums import length_sums
-from pathkernels.paths import SKIP, PathTree, check_flag
+from pathkernels.core.engine import PathResiduals, path_residuals
+from pathkernels.core.length_sums import length_sums
+from pathkernels.core.paths import SKIP, PathTree, check_flag
 from pathkernels.reference import post_ln_length_sums_ref, pre_ln_length_sums_ref
 
 if TYPE_CHECKING:

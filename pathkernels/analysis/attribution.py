@@ -31,12 +31,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from pathkernels._progress import progress_bar
 from pathkernels.adapters.residual import output_embedding
-from pathkernels.checks import check_tree_shape
-from pathkernels.decompose import check_save_path, saved
-from pathkernels.paths import PathTree, check_flag, check_int
-from pathkernels.planner import DEFAULT_MEMORY_BUDGET
+from pathkernels.core._figures import check_save_path, saved
+from pathkernels.core._progress import progress_bar
+from pathkernels.core.checks import check_tree_shape
+from pathkernels.core.paths import PathTree, check_flag, check_int, count_attribution_paths
+from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 if TYPE_CHECKING:
     from pathkernels.adapters.residual import ResidualStreamCapture
@@ -487,23 +487,6 @@ class PathAttribution:
         import pandas as pd
 
         return pd.DataFrame(self.table(position=position, readout=readout, which=which))
-
-
-def count_attribution_paths(layers: int, heads: int, max_length: int) -> int:
-    """Paths of a pre- or post-norm model with ``layers`` attention layers of ``heads`` heads, up to
-    ``max_length`` heads (:func:`count_attribution_paths_by_length`, summed)."""
-    return sum(count_attribution_paths_by_length(layers, heads, max_length))
-
-
-def count_attribution_paths_by_length(layers: int, heads: int, max_length: int) -> list[int]:
-    """Those paths by length ``0..L``: the embedding reaches every attention layer, layer l's two
-    sources (its attention's constant rows and its MLP's output) the A = L − 1 − l layers above,
-    each with ``C(A, k) H^k`` paths of length k."""
-    counts = [0] * (layers + 1)
-    for above, sources in [(layers, 1)] + [(layers - 1 - layer, 2) for layer in range(layers)]:
-        for k in range(min(above, max_length) + 1):
-            counts[k] += sources * math.comb(above, k) * heads**k
-    return counts
 
 
 class _PathSet:

@@ -30,20 +30,26 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from pathkernels._memory import format_bytes
-from pathkernels._progress import progress_bar
 from pathkernels.analysis.attribution import (
     _frozen_model,
     _Model,
     _Sublayer,
-    count_attribution_paths_by_length,
     describe_path,
 )
-from pathkernels.decompose import DEFAULT_MAX_RESULT_BYTES, PathDecomposition, _require, register_model_decomposer
-from pathkernels.engine import PathResiduals
-from pathkernels.ops import residual_norm
-from pathkernels.paths import MAX_ENUMERATED_PATHS, PathTree, check_flag, check_int
-from pathkernels.planner import DEFAULT_MEMORY_BUDGET
+from pathkernels.core._figures import require
+from pathkernels.core._memory import format_bytes
+from pathkernels.core._progress import progress_bar
+from pathkernels.core.decompose import DEFAULT_MAX_RESULT_BYTES, PathDecomposition, register_model_decomposer
+from pathkernels.core.engine import PathResiduals
+from pathkernels.core.ops import residual_norm
+from pathkernels.core.paths import (
+    MAX_ENUMERATED_PATHS,
+    PathTree,
+    check_flag,
+    check_int,
+    count_attribution_paths_by_length,
+)
+from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 _WHERE = "pathkernels.decompose"
 _NO_HEAD = -1
@@ -63,7 +69,7 @@ class ModelPathDecomposition(PathDecomposition):
     def to_frame(self):
         """A pandas DataFrame, one row per path: ``path`` (its heads and source), ``source``,
         ``length``, ``ratio``, ``residual`` and ``norm`` (averaged over the batch)."""
-        pd = _require("pandas")
+        pd = require("pandas")
         residuals = self.results.residual.double().reshape(-1, self.paths.shape[0]).mean(0)
         norms = self.results.norm.double().reshape(-1, self.paths.shape[0]).mean(0)
         names = [self.source_names[int(s)] for s in self.sources]
@@ -95,7 +101,7 @@ class ModelPathDecomposition(PathDecomposition):
     def by_source(self):
         """A pandas DataFrame, one row per source: its ``paths`` and the ``mean``, ``min`` and
         ``max`` residual ratio over its (batch element, path) pairs."""
-        pd = _require("pandas")
+        pd = require("pandas")
         ratio = self.results.ratio.double().reshape(-1, self.paths.shape[0])
         rows = []
         for index, name in enumerate(self.source_names):

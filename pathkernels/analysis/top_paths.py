@@ -28,19 +28,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pathkernels._progress import progress_bar
 from pathkernels.analysis.attribution import (
     Readout,
     _Fold,
     _Model,
     _Sublayer,
     _Walker,
-    count_attribution_paths,
     describe_path,
     read_out,
 )
-from pathkernels.paths import check_flag, check_int
-from pathkernels.planner import DEFAULT_MEMORY_BUDGET
+from pathkernels.core._progress import progress_bar
+from pathkernels.core.paths import check_flag, check_int, count_attribution_paths
+from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 _WHERE = "pathkernels.top_paths"
 _BOUNDS = ("chain", "first_head", "plain")

@@ -3,8 +3,8 @@
 Notation (docs/DESIGN.md §1): attention ``A[b, l, h]`` is ``n × n`` and row-stochastic; a path p picks a
 head or the skip branch (``-1``, ``A = I``, ``W = I``) at every layer;
 ``P_p = A[L, p_L] ⋯ A[1, p_1]`` and ``Y_p = P_p X W_p`` with ``W_p = W[1, p_1] ⋯ W[L, p_L]``,
-``W[l, h] = W_V[l, h] W_O[l, h]`` kept factored. The inputs are checked in :mod:`pathkernels.checks`,
-the tree is cut into chunks by :mod:`pathkernels.planner`, and each chunk is one call of the C++ op
+``W[l, h] = W_V[l, h] W_O[l, h]`` kept factored. The inputs are checked in :mod:`pathkernels.core.checks`,
+the tree is cut into chunks by :mod:`pathkernels.core.planner`, and each chunk is one call of the C++ op
 ``path_chunk_norms``.
 """
 
@@ -18,10 +18,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from pathkernels import distributed, ops
-from pathkernels._memory import check_fits, format_bytes
-from pathkernels._progress import progress_bar
-from pathkernels.checks import (
+from pathkernels.core import distributed, ops
+from pathkernels.core._memory import check_fits, format_bytes
+from pathkernels.core._progress import progress_bar
+from pathkernels.core.checks import (
     Network,
     check_engine_device,
     check_masked_network,
@@ -30,8 +30,8 @@ from pathkernels.checks import (
     mask_group_inputs,
     unpack_stack,
 )
-from pathkernels.paths import SKIP, PathTree, check_flag
-from pathkernels.planner import (
+from pathkernels.core.paths import SKIP, PathTree, check_flag
+from pathkernels.core.planner import (
     DEFAULT_MEMORY_BUDGET,
     check_budget,
     check_results_fit,
@@ -170,7 +170,7 @@ def path_residuals(
             takes the default group when one is initialised with several processes (torchrun),
             ``False`` keeps the call on this process. Every rank passes the same inputs; each
             evaluates a contiguous, equal share of the leaves on attn's device, within its own
-            ``memory_budget``; progress shows on rank 0 only. See :mod:`pathkernels.distributed`.
+            ``memory_budget``; progress shows on rank 0 only. See :mod:`pathkernels.core.distributed`.
         all_ranks: with a group, gather the results on every rank instead of rank 0 only.
         fast: CUDA float32 only: run the GEMMs on TF32 tensor cores (10-bit mantissa, float32
             accumulation), about 1e-3 relative error per level instead of float32's 1e-7, with
@@ -403,7 +403,7 @@ def _widened(results: Tensor, dtype: torch.dtype, where: str) -> Tensor:
 
 
 def chunk_norms(net: Network, operands: tuple, chunk, leaf_block: int, leaf_kernel: str) -> tuple[Tensor, Tensor]:
-    """The engine op on one chunk (:func:`pathkernels.ops.path_chunk_norms`): float64 residual and
+    """The engine op on one chunk (:func:`pathkernels.core.ops.path_chunk_norms`): float64 residual and
     norm ``[B, leaves]`` in the chunk's trie order; ``operands`` from :func:`engine_operands`."""
     attn_centred, attn_mean, root, root_mean = operands
     return ops.path_chunk_norms(
@@ -611,7 +611,7 @@ def _result(net: Network, tree: PathTree, residual: Tensor, norm: Tensor, produc
 def _path_residuals_across(
     attn, tree, x, w_v, w_o, memory_budget, progress, materialize, group, all_ranks, leaf_kernel: str, where: str
 ):
-    """path_residuals split over the ranks of ``group`` (see pathkernels.distributed)."""
+    """path_residuals split over the ranks of ``group`` (see pathkernels.core.distributed)."""
     import torch.distributed as dist
 
     net, error, summary = None, None, None

@@ -23,12 +23,13 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pathkernels import distributed
-from pathkernels._files import read_sealed, tensor_digest, write_sealed
-from pathkernels._progress import progress_bar
-from pathkernels.checks import check_masked_network, first_index, mask_group_inputs, unpack_stack
-from pathkernels.engine import check_inputs, chunk_reports, op_leaf_kernel, to_device
-from pathkernels.paths import (
+from pathkernels.core import distributed
+from pathkernels.core._figures import check_save_path, require, saved
+from pathkernels.core._files import read_sealed, tensor_digest, write_sealed
+from pathkernels.core._progress import progress_bar
+from pathkernels.core.checks import check_masked_network, first_index, mask_group_inputs, unpack_stack
+from pathkernels.core.engine import check_inputs, chunk_reports, op_leaf_kernel, to_device
+from pathkernels.core.paths import (
     DEFAULT_MAX_PATHS,
     MAX_SIZE,
     SKIP,
@@ -38,7 +39,7 @@ from pathkernels.paths import (
     check_int,
     check_max_paths,
 )
-from pathkernels.planner import DEFAULT_MEMORY_BUDGET, chunks
+from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET, chunks
 
 QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
 _MEASURES = ("ratio", "residual", "norm")
@@ -373,9 +374,7 @@ class PathStatistics:
         ``batch_element``. A length whose every pair is a zero path has 0 in its ratio columns
         (a zero matrix's residual is 0), never NaN.
         """
-        from pathkernels.decompose import _require
-
-        pd = _require("pandas")
+        pd = require("pandas")
         pick = slice(None) if batch_element is None else slice(batch_element, batch_element + 1)
         counts = self.counts[pick].sum(0).cpu()
         zero_norms = self.zero_norms[pick].sum(0).cpu()
@@ -454,9 +453,7 @@ class PathStatistics:
         """A pandas DataFrame, one row per (batch element, length): count, ``zero_norm`` (zero
         paths, left out of the ratio's columns) and the per-measure mean, std, min, max (with the
         paths where they occur)."""
-        from pathkernels.decompose import _require
-
-        pd = _require("pandas")
+        pd = require("pandas")
         rows = []
         for b in range(self.counts.shape[0]):
             for k in range(self.num_layers + 1):
@@ -486,10 +483,8 @@ class PathStatistics:
         """Ratio against length (log scale): the histogram's median and 5–95 % band, and the
         minimum and maximum. Exact zeros have no place on a log scale: they are left out, and the
         legend says how many. Returns the matplotlib Figure; with ``path`` it is also saved there."""
-        from pathkernels.decompose import _require, check_save_path, saved
-
         check_save_path(path, "pathkernels.PathStatistics.plot")
-        _require("matplotlib")
+        require("matplotlib")
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4)) if ax is None else (ax.figure, ax)

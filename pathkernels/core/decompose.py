@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from pathkernels.checks import check_tree_shape, unpack_stack, validate_inputs
-from pathkernels.engine import PathResiduals, evaluate_paths
-from pathkernels.paths import (
+from pathkernels.core._figures import check_save_path, require, saved
+from pathkernels.core.checks import check_tree_shape, unpack_stack, validate_inputs
+from pathkernels.core.engine import PathResiduals, evaluate_paths
+from pathkernels.core.paths import (
     DEFAULT_MAX_PATHS,
     MAX_ENUMERATED_PATHS,
     MAX_LEAVES,
@@ -19,11 +19,12 @@ from pathkernels.paths import (
     check_flag,
     check_int,
     check_max_paths,
+    count_attribution_paths_by_length,
     count_by_length,
     sample_paths,
 )
-from pathkernels.planner import DEFAULT_MEMORY_BUDGET
-from pathkernels.statistics import PathStatistics, stream_statistics
+from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
+from pathkernels.core.statistics import PathStatistics, stream_statistics
 
 # Exact decompositions whose per-path results would take more than this stream to PathStatistics.
 DEFAULT_MAX_RESULT_BYTES = 1 << 30
@@ -39,33 +40,6 @@ def register_model_decomposer(function) -> None:
     """Set what :func:`decompose` calls for a stack with a ``residual_capture``."""
     global _model_decomposer
     _model_decomposer = function
-
-
-def check_save_path(path, where: str) -> None:
-    """Refuse a ``path=`` that is neither None, a str nor an os.PathLike, before any work."""
-    if path is not None and not isinstance(path, (str, os.PathLike)):
-        raise TypeError(
-            f"{where}: expected path to be a str or os.PathLike (a file to save to), got {type(path).__name__}"
-        )
-
-
-def saved(figure, path):
-    """``figure``, first written to ``path`` (when given; the suffix gives the format) at 120 dpi
-    with a tight layout."""
-    if path is not None:
-        figure.tight_layout()
-        figure.savefig(path, dpi=120)
-    return figure
-
-
-def _require(module: str):
-    try:
-        return __import__(module)
-    except ImportError as error:
-        raise ImportError(
-            f"pathkernels: this needs {module}; install it with `pip install {module}` "
-            "(or `pip install pathkernels[analysis]`)"
-        ) from error
 
 
 @dataclass
@@ -128,7 +102,7 @@ class PathDecomposition:
         zero path, NaN for a path that is one in every element) and ``weight`` (how many paths of
         the network it stands for).
         """
-        pd = _require("pandas")
+        pd = require("pandas")
         residuals = self.results.residual.double().reshape(-1, self.paths.shape[0])
         norms = self.results.norm.double().reshape(-1, self.paths.shape[0])
         labels = [
@@ -161,7 +135,7 @@ class PathDecomposition:
         :meth:`PathStatistics.by_length` has these columns with the same definitions, its median
         and quantiles read from a histogram.
         """
-        pd = _require("pandas")
+        pd = require("pandas")
         ratio = self._ratios().cpu()  # [B, M], NaN at zero paths
         zero_paths = self.results.norm.reshape(ratio.shape).cpu() == 0
         path_means = ratio.nanmean(0)
@@ -245,7 +219,7 @@ class PathDecomposition:
         legend says how many. Returns the matplotlib Figure; with ``path`` it is also saved there
         (the format from the suffix: .png, .pdf, .svg, …)."""
         check_save_path(path, "pathkernels.PathDecomposition.plot")
-        _require("matplotlib")
+        require("matplotlib")
         import matplotlib.pyplot as plt
 
         if ax is None:
@@ -358,9 +332,11 @@ def decompose(
                 f"those up to max_length, or a sample); {', '.join(passed)} do not apply (decompose stack.attn "
                 "for its attention products)"
             )
-        # The analysis layer registered the decomposer of captured models, so it is loaded already.
-        from pathkernels.analysis.attribution import count_attribution_paths_by_length
-
+        if _model_decomposer is None:  # pathkernels.core.decompose imported without the analysis layer
+            raise ImportError(
+                f"{where}: a stack with a residual_capture is decomposed by pathkernels.analysis, which is not "
+                "loaded: import pathkernels.analysis (pk.decompose loads it)"
+            )
         top = max_length if _is_int(max_length) else attn.num_layers
         model_counts = count_attribution_paths_by_length(attn.num_layers, attn.num_heads, top)
         check_max_paths(

@@ -447,7 +447,7 @@ def _check(attn_centred, attn_mean, parents, parent_means, scale, precision, op:
     if not INTERPRETED and device.type != "cuda":
         raise ValueError(
             f"{op}: expected CUDA tensors, got {device.type} (set TRITON_INTERPRET=1 before importing "
-            "pathkernels.triton_leaf to run the kernel on CPU tensors in Triton's interpreter)"
+            "pathkernels.core.triton_leaf to run the kernel on CPU tensors in Triton's interpreter)"
         )
     if count * heads >= 2**31:
         raise ValueError(f"{op}: too many leaves ({count} parents × {heads} heads) for one launch")

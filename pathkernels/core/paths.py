@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pathkernels._memory import available_memory, check_fits, format_bytes
+from pathkernels.core._memory import available_memory, check_fits, format_bytes
 
 SKIP = -1
 
@@ -127,6 +127,25 @@ def _count_by_length(
         if k:
             term = term * (num_layers - k + 1) * num_heads // k
         counts[k] = term
+    return counts
+
+
+def count_attribution_paths(layers: int, heads: int, max_length: int) -> int:
+    """Paths of a captured pre- or post-norm model (a source, then the skip or a head of every
+    attention layer above it: :func:`pathkernels.path_attribution`'s) with ``layers`` attention
+    layers of ``heads`` heads, up to ``max_length`` heads (:func:`count_attribution_paths_by_length`,
+    summed)."""
+    return sum(count_attribution_paths_by_length(layers, heads, max_length))
+
+
+def count_attribution_paths_by_length(layers: int, heads: int, max_length: int) -> list[int]:
+    """Those paths by length ``0..L``: the embedding reaches every attention layer, layer l's two
+    sources (its attention's constant rows and its MLP's output) the A = L − 1 − l layers above,
+    each with ``C(A, k) H^k`` paths of length k."""
+    counts = [0] * (layers + 1)
+    for above, sources in [(layers, 1)] + [(layers - 1 - layer, 2) for layer in range(layers)]:
+        for k in range(min(above, max_length) + 1):
+            counts[k] += sources * math.comb(above, k) * heads**k
     return counts
 
 

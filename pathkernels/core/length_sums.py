@@ -16,9 +16,9 @@ import math
 import torch
 from torch import Tensor
 
-from pathkernels._memory import check_fits
-from pathkernels.checks import check_bias, check_finite, check_masked_network, check_network, mask_group_inputs
-from pathkernels.paths import check_flag, check_int
+from pathkernels.core._memory import check_fits
+from pathkernels.core.checks import check_bias, check_finite, check_masked_network, check_network, mask_group_inputs
+from pathkernels.core.paths import check_flag, check_int
 
 # The exponent of a mantissa of zeros: below every real one by far, so it never sets a scale, and
 # sums with it stay within int64.

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pathkernels import masking
-from pathkernels._extension import has_cuda_kernels
-from pathkernels.paths import PathTree
+from pathkernels.core import masking
+from pathkernels.core._extension import has_cuda_kernels
+from pathkernels.core.paths import PathTree
 
 # Largest |row sum − 1| accepted as row-stochastic, by the precision the attention was computed in.
 # Beyond it the centring identity the engine relies on does not hold, and the inputs are refused.

@@ -20,9 +20,9 @@ import warnings
 
 import torch
 
-from pathkernels._memory import check_fits, format_bytes
-from pathkernels.checks import Network
-from pathkernels.paths import PathTree, build_trie_chunk
+from pathkernels.core._memory import check_fits, format_bytes
+from pathkernels.core.checks import Network
+from pathkernels.core.paths import PathTree, build_trie_chunk
 
 DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes of working memory for the engine, beyond inputs and results
 

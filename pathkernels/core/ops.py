@@ -10,7 +10,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from pathkernels.paths import check_flag
+from pathkernels.core.paths import check_flag
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -149,7 +149,7 @@ def path_chunk_norms(
         root: ``[B, n, m]``, C(X) (or C(I) for attention products); root_mean: ``[B, m]``.
         w_v, w_o: ``[L, H, d, d_head]`` and ``[L, H, d_head, d]``, or both None.
         parents, heads: per level, ``[N_l]`` int64 parent positions in level l − 1 and heads
-            (``-1`` = skip), the nodes sorted by head (:func:`pathkernels.paths.build_trie_chunk`).
+            (``-1`` = skip), the nodes sorted by head (:func:`pathkernels.core.paths.build_trie_chunk`).
         leaf_block: leaves reduced per block (per CPU thread).
         leaf_kernel: CUDA: how leaves of n ≤ 128 are reduced: ``"simt"`` (the fused on-chip
             kernel), ``"tf32x3"`` or ``"tf32"`` (the same on TF32 tensor cores, float32 only:

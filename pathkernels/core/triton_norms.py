@@ -63,8 +63,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from pathkernels.ops import check_norm_input
-from pathkernels.paths import check_flag
+from pathkernels.core.ops import check_norm_input
+from pathkernels.core.paths import check_flag
 
 try:
     import triton
@@ -602,7 +602,7 @@ def _check(x, centered: bool) -> None:
     if not INTERPRETED and device.type != "cuda":
         raise ValueError(
             f"{op}: expected CUDA tensors, got {device.type} (set TRITON_INTERPRET=1 before importing "
-            "pathkernels.triton_norms to run the kernel on CPU tensors in Triton's interpreter)"
+            "pathkernels.core.triton_norms to run the kernel on CPU tensors in Triton's interpreter)"
         )
 
 
