@@ -101,7 +101,8 @@ def plain_loop(stack, capture, result, sample: int) -> float:
 def bench_case(layers: int, heads: int, width: int, tokens: int, max_length: int | None) -> dict:
     import pathkernels as pk
     from pathkernels.adapters.residual import capture_huggingface_residual
-    from pathkernels.analysis.attribution import ReadoutSteps, attribute, read_out
+    from pathkernels.analysis.attribution import attribute, read_out
+    from pathkernels.analysis.readout_trie import ReadoutSteps
     from pathkernels.core.paths import count_attribution_paths
     from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
     from pathkernels.reference import readout_expand_ref, readout_heads_ref, readout_values_ref

@@ -18,17 +18,20 @@ from pathkernels.core._extension import load as _load
 
 _load()
 
-from pathkernels import adapters, metrics, nn  # noqa: E402
+from pathkernels import adapters  # noqa: E402
 from pathkernels.analysis import (  # noqa: E402
     PathAttribution,
     Readout,
     TopPaths,
     logit,
     logit_diff,
+    metrics,
+    nn,
     path_attribution,
     path_terms,
     top_paths,
 )
+from pathkernels.analysis.rollout import rollout  # noqa: E402
 from pathkernels.core import distributed  # noqa: E402
 from pathkernels.core.decompose import PathDecomposition, decompose  # noqa: E402
 from pathkernels.core.engine import PathResiduals, path_residuals  # noqa: E402
@@ -37,17 +40,18 @@ from pathkernels.core.ops import MatrixNorms, composite_norm, matrix_norms, resi
 from pathkernels.core.paths import PathTree, count_by_length, count_paths, sample_paths  # noqa: E402
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET  # noqa: E402
 from pathkernels.core.statistics import PathStatistics, path_statistics  # noqa: E402
-from pathkernels.rollout import rollout  # noqa: E402
 
 __version__ = "0.1.0"
 
-_LAZY_MODULES = ("benchmarks", "cli", "compat", "experiments", "models", "testing")
+_LAZY_MODULES = {name: f"pathkernels.{name}" for name in ("benchmarks", "cli", "experiments", "models", "testing")} | {
+    "compat": "pathkernels.analysis.compat"
+}
 
 
 def __getattr__(name: str):
     """``pk.experiments`` and the other application modules, imported on first use."""
     if name in _LAZY_MODULES:
-        module = importlib.import_module(f"pathkernels.{name}")
+        module = importlib.import_module(_LAZY_MODULES[name])
         globals()[name] = module
         return module
     raise AttributeError(f"module 'pathkernels' has no attribute {name!r}")

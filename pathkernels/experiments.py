@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from pathkernels.analysis.metrics import residual_ratio
 from pathkernels.core._figures import require
 from pathkernels.core._progress import progress_bar
 from pathkernels.core.decompose import decompose
 from pathkernels.core.length_sums import truncated_output
 from pathkernels.core.paths import count_by_length
-from pathkernels.metrics import residual_ratio
 from pathkernels.models import VARIANTS, SelfAttentionNetwork
 
 # (layers, heads) of architectures people decompose.

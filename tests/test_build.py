@@ -47,7 +47,7 @@ def test_import_leaves_the_application_modules_unloaded():
 
     code = (
         "import sys, pathkernels; print(sorted(m for m in ('pandas', 'matplotlib', 'pathkernels.experiments', "
-        "'pathkernels.models', 'pathkernels.benchmarks', 'pathkernels.compat', 'pathkernels.cli') "
+        "'pathkernels.models', 'pathkernels.benchmarks', 'pathkernels.analysis.compat', 'pathkernels.cli') "
         "if m in sys.modules))"
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -1,11 +1,11 @@
-"""pathkernels.compat: the official utilities' signatures and semantics, on the fused ops."""
+"""pk.compat (pathkernels.analysis.compat): the official utilities' signatures and semantics, on the fused ops."""
 
 import random
 
 import pytest
 import torch
 
-from pathkernels import compat
+from pathkernels.analysis import compat
 from pathkernels.reference import matrix_norms_ref
 from pathkernels.testing import random_attention, random_matrices, tolerance
 

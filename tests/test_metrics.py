@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pathkernels as pk
-from pathkernels import metrics
+from pathkernels.analysis import metrics
 from pathkernels.reference import composite_norm_ref, residual_norm_ref
 from pathkernels.testing import random_attention, random_matrices, tolerance
 

@@ -203,7 +203,8 @@ def test_the_walk_on_the_engine_is_the_walk_in_plain_pytorch(family, max_length)
     the top paths agree. With max_length = 2 some head children keep d coordinates and some low-rank
     nodes expand for their heads (too few share a basis): every branch of the walker runs."""
     from pathkernels.adapters.residual import capture_huggingface_residual
-    from pathkernels.analysis.attribution import ReadoutSteps, attribute, read_out
+    from pathkernels.analysis.attribution import attribute, read_out
+    from pathkernels.analysis.readout_trie import ReadoutSteps
     from pathkernels.reference import readout_expand_ref, readout_heads_ref, readout_values_ref
 
     model = real_model(family)

@@ -17,10 +17,10 @@ FAMILIES = {"gpt2": gpt2, "bert": bert, "llama": llama}
 
 
 def frozen(stack, batch=0):
-    from pathkernels.analysis.attribution import _frozen_model
+    from pathkernels.analysis.readout_trie import frozen_model
 
     real = torch.ones(stack.attn.shape[-1], dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch]
-    return _frozen_model(stack, stack.residual_capture, batch, real), real
+    return frozen_model(stack, stack.residual_capture, batch, real), real
 
 
 @pytest.mark.parametrize("family", FAMILIES)

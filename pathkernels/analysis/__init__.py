@@ -1,9 +1,18 @@
-"""Analyses of what the adapters capture: per-path attribution of a real model's readouts, the
-certified search for its top paths, and the decomposition of its stream into its paths' terms
-(which :func:`pathkernels.decompose` of a captured stack runs: the core's hook, set on import).
+"""Analyses built on the core and on what the adapters capture.
 
-The layer between the adapters (which read models) and the application (command line, demo): it
-imports the core and reads the adapters' captures, and neither imports it.
+- :mod:`~pathkernels.analysis.attribution`: per-path attribution of a captured model's readouts
+  (``pk.path_attribution``, ``pk.logit_diff``); :mod:`~pathkernels.analysis.top_paths`: the
+  certified search for its top paths; :mod:`~pathkernels.analysis.real_paths`: the decomposition of
+  its stream into its paths' terms (which :func:`pathkernels.decompose` of a captured stack runs:
+  the core's hook, set on import). All three walk :mod:`~pathkernels.analysis.readout_trie`, the
+  frozen model as a trie of its paths;
+- :mod:`~pathkernels.analysis.metrics` (``pk.metrics``: rank collapse and token similarity),
+  :mod:`~pathkernels.analysis.rollout` (``pk.rollout``), :mod:`~pathkernels.analysis.nn`
+  (``pk.nn.DeEscalation``) and :mod:`~pathkernels.analysis.compat` (``pk.compat``: the paper's
+  official utilities on the fused ops).
+
+The layer above the adapters (which read models) and below the applications (command line,
+demo): it imports the core and the adapters, and neither imports it (docs/DESIGN.md, "Layers").
 """
 
 from pathkernels.analysis.attribution import PathAttribution, Readout, logit, logit_diff, path_attribution

@@ -30,12 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from pathkernels.analysis.attribution import (
-    _frozen_model,
-    _Model,
-    _Sublayer,
-    describe_path,
-)
+from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, Sublayer, describe_path, frozen_model
 from pathkernels.core._figures import require
 from pathkernels.core._memory import format_bytes
 from pathkernels.core._progress import progress_bar
@@ -52,7 +47,6 @@ from pathkernels.core.paths import (
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 _WHERE = "pathkernels.decompose"
-_NO_HEAD = -1
 
 
 @dataclass
@@ -119,7 +113,7 @@ class ModelPathDecomposition(PathDecomposition):
         return pd.DataFrame(rows)
 
 
-def _skip(sublayer: _Sublayer, terms: Tensor) -> Tensor:
+def _skip(sublayer: Sublayer, terms: Tensor) -> Tensor:
     """A sublayer's skip on terms ``[N, n, d]``: the identity pre-norm, ``D Y C Γ`` post-norm."""
     if sublayer.pre:
         return terms
@@ -127,9 +121,9 @@ def _skip(sublayer: _Sublayer, terms: Tensor) -> Tensor:
     return sublayer.scale[:, None] * centred * sublayer.gamma
 
 
-def _heads(sublayer: _Sublayer, terms: Tensor) -> Tensor:
+def _heads(sublayer: Sublayer, terms: Tensor) -> Tensor:
     """Every head's branch on terms ``[N, n, d]``: ``T_h Y G_h`` ``[H, N, n, d]``, with
-    ``G_h = F_out[h]ᵀ F_in[h]ᵀ`` (the readout's row-form factors, :attr:`_Sublayer.feature_factors`):
+    ``G_h = F_out[h]ᵀ F_in[h]ᵀ`` (the readout's row-form factors, :attr:`Sublayer.feature_factors`):
     one GEMM into every head's d_head columns, the token maps there (``n² d_head`` rather than
     ``n² d``), then each head's ``d_head × d`` factor."""
     feature_in, feature_out = sublayer.feature_factors  # [H, d, e], [H, e, d]
@@ -142,14 +136,14 @@ def _heads(sublayer: _Sublayer, terms: Tensor) -> Tensor:
     return wide.view(heads, nodes, tokens, d)
 
 
-def _every_term(model: _Model, max_length: int, chunk: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+def _every_term(model: FrozenModel, max_length: int, chunk: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
     """Every path's term of one frozen sequence, in chunks: ``(terms [N, n, d], choices [N, L],
     source)``, each source's trie depth first from the bottom. A node at position s has passed
     sublayers j … s − 1 above its source j; its children pass sublayer s."""
     device = model.sources[0].device
     top = len(model.sublayers)
     for source in range(top + 1):
-        choices = torch.full((1, model.layers), _NO_HEAD, dtype=torch.long, device=device)
+        choices = torch.full((1, model.layers), NO_HEAD, dtype=torch.long, device=device)
         pending = [(source, model.sources[source][None], choices, torch.zeros(1, dtype=torch.long, device=device))]
         while pending:
             position, terms, choices, lengths = pending.pop()
@@ -178,14 +172,14 @@ def _canonical_order(choices: Tensor, sources: Tensor) -> Tensor:
     return order
 
 
-def _head(sublayer: _Sublayer, terms: Tensor, head: int) -> Tensor:
+def _head(sublayer: Sublayer, terms: Tensor, head: int) -> Tensor:
     """One head's branch on terms ``[N, n, d]``: ``T_h Y G_h``, in :func:`_heads`' order."""
     feature_in, feature_out = sublayer.feature_factors
     narrow = torch.matmul(sublayer.token_maps[head], terms @ feature_out[head].T)  # [N, n, e]
     return narrow @ feature_in[head].T
 
 
-def terms_of(model: _Model, choices: Tensor, sources: Tensor) -> Tensor:
+def terms_of(model: FrozenModel, choices: Tensor, sources: Tensor) -> Tensor:
     """The terms ``[M, n, d]`` of given paths (``choices [M, L]``, ``sources [M]``), each passing the
     sublayers from its source up: its head's branch where it takes one, the skip elsewhere."""
     device = model.sources[0].device
@@ -197,10 +191,10 @@ def terms_of(model: _Model, choices: Tensor, sources: Tensor) -> Tensor:
         if sublayer is None:
             break
         on = sources <= position
-        taken = choices[:, sublayer.layer] if sublayer.attn is not None else torch.full_like(sources, _NO_HEAD)
-        skipping = on & (taken == _NO_HEAD)
+        taken = choices[:, sublayer.layer] if sublayer.attn is not None else torch.full_like(sources, NO_HEAD)
+        skipping = on & (taken == NO_HEAD)
         terms[skipping] = _skip(sublayer, terms[skipping])
-        for head in taken[on & (taken != _NO_HEAD)].unique().tolist():
+        for head in taken[on & (taken != NO_HEAD)].unique().tolist():
             chosen = on & (taken == head)
             terms[chosen] = _head(sublayer, terms[chosen], head)
     return terms
@@ -248,7 +242,7 @@ def path_terms(
     memory_budget = check_int(memory_budget, "memory_budget", where, minimum=1)
     n_all = stack.attn.shape[-1]
     real = torch.ones(n_all, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
-    model = _frozen_model(stack, capture, batch, real)
+    model = frozen_model(stack, capture, batch, real)
     names = model.source_names
     choices, source_index = _checked_paths(paths, sources, model, names, where)
     real_positions = real.nonzero().flatten()
@@ -285,7 +279,7 @@ def path_terms(
     return out
 
 
-def _checked_paths(paths, sources, model: _Model, names: list[str], where: str) -> tuple[Tensor, Tensor]:
+def _checked_paths(paths, sources, model: FrozenModel, names: list[str], where: str) -> tuple[Tensor, Tensor]:
     """``(choices [M, L], sources [M])`` checked against the frozen model: heads in ``[−1, H)``, a
     source index or name each, and heads only above the path's source."""
     paths = torch.as_tensor(paths)
@@ -296,7 +290,7 @@ def _checked_paths(paths, sources, model: _Model, names: list[str], where: str) 
             f"{where}: expected paths [M, {model.layers}] of head indices (−1: none), got "
             f"{list(paths.shape)} {str(paths.dtype).removeprefix('torch.')}"
         )
-    if bool(((paths < _NO_HEAD) | (paths >= model.num_heads)).any()):
+    if bool(((paths < NO_HEAD) | (paths >= model.num_heads)).any()):
         raise ValueError(f"{where}: expected heads in [-1, {model.num_heads}) in paths, got {paths.unique().tolist()}")
     if isinstance(sources, (str, int)):
         sources = [sources]
@@ -317,20 +311,20 @@ def _checked_paths(paths, sources, model: _Model, names: list[str], where: str) 
     # Source j enters below sublayer j; layer l's attention is sublayer 2 l.
     attention_index = torch.tensor([i for i, s in enumerate(model.sublayers) if s.attn is not None])
     below = attention_index[None, :] < sources[:, None]  # [M, L]: layer l's heads lie below the source
-    if bool(((paths != _NO_HEAD) & below).any()):
-        bad = int(((paths != _NO_HEAD) & below).any(1).nonzero()[0])
+    if bool(((paths != NO_HEAD) & below).any()):
+        bad = int(((paths != NO_HEAD) & below).any(1).nonzero()[0])
         raise ValueError(
             f"{where}: path {bad} takes a head below its source ({names[int(sources[bad])]}): {paths[bad].tolist()}"
         )
     return paths.long(), sources.long()
 
 
-def _reach(model: _Model) -> list[int]:
+def _reach(model: FrozenModel) -> list[int]:
     """``A_j`` per source: the attention sublayers above it."""
     return [sum(1 for sublayer in model.sublayers[j:] if sublayer.attn is not None) for j in range(len(model.sources))]
 
 
-def _draw(model: _Model, count: int, lengths: list[int], generator) -> tuple[Tensor, Tensor]:
+def _draw(model: FrozenModel, count: int, lengths: list[int], generator) -> tuple[Tensor, Tensor]:
     """``count`` paths drawn uniformly, with replacement, from those whose length is in ``lengths``:
     a (source, length) pair in proportion to its ``C(A_j, k) H^k`` paths, a uniform set of k of its
     attention sublayers, a uniform head at each."""
@@ -346,7 +340,7 @@ def _draw(model: _Model, count: int, lengths: list[int], generator) -> tuple[Ten
     keys[torch.tensor(attention)[None, :] < sources[:, None]] = 2.0
     rank = keys.argsort(1).argsort(1)
     chosen = rank < taken[:, None]
-    choices = torch.full((count, model.layers), _NO_HEAD, dtype=torch.long)
+    choices = torch.full((count, model.layers), NO_HEAD, dtype=torch.long)
     layer_of = torch.tensor([model.sublayers[index].layer for index in attention])
     heads = torch.randint(model.num_heads, (count, len(attention)), generator=generator)
     rows, columns = chosen.nonzero(as_tuple=True)
@@ -354,14 +348,14 @@ def _draw(model: _Model, count: int, lengths: list[int], generator) -> tuple[Ten
     return choices, sources
 
 
-def _every_path_of_length(model: _Model, length: int) -> tuple[Tensor, Tensor]:
+def _every_path_of_length(model: FrozenModel, length: int) -> tuple[Tensor, Tensor]:
     """Every path of exactly ``length`` heads (a stratum small enough to evaluate whole)."""
     choices, sources = [], []
     for source in range(len(model.sources)):
         above = [s.layer for index, s in enumerate(model.sublayers) if s.attn is not None and index >= source]
         for layers in itertools.combinations(above, length):
             for heads in itertools.product(range(model.num_heads), repeat=length):
-                path = [_NO_HEAD] * model.layers
+                path = [NO_HEAD] * model.layers
                 for layer, head in zip(layers, heads):
                     path[layer] = head
                 choices.append(path)
@@ -369,7 +363,7 @@ def _every_path_of_length(model: _Model, length: int) -> tuple[Tensor, Tensor]:
     return torch.tensor(choices, dtype=torch.long).reshape(-1, model.layers), torch.tensor(sources, dtype=torch.long)
 
 
-def _distinct(model: _Model, count: int, lengths: list[int], generator) -> tuple[Tensor, Tensor]:
+def _distinct(model: FrozenModel, count: int, lengths: list[int], generator) -> tuple[Tensor, Tensor]:
     """``count`` distinct paths drawn uniformly without replacement (draws, keeping first
     occurrences, until there are enough)."""
     choices = torch.zeros(0, model.layers, dtype=torch.long)
@@ -429,7 +423,7 @@ def decompose_model(
         torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[b].cpu()
         for b in range(stack.batch_size)
     ]
-    models = [_frozen_model(stack, stack.residual_capture, b, real) for b, real in enumerate(masks)]
+    models = [frozen_model(stack, stack.residual_capture, b, real) for b, real in enumerate(masks)]
     counts = count_attribution_paths_by_length(layers, heads, max_length)
     per_path = 8 * (layers + 1) + 16 * stack.batch_size  # choices, source, residual and norm per sequence
     asked = sum(counts) if num_samples is None and samples_per_length is None else None
@@ -486,7 +480,7 @@ def decompose_model(
     if bar is not None:
         bar.close()
     # Each path stands for count_k / evaluated_k paths of its length (1 where every path was evaluated).
-    lengths = (paths != _NO_HEAD).sum(1)
+    lengths = (paths != NO_HEAD).sum(1)
     evaluated = torch.bincount(lengths, minlength=layers + 1)
     weights = torch.tensor([counts[k] / max(int(evaluated[k]), 1) for k in range(layers + 1)], dtype=torch.float64)
     results = PathResiduals(torch.stack(residuals), torch.stack(norms), PathTree.from_paths(paths, num_heads=heads))
@@ -504,7 +498,7 @@ def decompose_model(
     )
 
 
-def _sample(model: _Model, counts, max_length, num_samples, samples_per_length, generator):
+def _sample(model: FrozenModel, counts, max_length, num_samples, samples_per_length, generator):
     """The sample ``(method, choices, sources, counts)`` the arguments ask for (``num_samples``
     already checked by the caller), or None for every path (also when the sample would hold every
     path)."""

@@ -1,7 +1,7 @@
 """The exact top paths of a readout without visiting the whole tree: a best-first search over the
 readout trie with a certificate (issue 25; docs/DESIGN.md, "The top paths, certified").
 
-A node of the trie (:mod:`pathkernels.analysis.attribution`) has chosen the branches of the top
+A node of the trie (:mod:`pathkernels.analysis.readout_trie`) has chosen the branches of the top
 sublayers; it holds ``ρ`` (``rᵀ`` through their token maps, ``n`` entries) and ``φ`` (their feature
 maps applied to ``v``, ``d`` entries). Every path below it has the attribution ``ρ'ᵀ K φ'``, where
 ``ρ'``, ``φ'`` continue through the branches below and ``K`` is the source where it ends. So
@@ -28,15 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pathkernels.analysis.attribution import (
-    Readout,
-    _Fold,
-    _Model,
-    _Sublayer,
-    _Walker,
-    describe_path,
-    read_out,
-)
+from pathkernels.analysis.attribution import Readout, read_out
+from pathkernels.analysis.readout_trie import Fold, FrozenModel, Sublayer, Walker, describe_path
 from pathkernels.core._progress import progress_bar
 from pathkernels.core.paths import check_flag, check_int, count_attribution_paths
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
@@ -93,7 +86,7 @@ class TopPaths:
         ]
 
 
-def _branch_bounds(model: _Model) -> Tensor:
+def _branch_bounds(model: FrozenModel) -> Tensor:
     """``G_m`` per sublayer: the largest ``‖T‖_∞ σ_max(F)`` over its branches, the skip's included."""
     factors = []
     for sublayer in model.sublayers:
@@ -101,19 +94,19 @@ def _branch_bounds(model: _Model) -> Tensor:
     return torch.tensor(factors, dtype=torch.float64)
 
 
-def _skip_factor(sublayer: _Sublayer) -> float:
+def _skip_factor(sublayer: Sublayer) -> float:
     if sublayer.pre:
         return 1.0
     return float(sublayer.scale.max()) * float(torch.linalg.matrix_norm(sublayer.norm_features_matrix(), ord=2))
 
 
-def _token_norms(sublayer: _Sublayer) -> Tensor:
+def _token_norms(sublayer: Sublayer) -> Tensor:
     """``‖T_h‖_∞`` per head ``[H]``, the largest row sum of ``|T_h|``: ``T = A D`` (pre-norm) or
     ``D A`` (post-norm)."""
     return sublayer.token_maps.abs().sum(-1).amax(-1)
 
 
-def _head_factor(sublayer: _Sublayer) -> float:
+def _head_factor(sublayer: Sublayer) -> float:
     """The largest ``‖T_h‖_∞ σ_max(F_h)`` over the heads (0 for an MLP). F_h is a product of a
     ``d × d_head`` and a ``d_head × d`` factor, so its largest singular value is that of the
     ``d_head × d_head`` product of their QR factors."""
@@ -129,7 +122,7 @@ def _head_factor(sublayer: _Sublayer) -> float:
     return float((_token_norms(sublayer) * feature_norm).max())
 
 
-def _reach_bounds(model: _Model, bound: str = "chain") -> Tensor:
+def _reach_bounds(model: FrozenModel, bound: str = "chain") -> Tensor:
     """``M_j`` for j = 0..S: a bound on ``|attr| / (‖ρ‖₁ ‖φ‖₂)`` over every path below a node at
     level j. Post-norm: the largest ``κ_i Π_{i ≤ m < j} G_m`` over the sources i ≤ j. Pre-norm,
     where a skip is the identity: the larger of ``max_{i ≤ j} κ_i`` (paths that take no further
@@ -155,7 +148,7 @@ def _reach_bounds(model: _Model, bound: str = "chain") -> Tensor:
     return torch.tensor([max(a, b) for a, b in zip(no_head, with_head)], dtype=torch.float64)
 
 
-def _source_head_factors(model: _Model, index: int) -> Tensor:
+def _source_head_factors(model: FrozenModel, index: int) -> Tensor:
     """``κ'_{s,h} = max_{i ≤ s, t} ‖(K_i U_h)_t‖₂`` per head ``[H]`` of attention sublayer s = ``index``,
     ``U_h = C Γ W_V,h``: how far a source that meets the path's lowest head, h of s, reaches
     through that head's d_head values."""
@@ -164,7 +157,7 @@ def _source_head_factors(model: _Model, index: int) -> Tensor:
     return torch.einsum("ind,hde->ihne", sources, values).norm(dim=-1).amax(dim=(0, 2))
 
 
-def _first_head_factors(model: _Model) -> list[float]:
+def _first_head_factors(model: FrozenModel) -> list[float]:
     """Pre-norm, per sublayer s: ``C_s = max_{h, i ≤ s} ‖A_h D‖_∞ κ'_{i,h} σ_max(W_O,h)`` for an
     attention sublayer (0 for an MLP), with ``κ'_{i,h} = max_t ‖(K_i C Γ W_V,h)_t‖₂``. A path whose
     lowest head is h of sublayer s, from source i, then contributes ``Σ_t (ρᵀ A_h D)_t ·
@@ -181,7 +174,7 @@ def _first_head_factors(model: _Model) -> list[float]:
     return factors
 
 
-def _chain_factors(model: _Model) -> list[float]:
+def _chain_factors(model: FrozenModel) -> list[float]:
     """Pre-norm, per level j: a bound on ``|attr| / (‖ρ‖₁ ‖φ‖₂)`` over the paths below a node at
     level j that take at least one more head, from the chain of those heads as a whole.
 
@@ -278,7 +271,7 @@ def top_paths(
     model, layers = setup.model, stack.num_layers
     sign = 1.0 if largest else -1.0
     reach = _reach_bounds(model, bound).to(setup.rho.device)
-    walker = _Walker(model, low_rank=False)  # the frontier mixes nodes below many heads: φ in d coordinates
+    walker = Walker(model, low_rank=False)  # the frontier mixes nodes below many heads: φ in d coordinates
 
     # The frontier: unexpanded nodes, each at a level (the source it meets next).
     rho, phi = setup.rho[:, :1], sign * setup.phi
@@ -288,7 +281,7 @@ def top_paths(
     lengths = torch.zeros(1, dtype=torch.long, device=device)
     bounds = _bounds(rho, phi, reach, level)
     # The k largest of the (signed) attributions found, and with record every visited path.
-    fold = _Fold(len(model.sources), layers, 1, 1, k, keep=record, bottom=False)
+    fold = Fold(len(model.sources), layers, 1, 1, k, keep=record, bottom=False)
     pruned, visited, expanded = -math.inf, 0, 0
     total = count_attribution_paths(layers, stack.num_heads, setup.max_length)
     bar = progress_bar(total, enabled=progress, unit="path", desc=_WHERE)
@@ -375,7 +368,7 @@ def _bounds(rho: Tensor, phi: Tensor, reach: Tensor, level: Tensor) -> Tensor:
     return rho[:, 0].abs().sum(-1) * phi[:, 0].norm(dim=-1) * reach[level]
 
 
-def _kth(fold: _Fold, k: int) -> float:
+def _kth(fold: Fold, k: int) -> float:
     """The k-th largest attribution found, or −inf while fewer than k paths have been visited."""
     values = fold.best[0]
     return float(values[k - 1, 0, 0]) if values.shape[0] == k else -math.inf

@@ -1,0 +1,430 @@
+"""The readout trie: a captured model frozen at one forward pass, walked as a trie of its paths.
+
+With every attention pattern and normalisation scale frozen (a stack from
+:func:`pathkernels.adapters.capture_huggingface_residual`), the model's stream is a sum of paths: a
+source ``K_j`` ``[n, d]`` (the embedding, a layer's constant rows, an MLP's output) entering below
+sublayer ``j``, then one branch (the skip or a head) of every sublayer above it, each a token map
+``T`` and a feature map ``F`` (docs/DESIGN.md, "Real transformers"). This module holds what the
+analyses of those paths share:
+
+- :class:`FrozenModel` (built by :func:`frozen_model`): the sublayers (:class:`Sublayer`, each
+  with its token maps and factored feature maps) and the sources of one batch element, on its
+  real tokens; :data:`NO_HEAD` marks a layer where a path takes no head, and
+  :func:`describe_path` names a path (``"L3H5 → L7H1 from L2 MLP"``);
+- :class:`Walker`: the steps of the trie from the top down, a node holding ``ρ`` (``rᵀ`` through
+  the token maps chosen above it, ``n`` entries) and ``φ`` (the feature maps applied to ``v``),
+  each step run by :class:`ReadoutSteps` (:data:`ENGINE`, the C++ readout engine, or the
+  plain-PyTorch form of :mod:`pathkernels.reference`);
+- :class:`Fold`: what a walk keeps of the attributions it emits (sums by source and length, the
+  top and bottom paths, every path when asked), restricted to a :class:`PathSet` when given.
+
+:mod:`~pathkernels.analysis.attribution` walks every path (or those up to a length, or a tree's)
+with them, :mod:`~pathkernels.analysis.top_paths` searches the trie best first, and
+:mod:`~pathkernels.analysis.real_paths` builds each path's term from the same frozen model.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+import pathkernels.core  # noqa: F401  (loads the compiled extension, whose readout ops ENGINE names)
+
+if TYPE_CHECKING:
+    from pathkernels.adapters.residual import ResidualStreamCapture
+    from pathkernels.adapters.stack import AttentionStack
+
+NO_HEAD = -1  # a path's entry at a layer where it takes no head (the skip, or below its source)
+
+
+@dataclass(frozen=True)
+class ReadoutSteps:
+    """The products of a step of the readout trie, as functions of tensors: ``values(rho [N, P, n],
+    phi [N, R, d], source [n, d]) -> [N, P, R]``, ``heads(rho, phi, token_maps [H, n, n], feature_in
+    [H, d, e], feature_out [H, e, d'] or None) -> ([H, N, P, n], [H, N, R, d'])`` and ``expand(z [N, R,
+    e], factor [e, d]) -> [N, R, d]``. :data:`ENGINE` runs them in the C++ readout engine;
+    ``pathkernels.reference`` has their plain-PyTorch form, for tests and benchmarks."""
+
+    values: Callable[[Tensor, Tensor, Tensor], Tensor]
+    heads: Callable[..., tuple[Tensor, Tensor]]
+    expand: Callable[[Tensor, Tensor], Tensor]
+
+
+def _engine_expand(z: Tensor, factor: Tensor) -> Tensor:
+    """``z [N, R, e] @ factor [e, d]`` by the CPU engine's GEMM (the same bits however the nodes are
+    batched), by ATen elsewhere."""
+    if not z.is_cpu:
+        return z @ factor
+    return torch.ops.pathkernels._engine_mm(z.reshape(-1, z.shape[-1]), factor).view(*z.shape[:-1], factor.shape[-1])
+
+
+ENGINE = ReadoutSteps(torch.ops.pathkernels._readout_values, torch.ops.pathkernels._readout_heads, _engine_expand)
+
+
+@dataclass
+class Sublayer:
+    """One sublayer of the frozen model, on one sequence's real tokens (n of them): an attention
+    sublayer (``attn`` the patterns as computed, ``[H, n, n]``) or an MLP (``attn`` None, skip only).
+    ``pre``: pre-norm, where the skip is the identity and a head reads ``D x C Γ``; post-norm, where
+    every branch passes the norm after it, ``D · C Γ``."""
+
+    layer: int
+    attn: Tensor | None
+    scale: Tensor  # D: 1/σ of the sublayer's norm, per token [n]
+    gamma: Tensor  # Γ [d]
+    w_v: Tensor | None  # [H, d, d_head]
+    w_o: Tensor | None  # [H, d_head, d]
+    pre: bool
+    centred: bool
+
+    def _norm_features(self, phi: Tensor) -> Tensor:  # C Γ φ
+        phi = phi * self.gamma
+        return phi - phi.mean(-1, keepdim=True) if self.centred else phi
+
+    def norm_features_matrix(self) -> Tensor:
+        """``C Γ`` as a ``[d, d]`` matrix."""
+        d = self.gamma.shape[0]
+        centre = torch.eye(d, dtype=torch.float64, device=self.gamma.device)
+        if self.centred:
+            centre = centre - 1.0 / d
+        return centre * self.gamma[None, :]
+
+    @functools.cached_property
+    def token_maps(self) -> Tensor:
+        """Every head's token map ``T_h`` ``[H, n, n]``, in the row form ``ρ' = ρ T_h``: ``A_h D``
+        (pre-norm) or ``D A_h`` (post-norm)."""
+        if self.pre:
+            return (self.attn * self.scale[None, None, :]).contiguous()
+        return (self.scale[None, :, None] * self.attn).contiguous()
+
+    @functools.cached_property
+    def norm_values(self) -> Tensor:
+        """Pre-norm, ``C Γ W_V`` per head ``[H, d, d_head]``: each head's input map with the frozen
+        norm before it (scale the rows, centre the columns), without a ``d × d`` product."""
+        values = self.gamma[:, None] * self.w_v
+        return values - values.mean(-2, keepdim=True) if self.centred else values
+
+    @functools.cached_property
+    def feature_factors(self) -> tuple[Tensor, Tensor]:
+        """Every head's feature map in the row form ``φ' = φ F_in[h] F_out[h]``, ``F_in [H, d, d_head]``
+        and ``F_out [H, d_head, d]``: ``Fᵀ = W_Oᵀ W_Vᵀ Γ C`` (pre-norm) or ``Γ C W_Oᵀ W_Vᵀ``
+        (post-norm), with the frozen norm folded into the factor beside it."""
+        w_o_t, w_v_t = self.w_o.transpose(-1, -2), self.w_v.transpose(-1, -2)
+        if self.pre:  # W_Vᵀ Γ C = (C Γ W_V)ᵀ
+            return w_o_t.contiguous(), self.norm_values.transpose(-1, -2).contiguous()
+        # Γ C W_Oᵀ: centre the columns, scale the rows
+        into = w_o_t - w_o_t.mean(-2, keepdim=True) if self.centred else w_o_t
+        return (self.gamma[:, None] * into).contiguous(), w_v_t.contiguous()
+
+    def skip(self, rho: Tensor, phi: Tensor) -> tuple[Tensor, Tensor]:
+        """The skip branch: ``ρ' = Tᵀ ρ``, ``φ' = F φ`` for ρ ``[N, P, n]`` and φ ``[N, R, d]``."""
+        if self.pre:
+            return rho, phi
+        return rho * self.scale, self._norm_features(phi)
+
+
+@dataclass
+class FrozenModel:
+    """The frozen model of one batch element on its real tokens: sublayers bottom up, and the
+    sources, ``sources[j]`` entering below sublayer j (0: the embedding)."""
+
+    sublayers: list[Sublayer]
+    sources: list[Tensor]  # [n, d] each, len(sublayers) + 1
+    source_names: list[str]
+    layers: int
+    num_heads: int
+
+
+def frozen_model(stack: AttentionStack, capture: ResidualStreamCapture, batch: int, real: Tensor) -> FrozenModel:
+    """The sublayers and sources of batch element ``batch`` restricted to its ``real`` tokens."""
+    device = capture.embedding.device
+    pick = real.to(device)
+    attn = capture.patterns(stack.attn, batch)[..., pick, :][..., pick]  # as computed, [L, H, n, n]
+    w_v, w_o = stack.w_v.to(device, torch.float64), stack.w_o.to(device, torch.float64)
+    scale = capture.norm_scale[batch][..., pick]  # [L, 2, n]
+    pre, centred = capture.layout == "pre", capture.centred
+
+    def normalised(t: Tensor, layer: int, which: int) -> Tensor:  # D t C Γ + 1 βᵀ (post-norm sources)
+        t = t - t.mean(-1, keepdim=True) if centred else t
+        return scale[layer, which, :, None] * t * capture.norm_weight[layer, which] + capture.norm_bias[layer, which]
+
+    output_bias = capture.output_bias[:, None, :]  # [L, 1, d]: the same for every token
+    if capture.attention_output_scale is not None:  # an RMSNorm on the attention's output: D' · Γ'
+        out_scale, gain = capture.attention_output_scale[batch][..., pick], capture.attention_output_weight  # [L, n]
+        attn = out_scale[:, None, :, None] * attn  # D' A
+        w_o = w_o * gain[:, None, None, :]  # W_O Γ'
+        output_bias = out_scale[..., None] * (capture.output_bias * gain)[:, None, :]  # D' 1 (b_O ⊙ γ')ᵀ
+    row_sums = attn.sum(-1)  # r_h = A_h 1 [L, H, n]
+
+    sublayers, sources, names = [], [capture.embedding[batch][pick]], ["embedding"]
+    for layer in range(stack.num_layers):
+        sublayers.append(
+            Sublayer(
+                layer, attn[layer], scale[layer, 0], capture.norm_weight[layer, 0], w_v[layer], w_o[layer], pre, centred
+            )
+        )
+        # The attention's constant rows: Σ_h r_h (βᵀ W_V + b_Vᵀ) W_O + 1 b_Oᵀ (pre-norm; post-norm
+        # has no β before its values, and passes the rows through its norm).
+        head_rows = capture.value_bias[layer] + (capture.norm_bias[layer, 0] @ w_v[layer] if pre else 0)
+        constant = torch.einsum("hi,he,hed->id", row_sums[layer], head_rows, w_o[layer]) + output_bias[layer]
+        sources.append(constant if pre else normalised(constant, layer, 0))
+        names.append(f"L{layer} attention bias")
+        mlp = capture.mlp_out[batch, layer][pick]
+        sublayers.append(
+            Sublayer(layer, None, scale[layer, 1], capture.norm_weight[layer, 1], None, None, pre, centred)
+        )
+        sources.append(mlp if pre else normalised(mlp, layer, 1))
+        names.append(f"L{layer} MLP")
+    return FrozenModel(sublayers, sources, names, stack.num_layers, stack.num_heads)
+
+
+def describe_path(path: Tensor, source_name: str) -> str:
+    """``path [L]`` (the head at each layer, −1 where none) from the source named ``source_name`` as
+    text: ``"L3H5 → L7H1 from L2 MLP"``, or ``"L2 MLP (direct)"``."""
+    heads = [f"L{layer}H{int(head)}" for layer, head in enumerate(path.tolist()) if head != NO_HEAD]
+    return f"{' → '.join(heads)} from {source_name}" if heads else f"{source_name} (direct)"
+
+
+class PathSet:
+    """Membership of head choices ``[N, L]`` (−1 where none) in a tree's paths, by an integer key
+    per row (the choices + 1 as base-(H+1) digits) where it fits int64, else by tuples."""
+
+    def __init__(self, paths: Tensor, num_heads: int):
+        layers = paths.shape[1]
+        self.fits = (num_heads + 1) ** layers < 2**62
+        self.weights = (num_heads + 1) ** torch.arange(layers, dtype=torch.long) if self.fits else None
+        self.keys = self._keys(paths).unique() if self.fits else {tuple(row) for row in paths.tolist()}
+
+    def _keys(self, choices: Tensor) -> Tensor:
+        return (choices + 1) @ self.weights
+
+    def contains(self, choices: Tensor) -> Tensor:
+        """``[N]`` bool."""
+        if self.fits:
+            return torch.isin(self._keys(choices), self.keys)
+        return torch.tensor([tuple(row) in self.keys for row in choices.tolist()], dtype=torch.bool)
+
+
+class Fold:
+    """Accumulates emitted attributions: sums by source and length, counts, the top k (and with
+    ``bottom`` the bottom k), and (when ``keep``) every path."""
+
+    def __init__(
+        self,
+        sources: int,
+        layers: int,
+        positions: int,
+        readouts: int,
+        top_k: int,
+        keep: bool,
+        bottom: bool = True,
+        only: PathSet | None = None,
+    ):
+        self.only = only  # fold only these paths' attributions (a tree's), when given
+        self.sums = torch.zeros(sources, layers + 1, positions, readouts, dtype=torch.float64)
+        self.counts = torch.zeros(sources, layers + 1, dtype=torch.long)
+        self.k = top_k
+        self.best = [
+            torch.zeros(0, positions, readouts, dtype=torch.float64),  # values
+            torch.zeros(0, positions, readouts, layers, dtype=torch.long),  # paths
+            torch.zeros(0, positions, readouts, dtype=torch.long),  # sources
+        ]
+        self.worst = [t.clone() for t in self.best]
+        self.bottom = bottom
+        self.kept: list[tuple[Tensor, Tensor, Tensor]] | None = [] if keep else None
+
+    def add(self, source: int, values: Tensor, choices: Tensor, lengths: Tensor) -> None:
+        """values ``[N, P, R]`` of N paths from ``source``, their choices ``[N, L]`` and lengths ``[N]``,
+        on any device (the fold keeps its results on the CPU)."""
+        values, choices, lengths = values.cpu(), choices.cpu(), lengths.cpu()
+        if self.only is not None:
+            inside = self.only.contains(choices)
+            values, choices, lengths = values[inside], choices[inside], lengths[inside]
+        self.sums[source].index_add_(0, lengths, values)
+        self.counts[source].index_add_(0, lengths, torch.ones_like(lengths))
+        if self.kept is not None:
+            self.kept.append((choices, torch.full_like(lengths, source), values))
+        if self.k > 0:
+            self.best = self._merge(self.best, values, choices, source, largest=True)
+            if self.bottom:
+                self.worst = self._merge(self.worst, values, choices, source, largest=False)
+
+    def _merge(self, held, values, choices, source, *, largest: bool):
+        held_values, held_paths, held_sources = held
+        k = min(self.k, values.shape[0])
+        chosen = torch.topk(values, k, dim=0, largest=largest)  # [k, P, R]
+        paths = choices[chosen.indices]  # [k, P, R, L]
+        all_values = torch.cat([held_values, chosen.values])
+        all_paths = torch.cat([held_paths, paths])
+        all_sources = torch.cat([held_sources, torch.full_like(chosen.indices, source)])
+        keep = torch.topk(all_values, min(self.k, all_values.shape[0]), dim=0, largest=largest).indices
+        gather = keep[..., None].expand(-1, -1, -1, all_paths.shape[-1])
+        return [all_values.gather(0, keep), all_paths.gather(0, gather), all_sources.gather(0, keep)]
+
+
+class Walker:
+    """The steps of the readout trie over a frozen model, by ``steps`` (the readout engine, or
+    ``pathkernels.reference``'s plain-PyTorch form).
+
+    A chunk of nodes is ``(rho [N, P, n], phi [N, R, ·], choices [N, L], lengths [N], runs)``. With
+    ``low_rank`` (pre-norm models, where a skip leaves φ alone) a node below a head keeps φ in that
+    head's d_head coordinates: its basis is ``(s, h)``, the last head taken, and ``φ = z F_out[s, h]``
+    with ``z [R, d_head]``, so a head's child costs ``φ F_in`` alone (no ``F_out``). Where enough
+    nodes share a basis, their matrices are computed once (and cached within ``cache_bytes``): a
+    child through head h' of sublayer s' is then ``z (F_out[s, h] F_in[s', h'])``, ``d_head × d_head``
+    per node instead of ``d × d_head``, and the value at source K is ``ρ (K F_out[s, h]ᵀ) zᵀ``,
+    ``n · d_head`` instead of ``n · d``; elsewhere φ is expanded for the step. Whether a basis's
+    nodes are enough depends on the tree alone (:meth:`_shared`), so the bits do not depend on how
+    the walk is chunked. ``runs`` lists the chunk's consecutive nodes of one basis, ``(count,
+    basis)``: a head's children are one run, so a chunk holds at most H runs, one engine call each.
+    Basis ``None``: φ in the model's d coordinates (the nodes above every head, and every node
+    without ``low_rank``)."""
+
+    def __init__(
+        self,
+        model: FrozenModel,
+        steps: ReadoutSteps = ENGINE,
+        *,
+        low_rank: bool,
+        max_length: int | None = None,
+        cache_bytes: int = 1 << 28,
+    ):
+        self.model, self.steps = model, steps
+        self.low_rank = low_rank and model.sublayers[0].pre
+        self.max_length = model.layers if max_length is None else max_length
+        self.cache_bytes = cache_bytes
+        self._cache: dict[tuple, Tensor] = {}
+        self._cached = 0
+        self._shared_by: dict[tuple[int, bool], bool] = {}
+
+    def _remember(self, key: tuple, compute) -> Tensor:
+        if key not in self._cache:
+            value = compute()
+            if self._cached + 8 * value.numel() > self.cache_bytes:
+                self._cache.clear()
+                self._cached = 0
+            self._cache[key] = value
+            self._cached += 8 * value.numel()
+        return self._cache[key]
+
+    def _shared(self, sublayer: int, growing: bool) -> bool:
+        """Whether the nodes whose last head is in ``sublayer`` are at least d_head per basis (per
+        basis and level for values; with ``growing``, those that may still take a head, per basis
+        and sublayer below): the count of their prefixes above it, ``Σ_k C(A, k) H^k`` over the A
+        attention sublayers above, up to ``max_length − 1`` heads (``− 2`` when growing)."""
+        if (sublayer, growing) not in self._shared_by:
+            above = sum(1 for s in self.model.sublayers[sublayer + 1 :] if s.attn is not None)
+            top = self.max_length - (2 if growing else 1)
+            heads, head_dim = self.model.num_heads, self.model.sublayers[sublayer].w_v.shape[-1]
+            nodes = sum(math.comb(above, k) * heads**k for k in range(min(top, above) + 1))
+            self._shared_by[sublayer, growing] = nodes >= head_dim
+        return self._shared_by[sublayer, growing]
+
+    def _output_factor(self, basis: tuple[int, int]) -> Tensor:  # F_out[s, h] [d_head, d]
+        sublayer, head = basis
+        return self.model.sublayers[sublayer].feature_factors[1][head]
+
+    def _run_values(self, level: int, rho: Tensor, phi: Tensor, basis) -> Tensor:
+        source = self.model.sources[level]
+        if basis is not None:  # φ = z F_out[basis], which enough nodes share (_low)
+            source = self._remember(("source", level, basis), lambda: source @ self._output_factor(basis).T)
+        return self.steps.values(rho, phi, source)
+
+    def _low(self, at: int) -> bool:
+        """Whether the children through sublayer ``at``'s heads keep φ in d_head coordinates: with
+        ``low_rank``, where enough nodes will share each of their bases."""
+        return self.low_rank and self._shared(at, growing=False)
+
+    def _run_heads(self, at: int, rho: Tensor, phi: Tensor, basis) -> tuple[Tensor, Tensor]:
+        sublayer = self.model.sublayers[at]
+        feature_in, feature_out = sublayer.feature_factors
+        low = self._low(at)
+        if basis is not None:  # φ = z F_out[basis]
+            if low and self._shared(basis[0], growing=True):
+                feature_in = self._remember(("heads", at, basis), lambda: self._output_factor(basis) @ feature_in)
+            else:
+                phi = self.steps.expand(phi, self._output_factor(basis))
+        return self.steps.heads(rho, phi, sublayer.token_maps, feature_in, None if low else feature_out)
+
+    @staticmethod
+    def _by_runs(step, rho: Tensor, phi: Tensor, runs: list[tuple]) -> list:
+        """``step(rho, phi, basis)`` on each run of the chunk, in order."""
+        results, start = [], 0
+        for count, basis in runs:
+            run = slice(start, start + count)
+            results.append(step(rho[run], phi[run], basis))
+            start += count
+        return results
+
+    def values(self, level: int, rho: Tensor, phi: Tensor, runs: list[tuple]) -> Tensor:
+        """``ρ K φᵀ`` at source ``level`` for every node: ``[N, P, R]``, the attributions of the
+        paths that end there."""
+        step = functools.partial(self._run_values, level)
+        return step(rho, phi, runs[0][1]) if len(runs) == 1 else torch.cat(self._by_runs(step, rho, phi, runs))
+
+    def _heads(self, at: int, rho: Tensor, phi: Tensor, runs: list[tuple]) -> tuple[Tensor, Tensor]:
+        """Every head's children of every node, head-major: ``[H, N, P, n]`` and ``[H, N, R, ·]``."""
+        step = functools.partial(self._run_heads, at)
+        if len(runs) == 1:
+            return step(rho, phi, runs[0][1])
+        parts = self._by_runs(step, rho, phi, runs)
+        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+
+    def children(self, level: int, rho, phi, choices, lengths, runs: list[tuple], max_length: int) -> list[tuple]:
+        """The children of a chunk at ``level`` through sublayer ``level − 1``: the skip's, then (for
+        nodes under ``max_length`` heads) every head's, head by head: a list of parts, each a chunk
+        tuple."""
+        sublayer = self.model.sublayers[level - 1]
+        rho_skip, phi_skip = sublayer.skip(rho, phi)
+        parts = [(rho_skip, phi_skip, choices, lengths, runs)]
+        grows = lengths < max_length
+        if sublayer.attn is None or not bool(grows.any()):
+            return parts
+        if not bool(grows.all()):
+            rho, phi, choices, lengths = rho[grows], phi[grows], choices[grows], lengths[grows]
+            counts = torch.tensor([count for count, _ in runs], device=grows.device)
+            kept = torch.segment_reduce(grows.double(), "sum", lengths=counts).long().tolist()
+            runs = [(k, basis) for k, (_, basis) in zip(kept, runs) if k]
+        rho_h, phi_h = self._heads(level - 1, rho, phi, runs)
+        heads, grown = rho_h.shape[0], rho_h.shape[1]
+        head_choices = choices[None].repeat(heads, 1, 1)
+        head_choices[:, :, sublayer.layer] = torch.arange(heads, device=rho.device)[:, None]
+        runs_h = [(grown, (level - 1, h)) for h in range(heads)] if self._low(level - 1) else [(heads * grown, None)]
+        lengths_h = (lengths + 1).repeat(heads)
+        return parts + [(rho_h.flatten(0, 1), phi_h.flatten(0, 1), head_choices.flatten(0, 1), lengths_h, runs_h)]
+
+    def walk(self, rho: Tensor, phi: Tensor, max_length: int, chunk: int, fold: Fold, bar) -> None:
+        """Depth first from the top: a node at level j has chosen the branches of sublayers j, j+1, …;
+        it meets source j (entering below sublayer j), then branches through sublayer j − 1."""
+        choices = torch.full((1, self.model.layers), NO_HEAD, dtype=torch.long, device=rho.device)
+        lengths = torch.zeros(1, dtype=torch.long, device=rho.device)
+        pending = [(len(self.model.sublayers), rho, phi, choices, lengths, [(1, None)])]
+        while pending:
+            level, rho, phi, choices, lengths, runs = pending.pop()
+            values = self.values(level, rho, phi, runs)
+            fold.add(level, values, choices, lengths)
+            if bar is not None:
+                bar.update(values.shape[0])
+            if level == 0:
+                continue
+            for *part, part_runs in self.children(level, rho, phi, choices, lengths, runs, max_length):
+                for start in range(0, part[0].shape[0], chunk):
+                    stop = start + chunk
+                    pending.append((level - 1, *(t[start:stop] for t in part), _slice_runs(part_runs, start, stop)))
+
+
+def _slice_runs(runs: list[tuple], start: int, stop: int) -> list[tuple]:
+    """The runs ``(count, basis)`` of nodes ``start..stop-1``."""
+    sliced, first = [], 0
+    for count, basis in runs:
+        low, high = max(start, first), min(stop, first + count)
+        if low < high:
+            sliced.append((high - low, basis))
+        first += count
+    return sliced
