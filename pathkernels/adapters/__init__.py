@@ -11,8 +11,16 @@
   or an ``ActivationCache``.
 
 transformers and transformer-lens are optional; each adapter imports only what it reads.
+
+Inside, the arrows point one way: :mod:`~pathkernels.adapters.capture` (the
+:class:`ResidualStreamCapture` record) under :mod:`~pathkernels.adapters.stack`; the stack and
+:mod:`~pathkernels.adapters.precision` (float64 passes) under the readers
+:mod:`~pathkernels.adapters.huggingface` and :mod:`~pathkernels.adapters.transformer_lens`; and
+:mod:`~pathkernels.adapters.residual` (the captures) on top. The layer imports the core only
+(docs/DESIGN.md, "Layers").
 """
 
+from pathkernels.adapters.capture import ResidualStreamCapture
 from pathkernels.adapters.huggingface import (
     LocalModel,
     from_huggingface,
@@ -20,11 +28,7 @@ from pathkernels.adapters.huggingface import (
     local_model_inputs,
     stream_huggingface_attention,
 )
-from pathkernels.adapters.residual import (
-    ResidualStreamCapture,
-    capture_huggingface_residual,
-    capture_transformer_lens_residual,
-)
+from pathkernels.adapters.residual import capture_huggingface_residual, capture_transformer_lens_residual
 from pathkernels.adapters.stack import AttentionStack
 from pathkernels.adapters.transformer_lens import from_transformer_lens
 

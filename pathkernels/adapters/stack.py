@@ -5,11 +5,11 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from pathkernels.adapters.capture import ResidualStreamCapture
 from pathkernels.core import masking
 from pathkernels.core.checks import (
     ROW_SUM_TOLERANCE,
@@ -22,9 +22,6 @@ from pathkernels.core.engine import PathResiduals, path_residuals
 from pathkernels.core.length_sums import length_sums
 from pathkernels.core.paths import SKIP, PathTree, check_flag
 from pathkernels.reference import post_ln_length_sums_ref, pre_ln_length_sums_ref
-
-if TYPE_CHECKING:
-    from pathkernels.adapters.residual import ResidualStreamCapture
 
 
 @dataclass

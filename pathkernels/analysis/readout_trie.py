@@ -37,7 +37,7 @@ from torch import Tensor
 import pathkernels.core  # noqa: F401  (loads the compiled extension, whose readout ops ENGINE names)
 
 if TYPE_CHECKING:
-    from pathkernels.adapters.residual import ResidualStreamCapture
+    from pathkernels.adapters.capture import ResidualStreamCapture
     from pathkernels.adapters.stack import AttentionStack
 
 NO_HEAD = -1  # a path's entry at a layer where it takes no head (the skip, or below its source)

@@ -1,0 +1,92 @@
+"""ResidualStreamCapture: what a real transformer's residual stream holds beyond its attention.
+
+The record that :func:`~pathkernels.adapters.capture_huggingface_residual` and
+:func:`~pathkernels.adapters.capture_transformer_lens_residual` fill
+(:mod:`pathkernels.adapters.residual`) and that an :class:`~pathkernels.adapters.AttentionStack`
+carries as its ``residual_capture``: a module of its own, below both, so that the stack and the
+readers that build it import it in one direction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class ResidualStreamCapture:
+    """One forward pass of a transformer, in float64, its norms frozen.
+
+    ``layout``: ``"pre"`` (GPT-2, Llama: each sublayer reads a normalised copy of the stream, which
+    it adds to) or ``"post"`` (BERT: the stream itself is normalised after each sublayer's sum).
+    ``norm``: ``"layernorm"`` (``y = D x C Γ + 1 βᵀ``), ``"rmsnorm"`` (``y = D x Γ``: no centring
+    ``C``, and β is 0) or ``"none"`` (a TransformerLens model without norms: ``D``, ``Γ`` are 1).
+
+    ``embedding`` ``[B, n, d]``: the stream entering block 0. ``norm_scale`` ``[B, L, 2, n]``: ``1/σ_t``
+    of each block's two norms, per token (pre: before attention, before the MLP; post: after each),
+    with their γ and β in ``norm_weight``, ``norm_bias`` ``[L, 2, d]``. ``value_bias``
+    ``[L, H, d_head]`` and ``output_bias`` ``[L, d]``: the attention's biases, apart (0 where the
+    model has none); a head adds ``(A 1) b_Vᵀ W_O``, which is ``1 b_Vᵀ W_O`` only where its rows sum
+    to 1. ``attn_row_sums`` ``[B, L, H, n]``: the sums of the pattern rows as the model computed
+    them, where the stack holds them renormalised (a float32 softmax in a float64 model; the
+    model's pattern is ``stack.attn · attn_row_sums``), else None. ``mlp_out`` ``[B, L, n, d]``: each
+    MLP's output as computed (post: before its residual sum). ``residual`` ``[B, n, d]``: the
+    stream the blocks leave (pre: entering the final norm, whose ``final_scale`` ``[B, n]``,
+    ``final_weight`` and ``final_bias`` ``[d]`` are kept for readouts; post: the last hidden state,
+    and no final norm). ``unembedding`` ``[vocab, d]`` and ``unembedding_bias`` ``[vocab]``: the
+    model's output embedding (its weight as the model holds it, not copied), None without an LM head.
+    ``final_norm``: the final norm's kind where it differs from the blocks' ``norm`` (else None).
+    ``attention_output_scale`` ``[B, L, n]`` and ``attention_output_weight`` ``[L, d]``: ``1/σ'_t``
+    and γ' of an RMSNorm on each attention sublayer's output (Gemma-2 and -3, OLMo 2), which
+    scales every head's term, ``D' · (A D x C Γ W_V W_O) · Γ'``, and the sublayer's constant rows;
+    None where the model has none. (An RMSNorm on the MLP's output is in ``mlp_out`` already.)
+    """
+
+    layout: str
+    norm: str
+    embedding: Tensor
+    norm_scale: Tensor
+    norm_weight: Tensor
+    norm_bias: Tensor
+    value_bias: Tensor
+    output_bias: Tensor
+    mlp_out: Tensor
+    residual: Tensor
+    attn_row_sums: Tensor | None = None
+    final_scale: Tensor | None = None
+    final_weight: Tensor | None = None
+    final_bias: Tensor | None = None
+    unembedding: Tensor | None = None
+    unembedding_bias: Tensor | None = None
+    final_norm: str | None = None
+    attention_output_scale: Tensor | None = None
+    attention_output_weight: Tensor | None = None
+
+    @property
+    def centred(self) -> bool:
+        """Whether the blocks' norms centre the features (LayerNorm's ``C``; RMSNorm, and a model
+        without norms, ``norm="none"``, whose scales are 1, do not)."""
+        return self.norm == "layernorm"
+
+    @property
+    def final_centred(self) -> bool:
+        """Whether the final norm centres the features: its own kind (``final_norm``; an RMSNorm
+        before the unembedding of a LayerNorm model, TransformerLens's ``final_rms``), else the
+        blocks' (``norm``)."""
+        return (self.norm if self.final_norm is None else self.final_norm) == "layernorm"
+
+    def patterns(self, attn: Tensor, batch: int | None = None) -> Tensor:
+        """The stack's ``attn [B, L, H, n, n]`` as the model computed it (only batch element
+        ``batch``, ``[L, H, n, n]``, when given), in float64 on the capture's device: times
+        ``attn_row_sums`` where the stack holds it renormalised."""
+        sums = self.attn_row_sums
+        if batch is not None:
+            attn, sums = attn[batch], None if sums is None else sums[batch]
+        attn = attn.to(self.embedding.device, torch.float64)
+        return attn if sums is None else attn * sums[..., None]
+
+    def on(self, device) -> ResidualStreamCapture:
+        """A copy on ``device`` (float64 throughout, whatever the stack's dtype)."""
+        return ResidualStreamCapture(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()})
