@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from pathkernels.benchmarks import bench_main, seconds_per_call
+from pathkernels.app.benchmarks import bench_main, seconds_per_call
 
 # (layers, heads, d_model, tokens, max_length or None for every path)
 GRID = [

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 import pathkernels as pk
-from pathkernels.benchmarks import seconds_per_call
+from pathkernels.app.benchmarks import seconds_per_call
 from pathkernels.core.engine import _tf32_matmuls
 from pathkernels.testing import random_attention
 

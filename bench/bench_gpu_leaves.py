@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 import pathkernels as pk
-from pathkernels.benchmarks import gemm_rate, head_node_flops, seconds_per_call
+from pathkernels.app.benchmarks import gemm_rate, head_node_flops, seconds_per_call
 from pathkernels.core.engine import _tf32_matmuls
 from pathkernels.reference import composite_norm_ref, levelwise_ref, triton_leaf_norms_ref
 from pathkernels.testing import random_attention

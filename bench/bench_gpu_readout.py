@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from pathkernels.benchmarks import bench_main
+from pathkernels.app.benchmarks import bench_main
 
 # (what, layers, heads, d_model, max_length or None)
 CASES = [("attribution", 7, 8, 64, None), ("attribution", 12, 12, 768, 3), ("top_paths", 12, 12, 768, None)]

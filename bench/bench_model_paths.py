@@ -17,7 +17,7 @@ import torch
 from bench_attribution import COLUMNS as ATTRIBUTION_COLUMNS
 from bench_attribution import case_columns, gpt2_model
 
-from pathkernels.benchmarks import bench_main, seconds_per_call
+from pathkernels.app.benchmarks import bench_main, seconds_per_call
 
 MODEL_COLUMNS = ATTRIBUTION_COLUMNS[:6]
 

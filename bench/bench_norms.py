@@ -43,7 +43,7 @@ import torch
 
 import pathkernels as pk
 from pathkernels import reference
-from pathkernels.benchmarks import (
+from pathkernels.app.benchmarks import (
     NORM_CASES,
     QUICK_NORM_CASES,
     format_norm_table,

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from pathkernels.benchmarks import (
+from pathkernels.app.benchmarks import (
     format_table,
     gemm_rate,
     head_node_flops,

@@ -26,7 +26,7 @@ import time
 import torch
 
 import pathkernels as pk
-from pathkernels.benchmarks import format_table, peak_rss, reset_peak_rss
+from pathkernels.app.benchmarks import format_table, peak_rss, reset_peak_rss
 from pathkernels.core import ops
 from pathkernels.testing import random_attention
 

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from pathkernels.benchmarks import bench_main
+from pathkernels.app.benchmarks import bench_main
 
 # (layers, attention weight std or None for Hugging Face's initialisation, time limit in seconds, bound)
 MODELS = [(6, None, 600), (12, None, 600), (6, 0.02, 120), (12, 0.02, 120), (12, 0.1, 120)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import time
 
-from pathkernels.benchmarks import bench_main
+from pathkernels.app.benchmarks import bench_main
 
 # (layers, heads, max_length): the four cases, then wider and longer short trees.
 CASES = [(1000, 1, 1), (2000, 1, 1), (96, 96, 1), (20_000, 1, 1), (12, 12, 3), (200, 2, 2), (1000, 4, 2)]

@@ -43,8 +43,11 @@ from pathkernels.core.statistics import PathStatistics, path_statistics  # noqa:
 
 __version__ = "0.1.0"
 
-_LAZY_MODULES = {name: f"pathkernels.{name}" for name in ("benchmarks", "cli", "experiments", "models", "testing")} | {
-    "compat": "pathkernels.analysis.compat"
+_LAZY_MODULES = {
+    "compat": "pathkernels.analysis.compat",
+    "experiments": "pathkernels.app.experiments",
+    "models": "pathkernels.app.models",
+    "testing": "pathkernels.testing",
 }
 
 

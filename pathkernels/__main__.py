@@ -1,5 +1,5 @@
 import sys
 
-from pathkernels.cli import main
+from pathkernels.app.cli import main
 
 sys.exit(main())

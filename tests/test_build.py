@@ -46,13 +46,14 @@ def test_import_leaves_the_application_modules_unloaded():
     import sys
 
     code = (
-        "import sys, pathkernels; print(sorted(m for m in ('pandas', 'matplotlib', 'pathkernels.experiments', "
-        "'pathkernels.models', 'pathkernels.benchmarks', 'pathkernels.analysis.compat', 'pathkernels.cli') "
+        "import sys, pathkernels; print(sorted(m for m in ('pandas', 'matplotlib', 'pathkernels.app', "
+        "'pathkernels.app.experiments', 'pathkernels.app.models', 'pathkernels.app.benchmarks', "
+        "'pathkernels.analysis.compat', 'pathkernels.app.cli') "
         "if m in sys.modules))"
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "[]"
-    assert pk.experiments.__name__ == "pathkernels.experiments"  # on first use
+    assert pk.experiments.__name__ == "pathkernels.app.experiments"  # on first use
 
 
 def test_every_requested_cuda_architecture_reaches_cmake(monkeypatch, capsys):

@@ -18,8 +18,8 @@ import time
 import pytest
 
 import pathkernels as pk
-import pathkernels.cli as cli
-from pathkernels.cli import main
+import pathkernels.app.cli.attribute as attribute_command
+from pathkernels.app.cli import main
 
 ARGV = ["attribute", "--layers", "4", "--heads", "2", "--width", "16", "--tokens", "6", "--top", "3"]
 TOKENS = ["--target", "5", "--versus", "9"]
@@ -38,7 +38,7 @@ def test_the_walk_stops_at_the_limit_and_keeps_the_lengths_it_finished(monkeypat
             time.sleep(2.5)
         return real(stack, readout, **options)
 
-    monkeypatch.setattr(pk, "path_attribution", slow)
+    monkeypatch.setattr(attribute_command, "path_attribution", slow)
     assert main([*ARGV, *TOKENS, "--time-limit", "2", "--out", str(tmp_path / "limited")]) == 0
     out = capsys.readouterr().out
     found = re.search(r"paths: the (\d+) through at most (\d) heads?, of 161; the longer ones carry", out)
@@ -56,7 +56,7 @@ def test_the_walk_stops_at_the_limit_and_keeps_the_lengths_it_finished(monkeypat
 def test_a_search_whose_set_up_outlasts_the_limit_is_left_behind(monkeypatch, capsys):
     pytest.importorskip("transformers")
     pytest.importorskip("pandas")
-    monkeypatch.setattr(cli, "_MAX_ATTRIBUTION_PATHS", 10)  # search the top paths of this small model
+    monkeypatch.setattr(attribute_command, "MAX_ATTRIBUTION_PATHS", 10)  # search the top paths of this small model
     release = threading.Event()
     calls = []
 
@@ -65,7 +65,7 @@ def test_a_search_whose_set_up_outlasts_the_limit_is_left_behind(monkeypatch, ca
         release.wait(60)
         raise AssertionError("not reached: the command no longer waits")
 
-    monkeypatch.setattr(pk, "top_paths", set_up_for_ever)
+    monkeypatch.setattr(attribute_command, "top_paths", set_up_for_ever)
     start = time.monotonic()
     try:
         assert main([*ARGV, *TOKENS, "--time-limit", "3"]) == 0

@@ -13,8 +13,8 @@ pd = pytest.importorskip("pandas")
 pytest.importorskip("matplotlib")
 
 import pathkernels as pk  # noqa: E402
-from pathkernels import experiments  # noqa: E402  (after the skips above)
-from pathkernels.cli import main  # noqa: E402
+from pathkernels.app import experiments  # noqa: E402  (after the skips above)
+from pathkernels.app.cli import main  # noqa: E402
 
 
 def test_collapse_table_and_plot():
@@ -220,10 +220,10 @@ def test_cli_help_shows_defaults_and_descriptions():
 
 
 def test_cli_bench_out_writes_that_file(tmp_path, monkeypatch):
-    from pathkernels import cli
+    from pathkernels.app.cli import bench as bench_command
 
-    monkeypatch.setattr(cli, "QUICK_NORM_CASES", [(2, 8, 8)])
-    monkeypatch.setattr(cli, "QUICK_PATH_CASES", [(2, 2, 8)])
+    monkeypatch.setattr(bench_command, "QUICK_NORM_CASES", [(2, 8, 8)])
+    monkeypatch.setattr(bench_command, "QUICK_PATH_CASES", [(2, 2, 8)])
     assert main(["bench", "--quick", "--device", "cpu", "--out", str(tmp_path / "speed.json")]) == 0
     payload = __import__("json").loads((tmp_path / "speed.json").read_text())
     assert payload["norms"] and payload["paths"] and sorted(p.name for p in tmp_path.iterdir()) == ["speed.json"]
@@ -259,12 +259,12 @@ def test_plain_progress_lines_come_about_every_interval(monkeypatch, capsys):
 
 
 def test_cli_version_and_the_bench_caveat(monkeypatch, capsys):
-    from pathkernels import cli
+    from pathkernels.app.cli import bench as bench_command
 
     run = subprocess.run([sys.executable, "-m", "pathkernels", "--version"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and run.stdout.startswith(f"pathkernels {pk.__version__} (torch ")
-    monkeypatch.setattr(cli, "QUICK_NORM_CASES", [(2, 8, 8)])
-    monkeypatch.setattr(cli, "QUICK_PATH_CASES", [(2, 2, 8)])
+    monkeypatch.setattr(bench_command, "QUICK_NORM_CASES", [(2, 8, 8)])
+    monkeypatch.setattr(bench_command, "QUICK_PATH_CASES", [(2, 2, 8)])
     assert main(["bench", "--quick", "--device", "cpu"]) == 0
     assert "read the speed-ups as orders of magnitude" in capsys.readouterr().out
 
@@ -381,12 +381,12 @@ def test_cli_attribute_searches_the_top_paths_of_a_tree_too_large_to_enumerate(t
     pytest.importorskip("transformers")
     pd = pytest.importorskip("pandas")
     pytest.importorskip("matplotlib")
-    import pathkernels.cli as cli
+    import pathkernels.app.cli.attribute as attribute_command
 
     argv = ["attribute", "--layers", "2", "--heads", "2", "--width", "16", "--tokens", "6", "--top", "4"]
     assert main([*argv, "--target", "5", "--versus", "9", "--out", str(tmp_path / "all")]) == 0
     capsys.readouterr()
-    monkeypatch.setattr(cli, "_MAX_ATTRIBUTION_PATHS", 10)
+    monkeypatch.setattr(attribute_command, "MAX_ATTRIBUTION_PATHS", 10)
     assert main([*argv, "--target", "5", "--versus", "9", "--out", str(tmp_path / "search")]) == 0
     out = capsys.readouterr().out
     assert "the 4 largest of all paths: a best-first search visited" in out and "certified" in out

@@ -301,7 +301,7 @@ def _integer_options() -> list[tuple[str, str, int]]:
     """(command, option, minimum) of every integer option of the command line."""
     import argparse
 
-    from pathkernels.cli import build_parser
+    from pathkernels.app.cli import build_parser
 
     found = []
     for action in build_parser()._actions:
@@ -329,7 +329,7 @@ def test_the_command_line_parses_an_integer_option_or_names_it(option, text):
     import contextlib
     import io
 
-    from pathkernels.cli import build_parser
+    from pathkernels.app.cli import build_parser
 
     command, flag, minimum = option
     stderr = io.StringIO()

@@ -1280,7 +1280,7 @@ def run_cli(argv, subprocess_run: bool):
         run = subprocess.run([*python, "-m", "pathkernels", *argv], capture_output=True, text=True, timeout=120)
         code, err = run.returncode, run.stderr
     else:
-        from pathkernels.cli import main
+        from pathkernels.app.cli import main
 
         stderr = io.StringIO()
         with contextlib.redirect_stderr(stderr), contextlib.redirect_stdout(io.StringIO()):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import pathkernels as pk
-from pathkernels.models import VARIANTS, SelfAttentionNetwork
+from pathkernels.app.models import VARIANTS, SelfAttentionNetwork
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -279,14 +279,14 @@ def run_cases(cases, bench_case, columns: list[tuple], title: str, out=None) -> 
     also write the rows as JSON there."""
     import json
 
-    import pathkernels as pk
+    from pathkernels import __version__
 
     rows = []
     for case in cases:
         rows.append(bench_case(*case))
         print(format_table(rows[-1:], columns).splitlines()[-1], flush=True)
     machine = f"CPU {torch.get_num_threads()} threads"
-    print(f"pathkernels {pk.__version__} {title}, {machine}, torch {torch.__version__}")
+    print(f"pathkernels {__version__} {title}, {machine}, torch {torch.__version__}")
     print(format_table(rows, columns))
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

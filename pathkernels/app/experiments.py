@@ -1,7 +1,7 @@
 """The paper's experiments on the embedded default, as DataFrames and matplotlib figures.
 
 - :func:`collapse_vs_depth`: residual ratio of the hidden states against depth for the four
-  variants of :mod:`pathkernels.models` at initialisation (pure attention, +MLP, +skip, transformer);
+  variants of :mod:`pathkernels.app.models` at initialisation (pure attention, +MLP, +skip, transformer);
 - :func:`path_length_distribution`: how the ``(H+1)^L`` paths of common architectures spread over
   lengths, ``C(L, k) H^k``;
 - :func:`ratio_by_length`: the exact residual ratio of every path of a network, by length;
@@ -23,12 +23,12 @@ import torch
 from torch import Tensor, nn
 
 from pathkernels.analysis.metrics import residual_ratio
+from pathkernels.app.models import VARIANTS, SelfAttentionNetwork
 from pathkernels.core._figures import require
 from pathkernels.core._progress import progress_bar
 from pathkernels.core.decompose import decompose
 from pathkernels.core.length_sums import truncated_output
 from pathkernels.core.paths import count_by_length
-from pathkernels.models import VARIANTS, SelfAttentionNetwork
 
 # (layers, heads) of architectures people decompose.
 ARCHITECTURES: dict[str, tuple[int, int]] = {
@@ -76,7 +76,7 @@ def collapse_vs_depth(
 ):
     """Residual ratio ``‖X_l − 1μᵀ‖_{1,∞} / ‖X_l‖_{1,∞}`` of the hidden states at every depth l.
 
-    For each variant and seed: a freshly initialised :class:`~pathkernels.models.SelfAttentionNetwork`
+    For each variant and seed: a freshly initialised :class:`~pathkernels.app.models.SelfAttentionNetwork`
     of ``num_layers`` layers, fed ``batch`` standard normal inputs ``[n, d_model]`` (drawn on the
     CPU, so that a seed gives the same inputs on any ``device``), run on ``device``.
 

@@ -1,0 +1,354 @@
+"""The ``pathkernels`` command line (also ``python -m pathkernels``).
+
+    pathkernels demo [--out DIR] [--quick]      the main job: every experiment, tables, CSV and PNG
+    pathkernels collapse [--model PATH] ...     residual ratio against depth
+    pathkernels paths [--model PATH] ...        residual ratio of the paths, by length
+    pathkernels attribute [--model PATH] ...    each path's share of a logit difference, top paths
+    pathkernels bench [--device cuda] ...       fused ops and the engine against pure PyTorch
+
+``--model`` takes a local Hugging Face model directory (weights are loaded, nothing is downloaded)
+or a config (a ``config.json`` file, or a directory holding only one), which gives a randomly
+initialised model. Without it the commands use :mod:`pathkernels.app.models`.
+
+Bad options and inputs end with one line on stderr that names what is wrong (exit code 2 for the
+command line, 1 for a failure while running); ``--debug`` shows the traceback instead. Before any
+work, ``--out`` is checked for writability and the attention maps' memory against what the device
+has. Progress shows as bars on a terminal, and as a plain line about every 10 s elsewhere (a log).
+
+This module is the parser and ``main``: it imports neither torch nor the library, so that
+``--help`` answers at once. Each subcommand is a module of its own (``demo``, ``collapse``,
+``paths``, ``attribute``, ``bench``; ``common`` and ``base`` what they share), imported when it
+runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+from pathkernels.app.cli.base import ABANDONED, MAX_ATTRIBUTION_PATHS, CommandLineError, check_writable
+
+DEFAULT_OUT = "demo_output"
+
+
+# --- the parser --------------------------------------------------------------------------------------
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default where there is one to show (not None, not a flag's False)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``prog: error: message`` on stderr, exit code 2, no usage dump."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+class _Version(argparse.Action):
+    """``--version``: pathkernels', torch's and the build's versions, torch imported only then."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        help = "show program's version number and exit" if help is None else help
+        super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import torch
+
+        from pathkernels import __version__
+        from pathkernels.core._extension import build_info
+
+        cuda = "yes" if build_info()["cuda"] else "no"
+        parser._print_message(
+            f"pathkernels {__version__} (torch {torch.__version__}, CUDA kernels: {cuda})\n", sys.stdout
+        )
+        parser.exit()
+
+
+def _integer(minimum: int):
+    """An argparse type: an int >= minimum, with a message that says so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse type: a positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text}")
+    return value
+
+
+# Options of the built-in network, which a --model sets for itself: their defaults.
+_NETWORK_DEFAULTS = {"layers": None, "heads": 4, "width": 64, "seeds": 3}
+
+
+def _check_options(args, parser: argparse.ArgumentParser) -> None:
+    """What argparse cannot check alone: options that do not apply, and the built-in network's shape."""
+    if getattr(args, "model", None):
+        given = [f"--{name}" for name in _NETWORK_DEFAULTS if getattr(args, name, None) is not None]
+        if given:
+            verbs = ("sets", "does") if len(given) == 1 else ("set", "do")
+            parser.error(
+                f"{', '.join(given)} {verbs[0]} the built-in network and {verbs[1]} not apply with --model "
+                f"{args.model} (the model has its own)"
+            )
+        return
+    if getattr(args, "text", None) is not None:
+        parser.error("--text needs --model (a model directory with a tokenizer)")
+    for name, default in _NETWORK_DEFAULTS.items():
+        if hasattr(args, name) and getattr(args, name) is None:
+            setattr(args, name, default if default is not None else args.default_layers)
+    if hasattr(args, "tokens") and args.tokens is None:
+        args.tokens = args.default_tokens
+    if hasattr(args, "width") and args.width < args.heads:
+        parser.error(
+            f"argument --width: expected at least --heads = {args.heads} (each head gets width // heads "
+            f"columns), got {args.width}"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    formatter = _HelpFormatter
+    parser = _Parser(
+        prog="pathkernels",
+        description="Path decompositions of attention networks: rank collapse, "
+        "per-path residuals and benchmarks (docs/DESIGN.md has the math).",
+        formatter_class=formatter,
+    )
+    parser.add_argument("--version", action=_Version)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show the traceback of a failure")
+
+    def command(name: str, **kwargs) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, parents=[common], formatter_class=formatter, **kwargs)
+        sub.set_defaults(command_parser=sub)
+        return sub
+
+    device_help = "where to compute: auto (CUDA when a GPU and the CUDA kernels are present), cpu or cuda"
+
+    demo = command(
+        "demo",
+        help="the main job: every experiment, with tables, CSV files and PNG plots",
+        description="Every experiment in six sections, with tables printed and CSV/PNG files "
+        "written: the norm, rank collapse, path residuals by length, path-length "
+        "distributions, path effectiveness, and speed.",
+    )
+    demo.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help="output folder")
+    demo.add_argument("--quick", action="store_true", help="smaller sizes and a shorter training (about a minute)")
+    demo.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=device_help)
+    demo.set_defaults(run=_run_demo)
+
+    def model_options(sub, layers: int, tokens: int):
+        sub.set_defaults(default_layers=layers, default_tokens=tokens)
+        sub.add_argument(
+            "--model",
+            help="a local Hugging Face model directory (pretrained weights) or a config.json "
+            "(random weights); nothing is downloaded",
+        )
+        sub.add_argument(
+            "--text",
+            help="with --model: a prompt for the model directory's tokenizer (default: a "
+            "fixed sentence when there is a tokenizer)",
+        )
+        sub.add_argument("--layers", type=_integer(1), help=f"depth of the built-in network (default {layers})")
+        sub.add_argument("--heads", type=_integer(1), help="heads per layer of the built-in network (default 4)")
+        sub.add_argument("--width", type=_integer(1), help="d_model of the built-in network (default 64)")
+        sub.add_argument(
+            "--tokens",
+            type=_integer(2),
+            help=f"sequence length n (default {tokens}; with --model, random token ids of this length)",
+        )
+        sub.add_argument("--out", type=Path, help="folder to write CSV and PNG files into")
+
+    collapse = command(
+        "collapse",
+        help="residual ratio of the hidden states against depth",
+        description="Median residual ratio ‖X − 1μᵀ‖_1,∞ / ‖X‖_1,∞ of the hidden states "
+        "at every depth: the built-in pure-attention, +MLP, +skip and transformer "
+        "networks at initialisation, or a Hugging Face model.",
+    )
+    model_options(collapse, layers=12, tokens=32)
+    collapse.add_argument("--batch", type=_integer(1), default=8, help="random inputs per model")
+    collapse.add_argument("--seeds", type=_integer(1), help="initialisations per variant (default 3)")
+    collapse.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=device_help)
+    collapse.set_defaults(run=_run_collapse)
+
+    paths = command(
+        "paths",
+        help="residual ratio of every path (or a stratified sample), by length",
+        description="Residual ratio of the attention product of every path with skip, by "
+        "path length: exactly when the tree is small enough, else a stratified sample "
+        "without replacement. Under torchrun the processes split the tree.",
+    )
+    model_options(paths, layers=6, tokens=32)
+    paths.add_argument("--seed", type=_integer(0), default=0, help="seed of the network and of the sample")
+    paths.add_argument(
+        "--samples-per-length", type=_integer(1), help="draw up to this many paths per length instead of all"
+    )
+    paths.add_argument(
+        "--max-exact", type=_integer(1), default=10**6, help="sample when the tree has more paths than this"
+    )
+    paths.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help=device_help + " (under torchrun: gloo on CPU, NCCL and cuda:LOCAL_RANK with cuda)",
+    )
+    paths.set_defaults(run=_run_paths)
+
+    attribute = command(
+        "attribute",
+        help="each path's share of a logit difference, and the top paths",
+        description="Each path (a source: the embedding, a layer's constant rows or an MLP's output, "
+        "then the heads it passes) gets its exact share of a logit difference at one token, the norms "
+        "frozen at the forward pass: sums by length and by source, and the top and bottom paths. A "
+        "GPT-2 built from a config, or a local model (GPT-2, BERT-style with an LM head, Llama family).",
+    )
+    model_options(attribute, layers=4, tokens=16)
+    attribute.add_argument("--seed", type=_integer(0), default=0, help="seed of the built-in model and its tokens")
+    attribute.add_argument(
+        "--target", help="token id (or, with a tokenizer, one token's text); default: the top prediction"
+    )
+    attribute.add_argument("--versus", help="the token it is compared with; default: the second prediction")
+    attribute.add_argument("--position", type=int, help="the token read out (default: the last)")
+    attribute.add_argument("--top", type=_integer(1), default=10, help="how many top and bottom paths to show")
+    attribute.add_argument(
+        "--max-length",
+        type=_integer(0),
+        help=f"enumerate the paths of at most this many heads (default: every path, or the most that "
+        f"keeps within {MAX_ATTRIBUTION_PATHS:,})",
+    )
+    attribute.add_argument(
+        "--time-limit",
+        type=_seconds,
+        default=300.0,
+        help="seconds for the whole command (the model, its capture, the walk over the paths and, for a model "
+        f"with more than {MAX_ATTRIBUTION_PATHS:,} paths, the searches of the top and bottom paths): at the "
+        "limit it reports what it found and says what was left",
+    )
+    attribute.set_defaults(run=_run_attribute)
+
+    bench = command(
+        "bench",
+        help="fused ops and the path engine against pure PyTorch",
+        description="Quick timings of the fused norms and the path engine against pure "
+        "PyTorch; bench/ has the full suite.",
+    )
+    bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=device_help)
+    bench.add_argument("--quick", action="store_true", help="shorter timing")
+    bench.add_argument("--out", type=Path, help="write both tables to this file: JSON, or CSV if it ends in .csv")
+    bench.set_defaults(run=_run_bench)
+    return parser
+
+
+def _done(_result) -> int:
+    return 0
+
+
+# The options that model_options adds, passed on by name to collapse_table and paths_table.
+_MODEL_OPTIONS = ("model", "text", "layers", "heads", "width", "tokens", "out")
+
+
+def _options(args, *names: str) -> dict:
+    """The parsed options of those names, as keyword arguments."""
+    return {name: getattr(args, name) for name in names}
+
+
+# Each subcommand's ``run``: its module is imported here, when it runs (not for --help).
+
+
+def _run_demo(args) -> int:
+    from pathkernels.app.cli.demo import run_demo
+
+    return run_demo(args)
+
+
+def _run_collapse(args) -> int:
+    from pathkernels.app.cli.collapse import collapse_table
+
+    return _done(collapse_table(**_options(args, *_MODEL_OPTIONS, "batch", "seeds", "device")))
+
+
+def _run_paths(args) -> int:
+    from pathkernels.app.cli.paths import paths_table
+
+    return _done(paths_table(**_options(args, *_MODEL_OPTIONS, "seed", "samples_per_length", "max_exact", "device")))
+
+
+def _run_attribute(args) -> int:
+    from pathkernels.app.cli.attribute import attribute_table
+
+    names = ("seed", "target", "versus", "position", "top", "max_length", "time_limit")
+    return _done(attribute_table(**_options(args, *_MODEL_OPTIONS, *names)))
+
+
+def _run_bench(args) -> int:
+    from pathkernels.app.cli.bench import bench_tables
+
+    return _done(bench_tables(device=args.device, quick=args.quick, out_file=args.out))
+
+
+def main(argv=None) -> int:
+    code = _main(argv)
+    if argv is None and any(worker.is_alive() for worker in ABANDONED):
+        # The program's entry point, with a search left running past the time limit: end now, as
+        # an interpreter that waited for it (or tore torch down under it) would not.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    _check_options(args, args.command_parser)
+    where = args.command_parser.prog
+    try:
+        out = getattr(args, "out", None)
+        if out is not None:
+            check_writable(out, "--out", args.command, folder=args.command != "bench")
+        return args.run(args)
+    except CommandLineError as error:
+        if args.debug:
+            raise
+        # The helpers that several commands share say "pathkernels:"; the line names the command.
+        message = str(error)
+        print(
+            f"{where}: {message.removeprefix('pathkernels: ')}" if message.startswith("pathkernels: ") else message,
+            file=sys.stderr,
+        )
+        return 2
+    except KeyboardInterrupt:
+        print(f"{where}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:  # noqa: BLE001 (one line unless --debug)
+        if args.debug:
+            raise
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else "(no message)"
+        print(
+            f"{where}: error: {type(error).__name__}: {reason} (rerun with --debug for the traceback)", file=sys.stderr
+        )
+        return 1

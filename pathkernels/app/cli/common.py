@@ -1,0 +1,105 @@
+"""What the subcommands share: the device, the memory of the attention maps, the models given with
+``--model`` and their inputs, and the printed and written results."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pathkernels.adapters.huggingface import LocalModel, load_local_model, local_model_inputs
+from pathkernels.app.cli.base import CommandLineError
+from pathkernels.core._extension import build_info
+from pathkernels.core._figures import saved
+from pathkernels.core._memory import check_fits
+
+
+def check_attention_fits(
+    command: str, *, batch: int, layers: int, heads: int, tokens: int, bytes_per_entry: int, device: str
+) -> None:
+    """Refuse, before anything is allocated, a run whose attention maps alone (``B·L·H·n²`` entries
+    of ``bytes_per_entry``: the maps and the copies the command makes of them) exceed the memory
+    the device has."""
+    check_fits(
+        batch * layers * heads * tokens * tokens * bytes_per_entry,
+        torch.device(device),
+        f"pathkernels {command}",
+        f"{batch} × {layers} layers × {heads} heads × {tokens}² tokens of attention need about",
+        "pass fewer --tokens (or a smaller --batch or network)",
+        error=CommandLineError,
+    )
+
+
+def resolve_device(device: str, command: str) -> str:
+    """``auto``: CUDA when a GPU and the CUDA kernels are present, else CPU; ``cuda`` is checked."""
+    has_cuda = torch.cuda.is_available() and build_info()["cuda"]
+    if device == "auto":
+        return "cuda" if has_cuda else "cpu"
+    if device == "cuda" and not has_cuda:
+        raise CommandLineError(
+            f"pathkernels {command}: --device cuda needs a GPU and pathkernels built with CUDA "
+            f"(build_info: cuda={build_info()['cuda']}, GPU: {torch.cuda.is_available()})"
+        )
+    return device
+
+
+def heading(text: str) -> None:
+    print()
+    print(text)
+    print("=" * len(text))
+
+
+def save(out: Path | None, name: str, table=None, figure=None) -> None:
+    """Write ``name``.csv and/or ``name``.png into ``out`` and say so."""
+    if out is None:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    if table is not None:
+        table.to_csv(out / f"{name}.csv", index=False)
+        print(f"  wrote {out / (name + '.csv')}")
+    if figure is not None:
+        saved(figure, out / f"{name}.png")
+        print(f"  wrote {out / (name + '.png')}")
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
+
+
+def float_format(value: float) -> str:
+    return f"{value:.3g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
+
+
+def local_model(spec: str) -> LocalModel:
+    """``--model``: the adapters' reader, its errors as one command-line line."""
+    try:
+        return load_local_model(spec)
+    except (FileNotFoundError, ImportError, ValueError) as error:
+        raise CommandLineError(f"pathkernels: --model {spec}: {error}") from None
+
+
+def model_inputs(local: LocalModel, text: str | None, tokens: int | None, batch: int = 1) -> tuple[dict, str]:
+    """The inputs that ``--text`` / ``--tokens`` ask for, refusing those that do not apply."""
+    if local.is_vision and (text is not None or tokens is not None):
+        option = "--text" if text is not None else "--tokens"
+        raise CommandLineError(
+            f"pathkernels: {option} does not apply to the vision model {local.path}: its tokens "
+            "are the image patches (random pixels here)"
+        )
+    if text is not None and tokens is not None:
+        raise CommandLineError("pathkernels: pass --text or --tokens, not both (--tokens draws random token ids)")
+    if text is not None and local.tokenizer is None:
+        raise CommandLineError(
+            f"pathkernels: --text needs a tokenizer, and {local.path} has none; pass --tokens N for random token ids"
+        )
+    try:
+        return local_model_inputs(local, text=text, num_tokens=tokens, batch=batch)
+    except ValueError as error:
+        raise CommandLineError(f"pathkernels: --text: {str(error).split(': ', 1)[-1]}") from None
+
+
+def sequence_length(local: LocalModel, inputs: dict) -> int:
+    """The number of tokens the model sees: its input ids', or a vision model's patches (+1)."""
+    if local.is_vision:
+        config = local.model.config
+        return (config.image_size // config.patch_size) ** 2 + 1
+    return inputs["input_ids"].shape[-1]
