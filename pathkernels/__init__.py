@@ -4,46 +4,68 @@ Fused CPU and CUDA kernels, registered as ``torch.ops.pathkernels.*``, with a th
 See README.md, and docs/DESIGN.md in the source tree for the math, the engine and the performance
 model.
 
-The library core is imported here. The application modules (``experiments``, ``models``,
-``compat``, ``benchmarks``, ``cli``) load on first use, so ``import pathkernels`` pulls in neither
-pandas, matplotlib nor the experiments.
+The package is laid out by layer, each importing only those below it (docs/DESIGN.md, "Layers"):
+:mod:`pathkernels.core` (the ops, path trees, engine, length sums, statistics, decompositions),
+:mod:`pathkernels.adapters` (reading Hugging Face and TransformerLens models),
+:mod:`pathkernels.analysis` (attribution, top paths, metrics, rollout) and :mod:`pathkernels.app`
+(the command line, experiments, demo models, benchmark helpers). The public names below are
+this package's, whichever layer defines them.
+
+Loading: if torch is already imported when pathkernels is, ``import pathkernels`` imports the
+library layers (core, adapters, analysis) at once, which loads the compiled extension and
+registers ``torch.ops.pathkernels.*``; otherwise it imports nothing, and the first use of a
+public name (or of any module of the layers) imports them. ``pk.experiments``, ``pk.models``,
+``pk.compat`` and ``pk.testing`` load on first use only, so ``import pathkernels`` never pulls in
+the applications, pandas or matplotlib.
 """
 
-import importlib
-
-import torch  # noqa: F401  (loads libtorch before the extension)
-
-from pathkernels.core._extension import build_info
-from pathkernels.core._extension import load as _load
-
-_load()
-
-from pathkernels import adapters  # noqa: E402
-from pathkernels.analysis import (  # noqa: E402
-    PathAttribution,
-    Readout,
-    TopPaths,
-    logit,
-    logit_diff,
-    metrics,
-    nn,
-    path_attribution,
-    path_terms,
-    top_paths,
-)
-from pathkernels.analysis.rollout import rollout  # noqa: E402
-from pathkernels.core import distributed  # noqa: E402
-from pathkernels.core.decompose import PathDecomposition, decompose  # noqa: E402
-from pathkernels.core.engine import PathResiduals, path_residuals  # noqa: E402
-from pathkernels.core.length_sums import length_sums, truncated_output  # noqa: E402
-from pathkernels.core.ops import MatrixNorms, composite_norm, matrix_norms, residual_norm  # noqa: E402
-from pathkernels.core.paths import PathTree, count_by_length, count_paths, sample_paths  # noqa: E402
-from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET  # noqa: E402
-from pathkernels.core.statistics import PathStatistics, path_statistics  # noqa: E402
+import importlib as _importlib
+import sys as _sys
 
 __version__ = "0.1.0"
 
-_LAZY_MODULES = {
+# The public names of the library layers and the modules that define them.
+_LIBRARY_NAMES = {
+    "DEFAULT_MEMORY_BUDGET": "pathkernels.core.planner",
+    "MatrixNorms": "pathkernels.core.ops",
+    "PathAttribution": "pathkernels.analysis.attribution",
+    "PathDecomposition": "pathkernels.core.decompose",
+    "PathResiduals": "pathkernels.core.engine",
+    "PathStatistics": "pathkernels.core.statistics",
+    "PathTree": "pathkernels.core.paths",
+    "Readout": "pathkernels.analysis.attribution",
+    "TopPaths": "pathkernels.analysis.top_paths",
+    "build_info": "pathkernels.core._extension",
+    "composite_norm": "pathkernels.core.ops",
+    "count_by_length": "pathkernels.core.paths",
+    "count_paths": "pathkernels.core.paths",
+    "decompose": "pathkernels.core.decompose",
+    "length_sums": "pathkernels.core.length_sums",
+    "logit": "pathkernels.analysis.attribution",
+    "logit_diff": "pathkernels.analysis.attribution",
+    "matrix_norms": "pathkernels.core.ops",
+    "path_attribution": "pathkernels.analysis.attribution",
+    "path_residuals": "pathkernels.core.engine",
+    "path_statistics": "pathkernels.core.statistics",
+    "path_terms": "pathkernels.analysis.real_paths",
+    "residual_norm": "pathkernels.core.ops",
+    "rollout": "pathkernels.analysis.rollout",
+    "sample_paths": "pathkernels.core.paths",
+    "top_paths": "pathkernels.analysis.top_paths",
+    "truncated_output": "pathkernels.core.length_sums",
+}
+# The library's modules that are public names (pk.metrics, ...), the layers themselves included.
+_LIBRARY_MODULES = {
+    "core": "pathkernels.core",
+    "adapters": "pathkernels.adapters",
+    "analysis": "pathkernels.analysis",
+    "distributed": "pathkernels.core.distributed",
+    "metrics": "pathkernels.analysis.metrics",
+    "nn": "pathkernels.analysis.nn",
+}
+# Modules imported on first use only.
+_ON_USE_MODULES = {
+    "app": "pathkernels.app",
     "compat": "pathkernels.analysis.compat",
     "experiments": "pathkernels.app.experiments",
     "models": "pathkernels.app.models",
@@ -51,17 +73,30 @@ _LAZY_MODULES = {
 }
 
 
+def _load_library() -> None:
+    """Import the library layers (the core first: it loads the extension) and bind their public
+    names here. Importing the analysis layer also sets :func:`decompose`'s hook for captured
+    models."""
+    for name, module in _LIBRARY_MODULES.items():
+        globals()[name] = _importlib.import_module(module)
+    for name, module in _LIBRARY_NAMES.items():
+        globals()[name] = getattr(_importlib.import_module(module), name)
+
+
 def __getattr__(name: str):
-    """``pk.experiments`` and the other application modules, imported on first use."""
-    if name in _LAZY_MODULES:
-        module = importlib.import_module(_LAZY_MODULES[name])
+    """The public names, their layers imported on first use (see the module docstring)."""
+    if name in _LIBRARY_NAMES or name in _LIBRARY_MODULES:
+        _load_library()
+        return globals()[name]
+    if name in _ON_USE_MODULES:
+        module = _importlib.import_module(_ON_USE_MODULES[name])
         globals()[name] = module
         return module
     raise AttributeError(f"module 'pathkernels' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY_MODULES))
+    return sorted(set(globals()) | set(_LIBRARY_NAMES) | set(_LIBRARY_MODULES) | set(_ON_USE_MODULES))
 
 
 __all__ = [
@@ -100,3 +135,7 @@ __all__ = [
     "top_paths",
     "truncated_output",
 ]
+
+# Users who call torch.ops.pathkernels.* directly have imported torch first: load the ops for them.
+if "torch" in _sys.modules:
+    _load_library()
