@@ -1,13 +1,13 @@
-"""GPU benchmark of the leaf kernels and the engine on CUDA (issues 4, 13 and 35), float32.
+"""GPU benchmark of the leaf kernels and the engine on CUDA, float32.
 
 1. The fused leaf kernels alone (``_fused_leaf_norms``: C(A) · right_k for a block of leaves,
    reduced on chip): "simt" (CUDA cores), "tf32x3" (tensor cores, float32 accuracy) and "tf32"
    (one TF32 pass), against the same-run cuBLAS rate of the very same product (``C(A) @ right`` as
    one [n, n] × [n, c·m] GEMM, materialised and not reduced) in float32 and in TF32, with each
    kernel's largest relative error against float64 on the first leaves; and the SIMT kernel in
-   float64 against cuBLAS float64 (FP64 tensor cores on the H100/H200). Issue 13's target at
+   float64 against cuBLAS float64 (FP64 tensor cores on the H100/H200). The target at
    n = 64: tf32x3 at least 1.5× cuBLAS float32.
-2. A whole leaf level (issue 35): every head's leaves of c parents, ``C(A_h) R'_k`` and the column
+2. A whole leaf level: every head's leaves of c parents, ``C(A_h) R'_k`` and the column
    means ``μ_k + R'_kᵀ a_h``, reduced to both norms. Candidates, timed in the same run: cuBLAS
    (the H heads and their a_h stacked into one [H(n + 1), n] × [n, c·m] GEMM: float32, TF32, and
    float32 followed by the torch reduction, the baseline that computes the same norms), the CUDA
@@ -387,7 +387,7 @@ def main(argv=None) -> int:
                 flush=True,
             )
 
-    print("\nwhole leaf level: every head's leaves of a block of parents (issue 35)", flush=True)
+    print("\nwhole leaf level: every head's leaves of a block of parents", flush=True)
     triton_leaf = import_triton_leaf(device, results)
     results["triton_configs"] = os.environ["PATHKERNELS_TRITON_CONFIGS"]
     levels = results["leaf_level"] = []

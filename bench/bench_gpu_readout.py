@@ -1,4 +1,4 @@
-"""The readout engine on a GPU (issue 24, for the GPU issue's lendings): pk.path_attribution and
+"""The readout engine on a GPU (run by bench/gpu_check.sh): pk.path_attribution and
 pk.top_paths of GPT-2-shaped models captured on CUDA against the same models on the CPU, with the
 results compared (the readout ops run their ATen form on CUDA).
 

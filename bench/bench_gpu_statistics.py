@@ -1,4 +1,4 @@
-"""GPU benchmark of exact path statistics at scale (issue 26 §5), float32, one GPU.
+"""GPU benchmark of exact path statistics at scale, float32, one GPU.
 
 1. ``path_statistics`` on complete trees of H = 10 heads, n = 64, with each leaf kernel
    ("fused" = SIMT, "tensor" = tf32x3): paths per second at 10^8 paths (L = 8), and the time that

@@ -5,7 +5,7 @@
    achieved bandwidth (one read of x, the floor) as a fraction of the copy bandwidth measured in the
    same run (out.copy_(x): one read, one write).
 2. (``--triton``, or ``--only triton`` for this section alone) The Triton kernels of
-   pathkernels.core.triton_norms (issue 35, item 5) on batches of at least ``--mib`` MiB (256 by default)
+   pathkernels.core.triton_norms on batches of at least ``--mib`` MiB (256 by default)
    of [B, 64, 64], [B, 128, 128], [B, 256, 256] and [B, 32, 768] matrices, each op
    (residual_norm, residual+norm, composite_norm) against, in the same run and interleaved round by
    round: x.sum() (one read), a device copy (out.copy_(x): one read and one write), the existing
@@ -15,7 +15,7 @@
    Reports GB/s (bytes of x read once per call; twice for the copy), the fraction of the copy's
    bandwidth and of x.sum()'s, the speed-ups over the CUDA kernel, torch.compile and eager, the
    largest relative error against pk's op, and the autotuner's choice (with every config's time).
-   Target (issue 35): at least 80 % of the copy bandwidth and 3× torch.compile. The JSON is written
+   Target: at least 80 % of the copy bandwidth and 3× torch.compile. The JSON is written
    after every case, so that a run cut short keeps what it measured ("complete": false); a
    candidate that fails is recorded with its error and the rest goes on.
    ``--device cpu --only triton`` is a dry run of this section: Triton's interpreter
@@ -251,7 +251,7 @@ def triton_section(args, results: dict, save) -> None:
         "complete": False,
         "cases": [],
     }
-    print("\nTriton norm kernels (issue 35 item 5): target ≥ 80 % of copy bandwidth and ≥ 3× torch.compile", flush=True)
+    print("\nTriton norm kernels: target ≥ 80 % of copy bandwidth and ≥ 3× torch.compile", flush=True)
     triton_norms = import_triton_norms(device, section)
     if device == "cuda":
         # Shapes recompile (dynamic=False): more than dynamo's default of 8 per function in a full run.

@@ -16,7 +16,7 @@ Each case runs in its own process, so that its peak memory is its own. Reported 
 
 --gemm-cost times path_residuals on GRID's trees with the engine's reproducible GEMM (gemm_cpu.h)
 and with PATHKERNELS_ENGINE_GEMM=aten (the same engine on ATen's BLAS), each call in a fresh
-process, alternating, best of --rounds rounds of three calls: the cost issue 22 bounds at 5 %.
+process, alternating, best of --rounds rounds of three calls: a cost the engine must keep within 5 %.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Streamed statistics against per-path results: pk.path_statistics vs pk.path_residuals.
 
-Issue 17's CPU target: the exact statistics of a 10^8-path tree (L = 8, H = 10, n = 32, float32,
+The CPU target: the exact statistics of a 10^8-path tree (L = 8, H = 10, n = 32, float32,
 no skip) with peak memory growth under 100 MiB, in no more than 5 % more time than
 path_residuals takes for the same tree. Both run on the same tree and machine, alternating for
 --rounds rounds (this VM's timings vary by ±30 %). Reported: each call's best time, the median of

@@ -1,4 +1,4 @@
-"""Where the CUDA engine spends its time (issue 26 §3): torch.profiler over one call of each.
+"""Where the CUDA engine spends its time: torch.profiler over one call of each.
 
 For ``path_residuals`` on a complete tree (L = 6, H = 10, n = 64, float32) with each leaf kernel,
 and ``path_statistics`` on the same tree, each also with its chunks settled one at a time (as

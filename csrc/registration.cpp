@@ -25,7 +25,7 @@ TORCH_LIBRARY(pathkernels, m) {
       "path_chunk_norms(Tensor attn, Tensor attn_mean, Tensor root, Tensor root_mean, Tensor? w_v, "
       "Tensor? w_o, Tensor[] parents, Tensor[] heads, int leaf_block, str leaf_kernel=\"simt\") "
       "-> (Tensor residual, Tensor norm)");
-  // The fused leaf reduction on its own (issue 4): attn C(A) [n, n] (n <= 128), right [n, c, m],
+  // The fused leaf reduction on its own: attn C(A) [n, n] (n <= 128), right [n, c, m],
   // mean [c, m], optional scale [c] (float64 powers of two, default 1) -> per leaf k, with
   // R_k = scale_k · C(A) right_k, ‖R_k‖_{1,∞} and ‖1 mean_kᵀ + R_k‖_{1,∞}, each [c] in float64.
   // kernel: "simt", "tf32x3" or "tf32" (as path_chunk_norms' leaf_kernel). The CUDA kernel computes
@@ -53,7 +53,7 @@ TORCH_LIBRARY(pathkernels, m) {
       "_statistics_update(Tensor residual, Tensor norm, Tensor lengths, Tensor edges, Tensor(a!) counts, "
       "Tensor(b!) log10_ratio_sums, Tensor(c!) sums, Tensor(d!) sums_of_squares, Tensor(e!) minima, "
       "Tensor(f!) maxima, Tensor(g!) argmin, Tensor(h!) argmax, Tensor(i!) histograms) -> ()");
-  // The readout engine (issue 24; csrc/readout/readout.h): one step of the top-down readout trie,
+  // The readout engine (csrc/readout/readout.h): one step of the top-down readout trie,
   // float64. rho [N, P, n] and phi [N, R, d] per node; values [N, P, R] = rho_i K phi_iᵀ through the
   // source K [n, d]; the children through each head h, rho_i T_h [H, N, P, n] and phi_i F_in[h] F_out[h]
   // [H, N, R, d'] (F_in [H, d, e], F_out [H, e, d'] or none: phi_i F_in[h], d' = e). CPU: the engine's

@@ -1,4 +1,4 @@
-"""pk.path_attribution (issue 24): each path's attribution to a readout of a captured model.
+"""pk.path_attribution: each path's attribution to a readout of a captured model.
 
 Completeness against the models' own logits (GPT-2 and a Llama in float64 and float32, BERT through a
 probe direction), each path's attribution against its term written literally from the design's

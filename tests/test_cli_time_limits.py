@@ -1,4 +1,4 @@
-"""`pathkernels attribute --time-limit` bounds the whole command (issue 34).
+"""`pathkernels attribute --time-limit` bounds the whole command.
 
 `attribute --time-limit 5` of a GPT-2-small shape took 99 s: the limit applied to each of the two
 searches alone, and the searches' set-up of their bounds (66 s there) ran before either looked at

@@ -1,4 +1,4 @@
-"""Fuzz: the path functions on hostile inputs (issue 23).
+"""Fuzz: the path functions on hostile inputs.
 
 Each case starts from a valid network and applies none, one or two damages (a dtype the engine
 does not take, a shape that is not [B, L, H, n, n], an empty size, NaN or inf, rows that do not

@@ -1,5 +1,5 @@
 """Hostile inputs to the ops: each gives a clear error that names the op and the argument, never a
-silently wrong number (issue 23's reproducers)."""
+silently wrong number: the reproducers of what the fuzz found."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""A sweep of hostile arguments over every public function of pathkernels (issue 34).
+"""A sweep of hostile arguments over every public function of pathkernels.
 
 Each case calls one public function (``pk.*``, ``pk.metrics.*``, ``pk.nn``, ``pk.compat``, the
 adapters on a tiny GPT-2 built from a config, the methods of ``PathTree`` and ``PathStatistics``,

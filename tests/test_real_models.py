@@ -1,4 +1,4 @@
-"""Paths of real transformers (issue 24, in progress): a model's residual stream, norms frozen, as
+"""Paths of real transformers: a model's residual stream, norms frozen, as
 an exact sum of paths from the embedding, the layers' constants and the MLP outputs; for GPT-2 and
 ViT (pre-LN), BERT and RoBERTa (post-LN) and the Llama family (RMSNorm, grouped-query attention,
 rotary positions, a float32 softmax).

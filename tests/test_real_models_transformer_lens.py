@@ -1,4 +1,4 @@
-"""Paths of a TransformerLens model, issue 24: its residual stream as an exact sum of paths, and
+"""Paths of a TransformerLens model: its residual stream as an exact sum of paths, and
 its logit differences as sums of path attributions, for every normalisation type, attention-only
 models, grouped-query attention and rotary positions: a HookedTransformer on 3.x, a
 TransformerBridge over its native model on 4.x (tests/test_transformer_lens_versions.py runs this

@@ -1,4 +1,4 @@
-"""pk.decompose of a captured model (issue 24): the model's own paths, each a source and the heads
+"""pk.decompose of a captured model: the model's own paths, each a source and the heads
 it passes, their terms built from the bottom up. The terms sum to the captured stream; each term,
 read out, is the path's attribution that the top-down readout trie computes independently; the
 residual ratios are those of the terms; padded sequences read as they do alone."""

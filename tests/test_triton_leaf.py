@@ -1,4 +1,4 @@
-"""The Triton leaf kernel (pathkernels.core.triton_leaf, issue 35): every head's leaves of a block of
+"""The Triton leaf kernel (pathkernels.core.triton_leaf): every head's leaves of a block of
 parents in one launch. Where there is no GPU it runs in Triton's interpreter: TRITON_INTERPRET=1 is
 set only while this file imports pathkernels.core.triton_leaf (Triton reads it when the kernels are
 decorated) and restored at once, so no other test sees it. On a GPU the same tests run the compiled

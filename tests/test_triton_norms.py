@@ -1,4 +1,4 @@
-"""The Triton norm kernels (pathkernels.core.triton_norms, issue 35 item 5): ‖x‖_{1,∞} and ‖x − 1μᵀ‖_{1,∞} of a
+"""The Triton norm kernels (pathkernels.core.triton_norms): ‖x‖_{1,∞} and ‖x − 1μᵀ‖_{1,∞} of a
 batch of matrices in one launch. Where there is no GPU they run in Triton's interpreter:
 TRITON_INTERPRET=1 is set only while this file imports pathkernels.core.triton_norms (Triton reads it when
 the kernels are decorated) and restored at once, so no other test sees it. On a GPU the same tests

@@ -1,4 +1,4 @@
-"""Work limits: calls whose work exceeds a stated bound refuse before starting (issue 34).
+"""Work limits: calls whose work exceeds a stated bound refuse before starting.
 
 pk.decompose and pk.path_statistics of a 10^15-path tree began streaming for years; they refuse
 beyond ``max_paths=`` (10^10 by default), naming the bound, the time at the measured rates and

@@ -1,4 +1,4 @@
-// The fused leaf kernel's per-thread logic (issue 4, docs/DESIGN.md §1): one CTA of kThreads threads
+// The fused leaf kernel's per-thread logic (docs/DESIGN.md §1): one CTA of kThreads threads
 // computes one column tile of one leaf, R' = C(A) · right_k (n ≤ kMaxRows rows, any number of
 // columns), in registers, and reduces it on chip to the column abs sums of R' and of 1μᵀ + sR'
 // (s the leaf's scale, so that sR' = R) and to the tile's share of their row abs sums. No leaf matrix is ever written to memory; a finish

@@ -1,4 +1,4 @@
-// CPU fold of one chunk of per-leaf results into pk.path_statistics' accumulators (issue 17): a
+// CPU fold of one chunk of per-leaf results into pk.path_statistics' accumulators: a
 // few passes over the leaves in leaf order, one per group of accumulators, run as independent
 // tasks on the CPU threads, where the torch code it replaces on CPU (PathStatistics._add_torch,
 // kept for other devices and as this kernel's test oracle) takes ~40 passes of index_add_ and

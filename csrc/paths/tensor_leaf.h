@@ -1,4 +1,4 @@
-// The fused leaf kernel on tensor cores (issue 13): the same CTA work as fused_leaf.h's SIMT
+// The fused leaf kernel on tensor cores: the same CTA work as fused_leaf.h's SIMT
 // tile, one column tile of one float32 leaf R' = C(A) · right_k reduced on chip to its abs sums,
 // with the product on TF32 tensor cores (mma.sync m16n8k8, sm_80 and later).
 //

@@ -1,4 +1,4 @@
-// The readout engine (issue 24): one step of the top-down readout trie of a frozen transformer, in
+// The readout engine: one step of the top-down readout trie of a frozen transformer, in
 // float64 (docs/DESIGN.md, "Real transformers"). A node of the trie has chosen a branch of every
 // sublayer above some source; it holds rho [P, n], rᵀ times the token maps chosen (one row per
 // read-out position), and phi [R, d], the feature maps chosen applied to each readout direction.

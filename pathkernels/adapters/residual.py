@@ -1,4 +1,4 @@
-"""What a real transformer's residual stream holds beyond its attention (issue 24, in progress).
+"""What a real transformer's residual stream holds beyond its attention.
 
 With every normalisation scale frozen at its value in one forward pass, a pre-norm transformer's
 residual stream is an exact sum of paths: a source (the embedding, a layer's constant, an MLP's

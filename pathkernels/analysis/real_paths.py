@@ -1,4 +1,4 @@
-"""Exact decompositions of a captured model's residual stream into its paths (issue 24).
+"""Exact decompositions of a captured model's residual stream into its paths.
 
 With every pattern and normalisation scale frozen at one forward pass (a stack from
 :func:`pathkernels.adapters.capture_huggingface_residual` or ``capture_transformer_lens_residual``),

@@ -1,4 +1,4 @@
-"""The leaf level of the path tree as one Triton kernel over every head (issue 35).
+"""The leaf level of the path tree as one Triton kernel over every head.
 
 The CUDA engine reduces a level's leaves head by head (``_fused_leaf_norms``, one launch per head,
 plus a GEMV per head for the column means), so each parent's residual is read once per head and

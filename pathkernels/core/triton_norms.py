@@ -1,4 +1,4 @@
-"""The composite and residual norms of a batch of matrices as one Triton kernel each (issue 35, item 5).
+"""The composite and residual norms of a batch of matrices as one Triton kernel each.
 
 For x ``[..., n, m]`` (n rows, the tokens; m columns):
 
