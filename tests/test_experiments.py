@@ -266,7 +266,48 @@ def test_cli_version_and_the_bench_caveat(monkeypatch, capsys):
     monkeypatch.setattr(bench_command, "QUICK_NORM_CASES", [(2, 8, 8)])
     monkeypatch.setattr(bench_command, "QUICK_PATH_CASES", [(2, 2, 8)])
     assert main(["bench", "--quick", "--device", "cpu"]) == 0
-    assert "read the speed-ups as orders of magnitude" in capsys.readouterr().out
+    assert "each reported at its fastest round; the copy's rounds say whether the machine was busy" in (
+        capsys.readouterr().out
+    )
+
+
+def test_interleaved_rounds_take_turns_and_the_busy_note():
+    from pathkernels.app import benchmarks
+
+    calls = []
+    times = benchmarks.interleaved_rounds(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, "cpu", min_run_time=0.0, rounds=3
+    )
+    assert calls == ["a", "b"] * 3 and {name: len(t) for name, t in times.items()} == {"a": 3, "b": 3}
+    # A copy of 1 GB repeated to 1 % in 8 rounds at 10 GB/s: quiet; one round slow: still quiet (the
+    # median); half the rounds 3x slower, or every round at 0.5 GB/s: busy.
+    quiet = [0.2, 0.201, 0.2, 0.202, 0.2, 0.2, 0.201, 0.2]
+    assert not benchmarks.steadiness(quiet, 10**9)["busy"]
+    assert benchmarks.steadiness(quiet, 10**9)["copy_gbs"] == pytest.approx(10.0)
+    assert not benchmarks.steadiness([*quiet[:7], 5.0], 10**9)["busy"]
+    assert benchmarks.steadiness([0.2] * 4 + [0.6] * 4, 10**9)["busy"]
+    assert benchmarks.steadiness([4.0] * 8, 10**9)["busy"]
+    rows = [{"busy": False, "copy_spread": 1.0, "copy_gbs": 10.0}]
+    assert benchmarks.busy_note(rows) is None
+    rows.append({"busy": True, "copy_spread": 3.0, "copy_gbs": 0.5})
+    assert "1 of these 2 rows" in benchmarks.busy_note(rows) and "3.0x" in benchmarks.busy_note(rows)
+    table = benchmarks.format_norm_table(
+        [
+            {
+                "op": "composite_norm",
+                "shape": [2, 8, 8],
+                "dtype": "float32",
+                "fused_ms": 1.0,
+                "reference_ms": 2.0,
+                "speedup": 2.0,
+                "bandwidth_gbs": 1.0,
+                "fraction_of_copy": 0.5,
+                "busy": busy,
+            }
+            for busy in (False, True)
+        ]
+    )
+    assert "composite_norm " in table.splitlines()[2] and "composite_norm*" in table.splitlines()[3]
 
 
 def test_cli_collapse_takes_a_device(capsys):

@@ -105,22 +105,50 @@ def format_table(rows: list[dict], columns: list[tuple]) -> str:
     return "\n".join([header, "-" * len(header)] + [line(values) for values in cells[1:]])
 
 
-def interleaved_seconds(
-    fn: Callable[[], object], baseline: Callable[[], object], device: str, min_run_time: float, rounds: int = 8
-) -> tuple[float, float, float]:
-    """Time fn and baseline in alternation, ``rounds`` times each for ``min_run_time / rounds``.
+# A run is called busy when the copy of the same bytes, timed in every round beside the kernels,
+# took more than this many times its fastest round in half the rounds or more (its median over its
+# minimum), or ran below BUSY_COPY_GBS: a quiet machine repeats a copy to within a few per cent, and
+# no machine's memory copies that slowly.
+BUSY_SPREAD = 1.5
+BUSY_COPY_GBS = 1.0
 
-    Returns the median over rounds of fn's seconds, of baseline's seconds, and of the per-round
-    ratio ``baseline_s / fn_s``. On a shared machine whose speed drifts (a neighbour's load), a
-    ratio taken within a round is steadier than a ratio of two medians taken seconds apart.
-    """
-    per_round = min_run_time / rounds
-    fn_s, baseline_s = [], []
+
+def interleaved_rounds(
+    candidates: dict[str, Callable[[], object]], device: str, min_run_time: float, rounds: int = 8
+) -> dict[str, list[float]]:
+    """Each candidate's seconds per call in each of ``rounds`` rounds, the candidates taking turns
+    within every round (``min_run_time`` in all, shared evenly), so that a neighbour's load or a
+    drift of the clock touches all of them alike. A round's time is the fastest call in it."""
+    per_call = min_run_time / (rounds * len(candidates))
+    times: dict[str, list[float]] = {name: [] for name in candidates}
     for _ in range(rounds):
-        baseline_s.append(seconds_per_call(baseline, device, min_seconds=per_round))
-        fn_s.append(seconds_per_call(fn, device, min_seconds=per_round))
-    ratios = [b / f for b, f in zip(baseline_s, fn_s)]
-    return tuple(statistics.median(v) for v in (fn_s, baseline_s, ratios))
+        for name, fn in candidates.items():
+            times[name].append(seconds_per_call(fn, device, min_runs=1, min_seconds=per_call, statistic="min"))
+    return times
+
+
+def steadiness(copy_times: list[float], copied_bytes: int) -> dict:
+    """How steady the machine was while a table was timed, from the rounds of a copy of
+    ``copied_bytes`` bytes (one read and one write each) timed among the kernels:
+    ``copy_spread`` (median over minimum), ``copy_gbs`` (at the fastest round) and ``busy``."""
+    fastest = min(copy_times)
+    spread = statistics.median(copy_times) / fastest
+    gbs = 2 * copied_bytes / fastest / 1e9
+    return {"copy_spread": spread, "copy_gbs": gbs, "busy": spread > BUSY_SPREAD or gbs < BUSY_COPY_GBS}
+
+
+def busy_note(rows: list[dict]) -> str | None:
+    """A plain statement when any row was timed on a busy machine (:func:`steadiness`), else None."""
+    busy = [row for row in rows if row.get("busy")]
+    if not busy:
+        return None
+    worst = max(busy, key=lambda row: row["copy_spread"])
+    return (
+        f"The machine was busy while {len(busy)} of these {len(rows)} rows were timed (marked *): a copy of the "
+        f"same bytes, timed between them, varied up to {worst['copy_spread']:.1f}x from round to round "
+        f"(slowest {min(row['copy_gbs'] for row in busy):.1f} GB/s). Their times say more about the machine than "
+        "about the kernels; time again on a quiet machine (bench/ repeats and records)."
+    )
 
 
 def machine_description(device: str) -> str:
@@ -133,9 +161,10 @@ def norm_benchmark(shape, dtype=torch.float32, device="cpu", min_run_time=1.0) -
     """Time residual_norm (alone, and with the plain norm: ``return_norm=True``) and composite_norm
     on x = randn(shape), each against its pure-PyTorch reference.
 
-    Bandwidth counts one read of x, the floor for these ops; ``fraction_of_copy`` divides it by
-    the bandwidth of ``out.copy_(x)`` (one read and one write), timed in alternation with the op
-    (the median over rounds of the per-round fraction).
+    The op, its reference and ``out.copy_(x)`` take turns in 8 rounds (:func:`interleaved_rounds`);
+    each is reported at its fastest round, the one the machine disturbed least. Bandwidth counts
+    one read of x, the floor for these ops; ``fraction_of_copy`` divides it by the copy's (one read
+    and one write). The copy's rounds also say whether the machine was busy (:func:`steadiness`).
     """
     x = random_matrices(*shape, dtype=dtype, device=device)
     out = torch.empty_like(x)
@@ -155,10 +184,8 @@ def norm_benchmark(shape, dtype=torch.float32, device="cpu", min_run_time=1.0) -
     ]
     rows = []
     for name, fused, ref in cases:
-        fused_s, copy_s, copy_over_fused = interleaved_seconds(fused, copy, device, 2 * min_run_time)
-        ref_s = seconds_per_call(ref, device, min_seconds=min_run_time)
-        bandwidth = bytes_read / fused_s
-        copy_bandwidth = 2 * bytes_read / copy_s
+        times = interleaved_rounds({"fused": fused, "reference": ref, "copy": copy}, device, 3 * min_run_time)
+        fused_s, ref_s, copy_s = (min(times[key]) for key in ("fused", "reference", "copy"))
         rows.append(
             {
                 "op": name,
@@ -168,10 +195,11 @@ def norm_benchmark(shape, dtype=torch.float32, device="cpu", min_run_time=1.0) -
                 "fused_ms": fused_s * 1e3,
                 "reference_ms": ref_s * 1e3,
                 "speedup": ref_s / fused_s,
-                "bandwidth_gbs": bandwidth / 1e9,
-                "copy_bandwidth_gbs": copy_bandwidth / 1e9,
-                # copy moves 2 bytes per byte of x: copy_s / (2 fused_s), per round.
-                "fraction_of_copy": copy_over_fused / 2,
+                "bandwidth_gbs": bytes_read / fused_s / 1e9,
+                "copy_bandwidth_gbs": 2 * bytes_read / copy_s / 1e9,
+                # copy moves 2 bytes per byte of x: copy_s / (2 fused_s).
+                "fraction_of_copy": copy_s / (2 * fused_s),
+                **steadiness(times["copy"], bytes_read),
             }
         )
     return rows
@@ -189,8 +217,15 @@ NORM_COLUMNS = [
 ]
 
 
+def _marked(row: dict, key: str) -> dict:
+    """``row`` with ``key``'s text marked * where the row was timed on a busy machine."""
+    return {**row, key: f"{row[key]}*" if row.get("busy") else row[key]}
+
+
 def format_norm_table(rows: list[dict]) -> str:
-    return format_table([{**row, "shape_text": "x".join(map(str, row["shape"]))} for row in rows], NORM_COLUMNS)
+    return format_table(
+        [_marked({**row, "shape_text": "x".join(map(str, row["shape"]))}, "op") for row in rows], NORM_COLUMNS
+    )
 
 
 # --- the path engine against pure PyTorch -------------------------------------------------------
@@ -217,6 +252,8 @@ def path_benchmark(
     loop_sample: int = 64,
 ) -> dict:
     """Engine against (b) the level-wise baseline and (a) the per-path loop, on one complete tree.
+    The engine, the baseline and a copy of the attention take turns (:func:`interleaved_rounds`),
+    each reported at its fastest round; the copy says whether the machine was busy.
 
     In-process and without memory accounting (``bench/bench_paths.py`` isolates each case in its
     own process and measures peak memory). The loop is timed on ``loop_sample`` sampled paths and
@@ -229,8 +266,17 @@ def path_benchmark(
     attn = random_attention(layers, heads, n, n, dtype=dtype, device=device, generator=torch.Generator().manual_seed(0))
     tree = PathTree.complete(layers, heads, skip=skip)
     paths = count_paths(layers, heads, skip=skip)
-    engine_s = seconds_per_call(lambda: path_residuals(attn, tree), device, min_seconds=min_run_time)
-    levelwise_s = seconds_per_call(lambda: reference.levelwise_ref(attn, skip), device, min_seconds=min_run_time)
+    out = torch.empty_like(attn)
+    times = interleaved_rounds(
+        {
+            "engine": lambda: path_residuals(attn, tree),
+            "levelwise": lambda: reference.levelwise_ref(attn, skip),
+            "copy": lambda: out.copy_(attn),
+        },
+        device,
+        3 * min_run_time,
+    )
+    engine_s, levelwise_s = min(times["engine"]), min(times["levelwise"])
     sample = sample_paths(layers, heads, min(loop_sample, paths), skip=skip)
     loop_s = (
         seconds_per_call(lambda: reference.per_path_loop_ref(attn, sample), device, min_seconds=min_run_time)
@@ -251,6 +297,7 @@ def path_benchmark(
         "speedup_vs_levelwise": levelwise_s / engine_s,
         "speedup_vs_loop": loop_s / engine_s,
         "gflops": head_node_flops(layers, heads, n, skip) / engine_s / 1e9,
+        **steadiness(times["copy"], attn.numel() * attn.element_size()),
     }
 
 
@@ -258,7 +305,7 @@ QUICK_PATH_COLUMNS = [
     ("L", "layers", ""),
     ("H", "heads", ""),
     ("n", "n", ""),
-    ("skip", "skip", "<"),
+    ("skip", "skip_text", "<"),
     ("paths", "paths", ","),
     ("engine ms", "engine_ms", ".2f"),
     ("level ms", "levelwise_ms", ".2f"),
@@ -270,7 +317,9 @@ QUICK_PATH_COLUMNS = [
 
 
 def format_path_table(rows: list[dict]) -> str:
-    return format_table(rows, QUICK_PATH_COLUMNS)
+    return format_table(
+        [_marked({**row, "skip_text": str(row["skip"])}, "skip_text") for row in rows], QUICK_PATH_COLUMNS
+    )
 
 
 def run_cases(cases, bench_case, columns: list[tuple], title: str, out=None) -> list[dict]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from pathkernels.app.benchmarks import (
     QUICK_NORM_CASES,
     QUICK_PATH_CASES,
+    busy_note,
     format_norm_table,
     format_path_table,
     machine_description,
@@ -30,18 +32,21 @@ def bench_tables(
     min_run_time = 0.2 if quick else 1.0
     machine = machine_description(device)
     print(
-        "Quick timings of a few runs each: on a shared or busy machine they move by 10-50 % from run to run,\n"
-        "so read the speed-ups as orders of magnitude; bench/ times with repetitions and records its results.\n"
+        "Quick timings: each kernel, its pure-PyTorch counterpart and a copy of the same bytes take turns\n"
+        "in 8 rounds, each reported at its fastest round; the copy's rounds say whether the machine was busy.\n"
+        "bench/ times with more repetitions, each case in a process of its own, and records its results.\n"
     )
     print(f"Fused norms against pure PyTorch on {machine} (float32)")
     norm_rows = [
         row for shape in QUICK_NORM_CASES for row in norm_benchmark(shape, torch.float32, device, min_run_time)
     ]
     print(format_norm_table(norm_rows))
+    _say_if_busy(norm_rows)
     print()
     print("Path engine (complete trees with skip) against the level-wise PyTorch baseline and the per-path loop")
     path_rows = [path_benchmark(*case, device=device, min_run_time=min_run_time) for case in QUICK_PATH_CASES]
     print(format_path_table(path_rows))
+    _say_if_busy(path_rows)
     norms, paths = pd.DataFrame(norm_rows), pd.DataFrame(path_rows)
     if out_dir is not None:
         save(out_dir, "speed_norms", norms)
@@ -55,3 +60,9 @@ def bench_tables(
             out_file.write_text(json.dumps(payload, indent=1, default=str))
         print(f"  wrote {out_file}")
     return norms, paths
+
+
+def _say_if_busy(rows: list[dict]) -> None:
+    note = busy_note(rows)
+    if note is not None:
+        print(textwrap.fill(note, 100))
