@@ -348,10 +348,18 @@ def test_demo_runs_end_to_end(tmp_path):
         "3. Residual ratio",
         "4. How the paths",
         "5. Path effectiveness",
-        "6. Speed",
+        "6. A trained model",
+        "7. Speed",
     ):
         assert section in run.stdout
-    figures = ("collapse", "ratio_by_length", "path_lengths", "path_effectiveness")
+    figures = (
+        "collapse",
+        "ratio_by_length",
+        "path_lengths",
+        "path_effectiveness",
+        "induction_paths",
+        "trained_collapse",
+    )
     expected = [f"{name}.{ext}" for name in figures for ext in ("csv", "png")] + ["speed_norms.csv", "speed_paths.csv"]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(expected)
 
@@ -441,3 +449,36 @@ def test_cli_attribute_searches_the_top_paths_of_a_tree_too_large_to_enumerate(t
         main([*argv, "--time-limit", "0"])
     assert stopped.value.code == 2
     assert "argument --time-limit: expected a positive number of seconds, got 0" in capsys.readouterr().err
+
+
+def test_induction_example_is_exact_and_finds_the_induction_path():
+    pytest.importorskip("pandas")
+    pytest.importorskip("transformers")
+    example = pk.experiments.induction_example(top_k=3)
+    result, table = example.attribution, example.by_length
+    # The example is [BOS, A, A] with A of 16 tokens: the target follows position 20's first copy, at 5.
+    from pathkernels.fixtures import load_fixture
+
+    _, inputs = load_fixture("attn_only_2l")
+    assert example.position == 20 and example.target == int(inputs["input_ids"][0, 5])
+    carried = float(result.value[0, 0] - result.constant[0, 0])
+    assert table["attribution"].sum() == pytest.approx(carried, rel=1e-10)
+    assert table["share"].sum() == pytest.approx(1.0, rel=1e-10)
+    assert table["paths"].tolist() == [5, 16, 16]  # 37 paths: sources by heads on the path
+    top = result.table()[0]
+    assert top["path"].startswith("L1H") and top["path"].endswith("from embedding")
+    with pytest.raises(ValueError, match="expected position in"):
+        pk.experiments.induction_example(position=3)
+
+
+def test_trained_collapse_trained_terms_keep_their_rank():
+    pytest.importorskip("pandas")
+    pytest.importorskip("transformers")
+    table = pk.experiments.trained_collapse("gpt2_4l")
+    trained = table[table["weights"] == "trained"].set_index("length")["median"]
+    initial = table[table["weights"] == "initialisation"].set_index("length")["median"]
+    assert list(trained.index) == [0, 1, 2, 3, 4] == list(initial.index)
+    assert table[table["weights"] == "trained"]["paths"].tolist() == [9, 64, 224, 384, 256]
+    # At initialisation each head takes the terms further toward rank 1; trained, they keep it.
+    assert all(initial[k + 1] < initial[k] for k in range(1, 4))
+    assert trained[4] > 2 * initial[4] and trained[3] > 2 * initial[3]

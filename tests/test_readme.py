@@ -58,12 +58,14 @@ def test_readme_blocks_paste_into_a_python_repl(tmp_path):
     assert got == pytest.approx(rows, rel=1e-5), printed
     # The attribution example's logit difference and its top paths, as shown.
     text = README.read_text()
-    shown = re.search(r"^```\n(logit difference .*?)^```", text, flags=re.S | re.M).group(1).strip().splitlines()
-    printed = output[output.index("logit difference ") :].strip().splitlines()[: len(shown)]
+    shown = re.search(r"^```\n(logit of the predicted token .*?)^```", text, flags=re.S | re.M)
+    shown = shown.group(1).strip().splitlines()
+    printed = output[output.index("logit of the predicted token ") :].strip().splitlines()[: len(shown)]
     assert printed[0] == shown[0], printed
-    for shown_row, printed_row in zip(shown[2:], printed[2:]):
+    for shown_row, printed_row in zip(shown[2:-1], printed[2:-1]):
         assert shown_row.split()[:-2] == printed_row.split()[:-2]  # rank and path
         assert float(printed_row.split()[-2]) == pytest.approx(float(shown_row.split()[-2]), rel=1e-4, abs=2e-6)
+    assert printed[-1] == shown[-1]  # the sums by number of heads
 
 
 def test_usage_python_blocks_paste_in_order_into_a_python_repl(tmp_path):

@@ -6,7 +6,10 @@
   lengths, ``C(L, k) H^k``;
 - :func:`ratio_by_length`: the exact residual ratio of every path of a network, by length;
 - :func:`path_effectiveness`: train a small attention-only model with skip connections to sort, then
-  its accuracy when only paths of length ≤ k are kept, exactly, from :func:`pathkernels.length_sums`.
+  its accuracy when only paths of length ≤ k are kept, exactly, from :func:`pathkernels.length_sums`;
+- :func:`induction_example` and :func:`trained_collapse`: the trained fixtures (which paths write an
+  induction head's prediction; how far the path terms of a trained model collapse against its
+  initialisation).
 
 Plots follow one convention: labelled axes, log scales where values span decades, a legend.
 """
@@ -170,16 +173,24 @@ def path_length_distribution(architectures: dict[str, tuple[int, int]] | None = 
 def plot_path_lengths(table, ax=None):
     """Share of paths against relative length k / L, one line per architecture (log y)."""
     plt = _pyplot()
-    fig, ax = _axes(plt, ax, figsize=(9.0, 4.2))
+    fig, ax = _axes(plt, ax)
     for name, rows in table.groupby("architecture", sort=False):
         layers, heads = int(rows["layers"].iloc[0]), int(rows["heads"].iloc[0])
-        ax.plot(rows["length"] / layers, rows["share"].clip(lower=1e-300), label=f"{name} (L={layers}, H={heads})")
+        ax.plot(
+            rows["length"] / layers,
+            rows["share"].clip(lower=1e-300),
+            ".-",
+            ms=3,
+            label=f"{name} (L={layers}, H={heads})",
+        )
     ax.set_yscale("log")
-    ax.set_ylim(bottom=1e-30, top=2)
-    ax.set_xlabel("relative path length k / L")
-    ax.set_ylabel("share of paths C(L,k) H^k / (H+1)^L")
-    ax.set_title("Most paths are of length ≈ L·H/(H+1)")
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    # Six decades hold every peak and its shoulders; the far tails (down to 1e-90) would squash them.
+    ax.set_ylim(bottom=1e-6, top=1.5)
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("relative path length $k / L$")
+    ax.set_ylabel("share of paths $\\binom{L}{k} H^k / (H+1)^L$")
+    ax.set_title("Most paths are of length ≈ $L H / (H+1)$", fontsize="medium")
+    ax.legend(fontsize="x-small", loc="upper left", frameon=False)
     return fig
 
 
@@ -343,6 +354,108 @@ def plot_effectiveness(table, ax=None):
     ax.set_xlabel("longest path kept (k): output = Σ over paths of length ≤ k")
     ax.set_ylabel("accuracy on held-out sequences")
     ax.set_title("Path effectiveness: sorting with an attention-only model")
+    ax.legend()
+    return fig
+
+
+# --- a trained model: which paths write a prediction ---------------------------------------------
+
+
+@dataclass
+class InductionExample:
+    """:func:`induction_example`'s result: the attribution, the token read and the one predicted."""
+
+    attribution: object  # pk.PathAttribution
+    position: int
+    target: int
+    by_length: object  # DataFrame: length, paths, attribution, share
+
+
+def induction_example(top_k: int = 10, position: int = 20) -> InductionExample:
+    """The trained attention-only fixture ``attn_only_2l`` (:mod:`pathkernels.fixtures`) on its
+    example ``[BOS, A, A]`` (16 random tokens, then the same 16), read at ``position`` in the second
+    copy: every path's exact attribution (:func:`pathkernels.path_attribution`) to the logit of the
+    token that followed the same token in the first copy, the one induction predicts.
+
+    ``by_length``: the attributions summed by number of heads, and each sum's share of what the
+    paths carry (``value − constant``)."""
+    pd = require("pandas")
+    from pathkernels.adapters import capture_huggingface_residual
+    from pathkernels.analysis import logit, path_attribution
+    from pathkernels.fixtures import fixture_info, load_fixture
+
+    model, inputs = load_fixture("attn_only_2l")
+    ids = inputs["input_ids"]
+    length = fixture_info("attn_only_2l")["task"]["length"]
+    if not length < position < 2 * length:
+        raise ValueError(f"induction_example: expected position in ({length}, {2 * length}), got {position}")
+    target = int(ids[0, position - length + 1])
+    stack, _ = capture_huggingface_residual(model, **inputs)
+    result = path_attribution(stack, logit(model, target), positions=position, top_k=top_k)
+    sums = result.by_length[:, 0, 0]
+    carried = float(result.value[0, 0] - result.constant[0, 0])
+    table = pd.DataFrame(
+        {
+            "length": range(len(sums)),
+            "paths": result.counts.sum(0).tolist(),
+            "attribution": sums.tolist(),
+            "share": (sums / carried).tolist(),
+        }
+    )
+    return InductionExample(result, position, target, table)
+
+
+def trained_collapse(name: str = "gpt2_4l", seed: int = 0):
+    """The residual ratio ``‖res(T)‖_{1,∞} / ‖T‖_{1,∞}`` of every path term T of a trained fixture
+    (:mod:`pathkernels.fixtures`) on its example, by number of heads, against the same architecture
+    at initialisation (``torch.manual_seed(seed)``), exactly (:func:`pathkernels.decompose`).
+
+    Returns:
+        DataFrame with ``weights`` ("trained" or "initialisation"), ``length``, ``paths``,
+        ``median``, ``q10`` and ``q90``.
+    """
+    pd = require("pandas")
+    import transformers
+
+    from pathkernels.adapters import capture_huggingface_residual
+    from pathkernels.fixtures import fixture_info, fixture_path, load_fixture
+
+    trained, inputs = load_fixture(name)
+    config = getattr(transformers, fixture_info(name)["model"]["config_class"]).from_pretrained(fixture_path(name))
+    torch.manual_seed(seed)
+    initial = getattr(transformers, fixture_info(name)["model"]["class"])(config).double().eval()
+    frames = []
+    for weights, model in (("trained", trained), ("initialisation", initial)):
+        stack, _ = capture_huggingface_residual(model, **inputs)
+        table = decompose(stack).by_length()
+        frames.append(
+            pd.DataFrame(
+                {
+                    "weights": weights,
+                    "length": table["length"],
+                    "paths": table["path_count"],
+                    "median": table["median"],
+                    "q10": table["q10"],
+                    "q90": table["q90"],
+                }
+            )
+        )
+    return pd.concat(frames, ignore_index=True)
+
+
+def plot_trained_collapse(table, ax=None, *, name: str = "gpt2_4l"):
+    """Residual ratio of the path terms against their number of heads, trained against at
+    initialisation (median, 10–90 % band). Returns the Figure."""
+    plt = _pyplot()
+    fig, ax = _axes(plt, ax)
+    for i, (weights, rows) in enumerate(table.groupby("weights", sort=False)):
+        ax.plot(rows["length"], rows["median"], "o-", ms=3, color=f"C{i}", label=weights)
+        ax.fill_between(rows["length"], rows["q10"], rows["q90"], color=f"C{i}", alpha=0.2)
+    ax.xaxis.set_major_locator(_integer_ticks())
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("heads on the path")
+    ax.set_ylabel("residual ratio of the path term (ℓ1,∞)")
+    ax.set_title(f"Path terms of {name}: trained against initialisation (median, 10–90 %)", fontsize="medium")
     ax.legend()
     return fig
 
