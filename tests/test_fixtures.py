@@ -69,11 +69,24 @@ def test_induction_batch_segments_vary_and_repeat():
     assert torch.equal(ids[rows, positions + 1], ids[rows, previous[rows, positions] + 1])
 
 
+def test_induction_batch_at_its_limits():
+    # vocab − 1 = 2 · length − min_length: every token is used, each sequence a permutation.
+    ids = induction_batch(vocab=9, length=8, batch=64, seed=1)
+    assert all(sorted(set(row[1:].tolist())) == list(range(1, 9)) for row in ids)
+    # Every token of 1 … vocab − 1 is drawn, none outside.
+    ids = induction_batch(vocab=64, length=16, batch=256, seed=2, min_length=8)
+    assert sorted(set(ids[:, 1:].flatten().tolist())) == list(range(1, 64))
+    # A sequence whose first token repeats (no start token): position 2 repeats position 0.
+    assert repeated_positions(torch.tensor([5, 9, 5, 9, 4])).tolist() == [False, False, True, False, False]
+
+
 def test_induction_batch_refuses_impossible_tasks():
     with pytest.raises(ValueError, match="induction_batch: expected 2 · length − min_length ≤ vocab − 1"):
         induction_batch(vocab=8, length=8, batch=1, seed=0)  # 8 distinct tokens needed, 7 exist
     with pytest.raises(ValueError, match="induction_batch: expected min_length in"):
         induction_batch(vocab=64, length=8, batch=1, seed=0, min_length=9)
+    with pytest.raises(ValueError, match="induction_batch: expected min_length in"):
+        induction_batch(vocab=64, length=8, batch=1, seed=0, min_length=0)
     with pytest.raises(ValueError, match="fixtures: expected a fixture name"):
         fixture_path("gpt2-small")
 
