@@ -97,7 +97,7 @@ def _branch_bounds(model: FrozenModel) -> Tensor:
 def _skip_factor(sublayer: Sublayer) -> float:
     if sublayer.pre:
         return 1.0
-    return float(sublayer.scale.max()) * float(torch.linalg.matrix_norm(sublayer.norm_features_matrix(), ord=2))
+    return float(sublayer.scale.max()) * float(_spectral_norm(sublayer.norm_features_matrix()))
 
 
 def _token_norms(sublayer: Sublayer) -> Tensor:
@@ -107,19 +107,32 @@ def _token_norms(sublayer: Sublayer) -> Tensor:
 
 
 def _head_factor(sublayer: Sublayer) -> float:
-    """The largest ``‖T_h‖_∞ σ_max(F_h)`` over the heads (0 for an MLP). F_h is a product of a
-    ``d × d_head`` and a ``d_head × d`` factor, so its largest singular value is that of the
-    ``d_head × d_head`` product of their QR factors."""
+    """The largest ``‖T_h‖_∞ σ_max(F_h)`` over the heads (0 for an MLP), F_h a product of a
+    ``d × d_head`` and a ``d_head × d`` factor (:func:`_product_norm`)."""
     if sublayer.attn is None:
         return 0.0
     if sublayer.pre:  # F = C Γ W_V W_O
         left, right = sublayer.norm_values, sublayer.w_o
     else:  # F = W_V W_O C Γ
         left, right = sublayer.w_v, sublayer.w_o @ sublayer.norm_features_matrix()
-    r_left = torch.linalg.qr(left).R  # [H, d_head, d_head]
-    r_right = torch.linalg.qr(right.transpose(-1, -2)).R
-    feature_norm = torch.linalg.matrix_norm(r_left @ r_right.transpose(-1, -2), ord=2)  # [H]
-    return float((_token_norms(sublayer) * feature_norm).max())
+    return float((_token_norms(sublayer) * _product_norm(left, right)).max())
+
+
+def _spectral_norm(matrix: Tensor) -> Tensor:
+    """``σ_max`` over the last two dimensions: the square root of the largest eigenvalue of the
+    smaller Gram matrix. (The symmetric eigensolver, because LAPACK's batched SVD and QR of small
+    matrices stall for seconds on a loaded two-core machine; the eigensolver does not.)"""
+    gram = matrix.mT @ matrix if matrix.shape[-1] <= matrix.shape[-2] else matrix @ matrix.mT
+    return torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0).sqrt()
+
+
+def _product_norm(left: Tensor, right: Tensor) -> Tensor:
+    """``σ_max(left @ right)`` for ``left [..., d, e]``, ``right [..., e, d']`` without the ``d × d'``
+    product: ``‖L R x‖² = xᵀ Rᵀ (LᵀL) R x = ‖(LᵀL)^{1/2} R x‖²``, so it is ``σ_max((LᵀL)^{1/2} R)``,
+    an ``e × d'`` matrix."""
+    values, vectors = torch.linalg.eigh(left.mT @ left)
+    root = (vectors * values.clamp_min(0).sqrt()[..., None, :]) @ vectors.mT
+    return _spectral_norm(root @ right)
 
 
 def _reach_bounds(model: FrozenModel, bound: str = "chain") -> Tensor:
@@ -169,7 +182,7 @@ def _first_head_factors(model: FrozenModel) -> list[float]:
         if sublayer.attn is None:
             factors.append(0.0)
             continue
-        output_norm = torch.linalg.matrix_norm(sublayer.w_o, ord=2)  # [H]
+        output_norm = _spectral_norm(sublayer.w_o)  # [H]
         factors.append(float((_token_norms(sublayer) * _source_head_factors(model, index) * output_norm).max()))
     return factors
 
@@ -193,12 +206,11 @@ def _chain_factors(model: FrozenModel) -> list[float]:
         best = _source_head_factors(model, index)
         into = sublayer.norm_values  # U of this sublayer's heads [H, d, e]
         for lower, q in chain.items():
-            pair = torch.linalg.matrix_norm(torch.einsum("ged,hdf->hgef", model.sublayers[lower].w_o, into), ord=2)
+            pair = _spectral_norm(torch.einsum("ged,hdf->hgef", model.sublayers[lower].w_o, into))
             best = torch.maximum(best, (pair * q[None, :]).amax(1))  # [H upper, H lower] → [H upper]
         chain[index] = _token_norms(sublayer) * best
     starts = {  # σ(V_t) Q_t at the best head t of each sublayer
-        index: float((torch.linalg.matrix_norm(model.sublayers[index].w_o, ord=2) * q).max())
-        for index, q in chain.items()
+        index: float((_spectral_norm(model.sublayers[index].w_o) * q).max()) for index, q in chain.items()
     }
     levels = range(len(model.sources))
     return [max([start for index, start in starts.items() if index < level], default=0.0) for level in levels]
