@@ -411,7 +411,9 @@ def test_cli_attribute_reads_a_base_model_directory_and_refuses_what_it_cannot_r
     )
     transformers.BertForMaskedLM(bert).save_pretrained(tmp_path / "bert")
     assert main(["attribute", "--model", str(tmp_path / "bert"), "--tokens", "5"]) == 2
-    assert "expected a GPT-2 or Llama-family model" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "the logits of BertForMaskedLM (bert) are not a linear map of its last hidden state" in err
+    assert "pass --direction FILE (16 numbers" in err
     for argv, message in (
         (["--target", "x"], "--target: expected a token id (an integer), got 'x'"),
         (["--target", "1000"], "--target: expected a token id in [0, 1000), got 1000"),
@@ -439,7 +441,7 @@ def test_cli_attribute_searches_the_top_paths_of_a_tree_too_large_to_enumerate(t
     assert main([*argv, "--target", "5", "--versus", "9", "--out", str(tmp_path / "search")]) == 0
     out = capsys.readouterr().out
     assert "the 4 largest of all paths: a best-first search visited" in out and "certified" in out
-    assert "Attribution the 4 largest of all 17 paths" in out
+    assert "The 4 largest attributions among all 17 paths\n" in out
     for name in ("attribution_top.csv", "attribution_bottom.csv"):
         every, searched = pd.read_csv(tmp_path / "all" / name), pd.read_csv(tmp_path / "search" / name)
         assert every["path"].tolist() == searched["path"].tolist()

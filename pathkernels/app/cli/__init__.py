@@ -6,14 +6,18 @@
     pathkernels attribute [--model PATH] ...    each path's share of a logit difference, top paths
     pathkernels bench [--device cuda] ...       fused ops and the engine against pure PyTorch
 
-``--model`` takes a local Hugging Face model directory (weights are loaded, nothing is downloaded)
-or a config (a ``config.json`` file, or a directory holding only one), which gives a randomly
-initialised model. Without it the commands use :mod:`pathkernels.app.models`.
+``--model`` takes a local Hugging Face model directory (its weights are loaded, nothing is
+downloaded; a directory without weights, or its ``config.json``, gives a model at initialisation
+from the config, with the directory's tokenizer either way), or a config file of another name
+(random weights, no tokenizer). Without it the commands use :mod:`pathkernels.app.models`.
 
-Bad options and inputs end with one line on stderr that names what is wrong (exit code 2 for the
-command line, 1 for a failure while running); ``--debug`` shows the traceback instead. Before any
-work, ``--out`` is checked for writability and the attention maps' memory against what the device
-has. Progress shows as bars on a terminal, and as a plain line about every 10 s elsewhere (a log).
+Every error is one line on stderr, ``pathkernels COMMAND: message``: exit code 2 for a bad option
+or input (refused before any work where it can be), 1 for an unexpected failure while running;
+``--debug`` shows the traceback instead. Before any work, ``--out`` is checked for writability, and
+the memory the command needs (its network or model, the attention maps, the paths) is estimated
+from the options alone and checked against what the machine has (:mod:`.sizes`, before torch is
+imported, so that oversized work is refused at once). Progress shows as bars on a terminal, and as
+a plain line about every 10 s elsewhere (a log).
 
 This module is the parser and ``main``: it imports neither torch nor the library, so that
 ``--help`` answers at once. Each subcommand is a module of its own (``demo``, ``collapse``,
@@ -29,7 +33,14 @@ import os
 import sys
 from pathlib import Path
 
-from pathkernels.app.cli.base import ABANDONED, MAX_ATTRIBUTION_PATHS, CommandLineError, check_writable
+from pathkernels.app.cli.base import (
+    ABANDONED,
+    DEFAULT_TOKENS,
+    MAX_ATTRIBUTION_PATHS,
+    CommandLineError,
+    check_writable,
+    error_line,
+)
 
 DEFAULT_OUT = "demo_output"
 
@@ -47,10 +58,10 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: ``prog: error: message`` on stderr, exit code 2, no usage dump."""
+    """argparse with one-line errors: ``prog: message`` on stderr, exit code 2, no usage dump."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+        self.exit(2, f"{self.prog}: {message} (--help lists the options)\n")
 
 
 class _Version(argparse.Action):
@@ -106,6 +117,13 @@ _NETWORK_DEFAULTS = {"layers": None, "heads": 4, "width": 64, "seeds": 3}
 
 def _check_options(args, parser: argparse.ArgumentParser) -> None:
     """What argparse cannot check alone: options that do not apply, and the built-in network's shape."""
+    if getattr(args, "direction", None) is not None:
+        given = [f"--{name}" for name in ("target", "versus") if getattr(args, name, None) is not None]
+        if given:
+            parser.error(
+                f"{' and '.join(given)} {'choose' if len(given) > 1 else 'chooses'} the logit difference, and "
+                f"--direction {args.direction} replaces it: pass one or the other"
+            )
     if getattr(args, "model", None):
         given = [f"--{name}" for name in _NETWORK_DEFAULTS if getattr(args, name, None) is not None]
         if given:
@@ -121,7 +139,7 @@ def _check_options(args, parser: argparse.ArgumentParser) -> None:
         if hasattr(args, name) and getattr(args, name) is None:
             setattr(args, name, default if default is not None else args.default_layers)
     if hasattr(args, "tokens") and args.tokens is None:
-        args.tokens = args.default_tokens
+        args.tokens = DEFAULT_TOKENS[args.command]
     if hasattr(args, "width") and args.width < args.heads:
         parser.error(
             f"argument --width: expected at least --heads = {args.heads} (each head gets width // heads "
@@ -162,16 +180,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_run_demo)
 
     def model_options(sub, layers: int, tokens: int):
-        sub.set_defaults(default_layers=layers, default_tokens=tokens)
+        sub.set_defaults(default_layers=layers)
         sub.add_argument(
             "--model",
-            help="a local Hugging Face model directory (pretrained weights) or a config.json "
-            "(random weights); nothing is downloaded",
+            help="a local Hugging Face model directory: its weights, or random weights from its config.json "
+            "when it has none (its config.json names the same directory); or a config file of another name "
+            "(random weights). Nothing is downloaded",
         )
         sub.add_argument(
             "--text",
             help="with --model: a prompt for the model directory's tokenizer (default: a "
-            "fixed sentence when there is a tokenizer)",
+            "fixed sentence when there is a tokenizer and no --tokens)",
         )
         sub.add_argument("--layers", type=_integer(1), help=f"depth of the built-in network (default {layers})")
         sub.add_argument("--heads", type=_integer(1), help="heads per layer of the built-in network (default 4)")
@@ -179,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument(
             "--tokens",
             type=_integer(2),
-            help=f"sequence length n (default {tokens}; with --model, random token ids of this length)",
+            help=f"sequence length n, random token ids (default {tokens}, with --model too when its directory has "
+            "no tokenizer; a model with a tokenizer reads a fixed sentence unless --tokens or --text is given)",
         )
         sub.add_argument("--out", type=Path, help="folder to write CSV and PNG files into")
 
@@ -190,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         "at every depth: the built-in pure-attention, +MLP, +skip and transformer "
         "networks at initialisation, or a Hugging Face model.",
     )
-    model_options(collapse, layers=12, tokens=32)
+    model_options(collapse, layers=12, tokens=DEFAULT_TOKENS["collapse"])
     collapse.add_argument("--batch", type=_integer(1), default=8, help="random inputs per model")
     collapse.add_argument("--seeds", type=_integer(1), help="initialisations per variant (default 3)")
     collapse.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=device_help)
@@ -203,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         "path length: exactly when the tree is small enough, else a stratified sample "
         "without replacement. Under torchrun the processes split the tree.",
     )
-    model_options(paths, layers=6, tokens=32)
+    model_options(paths, layers=6, tokens=DEFAULT_TOKENS["paths"])
     paths.add_argument("--seed", type=_integer(0), default=0, help="seed of the network and of the sample")
     paths.add_argument(
         "--samples-per-length", type=_integer(1), help="draw up to this many paths per length instead of all"
@@ -221,18 +241,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     attribute = command(
         "attribute",
-        help="each path's share of a logit difference, and the top paths",
+        help="each path's share of a logit difference (or of a probe direction), and the top paths",
         description="Each path (a source: the embedding, a layer's constant rows or an MLP's output, "
         "then the heads it passes) gets its exact share of a logit difference at one token, the norms "
         "frozen at the forward pass: sums by length and by source, and the top and bottom paths. A "
-        "GPT-2 built from a config, or a local model (GPT-2, BERT-style with an LM head, Llama family).",
+        "GPT-2 built from a config, or a local model whose logits are linear in its last hidden state "
+        "(GPT-2, GPT-NeoX, GPT-J, Phi, Falcon, OPT, the Llama family, Gemma, OLMo, their sequence "
+        "classifiers' class logits). With --direction, a probe direction read from a file is "
+        "attributed instead, for any language model the adapters read: BERT and RoBERTa with their masked-LM "
+        "heads too, whose logits are not linear.",
     )
-    model_options(attribute, layers=4, tokens=16)
+    model_options(attribute, layers=4, tokens=DEFAULT_TOKENS["attribute"])
     attribute.add_argument("--seed", type=_integer(0), default=0, help="seed of the built-in model and its tokens")
     attribute.add_argument(
         "--target", help="token id (or, with a tokenizer, one token's text); default: the top prediction"
     )
     attribute.add_argument("--versus", help="the token it is compared with; default: the second prediction")
+    attribute.add_argument(
+        "--direction",
+        type=Path,
+        help="attribute this probe direction instead of a logit difference: a file holding d numbers (d = the "
+        "model's hidden size), a torch .pt tensor [d], a .npy array [d] or text; its value is the direction · "
+        "the model's last hidden state (its final norm's output) at --position",
+    )
     attribute.add_argument("--position", type=int, help="the token read out (default: the last)")
     attribute.add_argument("--top", type=_integer(1), default=10, help="how many top and bottom paths to show")
     attribute.add_argument(
@@ -301,7 +332,7 @@ def _run_paths(args) -> int:
 def _run_attribute(args) -> int:
     from pathkernels.app.cli.attribute import attribute_table
 
-    names = ("seed", "target", "versus", "position", "top", "max_length", "time_limit")
+    names = ("seed", "target", "versus", "direction", "position", "top", "max_length", "time_limit")
     return _done(attribute_table(**_options(args, *_MODEL_OPTIONS, *names)))
 
 
@@ -325,30 +356,28 @@ def main(argv=None) -> int:
 def _main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     _check_options(args, args.command_parser)
-    where = args.command_parser.prog
     try:
         out = getattr(args, "out", None)
         if out is not None:
             check_writable(out, "--out", args.command, folder=args.command != "bench")
+        from pathkernels.app.cli.sizes import refuse_oversized
+
+        refuse_oversized(args)  # by arithmetic, before the subcommand imports torch
         return args.run(args)
     except CommandLineError as error:
         if args.debug:
             raise
-        # The helpers that several commands share say "pathkernels:"; the line names the command.
-        message = str(error)
-        print(
-            f"{where}: {message.removeprefix('pathkernels: ')}" if message.startswith("pathkernels: ") else message,
-            file=sys.stderr,
-        )
+        print(error_line(args.command, str(error)), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"{where}: interrupted", file=sys.stderr)
+        print(error_line(args.command, "interrupted"), file=sys.stderr)
         return 130
     except Exception as error:  # noqa: BLE001 (one line unless --debug)
         if args.debug:
             raise
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else "(no message)"
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
         print(
-            f"{where}: error: {type(error).__name__}: {reason} (rerun with --debug for the traceback)", file=sys.stderr
+            error_line(args.command, f"{reason} (an unexpected {type(error).__name__}; --debug shows the traceback)"),
+            file=sys.stderr,
         )
         return 1

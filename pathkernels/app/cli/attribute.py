@@ -1,5 +1,5 @@
-"""``pathkernels attribute``: each path's share of a logit difference at one token, and the top and
-bottom paths, within a time limit."""
+"""``pathkernels attribute``: each path's share of a logit difference (or of a probe direction read
+from a file) at one token, and the top and bottom paths, within a time limit."""
 
 from __future__ import annotations
 
@@ -11,18 +11,27 @@ from pathlib import Path
 import torch
 
 from pathkernels.adapters.residual import capture_huggingface_residual
-from pathkernels.analysis.attribution import logit_diff, path_attribution, path_bars, unembedding
+from pathkernels.analysis.attribution import (
+    Readout,
+    logit_diff,
+    logit_soft_cap,
+    path_attribution,
+    path_bars,
+    unembedding,
+)
 from pathkernels.analysis.top_paths import top_paths
-from pathkernels.app.cli.base import MAX_ATTRIBUTION_PATHS, CommandLineError, within
+from pathkernels.app.cli.base import DEFAULT_TOKENS, MAX_ATTRIBUTION_PATHS, CommandLineError, within
 from pathkernels.app.cli.common import (
     check_attention_fits,
     float_format,
     heading,
     local_model,
     model_inputs,
+    number,
     save,
     sequence_length,
 )
+from pathkernels.app.cli.sizes import gpt2_bytes, model_shape
 from pathkernels.core._memory import check_fits
 from pathkernels.core._progress import TimeLimitReached, time_limit
 from pathkernels.core.paths import count_attribution_paths
@@ -34,15 +43,15 @@ def _token_id(value: str, tokenizer, vocab: int, option: str) -> int:
         token = int(value)
     except ValueError:
         if tokenizer is None:
-            raise CommandLineError(f"pathkernels: {option}: expected a token id (an integer), got {value!r}") from None
+            raise CommandLineError(f"{option}: expected a token id (an integer), got {value!r}") from None
         ids = tokenizer.encode(value, add_special_tokens=False)
         if len(ids) != 1:
             raise CommandLineError(
-                f"pathkernels: {option}: expected text that is one token, got {value!r} ({len(ids)} tokens)"
+                f"{option}: expected text that is one token, got {value!r} ({len(ids)} tokens)"
             ) from None
         token = ids[0]
     if not 0 <= token < vocab:
-        raise CommandLineError(f"pathkernels: {option}: expected a token id in [0, {vocab}), got {token}")
+        raise CommandLineError(f"{option}: expected a token id in [0, {vocab}), got {token}")
     return token
 
 
@@ -61,13 +70,72 @@ class _Clock:
         return self.end - time.monotonic()
 
 
-def _gpt2_bytes(config, tokens: int) -> int:
-    """Bytes a GPT-2 built from ``config`` needs in float64 for ``tokens`` tokens: its parameters
-    (initialised in float32, then a float64 copy: 12 bytes each) and its capture (the attention
-    maps and their copies, 40 bytes per entry, and about 24 activations of [n, d] per layer)."""
-    d, layers, heads = config.n_embd, config.n_layer, config.n_head
-    parameters = (config.vocab_size + config.n_positions) * d + layers * (12 * d * d + 13 * d) + 2 * d
-    return 12 * parameters + 40 * layers * heads * tokens * tokens + 8 * 24 * layers * tokens * d
+_DIRECTION_FORMS = "a torch .pt tensor [d], a .npy array [d] or a text file of d numbers"
+
+
+def read_direction(path: Path, width: int | None = None) -> torch.Tensor:
+    """``--direction``: a probe direction ``[d]`` in float64, from a torch ``.pt`` (or ``.pth``)
+    tensor, a NumPy ``.npy`` array or a text file of numbers (separated by spaces, commas or
+    newlines). Refuses, naming ``--direction`` and the expected d where known, what is not a
+    finite vector of real numbers of that length."""
+    option = f"--direction {path}"
+    expected = _DIRECTION_FORMS + (f" with d = {width} (the model's hidden size)" if width is not None else "")
+    if not path.is_file():
+        raise CommandLineError(f"{option}: no such file; expected {expected}")
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".pt", ".pth"):
+            value = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(value, torch.Tensor):
+                raise CommandLineError(f"{option}: holds a {type(value).__name__}, not a tensor; expected {expected}")
+        elif suffix == ".npy":
+            import numpy as np
+
+            array = np.load(path, allow_pickle=False)
+            if array.dtype.kind not in "fiu":
+                raise CommandLineError(f"{option}: holds {array.dtype} numbers; expected real numbers, {expected}")
+            value = torch.from_numpy(np.asarray(array, dtype=np.float64))
+        else:
+            words = path.read_text().replace(",", " ").split()
+            numbers = []
+            for word in words:
+                try:
+                    numbers.append(float(word))
+                except ValueError:
+                    raise CommandLineError(f"{option}: {word[:40]!r} is not a number; expected {expected}") from None
+            value = torch.tensor(numbers, dtype=torch.float64)
+    except CommandLineError:
+        raise
+    except Exception as error:  # noqa: BLE001 (an unreadable file, whatever the reader raises)
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CommandLineError(f"{option}: cannot read it ({reason}); expected {expected}") from None
+    if value.is_complex() or value.dtype == torch.bool:
+        raise CommandLineError(f"{option}: holds {str(value.dtype).removeprefix('torch.')} values; expected {expected}")
+    if value.dim() != 1 or (width is not None and value.shape[0] != width):
+        shape = "[" + ", ".join(map(str, value.shape)) + "]"
+        raise CommandLineError(f"{option}: has shape {shape}; expected {expected}")
+    if value.numel() == 0:
+        raise CommandLineError(f"{option}: holds no numbers; expected {expected}")
+    value = value.detach().to(torch.float64)
+    if not bool(torch.isfinite(value).all()):
+        raise CommandLineError(f"{option}: holds a NaN or infinite value; expected finite numbers, {expected}")
+    return value
+
+
+def _linear_logits(model, spec: str) -> None:
+    """Refuse a logit difference of a model whose logits are not linear in its last hidden state,
+    by name, pointing at --direction."""
+    try:
+        unembedding(model, "pathkernels attribute")
+    except ValueError:
+        d = getattr(model.config, "hidden_size", None)
+        numbers = f"{d} numbers" if d else "d numbers"
+        raise CommandLineError(
+            f"--model {spec}: the logits of {type(model).__name__} ({model.config.model_type}) are not a linear "
+            "map of its last hidden state (a head with a dense layer, an activation or a norm of its own, or "
+            f"none), so its logit difference cannot be split among paths; pass --direction FILE ({numbers}: "
+            "a probe direction read from the last hidden state) to attribute that instead"
+        ) from None
 
 
 def attribute_table(
@@ -81,6 +149,7 @@ def attribute_table(
     seed: int = 0,
     target: str | None = None,
     versus: str | None = None,
+    direction: Path | None = None,
     position: int | None = None,
     top: int = 10,
     max_length: int | None = None,
@@ -88,8 +157,9 @@ def attribute_table(
     out: Path | None = None,
 ):
     """``pathkernels attribute``: each path's attribution to a logit difference at one token of a
-    model built from a config (or a local model), the sums by length and by source, and the top
-    and bottom paths; with ``out`` also CSV files and a plot. A model with more than 10^7 paths
+    model built from a config (or a local model), or with ``direction`` (a file: :func:`read_direction`)
+    to that probe direction · the model's last hidden state, the sums by length and by source, and
+    the top and bottom paths; with ``out`` also CSV files and a plot. A model with more than 10^7 paths
     gets its sums from the paths of the lengths that fit, and its top and bottom paths from the
     certified search (pk.top_paths).
 
@@ -105,13 +175,21 @@ def attribute_table(
     import transformers
 
     clock = _Clock(time_limit)
+    probe = None
+    if direction is not None:  # read first: a bad file is refused before the model is built
+        expected = (model_shape(model) or {}).get("width") if model else width
+        probe = read_direction(Path(direction), expected)
     if model:
         local = local_model(model)
         if local.is_vision:
             raise CommandLineError(
-                f"pathkernels attribute: --model {model} is a vision model, with no logits to attribute"
+                f"--model {model} is a vision model; attribute reads language models (token ids) only"
             )
-        inputs, what = model_inputs(local, text, tokens)
+        if probe is None:
+            _linear_logits(local.model, model)
+        elif getattr(local.model.config, "hidden_size", probe.shape[0]) != probe.shape[0]:
+            read_direction(Path(direction), local.model.config.hidden_size)  # refuses, naming d
+        inputs, what = model_inputs(local, text, tokens, default_tokens=DEFAULT_TOKENS["attribute"])
         config = local.model.config
         parameters = sum(p.numel() for p in local.model.parameters() if p.dtype != torch.float64)
         check_fits(
@@ -134,7 +212,7 @@ def attribute_table(
         build, tokenizer = local.model.double, local.tokenizer
         source = f"{model}, {local.weights}; inputs: {what}"
     else:
-        tokens = 16 if tokens is None else tokens
+        tokens = DEFAULT_TOKENS["attribute"] if tokens is None else tokens
         config = transformers.GPT2Config(
             n_layer=layers,
             n_head=heads,
@@ -145,7 +223,7 @@ def attribute_table(
             eos_token_id=0,
         )
         check_fits(
-            _gpt2_bytes(config, tokens),
+            gpt2_bytes(layers, heads, width, tokens),
             torch.device("cpu"),
             "pathkernels attribute",
             f"a GPT-2 of L = {layers}, H = {heads}, d = {width} and its capture of {tokens} tokens need about",
@@ -169,31 +247,51 @@ def attribute_table(
     try:
         done, captured = within(clock.left(), capture_huggingface_residual, network, **inputs)
     except ValueError as error:
-        raise CommandLineError(f"pathkernels attribute: {str(error).split(': ', 1)[-1]}") from None
+        raise CommandLineError(str(error).split(": ", 1)[-1]) from None
     if not done:
         return _stopped(clock, "capturing the model")
     stack = captured[0]
     n = stack.attn.shape[-1]
     position = n - 1 if position is None else position
     if not -n <= position < n:
-        raise CommandLineError(f"pathkernels: --position: expected a token position in [-{n}, {n}), got {position}")
+        raise CommandLineError(f"--position: expected a token position in [-{n}, {n}), got {position}")
     position %= n
-    try:
-        weight, bias, vocab = unembedding(network, "pathkernels attribute")
-    except ValueError as error:
-        raise CommandLineError(str(error)) from None
     with torch.no_grad():
-        output = network.eval()(**inputs)
-    if getattr(output, "logits", None) is not None:
-        logits = output.logits[0, position].double()
-    else:  # a base model with tied embeddings (AutoModel): its last hidden state is the final norm's output
-        logits = output.last_hidden_state[0, position].double() @ weight.double().T
-        logits = logits if bias is None else logits + bias.double()
-    ranked = torch.argsort(logits, descending=True).tolist()
-    a = ranked[0] if target is None else _token_id(target, tokenizer, vocab, "--target")
-    b = next(t for t in ranked if t != a) if versus is None else _token_id(versus, tokenizer, vocab, "--versus")
-    if a == b:
-        raise CommandLineError(f"pathkernels: --versus: expected a token other than --target ({a})")
+        output = network.eval()(**inputs, output_hidden_states=True)
+    last = output.hidden_states[-1][0, position].double()  # the final norm's output: what a readout reads
+    if probe is not None:
+        if probe.shape[0] != stack.d_model:
+            read_direction(Path(direction), stack.d_model)  # refuses, naming the expected d
+        name = f"the direction from {direction}"
+        readout = Readout(probe[None], torch.zeros(1, dtype=torch.float64), (name,))
+        own = float(last @ probe) if last.shape[-1] == probe.shape[0] else None
+        label, constant_parts = f"{name} · the last hidden state", "the final norm's β, where the model has one"
+    else:
+        weight, bias, vocab = unembedding(network, "pathkernels attribute")
+        capped = logit_soft_cap(network) is not None
+        logits = getattr(output, "logits", None)
+        if logits is not None and logits.dim() == 3 and not capped:
+            logits = logits[0, position].double()
+        else:  # a base model with tied embeddings, a classifier's head at this token, or logits before the cap
+            logits = last @ weight.double().T
+            logits = logits if bias is None else logits + bias.double()
+        ranked = torch.argsort(logits, descending=True).tolist()
+        a = ranked[0] if target is None else _token_id(target, tokenizer, vocab, "--target")
+        b = next(t for t in ranked if t != a) if versus is None else _token_id(versus, tokenizer, vocab, "--versus")
+        if a == b:
+            raise CommandLineError(f"--versus: expected a token other than --target ({a})")
+        readout = logit_diff(network, a, b)
+        own = float(logits[a] - logits[b])
+        classifier = type(network).__name__.endswith("ForSequenceClassification")
+        kind = "class logit" if classifier else "logit"
+
+        def token_text(token: int) -> str:
+            return f"{token} ({tokenizer.decode([token])!r})" if tokenizer is not None else str(token)
+
+        label = f"{kind}[{token_text(a)}] − {kind}[{token_text(b)}]" + (
+            " (before the logit soft cap)" if capped else ""
+        )
+        constant_parts = "the final norm's β and the " + ("score head's bias" if classifier else "unembedding bias")
     layers_, heads_ = stack.num_layers, stack.num_heads
     everything = count_attribution_paths(layers_, heads_, layers_)
     search = max_length is None and everything > MAX_ATTRIBUTION_PATHS  # top paths by the certified search
@@ -203,34 +301,28 @@ def attribute_table(
             default=0,
         )
     elif max_length > layers_:
-        raise CommandLineError(
-            f"pathkernels: --max-length: expected at most the model's {layers_} layers, got {max_length}"
-        )
-    readout = logit_diff(network, a, b)
+        raise CommandLineError(f"--max-length: expected at most the model's {layers_} layers, got {max_length}")
     wanted = max_length
     # The searches get half of what is left after the walk; the walk the rest (all of it without them).
     walk_end = time.monotonic() + (clock.left() / 2 if search else clock.left())
     result, max_length = _attribution_walk(stack, readout, position, top, wanted, walk_end)
     paths = count_attribution_paths(layers_, heads_, max_length)
 
-    def token_text(token: int) -> str:
-        return f"{token} ({tokenizer.decode([token])!r})" if tokenizer is not None else str(token)
-
     value, constant = float(result.value[0, 0]), float(result.constant[0, 0])
     print(f"Path attribution of {source}")
+    theirs = "n/a: the hidden state's width differs" if own is None else number(own, ".6g")
     print(
-        f"readout: logit[{token_text(a)}] − logit[{token_text(b)}] at token {position} = {value:.6g} "
-        f"(the model's own: {float(logits[a] - logits[b]):.6g}); {constant:.4g} of it is constant "
-        "(the final norm's β and the unembedding bias)"
+        f"readout: {label} at token {position} = {number(value, '.6g')} (the model's own: {theirs}); "
+        f"{number(constant, '.4g')} of it is constant ({constant_parts})"
     )
     if paths == everything:
         closure = float(result.unenumerated[0, 0])
-        print(f"paths: all {paths:,}, exactly (Σ attributions + constant − readout = {-closure:.2g})")
+        print(f"paths: all {paths:,}, exactly (Σ attributions + constant − readout = {number(-closure, '.2g')})")
     else:
         print(
             f"paths: the {paths:,} through at most {max_length} head{'' if max_length == 1 else 's'}, of "
             f"{everything:,}; the longer ones carry "
-            f"{float(result.unenumerated[0, 0]):.6g} together (exact)"
+            f"{number(float(result.unenumerated[0, 0]), '.6g')} together (exact)"
         )
     if max_length < wanted:
         print(
@@ -253,7 +345,9 @@ def attribute_table(
         }
     )
     rows = {"largest": result.table(), "smallest": result.table(which="bottom")}
-    of_all = {"largest": "", "smallest": ""}  # the tables' reach: the enumerated paths, or all of them
+    # The tables' reach: every path, the enumerated ones, or (after a search) all of them.
+    reach = "" if paths == everything else f" among the {paths:,} enumerated paths"
+    of_all = {"largest": reach, "smallest": reach}
     if search:  # the top and bottom of every path, not only of the enumerated ones
         for which in ("largest", "smallest"):
             share = clock.left() / (2 if which == "largest" else 1)
@@ -287,17 +381,21 @@ def attribute_table(
                 f"the {top} {which} of all paths: a best-first search visited {found.visited:,} paths in "
                 f"{found.seconds:.1f} s, {verdict}"
             )
-            rows[which], of_all[which] = found.table(), f" of all {everything:,} paths"
+            rows[which], of_all[which] = found.table(), f" among all {everything:,} paths"
     best_rows, worst_rows = rows["largest"], rows["smallest"]
     ranked = of_all["largest"] if of_all["largest"] == of_all["smallest"] else ""
     best, worst = pd.DataFrame(best_rows), pd.DataFrame(worst_rows)
+
+    def extremes(count: int, which: str) -> str:
+        return f"The {which} attribution" if count == 1 else f"The {count} {which} attributions"
+
     for title, table in (
-        ("by number of heads", lengths),
-        ("by source", sources),
-        (f"the {top} largest{of_all['largest']}", best),
-        (f"the {top} smallest{of_all['smallest']}", worst),
+        ("Attribution by number of heads", lengths),
+        ("Attribution by source", sources),
+        (extremes(len(best), "largest") + of_all["largest"], best),
+        (extremes(len(worst), "smallest") + of_all["smallest"], worst),
     ):
-        heading(f"Attribution {title}")
+        heading(title)
         print(table.to_string(index=False, float_format=float_format))
     if out is not None:
         for name, table in (
@@ -307,9 +405,10 @@ def attribute_table(
             ("attribution_bottom", worst),
         ):
             save(out, name, table)
-        label = f"attribution to logit[{a}] − logit[{b}] at token {position}"
-        title = f"top and bottom paths{ranked} (the readout: {value:.4g})"
-        save(out, "attribution", figure=path_bars(best_rows, worst_rows, label, title))
+        plotted = name if probe is not None else f"{kind}[{a}] − {kind}[{b}]"
+        plotted += f" at token {position}"
+        title = f"top and bottom paths{ranked} (the readout: {number(value, '.4g')})"
+        save(out, "attribution", figure=path_bars(best_rows, worst_rows, f"attribution to {plotted}", title))
     return result
 
 

@@ -1,5 +1,5 @@
 """What the command line's parser and every subcommand share, without torch: the one-line error,
-the check of ``--out``, and calls bounded in time."""
+the defaults, the check of ``--out``, and calls bounded in time."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import math
 import tempfile
 import threading
 from pathlib import Path
+
+# --tokens by default: the built-in networks', and a --model's random token ids when its directory
+# has no tokenizer (one with a tokenizer reads a fixed sentence unless --tokens or --text is given).
+DEFAULT_TOKENS = {"collapse": 32, "paths": 32, "attribute": 16}
 
 # Paths enumerated by default: beyond this, `attribute` enumerates the longest lengths that fit.
 MAX_ATTRIBUTION_PATHS = 10**7
@@ -17,7 +21,20 @@ ABANDONED: list[threading.Thread] = []
 
 
 class CommandLineError(Exception):
-    """A bad option or input found after parsing: reported in one line, exit code 2."""
+    """A bad option or input found after parsing: reported in one line, exit code 2. Its message
+    may begin with "pathkernels COMMAND: " (or "pathkernels: "); :func:`error_line` puts the
+    command's name there either way."""
+
+
+def error_line(command: str | None, message: str) -> str:
+    """The one error line of every command: ``pathkernels COMMAND: message`` (``pathkernels:
+    message`` before a command is known), whatever prefix ``message`` came with."""
+    prefix = f"pathkernels {command}" if command else "pathkernels"
+    for given in (f"{prefix}: ", "pathkernels: "):
+        if message.startswith(given):
+            message = message[len(given) :]
+            break
+    return f"{prefix}: {message}"
 
 
 def check_writable(path: Path, option: str, command: str, *, folder: bool = True) -> None:

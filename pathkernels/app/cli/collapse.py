@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from pathkernels.adapters.huggingface import from_huggingface
 from pathkernels.analysis.metrics import residual_ratio
 from pathkernels.app import experiments
+from pathkernels.app.cli.base import DEFAULT_TOKENS, CommandLineError
 from pathkernels.app.cli.common import (
     check_attention_fits,
     float_format,
@@ -16,6 +19,8 @@ from pathkernels.app.cli.common import (
     save,
     sequence_length,
 )
+from pathkernels.app.cli.sizes import collapse_bytes, network_parameters
+from pathkernels.core._memory import check_fits
 
 
 def collapse_table(
@@ -35,7 +40,7 @@ def collapse_table(
     device = resolve_device(device, "collapse")
     if model:
         local = local_model(model)
-        inputs, what = model_inputs(local, text, tokens, batch)
+        inputs, what = model_inputs(local, text, tokens, batch, default_tokens=DEFAULT_TOKENS["collapse"])
         config = local.model.config
         check_attention_fits(
             "collapse",
@@ -47,7 +52,10 @@ def collapse_table(
             device=device,
         )
         inputs = {name: value.to(device) for name, value in inputs.items()}
-        stack = from_huggingface(local.model.to(device), **inputs)
+        try:
+            stack = from_huggingface(local.model.to(device), **inputs)
+        except ValueError as error:
+            raise CommandLineError(str(error).split(": ", 1)[-1]) from None
         ratios = residual_ratio(stack.hidden_states.double())  # [L+1, B]
         import pandas as pd
 
@@ -55,9 +63,19 @@ def collapse_table(
         title = f"{model}, {local.weights}; inputs: {what}"
         plot_title = f"Rank collapse: {model}, {local.weights}"
     else:
-        tokens = 32 if tokens is None else tokens
+        tokens = DEFAULT_TOKENS["collapse"] if tokens is None else tokens
         check_attention_fits(
             "collapse", batch=batch, layers=layers, heads=heads, tokens=tokens, bytes_per_entry=16, device=device
+        )
+        check_fits(  # checked on the host before torch was imported; here the device's memory
+            collapse_bytes(layers, heads, width, tokens, batch),
+            torch.device(device),
+            "pathkernels collapse",
+            f"the networks of L = {layers}, H = {heads}, d = {width} (the transformer variant: "
+            f"{network_parameters(layers, heads, width, mlp=True)[0]:,} parameters) and their activations for "
+            f"{batch} × {tokens} tokens need about",
+            "pass a smaller --width, --layers, --tokens or --batch",
+            error=CommandLineError,
         )
         table = experiments.collapse_vs_depth(
             num_layers=layers,

@@ -9,6 +9,7 @@ import torch
 
 from pathkernels.adapters.huggingface import LocalModel, load_local_model, local_model_inputs
 from pathkernels.app.cli.base import CommandLineError
+from pathkernels.app.cli.sizes import model_folder
 from pathkernels.core._extension import build_info
 from pathkernels.core._figures import saved
 from pathkernels.core._memory import check_fits
@@ -25,7 +26,7 @@ def check_attention_fits(
         torch.device(device),
         f"pathkernels {command}",
         f"{batch} × {layers} layers × {heads} heads × {tokens}² tokens of attention need about",
-        "pass fewer --tokens (or a smaller --batch or network)",
+        "pass fewer --tokens" + (" or a smaller --batch" if command == "collapse" else ""),
         error=CommandLineError,
     )
 
@@ -37,7 +38,7 @@ def resolve_device(device: str, command: str) -> str:
         return "cuda" if has_cuda else "cpu"
     if device == "cuda" and not has_cuda:
         raise CommandLineError(
-            f"pathkernels {command}: --device cuda needs a GPU and pathkernels built with CUDA "
+            f"--device cuda needs a GPU and pathkernels built with CUDA "
             f"(build_info: cuda={build_info()['cuda']}, GPU: {torch.cuda.is_available()})"
         )
     return device
@@ -65,36 +66,51 @@ def save(out: Path | None, name: str, table=None, figure=None) -> None:
         plt.close(figure)
 
 
+def number(value: float, spec: str) -> str:
+    """``value`` formatted by ``spec``, never as "-0": a zero, or a value that rounds to one, of
+    either sign prints unsigned."""
+    text = format(value + 0.0, spec)  # -0.0 + 0.0 is +0.0
+    return text[1:] if text.startswith("-") and float(text) == 0 else text
+
+
 def float_format(value: float) -> str:
-    return f"{value:.3g}" if abs(value) >= 1e-3 or value == 0 else f"{value:.2e}"
+    """A table's numbers: 3 significant digits, or 3 digits and an exponent below 10^-3."""
+    return number(value, ".3g") if abs(value) >= 1e-3 or value == 0 else number(value, ".2e")
 
 
 def local_model(spec: str) -> LocalModel:
-    """``--model``: the adapters' reader, its errors as one command-line line."""
+    """``--model``: the adapters' reader (a ``config.json`` standing for its directory), its errors
+    as one command-line line."""
     try:
-        return load_local_model(spec)
+        return load_local_model(model_folder(spec))
     except (FileNotFoundError, ImportError, ValueError) as error:
-        raise CommandLineError(f"pathkernels: --model {spec}: {error}") from None
+        raise CommandLineError(f"--model {spec}: {error}") from None
 
 
-def model_inputs(local: LocalModel, text: str | None, tokens: int | None, batch: int = 1) -> tuple[dict, str]:
-    """The inputs that ``--text`` / ``--tokens`` ask for, refusing those that do not apply."""
+def model_inputs(
+    local: LocalModel, text: str | None, tokens: int | None, batch: int = 1, *, default_tokens: int
+) -> tuple[dict, str]:
+    """The inputs that ``--text`` / ``--tokens`` ask for, refusing those that do not apply: without
+    either, a model with a tokenizer reads a fixed sentence, one without ``default_tokens`` random
+    token ids (the command's ``--tokens`` default)."""
     if local.is_vision and (text is not None or tokens is not None):
         option = "--text" if text is not None else "--tokens"
         raise CommandLineError(
-            f"pathkernels: {option} does not apply to the vision model {local.path}: its tokens "
-            "are the image patches (random pixels here)"
+            f"{option} does not apply to the vision model {local.path}: its tokens are the image patches "
+            "(random pixels here)"
         )
     if text is not None and tokens is not None:
-        raise CommandLineError("pathkernels: pass --text or --tokens, not both (--tokens draws random token ids)")
+        raise CommandLineError("pass --text or --tokens, not both (--tokens draws random token ids)")
     if text is not None and local.tokenizer is None:
         raise CommandLineError(
-            f"pathkernels: --text needs a tokenizer, and {local.path} has none; pass --tokens N for random token ids"
+            f"--text needs a tokenizer, and {local.path} has none; pass --tokens N for random token ids"
         )
+    if tokens is None and text is None and local.tokenizer is None and not local.is_vision:
+        tokens = default_tokens
     try:
         return local_model_inputs(local, text=text, num_tokens=tokens, batch=batch)
     except ValueError as error:
-        raise CommandLineError(f"pathkernels: --text: {str(error).split(': ', 1)[-1]}") from None
+        raise CommandLineError(f"--text: {str(error).split(': ', 1)[-1]}") from None
 
 
 def sequence_length(local: LocalModel, inputs: dict) -> int:

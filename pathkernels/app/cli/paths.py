@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from pathkernels.adapters.huggingface import from_huggingface
+from pathkernels.app.cli.base import DEFAULT_TOKENS, CommandLineError
 from pathkernels.app.cli.common import (
     check_attention_fits,
     float_format,
@@ -44,7 +45,7 @@ def paths_table(
             device = f"cuda:{torch.cuda.current_device()}"
         if model:
             local = local_model(model)
-            inputs, what = model_inputs(local, text, tokens)
+            inputs, what = model_inputs(local, text, tokens, default_tokens=DEFAULT_TOKENS["paths"])
             config = local.model.config
             check_attention_fits(
                 "paths",
@@ -55,14 +56,17 @@ def paths_table(
                 bytes_per_entry=40,  # the model's maps, a float64 copy and the engine's centred operands
                 device="cpu",  # the model runs on the CPU; the maps move to the device after
             )
-            stack = from_huggingface(local.model, **inputs).to(torch.float64)
+            try:
+                stack = from_huggingface(local.model, **inputs).to(torch.float64)
+            except ValueError as error:
+                raise CommandLineError(str(error).split(": ", 1)[-1]) from None
             attn = stack.attn
             source = (
                 f"{model}, {local.weights} (L = {stack.num_layers}, H = {stack.num_heads}, "
                 f"n = {attn.shape[-1]}); inputs: {what}"
             )
         else:
-            tokens = 32 if tokens is None else tokens
+            tokens = DEFAULT_TOKENS["paths"] if tokens is None else tokens
             check_attention_fits(
                 "paths", batch=1, layers=layers, heads=heads, tokens=tokens, bytes_per_entry=32, device="cpu"
             )

@@ -1,0 +1,485 @@
+"""The command line as a new user meets it.
+
+- Oversized work is refused at once, with the estimate, before torch is imported: never the
+  allocator's error, never the out-of-memory killer (the sizes here are refused by arithmetic,
+  terabytes beyond any machine, so nothing is tried).
+- ``--tokens`` has one default rule, and ``--model DIR/config.json`` is the folder.
+- Every error is one line, ``pathkernels COMMAND: message``.
+- No "-0", and headings that read as English.
+- ``attribute --direction FILE``: a probe direction from a .pt, .npy or text file, attributed
+  exactly (its value equals the direction · the model's own last hidden state), for a BERT with
+  its masked-LM head too, whose logit difference is refused by name.
+"""
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pathkernels.app.cli import main, sizes
+from pathkernels.app.cli.base import error_line
+from pathkernels.app.cli.common import float_format, number
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("pandas")
+
+
+def run(argv, capsys):
+    """``(exit code, stdout, stderr lines without transformers' own)`` of ``main(argv)`` in process."""
+    try:
+        code = main(argv)
+    except SystemExit as stopped:
+        code = stopped.code
+    captured = capsys.readouterr()
+    errors = [
+        line
+        for line in captured.err.splitlines()
+        if line.strip()
+        and not line.startswith("[transformers]")
+        and "Loading weights" not in line
+        and "Writing model" not in line
+    ]
+    return code, captured.out, errors
+
+
+def huge_config(folder):
+    """A GPT-2 config of 1000 layers, 64 heads and d = 8192 (about 8 * 10^11 parameters), written
+    as JSON: no model is ever built from it here."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": "gpt2", "n_layer": 1000, "n_head": 64, "n_embd": 8192, "vocab_size": 50257}
+    config |= {"n_positions": 1024, "architectures": ["GPT2LMHeadModel"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def randomised(model, seed: int = 0):
+    """``model`` with its norms' gains and every bias moved off their initial 1 and 0, so that the
+    constants and the norms' frozen scales matter."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 1:  # biases and norm gains
+                parameter.add_(0.3 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def tiny_bert(folder, *, tokenizer: bool = False):
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "quick", "brown", "fox", "jumps", "over", "dog"]
+    config = transformers.BertConfig(
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        hidden_size=16,
+        intermediate_size=32,
+        vocab_size=len(words),
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(1)
+    randomised(transformers.BertForMaskedLM(config)).save_pretrained(folder)
+    if tokenizer:
+        (folder / "vocab.txt").write_text("\n".join(words) + "\n")
+        transformers.BertTokenizer(str(folder / "vocab.txt")).save_pretrained(folder)
+    return folder
+
+
+def tiny_gpt2(folder, model_class=None, **options):
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=30, n_positions=32, **options)
+    torch.manual_seed(2)
+    randomised((model_class or transformers.GPT2LMHeadModel)(config)).save_pretrained(folder)
+    return folder
+
+
+# --- oversized work, refused at once -------------------------------------------------------------
+
+AVAILABLE = r"more than the [\d.]+ [KMGT]iB \([\d,]+ bytes\) available on cpu"
+REFUSALS = [
+    (
+        ["attribute", "--tokens", "100000"],
+        r"a GPT-2 of L = 4, H = 4, d = 64 and its capture of 100000 tokens need about 5\.83 TiB .*; "
+        r"pass a smaller --layers, --width or --tokens",
+    ),
+    (
+        ["attribute", "--layers", "1000", "--heads", "64", "--width", "8192"],
+        r"a GPT-2 of L = 1000, H = 64, d = 8192 and its capture of 16 tokens need about 8\.81 TiB",
+    ),
+    (
+        ["attribute", "--model", "{huge}"],
+        r"the model \S+ \(a gpt2 of L = 1000, H = 64, d = 8192: about 805,\d{3},\d{3},\d{3} parameters\) with its "
+        r"float64 copy and its capture of 16 tokens need about 8\.\d\d TiB",
+    ),
+    (
+        ["attribute", "--model", "{huge}/config.json", "--tokens", "4"],
+        r"the model \S+config\.json \(a gpt2 of L = 1000, .* capture of 4 tokens need about",
+    ),
+    (
+        ["attribute", "--model", "{huge}", "--tokens", "100000"],
+        r"--tokens 100000: the model \S+ embeds positions for at most 1024 tokens",
+    ),
+    (
+        ["paths", "--layers", "60", "--heads", "64", "--tokens", "4096"],
+        r"1 × 60 layers × 64 heads × 4096² tokens of attention need about 1\.88 TiB",
+    ),
+    (
+        ["paths", "--layers", "60", "--heads", "64", "--tokens", "16", "--samples-per-length", "100000000"],
+        r"a '\+skip' network of L = 60, H = 64, d = 64 \(986,880 parameters\), its attention over 16 tokens and the "
+        r"paths it evaluates need about 21\.63 TiB",
+    ),
+    (
+        ["paths", "--layers", "2", "--width", "100000"],
+        r"a '\+skip' network of L = 2, H = 4, d = 100000 \(80,000,200,000 parameters\)",
+    ),
+    (
+        ["paths", "--layers", "10", "--heads", "10", "--max-exact", "100000000000"],
+        r"the decomposition would evaluate 25,937,424,601 paths, more than the 10,000,000,000 that one call evaluates",
+    ),
+    (
+        ["paths", "--model", "{huge}", "--tokens", "8"],
+        r"the model \S+ \(a gpt2 .* and its capture of 8 tokens need about",
+    ),
+    (
+        ["collapse", "--layers", "10000", "--width", "100000", "--device", "cpu"],
+        r"the networks of L = 10000, H = 4, d = 100000 \(the transformer variant: 1,200,010,000,000,000 parameters\) "
+        r"and their activations for 8 × 32 tokens need about",
+    ),
+    (
+        ["collapse", "--batch", "100000", "--tokens", "64", "--device", "cpu"],
+        r"100000 × 12 layers × 4 heads × 64² tokens of attention need about 292\.97 GiB",
+    ),
+    (["collapse", "--model", "{huge}", "--device", "cpu"], r"the model \S+ \(a gpt2 .* capture of 8 × 32 tokens need"),
+]
+
+
+@pytest.mark.parametrize("argv, message", REFUSALS, ids=[" ".join(argv[:3]) for argv, _ in REFUSALS])
+def test_oversized_work_is_refused_at_once_with_the_estimate(argv, message, tmp_path, capsys):
+    huge = str(huge_config(tmp_path / "huge"))
+    argv = [word.replace("{huge}", huge) for word in argv]
+    start = time.monotonic()
+    code, out, errors = run(argv, capsys)
+    assert time.monotonic() - start < 5
+    assert code == 2 and out == "" and len(errors) == 1, errors
+    command = argv[0]
+    assert re.fullmatch(rf"pathkernels {command}: {message}.*", errors[0]), errors[0]
+    if "positions" not in message and "paths, more than" not in message:
+        assert re.search(AVAILABLE, errors[0]), errors[0]
+
+
+def test_a_refusal_comes_before_torch_is_imported():
+    """The whole program, Python's start included, in under 5 s: torch is never imported."""
+    script = (
+        "import sys; from pathkernels.app.cli import main; code = main(['attribute', '--tokens', '100000']); "
+        "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(code)"
+    )
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - start < 5
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("pathkernels attribute: a GPT-2 of L = 4, H = 4, d = 64 and its capture of 100000")
+
+
+def test_the_estimates_count_what_is_built(tmp_path):
+    """The built-in networks' parameters exactly; a config's within a few percent, never far under."""
+    from pathkernels.app.models import SelfAttentionNetwork
+
+    layers, heads, width, tokens = 3, 2, 32, 40
+    gpt2 = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=layers, n_head=heads, n_embd=width, vocab_size=1000, n_positions=tokens)
+    )
+    capture = 40 * layers * heads * tokens**2 + 8 * 24 * layers * tokens * width
+    assert sizes.gpt2_bytes(layers, heads, width, tokens) == 12 * sum(p.numel() for p in gpt2.parameters()) + capture
+    for variant, mlp in (("+skip", False), ("transformer", True)):
+        network = SelfAttentionNetwork.variant(variant, d_model=width, num_heads=heads, num_layers=layers)
+        assert sizes.network_parameters(layers, heads, width, mlp=mlp)[0] == sum(
+            p.numel() for p in network.parameters()
+        )
+    configs = {
+        "bert": transformers.BertConfig(
+            num_hidden_layers=3, num_attention_heads=4, hidden_size=64, intermediate_size=256, vocab_size=500
+        ),
+        "llama": transformers.LlamaConfig(
+            num_hidden_layers=3, num_attention_heads=4, hidden_size=64, intermediate_size=172, vocab_size=500
+        ),
+        "gpt2": transformers.GPT2Config(n_layer=3, n_head=4, n_embd=64, vocab_size=500, n_positions=128),
+    }
+    for name, config in configs.items():
+        config.save_pretrained(tmp_path / name)
+        model = transformers.AutoModel.from_config(config)
+        actual = sum(p.numel() for p in model.parameters())
+        estimate = sizes.model_shape(str(tmp_path / name))["parameters"]
+        assert 0.97 * actual <= estimate <= 1.2 * actual, (name, actual, estimate)
+    assert sizes.counts_by_length(4, 3) == [1, 12, 54, 108, 81]
+    assert sizes.paths_evaluated(4, 3, None, 10**6) == (256, True)
+    assert sizes.paths_evaluated(4, 3, 20, 10**6) == (1 + 12 + 20 + 20 + 20, True)
+
+
+def test_the_refusal_follows_the_memory_the_machine_has(monkeypatch, capsys):
+    """The same run is refused on a machine with less memory than it needs, with both numbers."""
+    need = sizes.gpt2_bytes(2, 2, 16, 6)
+    monkeypatch.setattr(sizes, "available_memory", lambda: need - 1)
+    code, out, errors = run(["attribute", "--layers", "2", "--heads", "2", "--width", "16", "--tokens", "6"], capsys)
+    assert code == 2 and out == ""
+    assert errors == [
+        f"pathkernels attribute: a GPT-2 of L = 2, H = 2, d = 16 and its capture of 6 tokens need about "
+        f"{sizes.format_bytes(need)}, more than the {sizes.format_bytes(need - 1)} available on cpu; pass a smaller "
+        "--layers, --width or --tokens"
+    ]
+
+
+# --- defaults, and what --model names -----------------------------------------------------------
+
+
+def test_tokens_default_to_one_rule_stated_in_help(tmp_path, capsys):
+    tiny_gpt2(tmp_path / "gpt2")
+    for command, default in (("attribute", 16), ("paths", 32)):
+        code, out, _ = run(
+            [
+                command,
+                "--model",
+                str(tmp_path / "gpt2"),
+                "--max-length" if command == "attribute" else "--max-exact",
+                "1",
+            ],
+            capsys,
+        )
+        assert code == 0
+        assert f"1 sequence(s) of {default} random token ids (no tokenizer in the model directory)" in out
+        help_text = subprocess.run(
+            [sys.executable, "-m", "pathkernels", command, "--help"], capture_output=True, text=True, check=True
+        ).stdout
+        assert (
+            f"random token ids (default {default}, with --model too when its directory has no tokenizer; a model "
+            "with a tokenizer reads a fixed sentence unless --tokens or --text is given)"
+        ) in " ".join(help_text.split())
+
+
+def test_a_config_json_names_its_folder_with_its_tokenizer_and_weights(tmp_path, capsys):
+    tiny_bert(tmp_path / "bert", tokenizer=True)
+    code, out, _ = run(["paths", "--model", str(tmp_path / "bert" / "config.json"), "--device", "cpu"], capsys)
+    assert code == 0
+    assert "pretrained weights" in out and "the default prompt" in out and "the model's tokenizer" in out
+    assert "no tokenizer" not in out
+
+
+# --- one error format ----------------------------------------------------------------------------
+
+
+def test_every_error_is_one_line_naming_the_command(tmp_path, capsys, monkeypatch):
+    cases = [
+        (["paths", "--tokens", "x"], 2, "pathkernels paths: argument --tokens: expected an integer >= 2, got 'x'"),
+        (
+            ["attribute", "--target", "x", "--layers", "1", "--width", "8", "--tokens", "3"],
+            2,
+            "pathkernels attribute: --target: expected a token id",
+        ),
+        (["collapse", "--model", str(tmp_path / "missing")], 2, "pathkernels collapse: --model"),
+        (["bogus"], 2, "pathkernels: argument command: invalid choice: 'bogus'"),
+    ]
+    for argv, expected_code, start in cases:
+        code, _, errors = run(argv, capsys)
+        assert code == expected_code and len(errors) == 1 and errors[0].startswith(start), (argv, errors)
+        assert " error: " not in errors[0] and not errors[0].startswith("pathkernels: pathkernels")
+    import pathkernels.app.cli.paths as paths_command
+
+    def broken(**options):
+        raise RuntimeError("a failure nobody foresaw\nsecond line")
+
+    monkeypatch.setattr(paths_command, "paths_table", broken)
+    code, _, errors = run(["paths", "--layers", "1", "--tokens", "3"], capsys)
+    assert code == 1
+    assert errors == [
+        "pathkernels paths: a failure nobody foresaw (an unexpected RuntimeError; --debug shows the traceback)"
+    ]
+    assert (
+        error_line("paths", "pathkernels: x") == error_line("paths", "pathkernels paths: x") == "pathkernels paths: x"
+    )
+
+
+def test_no_error_in_the_command_line_carries_another_prefix():
+    """The messages the subcommands raise are bare or name their command; none says "error:"."""
+    import ast
+    from pathlib import Path
+
+    def leading_text(node) -> str:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        if isinstance(node, ast.JoinedStr):
+            return "".join(part.value if isinstance(part, ast.Constant) else "{}" for part in node.values)
+        return ""
+
+    raised = 0
+    for path in Path(sizes.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "CommandLineError" and node.args:
+                text = leading_text(node.args[0])
+                raised += 1
+                assert not text.startswith("pathkernels: ") and "error:" not in text, (path.name, text)
+    assert raised > 20
+
+
+# --- printing ------------------------------------------------------------------------------------
+
+
+def test_numbers_never_print_as_negative_zero():
+    assert number(-0.0, ".2g") == "0" and number(-1e-30, ".2f") == "0.00" and number(-0.5, ".2g") == "-0.5"
+    assert float_format(-0.0) == "0" and float_format(-2e-5) == "-2.00e-05"
+
+
+def test_attribute_headings_read_as_english(capsys):
+    argv = ["attribute", "--layers", "2", "--heads", "2", "--width", "16", "--tokens", "6", "--top", "3"]
+    code, out, _ = run(argv, capsys)
+    assert code == 0
+    lines = out.splitlines()
+    headings = [lines[i - 1] for i, line in enumerate(lines) if line and set(line) == {"="}]
+    assert headings == [
+        "Attribution by number of heads",
+        "Attribution by source",
+        "The 3 largest attributions",
+        "The 3 smallest attributions",
+    ]
+    assert re.search(r"Σ attributions \+ constant − readout = (0|-?\d(\.\d)?e-\d\d)\)", out), out
+    assert not re.search(r"(?<![\w.])-0(?![.\de])", out), out
+    code, out, _ = run([*argv, "--max-length", "1", "--top", "1"], capsys)
+    assert "The largest attribution among the 13 enumerated paths\n" in out
+
+
+# --- --direction ---------------------------------------------------------------------------------
+
+
+def direction_files(folder, direction: torch.Tensor) -> dict:
+    import numpy as np
+
+    files = {"pt": folder / "u.pt", "npy": folder / "u.npy", "txt": folder / "u.txt"}
+    torch.save(direction, files["pt"])
+    np.save(files["npy"], direction.numpy())
+    files["txt"].write_text("\n".join(repr(v) for v in direction.tolist()))
+    return files
+
+
+def model_last_hidden(folder, tokens: int, position: int) -> torch.Tensor:
+    """The model's own last hidden state (its final norm's output) at ``position``, in float64, on the
+    inputs the command line draws."""
+    from pathkernels.adapters.huggingface import load_local_model, local_model_inputs
+
+    local = load_local_model(folder)
+    inputs, _ = local_model_inputs(local, num_tokens=tokens)
+    with torch.no_grad():
+        output = local.model.double().eval()(**inputs, output_hidden_states=True)
+    return output.hidden_states[-1][0, position]
+
+
+def test_a_bert_with_its_masked_lm_head_is_attributed_through_a_direction(tmp_path, capsys):
+    from pathkernels.app.cli.attribute import attribute_table
+
+    folder = tiny_bert(tmp_path / "bert")
+    code, _, errors = run(["attribute", "--model", str(folder), "--tokens", "5"], capsys)
+    assert code == 2 and len(errors) == 1
+    assert re.fullmatch(
+        r"pathkernels attribute: --model \S+: the logits of BertForMaskedLM \(bert\) are not a linear map of its "
+        r"last hidden state .* pass --direction FILE \(16 numbers: a probe direction read from the last hidden "
+        r"state\) to attribute that instead",
+        errors[0],
+    ), errors[0]
+    direction = torch.randn(16, dtype=torch.float64)
+    files = direction_files(tmp_path, direction)
+    expected = float(model_last_hidden(folder, 5, 2) @ direction)
+    for kind, path in files.items():
+        result = attribute_table(model=str(folder), tokens=5, position=2, direction=path, top=3)
+        value = float(result.value[0, 0])
+        assert value == pytest.approx(expected, rel=1e-10, abs=1e-12), kind
+        assert float(result.by_source.sum() + result.constant[0, 0]) == pytest.approx(value, rel=1e-10, abs=1e-12)
+        assert result.labels == (f"the direction from {path}",)
+    capsys.readouterr()
+    out_dir = tmp_path / "out"
+    code, out, _ = run(
+        ["attribute", "--model", str(folder), "--tokens", "5", "--direction", str(files["txt"]), "--out", str(out_dir)],
+        capsys,
+    )
+    assert code == 0
+    readout = re.search(
+        rf"readout: the direction from {re.escape(str(files['txt']))} · the last hidden state at token 4 = (\S+) "
+        r"\(the model's own: (\S+)\)",
+        out,
+    )
+    assert readout is not None and float(readout[1]) == pytest.approx(float(readout[2]), rel=1e-5), out
+    assert float(readout[1]) == pytest.approx(float(model_last_hidden(folder, 5, 4) @ direction), rel=1e-5)
+    assert (out_dir / "attribution.png").stat().st_size > 0
+
+
+def test_a_direction_reads_the_final_norms_output_of_a_gpt2(tmp_path, capsys):
+    """GPT-2's last hidden state is its final norm's output: the direction's value includes βᵀu."""
+    from pathkernels.app.cli.attribute import attribute_table
+
+    folder = tiny_gpt2(tmp_path / "gpt2")
+    direction = torch.randn(16, dtype=torch.float64)
+    path = direction_files(tmp_path, direction)["npy"]
+    result = attribute_table(model=str(folder), tokens=6, direction=path, top=2)
+    assert float(result.value[0, 0]) == pytest.approx(float(model_last_hidden(folder, 6, 5) @ direction), rel=1e-10)
+    assert float(result.constant[0, 0]) != 0  # the final norm's β, randomised
+    # The built-in GPT-2 (d = --width) takes one too.
+    code, out, _ = run(
+        ["attribute", "--layers", "1", "--heads", "2", "--width", "16", "--tokens", "4", "--direction", str(path)],
+        capsys,
+    )
+    assert code == 0 and f"readout: the direction from {path} · the last hidden state at token 3 = " in out
+
+
+def test_a_classifiers_class_logits_are_read_through_its_score_head(tmp_path, capsys):
+    folder = tiny_gpt2(
+        tmp_path / "classifier", transformers.GPT2ForSequenceClassification, num_labels=3, pad_token_id=0
+    )
+    code, out, _ = run(["attribute", "--model", str(folder), "--tokens", "5", "--target", "2", "--versus", "0"], capsys)
+    assert code == 0, out
+    readout = re.search(
+        r"readout: class logit\[2\] − class logit\[0\] at token 4 = (\S+) \(the model's own: (\S+)\)", out
+    )
+    assert readout is not None, out
+    from pathkernels.adapters.huggingface import load_local_model, local_model_inputs
+
+    local = load_local_model(folder)
+    inputs, _ = local_model_inputs(local, num_tokens=5)
+    with torch.no_grad():
+        logits = local.model.double().eval()(**inputs).logits[0]
+    assert float(readout[1]) == pytest.approx(float(logits[2] - logits[0]), rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "write, message",
+    [
+        (
+            lambda p: torch.save(torch.randn(2, 16), p.with_suffix(".pt")),
+            r"has shape \[2, 16\]; expected .* with d = 16",
+        ),
+        (lambda p: torch.save(torch.randn(15), p.with_suffix(".pt")), r"has shape \[15\]; expected .* with d = 16"),
+        (lambda p: torch.save({"u": torch.randn(16)}, p.with_suffix(".pt")), r"holds a dict, not a tensor"),
+        (lambda p: torch.save(torch.ones(16, dtype=torch.bool), p.with_suffix(".pt")), r"holds bool values"),
+        (
+            lambda p: __import__("numpy").save(p.with_suffix(".npy"), __import__("numpy").ones(16, complex)),
+            "complex128",
+        ),
+        (lambda p: p.with_suffix(".txt").write_text("1 " * 15 + "nan"), r"holds a NaN or infinite value"),
+        (lambda p: p.with_suffix(".txt").write_text("1 2 three"), r"'three' is not a number"),
+        (lambda p: p.with_suffix(".csv").write_bytes(b"\x80\x81\xff"), r"cannot read it"),
+        (lambda p: None, r"no such file"),
+    ],
+    ids=["matrix", "length", "dict", "bool", "complex", "nan", "word", "binary", "missing"],
+)
+def test_a_bad_direction_is_refused_naming_the_option_and_d(write, message, tmp_path, capsys):
+    write(tmp_path / "u")
+    written = sorted(tmp_path.glob("u.*"))
+    path = written[0] if written else tmp_path / "u.pt"
+    argv = ["attribute", "--layers", "1", "--heads", "2", "--width", "16", "--tokens", "4", "--direction", str(path)]
+    code, out, errors = run(argv, capsys)
+    assert code == 2 and out == "" and len(errors) == 1, errors
+    assert errors[0].startswith(f"pathkernels attribute: --direction {path}: ") and re.search(message, errors[0]), (
+        errors
+    )
+
+
+def test_direction_and_target_do_not_mix(tmp_path, capsys):
+    code, _, errors = run(
+        ["attribute", "--direction", str(tmp_path / "u.pt"), "--target", "3", "--versus", "4"], capsys
+    )
+    assert code == 2
+    assert errors[0].startswith("pathkernels attribute: --target and --versus choose the logit difference")
