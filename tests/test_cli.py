@@ -483,3 +483,14 @@ def test_direction_and_target_do_not_mix(tmp_path, capsys):
     )
     assert code == 2
     assert errors[0].startswith("pathkernels attribute: --target and --versus choose the logit difference")
+
+
+def test_a_seed_beyond_64_bits_is_refused_by_the_parser(capsys):
+    """It reached torch.manual_seed: "Overflow when unpacking long long", as an unexpected failure."""
+    for command in ("paths", "attribute"):
+        code, _, errors = run([command, "--seed", str(2**64)], capsys)
+        assert code == 2
+        assert errors == [
+            f"pathkernels {command}: argument --seed: expected an integer in [0, {2**64 - 1}], got {2**64} "
+            "(--help lists the options)"
+        ]

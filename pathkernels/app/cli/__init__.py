@@ -84,20 +84,24 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def _integer(minimum: int):
-    """An argparse type: an int >= minimum, with a message that says so."""
+def _integer(minimum: int, maximum: int | None = None):
+    """An argparse type: an int >= minimum (and <= maximum), with a message that says so."""
+    expected = f"an integer >= {minimum}" if maximum is None else f"an integer in [{minimum}, {maximum}]"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {value}")
         return value
 
-    parse.__name__ = f"integer >= {minimum}"
+    parse.__name__ = expected
     return parse
+
+
+_SEED = _integer(0, 2**64 - 1)  # torch's generators take 64-bit seeds
 
 
 def _seconds(text: str) -> float:
@@ -224,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         "without replacement. Under torchrun the processes split the tree.",
     )
     model_options(paths, layers=6, tokens=DEFAULT_TOKENS["paths"])
-    paths.add_argument("--seed", type=_integer(0), default=0, help="seed of the network and of the sample")
+    paths.add_argument("--seed", type=_SEED, default=0, help="seed of the network and of the sample")
     paths.add_argument(
         "--samples-per-length", type=_integer(1), help="draw up to this many paths per length instead of all"
     )
@@ -252,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         "heads too, whose logits are not linear.",
     )
     model_options(attribute, layers=4, tokens=DEFAULT_TOKENS["attribute"])
-    attribute.add_argument("--seed", type=_integer(0), default=0, help="seed of the built-in model and its tokens")
+    attribute.add_argument("--seed", type=_SEED, default=0, help="seed of the built-in model and its tokens")
     attribute.add_argument(
         "--target", help="token id (or, with a tokenizer, one token's text); default: the top prediction"
     )
