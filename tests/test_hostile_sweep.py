@@ -1065,28 +1065,6 @@ try:
 except ImportError:  # the adapter cases are left out
     transformers = None
 
-# Defects in files others own (pathkernels/adapters/*, pathkernels/analysis/*): the fix each needs.
-OWED_META = (
-    "adapters/huggingface.py: check that input_ids (and every tensor input) is on a CPU or CUDA device before "
-    "reading its values (the range check calls .item() on a meta tensor)"
-)
-OWED_MASK_TYPE = (
-    "adapters/huggingface.py: check that attention_mask is a torch.Tensor before reading its .ndim (a str raised "
-    "AttributeError)"
-)
-OWED_CAPTURE_NAME = (
-    "adapters/residual.py: capture_huggingface_residual must pass its own name to the input checks it shares with "
-    "from_huggingface (they say pathkernels.adapters.from_huggingface)"
-)
-OWED_TERMS = (
-    "analysis/real_paths.py: path_terms must check the types of paths, sources and tokens (a str or None reached "
-    "torch.tensor: 'new(): invalid data type', 'Could not infer dtype of NoneType') before converting them"
-)
-OWED_READOUT_META = (
-    "analysis/attribution.py: Readout.of must refuse directions not on a CPU or CUDA device (a meta direction "
-    "reached .item())"
-)
-
 
 def tiny_gpt2():
     torch.manual_seed(0)
@@ -1106,7 +1084,6 @@ def adapter_cases():
         ("pathkernels.adapters.from_huggingface", pk.adapters.from_huggingface),
         ("pathkernels.adapters.capture_huggingface_residual", pk.adapters.capture_huggingface_residual),
     ):
-        named = None if adapter is pk.adapters.from_huggingface else OWED_CAPTURE_NAME
         for kind, value in (
             ("negative", torch.tensor([[1, -2, 3]])),
             ("huge", torch.tensor([[1, 20, 3]])),
@@ -1118,24 +1095,23 @@ def adapter_cases():
             ("list", [[1, 2, 3]]),
             ("huge", torch.zeros(1, 9, dtype=torch.long)),  # beyond n_positions
         ):
-            refused(where, words, kind, "input_ids", lambda a=adapter, v=value: a(model, input_ids=v), owed=named)
-        refused(where, words, "meta", "input_ids", lambda a=adapter: a(model, input_ids=ids.to("meta")), owed=OWED_META)
+            refused(where, words, kind, "input_ids", lambda a=adapter, v=value: a(model, input_ids=v))
+        refused(where, words, "meta", "input_ids", lambda a=adapter: a(model, input_ids=ids.to("meta")))
         for kind, value in (
             ("zero", torch.zeros(1, 4, dtype=torch.long)),
             ("shape", torch.ones(1, 5, dtype=torch.long)),
             ("nan", torch.full((1, 4), NAN)),
         ):
             call = lambda a=adapter, v=value: a(model, input_ids=ids, attention_mask=v)
-            refused(where, ("attention_mask", "token_mask"), kind, "attention_mask", call, owed=named)
+            refused(where, ("attention_mask", "token_mask"), kind, "attention_mask", call)
         refused(
             where,
             "attention_mask",
             "str",
             "attention_mask",
             lambda a=adapter: a(model, input_ids=ids, attention_mask="all"),
-            owed=OWED_MASK_TYPE,
         )
-        refused(where, ("inputs", "input_ids"), "None", "no inputs", lambda a=adapter: a(model), owed=named)
+        refused(where, ("inputs", "input_ids"), "None", "no inputs", lambda a=adapter: a(model))
         refused(where, "model", "str", "model", lambda a=adapter: a("gpt2", input_ids=ids))
     stack, _ = pk.adapters.capture_huggingface_residual(model, input_ids=ids)
     logits = model(input_ids=ids).logits.detach()[0]
@@ -1187,7 +1163,7 @@ def adapter_cases():
     ):
         refused(where, "readout", kind, "readout", lambda d=direction: pk.path_attribution(stack, d))
     meta = torch.ones(8, dtype=torch.float64, device="meta")
-    refused(where, "readout", "meta", "readout", lambda: pk.path_attribution(stack, meta), owed=OWED_READOUT_META)
+    refused(where, "readout", "meta", "readout", lambda: pk.path_attribution(stack, meta))
     ones = torch.ones(8, dtype=torch.float64)
     integer = lambda: value(pk.path_attribution(stack, torch.ones(8, dtype=torch.long)))
     gives(
@@ -1232,9 +1208,8 @@ def adapter_cases():
     }.items():
         for kind, bad in values:
             args = {"paths": [[-1, -1]], "sources": [0], name: bad}
-            owed = OWED_TERMS if (name, kind) in (("paths", "str"), ("sources", "None"), ("tokens", "str")) else None
             words = ("sources", "source") if name == "sources" else name
-            refused(where, words, kind, name, lambda a=args: pk.path_terms(stack, **a), owed=owed)
+            refused(where, words, kind, name, lambda a=args: pk.path_terms(stack, **a))
 
 
 adapter_cases()

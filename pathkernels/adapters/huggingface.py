@@ -261,8 +261,16 @@ def _check_inputs(model, inputs: dict, where: str) -> None:
             f"{where}: expected input_ids [B, n] (or inputs_embeds [B, n, d], or pixel_values for ViT) as a "
             f"tensor among the inputs, got {sorted(inputs) or 'none'}"
         )
-    for name in ("input_ids", "inputs_embeds", "pixel_values", "attention_mask"):
+    mask = inputs.get("attention_mask")
+    if mask is not None and not isinstance(mask, Tensor):
+        raise TypeError(
+            f"{where}: expected attention_mask to be a torch.Tensor [B, n] (1 = a real token) or None, got "
+            f"{type(mask).__name__}"
+        )
+    for name in ("input_ids", "inputs_embeds", "pixel_values", "attention_mask", "position_ids"):
         value = inputs.get(name)
+        if isinstance(value, Tensor) and value.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{where}: expected {name} on a CPU or CUDA device, got {value.device}")
         if isinstance(value, Tensor) and value.dim() >= 2 and 0 in value.shape[:2]:
             raise ValueError(
                 f"{where}: expected at least one batch element and one token in {name}, got {list(value.shape)}"
@@ -453,9 +461,10 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
     return _read_stack(model, inputs)[0]
 
 
-def _read_stack(model: nn.Module, inputs: dict) -> tuple[AttentionStack, Tensor]:
+def _read_stack(model: nn.Module, inputs: dict, where: str = _WHERE) -> tuple[AttentionStack, Tensor]:
     """:func:`from_huggingface`'s stack, and its patterns ``[B, L, H, n, n]`` exactly as the model
-    computed them (the stack's own are renormalised where the softmax was coarser than the model)."""
+    computed them (the stack's own are renormalised where the softmax was coarser than the model);
+    the inputs' errors name ``where``, the caller."""
     family = _family(model)
     layers = family.layers(model, model.config)
     patterns: list[Tensor | None] = [None] * len(layers)
@@ -471,7 +480,7 @@ def _read_stack(model: nn.Module, inputs: dict) -> tuple[AttentionStack, Tensor]
     if projection is not None:
         handle = projection.register_forward_pre_hook(lambda module, args: before_projection.append(args[0].detach()))
     try:
-        output = _stream(model, layers, keep, {**_prepared_inputs(model, inputs, _WHERE), "output_hidden_states": True})
+        output = _stream(model, layers, keep, {**_prepared_inputs(model, inputs, where), "output_hidden_states": True})
     finally:
         if handle is not None:
             handle.remove()
@@ -489,7 +498,7 @@ def _read_stack(model: nn.Module, inputs: dict) -> tuple[AttentionStack, Tensor]
     token_mask = inputs.get("attention_mask")
     if isinstance(token_mask, Tensor) and token_mask.dim() != 2:
         raise ValueError(
-            f"{_WHERE}: expected attention_mask of shape [B, n] (1 = a real token) to carry as the "
+            f"{where}: expected attention_mask of shape [B, n] (1 = a real token) to carry as the "
             f"stack's token_mask, got {list(token_mask.shape)}"
         )
     attn = torch.stack(patterns, dim=1)

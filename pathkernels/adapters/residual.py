@@ -248,7 +248,7 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
     if final_norm is not None:
         handles.append(final_norm.register_forward_pre_hook(keep("final_in", 0, output=False)))
     try:
-        stack, attn = _read_stack(model, inputs)
+        stack, attn = _read_stack(model, inputs, "pathkernels.adapters.capture_huggingface_residual")
     finally:
         for handle in handles:
             handle.remove()

@@ -94,6 +94,8 @@ class Readout:
         if not isinstance(labels, (tuple, list)) or len(labels) != count:
             raise ValueError(f"{where}: expected one readout label per direction ({count}), got {labels!r}")
         for name, value in (("directions", directions), ("bias", bias)):
+            if value.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"{where}: expected the readout's {name} on a CPU or CUDA device, got {value.device}")
             if not value.is_floating_point() and value.dtype not in (torch.int32, torch.int64):
                 raise TypeError(f"{where}: expected the readout's {name} to be real numbers, got {value.dtype}")
             if not bool(torch.isfinite(value).all()):

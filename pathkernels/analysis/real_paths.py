@@ -249,7 +249,8 @@ def path_terms(
     if tokens is None:
         rows = torch.arange(real_positions.numel())
     else:
-        wanted = torch.as_tensor(tokens).reshape(-1)
+        wanted = _as_index_tensor(tokens, "tokens", "positions (an int, a list of ints or an integer tensor)", where)
+        wanted = wanted.reshape(-1)
         if wanted.dtype.is_floating_point or wanted.dtype == torch.bool:
             raise TypeError(f"{where}: expected tokens to be integer positions, got {wanted.dtype}")
         wanted = torch.where(wanted < 0, wanted + n_all, wanted)
@@ -279,10 +280,26 @@ def path_terms(
     return out
 
 
+def _as_index_tensor(value, name: str, expected: str, where: str) -> Tensor:
+    """``value`` (an int, a nested list of numbers or a tensor on a CPU or CUDA device) as a tensor;
+    anything else refused naming ``name`` and what was ``expected``."""
+    if isinstance(value, Tensor):
+        if value.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{where}: expected {name} on a CPU or CUDA device, got {value.device}")
+        return value
+    if isinstance(value, (str, bytes)) or value is None:
+        raise TypeError(f"{where}: expected {name} as {expected}, got {type(value).__name__} {value!r}")
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        got = f"{type(value).__name__} {str(value)[:80]}"
+        raise TypeError(f"{where}: expected {name} as {expected}, got {got}") from None
+
+
 def _checked_paths(paths, sources, model: FrozenModel, names: list[str], where: str) -> tuple[Tensor, Tensor]:
     """``(choices [M, L], sources [M])`` checked against the frozen model: heads in ``[−1, H)``, a
     source index or name each, and heads only above the path's source."""
-    paths = torch.as_tensor(paths)
+    paths = _as_index_tensor(paths, "paths", f"[M, {model.layers}] ints, the head at each layer (−1: none)", where)
     if paths.dim() == 1:
         paths = paths[None]
     if paths.dim() != 2 or paths.shape[1] != model.layers or paths.dtype.is_floating_point or paths.dtype == torch.bool:
@@ -299,7 +316,7 @@ def _checked_paths(paths, sources, model: FrozenModel, names: list[str], where: 
         if unknown:
             raise ValueError(f"{where}: expected sources among {names}, got {unknown}")
         sources = [names.index(s) for s in sources]
-    sources = torch.as_tensor(sources).reshape(-1)
+    sources = _as_index_tensor(sources, "sources", f"[M] indices or names of {names}", where).reshape(-1)
     if sources.dtype.is_floating_point or sources.dtype == torch.bool:
         raise TypeError(f"{where}: expected sources as indices or names, got {sources.dtype}")
     if sources.numel() == 1 and paths.shape[0] > 1:
