@@ -142,6 +142,10 @@ def test_plot_returns_a_log_scale_figure(tmp_path):
     streamed = pk.decompose(attention(), max_result_bytes=1)
     streamed.plot(path=tmp_path / "streamed.pdf")
     assert (tmp_path / "streamed.pdf").read_bytes()[:5] == b"%PDF-"
+    # The title says which network it shows: the method and shape by default, or the caller's.
+    assert pk.decompose(attention()).plot().axes[0].get_title() == "exact decomposition: L = 4, H = 3"
+    titled = pk.decompose(attention()).plot(title="a +skip network at initialisation (L = 4, H = 3)")
+    assert titled.axes[0].get_title() == "a +skip network at initialisation (L = 4, H = 3)"
 
 
 def test_plot_of_a_large_decomposition_draws_a_subset(monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import textwrap
 from dataclasses import dataclass, field
 
 import torch
@@ -212,12 +213,13 @@ class PathDecomposition:
         variance = sum((weight / total) ** 2 * term for weight, _, term in strata)
         return mean, math.sqrt(variance)
 
-    def plot(self, ax=None, *, path=None):
+    def plot(self, ax=None, *, path=None, title: str | None = None):
         """Residual ratio against path length (log scale): every (batch element, evaluated path)
         pair as a point (a random 20,000 of them when there are more), the per-length median and
         the 10–90 % band. Exact zeros have no place on a log scale: they are left out, and the
-        legend says how many. Returns the matplotlib Figure; with ``path`` it is also saved there
-        (the format from the suffix: .png, .pdf, .svg, …)."""
+        legend says how many. ``title``: what the figure shows (say which network; default: the
+        method, L and H). Returns the matplotlib Figure; with ``path`` it is also saved there (the
+        format from the suffix: .png, .pdf, .svg, …)."""
         check_save_path(path, "pathkernels.PathDecomposition.plot")
         require("matplotlib")
         import matplotlib.pyplot as plt
@@ -253,7 +255,10 @@ class PathDecomposition:
         ax.set_yscale("log")
         ax.set_xlabel("path length (heads taken)")
         ax.set_ylabel("residual ratio ‖res‖ / ‖·‖ (ℓ1,∞)")
-        ax.set_title(f"{self.method} decomposition: L = {self.num_layers}, H = {self.num_heads}")
+        if title is None:
+            ax.set_title(f"{self.method} decomposition: L = {self.num_layers}, H = {self.num_heads}")
+        else:
+            ax.set_title(textwrap.fill(title, 70), fontsize="small")
         ax.legend()
         return saved(fig, path)
 

@@ -98,5 +98,10 @@ def paths_table(
     ]
     print(table[columns].to_string(index=False, float_format=float_format))
     if out is not None:
-        save(out, "ratio_by_length", table, dec.plot())
+        save(
+            out,
+            "ratio_by_length",
+            table,
+            dec.plot(title=f"Residual ratio of the attention products P_p: {source}; {how}"),
+        )
     return table
