@@ -297,9 +297,11 @@ def test_tree_functions_count_exactly_or_name_themselves(name, layers, heads, ma
         assert got.shape == (5, layers) and int(got.max()) < heads and int(got.min()) >= (-1 if skip else 0)
 
 
-def _integer_options() -> list[tuple[str, str, int]]:
-    """(command, option, minimum) of every integer option of the command line."""
+def _integer_options() -> list[tuple[str, str, str, int, int | None]]:
+    """(command, option, the type's wording, minimum, maximum or None) of every integer option of
+    the command line (their types are named "an integer >= m" or "an integer in [m, M]")."""
     import argparse
+    import re
 
     from pathkernels.app.cli import build_parser
 
@@ -309,8 +311,11 @@ def _integer_options() -> list[tuple[str, str, int]]:
             for command, sub in action.choices.items():
                 for option in sub._actions:
                     name = getattr(option.type, "__name__", "")
-                    if name.startswith("integer >= "):
-                        found.append((command, option.option_strings[0], int(name.split()[-1])))
+                    if match := re.fullmatch(r"an integer >= (-?\d+)", name):
+                        found.append((command, option.option_strings[0], name, int(match[1]), None))
+                    elif match := re.fullmatch(r"an integer in \[(-?\d+), (-?\d+)\]", name):
+                        found.append((command, option.option_strings[0], name, int(match[1]), int(match[2])))
+    assert len(found) >= 10, f"the command line's integer options were not found: {found}"
     return found
 
 
@@ -331,14 +336,15 @@ def test_the_command_line_parses_an_integer_option_or_names_it(option, text):
 
     from pathkernels.app.cli import build_parser
 
-    command, flag, minimum = option
+    command, flag, expected, minimum, maximum = option
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
             args = build_parser().parse_args([command, f"{flag}={text}"])
     except SystemExit as exit:
         assert exit.code == 2
-        assert f"argument {flag}: expected an integer >= {minimum}" in stderr.getvalue(), stderr.getvalue()
+        assert f"{flag}: expected {expected}" in stderr.getvalue(), stderr.getvalue()
         return
     value = getattr(args, flag.lstrip("-").replace("-", "_"))
     assert isinstance(value, int) and value >= minimum and value == int(text)
+    assert maximum is None or value <= maximum
