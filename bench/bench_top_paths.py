@@ -1,4 +1,4 @@
-"""Benchmark of pk.top_paths, the certified best-first search for the top paths (issue 25).
+"""Benchmark of pk.top_paths, the certified best-first search for the top paths.
 
 GPT-2-shaped models built from configs in float64 (12 heads, d = 768, 16 tokens, a logit
 difference at the last token; biases N(0, 0.02²), LayerNorm γ from U(0.5, 1.5), the attention

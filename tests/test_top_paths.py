@@ -1,4 +1,4 @@
-"""pk.top_paths (issue 25): the certified best-first search returns exactly the top (and bottom)
+"""pk.top_paths: the certified best-first search returns exactly the top (and bottom)
 paths that enumerating every path gives, on pre-norm, RMSNorm and post-norm models, on nearly tied
 attributions, and with max_length; a search stopped early keeps a certificate that no path it did
 not visit exceeds."""

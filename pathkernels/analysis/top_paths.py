@@ -1,5 +1,5 @@
 """The exact top paths of a readout without visiting the whole tree: a best-first search over the
-readout trie with a certificate (issue 25; docs/DESIGN.md, "The top paths, certified").
+readout trie with a certificate (docs/DESIGN.md, "The top paths, certified").
 
 A node of the trie (:mod:`pathkernels.analysis.readout_trie`) has chosen the branches of the top
 sublayers; it holds ``ρ`` (``rᵀ`` through their token maps, ``n`` entries) and ``φ`` (their feature
