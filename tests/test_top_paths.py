@@ -43,8 +43,9 @@ def test_the_search_finds_what_enumeration_finds(family):
     _, stack, readout = captured(family)
     assert_same_as_enumeration(stack, readout, 10)
     assert_same_as_enumeration(stack, readout, 3, max_length=1)
-    for bound in ("first_head", "plain"):
+    for bound in ("chain", "first_head", "plain"):
         assert_same_as_enumeration(stack, readout, 4, bound=bound)
+    assert_same_as_enumeration(stack, readout, 4, max_length=2)  # the bound per node where heads run out
 
 
 def test_progress_reports_the_search(capsys):
@@ -71,7 +72,7 @@ def test_nearly_tied_heads_are_told_apart():
     assert_same_as_enumeration(stack, pk.logit_diff(model, 3, 4), 12)
 
 
-@pytest.mark.parametrize("bound", ["chain", "first_head", "plain"])
+@pytest.mark.parametrize("bound", ["node", "chain", "first_head", "plain"])
 @pytest.mark.parametrize("seed", range(3))
 def test_a_stopped_search_bounds_every_path_it_did_not_visit(seed, bound):
     """A frontier budget too small to finish: the search stops uncertified, and every path it did
@@ -80,9 +81,11 @@ def test_a_stopped_search_bounds_every_path_it_did_not_visit(seed, bound):
     torch.manual_seed(seed)
     _, stack, readout = captured(["gpt2", "llama", "bert"][seed % 3])
     every = pk.path_attribution(stack, readout)
+    # The bound per node certifies these models after a node or two: stop it with its first children.
+    budget = 1 if bound == "node" else 4000
     for largest in (True, False):
         found = pk.top_paths(
-            stack, readout, 5, largest=largest, batch_nodes=2, memory_budget=4000, record=True, bound=bound
+            stack, readout, 5, largest=largest, batch_nodes=2, memory_budget=budget, record=True, bound=bound
         )
         assert found.stopped == "memory_budget" and found.recorded is not None
         seen = {(tuple(p.tolist()), int(s)) for p, s in zip(*found.recorded[:2])}
@@ -108,7 +111,11 @@ def test_bad_arguments_are_refused_by_name():
         ((stack, torch.randn(32, 2, dtype=torch.float64)), {}, r"expected one readout direction, got 2"),
         ((stack, readout), {"time_limit": -1}, r"expected time_limit to be a positive number"),
         ((stack, readout), {"position": 9}, r"expected positions of real tokens"),
-        ((stack, readout), {"bound": "tight"}, r"expected bound in \('chain', 'first_head', 'plain'\), got 'tight'"),
+        (
+            (stack, readout),
+            {"bound": "tight"},
+            r"expected bound in \('node', 'chain', 'first_head', 'plain'\), got 'tight'",
+        ),
     ]
     for args, kwargs, message in cases:
         with pytest.raises((ValueError, TypeError), match=r"^pathkernels\.top_paths: " + message):

@@ -16,6 +16,12 @@ paired with the path's lowest head instead, whose ``d_head`` values are all of �
 (:func:`_first_head_factors`), a bound tighter by about ``√(d / d_head)``. The search expands the
 nodes of largest bound first, in batches, and stops when no unexpanded node's bound exceeds the
 k-th value found: then no path left unvisited can enter the top k, and the bound is the certificate.
+
+Those are bounds per level (``bound="chain"``, ``"first_head"``, ``"plain"``). The default,
+``bound="node"``, searches pre-norm models over head sequences instead (:class:`_NodeBounds`,
+:func:`_search_heads`): a node's paths that take no further head are computed exactly when it is
+made, and the rest are bounded from the node's own ``ρ`` (row by row) and ``φ`` (through the next
+head's output map), with chains of head pairs kept per token.
 """
 
 from __future__ import annotations
@@ -29,13 +35,13 @@ import torch
 from torch import Tensor
 
 from pathkernels.analysis.attribution import Readout, read_out
-from pathkernels.analysis.readout_trie import Fold, FrozenModel, Sublayer, Walker, describe_path
+from pathkernels.analysis.readout_trie import NO_HEAD, Fold, FrozenModel, Sublayer, Walker, describe_path
 from pathkernels.core._progress import progress_bar
 from pathkernels.core.paths import check_flag, check_int, count_attribution_paths
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 _WHERE = "pathkernels.top_paths"
-_BOUNDS = ("chain", "first_head", "plain")
+_BOUNDS = ("node", "chain", "first_head", "plain")
 
 
 @dataclass
@@ -127,12 +133,15 @@ def _spectral_norm(matrix: Tensor) -> Tensor:
 
 
 def _product_norm(left: Tensor, right: Tensor) -> Tensor:
-    """``σ_max(left @ right)`` for ``left [..., d, e]``, ``right [..., e, d']`` without the ``d × d'``
-    product: ``‖L R x‖² = xᵀ Rᵀ (LᵀL) R x = ‖(LᵀL)^{1/2} R x‖²``, so it is ``σ_max((LᵀL)^{1/2} R)``,
-    an ``e × d'`` matrix."""
-    values, vectors = torch.linalg.eigh(left.mT @ left)
-    root = (vectors * values.clamp_min(0).sqrt()[..., None, :]) @ vectors.mT
-    return _spectral_norm(root @ right)
+    """An upper bound on ``σ_max(left @ right)``, ``left [..., d, e]``, ``right [..., e, d']``, without
+    the ``d × d'`` product, within a relative ``10⁻¹²`` of it: ``‖L R x‖² = xᵀ Rᵀ (LᵀL) R x ≤ ‖Cᵀ R x‖²``
+    with ``C Cᵀ = LᵀL + δ I`` (Cholesky, δ = 10⁻¹² of LᵀL's largest diagonal entry, so that it
+    exists when L is singular), so it is ``σ_max(Cᵀ R)`` of an ``e × d'`` matrix."""
+    gram = left.mT @ left
+    shift = 1e-12 * gram.diagonal(dim1=-2, dim2=-1).amax(-1) + torch.finfo(gram.dtype).tiny
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    factor = torch.linalg.cholesky(gram + shift[..., None, None] * eye)
+    return _spectral_norm(factor.mT @ right)
 
 
 def _reach_bounds(model: FrozenModel, bound: str = "chain") -> Tensor:
@@ -151,14 +160,22 @@ def _reach_bounds(model: FrozenModel, bound: str = "chain") -> Tensor:
         for level in range(1, len(model.sources)):
             reach.append(max(kappa[level], growth[level - 1] * reach[-1]))
         return torch.tensor(reach, dtype=torch.float64)
-    first = _first_head_factors(model)
     chains = _chain_factors(model) if bound == "chain" else [math.inf] * len(model.sources)
-    no_head, with_head = [kappa[0]], [0.0]
-    for level in range(1, len(model.sources)):
-        no_head.append(max(no_head[-1], kappa[level]))
-        with_head.append(max(growth[level - 1] * with_head[-1], first[level - 1]))
-    with_head = [min(a, b) for a, b in zip(with_head, chains)]
+    no_head = [max(kappa[: level + 1]) for level in range(len(model.sources))]
+    with_head = [min(a, b) for a, b in zip(_first_head_reach(model, growth), chains)]
     return torch.tensor([max(a, b) for a, b in zip(no_head, with_head)], dtype=torch.float64)
+
+
+def _first_head_reach(model: FrozenModel, growth: list[float] | None = None) -> list[float]:
+    """Pre-norm, ``W_j`` for j = 0..S: a bound on ``|attr| / (‖ρ‖₁ ‖φ‖₂)`` over the paths below a
+    node at level j that take another head, ``max_{s < j} C_s Π_{s < m < j} G_m`` (the lowest head's
+    sublayer s, :func:`_first_head_factors`), from ``W_0 = 0``, ``W_j = max(G_{j−1} W_{j−1}, C_{j−1})``."""
+    growth = _branch_bounds(model).tolist() if growth is None else growth
+    first = _first_head_factors(model)
+    with_head = [0.0]
+    for level in range(1, len(model.sources)):
+        with_head.append(max(growth[level - 1] * with_head[-1], first[level - 1]))
+    return with_head
 
 
 def _source_head_factors(model: FrozenModel, index: int) -> Tensor:
@@ -216,6 +233,116 @@ def _chain_factors(model: FrozenModel) -> list[float]:
     return [max([start for index, start in starts.items() if index < level], default=0.0) for level in levels]
 
 
+_CACHE_BYTES = 1 << 29  # the node bound's maps per head (source and pair maps) kept between steps
+_CHILDREN = 1 << 16  # children made at once by the search over head sequences
+
+
+class _NodeBounds:
+    """Pre-norm: the bound per node (``bound="node"``; docs/DESIGN.md, "The top paths, certified"),
+    set up once per model. Its nodes are head sequences: a node has taken heads down to its last,
+    head h of attention sublayer a (a = 0..A−1 bottom up; its basis is ``a·H + h``), and holds ``ρ``
+    ``[n]`` and ``z = V_{a,h} ⋯ v`` ``[d_head]``: its φ is ``U_{a,h} z``, as a skip is the identity.
+    Every path below it either takes no further head (a tail: from source i ≤ its level, value
+    ``ρᵀ (K_i U_{a,h}) z``, computed exactly) or takes a next head ``c = (a', g)``, a' < a, and then
+    continues, with
+
+        |attr| ≤ (|ρ|ᵀ Q_c) ‖V_c U_{a,h} z‖₂,
+        Q_c[u] = Σ_v T_c[u, v] max(κ'_c[v], max_{c' below c} σ(V_{c'} U_c) Q_{c'}[v]),
+        κ'_c[v] = max_{i ≤ s(c)} ‖(K_i U_c)_v‖₂,
+
+    ``U = C Γ W_V``, ``V = W_O``, ``T = A D`` (entrywise ≥ 0). :meth:`remaining` is the largest over c,
+    and at most the first-head bound ``‖ρ‖₁ ‖φ‖₂ W`` (:func:`_first_head_reach`)."""
+
+    def __init__(self, model: FrozenModel, cache_bytes: int = _CACHE_BYTES):
+        self.model, self.cache_bytes = model, cache_bytes
+        self.index = [index for index, sublayer in enumerate(model.sublayers) if sublayer.attn is not None]
+        self.heads = model.num_heads
+        self.head_dim = model.sublayers[self.index[0]].w_v.shape[-1]
+        self.sources = torch.stack(model.sources)  # [S + 1, n, d]
+        self.values = [model.sublayers[index].norm_values for index in self.index]  # U [H, d, e]
+        self.outputs = torch.cat([model.sublayers[index].w_o for index in self.index])  # V [A·H, e, d]
+        self.token_maps = torch.cat([model.sublayers[index].token_maps for index in self.index])  # T [A·H, n, n]
+        self.grams = [u.mT @ u for u in self.values]  # UᵀU [H, e, e]
+        self._cache: dict[tuple, Tensor] = {}
+        self._cached = 0
+        first = _first_head_reach(model)
+        self.reach = [first[index] for index in self.index]  # W at the level of each attention sublayer
+        self.chains = self._chains()
+        self.below = [torch.cat(self.chains[:a]).T.contiguous() if a else None for a in range(len(self.chains))]
+
+    def _chains(self) -> list[Tensor]:
+        """``Q`` per attention sublayer ``[H, n]``, bottom up."""
+        chains: list[Tensor] = []
+        n, heads, e = self.sources.shape[1], self.heads, self.head_dim
+        for a, index in enumerate(self.index):
+            best = self.source_maps(a).view(heads, n, index + 1, e).norm(dim=-1).amax(-1)  # κ' [H, n]
+            if a:
+                pair = torch.stack(  # σ(V_c' U_c) [H, a·H]
+                    [_spectral_norm(self.pair_map(a, h).view(e, a * heads, e).transpose(0, 1)) for h in range(heads)]
+                )
+                best = torch.maximum(best, (pair[:, :, None] * torch.cat(chains)[None]).amax(1))
+            chains.append(torch.einsum("huv,hv->hu", self.token_maps[a * heads : (a + 1) * heads], best))
+        return chains
+
+    def _remember(self, key: tuple, compute) -> Tensor:
+        if key not in self._cache:
+            value = compute()
+            if self._cached + 8 * value.numel() > self.cache_bytes:
+                self._cache.clear()
+                self._cached = 0
+            self._cache[key] = value
+            self._cached += 8 * value.numel()
+        return self._cache[key]
+
+    def source_maps(self, a: int) -> Tensor:
+        """``K_i U_{a,h}`` for the sources i ≤ the sublayer's index, ``[H, n, (i, d_head)]``."""
+        index = self.index[a]
+
+        def compute():
+            maps = torch.einsum("ind,hde->hnie", self.sources[: index + 1], self.values[a])
+            return maps.reshape(self.heads, self.sources.shape[1], -1).contiguous()
+
+        return self._remember(("sources", a), compute)
+
+    def pair_map(self, a: int, head: int) -> Tensor:
+        """``(V_c U_{a,h})ᵀ`` for every head c below sublayer a, ``[d_head, (c, d_head)]``: a node's
+        ``z`` times it is the ``z`` of each of its children."""
+
+        def compute():
+            below = self.outputs[: a * self.heads]  # [a·H, e, d]
+            return torch.einsum("de,cfd->ecf", self.values[a][head], below).reshape(self.head_dim, -1).contiguous()
+
+        return self._remember(("pairs", a, head), compute)
+
+    def child_features(self, a: int, head: int, z: Tensor) -> Tensor:
+        """Every child's ``z = V_c U_{a,h} z`` ``[N, a·H, d_head]``, heads below in basis order: by the pair
+        maps where d_head or more nodes share them, else through φ = U z in d coordinates."""
+        if z.shape[0] >= self.head_dim or ("pairs", a, head) in self._cache:
+            children = z @ self.pair_map(a, head)
+        else:
+            phi = z @ self.values[a][head].T  # [N, d]
+            children = phi @ self.outputs[: a * self.heads].flatten(0, 1).T
+        return children.view(z.shape[0], a * self.heads, self.head_dim)
+
+    def tails(self, a: int, head: int, rho: Tensor, z: Tensor) -> Tensor:
+        """The attributions ``ρᵀ K_i U z`` of the paths that take no head below the nodes ``[N, i]``."""
+        return ((rho @ self.source_maps(a)[head]).view(rho.shape[0], -1, self.head_dim) * z[:, None, :]).sum(-1)
+
+    def children(self, a: int, head: int, rho: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
+        """Every child's ``ρ`` ``[N, a·H, n]`` and ``z`` ``[N, a·H, d_head]``, heads below in basis order."""
+        rho_children = torch.einsum("Nu,cuv->Ncv", rho, self.token_maps[: a * self.heads])
+        return rho_children, self.child_features(a, head, z)
+
+    def remaining(self, a: int, head: int, rho: Tensor, z: Tensor) -> Tensor:
+        """A bound on ``|attr|`` over the paths below the nodes that take another head ``[N]``."""
+        if a == 0:
+            return torch.full((rho.shape[0],), -math.inf, dtype=torch.float64, device=rho.device)
+        outputs = self.child_features(a, head, z).norm(dim=-1)  # ‖V_c φ‖₂ [N, a·H]
+        node = (outputs * (rho.abs() @ self.below[a])).amax(-1)
+        phi_norm = torch.einsum("Ne,ef,Nf->N", z, self.grams[a][head], z).clamp_min(0).sqrt()  # ‖U z‖₂
+        return torch.minimum(node, rho.abs().sum(-1) * phi_norm * self.reach[a])
+
+
 def top_paths(
     stack,
     readout: Readout | Tensor,
@@ -229,7 +356,7 @@ def top_paths(
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     batch_nodes: int = 4096,
     record: bool = False,
-    bound: str = "chain",
+    bound: str = "node",
     progress: bool = False,
 ) -> TopPaths:
     """The exact ``k`` largest (or smallest) path attributions of one readout at one token, found
@@ -245,11 +372,14 @@ def top_paths(
         max_length: only paths through at most this many heads.
         time_limit: seconds; at the limit the best list so far comes back with its gap.
         memory_budget: bytes for the frontier of unexpanded nodes; reaching it also stops.
-        batch_nodes: nodes expanded per step (the ones of largest bound), one readout-engine call
-            per level among them, on the capture's device.
+        batch_nodes: nodes expanded per step (the ones of largest bound), on the capture's device
+            (the level kinds: one readout-engine call per level among them).
         record: keep every visited path and its attribution (for checking the certificate).
-        bound: which bound prunes (docs/DESIGN.md, "The top paths, certified"): ``"chain"`` (the
-            default: pre-norm models pair consecutive heads and fold the source into the lowest),
+        bound: which bound prunes (docs/DESIGN.md, "The top paths, certified"): ``"node"`` (the
+            default: pre-norm models are searched over head sequences, each node's paths that take
+            no further head computed at once and the rest bounded from the node's own ``ρ`` and
+            ``φ`` through per-token chains of head pairs, :class:`_NodeBounds`), ``"chain"`` (a bound
+            per level: consecutive heads paired and the source folded into the lowest),
             ``"first_head"`` (the source folded, the rest per-sublayer maxima) or ``"plain"`` (the
             product of per-sublayer maxima); post-norm models use ``"plain"`` in every case.
         progress: report the paths visited, the frontier, the largest open bound and the k-th value.
@@ -282,76 +412,27 @@ def top_paths(
         raise ValueError(f"{_WHERE}: expected one readout direction, got {len(setup.readout.labels)}")
     model, layers = setup.model, stack.num_layers
     sign = 1.0 if largest else -1.0
-    reach = _reach_bounds(model, bound).to(setup.rho.device)
-    walker = Walker(model, low_rank=False)  # the frontier mixes nodes below many heads: φ in d coordinates
-
-    # The frontier: unexpanded nodes, each at a level (the source it meets next).
-    rho, phi = setup.rho[:, :1], sign * setup.phi
-    device = rho.device  # the capture's: the frontier lives there, the fold on the CPU
-    level = torch.full((1,), len(model.sublayers), dtype=torch.long, device=device)
-    choices = torch.full((1, layers), -1, dtype=torch.long, device=device)
-    lengths = torch.zeros(1, dtype=torch.long, device=device)
-    bounds = _bounds(rho, phi, reach, level)
-    # The k largest of the (signed) attributions found, and with record every visited path.
-    fold = Fold(len(model.sources), layers, 1, 1, k, keep=record, bottom=False)
-    pruned, visited, expanded = -math.inf, 0, 0
     total = count_attribution_paths(layers, stack.num_heads, setup.max_length)
     bar = progress_bar(total, enabled=progress, unit="path", desc=_WHERE)
-    node_bytes = 8 * (rho.shape[-1] + phi.shape[-1] + layers + 3)
-    stopped = "certified"
-    while level.numel():
-        kth = _kth(fold, k)
-        alive = bounds > kth
-        if not bool(alive.all()):  # nodes whose every path is below the k-th value
-            pruned = max(pruned, float(bounds[~alive].max()))
-            rho, phi, level, choices, lengths, bounds = (t[alive] for t in (rho, phi, level, choices, lengths, bounds))
-            if not level.numel():
-                break
-        if time_limit is not None and time.monotonic() - start > time_limit:
-            stopped = "time_limit"
-            break
-        if level.numel() * node_bytes > memory_budget:
-            stopped = "memory_budget"
-            break
-        take = torch.topk(bounds, min(batch_nodes, bounds.numel())).indices
-        keep = torch.ones_like(bounds, dtype=torch.bool)
-        keep[take] = False
-        picked = [t[take] for t in (rho, phi, level, choices, lengths)]
-        rho, phi, level, choices, lengths, bounds = (t[keep] for t in (rho, phi, level, choices, lengths, bounds))
-        expanded += take.numel()
-        if bar is not None:
-            open_bound = float(bounds.max()) if bounds.numel() else 0.0
-            bar.set_postfix_str(f"frontier {bounds.numel():,}, open bound {open_bound:.3g}, k-th {kth:.3g}")
-        new = []
-        for at in picked[2].unique().tolist():
-            group = picked[2] == at
-            g_rho, g_phi, g_choices, g_lengths = picked[0][group], picked[1][group], picked[3][group], picked[4][group]
-            values = walker.values(at, g_rho, g_phi, [(g_rho.shape[0], None)])
-            visited += values.shape[0]
-            if bar is not None:
-                bar.update(values.shape[0])
-            fold.add(at, values, g_choices, g_lengths)
-            if at == 0:
-                continue
-            runs = [(g_rho.shape[0], None)]
-            for *part, _ in walker.children(at, g_rho, g_phi, g_choices, g_lengths, runs, setup.max_length):
-                child_level = torch.full((part[0].shape[0],), at - 1, dtype=torch.long, device=device)
-                new.append((*part[:2], child_level, *part[2:]))
-        if new:
-            parts = list(zip(*new))
-            grown = [torch.cat(p) for p in parts]
-            child_bound = _bounds(grown[0], grown[1], reach, grown[2])
-            rho, phi, level, choices, lengths = (
-                torch.cat([a, b]) for a, b in zip((rho, phi, level, choices, lengths), grown)
-            )
-            bounds = torch.cat([bounds, child_bound])
+    # The k largest of the (signed) attributions found, and with record every visited path.
+    fold = Fold(len(model.sources), layers, 1, 1, k, keep=record, bottom=False)
+    search = _Search(setup, sign, fold, k, start, time_limit, memory_budget, batch_nodes, bar)
+    if bound == "node" and model.sublayers[0].pre:
+        pruned, frontier, visited, expanded, stopped = _search_heads(search)
+    else:  # post-norm models take "plain" for "node"
+        pruned, frontier, visited, expanded, stopped = _search_levels(search, _reach_bounds(model, bound))
     kth = _kth(fold, k)
     # Pruned nodes were at most the k-th value when dropped, and it only grows.
-    remaining = max(pruned, float(bounds.max()) if bounds.numel() else -math.inf)
+    remaining = max(pruned, frontier)
     certified = remaining <= kth
     recorded = None
     if record:
-        paths, sources, values = (torch.cat(parts) for parts in zip(*fold.kept))
+        nothing = (
+            torch.zeros(0, layers, dtype=torch.long),
+            torch.zeros(0, dtype=torch.long),
+            torch.zeros(0, 1, 1, dtype=torch.float64),
+        )
+        paths, sources, values = (torch.cat(parts) for parts in zip(nothing, *fold.kept))  # none: stopped at once
         recorded = (paths, sources, sign * values[:, 0, 0])
     if bar is not None:
         bar.close()
@@ -373,6 +454,232 @@ def top_paths(
         stopped=stopped,
         recorded=recorded,
     )
+
+
+@dataclass
+class _Search:
+    """What both searches share: the checked readout, the sign (−1 for the smallest), the fold,
+    and the limits."""
+
+    setup: object  # CheckedReadout
+    sign: float
+    fold: Fold
+    k: int
+    start: float
+    time_limit: float | None
+    memory_budget: int
+    batch_nodes: int
+    bar: object
+
+    def out_of_time(self) -> bool:
+        return self.time_limit is not None and time.monotonic() - self.start > self.time_limit
+
+    def report(self, paths: int, frontier: Tensor, kth: float) -> None:
+        if self.bar is not None:
+            self.bar.update(paths)
+            open_bound = float(frontier.max()) if frontier.numel() else 0.0
+            self.bar.set_postfix_str(f"frontier {frontier.numel():,}, open bound {open_bound:.3g}, k-th {kth:.3g}")
+
+
+def _search_levels(search: _Search, reach: Tensor) -> tuple[float, float, int, int, str]:
+    """The search over the readout trie, sublayer by sublayer, with the bound per level ``reach``
+    (``M_j``, :func:`_reach_bounds`): ``(largest pruned bound, largest open bound, paths visited,
+    nodes expanded, why it stopped)``."""
+    setup, fold, k = search.setup, search.fold, search.k
+    model, layers = setup.model, setup.model.layers
+    walker = Walker(model, low_rank=False)  # the frontier mixes nodes below many heads: φ in d coordinates
+    # The frontier: unexpanded nodes, each at a level (the source it meets next).
+    rho, phi = setup.rho[:, :1], search.sign * setup.phi
+    device = rho.device  # the capture's: the frontier lives there, the fold on the CPU
+    reach = reach.to(device)
+    level = torch.full((1,), len(model.sublayers), dtype=torch.long, device=device)
+    choices = torch.full((1, layers), -1, dtype=torch.long, device=device)
+    lengths = torch.zeros(1, dtype=torch.long, device=device)
+    bounds = _bounds(rho, phi, reach, level)
+    pruned, visited, expanded = -math.inf, 0, 0
+    node_bytes = 8 * (rho.shape[-1] + phi.shape[-1] + layers + 3)
+    stopped = "certified"
+    while level.numel():
+        kth = _kth(fold, k)
+        alive = bounds > kth
+        if not bool(alive.all()):  # nodes whose every path is below the k-th value
+            pruned = max(pruned, float(bounds[~alive].max()))
+            rho, phi, level, choices, lengths, bounds = (t[alive] for t in (rho, phi, level, choices, lengths, bounds))
+            if not level.numel():
+                break
+        if search.out_of_time():
+            stopped = "time_limit"
+            break
+        if level.numel() * node_bytes > search.memory_budget:
+            stopped = "memory_budget"
+            break
+        take = torch.topk(bounds, min(search.batch_nodes, bounds.numel())).indices
+        keep = torch.ones_like(bounds, dtype=torch.bool)
+        keep[take] = False
+        picked = [t[take] for t in (rho, phi, level, choices, lengths)]
+        rho, phi, level, choices, lengths, bounds = (t[keep] for t in (rho, phi, level, choices, lengths, bounds))
+        expanded += take.numel()
+        new = []
+        for at in picked[2].unique().tolist():
+            group = picked[2] == at
+            g_rho, g_phi, g_choices, g_lengths = picked[0][group], picked[1][group], picked[3][group], picked[4][group]
+            values = walker.values(at, g_rho, g_phi, [(g_rho.shape[0], None)])
+            visited += values.shape[0]
+            search.report(values.shape[0], bounds, kth)
+            fold.add(at, values, g_choices, g_lengths)
+            if at == 0:
+                continue
+            runs = [(g_rho.shape[0], None)]
+            for *part, _ in walker.children(at, g_rho, g_phi, g_choices, g_lengths, runs, setup.max_length):
+                child_level = torch.full((part[0].shape[0],), at - 1, dtype=torch.long, device=device)
+                new.append((*part[:2], child_level, *part[2:]))
+        if new:
+            parts = list(zip(*new))
+            grown = [torch.cat(p) for p in parts]
+            child_bound = _bounds(grown[0], grown[1], reach, grown[2])
+            rho, phi, level, choices, lengths = (
+                torch.cat([a, b]) for a, b in zip((rho, phi, level, choices, lengths), grown)
+            )
+            bounds = torch.cat([bounds, child_bound])
+    return pruned, float(bounds.max()) if bounds.numel() else -math.inf, visited, expanded, stopped
+
+
+def _search_heads(search: _Search) -> tuple[float, float, int, int, str]:
+    """Pre-norm: the search over head sequences with the bound per node (:class:`_NodeBounds`). A
+    node is made with its tails (the paths below it that take no further head) visited at once, and
+    its bound covers the rest; expanding it makes its children, one per head below its last. The
+    root (no head yet) is expanded first. Returns as :func:`_search_levels`."""
+    setup, fold, k = search.setup, search.fold, search.k
+    model, layers, max_length = setup.model, setup.model.layers, setup.max_length
+    node = _NodeBounds(model)
+    heads, head_dim = node.heads, node.head_dim
+    rho0, phi0 = setup.rho[0, :1], search.sign * setup.phi[0, :1]  # [1, n], [1, d]
+    device = rho0.device
+    layer_of = torch.tensor([model.sublayers[index].layer for index in node.index], device=device)
+    counts = {"visited": 0, "pruned": -math.inf}
+    pending: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # tails to fold: values, sources, choices, lengths
+
+    def emit(tails: Tensor, choices: Tensor, lengths: Tensor) -> None:
+        """Fold the tails ``[N, i]`` (the paths from sources 0..i−1): those that can still enter the
+        top k, or all of them with ``record``."""
+        counts["visited"] += tails.numel()
+        kth = _kth(fold, k)
+        if fold.kept is None and math.isfinite(kth):
+            rows, sources = (tails >= kth).nonzero(as_tuple=True)
+        else:
+            rows, sources = (
+                t.flatten()
+                for t in torch.meshgrid(
+                    torch.arange(tails.shape[0], device=device),
+                    torch.arange(tails.shape[1], device=device),
+                    indexing="ij",
+                )
+            )
+        if rows.numel():
+            pending.append((tails[rows, sources], sources, choices[rows], lengths[rows]))
+
+    def flush() -> None:
+        if not pending:
+            return
+        values, sources, choices, lengths = (torch.cat(p) for p in zip(*pending))
+        pending.clear()
+        for source in sources.unique().tolist():
+            at = sources == source
+            fold.add(source, values[at][:, None, None], choices[at], lengths[at])
+
+    def make(basis: Tensor, rho: Tensor, z: Tensor, choices: Tensor, lengths: Tensor) -> list[Tensor]:
+        """The nodes ``(basis [N], ρ, z, choices, lengths)``, sorted by basis: their tails folded, and
+        those whose bound exceeds the k-th value as frontier parts ``[basis, ρ, z, choices,
+        lengths, bound]``."""
+        order = torch.argsort(basis, stable=True)
+        basis, rho, z, choices, lengths = (t[order] for t in (basis, rho, z, choices, lengths))
+        values, sizes = torch.unique_consecutive(basis, return_counts=True)
+        bound = torch.empty(basis.shape[0], dtype=torch.float64, device=device)
+        first = 0
+        for value, size in zip(values.tolist(), sizes.tolist()):
+            a, head, run = value // heads, value % heads, slice(first, first + size)
+            emit(node.tails(a, head, rho[run], z[run]), choices[run], lengths[run])
+            bound[run] = node.remaining(a, head, rho[run], z[run])
+            first += size
+        bound = torch.where(lengths < max_length, bound, -math.inf)  # no head left to take
+        flush()
+        alive = bound > _kth(fold, k)
+        if not bool(alive.all()):
+            counts["pruned"] = max(counts["pruned"], float(bound[~alive].max()))
+        return [t[alive] for t in (basis, rho, z, choices, lengths, bound)]
+
+    # The root: its tails (the direct paths from every source), then a child per head.
+    no_head = torch.full((1, layers), NO_HEAD, dtype=torch.long, device=device)
+    emit(
+        torch.einsum("Nu,iud,Nd->Ni", rho0, node.sources, phi0),
+        no_head,
+        torch.zeros(1, dtype=torch.long, device=device),
+    )
+    flush()
+    frontier = [torch.zeros(0, dtype=torch.long, device=device)] * 6
+    expanded = 1
+    if max_length > 0:
+        count = len(node.index) * heads
+        basis = torch.arange(count, device=device)
+        rho = torch.cat([rho0[0] @ model.sublayers[index].token_maps for index in node.index])  # [A·H, n]
+        z = torch.cat([phi0 @ model.sublayers[index].w_o.transpose(-1, -2) for index in node.index]).reshape(
+            count, head_dim
+        )
+        choices = no_head.repeat(count, 1)
+        choices[basis, layer_of[basis // heads]] = basis % heads
+        frontier = make(basis, rho, z, choices, torch.ones(count, dtype=torch.long, device=device))
+    node_bytes = 8 * (rho0.shape[-1] + head_dim + layers + 4)
+    stopped = "certified"
+    while frontier[0].numel():
+        kth = _kth(fold, k)
+        alive = frontier[5] > kth
+        if not bool(alive.all()):  # nodes whose every path left is below the k-th value
+            counts["pruned"] = max(counts["pruned"], float(frontier[5][~alive].max()))
+            frontier = [t[alive] for t in frontier]
+            if not frontier[0].numel():
+                break
+        if search.out_of_time():
+            stopped = "time_limit"
+            break
+        if frontier[0].numel() * node_bytes > search.memory_budget:
+            stopped = "memory_budget"
+            break
+        take = torch.topk(frontier[5], min(search.batch_nodes, frontier[5].numel())).indices
+        keep = torch.ones_like(frontier[5], dtype=torch.bool)
+        keep[take] = False
+        picked = [t[take] for t in frontier[:5]]
+        frontier = [t[keep] for t in frontier]
+        expanded += take.numel()
+        visited_before = counts["visited"]
+        # Expand the picked nodes by basis; make the children about _CHILDREN at a time.
+        order = torch.argsort(picked[0], stable=True)
+        picked = [t[order] for t in picked]
+        values, sizes = torch.unique_consecutive(picked[0], return_counts=True)
+        first, made, waiting, held = 0, [], [], 0
+        for value, size in zip(values.tolist(), sizes.tolist()):
+            a, head = value // heads, value % heads
+            step = max(1, _CHILDREN // max(1, a * heads))
+            for chunk in range(first, first + size, step):
+                run = slice(chunk, min(chunk + step, first + size))
+                rho, z = node.children(a, head, picked[1][run], picked[2][run])  # [N, a·H, ·]
+                parents, children = rho.shape[0], a * heads
+                basis = torch.arange(children, device=device).repeat(parents)
+                choices = picked[3][run].repeat_interleave(children, 0)
+                choices[torch.arange(basis.shape[0], device=device), layer_of[basis // heads]] = basis % heads
+                lengths = picked[4][run].repeat_interleave(children) + 1
+                waiting.append((basis, rho.flatten(0, 1), z.flatten(0, 1), choices, lengths))
+                held += basis.shape[0]
+                if held >= _CHILDREN:
+                    made.append(make(*(torch.cat(part) for part in zip(*waiting))))
+                    waiting, held = [], 0
+            first += size
+        if waiting:
+            made.append(make(*(torch.cat(part) for part in zip(*waiting))))
+        if made:
+            frontier = [torch.cat([t, *parts]) for t, *parts in zip(frontier, *made)]
+        search.report(counts["visited"] - visited_before, frontier[5], _kth(fold, k))
+    frontier_bound = float(frontier[5].max()) if frontier[5].numel() else -math.inf
+    return counts["pruned"], frontier_bound, counts["visited"], expanded, stopped
 
 
 def _bounds(rho: Tensor, phi: Tensor, reach: Tensor, level: Tensor) -> Tensor:
