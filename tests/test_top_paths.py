@@ -349,3 +349,208 @@ def test_the_assembled_bound_is_its_definition(family, bound):
         torch.testing.assert_close(
             _reach_bounds(model, bound), torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0
         )
+
+
+# The bound per node (bound="node"): nodes are head sequences, a node's tails are computed when it
+# is made, and ``_NodeBounds.remaining`` bounds the rest of its subtree.
+
+
+def _dense_head(model, a: int, head: int):
+    """Head ``head`` of attention sublayer number ``a`` as dense maps from the design: the token map
+    ``A_h D`` ``[n, n]``, ``U = C Γ W_V`` ``[d, e]`` and ``V = W_O`` ``[e, d]`` (pre-norm)."""
+    index = [i for i, s in enumerate(model.sublayers) if s.attn is not None][a]
+    sublayer = model.sublayers[index]
+    d = sublayer.gamma.shape[0]
+    centre = torch.eye(d, dtype=torch.float64) - (1.0 / d if sublayer.centred else 0.0)
+    return (
+        index,
+        sublayer.attn[head] * sublayer.scale[None, :],
+        centre @ torch.diag(sublayer.gamma) @ sublayer.w_v[head],
+        sublayer.w_o[head],
+    )
+
+
+def _head_sequences(model, rho, phi):
+    """Every node of the search over head sequences, top down from the root ``(ρ, φ)``, as
+    ``(a, head, ρ, z, tails, rest)``: the node's last head (head of attention sublayer a), its ``ρ``
+    and ``z = V φ_parent`` (its φ is ``U z``), the attributions of its tails (sources 0..its level,
+    no further head) and ``rest``, the largest |attribution| of the paths below it that take
+    another head (0 if none), by enumeration with the dense maps of :func:`_dense_head`."""
+    attention = sum(1 for s in model.sublayers if s.attn is not None)
+    nodes = []
+
+    def below(top: int, rho, phi) -> float:
+        best = 0.0
+        for a in range(top):
+            for head in range(model.num_heads):
+                index, token, u, v = _dense_head(model, a, head)
+                child_rho, z = rho @ token, v @ phi
+                child_phi = u @ z
+                tails = torch.stack([child_rho @ model.sources[i] @ child_phi for i in range(index + 1)])
+                rest = below(a, child_rho, child_phi)
+                nodes.append((a, head, child_rho, z, tails, rest))
+                best = max(best, float(tails.abs().max()), rest)
+        return best
+
+    below(attention, rho, phi)
+    return nodes
+
+
+def _chains_written_out(model):
+    """``Q_c[u]`` per head c (attention sublayer a, head h) from its definition, token by token and
+    pair by pair: ``Σ_v T_c[u, v] max(max_{i ≤ s} ‖(K_i U_c)_v‖₂, max_{c' below} σ(V_c' U_c) Q_c'[v])``
+    with σ the dense spectral norm."""
+    attention = sum(1 for s in model.sublayers if s.attn is not None)
+    n = model.sources[0].shape[0]
+    chains = {}
+    for a in range(attention):
+        for head in range(model.num_heads):
+            index, token, u, _ = _dense_head(model, a, head)
+            best = []
+            for v in range(n):
+                value = max(float((model.sources[i][v] @ u).norm()) for i in range(index + 1))
+                for (a2, g), q in chains.items():
+                    if a2 == a:  # heads of the same sublayer are not below
+                        continue
+                    pair = float(torch.linalg.matrix_norm(_dense_head(model, a2, g)[3] @ u, ord=2))
+                    value = max(value, pair * float(q[v]))
+                best.append(value)
+            chains[a, head] = torch.tensor(
+                [sum(float(token[r, v]) * best[v] for v in range(n)) for r in range(n)], dtype=torch.float64
+            )
+    return chains
+
+
+def _positive_models():
+    """Frozen pre-norm models on which the bound per node is attained, or nearly: one value per
+    head (d_head = 1), every weight, source, gain and readout positive (no cancellation, and each
+    σ of a pair of heads is the product it bounds), as ``(name, model, ρ, φ)``. With one-hot
+    attention (each query reads one key) every token follows one path, so the per-token chains are
+    the largest path exactly; with soft attention one head per sublayer dominates, so that the
+    same continuation is the largest from every token. Norm scales differ from token to token."""
+    from pathkernels.analysis.readout_trie import FrozenModel, Sublayer
+
+    generator = torch.Generator().manual_seed(7)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=generator, dtype=torch.float64)
+
+    def build(layers, heads, n, d, attention, source_scale=1.0, dominant=1.0, source_scales=None):
+        sublayers, sources = [], [rand(n, d) * source_scale]
+        for layer in range(layers):
+            if attention == "one-hot":
+                keys = torch.randint(0, n, (heads, n), generator=generator)
+                attn = torch.zeros(heads, n, n, dtype=torch.float64)
+                attn[torch.arange(heads)[:, None], torch.arange(n)[None, :], keys] = 1.0
+            else:
+                attn = rand(heads, n, n) + 0.1
+                attn = attn / attn.sum(-1, keepdim=True)
+            w_v, w_o = rand(heads, d, 1) + 0.1, rand(heads, 1, d) + 0.1
+            w_o[0] *= dominant
+            scale, gamma = 0.5 + rand(n), 0.5 + rand(d)
+            sublayers.append(Sublayer(layer, attn, scale, gamma, w_v, w_o, pre=True, centred=False))
+            sublayers.append(Sublayer(layer, None, 0.5 + rand(n), 0.5 + rand(d), None, None, pre=True, centred=False))
+            sources += [rand(n, d) * 0.3, rand(n, d) * 0.3]
+        if source_scales is not None:
+            sources = [s * f for s, f in zip(sources, source_scales)]
+        names = [f"source {i}" for i in range(len(sources))]
+        return FrozenModel(sublayers, sources, names, layers, heads)
+
+    def readout(model, token):
+        rho = torch.zeros(model.sources[0].shape[0], dtype=torch.float64)
+        rho[token] = 0.7
+        return rho, rand(model.sources[0].shape[1]) + 0.1
+
+    scales = (6 * rand(9) - 3).exp().tolist()
+    cases = [
+        ("one-hot attention", build(4, 2, 4, 3, "one-hot")),
+        ("one-hot attention, strong heads over small sources", build(4, 2, 4, 3, "one-hot", source_scale=0.05)),
+        ("one-hot attention, random source scales", build(4, 2, 4, 3, "one-hot", source_scales=scales)),
+        (
+            "soft attention, a dominant head",
+            build(4, 2, 4, 3, "soft", dominant=20.0, source_scales=[30.0] + [0.01] * 8),
+        ),
+    ]
+    return [(name, model, *readout(model, 1)) for name, model in cases]
+
+
+def _node_bound_cases():
+    """The positive models of :func:`_positive_models` and captured GPT-2 and Llama models (d_head > 1,
+    centred norms, biases) with the rescalings of :func:`_variants`."""
+    from pathkernels.analysis.attribution import read_out
+
+    cases = [(name, model, rho, phi, True) for name, model, rho, phi in _positive_models()]
+    for family in ("gpt2", "llama"):
+        model_hf = {"gpt2": lambda: gpt2(4, 2, 16), "llama": lambda: llama(layers=3, heads=2, kv_heads=1, width=16)}[
+            family
+        ]()
+        stack, _ = capture_huggingface_residual(model_hf, input_ids=torch.randint(0, 50, (1, 5)))
+        setup = read_out(stack, torch.randn(stack.d_model, dtype=torch.float64), None, 0, None, "test")
+        for name, model, rho, phi in _variants(setup.model, setup.rho[0, 0], setup.phi[0, 0]):
+            cases.append((f"{family}: {name}", model, rho, phi, False))
+    return cases
+
+
+def test_the_bound_per_node_holds_below_every_node_and_is_attained_where_built_to_be():
+    """At every node of the search over head sequences, by enumeration: the tails are the paths'
+    attributions, and ``remaining`` bounds every path below the node that takes another head; on the
+    positive models it equals that largest path at every node (to 1e-9), so a term dropped, shrunk or
+    loosened fails here."""
+    from pathkernels.analysis.top_paths import _NodeBounds
+
+    for name, model, rho, phi, attained in _node_bound_cases():
+        node = _NodeBounds(model)
+        nodes = _head_sequences(model, rho, phi)
+        ratios = []
+        for a, head, node_rho, z, tails, rest in nodes:
+            torch.testing.assert_close(node.tails(a, head, node_rho[None], z[None])[0], tails, rtol=1e-10, atol=1e-12)
+            bound = float(node.remaining(a, head, node_rho[None], z[None])[0])
+            if a == 0:
+                assert bound == -math.inf and rest == 0.0, name
+                continue
+            assert rest <= bound * (1 + 1e-9), (name, a, head, rest, bound)
+            ratios.append(rest / bound)
+        assert len(ratios) >= 8, name
+        if attained:
+            assert min(ratios) > 1 - 1e-9, (name, min(ratios))
+
+
+def test_the_bound_per_node_is_its_definition():
+    """The chains ``Q`` and ``remaining`` written out token by token and head by head with dense
+    maps (:func:`_chains_written_out`), on captured and positive models: a term loosened (a sum
+    for a maximum, a matrix norm for a row) fails here."""
+    from pathkernels.analysis.top_paths import _first_head_reach, _NodeBounds
+
+    for name, model, rho, phi, _ in _node_bound_cases():
+        node = _NodeBounds(model)
+        chains = _chains_written_out(model)
+        attention = [i for i, s in enumerate(model.sublayers) if s.attn is not None]
+        for a in range(len(attention)):
+            expected = torch.stack([chains[a, h] for h in range(model.num_heads)])
+            torch.testing.assert_close(node.chains[a], expected, rtol=1e-9, atol=1e-300, msg=name)
+        first = _first_head_reach(model)
+        for a, head, node_rho, z, _, _ in _head_sequences(model, rho, phi)[:40]:
+            if a == 0:
+                continue
+            u = _dense_head(model, a, head)[2]
+            terms = [
+                float(node_rho.abs() @ chains[a2, g]) * float((_dense_head(model, a2, g)[3] @ (u @ z)).norm())
+                for a2 in range(a)
+                for g in range(model.num_heads)
+            ]
+            expected = min(max(terms), float(node_rho.abs().sum() * (u @ z).norm()) * first[attention[a]])
+            got = float(node.remaining(a, head, node_rho[None], z[None])[0])
+            assert got == pytest.approx(expected, rel=1e-9), name
+
+
+def test_the_search_over_head_sequences_visits_every_path_once():
+    """With k beyond the paths nothing is pruned: the search visits each path once, and its list is
+    the enumeration's whole, in order."""
+    _, stack, readout = captured("gpt2")
+    every = pk.path_attribution(stack, readout, top_k=int(1e4))
+    total = int(every.counts.sum())
+    found = pk.top_paths(stack, readout, total + 5, record=True)
+    assert found.visited == total == found.values.shape[0] and found.certified
+    seen = {(tuple(p.tolist()), int(s)) for p, s in zip(*found.recorded[:2])}
+    assert len(seen) == total
+    torch.testing.assert_close(found.values, every.top_values[:total, 0, 0], rtol=1e-12, atol=1e-14)
