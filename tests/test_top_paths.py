@@ -554,3 +554,13 @@ def test_the_search_over_head_sequences_visits_every_path_once():
     seen = {(tuple(p.tolist()), int(s)) for p, s in zip(*found.recorded[:2])}
     assert len(seen) == total
     torch.testing.assert_close(found.values, every.top_values[:total, 0, 0], rtol=1e-12, atol=1e-14)
+
+
+def test_a_time_limit_within_the_set_up_of_the_bound_per_node_stops_uncertified():
+    """The set-up of the bound per node checks the time limit between sublayers: past it, the
+    search returns the direct paths, uncertified, with an infinite bound and gap."""
+    _, stack, readout = captured("gpt2")
+    found = pk.top_paths(stack, readout, 3, time_limit=1e-9)
+    assert found.stopped == "time_limit" and not found.certified
+    assert found.bound == math.inf and found.gap == math.inf
+    assert found.visited == 9 and found.values.shape[0] == 3 and bool((found.paths == -1).all())  # 9 sources

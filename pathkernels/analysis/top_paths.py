@@ -54,7 +54,9 @@ class TopPaths:
             ``source_names``).
         bound: no path left unvisited has an attribution above ``bound`` (below ``−bound`` for the
             smallest, on the negated readout); ``certified``: ``bound ≤`` the k-th value, so the
-            list is exactly the top k; ``gap``: ``max(0, bound − k-th value)`` otherwise.
+            list is exactly the top k; ``gap``: ``max(0, bound − k-th value)`` otherwise (``inf``
+            when the time limit passed while the bound per node was set up: the direct paths alone
+            were visited).
         visited: paths whose attribution was computed; ``expanded``: trie nodes expanded;
             ``total``: paths in the tree; ``seconds``: the search's time; ``stopped``: why it
             ended (``"certified"``, ``"time_limit"`` or ``"memory_budget"``).
@@ -237,6 +239,10 @@ _CACHE_BYTES = 1 << 29  # the node bound's maps per head (source and pair maps) 
 _CHILDREN = 1 << 16  # children made at once by the search over head sequences
 
 
+class _OutOfTime(Exception):
+    """The time limit passed while the bound per node was set up."""
+
+
 class _NodeBounds:
     """Pre-norm: the bound per node (``bound="node"``; docs/DESIGN.md, "The top paths, certified"),
     set up once per model. Its nodes are head sequences: a node has taken heads down to its last,
@@ -253,7 +259,7 @@ class _NodeBounds:
     ``U = C Γ W_V``, ``V = W_O``, ``T = A D`` (entrywise ≥ 0). :meth:`remaining` is the largest over c,
     and at most the first-head bound ``‖ρ‖₁ ‖φ‖₂ W`` (:func:`_first_head_reach`)."""
 
-    def __init__(self, model: FrozenModel, cache_bytes: int = _CACHE_BYTES):
+    def __init__(self, model: FrozenModel, cache_bytes: int = _CACHE_BYTES, out_of_time=None):
         self.model, self.cache_bytes = model, cache_bytes
         self.index = [index for index, sublayer in enumerate(model.sublayers) if sublayer.attn is not None]
         self.heads = model.num_heads
@@ -267,14 +273,17 @@ class _NodeBounds:
         self._cached = 0
         first = _first_head_reach(model)
         self.reach = [first[index] for index in self.index]  # W at the level of each attention sublayer
-        self.chains = self._chains()
+        self.chains = self._chains(out_of_time)
         self.below = [torch.cat(self.chains[:a]).T.contiguous() if a else None for a in range(len(self.chains))]
 
-    def _chains(self) -> list[Tensor]:
-        """``Q`` per attention sublayer ``[H, n]``, bottom up."""
+    def _chains(self, out_of_time=None) -> list[Tensor]:
+        """``Q`` per attention sublayer ``[H, n]``, bottom up (:class:`_OutOfTime` when
+        ``out_of_time()`` turns true between two sublayers)."""
         chains: list[Tensor] = []
         n, heads, e = self.sources.shape[1], self.heads, self.head_dim
         for a, index in enumerate(self.index):
+            if out_of_time is not None and out_of_time():
+                raise _OutOfTime
             best = self.source_maps(a).view(heads, n, index + 1, e).norm(dim=-1).amax(-1)  # κ' [H, n]
             if a:
                 pair = torch.stack(  # σ(V_c' U_c) [H, a·H]
@@ -444,7 +453,7 @@ def top_paths(
         label=("" if largest else "−") + setup.readout.labels[0],
         position=setup.positions[0],
         largest=largest,
-        bound=remaining if math.isfinite(remaining) else 0.0,
+        bound=max(remaining, 0.0),  # −inf: no path was left; inf: no bound was set up in time
         certified=bool(certified),
         gap=0.0 if certified else max(0.0, remaining - kth),
         visited=visited,
@@ -551,10 +560,18 @@ def _search_heads(search: _Search) -> tuple[float, float, int, int, str]:
     root (no head yet) is expanded first. Returns as :func:`_search_levels`."""
     setup, fold, k = search.setup, search.fold, search.k
     model, layers, max_length = setup.model, setup.model.layers, setup.max_length
-    node = _NodeBounds(model)
-    heads, head_dim = node.heads, node.head_dim
     rho0, phi0 = setup.rho[0, :1], search.sign * setup.phi[0, :1]  # [1, n], [1, d]
     device = rho0.device
+    no_head = torch.full((1, layers), NO_HEAD, dtype=torch.long, device=device)
+    direct = torch.einsum("Nu,iud,Nd->Ni", rho0, torch.stack(model.sources), phi0)  # the root's tails
+    try:
+        node = _NodeBounds(model, out_of_time=search.out_of_time)
+    except _OutOfTime:  # the set-up outlasted the time limit: only the direct paths are known
+        for source in range(direct.shape[1]):
+            fold.add(source, direct[:, source, None, None], no_head, torch.zeros(1, dtype=torch.long, device=device))
+        search.report(direct.numel(), direct[0, :0], _kth(fold, k))
+        return -math.inf, math.inf, direct.numel(), 0, "time_limit"
+    heads, head_dim = node.heads, node.head_dim
     layer_of = torch.tensor([model.sublayers[index].layer for index in node.index], device=device)
     counts = {"visited": 0, "pruned": -math.inf}
     pending: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # tails to fold: values, sources, choices, lengths
@@ -609,12 +626,7 @@ def _search_heads(search: _Search) -> tuple[float, float, int, int, str]:
         return [t[alive] for t in (basis, rho, z, choices, lengths, bound)]
 
     # The root: its tails (the direct paths from every source), then a child per head.
-    no_head = torch.full((1, layers), NO_HEAD, dtype=torch.long, device=device)
-    emit(
-        torch.einsum("Nu,iud,Nd->Ni", rho0, node.sources, phi0),
-        no_head,
-        torch.zeros(1, dtype=torch.long, device=device),
-    )
+    emit(direct, no_head, torch.zeros(1, dtype=torch.long, device=device))
     flush()
     frontier = [torch.zeros(0, dtype=torch.long, device=device)] * 6
     expanded = 1
