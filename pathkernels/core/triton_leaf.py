@@ -38,19 +38,14 @@ one config, no autotuning.
 
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the module still imports; its functions say what is missing
-    triton = None
-    tl = None
+from pathkernels.core._triton import config_space as _config_space
+from pathkernels.core._triton import describe_choice, interpreting, on_device, require, tl, triton
+from pathkernels.core._triton import jit as _jit
 
 OP = "pathkernels.triton_leaf_norms"
 OP_NAME = "pathkernels::triton_leaf_norms"
@@ -60,21 +55,8 @@ PRECISIONS = {"ieee": 0, "tf32": 1, "tf32x3": 2, "tf32x3-triton": 3}
 _CONFIG_SPACE_ENV = "PATHKERNELS_TRITON_CONFIGS"
 
 
-def _interpreting() -> bool:
-    """Whether Triton's interpreter is on now: its knob (TRITON_INTERPRET, or set in code)."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
-
-
 # Whether this module's kernels were decorated under the interpreter (fixed at import, as Triton does).
-INTERPRETED = triton is not None and _interpreting()
-
-
-def _jit(fn):
-    """triton.jit where Triton is installed; otherwise the bare function, never launched."""
-    return fn if triton is None else triton.jit(fn)
+INTERPRETED = triton is not None and interpreting()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,29 +338,13 @@ def _autotuner(space: str):
 def config_space() -> str:
     """The autotuner's space: PATHKERNELS_TRITON_CONFIGS, "full" (the default), "quick" (four
     configs, for a short GPU check) or "default" (DEFAULT_CONFIG alone: no tuning)."""
-    space = os.environ.get(_CONFIG_SPACE_ENV, "full")
-    if space not in CONFIG_SPACES:
-        raise ValueError(f"{OP}: expected {_CONFIG_SPACE_ENV} in {sorted(CONFIG_SPACES)}, got {space!r}")
-    return space
+    return _config_space(_CONFIG_SPACE_ENV, CONFIG_SPACES, OP)
 
 
 def chosen_config() -> dict | None:
     """What the autotuner last chose (for the benchmarks): the config and every config's time in
     ms (median), or None before any autotuned launch."""
-    tuner = _AUTOTUNERS.get(config_space())
-    best = getattr(tuner, "best_config", None)
-    if best is None:
-        return None
-    timings = getattr(tuner, "configs_timings", None) or {}
-
-    def describe(config):
-        return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
-
-    return {
-        "config": describe(best),
-        "timings_ms": [{**describe(c), "ms": t[0] if isinstance(t, (list, tuple)) else t} for c, t in timings.items()],
-        "bench_s": getattr(tuner, "bench_time", None),
-    }
+    return describe_choice(_AUTOTUNERS.get(config_space()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -387,8 +353,7 @@ def chosen_config() -> dict | None:
 
 def require_triton(op: str = OP) -> None:
     """Raise a clear error where Triton is not installed."""
-    if triton is None:
-        raise RuntimeError(f"{op}: needs Triton (pip install triton), which is not installed")
+    require(op)
 
 
 def _check(attn_centred, attn_mean, parents, parent_means, scale, precision, op: str = OP) -> None:
@@ -526,14 +491,9 @@ def _triton_leaf_norms_impl(
     """The op's body (registered by triton_op): checks, outputs, one launch on the inputs' device."""
     _check(attn_centred, attn_mean, parents, parent_means, scale, precision)
     residual, norm = _outputs(attn_centred, parents)
-    with _on_device(attn_centred.device):
+    with on_device(attn_centred.device):
         _launch(attn_centred, attn_mean, parents, parent_means, scale, precision, residual, norm)
     return residual, norm
-
-
-def _on_device(device: torch.device):
-    """The inputs' GPU as the current device (Triton launches on the current one), or nothing."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _triton_leaf_norms_fake(attn_centred, attn_mean, parents, parent_means, scale=None, precision="tf32x3"):
@@ -604,6 +564,6 @@ def triton_leaf_norms(
     if config is None:
         return op()(attn_centred, attn_mean, parents, parent_means, scale, precision)
     residual, norm = _outputs(attn_centred, parents)
-    with _on_device(attn_centred.device):
+    with on_device(attn_centred.device):
         _launch(attn_centred, attn_mean, parents, parent_means, scale, precision, residual, norm, LeafConfig(*config))
     return residual, norm

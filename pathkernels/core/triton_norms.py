@@ -55,23 +55,17 @@ the kernels are decorated); the kernel then runs on CPU tensors in the interpret
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from pathkernels.core._triton import config_space as _config_space
+from pathkernels.core._triton import describe_choice, interpreting, on_device, require, tl, triton
+from pathkernels.core._triton import jit as _jit
 from pathkernels.core.ops import check_norm_input
 from pathkernels.core.paths import check_flag
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the module still imports; its functions say what is missing
-    triton = None
-    tl = None
 
 OPS = {False: "pathkernels.triton_composite_norm", True: "pathkernels.triton_residual_norm"}
 OP_NAMES = {False: "pathkernels::triton_composite_norm", True: "pathkernels::triton_residual_norm"}
@@ -83,21 +77,8 @@ INTERPRETER_SMS = 2  # the "SMs" of the interpreter's persistent grid (CPU: no d
 _CONFIG_SPACE_ENV = "PATHKERNELS_TRITON_NORM_CONFIGS"
 
 
-def _interpreting() -> bool:
-    """Whether Triton's interpreter is on now: its knob (TRITON_INTERPRET, or set in code)."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on", "y")
-
-
 # Whether this module's kernels were decorated under the interpreter (fixed at import, as Triton does).
-INTERPRETED = triton is not None and _interpreting()
-
-
-def _jit(fn):
-    """triton.jit where Triton is installed; otherwise the bare function, never launched."""
-    return fn if triton is None else triton.jit(fn)
+INTERPRETED = triton is not None and interpreting()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,32 +525,17 @@ def _autotuner(space: str):
 def config_space() -> str:
     """The autotuner's space: PATHKERNELS_TRITON_NORM_CONFIGS, "full" (the default), "quick" (five
     configs, for a short GPU check) or "default" (DEFAULT_CONFIG alone: no tuning)."""
-    space = os.environ.get(_CONFIG_SPACE_ENV, "full")
-    if space not in CONFIG_SPACES:
-        raise ValueError(f"{OPS[False]}: expected {_CONFIG_SPACE_ENV} in {sorted(CONFIG_SPACES)}, got {space!r}")
-    return space
+    return _config_space(_CONFIG_SPACE_ENV, CONFIG_SPACES, OPS[False])
 
 
 def chosen_config() -> dict | None:
     """What the autotuner last chose (for the benchmarks): the config, its tile for the last case
     (design, matrices per program, tile rows and columns), every config's time in ms (median), or
     None before any autotuned launch."""
-    tuner = _AUTOTUNERS.get(config_space())
-    best = getattr(tuner, "best_config", None)
-    if best is None:
-        return None
-    timings = getattr(tuner, "configs_timings", None) or {}
-
-    def describe(config):
-        return {**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
-
-    chosen = {
-        "config": describe(best),
-        "timings_ms": [{**describe(c), "ms": t[0] if isinstance(t, (list, tuple)) else t} for c, t in timings.items()],
-        "bench_s": getattr(tuner, "bench_time", None),
-    }
-    if _LAST_CASE:
-        chosen["tile"] = tile_shape(_LAST_CASE["n"], _LAST_CASE["m"], best.kwargs["TILE"])._asdict()
+    chosen = describe_choice(_AUTOTUNERS.get(config_space()))
+    if chosen is not None and _LAST_CASE:
+        tile = chosen["config"]["TILE"]
+        chosen["tile"] = tile_shape(_LAST_CASE["n"], _LAST_CASE["m"], tile)._asdict()
     return chosen
 
 
@@ -579,8 +545,7 @@ def chosen_config() -> dict | None:
 
 def require_triton(op: str = OPS[False]) -> None:
     """Raise a clear error where Triton is not installed."""
-    if triton is None:
-        raise RuntimeError(f"{op}: needs Triton (pip install triton), which is not installed")
+    require(op)
 
 
 def _check(x, centered: bool) -> None:
@@ -691,14 +656,9 @@ def _launch(x: Tensor, centered: bool, with_norm: bool, out: Tensor, norm: Tenso
     )
 
 
-def _on_device(device: torch.device):
-    """The input's GPU as the current device (Triton launches on the current one), or nothing."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def _run(x: Tensor, centered: bool, with_norm: bool, config=None) -> tuple[Tensor, Tensor]:
     out, norm = _outputs(x, centered, with_norm)
-    with _on_device(x.device):
+    with on_device(x.device):
         _launch(x, centered, with_norm, out, norm, config)
     return out, norm
 
