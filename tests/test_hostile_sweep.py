@@ -1218,23 +1218,25 @@ adapter_cases()
 # --- the command line -------------------------------------------------------------------------------
 
 SMALL = ["--layers", "1", "--heads", "1", "--width", "8", "--tokens", "3"]
-CLI = [  # (command, option, kind, argv); in process, but for the first two
-    ("attribute", "--time-limit", "nan", ["attribute", "--time-limit", "nan"]),
-    ("paths", "--model", "file", ["paths", "--model", "{damaged config}"]),
-    ("attribute", "--target", "huge", ["attribute", *SMALL, "--target", "1000"]),
-    ("attribute", "--layers", "zero", ["attribute", "--layers", "0"]),
-    ("attribute", "--time-limit", "negative", ["attribute", "--time-limit", "-1"]),
-    ("attribute", "--time-limit", "inf", ["attribute", "--time-limit", "inf"]),
-    ("attribute", "--position", "huge", ["attribute", *SMALL, "--position", "9"]),
-    ("attribute", "--versus", "str", ["attribute", *SMALL, "--versus", "word"]),
-    ("attribute", "--model", "file", ["attribute", "--model", "/nonexistent/model"]),
-    ("attribute", "--layers", "huge", ["attribute", "--layers", "4000", "--width", "8192"]),
-    ("paths", "--tokens", "float", ["paths", "--tokens", "2.5"]),
-    ("paths", "--tokens", "huge", ["paths", "--tokens", "100000", "--layers", "2", "--heads", "1"]),
-    ("paths", "--model", "file", ["paths", "--model", "{empty folder}"]),
-    ("collapse", "--width", "negative", ["collapse", "--width", "-8"]),
-    ("collapse", "--out", "file", ["collapse", "--out", "/proc/x"]),
-    ("bench", "--out", "file", ["bench", "--out", "/"]),
+# (command, option, kind, argv, builds a model); in process, but for the first two. The cases that get as
+# far as building a model need the packages that attribute imports, and are skipped where they are missing.
+CLI = [
+    ("attribute", "--time-limit", "nan", ["attribute", "--time-limit", "nan"], False),
+    ("paths", "--model", "file", ["paths", "--model", "{damaged config}"], False),
+    ("attribute", "--target", "huge", ["attribute", *SMALL, "--target", "1000"], True),
+    ("attribute", "--layers", "zero", ["attribute", "--layers", "0"], False),
+    ("attribute", "--time-limit", "negative", ["attribute", "--time-limit", "-1"], False),
+    ("attribute", "--time-limit", "inf", ["attribute", "--time-limit", "inf"], False),
+    ("attribute", "--position", "huge", ["attribute", *SMALL, "--position", "9"], True),
+    ("attribute", "--versus", "str", ["attribute", *SMALL, "--versus", "word"], True),
+    ("attribute", "--model", "file", ["attribute", "--model", "/nonexistent/model"], True),
+    ("attribute", "--layers", "huge", ["attribute", "--layers", "4000", "--width", "8192"], False),
+    ("paths", "--tokens", "float", ["paths", "--tokens", "2.5"], False),
+    ("paths", "--tokens", "huge", ["paths", "--tokens", "100000", "--layers", "2", "--heads", "1"], False),
+    ("paths", "--model", "file", ["paths", "--model", "{empty folder}"], False),
+    ("collapse", "--width", "negative", ["collapse", "--width", "-8"], False),
+    ("collapse", "--out", "file", ["collapse", "--out", "/proc/x"], False),
+    ("bench", "--out", "file", ["bench", "--out", "/"], False),
 ]
 
 
@@ -1246,9 +1248,12 @@ def cli_argv(argv):
     return [{"{damaged config}": str(damaged_config), "{empty folder}": str(empty)}.get(a, a) for a in argv]
 
 
-def run_cli(argv, subprocess_run: bool):
+def run_cli(argv, subprocess_run: bool, builds_model: bool = False):
     """The command line's refusal (exit code 2, one line on stderr) raised as a ValueError of that
     line; anything else as a RuntimeError."""
+    if builds_model:
+        for package in ("pandas", "transformers"):
+            pytest.importorskip(package)
     argv = cli_argv(argv)
     if subprocess_run:
         python = [sys.executable, *(["-S"] if sys.flags.no_site else [])]  # as this interpreter runs
@@ -1270,8 +1275,8 @@ def run_cli(argv, subprocess_run: bool):
     raise RuntimeError(f"exit code {code}: {err[-500:]}")
 
 
-for _i, (_command, _option, _kind, _argv) in enumerate(CLI):
-    refused(f"pathkernels {_command}", _option, _kind, _option, lambda a=_argv, s=_i < 2: run_cli(a, s))
+for _i, (_command, _option, _kind, _argv, _builds) in enumerate(CLI):
+    refused(f"pathkernels {_command}", _option, _kind, _option, lambda a=_argv, s=_i < 2, b=_builds: run_cli(a, s, b))
 
 
 # --- the tests ---------------------------------------------------------------------------------------
@@ -1310,6 +1315,40 @@ def test_the_sweep_covers_every_public_function_and_every_class():
 )
 def test_a_hostile_argument_gives_a_clear_error_or_the_right_number(case):
     assert outcome(case) == expected_outcome(case)
+
+
+def test_a_missing_optional_package_is_named_with_the_extra_that_installs_it(monkeypatch, capsys):
+    """attribute imports pandas and transformers when it runs; where one is missing (None in
+    sys.modules blocks its import as absence does) the error names it and the extra of pyproject.toml
+    that installs it, instead of an unexpected ModuleNotFoundError. Other modules stay unexpected."""
+    from pathkernels.app.cli import OPTIONAL_PACKAGES, main
+
+    argv = ["attribute", *SMALL]
+    missing = [("pandas", "analysis")]
+    try:
+        import pandas  # noqa: F401
+
+        missing.append(("transformers", "adapters"))  # reached only once pandas imports
+    except ImportError:
+        pass
+    for package, extra in missing:
+        assert OPTIONAL_PACKAGES[package] == extra
+        with monkeypatch.context() as patch:
+            patch.setitem(sys.modules, package, None)
+            assert main(argv) == 1
+        assert capsys.readouterr().err.splitlines() == [
+            f"pathkernels attribute: needs the package {package}, which is not installed in this environment "
+            f'(pip install "pathkernels[{extra}]" installs it)'
+        ]
+    import pathkernels.app.cli.attribute as attribute_command
+
+    def broken(*args, **kwargs):
+        import no_such_module_anywhere  # noqa: F401
+
+    monkeypatch.setattr(attribute_command, "attribute_table", broken)
+    assert main(argv) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.endswith("(an unexpected ModuleNotFoundError; --debug shows the traceback)"), line
 
 
 def totals() -> tuple[Counter, Counter]:

@@ -357,6 +357,16 @@ def main(argv=None) -> int:
     return code
 
 
+# The optional dependencies the subcommands import, and the extra of pyproject.toml that has each.
+OPTIONAL_PACKAGES = {
+    "pandas": "analysis",
+    "matplotlib": "analysis",
+    "tqdm": "analysis",
+    "transformers": "adapters",
+    "transformer_lens": "adapters",
+}
+
+
 def _main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     _check_options(args, args.command_parser)
@@ -379,9 +389,14 @@ def _main(argv=None) -> int:
     except Exception as error:  # noqa: BLE001 (one line unless --debug)
         if args.debug:
             raise
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
-        print(
-            error_line(args.command, f"{reason} (an unexpected {type(error).__name__}; --debug shows the traceback)"),
-            file=sys.stderr,
-        )
+        package = (getattr(error, "name", None) or "").split(".")[0]
+        if isinstance(error, ModuleNotFoundError) and package in OPTIONAL_PACKAGES:
+            message = (
+                f"needs the package {package}, which is not installed in this environment "
+                f'(pip install "pathkernels[{OPTIONAL_PACKAGES[package]}]" installs it)'
+            )
+        else:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
+            message = f"{reason} (an unexpected {type(error).__name__}; --debug shows the traceback)"
+        print(error_line(args.command, message), file=sys.stderr)
         return 1
