@@ -20,7 +20,10 @@ TORCH_LIBRARY(pathkernels, m) {
   // (float32 trees carry power-of-two scales so that tiny residuals keep their digits; engine.h).
   // leaf_kernel: how CUDA reduces leaves of n <= 128 rows: "simt" (the fused leaf kernel, no leaf
   // is stored), "tf32x3" or "tf32" (the same on tensor cores, float32 only: float32 accuracy, or
-  // one TF32 pass), "gemm" (cuBLAS into a scratch block, then a reduction). The CPU ignores it.
+  // one TF32 pass), "gemm" (cuBLAS into a scratch block, then a reduction), "heads_" and a variant of
+  // _heads_leaf_norms (leaf levels whose every head takes the same parents in one call of that
+  // kernel, other leaf blocks through "tf32x3" or "tf32"). The CPU ignores it but for "heads_*",
+  // which it runs through the heads kernel's CPU harness (for the tests: slow).
   m.def(
       "path_chunk_norms(Tensor attn, Tensor attn_mean, Tensor root, Tensor root_mean, Tensor? w_v, "
       "Tensor? w_o, Tensor[] parents, Tensor[] heads, int leaf_block, str leaf_kernel=\"simt\") "

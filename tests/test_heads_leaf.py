@@ -3,9 +3,12 @@ one launch, their column means from the centring identity. On the CPU its per-th
 thread by thread (csrc/paths/heads_leaf_cpu.cpp), on CUDA as the kernel; both against
 `_fused_leaf_norms` called head by head, an independent float64 reference and hand-worked values."""
 
+import warnings
+
 import pytest
 import torch
 
+import pathkernels as pk
 from pathkernels.testing import devices, has_tensor_cores, leaf_kernel_slack, random_attention
 
 heads_leaf_norms = torch.ops.pathkernels._heads_leaf_norms
@@ -338,3 +341,127 @@ def test_cuda_many_parents_deterministic(kernel):
     for got, want in zip(first, heads_leaf_norms_ref(*inputs)):
         error = (got.cpu() - want).abs()
         assert (error <= 1e-5 * want + bound).all(), (error / want).max()
+
+
+# --- the engine's "heads_*" leaf kernels -----------------------------------------------------------
+# path_chunk_norms(leaf_kernel="heads_<variant>") takes each leaf level whose every head has the same
+# parents through the heads kernel in one call (csrc/paths/engine.h, every_head_leaves) and the rest
+# head by head. The CPU backend runs the kernel's harness there and ignores the per-head kernel, so on
+# the CPU the one-pass variant ("heads_tf32") marks which leaves the heads kernel took: their error
+# is TF32's (~2^-11), every other leaf's float32's (~1e-7).
+
+
+def engine_norms(attn, tree, op_kernel, x=None, w_v=None, w_o=None, budget=2**22):
+    """The engine's residual and norm [B, M] with the op's leaf_kernel as given (the public
+    functions send the CPU "simt"), and the float64 engine's, in the tree's result order."""
+    from pathkernels.core.engine import check_inputs, leaf_norms
+
+    def run(attn, x, w_v, w_o, kernel):
+        net, memory_budget = check_inputs(attn, tree, x, w_v, w_o, budget, "test")
+        return leaf_norms(net, tree, 0, tree.num_leaves, memory_budget, leaf_kernel=kernel, where="test")
+
+    def double(t):  # attention renormalised: float32 rows sum to 1 only to float32's precision
+        if t is None:
+            return None
+        return t.double() / t.double().sum(-1, keepdim=True) if t is attn else t.double()
+
+    got = run(attn, x, w_v, w_o, op_kernel)
+    want = run(double(attn), double(x), double(w_v), double(w_o), "simt")
+    return got, want
+
+
+def relative_errors(got, want):
+    return [((g.double() - w).abs() / w).flatten() for g, w in zip(got, want)]
+
+
+def engine_attention(batch, layers, heads, n):
+    return random_attention(batch, layers, heads, n, n, temperature=0.5)
+
+
+@pytest.mark.parametrize("variant", KERNELS)
+@pytest.mark.parametrize(
+    "layers, heads, n, skip, max_length",
+    [(3, 3, 8, False, None), (3, 2, 37, True, None), (4, 3, 6, True, 2), (1, 4, 5, True, None)],
+)
+def test_engine_takes_complete_leaf_levels_through_the_heads_kernel(variant, layers, heads, n, skip, max_length):
+    """Complete trees (with and without the skip, pruned by length, one layer): every leaf under a
+    head comes from the heads kernel, within its precision of the float64 engine, each in its own
+    place (a leaf written to another's place is off by far more); the skip leaves are reduced as
+    before, at float32's precision."""
+    attn = engine_attention(2, layers, heads, n)
+    tree = pk.PathTree.complete(layers, heads, skip=skip, max_length=max_length)
+    got, want = engine_norms(attn, tree, "heads_" + variant)
+    one_pass = variant.startswith("tf32_") or variant == "tf32"
+    last_head = tree.paths()[:, -1] >= 0
+    for error in relative_errors(got, want):
+        error = error.view(2, -1)
+        if skip:  # the skip leaves: their parents, reduced as before
+            assert error[:, ~last_head].max() < 5e-6
+        assert error[:, last_head].max() < (2e-2 if one_pass else 2e-5)
+        if one_pass:  # TF32's rounding shows: these leaves came from the heads kernel
+            assert error[:, last_head].max() > 2e-5
+
+
+@pytest.mark.parametrize("case", ["factored W", "partial tree", "small chunks", "float64"])
+def test_engine_leaves_other_levels_to_the_per_head_path(case):
+    """Where the heads kernel does not apply, the engine takes the level head by head, at float32's
+    precision on the CPU: W factored (each head's right operand differs), a tree whose last layer
+    does not branch fully (runs with different parents). Chunks of a few parents each still branch
+    fully at their leaf level (the planner splits between parents), so the kernel takes each one,
+    TF32's rounding showing. float64 is refused by name."""
+    layers, heads, n, d = 3, 3, 6, 4
+    attn = engine_attention(2, layers, heads, n)
+    tree, x, w_v, w_o, budget = pk.PathTree.complete(layers, heads, skip=True), None, None, None, 2**22
+    if case == "float64":
+        attn = attn.double() / attn.double().sum(-1, keepdim=True)
+        with pytest.raises(TypeError, match="leaf_kernel='heads_tf32' runs on TF32 tensor cores"):
+            engine_norms(attn, tree, "heads_tf32")
+        return
+    if case == "factored W":
+        x, w_v, w_o = torch.randn(2, n, d), torch.randn(layers, heads, d, 2), torch.randn(layers, heads, 2, d)
+    elif case == "partial tree":
+        paths = pk.PathTree.complete(layers, heads, skip=True).paths()
+        tree = pk.PathTree.from_paths(paths[torch.arange(0, len(paths), 3)], heads)
+    else:
+        budget = 4096  # a few leaves per chunk
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the small budget's warning
+        got, want = engine_norms(attn, tree, "heads_tf32", x, w_v, w_o, budget)
+    for error in relative_errors(got, want):
+        if case == "small chunks":
+            assert 2e-5 < error.max() < 2e-2
+        else:
+            assert error.max() < 5e-6
+
+
+def test_engine_leaf_kernel_names():
+    """Unknown heads variants and the Python names: refused by name; on the CPU the public
+    functions send "simt" (the heads harness is a test tool), with the same numbers as "fused"."""
+    attn = engine_attention(1, 2, 2, 4)
+    tree = pk.PathTree.complete(2, 2)
+    with pytest.raises(ValueError, match="expected leaf_kernel 'heads_' followed by 'tf32x3'.*got 'heads_fp8'"):
+        engine_norms(attn, tree, "heads_fp8")
+    with pytest.raises(ValueError, match="or 'heads_' and a heads leaf variant"):
+        engine_norms(attn, tree, "tensor")
+    fused = pk.path_residuals(attn, tree)
+    for name in ("heads", "heads_128"):
+        result = pk.path_residuals(attn, tree, leaf_kernel=name)
+        assert torch.equal(result.residual, fused.residual) and torch.equal(result.norm, fused.norm)
+    with pytest.raises(ValueError, match="leaf_kernel='heads' runs on TF32 tensor cores and takes float32"):
+        pk.path_residuals(attn.double(), tree, leaf_kernel="heads")
+
+
+@cuda_only
+@pytest.mark.parametrize("name", ["heads", "heads_128"])
+@pytest.mark.parametrize("fast", [False, True])
+def test_cuda_engine_heads_kernels(name, fast):
+    """path_residuals(leaf_kernel="heads"...) on the GPU against the float64 engine, complete trees
+    with and without the skip and a partial one."""
+    check_tensor_cores("cuda")
+    attn = engine_attention(2, 3, 4, 64).cuda()
+    for tree in (pk.PathTree.complete(3, 4), pk.PathTree.complete(3, 4, skip=True), pk.PathTree.from_paths([[0, 1, 2]], 4)):
+        got = pk.path_residuals(attn, tree, leaf_kernel=name, fast=fast)
+        want = pk.path_residuals(attn.double().cpu(), tree)
+        rtol = 2e-2 if fast else 2e-5
+        torch.testing.assert_close(got.residual.cpu().double(), want.residual, rtol=rtol, atol=0)
+        torch.testing.assert_close(got.norm.cpu().double(), want.norm, rtol=rtol, atol=0)

@@ -20,12 +20,14 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "paths/heads_leaf_op.h"
 #include "paths/paths.h"
 #include "paths/scales.h"
 
@@ -201,6 +203,46 @@ bool fused_leaf_norms(Backend& backend, const Network& net, int64_t layer, int64
   return false;
 }
 
+// The leaves of a level at which every head of the layer takes the same parents (the leaf level of
+// a complete tree, and of any tree whose last layer branches fully): all H heads' leaves in one call
+// of the backend's heads leaf kernel (heads_leaf.h), which reads each parent once for every head and
+// takes the children's column means from the centring identity. Returns false, having done nothing,
+// where the level is not so, or W is factored (each head's right operand R' W_h differs), or n is
+// beyond the kernel; the caller then takes the level's blocks head by head.
+template <typename Backend>
+bool every_head_leaves(Backend& backend, const Network& net, int64_t layer, heads_leaf::Variant variant,
+                       const Nodes& level, const at::Tensor& positions, const at::Tensor& heads, double* residual,
+                       double* norm) {
+  const int64_t num_heads = net.attn.size(1);
+  if (net.w_v.has_value() || level.residual.size(0) > heads_leaf::kMaxRows) {
+    return false;
+  }
+  std::vector<HeadRun> runs = head_runs(heads);
+  if (!runs.empty() && runs.front().head < 0) {
+    runs.erase(runs.begin());  // the skip leaves: their parents, reduced where they lie
+  }
+  if (static_cast<int64_t>(runs.size()) != num_heads) {
+    return false;
+  }
+  const int64_t count = runs.front().end - runs.front().begin;
+  const int64_t* p = positions.const_data_ptr<int64_t>();
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const HeadRun& run = runs[h];
+    if (run.head != h || run.end - run.begin != count || !std::equal(p + run.begin, p + run.end, p + runs[0].begin)) {
+      return false;
+    }
+  }
+  const Nodes parents = run_parents(level, positions, runs.front().begin, count);
+  const HeadsLeafOperands ops{net.attn[layer], net.attn_mean[layer], parents.residual, parents.mean, parents.scale,
+                              variant};
+  const auto [head_residual, head_norm] = backend.heads_leaf_norms(ops);  // [count, H]
+  // The runs tile the level in head order, so leaf (parent k, head h) is runs[0].begin + h·count + k.
+  const auto doubles = head_residual.options();
+  at::from_blob(residual + runs.front().begin, {num_heads, count}, doubles).copy_(head_residual.t());
+  at::from_blob(norm + runs.front().begin, {num_heads, count}, doubles).copy_(head_norm.t());
+  return true;
+}
+
 // One chunk for one batch element, into residual and norm (float64, one per leaf). Backend provides
 //   matmul(out, a, b, accumulate): out = a @ b, or out += a @ b, for 2-D operands with unit column
 //   strides (out a view into a level, never overlapping a or b),
@@ -212,11 +254,15 @@ bool fused_leaf_norms(Backend& backend, const Network& net, int64_t layer, int64
 //   scale below T's range makes its term 0, negligible against μ, the product's own mean),
 //   carry_scales<T>(out, parent_scale, renormalise): out.scale = parent_scale, then, with
 //   `renormalise`, the rule of scales.h applied to each node of out, in place,
+//   heads_leaf_norms(ops): the heads leaf kernel (heads_leaf_op.h) on laid-out operands,
 // and, where kFusedLeaves, fuses_leaves(n) and fused_leaf_norms<T>(attn [n, n], operands, residual,
 // norm): the norms of the leaves C(A) · operands.right, computed without storing them.
+// `every_head`: the heads leaf kernel's variant for leaf levels it can take whole (every_head_leaves;
+// float32 only), or none.
 template <typename T, typename Backend>
 void evaluate_chunk(const Network& net, const at::Tensor& root, const at::Tensor& root_mean, const PathChunk& chunk,
-                    int64_t leaf_block, double* residual, double* norm, Backend& backend) {
+                    int64_t leaf_block, std::optional<heads_leaf::Variant> every_head, double* residual, double* norm,
+                    Backend& backend) {
   const int64_t layers = static_cast<int64_t>(chunk.parents.size());
   const int64_t n = root.size(0), m = root.size(1);
   const auto scale_options = root.options().dtype(at::kDouble);
@@ -231,7 +277,13 @@ void evaluate_chunk(const Network& net, const at::Tensor& root, const at::Tensor
       next = {at::empty({n, positions.numel(), m}, root.options()), at::empty({positions.numel(), m}, root.options()),
               at::empty({positions.numel()}, scale_options)};
     }
-    const std::vector<NodeBlock> blocks = node_blocks(chunk.heads[l], leaf_block);
+    std::vector<NodeBlock> blocks = node_blocks(chunk.heads[l], leaf_block);
+    if constexpr (std::is_same_v<T, float>) {
+      if (leaves && every_head.has_value() &&
+          every_head_leaves(backend, net, l, *every_head, level, positions, chunk.heads[l], residual, norm)) {
+        std::erase_if(blocks, [](const NodeBlock& blk) { return blk.head >= 0; });  // done: the skip leaves remain
+      }
+    }
     backend.for_each_block(static_cast<int64_t>(blocks.size()), [&](int64_t k, int worker) {
       const NodeBlock& blk = blocks[k];
       const Nodes parents = run_parents(level, positions, blk.begin, blk.count);
@@ -264,9 +316,13 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms(const at::Tensor& attn, cons
                                                     const std::optional<at::Tensor>& w_o, at::TensorList parents,
                                                     at::TensorList heads, int64_t leaf_block,
                                                     c10::string_view leaf_kernel) {
+  constexpr const char* op = "pathkernels.path_chunk_norms";
   const PathChunk chunk = check_path_chunk(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block);
-  const LeafKernel kernel =
-      parse_leaf_kernel(leaf_kernel, attn.scalar_type(), true, "pathkernels.path_chunk_norms", "leaf_kernel");
+  const std::optional<EngineHeadsKernel> every_head = engine_heads_kernel(leaf_kernel, attn.scalar_type(), op);
+  const LeafKernel kernel = parse_leaf_kernel(every_head ? every_head->per_head : leaf_kernel, attn.scalar_type(),
+                                              true, op, "leaf_kernel");
+  const std::optional<heads_leaf::Variant> variant =
+      every_head ? std::optional<heads_leaf::Variant>(every_head->variant) : std::nullopt;
   const int64_t batch = attn.size(0);
   const int64_t leaves = chunk.parents.back().numel();
   // No level of a trie has more nodes than its leaves, so larger blocks change nothing; capping
@@ -288,7 +344,7 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms(const at::Tensor& attn, cons
     Backend backend(kernel);
     for (int64_t b = 0; b < batch; ++b) {
       const Network net{attn_c[b], attn_mean_c[b], w_v_c, w_o_c, std::is_same_v<scalar_t, float>};
-      evaluate_chunk<scalar_t>(net, root_c[b], root_mean_c[b], chunk, block,
+      evaluate_chunk<scalar_t>(net, root_c[b], root_mean_c[b], chunk, block, variant,
                                residual[b].mutable_data_ptr<double>(), norm[b].mutable_data_ptr<double>(), backend);
     }
   });

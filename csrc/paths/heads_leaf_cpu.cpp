@@ -32,26 +32,42 @@
 
 namespace pathkernels {
 
+const char* variant_name(heads_leaf::Variant variant) {
+  switch (variant) {
+    case heads_leaf::Variant::kTf32x3:
+      return "tf32x3";
+    case heads_leaf::Variant::kTf32x3Wide:
+      return "tf32x3_128";
+    case heads_leaf::Variant::kTf32:
+      return "tf32";
+    case heads_leaf::Variant::kTf32Wide:
+      return "tf32_128";
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown heads leaf variant");
+}
+
 namespace {
 
 constexpr const char* kOp = "pathkernels._heads_leaf_norms";
 
+constexpr heads_leaf::Variant kVariants[] = {heads_leaf::Variant::kTf32x3, heads_leaf::Variant::kTf32x3Wide,
+                                             heads_leaf::Variant::kTf32, heads_leaf::Variant::kTf32Wide};
+
+// The variant called `name`, if any.
+std::optional<heads_leaf::Variant> find_variant(c10::string_view name) {
+  for (const heads_leaf::Variant variant : kVariants) {
+    if (name == variant_name(variant)) {
+      return variant;
+    }
+  }
+  return std::nullopt;
+}
+
 heads_leaf::Variant parse_variant(c10::string_view name) {
-  using heads_leaf::Variant;
-  if (name == "tf32x3") {
-    return Variant::kTf32x3;
-  }
-  if (name == "tf32x3_128") {
-    return Variant::kTf32x3Wide;
-  }
-  if (name == "tf32") {
-    return Variant::kTf32;
-  }
-  if (name == "tf32_128") {
-    return Variant::kTf32Wide;
-  }
-  TORCH_CHECK_VALUE(false, kOp, ": expected kernel in ('tf32x3', 'tf32x3_128', 'tf32', 'tf32_128'), got '",
+  const std::optional<heads_leaf::Variant> variant = find_variant(name);
+  TORCH_CHECK_VALUE(variant.has_value(), kOp, ": expected kernel in ('tf32x3', 'tf32x3_128', 'tf32', 'tf32_128'), got '",
                     std::string(name), "'");
+  return *variant;
 }
 
 bool aligned16(const void* pointer) {
@@ -59,6 +75,23 @@ bool aligned16(const void* pointer) {
 }
 
 }  // namespace
+
+std::optional<EngineHeadsKernel> engine_heads_kernel(c10::string_view leaf_kernel, at::ScalarType dtype,
+                                                     const char* op) {
+  constexpr c10::string_view kPrefix = "heads_";
+  if (leaf_kernel.substr(0, kPrefix.size()) != kPrefix) {
+    return std::nullopt;
+  }
+  using heads_leaf::Variant;
+  const std::optional<Variant> variant = find_variant(leaf_kernel.substr(kPrefix.size()));
+  TORCH_CHECK_VALUE(variant.has_value(), op,
+                    ": expected leaf_kernel 'heads_' followed by 'tf32x3', 'tf32x3_128', 'tf32' or 'tf32_128', got '",
+                    std::string(leaf_kernel), "'");
+  TORCH_CHECK_TYPE(dtype == at::kFloat, op, ": leaf_kernel='", std::string(leaf_kernel),
+                   "' runs on TF32 tensor cores and takes torch.float32, got ", dtype_name(dtype));
+  const bool three_passes = *variant == Variant::kTf32x3 || *variant == Variant::kTf32x3Wide;
+  return EngineHeadsKernel{*variant, three_passes ? "tf32x3" : "tf32"};
+}
 
 HeadsLeafOperands check_heads_leaf(const at::Tensor& attn, const at::Tensor& attn_mean, const at::Tensor& right,
                                    const at::Tensor& mean, const std::optional<at::Tensor>& scale,
@@ -397,11 +430,9 @@ void run_host_cta(const heads_leaf::Params& p, const std::vector<Extent>& extent
 // is prefetched in chunks, and a partial last block.
 constexpr int64_t kHarnessParents = 2;
 
-std::tuple<at::Tensor, at::Tensor> heads_leaf_norms_cpu(const at::Tensor& attn, const at::Tensor& attn_mean,
-                                                        const at::Tensor& right, const at::Tensor& mean,
-                                                        const std::optional<at::Tensor>& scale,
-                                                        c10::string_view kernel) {
-  const HeadsLeafOperands ops = check_heads_leaf(attn, attn_mean, right, mean, scale, kernel);
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> heads_leaf_norms_on_host(const HeadsLeafOperands& ops) {
   HeadsLeafBuffers buffers = heads_leaf_buffers(ops);
   if (buffers.residual.numel() == 0) {
     return {buffers.residual, buffers.norm};
@@ -421,6 +452,15 @@ std::tuple<at::Tensor, at::Tensor> heads_leaf_norms_cpu(const at::Tensor& attn, 
     }
   });
   return {buffers.residual, buffers.norm};
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> heads_leaf_norms_cpu(const at::Tensor& attn, const at::Tensor& attn_mean,
+                                                        const at::Tensor& right, const at::Tensor& mean,
+                                                        const std::optional<at::Tensor>& scale,
+                                                        c10::string_view kernel) {
+  return heads_leaf_norms_on_host(check_heads_leaf(attn, attn_mean, right, mean, scale, kernel));
 }
 
 }  // namespace

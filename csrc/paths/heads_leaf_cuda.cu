@@ -144,7 +144,7 @@ int64_t parents_per_block(int64_t count, int64_t tiles, int64_t resident) {
 }
 
 template <typename Cta>
-void launch(const HeadsLeafOperands& ops, HeadsLeafBuffers& buffers, c10::string_view kernel_name) {
+void launch(const HeadsLeafOperands& ops, HeadsLeafBuffers& buffers) {
   const auto kernel = heads_leaf_kernel<Cta>;
   const int bytes = static_cast<int>(sizeof(typename Cta::Shared));
   int device = 0, major = 0, minor = 0, processors = 0, optin = 0;
@@ -156,7 +156,7 @@ void launch(const HeadsLeafOperands& ops, HeadsLeafBuffers& buffers, c10::string
   TORCH_CHECK_VALUE(major >= 8, "pathkernels._heads_leaf_norms: the kernels need TF32 tensor cores ",
                     "(compute capability 8.0 or later), device ", std::to_string(device), " has ",
                     std::to_string(major), ".", std::to_string(minor));
-  TORCH_CHECK_VALUE(bytes <= optin, "pathkernels._heads_leaf_norms: kernel '", std::string(kernel_name), "' for n = ",
+  TORCH_CHECK_VALUE(bytes <= optin, "pathkernels._heads_leaf_norms: kernel '", variant_name(ops.variant), "' for n = ",
                     std::to_string(ops.attn.size(1)), " needs ", std::to_string(bytes),
                     " bytes of shared memory per block, device ", std::to_string(device), " has ",
                     std::to_string(optin));
@@ -176,20 +176,28 @@ void launch(const HeadsLeafOperands& ops, HeadsLeafBuffers& buffers, c10::string
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-std::tuple<at::Tensor, at::Tensor> heads_leaf_norms_cuda(const at::Tensor& attn, const at::Tensor& attn_mean,
-                                                         const at::Tensor& right, const at::Tensor& mean,
-                                                         const std::optional<at::Tensor>& scale,
-                                                         c10::string_view kernel) {
-  const c10::cuda::CUDAGuard guard(attn.device());
-  const HeadsLeafOperands ops = check_heads_leaf(attn, attn_mean, right, mean, scale, kernel);
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> heads_leaf_norms_on_device(const HeadsLeafOperands& ops) {
+  const c10::cuda::CUDAGuard guard(ops.attn.device());
   HeadsLeafBuffers buffers = heads_leaf_buffers(ops);
   if (buffers.residual.numel() == 0) {
     return {buffers.residual, buffers.norm};
   }
   heads_leaf::dispatch_cta(ops.variant, ops.attn.size(1), [&](auto cta) {
-    launch<typename decltype(cta)::type>(ops, buffers, kernel);
+    launch<typename decltype(cta)::type>(ops, buffers);
   });
   return {buffers.residual, buffers.norm};
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> heads_leaf_norms_cuda(const at::Tensor& attn, const at::Tensor& attn_mean,
+                                                         const at::Tensor& right, const at::Tensor& mean,
+                                                         const std::optional<at::Tensor>& scale,
+                                                         c10::string_view kernel) {
+  const c10::cuda::CUDAGuard guard(attn.device());
+  return heads_leaf_norms_on_device(check_heads_leaf(attn, attn_mean, right, mean, scale, kernel));
 }
 
 }  // namespace

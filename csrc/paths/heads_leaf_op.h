@@ -7,6 +7,7 @@
 #include <c10/util/string_view.h>
 
 #include <optional>
+#include <tuple>
 
 #include "paths/heads_leaf.h"
 
@@ -40,6 +41,9 @@ struct HeadsLeafBuffers {
   at::Tensor arrivals;
 };
 
+// The name of `variant` in _heads_leaf_norms' `kernel` ("tf32x3", "tf32x3_128", "tf32", "tf32_128").
+const char* variant_name(heads_leaf::Variant variant);
+
 // Column tiles of m for `variant`.
 int64_t heads_leaf_tiles(heads_leaf::Variant variant, int64_t m);
 
@@ -47,5 +51,25 @@ HeadsLeafBuffers heads_leaf_buffers(const HeadsLeafOperands& ops);
 
 heads_leaf::Params heads_leaf_params(const HeadsLeafOperands& ops, HeadsLeafBuffers& buffers,
                                      int64_t parents_per_block);
+
+// The kernel on operands already laid out as above (no checks, no host synchronisation): the
+// residual and norm [c, H], float64. `_on_host` is the CPU harness (heads_leaf_cpu.cpp), `_on_device`
+// the CUDA launch on the current stream (heads_leaf_cuda.cu, CUDA builds only).
+std::tuple<at::Tensor, at::Tensor> heads_leaf_norms_on_host(const HeadsLeafOperands& ops);
+std::tuple<at::Tensor, at::Tensor> heads_leaf_norms_on_device(const HeadsLeafOperands& ops);
+
+// path_chunk_norms' leaf_kernel "heads_" + a variant's name ("heads_tf32x3", "heads_tf32x3_128",
+// "heads_tf32", "heads_tf32_128"): leaf levels at which every head takes the same parents go
+// through the heads leaf kernel in one call (engine.h), any other leaf block through the per-head
+// tensor-core kernel of the same precision, `per_head` ("tf32x3" or "tf32").
+struct EngineHeadsKernel {
+  heads_leaf::Variant variant;
+  const char* per_head;
+};
+
+// `leaf_kernel` as an EngineHeadsKernel; nullopt for a name without the "heads_" prefix. Refuses
+// unknown variants and dtypes other than float32, naming `op` and its argument `leaf_kernel`.
+std::optional<EngineHeadsKernel> engine_heads_kernel(c10::string_view leaf_kernel, at::ScalarType dtype,
+                                                     const char* op);
 
 }  // namespace pathkernels

@@ -20,7 +20,8 @@ LeafKernel parse_leaf_kernel(c10::string_view name, at::ScalarType dtype, bool a
     kernel = LeafKernel::kGemm;
   } else {
     TORCH_CHECK_VALUE(false, op, ": expected ", argument, " in ('simt', 'tf32x3', 'tf32'",
-                      allow_gemm ? ", 'gemm')" : ")", ", got '", std::string(name), "'");
+                      allow_gemm ? ", 'gemm', or 'heads_' and a heads leaf variant)" : ")", ", got '",
+                      std::string(name), "'");
   }
   TORCH_CHECK_TYPE(!(kernel == LeafKernel::kTf32x3 || kernel == LeafKernel::kTf32) || dtype == at::kFloat, op,
                    ": ", argument, "='", std::string(name), "' runs on TF32 tensor cores and takes torch.float32, got ",

@@ -145,6 +145,12 @@ struct CpuBackend {
     }
   }
 
+  // The heads leaf kernel's CPU harness: the GPU's program thread by thread, for the tests of the
+  // engine's "heads_*" leaf kernels (slow; the Python layer sends the CPU "simt").
+  std::tuple<at::Tensor, at::Tensor> heads_leaf_norms(const HeadsLeafOperands& ops) {
+    return heads_leaf_norms_on_host(ops);
+  }
+
   // leaves [n, c, m] (any row stride, unit column stride), means [c, m], scales [c] (double).
   template <typename T>
   void reduce(const engine::Nodes& leaves, double* residual, double* norm) {

@@ -294,6 +294,11 @@ struct CudaBackend {
     return kernel_ != LeafKernel::kGemm && n <= fused_leaf::kMaxRows;
   }
 
+  // One launch over every parent and head (heads_leaf_cuda.cu), on the current stream.
+  std::tuple<at::Tensor, at::Tensor> heads_leaf_norms(const HeadsLeafOperands& ops) {
+    return heads_leaf_norms_on_device(ops);
+  }
+
   template <typename T>
   void fused_leaf_norms(const at::Tensor& attn, const engine::ChildOperands& operands, double* residual,
                         double* norm) {

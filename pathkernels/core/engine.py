@@ -40,7 +40,7 @@ from pathkernels.core.planner import (
 )
 from pathkernels.reference import trie_products_ref
 
-LEAF_KERNELS = ("fused", "tensor", "gemm")
+LEAF_KERNELS = ("fused", "tensor", "gemm", "heads", "heads_128")
 
 
 def op_leaf_kernel(leaf_kernel: str, fast: bool, attn, where: str) -> str:
@@ -51,17 +51,27 @@ def op_leaf_kernel(leaf_kernel: str, fast: bool, attn, where: str) -> str:
 
     On an H200 (bench/results), "tf32" ran a complete tree 1.36× faster than cuBLAS in TF32 at the
     same accuracy, and "tf32x3" only 1.15× faster than "simt" at ten times its error (5e-7 against
-    4e-8 relative at n = 64), so float32 accuracy stays on the SIMT kernel by default."""
+    4e-8 relative at n = 64), so float32 accuracy stays on the SIMT kernel by default.
+
+    "heads" and "heads_128" are the heads leaf kernel ("heads_tf32x3", or "heads_tf32" with fast;
+    64- or 128-column tiles): leaf levels whose every head takes the same parents in one launch
+    that reads each parent once for all heads (csrc/paths/heads_leaf.h). On the CPU, which ignores
+    the choice, they become "simt": the op's CPU backend would run the kernel's test harness."""
     if leaf_kernel not in LEAF_KERNELS:
         raise ValueError(f"{where}: expected leaf_kernel in {LEAF_KERNELS}, got {leaf_kernel!r}")
     if fast:
         _check_fast(attn, where)
-    if leaf_kernel == "tensor":
+    if leaf_kernel in ("tensor", "heads", "heads_128"):
         dtype = getattr(attn, "dtype", None)
         if dtype != torch.float32:
             raise ValueError(
-                f"{where}: leaf_kernel='tensor' runs on TF32 tensor cores and takes float32 attn, got {dtype}"
+                f"{where}: leaf_kernel={leaf_kernel!r} runs on TF32 tensor cores and takes float32 attn, got {dtype}"
             )
+    if leaf_kernel in ("heads", "heads_128"):
+        if attn.device.type != "cuda":
+            return "simt"
+        return ("heads_tf32" if fast else "heads_tf32x3") + leaf_kernel.removeprefix("heads")
+    if leaf_kernel == "tensor":
         return "tf32" if fast else "tf32x3"
     if leaf_kernel == "gemm":
         return "gemm"
@@ -186,7 +196,12 @@ def path_residuals(
             float32 accuracy (3×TF32; float32 attn, compute capability ≥ 8.0): on an H200 1.15×
             faster than ``"fused"`` at about ten times its rounding error (5e-7 against 4e-8
             relative at n = 64), hence not the default; ``"gemm"`` runs cuBLAS into a scratch
-            block and reduces that (the benchmarks' comparison). Ignored on CPU.
+            block and reduces that (the benchmarks' comparison); ``"heads"`` and ``"heads_128"``
+            (float32, compute capability ≥ 8.0) take each leaf level whose every head has the
+            same parents (complete trees) in one launch over all heads on TF32 tensor cores
+            (3×TF32, or one pass with ``fast``; 64- or 128-column tiles), reading each parent once
+            instead of once per head, other leaves as ``"tensor"``: candidates that
+            ``bench/gpu_check.sh`` times against the others. Ignored on CPU.
 
     Returns:
         :class:`PathResiduals` with ``residual``, ``norm`` and ``ratio`` ``[B, M]``, ``paths``
