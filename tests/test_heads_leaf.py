@@ -458,10 +458,12 @@ def test_cuda_engine_heads_kernels(name, fast):
     """path_residuals(leaf_kernel="heads"...) on the GPU against the float64 engine, complete trees
     with and without the skip and a partial one."""
     check_tensor_cores("cuda")
-    attn = engine_attention(2, 3, 4, 64).cuda()
-    for tree in (pk.PathTree.complete(3, 4), pk.PathTree.complete(3, 4, skip=True), pk.PathTree.from_paths([[0, 1, 2]], 4)):
-        got = pk.path_residuals(attn, tree, leaf_kernel=name, fast=fast)
-        want = pk.path_residuals(attn.double().cpu(), tree)
+    attn = engine_attention(2, 3, 4, 64)
+    reference = attn.double() / attn.double().sum(-1, keepdim=True)
+    trees = [pk.PathTree.complete(3, 4), pk.PathTree.complete(3, 4, skip=True), pk.PathTree.from_paths([[0, 1, 2]], 4)]
+    for tree in trees:
+        got = pk.path_residuals(attn.cuda(), tree, leaf_kernel=name, fast=fast)
+        want = pk.path_residuals(reference, tree)
         rtol = 2e-2 if fast else 2e-5
         torch.testing.assert_close(got.residual.cpu().double(), want.residual, rtol=rtol, atol=0)
         torch.testing.assert_close(got.norm.cpu().double(), want.norm, rtol=rtol, atol=0)
