@@ -7,7 +7,8 @@
 PYTHON ?=
 TORCH_CPU_PIN := torch==2.13.0
 BUILD_TOOLS := scikit-build-core>=0.10 pybind11>=2.12 cmake>=3.27 ninja
-ANALYSIS_TOOLS := pandas matplotlib tqdm
+# The demo's packages: the analysis extra, and transformers for its trained fixtures (section 6).
+ANALYSIS_TOOLS := pandas matplotlib tqdm transformers>=5.9
 # Only the tests need these (the adapters' oracle tests build models from configs). transformer-lens
 # 3.x still has HookedTransformer; 4.0 removed it (TransformerBridge remains). The tests run against
 # both: 3.x in the environment, and 4.x beside it in $(TL4_DIR) (its dependencies are a subset of
@@ -40,8 +41,8 @@ VENV :=
 INSTALL_TORCH = $(PY) -c "import torch" || (echo "PYTHON=$(PYTHON) has no torch" && false)
 INSTALL_TOOLS = ($(PY) -c "import scikit_build_core, pybind11, numpy" 2>/dev/null || \
 	$(PY) -m pip install --quiet $(foreach t,numpy $(BUILD_TOOLS),"$(t)")) && \
-	($(PY) -c "import pandas, matplotlib, tqdm" 2>/dev/null || \
-	$(PY) -m pip install --quiet --retries 0 --timeout 10 $(ANALYSIS_TOOLS) || \
+	($(PY) -c "import pandas, matplotlib, tqdm, transformers" 2>/dev/null || \
+	$(PY) -m pip install --quiet --retries 0 --timeout 10 -c $(STAMPS)/torch.txt $(foreach t,$(ANALYSIS_TOOLS),"$(t)") || \
 	echo "note: $(ANALYSIS_TOOLS) not installed; their tests will be skipped")
 INSTALL_TEST_TOOLS = ($(PY) -c "import pytest, hypothesis" 2>/dev/null || $(PY) -m pip install --quiet pytest hypothesis) && \
 	($(PY) -c "import transformers, transformer_lens" 2>/dev/null || \
@@ -76,7 +77,7 @@ setup: $(STAMPS)/env
 	@echo "== creating .venv"
 	python3 -m venv .venv
 
-$(STAMPS)/env: pyproject.toml | $(VENV)
+$(STAMPS)/env: pyproject.toml Makefile | $(VENV)
 	@$(INSTALL_TORCH)
 	@mkdir -p $(STAMPS) && $(PY) -c "import torch; print('torch==' + torch.__version__)" > $(STAMPS)/torch.txt
 	@echo "== installing the build tools and the analysis packages ($(ANALYSIS_TOOLS))"

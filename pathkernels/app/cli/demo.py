@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import time
 
@@ -80,8 +81,22 @@ def trained_section(out) -> None:
     save(out, "trained_collapse", collapse, experiments.plot_trained_collapse(collapse))
 
 
+# What the sections import beyond torch: checked before any work, so that a missing one (section 6's
+# transformers) is named at once rather than after minutes of the earlier sections.
+DEMO_PACKAGES = ("pandas", "matplotlib", "transformers")
+
+
+def check_demo_packages() -> None:
+    """Raises ModuleNotFoundError (which the command line names, with its pip name) for the first of
+    DEMO_PACKAGES that is not installed; imports none of them."""
+    for package in DEMO_PACKAGES:
+        if importlib.util.find_spec(package) is None:
+            raise ModuleNotFoundError(f"No module named {package!r}", name=package)
+
+
 def run_demo(args) -> int:
     start = time.perf_counter()
+    check_demo_packages()
     quick = args.quick
     device = resolve_device(args.device, "demo")
     print(f"pathkernels {__version__}, torch {torch.__version__}, {machine_description(device)}; build: {build_info()}")
