@@ -5,6 +5,7 @@ import math
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +32,29 @@ def test_collapse_table_and_plot():
     labels = [text.get_text() for text in ax.get_legend().get_texts()]
     near = float(table["q10"].min()) < 1e3 * 2 * torch.finfo(torch.float64).eps
     assert ("float64 round-off" in labels) == near
+
+
+def test_collapse_plot_with_exact_zeros_spans_the_measured_values():
+    """Tokens equal to the last bit give a ratio of exactly 0: such points are marked on the axis'
+    bottom edge, a decade below the smallest positive value (here the round-off line), and the
+    axis does not run down to 1e-300."""
+    import pandas as pd
+
+    rows = []
+    for variant, medians in {"pure attention": [0.98, 0.02, 2e-7, 0.0], "+skip": [0.98, 0.9, 0.8, 0.7]}.items():
+        for depth, median in enumerate(medians):
+            rows.append(
+                {"variant": variant, "depth": depth, "mean": median, "median": median, "q10": median, "q90": median}
+            )
+    fig = experiments.plot_collapse(pd.DataFrame(rows))
+    ax = fig.axes[0]
+    floor = 2 * torch.finfo(torch.float64).eps
+    assert ax.get_ylim()[0] == pytest.approx(floor / 10)
+    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert "exactly 0 (all tokens equal)" in labels and "float64 round-off" in labels
+    markers = [line for line in ax.get_lines() if line.get_marker() == "v" and len(line.get_xdata())]
+    assert len(markers) == 1 and list(markers[0].get_xdata()) == [3]
+    assert list(markers[0].get_ydata()) == [pytest.approx(floor / 10)]
 
 
 def test_path_length_distribution_is_binomial():
@@ -177,6 +201,37 @@ def test_cli_refuses_bad_options_in_one_line(argv, message):
     assert run.stderr.count("\n") == 1 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
 
 
+EARLY_REFUSALS = [
+    (["paths", "--layrs", "3"], "pathkernels paths: unrecognized arguments: --layrs 3"),
+    (["attribute", "--top", "3", "--topk", "5"], "pathkernels attribute: unrecognized arguments: --topk 5"),
+    (["attribute", "--position", "16"], "pathkernels attribute: --position: expected a token position in [-16, 16)"),
+    (["attribute", "--tokens", "4", "--position", "-5"], "--position: expected a token position in [-4, 4), got -5"),
+    (["attribute", "--target", "1000"], "pathkernels attribute: --target: expected a token id in [0, 1000), got 1000"),
+    (["attribute", "--versus", "hello"], "--versus: expected a token id (an integer), got 'hello' (token text needs"),
+    (["attribute", "--model", "/nonexistent/model"], "argument --model: no file or folder '/nonexistent/model'"),
+    (["attribute", "--direction", "/nonexistent.pt"], "argument --direction: no file or folder '/nonexistent.pt'"),
+    (["paths", "--model", "README.md"], "argument --model: README.md is not a JSON config file"),
+]
+
+
+@pytest.mark.parametrize("argv, message", EARLY_REFUSALS, ids=lambda a: " ".join(a) if isinstance(a, list) else "")
+def test_cli_refuses_cheap_mistakes_before_importing_torch(argv, message):
+    """Unknown options name the subcommand; a position beyond the tokens, a token id beyond the
+    built-in vocabulary, token text without a tokenizer, a missing --model or --direction and a
+    config that is not JSON are refused from the options alone, without importing torch."""
+    script = (
+        "import sys\n"
+        "from pathkernels.app.cli import main\n"
+        "try:\n    code = main(sys.argv[1:])\nexcept SystemExit as exit:\n    code = exit.code\n"
+        "print(code, 'torch' in sys.modules)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[1]
+    )
+    assert run.stdout.split() == ["2", "False"], run.stdout + run.stderr
+    assert run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
+
+
 def test_cli_reports_bad_models_in_one_line_and_tracebacks_only_with_debug(tmp_path):
     transformers = pytest.importorskip("transformers")
     (tmp_path / "unknown.json").write_text('{"model_type": "no-such-architecture"}')
@@ -184,7 +239,7 @@ def test_cli_reports_bad_models_in_one_line_and_tracebacks_only_with_debug(tmp_p
     transformers.T5Config(num_layers=1, d_model=16, num_heads=2, d_kv=8, vocab_size=30).save_pretrained(tmp_path / "t5")
     cases = {
         "unknown.json": "cannot read it as a transformers model",
-        "broken.json": "not a valid JSON file",
+        "broken.json": "argument --model: " + str(tmp_path / "broken.json") + " is not a JSON config file",
         "t5": "expected a transformers model of type",
     }
     for name, message in cases.items():

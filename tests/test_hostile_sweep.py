@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -1332,14 +1333,29 @@ def test_a_missing_optional_package_is_named_with_the_extra_that_installs_it(mon
     except ImportError:
         pass
     for package, extra in missing:
-        assert OPTIONAL_PACKAGES[package] == extra
+        assert OPTIONAL_PACKAGES[package] == (package, extra)
         with monkeypatch.context() as patch:
             patch.setitem(sys.modules, package, None)
             assert main(argv) == 1
         assert capsys.readouterr().err.splitlines() == [
             f"pathkernels attribute: needs the package {package}, which is not installed in this environment "
-            f'(pip install "pathkernels[{extra}]" installs it)'
+            f'(pip install {package}; pyproject.toml lists it in the extra "{extra}")'
         ]
+    # The demo checks its packages before any work: a missing transformers (section 6) at once.
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            importlib.util, "find_spec", lambda name, *a: None if name == "transformers" else real_find_spec(name, *a)
+        )
+        started = time.perf_counter()
+        assert main(["demo", "--quick", "--out", str(FOLDER / "demo")]) == 1
+        assert time.perf_counter() - started < 10
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "pathkernels demo: needs the package transformers, which is not installed in this environment "
+        '(pip install transformers; pyproject.toml lists it in the extra "adapters")'
+    )
     import pathkernels.app.cli.attribute as attribute_command
 
     def broken(*args, **kwargs):

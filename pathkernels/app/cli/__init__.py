@@ -28,13 +28,16 @@ runs.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 from pathkernels.app.cli.base import (
     ABANDONED,
+    BUILT_IN_VOCAB,
     DEFAULT_TOKENS,
     MAX_ATTRIBUTION_PATHS,
     CommandLineError,
@@ -119,6 +122,23 @@ def _seconds(text: str) -> float:
 _NETWORK_DEFAULTS = {"layers": None, "heads": 4, "width": 64, "seeds": 3}
 
 
+def _check_paths(args, parser: argparse.ArgumentParser) -> None:
+    """--model and --direction: a path that is not there, or a config file that is not JSON, refused
+    before anything is imported."""
+    for name in ("model", "direction"):
+        path = getattr(args, name, None)
+        if path and not Path(path).exists():
+            parser.error(f"argument --{name}: no file or folder {str(path)!r}")
+    model = getattr(args, "model", None)
+    if model and Path(model).is_file():  # a config file: JSON, or it is refused before transformers loads
+        try:
+            json.loads(Path(model).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            parser.error(
+                f"argument --model: {model} is not a JSON config file ({error}); expected a model folder or a config"
+            )
+
+
 def _check_options(args, parser: argparse.ArgumentParser) -> None:
     """What argparse cannot check alone: options that do not apply, and the built-in network's shape."""
     if getattr(args, "direction", None) is not None:
@@ -136,6 +156,8 @@ def _check_options(args, parser: argparse.ArgumentParser) -> None:
                 f"{', '.join(given)} {verbs[0]} the built-in network and {verbs[1]} not apply with --model "
                 f"{args.model} (the model has its own)"
             )
+    _check_paths(args, parser)
+    if getattr(args, "model", None):
         return
     if getattr(args, "text", None) is not None:
         parser.error("--text needs --model (a model directory with a tokenizer)")
@@ -149,6 +171,24 @@ def _check_options(args, parser: argparse.ArgumentParser) -> None:
             f"argument --width: expected at least --heads = {args.heads} (each head gets width // heads "
             f"columns), got {args.width}"
         )
+    if args.command == "attribute":  # the built-in network: its tokens and vocabulary are known now
+        if args.position is not None and not -args.tokens <= args.position < args.tokens:
+            parser.error(
+                f"--position: expected a token position in [-{args.tokens}, {args.tokens}), got {args.position}"
+            )
+        for name in ("target", "versus"):
+            value = getattr(args, name)
+            if value is None:
+                continue
+            try:
+                token = int(value)
+            except ValueError:
+                parser.error(
+                    f"--{name}: expected a token id (an integer), got {value!r} "
+                    "(token text needs a --model with a tokenizer)"
+                )
+            if not 0 <= token < BUILT_IN_VOCAB:
+                parser.error(f"--{name}: expected a token id in [0, {BUILT_IN_VOCAB}), got {token}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -336,7 +376,7 @@ def _run_paths(args) -> int:
 def _run_attribute(args) -> int:
     from pathkernels.app.cli.attribute import attribute_table
 
-    names = ("seed", "target", "versus", "direction", "position", "top", "max_length", "time_limit")
+    names = ("seed", "target", "versus", "direction", "position", "top", "max_length", "time_limit", "started")
     return _done(attribute_table(**_options(args, *_MODEL_OPTIONS, *names)))
 
 
@@ -357,18 +397,32 @@ def main(argv=None) -> int:
     return code
 
 
-# The optional dependencies the subcommands import, and the extra of pyproject.toml that has each.
+# The optional dependencies the subcommands import: the name pip installs each by, and the extra of
+# pyproject.toml that lists it.
 OPTIONAL_PACKAGES = {
-    "pandas": "analysis",
-    "matplotlib": "analysis",
-    "tqdm": "analysis",
-    "transformers": "adapters",
-    "transformer_lens": "adapters",
+    "pandas": ("pandas", "analysis"),
+    "matplotlib": ("matplotlib", "analysis"),
+    "tqdm": ("tqdm", "analysis"),
+    "transformers": ("transformers", "adapters"),
+    "transformer_lens": ("transformer-lens", "adapters"),
 }
 
 
+def missing_package_message(package: str) -> str:
+    """What the command line says when ``package`` (a key of OPTIONAL_PACKAGES) cannot be imported."""
+    name, extra = OPTIONAL_PACKAGES[package]
+    return (
+        f"needs the package {package}, which is not installed in this environment "
+        f'(pip install {name}; pyproject.toml lists it in the extra "{extra}")'
+    )
+
+
 def _main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    started = time.monotonic()  # --time-limit counts from here: the imports of torch and the rest too
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.started = started
     _check_options(args, args.command_parser)
     try:
         out = getattr(args, "out", None)
@@ -391,10 +445,7 @@ def _main(argv=None) -> int:
             raise
         package = (getattr(error, "name", None) or "").split(".")[0]
         if isinstance(error, ModuleNotFoundError) and package in OPTIONAL_PACKAGES:
-            message = (
-                f"needs the package {package}, which is not installed in this environment "
-                f'(pip install "pathkernels[{OPTIONAL_PACKAGES[package]}]" installs it)'
-            )
+            message = missing_package_message(package)
         else:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
             message = f"{reason} (an unexpected {type(error).__name__}; --debug shows the traceback)"

@@ -20,7 +20,7 @@ from pathkernels.analysis.attribution import (
     unembedding,
 )
 from pathkernels.analysis.top_paths import top_paths
-from pathkernels.app.cli.base import DEFAULT_TOKENS, MAX_ATTRIBUTION_PATHS, CommandLineError, within
+from pathkernels.app.cli.base import BUILT_IN_VOCAB, DEFAULT_TOKENS, MAX_ATTRIBUTION_PATHS, CommandLineError, within
 from pathkernels.app.cli.common import (
     check_attention_fits,
     float_format,
@@ -56,10 +56,11 @@ def _token_id(value: str, tokenizer, vocab: int, option: str) -> int:
 
 
 class _Clock:
-    """A command's ``--time-limit``: the seconds it has left, from the start of its work."""
+    """A command's ``--time-limit``: the seconds it has left, from ``start`` (``time.monotonic()``
+    when the command began, before its imports; default now)."""
 
-    def __init__(self, seconds: float | None):
-        self.start = time.monotonic()
+    def __init__(self, seconds: float | None, start: float | None = None):
+        self.start = time.monotonic() if start is None else start
         self.seconds = seconds
         self.end = math.inf if seconds is None else self.start + seconds
 
@@ -155,6 +156,7 @@ def attribute_table(
     max_length: int | None = None,
     time_limit: float | None = 300.0,
     out: Path | None = None,
+    started: float | None = None,
 ):
     """``pathkernels attribute``: each path's attribution to a logit difference at one token of a
     model built from a config (or a local model), or with ``direction`` (a file: :func:`read_direction`)
@@ -169,12 +171,14 @@ def attribute_table(
     finished is reported, what the longer paths carry stays exact) and the two searches (each
     given half of what is left; at the limit a search returns its best list with its gap, or, if
     its set-up alone outlasts it, nothing). What stopped where is printed. Work that would not fit
-    the machine's memory is refused before any is done. Returns the PathAttribution, or None when
+    the machine's memory is refused before any is done. ``started``: when the command began
+    (``time.monotonic()``, before torch and transformers were imported, which cannot be cut short),
+    the time the limit counts from; default the call. Returns the PathAttribution, or None when
     the limit came before any path was attributed."""
     import pandas as pd
     import transformers
 
-    clock = _Clock(time_limit)
+    clock = _Clock(time_limit, started)
     probe = None
     if direction is not None:  # read first: a bad file is refused before the model is built
         expected = (model_shape(model) or {}).get("width") if model else width
@@ -217,7 +221,7 @@ def attribute_table(
             n_layer=layers,
             n_head=heads,
             n_embd=width,
-            vocab_size=1000,
+            vocab_size=BUILT_IN_VOCAB,
             n_positions=max(tokens, 16),
             bos_token_id=0,
             eos_token_id=0,
@@ -243,7 +247,7 @@ def attribute_table(
     if not done:
         return _stopped(clock, "building the model")
     if inputs is None:
-        inputs = {"input_ids": torch.randint(0, 1000, (1, tokens))}
+        inputs = {"input_ids": torch.randint(0, BUILT_IN_VOCAB, (1, tokens))}
     try:
         done, captured = within(clock.left(), capture_huggingface_residual, network, **inputs)
     except ValueError as error:

@@ -12,6 +12,9 @@ from pathlib import Path
 # has no tokenizer (one with a tokenizer reads a fixed sentence unless --tokens or --text is given).
 DEFAULT_TOKENS = {"collapse": 32, "paths": 32, "attribute": 16}
 
+# The vocabulary of attribute's built-in GPT-2 (without --model).
+BUILT_IN_VOCAB = 1000
+
 # Paths enumerated by default: beyond this, `attribute` enumerates the longest lengths that fit.
 MAX_ATTRIBUTION_PATHS = 10**7
 
