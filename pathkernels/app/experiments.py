@@ -114,15 +114,26 @@ def plot_collapse(table, ax=None, *, title: str = "Rank collapse at initialisati
     weights are). Returns the Figure."""
     plt = _pyplot()
     fig, ax = _axes(plt, ax)
-    for i, (variant, rows) in enumerate(table.groupby("variant", sort=False)):
-        ax.plot(rows["depth"], rows["median"].clip(lower=1e-300), "o-", ms=3, color=f"C{i}", label=variant)
-        ax.fill_between(
-            rows["depth"], rows["q10"].clip(lower=1e-300), rows["q90"].clip(lower=1e-300), color=f"C{i}", alpha=0.2
-        )
     floor = 2 * torch.finfo(torch.float64).eps
-    if float(table["q10"].clip(lower=1e-300).min()) < 1e3 * floor:  # only where the data come near it
+    # A ratio of exactly 0 (every token equal to the last bit) has no place on a log axis: such
+    # points sit on the axis' bottom edge, a decade below the smallest positive value or the
+    # round-off line, marked apart, so that the axis spans the values that were measured.
+    values = table[["median", "q10", "q90"]].to_numpy(dtype=float)
+    positive = values[values > 0]
+    bottom = min(float(positive.min()) if positive.size else floor, floor) / 10
+    for i, (variant, rows) in enumerate(table.groupby("variant", sort=False)):
+        ax.plot(rows["depth"], rows["median"].clip(lower=bottom), "o-", ms=3, color=f"C{i}", label=variant)
+        ax.fill_between(
+            rows["depth"], rows["q10"].clip(lower=bottom), rows["q90"].clip(lower=bottom), color=f"C{i}", alpha=0.2
+        )
+        zero = rows["median"] == 0
+        ax.plot(rows["depth"][zero], [bottom] * int(zero.sum()), "v", ms=6, color=f"C{i}", clip_on=False)
+    if float(table["median"].eq(0).sum()):
+        ax.plot([], [], "v", color="0.3", label="exactly 0 (all tokens equal)")
+    if float(values.min()) < 1e3 * floor:  # only where the data come near it
         ax.axhline(floor, color="0.5", linestyle=":", linewidth=1, label="float64 round-off")
     ax.set_yscale("log")
+    ax.set_ylim(bottom=bottom)
     ax.xaxis.set_major_locator(_integer_ticks())
     ax.set_xlabel("depth (layers applied)")
     ax.set_ylabel("residual ratio ‖X − 1μᵀ‖ / ‖X‖ (ℓ1,∞)")
