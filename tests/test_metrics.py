@@ -261,10 +261,12 @@ def collapsing(batch, n, d, noise, generator=None):
 
 
 @pytest.mark.parametrize("scale", [1.0, 1e200, 1e-200])
-@pytest.mark.parametrize("noise", [1e-3, 1e-6, 1e-9, 1e-12, 1e-15])
+@pytest.mark.parametrize("noise", [0.2, 0.05, 1e-3, 1e-6, 1e-9, 1e-12, 1e-15])
 def test_collapse_is_measured_to_the_last_digits(noise, scale):
-    """Tokens 1e-3 … 1e-15 apart, at scales whose squares over- or underflow: every metric within
-    1e-12 of the exact value (``1 − similarity`` gave 0 for the diversity at 1e-9, NaN at 1e±200)."""
+    """Tokens 0.2 … 1e-15 apart, at scales whose squares over- or underflow: every metric within
+    1e-12 of the exact value (``1 − similarity`` gave 0 for the diversity at 1e-9, NaN at 1e±200).
+    At 0.2 and 0.05 the deflation near collapse (``‖C‖_F ≤ √n ‖μ‖ / 4``) runs with its fixed point
+    ``y`` far from 0, so each of its terms counts."""
     assert_exact(collapsing(2, 6, 4, noise) * scale)
 
 
@@ -407,6 +409,10 @@ def test_non_finite_padding_is_ignored(name):
     if name == "dobrushin":
         x[1, :, 3] = math.inf  # a padded token's column too
         torch.testing.assert_close(function(x, token_mask=mask)[1], function(x[1:, :3, :3])[0])
+        # A matrix that is not square: the mask selects its rows only (its columns are not tokens).
+        wide = torch.rand(2, 4, 5, dtype=torch.float64)
+        wide[1, 3] = math.nan
+        torch.testing.assert_close(function(wide, token_mask=mask)[1], function(wide[1:, :3])[0])
     else:
         torch.testing.assert_close(function(x, token_mask=mask)[1], function(x[1:, :3])[0])
 

@@ -564,9 +564,9 @@ def dobrushin(p: Tensor, *, token_mask: Tensor | None = None) -> Tensor:
 
     Args:
         p: ``[..., n, m]`` (usually attention ``[B, L, H, n, n]``). Finite.
-        token_mask: for square ``p``: True at real tokens, with ``p.dim() - 1`` dims broadcasting
-            against ``[..., n]`` (``mask[:, None, None, :]`` for attention ``[B, L, H, n, n]``):
-            rows and columns restricted to the real tokens.
+        token_mask: True at real tokens, with ``p.dim() - 1`` dims broadcasting against
+            ``[..., n]`` (``mask[:, None, None, :]`` for attention ``[B, L, H, n, n]``): the rows,
+            and for a square ``p`` the columns too, restricted to the real tokens.
 
     Returns:
         ``[...]``.
@@ -580,7 +580,7 @@ def dobrushin(p: Tensor, *, token_mask: Tensor | None = None) -> Tensor:
         distances = torch.cdist(flat, flat, p=1)  # [N, n, n]: ℓ1 distance between rows i and j
         return _ldexp(distances.amax(dim=(-2, -1)).reshape(p.shape[:-2]) / 2, e)
 
-    return per_matrix(coefficient, p, token_mask, where, square=True)
+    return per_matrix(coefficient, p, token_mask, where, square=p.shape[-1] == p.shape[-2])
 
 
 def token_cosine_similarity(
