@@ -120,6 +120,15 @@ def test_fixture_is_small_trained_and_reproduces_its_record(name):
     assert inputs["input_ids"].shape == (1, 2 * info["task"]["length"] + 1)
 
 
+def test_loading_prints_nothing_and_leaves_the_progress_bar_setting(capfd):
+    """transformers' "Loading weights" bar stays off while a fixture loads, and on afterwards."""
+    logging = transformers.utils.logging
+    assert logging.is_progress_bar_enabled()
+    load_fixture("llama_2l")
+    assert capfd.readouterr().err == ""
+    assert logging.is_progress_bar_enabled()
+
+
 def test_attention_only_fixture_has_zero_mlps():
     model, _ = load_fixture("attn_only_2l")
     for block in model.transformer.h:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from pathkernels.adapters.precision import in_float64
 from pathkernels.adapters.stack import AttentionStack, fold_value_bias
+from pathkernels.core._progress import quiet_model_loading
 from pathkernels.core.masking import check_token_mask
 
 _WHERE = "pathkernels.adapters.from_huggingface"
@@ -565,7 +566,8 @@ def load_local_model(path) -> LocalModel:
         config = transformers.AutoConfig.from_pretrained(location, local_files_only=True)
         model_class = _saved_class(transformers, config)
         if has_weights:
-            model = model_class.from_pretrained(location, local_files_only=True)
+            with quiet_model_loading():
+                model = model_class.from_pretrained(location, local_files_only=True)
         else:
             torch.manual_seed(0)
             model = (

@@ -113,3 +113,20 @@ def _bar(total: int, unit: str, desc: str):
         else:
             return tqdm(total=total, unit=unit, unit_scale=True, desc=desc)
     return _LogLines(total, unit, desc)
+
+
+@contextlib.contextmanager
+def quiet_model_loading():
+    """transformers' "Loading weights" progress bar off while reading a small local model (the
+    library's fixtures, the command line's ``--model``), restored after: it prints to stderr for
+    models that load in a blink. transformers is imported by the caller; without it, nothing."""
+    logging = getattr(sys.modules.get("transformers"), "utils", None)
+    logging = getattr(logging, "logging", None)
+    if logging is None or not logging.is_progress_bar_enabled():
+        yield
+        return
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.enable_progress_bar()

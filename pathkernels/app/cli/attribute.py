@@ -376,11 +376,12 @@ def attribute_table(
                     f"the --time-limit of {clock.seconds:g} s (those of the enumerated paths are shown)"
                 )
                 break  # the other search's set-up would take as long
-            verdict = (
-                "certified"
-                if found.certified
-                else f"not certified ({found.stopped}): no other path exceeds {found.bound:.4g} in size"
-            )
+            if found.certified:
+                verdict = "certified"
+            elif math.isinf(found.bound):
+                verdict = f"not certified ({found.stopped}): stopped before it bounded the paths it did not visit"
+            else:
+                verdict = f"not certified ({found.stopped}): no other path exceeds {found.bound:.4g} in size"
             print(
                 f"the {top} {which} of all paths: a best-first search visited {found.visited:,} paths in "
                 f"{found.seconds:.1f} s, {verdict}"
