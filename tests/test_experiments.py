@@ -5,6 +5,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,42 @@ def test_path_length_distribution_is_binomial():
     assert bert["share"].sum() == pytest.approx(1)
     assert bert["path_count"].iloc[3] == math.comb(12, 3) * 12**3
     assert experiments.plot_path_lengths(table).axes[0].get_yscale() == "log"
+
+
+def test_thread_choice_runs_the_faster_count_and_restores_the_setting():
+    """Trial steps on one thread and on all, the faster count for the rest, measured again every
+    `every` steps; the setting before is restored. Here one thread is made the faster."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: nothing to choose")
+    most = torch.get_num_threads()
+    choice = experiments.ThreadChoice(every=6, trials=1)
+    used = []
+    for step in range(12):
+        with choice.step(step):
+            used.append(torch.get_num_threads())
+            if torch.get_num_threads() > 1 and step % 6 < 2:
+                time.sleep(0.02)  # all threads, slower in their trial step
+    choice.close()
+    assert used == [1, most, 1, 1, 1, 1] * 2 and choice.chosen == 1
+    assert torch.get_num_threads() == most
+
+
+def test_sorting_training_on_one_thread_agrees_with_the_chosen_counts():
+    """The thread count ThreadChoice picks leaves the training's outcome alone: one thread
+    throughout against the choice (bit for bit on the development machine; 1e-5 here)."""
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: nothing to choose")
+    settings = dict(vocab=6, n=4, d_model=16, num_heads=2, num_layers=2, steps=30, batch=32, test_size=64)
+    chosen = experiments.path_effectiveness(**settings)
+    most = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = experiments.path_effectiveness(**settings)
+    finally:
+        torch.set_num_threads(most)
+    for a, b in zip(chosen.model.parameters(), single.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    pd.testing.assert_frame_equal(chosen.table, single.table)
 
 
 def test_path_effectiveness_small():

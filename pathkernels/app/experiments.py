@@ -16,6 +16,7 @@ Plots follow one convention: labelled axes, log scales where values span decades
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -257,6 +258,43 @@ def sorting_batch(batch: int, n: int, vocab: int, generator: torch.Generator) ->
     return tokens, tokens.sort(dim=1).values
 
 
+class ThreadChoice:
+    """The torch thread count of a training loop, chosen by measurement as it runs: at the start of
+    every ``every`` steps, ``trials`` steps run on one thread and ``trials`` on all of them, and the
+    faster count runs the rest. On a quiet 2-core machine both threads win by about 1.2×; on a
+    loaded one the thread pool's hand-offs stall (one thread won 1.7× beside two busy processes,
+    and the demo's training once took 13× its quiet time on two). The sorting model's small
+    products gave the same bits on one thread and two on the development machine; the tests hold
+    any machine to the same accuracies and to weights within 1e-5.
+
+    ``with choice.step(i):`` around step i; the count in force before is restored by ``close()``."""
+
+    def __init__(self, every: int = 100, trials: int = 2):
+        self.most, self.every, self.trials = torch.get_num_threads(), every, trials
+        self.chosen, self.seconds = self.most, {}
+
+    @contextlib.contextmanager
+    def step(self, index: int):
+        phase = index % self.every
+        if self.most == 1:
+            yield
+            return
+        trial = phase < 2 * self.trials
+        count = (1 if phase < self.trials else self.most) if trial else self.chosen
+        if phase == 0:
+            self.seconds = {}
+        torch.set_num_threads(count)
+        start = time.perf_counter()
+        yield
+        if trial:
+            self.seconds[count] = self.seconds.get(count, 0.0) + time.perf_counter() - start
+            if phase == 2 * self.trials - 1:
+                self.chosen = min(self.seconds, key=self.seconds.get)
+
+    def close(self) -> None:
+        torch.set_num_threads(self.most)
+
+
 @dataclass
 class EffectivenessResult:
     table: object  # DataFrame: max_length, token_accuracy, sequence_accuracy, path_count
@@ -282,7 +320,8 @@ def path_effectiveness(
     """Train :class:`SortingModel` to sort, then its accuracy using only paths of length ≤ k.
 
     Training: Adam with a cosine learning-rate decay over ``steps`` batches of fresh random
-    sequences (about a minute on 2 CPU cores with the defaults).
+    sequences (about a minute on 2 CPU cores with the defaults), on the thread count that runs
+    faster on the machine as it is (:class:`ThreadChoice`).
 
     The output kept is ``Σ_{len(p) ≤ k} P_p X W_p`` (attention patterns of the full forward pass,
     computed exactly by :func:`pathkernels.length_sums` in float64), read out by the model's
@@ -301,20 +340,25 @@ def path_effectiveness(
     start = time.perf_counter()
     loss = torch.tensor(float("nan"))
     bar = progress_bar(steps, enabled=progress, unit="step", desc="training the sorting model")
-    for step in range(steps):
-        tokens, target = sorting_batch(batch, n, vocab, generator)
-        logits, _ = model(tokens)
-        loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
+    threads = ThreadChoice()
+    try:
+        for step in range(steps):
+            with threads.step(step):
+                tokens, target = sorting_batch(batch, n, vocab, generator)
+                logits, _ = model(tokens)
+                loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                schedule.step()
+            if bar:
+                bar.update(1)
+                if step % 50 == 0:
+                    bar.set_postfix_str(f"loss {loss.item():.4f}")
+    finally:
+        threads.close()
         if bar:
-            bar.update(1)
-            if step % 50 == 0:
-                bar.set_postfix_str(f"loss {loss.item():.4f}")
-    if bar:
-        bar.close()
+            bar.close()
     train_seconds = time.perf_counter() - start
 
     tokens, target = sorting_batch(test_size, n, vocab, generator)
