@@ -214,12 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo = command(
         "demo",
         help="the main job: every experiment, with tables, CSV files and PNG plots",
-        description="Every experiment in six sections, with tables printed and CSV/PNG files "
+        description="Every experiment in seven sections, with tables printed and CSV/PNG files "
         "written: the norm, rank collapse, path residuals by length, path-length "
-        "distributions, path effectiveness, and speed.",
+        "distributions, path effectiveness, a trained model's paths, and speed.",
     )
     demo.add_argument("--out", type=Path, default=Path(DEFAULT_OUT), help="output folder")
-    demo.add_argument("--quick", action="store_true", help="smaller sizes and a shorter training (about a minute)")
+    demo.add_argument(
+        "--quick", action="store_true", help="smaller sizes and a shorter training (under a minute on 2 quiet cores)"
+    )
     demo.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=device_help)
     demo.set_defaults(run=_run_demo)
 
