@@ -241,8 +241,15 @@ def path_bars(top: list[dict], bottom: list[dict], label: str, title: str, ax=No
     if 0 < len(top) < len(rows):  # a rule between the largest and the smallest, each group named
         ax.axhline(len(top) - 0.5, color="0.4", linewidth=0.8, linestyle="--")
         for y, text in ((-0.6, "largest"), (len(top) - 0.4, "smallest")):
-            ax.annotate(
-                text, (1.0, y), xycoords=("axes fraction", "data"), ha="right", va="bottom", fontsize=7, color="0.3"
+            ax.annotate(  # inside the frame, on a white ground over the bars and the rule
+                text,
+                (0.985, y),
+                xycoords=("axes fraction", "data"),
+                ha="right",
+                va="bottom",
+                fontsize=7,
+                color="0.3",
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1},
             )
     ax.set_xlabel(label)
     ax.set_title(title)
