@@ -384,3 +384,17 @@ def test_truncated_output_refuses_what_length_sums_does_not_give(sums, error, me
     """They gave a number: an empty sum, an integer sum, NaN, a sum over the wrong axis."""
     with pytest.raises(error, match=r"^pathkernels\.truncated_output: " + message):
         pk.truncated_output(sums, 1)
+
+
+def test_powers_of_two_are_exact_down_to_the_subnormals():
+    """The scales' powers of two, built from their bits: every 2^k from 2^-1074 (the smallest
+    subnormal) to 2^1023 exactly, 0 below, and products of two of them reaching 2^±2046."""
+    from pathkernels.core.length_sums import _power_of_two, _times_power_of_two
+
+    k = torch.arange(-1080, 1024)
+    got = _power_of_two(k)
+    want = torch.tensor([math.ldexp(1.0, int(e)) for e in k], dtype=torch.float64)  # 0 below 2^-1074
+    assert torch.equal(got, want)
+    t = torch.tensor([[1.5], [0.75], [1.0]], dtype=torch.float64)
+    scaled = _times_power_of_two(t, torch.tensor([2046 - 1024, -2046 + 1000, -1100]))
+    assert scaled.tolist() == [[math.ldexp(1.5, 1022)], [math.ldexp(0.75, -1046)], [0.0]]
