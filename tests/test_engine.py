@@ -159,12 +159,12 @@ def test_chunks_cover_a_range_with_whole_subtrees_between_built_ends():
 
 
 @pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
-@pytest.mark.parametrize("leaf_kernel", ["fused", "tensor", "gemm"])
+@pytest.mark.parametrize("leaf_kernel", ["fused", "tensor", "gemm", "heads"])
 def test_fast_mode_error_is_bounded(leaf_kernel):
     """TF32 GEMMs: a 10-bit mantissa, so about 1e-3 relative error per level, against float32;
     the leaves through the tensor-core kernel's one TF32 pass ("fused" and "tensor" on compute
     capability ≥ 8.0) or cuBLAS ("gemm")."""
-    if leaf_kernel == "tensor" and not has_tensor_cores("cuda"):
+    if leaf_kernel in ("tensor", "heads") and not has_tensor_cores("cuda"):
         pytest.skip("the tensor-core leaf kernels need compute capability 8.0")
     layers = 5
     attn = random_attention(2, layers, 4, 64, 64, device="cuda")
@@ -284,10 +284,10 @@ def test_float32_range_sixty_layer_chain():
     assert single.ratio.item() == pytest.approx(truth, rel=1e-4)
 
 
-@pytest.mark.parametrize("leaf_kernel", ["fused", "tensor", "gemm"])
+@pytest.mark.parametrize("leaf_kernel", ["fused", "tensor", "gemm", "heads"])
 @pytest.mark.parametrize("mode", ["products", "outputs"])
 def test_float32_range_across_a_tree(device, mode, leaf_kernel):
-    if leaf_kernel == "tensor" and not has_tensor_cores(device):
+    if leaf_kernel in ("tensor", "heads") and not has_tensor_cores(device):
         pytest.skip("the tensor-core leaf kernels need compute capability 8.0")
     """Paths of every length, from residuals near 1 to far below 1e-38, in one float32 run: each
     within 1e-4 of the float64 engine on the same (exact) inputs, the norms too, whichever leaf

@@ -245,9 +245,12 @@ EARLY_REFUSALS = [
     (["attribute", "--tokens", "4", "--position", "-5"], "--position: expected a token position in [-4, 4), got -5"),
     (["attribute", "--target", "1000"], "pathkernels attribute: --target: expected a token id in [0, 1000), got 1000"),
     (["attribute", "--versus", "hello"], "--versus: expected a token id (an integer), got 'hello' (token text needs"),
-    (["attribute", "--model", "/nonexistent/model"], "argument --model: no file or folder '/nonexistent/model'"),
-    (["attribute", "--direction", "/nonexistent.pt"], "argument --direction: no file or folder '/nonexistent.pt'"),
-    (["paths", "--model", "README.md"], "argument --model: README.md is not a JSON config file"),
+    (["attribute", "--model", "/nonexistent/model"], "--model /nonexistent/model: no such file or directory"),
+    (
+        ["attribute", "--direction", "/nonexistent.pt"],
+        "pathkernels attribute: --direction /nonexistent.pt: no such file",
+    ),
+    (["paths", "--model", "README.md"], "pathkernels paths: --model README.md: not a JSON config file"),
 ]
 
 
@@ -255,7 +258,8 @@ EARLY_REFUSALS = [
 def test_cli_refuses_cheap_mistakes_before_importing_torch(argv, message):
     """Unknown options name the subcommand; a position beyond the tokens, a token id beyond the
     built-in vocabulary, token text without a tokenizer, a missing --model or --direction and a
-    config that is not JSON are refused from the options alone, without importing torch."""
+    config that is not JSON are refused from the options alone (exit code 2, one line), without
+    importing torch."""
     script = (
         "import sys\n"
         "from pathkernels.app.cli import main\n"
@@ -276,7 +280,7 @@ def test_cli_reports_bad_models_in_one_line_and_tracebacks_only_with_debug(tmp_p
     transformers.T5Config(num_layers=1, d_model=16, num_heads=2, d_kv=8, vocab_size=30).save_pretrained(tmp_path / "t5")
     cases = {
         "unknown.json": "cannot read it as a transformers model",
-        "broken.json": "argument --model: " + str(tmp_path / "broken.json") + " is not a JSON config file",
+        "broken.json": "--model " + str(tmp_path / "broken.json") + ": not a JSON config file",
         "t5": "expected a transformers model of type",
     }
     for name, message in cases.items():

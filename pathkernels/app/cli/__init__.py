@@ -122,25 +122,28 @@ def _seconds(text: str) -> float:
 _NETWORK_DEFAULTS = {"layers": None, "heads": 4, "width": 64, "seeds": 3}
 
 
-def _check_paths(args, parser: argparse.ArgumentParser) -> None:
+def _check_paths(args) -> None:
     """--model and --direction: a path that is not there, or a config file that is not JSON, refused
-    before anything is imported."""
-    for name in ("model", "direction"):
+    (CommandLineError) before anything is imported."""
+    missing = {"model": "no such file or directory (models are never downloaded)", "direction": "no such file"}
+    for name, reason in missing.items():
         path = getattr(args, name, None)
         if path and not Path(path).exists():
-            parser.error(f"argument --{name}: no file or folder {str(path)!r}")
+            raise CommandLineError(f"--{name} {path}: {reason}")
     model = getattr(args, "model", None)
     if model and Path(model).is_file():  # a config file: JSON, or it is refused before transformers loads
         try:
             json.loads(Path(model).read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            parser.error(
-                f"argument --model: {model} is not a JSON config file ({error}); expected a model folder or a config"
-            )
+            raise CommandLineError(
+                f"--model {model}: not a JSON config file ({error}); expected a model folder or a config"
+            ) from None
 
 
 def _check_options(args, parser: argparse.ArgumentParser) -> None:
-    """What argparse cannot check alone: options that do not apply, and the built-in network's shape."""
+    """What argparse cannot check alone: options that do not apply and the built-in network's shape
+    (argparse's error: exit 2), and what the options alone show to be wrong in the inputs (the paths,
+    attribute's token ids and position: CommandLineError)."""
     if getattr(args, "direction", None) is not None:
         given = [f"--{name}" for name in ("target", "versus") if getattr(args, name, None) is not None]
         if given:
@@ -156,7 +159,7 @@ def _check_options(args, parser: argparse.ArgumentParser) -> None:
                 f"{', '.join(given)} {verbs[0]} the built-in network and {verbs[1]} not apply with --model "
                 f"{args.model} (the model has its own)"
             )
-    _check_paths(args, parser)
+    _check_paths(args)
     if getattr(args, "model", None):
         return
     if getattr(args, "text", None) is not None:
@@ -173,7 +176,7 @@ def _check_options(args, parser: argparse.ArgumentParser) -> None:
         )
     if args.command == "attribute":  # the built-in network: its tokens and vocabulary are known now
         if args.position is not None and not -args.tokens <= args.position < args.tokens:
-            parser.error(
+            raise CommandLineError(
                 f"--position: expected a token position in [-{args.tokens}, {args.tokens}), got {args.position}"
             )
         for name in ("target", "versus"):
@@ -183,12 +186,12 @@ def _check_options(args, parser: argparse.ArgumentParser) -> None:
             try:
                 token = int(value)
             except ValueError:
-                parser.error(
+                raise CommandLineError(
                     f"--{name}: expected a token id (an integer), got {value!r} "
                     "(token text needs a --model with a tokenizer)"
-                )
+                ) from None
             if not 0 <= token < BUILT_IN_VOCAB:
-                parser.error(f"--{name}: expected a token id in [0, {BUILT_IN_VOCAB}), got {token}")
+                raise CommandLineError(f"--{name}: expected a token id in [0, {BUILT_IN_VOCAB}), got {token}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -425,8 +428,8 @@ def _main(argv=None) -> int:
     if unknown:
         args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.started = started
-    _check_options(args, args.command_parser)
     try:
+        _check_options(args, args.command_parser)
         out = getattr(args, "out", None)
         if out is not None:
             check_writable(out, "--out", args.command, folder=args.command != "bench")
