@@ -13,7 +13,9 @@
 # memcheck of every kernel and racecheck of the leaf and engine kernels; bench_gpu_leaves.py
 # --quick (its whole-leaf-level section times the Triton kernel, autotuned over its quick space,
 # against cuBLAS and the CUDA kernels, and writes its JSON after every case); bench_gpu_heads_leaf.py
-# --quick (the all-heads CUDA leaf kernel's variants against cuBLAS and the per-head kernels); the engine's profile;
+# --quick (the all-heads CUDA leaf kernel's variants against cuBLAS and the per-head kernels); the engine's profile
+# (every leaf kernel, the engine's all-heads candidates "heads" and "heads_128" among them, each
+# call's residuals against the SIMT kernel's);
 # bench_norms.py --quick, and its Triton section (the Triton norm kernels, autotuned, against the CUDA
 # kernel, torch.compile, x.sum() and a copy); bench_gpu_statistics.py (10^8 paths and a resumed checkpoint);
 # bench_gpu_readout.py (the readout engine, CUDA against CPU).

@@ -1,10 +1,11 @@
 """Where the CUDA engine spends its time: torch.profiler over one call of each.
 
-For ``path_residuals`` on a complete tree (L = 6, H = 10, n = 64, float32) with each leaf kernel,
-and ``path_statistics`` on the same tree, each also with its chunks settled one at a time (as
-before the chunk pipeline, ``PATHKERNELS_SYNC_CHUNKS=1``): the wall time, the number of kernel
-launches, and the top kernels by total GPU time (name, calls, total and mean microseconds, share
-of GPU time).
+For ``path_residuals`` on a complete tree (L = 6, H = 10, n = 64, float32) with each leaf kernel
+(the all-heads candidates "heads" and "heads_128" too; each call's residuals against the SIMT
+kernel's, the largest relative difference), and ``path_statistics`` on the same tree, each also
+with its chunks settled one at a time (as before the chunk pipeline, ``PATHKERNELS_SYNC_CHUNKS=1``):
+the wall time, the number of kernel launches, and the top kernels by total GPU time (name, calls,
+total and mean microseconds, share of GPU time).
 
     python bench/profile_gpu_engine.py [--top 12] --out bench/results/<folder>/gpu_profile.json
 """
@@ -45,9 +46,15 @@ CALLS = {
     "path_residuals[simt, synced chunks]": synced(lambda a, t: pk.path_residuals(a, t)),
     "path_residuals[tensor]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="tensor"),
     "path_residuals[gemm]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="gemm"),
+    # The all-heads candidates: each leaf level in one launch over every parent and head.
+    "path_residuals[heads]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="heads"),
+    "path_residuals[heads_128]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="heads_128"),
+    "path_residuals[tensor, fast]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="tensor", fast=True),
+    "path_residuals[heads, fast]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="heads", fast=True),
     "path_statistics[simt]": lambda a, t: pk.path_statistics(a, t),
     "path_statistics[simt, synced chunks]": synced(lambda a, t: pk.path_statistics(a, t)),
     "path_statistics[tensor]": lambda a, t: pk.path_statistics(a, t, leaf_kernel="tensor"),
+    "path_statistics[heads]": lambda a, t: pk.path_statistics(a, t, leaf_kernel="heads"),
 }
 
 
@@ -81,13 +88,14 @@ def main(argv=None) -> int:
     attn = random_attention(1, LAYERS, HEADS, N, N, device="cuda", generator=torch.Generator().manual_seed(0))
     tree = pk.PathTree.complete(LAYERS, HEADS)
     result = {"card": torch.cuda.get_device_name(), "tree": [LAYERS, HEADS, N], "paths": tree.num_paths, "calls": {}}
+    reference = None  # path_residuals[simt]'s residuals: every other residual call is compared with them
     for name, call in CALLS.items():
         try:
             call(attn, tree)  # warm-up
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 start = time.perf_counter()
-                call(attn, tree)
+                outcome = call(attn, tree)
                 torch.cuda.synchronize()
                 wall = time.perf_counter() - start
         except Exception as error:  # one failing variant does not stop the others
@@ -96,7 +104,19 @@ def main(argv=None) -> int:
             continue
         launches, gpu_us, table = kernel_table(prof, args.top)
         result["calls"][name] = {"wall_s": wall, "launches": launches, "gpu_s": gpu_us / 1e6, "top": table}
-        print(f"\n{name}: {wall:.3f} s wall, {gpu_us / 1e6:.3f} s on the GPU, {launches} kernel launches", flush=True)
+        agreement = ""
+        if isinstance(outcome, pk.PathResiduals):
+            residual = outcome.residual.double()
+            if reference is None:
+                reference = residual
+            else:
+                largest = ((residual - reference).abs() / reference).max().item()
+                result["calls"][name]["max_relative_vs_simt"] = largest
+                agreement = f", residuals within {largest:.2e} of simt's"
+        print(
+            f"\n{name}: {wall:.3f} s wall, {gpu_us / 1e6:.3f} s on the GPU, {launches} kernel launches{agreement}",
+            flush=True,
+        )
         for row in table:
             print(f"  {row['share']:>6.1%} {row['calls']:>7} × {row['mean_us']:>9.1f} µs  {row['kernel'][:90]}")
         if args.out:
