@@ -751,3 +751,30 @@ def test_a_zero_path_leaves_the_ratio_statistics_alone():
     assert not bool(stats.mean("ratio").isnan().any()) and not bool(stats.std("ratio")[:, 1:].isnan().any())
     merged = stats.merge(stats)
     assert torch.equal(merged.zero_norms, 2 * stats.zero_norms)
+
+
+def test_histogram_quantiles_by_hand():
+    """Edges 1, 10, 100: bins below 1 (exact zeros), [1, 10), [10, 100) and from 100 up. Two counts
+    in each middle bin: the quartiles log-interpolated within their bins (10^0.5, 10, 10^1.5); a
+    quantile in bin 0 is 0, in the overflow bin inf, and with no counts NaN."""
+    from pathkernels.core.statistics import histogram_quantiles
+
+    edges = torch.tensor([1.0, 10.0, 100.0], dtype=torch.float64)
+    histograms = torch.tensor([[0, 2, 2, 0], [0, 0, 0, 3], [2, 0, 0, 0], [0, 0, 0, 0]])
+    got = histogram_quantiles(histograms, edges, q=(0.25, 0.5, 0.75))
+    want = torch.tensor([[10**0.5, 10.0, 10**1.5], [math.inf] * 3, [0.0] * 3, [math.nan] * 3], dtype=torch.float64)
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=1e-12, atol=0)
+
+
+def test_std_of_a_length_with_one_path_is_zero():
+    """The documented 0 where a length has a single path (length 0 of a tree with the skip: the
+    path through no head), not 0/0; and n − 1 in the denominator elsewhere."""
+    attn = random_attention(1, 2, 2, 5, 5, dtype=torch.float64)
+    stats = pk.path_statistics(attn, pk.PathTree.complete(2, 2, skip=True))
+    assert stats.counts[0, 0].item() == 1
+    assert stats.std("ratio")[0, 0].item() == 0.0
+    ratios = pk.path_residuals(attn, pk.PathTree.complete(2, 2, skip=True)).ratio[0]
+    lengths = pk.PathTree.complete(2, 2, skip=True).lengths()
+    for k in (1, 2):
+        want = ratios[lengths == k].std(correction=1).item()
+        assert stats.std("ratio")[0, k].item() == pytest.approx(want, rel=1e-9)
