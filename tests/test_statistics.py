@@ -154,6 +154,12 @@ def test_quantiles_from_the_histogram_are_within_one_bin():
     assert list(table["length"]) == list(range(7)) and bool(table["from_histogram"].all())
     assert table["path_count"].tolist() == pk.count_by_length(6, 3, skip=True)
     assert {"mean", "std", "min", "max", "q05", "median", "q95", "quantile_rel_error"} <= set(table.columns)
+    assert table["quantile_rel_error"].tolist() == pytest.approx([10 ** (1 / 20) - 1] * 7)
+    for k in range(2, 7):  # the table's quantiles are quantiles()'s
+        row = table[table["length"] == k].iloc[0]
+        assert [row["q05"], row["median"], row["q95"]] == pytest.approx(
+            [float(quantiles[0, k, QUANTILES.index(level)]) for level in (0.05, 0.5, 0.95)]
+        )
     decomposition = pk.decompose(attn, skip=True).by_length()
     torch.testing.assert_close(torch.tensor(table["mean"].tolist()), torch.tensor(decomposition["mean"].tolist()))
 
