@@ -784,3 +784,18 @@ def test_std_of_a_length_with_one_path_is_zero():
     for k in (1, 2):
         want = ratios[lengths == k].std(correction=1).item()
         assert stats.std("ratio")[0, k].item() == pytest.approx(want, rel=1e-9)
+
+
+def test_saved_counts_that_differ_between_batch_elements_are_refused(tmp_path):
+    """Every batch element sees every path: counts that differ between elements are refused by name
+    (checked against the first element, whatever the batch)."""
+    from pathkernels.core._files import write_sealed
+
+    attn = random_attention(2, 3, 2, 4, 4, dtype=torch.float64)
+    saved = tmp_path / "stats.pt"
+    pk.path_statistics(attn, pk.PathTree.complete(3, 2, skip=True)).save(saved)
+    state = read_sealed(saved, "test", "", "")
+    state["counts"][1, 2] += 1
+    write_sealed(saved, state)
+    with pytest.raises(ValueError, match=r"counts differ between batch elements \(each sees every path\) at index"):
+        PathStatistics.load(saved)
