@@ -799,3 +799,14 @@ def test_saved_counts_that_differ_between_batch_elements_are_refused(tmp_path):
     write_sealed(saved, state)
     with pytest.raises(ValueError, match=r"counts differ between batch elements \(each sees every path\) at index"):
         PathStatistics.load(saved)
+
+
+def test_std_of_equal_values_is_zero_not_nan():
+    """Σx² − (Σx)²/n of equal values can round below 0: the variance is clamped at 0, so the std of
+    a length whose paths all have one ratio is 0, never NaN."""
+    attn = random_attention(1, 2, 2, 5, 5, dtype=torch.float64)
+    stats = pk.path_statistics(attn, pk.PathTree.complete(2, 2, skip=True))
+    n = int(stats.measured("ratio")[0, 2])
+    stats.sums["ratio"][0, 2] = n * 0.1
+    stats.sums_of_squares["ratio"][0, 2] = (n * 0.1) ** 2 / n * (1 - 4 * torch.finfo(torch.float64).eps)
+    assert stats.std("ratio")[0, 2].item() == 0.0
