@@ -398,8 +398,8 @@ def test_engine_takes_complete_leaf_levels_through_the_heads_kernel(variant, lay
         if skip:  # the skip leaves: their parents, reduced as before
             assert error[:, ~last_head].max() < 5e-6
         assert error[:, last_head].max() < (2e-2 if one_pass else 2e-5)
-        if one_pass:  # TF32's rounding shows: these leaves came from the heads kernel
-            assert error[:, last_head].max() > 2e-5
+        if one_pass:  # TF32's rounding shows (seen: 1.5e-5 and up; float32's ≤ 3e-7): the heads kernel's
+            assert error[:, last_head].max() > 2e-6
 
 
 @pytest.mark.parametrize("case", ["factored W", "partial tree", "small chunks", "float64"])
@@ -429,7 +429,7 @@ def test_engine_leaves_other_levels_to_the_per_head_path(case):
         got, want = engine_norms(attn, tree, "heads_tf32", x, w_v, w_o, budget)
     for error in relative_errors(got, want):
         if case == "small chunks":
-            assert 2e-5 < error.max() < 2e-2
+            assert 2e-6 < error.max() < 2e-2
         else:
             assert error.max() < 5e-6
 
