@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from pathkernels.app.benchmarks import format_table
+from pathkernels.app.benchmarks import run_cases
 
 BOUNDS = ("node", "chain", "first_head", "plain")
 # (name, model, time limit in seconds): ("gpt2", layers, attention weight std or None for Hugging Face's
@@ -154,10 +154,6 @@ def bench_case(name: str, model_spec, time_limit: float, bound: str, k: int = 20
 
 
 def main(argv=None) -> int:
-    import json
-
-    from pathkernels import __version__
-
     parser = argparse.ArgumentParser(description="pk.top_paths on GPT-2-shaped models and the trained fixtures")
     parser.add_argument("--only", action="append", help="run the cases whose model or bound contains this (repeatable)")
     parser.add_argument("--deeper", action="store_true", help="the sharper and deeper models instead")
@@ -171,18 +167,7 @@ def main(argv=None) -> int:
         for c in (DEEPER_CASES if args.deeper else CASES)
         if not args.only or any(o in f"{c[0]} {c[3]}" for o in args.only)
     ]
-    rows = []
-    for case in cases:
-        rows.append(bench_case(*case))
-        print(format_table(rows[-1:], COLUMNS).splitlines()[-1], flush=True)
-    machine = f"CPU {torch.get_num_threads()} threads"
-    print(f"pathkernels {__version__} top_paths (best-first, certified), {machine}, torch {torch.__version__}")
-    print(format_table(rows, COLUMNS))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        payload = {"machine": machine, "torch": torch.__version__, "threads": torch.get_num_threads(), "results": rows}
-        args.out.write_text(json.dumps(payload, indent=2) + "\n")
-        print(f"wrote {args.out}")
+    run_cases(cases, bench_case, COLUMNS, "top_paths (best-first, certified)", args.out)
     return 0
 
 

@@ -268,6 +268,30 @@ class Fold:
         return [all_values.gather(0, keep), all_paths.gather(0, gather), all_sources.gather(0, keep)]
 
 
+class TensorCache:
+    """Tensors computed once per key and kept within ``limit_bytes`` (8 bytes an entry: float64);
+    when the next one would pass the limit, everything kept is forgotten at once."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes
+        self._values: dict[tuple, Tensor] = {}
+        self._bytes = 0
+
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._values
+
+    def get(self, key: tuple, compute: Callable[[], Tensor]) -> Tensor:
+        """The tensor kept under ``key``, or ``compute()``'s, then kept."""
+        if key not in self._values:
+            value = compute()
+            if self._bytes + 8 * value.numel() > self.limit_bytes:
+                self._values.clear()
+                self._bytes = 0
+            self._values[key] = value
+            self._bytes += 8 * value.numel()
+        return self._values[key]
+
+
 class Walker:
     """The steps of the readout trie over a frozen model, by ``steps`` (the readout engine, or
     ``pathkernels.reference``'s plain-PyTorch form).
@@ -298,20 +322,8 @@ class Walker:
         self.model, self.steps = model, steps
         self.low_rank = low_rank and model.sublayers[0].pre
         self.max_length = model.layers if max_length is None else max_length
-        self.cache_bytes = cache_bytes
-        self._cache: dict[tuple, Tensor] = {}
-        self._cached = 0
+        self._cache = TensorCache(cache_bytes)
         self._shared_by: dict[tuple[int, bool], bool] = {}
-
-    def _remember(self, key: tuple, compute) -> Tensor:
-        if key not in self._cache:
-            value = compute()
-            if self._cached + 8 * value.numel() > self.cache_bytes:
-                self._cache.clear()
-                self._cached = 0
-            self._cache[key] = value
-            self._cached += 8 * value.numel()
-        return self._cache[key]
 
     def _shared(self, sublayer: int, growing: bool) -> bool:
         """Whether the nodes whose last head is in ``sublayer`` are at least d_head per basis (per
@@ -333,7 +345,7 @@ class Walker:
     def _run_values(self, level: int, rho: Tensor, phi: Tensor, basis) -> Tensor:
         source = self.model.sources[level]
         if basis is not None:  # φ = z F_out[basis], which enough nodes share (_low)
-            source = self._remember(("source", level, basis), lambda: source @ self._output_factor(basis).T)
+            source = self._cache.get(("source", level, basis), lambda: source @ self._output_factor(basis).T)
         return self.steps.values(rho, phi, source)
 
     def _low(self, at: int) -> bool:
@@ -347,7 +359,7 @@ class Walker:
         low = self._low(at)
         if basis is not None:  # φ = z F_out[basis]
             if low and self._shared(basis[0], growing=True):
-                feature_in = self._remember(("heads", at, basis), lambda: self._output_factor(basis) @ feature_in)
+                feature_in = self._cache.get(("heads", at, basis), lambda: self._output_factor(basis) @ feature_in)
             else:
                 phi = self.steps.expand(phi, self._output_factor(basis))
         return self.steps.heads(rho, phi, sublayer.token_maps, feature_in, None if low else feature_out)

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from pathkernels.analysis.attribution import Readout, read_out
-from pathkernels.analysis.readout_trie import NO_HEAD, Fold, FrozenModel, Sublayer, Walker, describe_path
+from pathkernels.analysis.readout_trie import NO_HEAD, Fold, FrozenModel, Sublayer, TensorCache, Walker, describe_path
 from pathkernels.core._progress import progress_bar
 from pathkernels.core.paths import check_flag, check_int, count_attribution_paths
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
@@ -260,7 +260,7 @@ class _NodeBounds:
     and at most the first-head bound ``‖ρ‖₁ ‖φ‖₂ W`` (:func:`_first_head_reach`)."""
 
     def __init__(self, model: FrozenModel, cache_bytes: int = _CACHE_BYTES, out_of_time=None):
-        self.model, self.cache_bytes = model, cache_bytes
+        self.model = model
         self.index = [index for index, sublayer in enumerate(model.sublayers) if sublayer.attn is not None]
         self.heads = model.num_heads
         self.head_dim = model.sublayers[self.index[0]].w_v.shape[-1]
@@ -269,8 +269,7 @@ class _NodeBounds:
         self.outputs = torch.cat([model.sublayers[index].w_o for index in self.index])  # V [A·H, e, d]
         self.token_maps = torch.cat([model.sublayers[index].token_maps for index in self.index])  # T [A·H, n, n]
         self.grams = [u.mT @ u for u in self.values]  # UᵀU [H, e, e]
-        self._cache: dict[tuple, Tensor] = {}
-        self._cached = 0
+        self._cache = TensorCache(cache_bytes)
         first = _first_head_reach(model)
         self.reach = [first[index] for index in self.index]  # W at the level of each attention sublayer
         self.chains = self._chains(out_of_time)
@@ -293,16 +292,6 @@ class _NodeBounds:
             chains.append(torch.einsum("huv,hv->hu", self.token_maps[a * heads : (a + 1) * heads], best))
         return chains
 
-    def _remember(self, key: tuple, compute) -> Tensor:
-        if key not in self._cache:
-            value = compute()
-            if self._cached + 8 * value.numel() > self.cache_bytes:
-                self._cache.clear()
-                self._cached = 0
-            self._cache[key] = value
-            self._cached += 8 * value.numel()
-        return self._cache[key]
-
     def source_maps(self, a: int) -> Tensor:
         """``K_i U_{a,h}`` for the sources i ≤ the sublayer's index, ``[H, n, (i, d_head)]``."""
         index = self.index[a]
@@ -311,7 +300,7 @@ class _NodeBounds:
             maps = torch.einsum("ind,hde->hnie", self.sources[: index + 1], self.values[a])
             return maps.reshape(self.heads, self.sources.shape[1], -1).contiguous()
 
-        return self._remember(("sources", a), compute)
+        return self._cache.get(("sources", a), compute)
 
     def pair_map(self, a: int, head: int) -> Tensor:
         """``(V_c U_{a,h})ᵀ`` for every head c below sublayer a, ``[d_head, (c, d_head)]``: a node's
@@ -321,7 +310,7 @@ class _NodeBounds:
             below = self.outputs[: a * self.heads]  # [a·H, e, d]
             return torch.einsum("de,cfd->ecf", self.values[a][head], below).reshape(self.head_dim, -1).contiguous()
 
-        return self._remember(("pairs", a, head), compute)
+        return self._cache.get(("pairs", a, head), compute)
 
     def child_features(self, a: int, head: int, z: Tensor) -> Tensor:
         """Every child's ``z = V_c U_{a,h} z`` ``[N, a·H, d_head]``, heads below in basis order: by the pair
