@@ -9,7 +9,7 @@
 # --quick (about 8 minutes): the build for this card's architecture alone; the CUDA cases of the
 # leaf-kernel, engine, norm, statistics and readout-engine tests, with the CPU GEMM's and the
 # hostile-input tests, the Triton leaf kernel's tests compiled for the GPU (no interpreter) and the
-# all-heads CUDA leaf kernel's and the Triton norm kernels' tests;
+# all-heads CUDA leaf kernel's, the Triton norm kernels' and the Triton statistics fold's tests;
 # memcheck of every kernel and racecheck of the leaf and engine kernels; bench_gpu_leaves.py
 # --quick (its whole-leaf-level section times the Triton kernel, autotuned over its quick space,
 # against cuBLAS and the CUDA kernels, and writes its JSON after every case); bench_gpu_heads_leaf.py
@@ -17,7 +17,8 @@
 # (every leaf kernel, the engine's all-heads candidates "heads" and "heads_128" among them, each
 # call's residuals against the SIMT kernel's);
 # bench_norms.py --quick, and its Triton section (the Triton norm kernels, autotuned, against the CUDA
-# kernel, torch.compile, x.sum() and a copy); bench_gpu_statistics.py (10^8 paths and a resumed checkpoint);
+# kernel, torch.compile, x.sum() and a copy); bench_gpu_statistics.py (each leaf kernel with the torch and the
+# Triton fold at 10^7 paths, the folds' statistics compared, a resumed 10^8-path checkpoint);
 # bench_gpu_readout.py (the readout engine, CUDA against CPU).
 # Each step is stopped after STEP_TIMEOUT seconds (default 600), so one hang cannot eat the lease.
 set -uo pipefail
@@ -66,7 +67,7 @@ if $quick; then
   step tests env PATHKERNELS_TEST_DEVICES=cuda $PYTHON -m pytest -q -rs --durations=5 $parallel \
     tests/test_fused_leaf.py tests/test_engine.py tests/test_norms.py tests/test_statistics.py \
     tests/test_engine_gemm.py tests/test_hostile_inputs.py tests/test_readout_engine.py tests/test_triton_leaf.py \
-    tests/test_heads_leaf.py tests/test_triton_norms.py -k "not compile"
+    tests/test_heads_leaf.py tests/test_triton_norms.py tests/test_triton_statistics.py -k "not compile"
   # 2026-11-27 this test crashed (SIGSEGV) in the op under the machine's GCC 13 build: a native
   # backtrace, from cuda-gdb (which also debugs host code; the image has no gdb).
   step crash-backtrace cuda-gdb -batch -ex run -ex bt -ex quit --args $PYTHON -m pytest -q -p no:cacheprovider \

@@ -205,3 +205,28 @@ def transformer_lens_attention_only(
     from transformer_lens.model_bridge import TransformerBridge
 
     return TransformerBridge.boot_native(TransformerBridgeConfig(**config), dtype=dtype)
+
+
+def statistics_difference(a, b) -> dict:
+    """How two :class:`~pathkernels.PathStatistics` of the same paths differ: whether their counts,
+    zero norms, histograms, extremes and the extremes' paths are equal (``"equal"``: all of them,
+    ``"unequal"``: the names of those that are not), and the largest relative difference of their
+    float64 sums and log sums (``"max_relative_sums"``; inf and NaN count as equal where both have
+    them). Two folds of the same chunks differ only in the order of the sums."""
+    exact, sums = [], 0.0
+    for name in ("counts", "zero_norms", "histograms", "minima", "maxima", "argmin", "argmax"):
+        mine, theirs = getattr(a, name), getattr(b, name)
+        pairs = [(mine, theirs)] if isinstance(mine, Tensor) else [(mine[k], theirs[k]) for k in mine]
+        if not all(torch.equal(x.cpu(), y.cpu()) for x, y in pairs):
+            exact.append(name)
+    for name in ("log10_ratio_sums", "sums", "sums_of_squares"):
+        mine, theirs = getattr(a, name), getattr(b, name)
+        for x, y in [(mine, theirs)] if isinstance(mine, Tensor) else [(mine[k], theirs[k]) for k in mine]:
+            x, y = x.double().cpu(), y.double().cpu()
+            finite = x.isfinite() & y.isfinite()
+            if not torch.equal(x[~finite].nan_to_num(), y[~finite].nan_to_num()):
+                exact.append(name)
+            if bool(finite.any()):
+                relative = (x[finite] - y[finite]).abs() / y[finite].abs().clamp_min(torch.finfo(torch.float64).tiny)
+                sums = max(sums, float(relative.max()))
+    return {"equal": not exact, "unequal": sorted(set(exact)), "max_relative_sums": sums}

@@ -6,7 +6,6 @@ run the compiled kernel. Checked against a float64 reference written from the fo
 pk.composite_norm / pk.residual_norm (the C++ ops), on a hand-worked matrix, and, without a GPU, on
 the PTX that Triton compiles for sm_80 and sm_90."""
 
-import importlib
 import json
 import math
 import os
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import kernel_module
 
 import pathkernels as pk
 
@@ -33,28 +33,9 @@ DTYPES = list(ULPS)
 SHAPES = [(1, 1), (3, 5), (16, 256), (64, 64), (64, 65), (33, 70), (17, 300), (200, 20), (300, 7)]
 
 
-def _import_triton_norms():
-    """pathkernels.core.triton_norms, imported under TRITON_INTERPRET=1 where there is no GPU."""
-    if MODULE not in sys.modules and not torch.cuda.is_available():
-        previous = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            importlib.import_module(MODULE)
-        finally:
-            if previous is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = previous
-    return importlib.import_module(MODULE)
-
-
 @pytest.fixture(scope="module")
 def tn():
-    pytest.importorskip("triton", reason="the Triton norm kernels need triton (pip install triton)")
-    module = _import_triton_norms()
-    if not module.INTERPRETED and not torch.cuda.is_available():
-        pytest.skip(f"{MODULE} was imported without TRITON_INTERPRET=1 and there is no GPU")
-    return module
+    return kernel_module(MODULE, "the Triton norm kernels")
 
 
 @pytest.fixture(autouse=True)

@@ -77,6 +77,33 @@ def positive_log10(values: Tensor) -> Tensor:
     return torch.where(values == 0, 0.0, values.log10())
 
 
+STATISTICS_FOLDS = ("auto", "native", "torch", "triton")
+_FOLD_ENV = "PATHKERNELS_STATISTICS_FOLD"
+
+
+def statistics_fold(device: torch.device) -> str:
+    """How :meth:`PathStatistics.add` folds a chunk on ``device``, from PATHKERNELS_STATISTICS_FOLD
+    ("auto" when unset): "native" (the C++ op; the CPU's default), "torch" (torch ops; the GPU's
+    default until a GPU run measures the Triton fold) or "triton" (core/triton_statistics.py: a GPU,
+    or CPU tensors under TRITON_INTERPRET=1). The switch lets one run time them against each other."""
+    choice = os.environ.get(_FOLD_ENV, "auto").strip().lower() or "auto"
+    if choice not in STATISTICS_FOLDS:
+        raise ValueError(
+            f"pathkernels.path_statistics: expected {_FOLD_ENV} in {list(STATISTICS_FOLDS)}, got {choice!r}"
+        )
+    if choice == "native" and device.type != "cpu":
+        raise ValueError(f"pathkernels.path_statistics: {_FOLD_ENV}=native is the CPU's fold, got tensors on {device}")
+    if choice == "auto":
+        return "native" if device.type == "cpu" else "torch"
+    return choice
+
+
+@functools.lru_cache(maxsize=8)
+def _edges_on(bins_per_decade: int, device: torch.device) -> Tensor:
+    """:func:`histogram_edges` on ``device``, copied there once."""
+    return histogram_edges(bins_per_decade).to(device)
+
+
 def histogram_quantiles(histogram: Tensor, edges: Tensor, q=QUANTILES) -> Tensor:
     """Quantiles ``[..., len(q)]`` of counts ``histogram [..., E+1]`` over ``edges [E]`` (bin 0
     below the first edge, bin E from the last one up), log-interpolated within the bin that holds
@@ -190,10 +217,15 @@ class PathStatistics:
         """Fold one chunk in: ``residual``/``norm`` ``[B, c]`` of leaves with ``lengths [c]``, in
         the tree's leaf order (so that the first path reaching an extreme is the one kept);
         ``paths_of(leaves)`` gives the paths ``[k, L]`` of chunk leaves ``leaves [k]``, asked only
-        for those that reach an extreme or the top. On the CPU one pass of the C++ op
-        ``_statistics_update``; elsewhere, and for a chunk that holds a zero path (whose 0/0 ratio
-        the C++ op would add to the sums), torch ops (:meth:`_add_torch`), with the same numbers."""
-        if residual.device.type != "cpu":
+        for those that reach an extreme or the top. How, :func:`statistics_fold` says: on the CPU
+        one pass of the C++ op ``_statistics_update``; on a GPU torch ops (:meth:`_add_torch`) or
+        the Triton fold (two launches); for a chunk that holds a zero path (whose 0/0 ratio the C++
+        op would add to the sums), torch ops. Each gives the same numbers."""
+        fold = statistics_fold(residual.device)
+        if fold == "triton":
+            self._add_triton(residual, norm, lengths, paths_of)
+            return
+        if fold == "torch" or residual.device.type != "cpu":
             self._add_torch(residual, norm, paths_of(torch.arange(residual.shape[1])))
             return
         residual, norm = residual.double().contiguous(), norm.double().contiguous()
@@ -217,14 +249,42 @@ class PathStatistics:
             first[1],
             self._packed("histograms", _HISTOGRAMS),
         )
-        if bool((first >= 0).any()):  # new extremes: rarely, once the first chunks are in
-            for name, leaves_of in zip(_EXTREMES, first):
-                for measure, leaves in zip(_MEASURES, leaves_of):
-                    found = leaves >= 0  # [B, L+1]: a new extreme in this chunk, first reached at that leaf
-                    if bool(found.any()):
-                        getattr(self, name)[measure][found] = paths_of(leaves[found])
+        self._record_extremes(first, paths_of)
         if self.top_k:
             self._add_top(residual / norm, lengths, paths_of)
+
+    def _add_triton(self, residual: Tensor, norm: Tensor, lengths: Tensor, paths_of: Callable[[Tensor], Tensor]):
+        """:meth:`add` through the Triton fold (core/triton_statistics.py), zero paths included."""
+        from pathkernels.core.triton_statistics import triton_statistics_update
+
+        residual, norm = residual.double().contiguous(), norm.double().contiguous()
+        first = triton_statistics_update(
+            residual,
+            norm,
+            lengths.to(residual.device).contiguous(),
+            _edges_on(self.bins_per_decade, residual.device),
+            self.counts,
+            self.zero_norms,
+            self.log10_ratio_sums,
+            *(self._packed(name, _MEASURES) for name in ("sums", "sums_of_squares", "minima", "maxima")),
+            self._packed("histograms", _HISTOGRAMS),
+        )
+        self._record_extremes(first, paths_of)
+        if self.top_k:
+            self._add_top(torch.where(norm != 0, residual / norm, math.nan), lengths, paths_of)
+
+    def _record_extremes(self, first: Tensor, paths_of: Callable[[Tensor], Tensor]) -> None:
+        """The paths of the chunk's leaves ``first [2, 3, B, L+1]`` (per extreme and measure: the
+        first leaf reaching a new one, or -1) into argmin and argmax: one small copy to the host."""
+        first = first.cpu()
+        if not bool((first >= 0).any()):  # new extremes are rare once the first chunks are in
+            return
+        for name, leaves_of in zip(_EXTREMES, first):
+            for measure, leaves in zip(_MEASURES, leaves_of):
+                found = leaves >= 0  # [B, L+1]: a new extreme in this chunk, first reached at that leaf
+                if bool(found.any()):
+                    kept = getattr(self, name)[measure]
+                    kept[found.to(kept.device)] = paths_of(leaves[found]).to(kept.device)
 
     def _packed(self, name: str, keys: tuple[str, ...]) -> Tensor:
         """The tensors of field ``name`` (a dict over ``keys``) as one contiguous ``[len(keys), ...]``
