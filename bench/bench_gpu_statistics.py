@@ -1,9 +1,13 @@
 """GPU benchmark of exact path statistics at scale, float32, one GPU.
 
 1. ``path_statistics`` on complete trees of H = 10 heads, n = 64, with each leaf kernel
-   ("fused" = SIMT, "tensor" = tf32x3): paths per second at 10^8 paths (L = 8), and the time that
-   rate predicts for 10^10 (L = 10); with --full, 10^9 paths (L = 9) with the faster kernel, then
-   the 10^10 tree itself when its prediction is within --limit seconds.
+   ("fused" = SIMT, "tensor" = tf32x3, "heads" = the all-heads kernel, "triton" its Triton
+   candidate) and each GPU fold of the chunks (torch ops, or the Triton fold:
+   PATHKERNELS_STATISTICS_FOLD): paths per second at 10^7 paths (L = 7; 10^8 with --full), the
+   Triton fold's statistics against the torch fold's of the same leaf kernel (equal but for the
+   sums' order), and the time the best rate predicts for 10^10 (L = 10); with
+   --full, 10^9 paths (L = 9) with the fastest pair, then the 10^10 tree itself when its prediction
+   is within --limit seconds.
 2. The checkpoint: a child process streams a 10^8-path tree with a checkpoint every second and is
    killed halfway; a fresh process resumes from the folder. The resumed statistics must equal an
    uninterrupted run's exactly (counts, sums, extremes, histograms).
@@ -14,7 +18,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -24,10 +30,25 @@ from pathlib import Path
 import torch
 
 import pathkernels as pk
-from pathkernels.testing import random_attention
+from pathkernels.testing import random_attention, statistics_difference
 
 HEADS, N = 10, 64
-KERNELS = ("fused", "tensor")
+KERNELS = ("fused", "tensor", "heads", "triton")
+FOLDS = ("torch", "triton")
+
+
+@contextlib.contextmanager
+def fold(name: str):
+    """path_statistics' GPU fold set to ``name`` (PATHKERNELS_STATISTICS_FOLD) for the block."""
+    previous = os.environ.get("PATHKERNELS_STATISTICS_FOLD")
+    os.environ["PATHKERNELS_STATISTICS_FOLD"] = name
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["PATHKERNELS_STATISTICS_FOLD"]
+        else:
+            os.environ["PATHKERNELS_STATISTICS_FOLD"] = previous
 
 
 def network(layers: int):
@@ -58,19 +79,22 @@ def same_statistics(a: pk.PathStatistics, b: pk.PathStatistics) -> bool:
     return first.keys() == second.keys() and all(same(first[name], second[name]) for name in first)
 
 
-def checkpoint_case(layers: int, kernel: str) -> dict:
+def checkpoint_case(layers: int, kernel: str, fold_name: str) -> dict:
     """Kill a checkpointing child halfway, resume in this process, compare with an uninterrupted run."""
-    full_seconds, whole = timed_statistics(layers, leaf_kernel=kernel)
-    row = {"layers": layers, "paths": HEADS**layers, "leaf_kernel": kernel, "uninterrupted_s": full_seconds}
+    with fold(fold_name):
+        full_seconds, whole = timed_statistics(layers, leaf_kernel=kernel)
+    row = {"layers": layers, "paths": HEADS**layers, "leaf_kernel": kernel, "fold": fold_name}
+    row["uninterrupted_s"] = full_seconds
     with tempfile.TemporaryDirectory() as folder:
         child = [sys.executable, __file__, "--child", folder, "--layers", str(layers), "--kernel", kernel]
-        process = subprocess.Popen(child)
+        process = subprocess.Popen(child + ["--fold", fold_name])
         time.sleep(max(8.0, 0.5 * full_seconds + 6.0))  # start-up, then about half the stream
         row["child_done_before_kill"] = process.poll() is not None  # then the resume resumed nothing
         process.kill()
         process.wait()
         row["files_at_kill"] = sorted(p.name for p in Path(folder).rglob("*") if p.is_file())
-        seconds, resumed = timed_statistics(layers, leaf_kernel=kernel, checkpoint=folder, checkpoint_every=1.0)
+        with fold(fold_name):
+            seconds, resumed = timed_statistics(layers, leaf_kernel=kernel, checkpoint=folder, checkpoint_every=1.0)
     row["resumed_s"] = seconds
     row["equal_to_uninterrupted"] = same_statistics(whole, resumed)
     return row
@@ -84,9 +108,11 @@ def main(argv=None) -> int:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--kernel", default="fused", help=argparse.SUPPRESS)
+    parser.add_argument("--fold", default="torch", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:  # the process that is killed halfway
-        timed_statistics(args.layers, leaf_kernel=args.kernel, checkpoint=args.child, checkpoint_every=1.0)
+        with fold(args.fold):
+            timed_statistics(args.layers, leaf_kernel=args.kernel, checkpoint=args.child, checkpoint_every=1.0)
         return 0
     assert torch.cuda.is_available() and pk.build_info()["cuda"], "needs a GPU and pathkernels built with CUDA"
     card = torch.cuda.get_device_name()
@@ -98,42 +124,67 @@ def main(argv=None) -> int:
             args.out.write_text(json.dumps(result, indent=2) + "\n")
 
     timed_statistics(3)  # warm-up: the build's first launches, cuBLAS handles
+    rate_layers = 8 if args.full else 7  # --quick: the rates at 10^7 paths, each kernel with each fold
     rates = {}
     for kernel in KERNELS:
-        try:
-            seconds, _ = timed_statistics(8, leaf_kernel=kernel)
-        except Exception as error:  # a kernel that fails is recorded, the rest goes on
-            result[f"{kernel}_error"] = f"{type(error).__name__}: {error}"
-            print(f"10^8, {kernel}: {result[f'{kernel}_error']}", flush=True)
-            continue
-        rates[kernel] = HEADS**8 / seconds
-        result[f"hundred_million_{kernel}"] = {"seconds": seconds, "paths_per_s": rates[kernel]}
-        print(f"10^8 paths, {kernel}: {seconds:.2f} s, {rates[kernel]:.3g} paths/s", flush=True)
+        by_fold = {}
+        for fold_name in FOLDS:
+            name = f"{kernel}, {fold_name} fold"
+            try:
+                with fold(fold_name):
+                    seconds, by_fold[fold_name] = timed_statistics(rate_layers, leaf_kernel=kernel)
+            except Exception as error:  # a kernel or fold that fails is recorded, the rest goes on
+                result[f"{name}_error"] = f"{type(error).__name__}: {error}"
+                print(f"10^{rate_layers}, {name}: {result[f'{name}_error']}", flush=True)
+                continue
+            rate = rates[kernel, fold_name] = HEADS**rate_layers / seconds
+            result[f"rate_{kernel}_{fold_name}"] = {
+                "paths": HEADS**rate_layers,
+                "seconds": seconds,
+                "paths_per_s": rate,
+            }
+            print(f"10^{rate_layers} paths, {name}: {seconds:.2f} s, {rate:.3g} paths/s", flush=True)
+            save()
+        if len(by_fold) == 2:  # the Triton fold against the torch fold, on the same leaves
+            difference = statistics_difference(by_fold["triton"], by_fold["torch"])
+            result[f"triton_fold_vs_torch_{kernel}"] = difference
+            print(f"  {kernel}: Triton fold vs torch fold: {difference}", flush=True)
+            if not difference["equal"] or difference["max_relative_sums"] > 1e-12:
+                rates.pop((kernel, "triton"))  # a fold that disagrees is not chosen
         save()
-    best = max(rates, key=rates.get)
-    result["predicted_ten_billion_s"] = HEADS**10 / rates[best]
-    print(f"10^10 paths predicted from 10^8: {result['predicted_ten_billion_s']:.0f} s", flush=True)
-    result["checkpoint"] = checkpoint_case(8, best)
+    best_kernel, best_fold = max(rates, key=rates.get)
+    result["best"] = {"leaf_kernel": best_kernel, "fold": best_fold}
+    result["predicted_ten_billion_s"] = HEADS**10 / rates[best_kernel, best_fold]
+    print(f"10^10 paths predicted from 10^{rate_layers}: {result['predicted_ten_billion_s']:.0f} s", flush=True)
+    result["checkpoint"] = checkpoint_case(8, best_kernel, best_fold)
     print(f"checkpoint: {result['checkpoint']}", flush=True)
     save()
     if not args.full:
         return 0 if result["checkpoint"]["equal_to_uninterrupted"] else 1
 
     torch.cuda.reset_peak_memory_stats()
-    seconds, _ = timed_statistics(9, leaf_kernel=best, progress=True)
+    with fold(best_fold):
+        seconds, _ = timed_statistics(9, leaf_kernel=best_kernel, progress=True)
     result["billion"] = {
         "seconds": seconds,
-        "leaf_kernel": best,
+        "leaf_kernel": best_kernel,
+        "fold": best_fold,
         "paths_per_s": HEADS**9 / seconds,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "predicted_ten_billion_s": 10 * seconds,
     }
-    print(f"10^9 paths, {best}: {seconds:.1f} s; 10^10 predicted {10 * seconds:.0f} s", flush=True)
+    print(f"10^9 paths, {best_kernel}, {best_fold} fold: {seconds:.1f} s; 10^10 predicted {10 * seconds:.0f} s")
     save()
     if 10 * seconds <= args.limit:
-        seconds, _ = timed_statistics(10, leaf_kernel=best, progress=True)
-        result["ten_billion"] = {"seconds": seconds, "leaf_kernel": best, "paths_per_s": HEADS**10 / seconds}
-        print(f"10^10 paths, {best}: {seconds:.1f} s", flush=True)
+        with fold(best_fold):
+            seconds, _ = timed_statistics(10, leaf_kernel=best_kernel, progress=True)
+        result["ten_billion"] = {
+            "seconds": seconds,
+            "leaf_kernel": best_kernel,
+            "fold": best_fold,
+            "paths_per_s": HEADS**10 / seconds,
+        }
+        print(f"10^10 paths, {best_kernel}, {best_fold} fold: {seconds:.1f} s", flush=True)
         save()
     return 0 if result["checkpoint"]["equal_to_uninterrupted"] else 1
 

@@ -1,9 +1,10 @@
 """Where the CUDA engine spends its time: torch.profiler over one call of each.
 
 For ``path_residuals`` on a complete tree (L = 6, H = 10, n = 64, float32) with each leaf kernel
-(the all-heads candidates "heads" and "heads_128" too; each call's residuals against the SIMT
-kernel's, the largest relative difference), and ``path_statistics`` on the same tree, each also
-with its chunks settled one at a time (as before the chunk pipeline, ``PATHKERNELS_SYNC_CHUNKS=1``):
+(the all-heads candidates "heads", "heads_128" and the Triton one, "triton", too; each call's
+residuals against the SIMT kernel's, the largest relative difference), and ``path_statistics`` on the same tree (its chunks
+folded by torch ops or by the Triton fold, PATHKERNELS_STATISTICS_FOLD=triton), each also with its
+chunks settled one at a time (as before the chunk pipeline, ``PATHKERNELS_SYNC_CHUNKS=1``):
 the wall time, the number of kernel launches, and the top kernels by total GPU time (name, calls,
 total and mean microseconds, share of GPU time).
 
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_gpu_statistics import fold
 from torch.profiler import ProfilerActivity, profile
 
 import pathkernels as pk
@@ -26,6 +28,17 @@ from pathkernels.core import engine
 from pathkernels.testing import random_attention
 
 LAYERS, HEADS, N = 6, 10, 64
+
+
+def triton_fold(call):
+    """``call`` with path_statistics folding its chunks in the Triton kernels
+    (PATHKERNELS_STATISTICS_FOLD=triton) instead of torch ops."""
+
+    def run(a, t):
+        with fold("triton"):
+            return call(a, t)
+
+    return run
 
 
 def synced(call):
@@ -51,10 +64,16 @@ CALLS = {
     "path_residuals[heads_128]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="heads_128"),
     "path_residuals[tensor, fast]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="tensor", fast=True),
     "path_residuals[heads, fast]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="heads", fast=True),
+    # The Triton candidate of the all-heads kernel, called by the engine through the dispatcher.
+    "path_residuals[triton]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="triton"),
+    "path_residuals[triton, fast]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="triton", fast=True),
     "path_statistics[simt]": lambda a, t: pk.path_statistics(a, t),
     "path_statistics[simt, synced chunks]": synced(lambda a, t: pk.path_statistics(a, t)),
     "path_statistics[tensor]": lambda a, t: pk.path_statistics(a, t, leaf_kernel="tensor"),
     "path_statistics[heads]": lambda a, t: pk.path_statistics(a, t, leaf_kernel="heads"),
+    # The Triton fold (two launches a chunk) in place of torch ops (about 40).
+    "path_statistics[simt, triton fold]": triton_fold(lambda a, t: pk.path_statistics(a, t)),
+    "path_statistics[heads, triton fold]": triton_fold(lambda a, t: pk.path_statistics(a, t, leaf_kernel="heads")),
 }
 
 

@@ -7,7 +7,6 @@ kernel. Checked against a float64 reference written from the formula, against th
 rounded by frexp, independently of the kernel's bit arithmetic), and on hand-worked leaves whose
 exact values tell the three precisions apart."""
 
-import importlib
 import json
 import os
 import subprocess
@@ -16,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import kernel_module
 
+import pathkernels as pk
 from pathkernels.reference import composite_norm_ref
 from pathkernels.reference import triton_leaf_norms_ref as reference
 from pathkernels.testing import random_attention
@@ -42,28 +43,9 @@ SHAPES = [
 ]
 
 
-def _import_triton_leaf():
-    """pathkernels.core.triton_leaf, imported under TRITON_INTERPRET=1 where there is no GPU."""
-    if MODULE not in sys.modules and not torch.cuda.is_available():
-        previous = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1"
-        try:
-            importlib.import_module(MODULE)
-        finally:
-            if previous is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = previous
-    return importlib.import_module(MODULE)
-
-
 @pytest.fixture(scope="module")
 def triton_leaf():
-    pytest.importorskip("triton", reason="the Triton leaf kernel needs triton (pip install triton)")
-    module = _import_triton_leaf()
-    if not module.INTERPRETED and not torch.cuda.is_available():
-        pytest.skip(f"{MODULE} was imported without TRITON_INTERPRET=1 and there is no GPU")
-    return module
+    return kernel_module(MODULE, "the Triton leaf kernels")
 
 
 @pytest.fixture(autouse=True)
@@ -418,6 +400,83 @@ def test_compile_fullgraph(triton_leaf, device):
     triton_leaf.op()
     residual, norm = reference(*inputs)
     torch.testing.assert_close(leaf_ratios(*inputs).cpu(), residual / norm, rtol=1e-4, atol=0)
+
+
+# --- the engine's "triton_*" leaf kernels -----------------------------------------------------------
+# path_chunk_norms(leaf_kernel="triton_tf32x3" | "triton_tf32") takes each leaf level whose every head
+# has the same parents through this op, which the engine's C++ calls through the dispatcher
+# (csrc/paths/engine.h, every_head_leaves), on the CPU in the interpreter as on the GPU.
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "tf32"])
+@pytest.mark.parametrize("layers, heads, n, skip", [(3, 3, 8, False), (2, 2, 37, True), (1, 4, 5, True)])
+def test_the_engine_takes_complete_leaf_levels_through_the_op(
+    triton_leaf, device, monkeypatch, precision, layers, heads, n, skip
+):
+    """Complete trees, two batch elements in one chunk: the op launched once per batch element for
+    every head's leaves, within its precision of the float64 engine (a leaf written to another's
+    place would be off by far more); the skip leaves reduced as before."""
+    from test_heads_leaf import engine_attention, engine_norms, relative_errors
+
+    triton_leaf.op()
+    launched = []
+    launch = triton_leaf._launch
+
+    def counted(attn_centred, attn_mean, parents, *args, **kwargs):
+        launched.append((attn_centred.shape[0], parents.shape[1]))  # heads, parents
+        return launch(attn_centred, attn_mean, parents, *args, **kwargs)
+
+    monkeypatch.setattr(triton_leaf, "_launch", counted)
+    attn = engine_attention(2, layers, heads, n).to(device)
+    tree = pk.PathTree.complete(layers, heads, skip=skip)
+    got, want = engine_norms(attn, tree, "triton_" + precision)
+    parents = (heads + skip) ** (layers - 1)
+    assert launched == [(heads, parents)] * 2
+    last_head = tree.paths()[:, -1] >= 0
+    for error in relative_errors(got, want):
+        error = error.view(2, -1).cpu()
+        assert error[:, last_head].max() < (2e-2 if precision == "tf32" else 2e-5)
+        if skip:
+            assert error[:, ~last_head].max() < 5e-6
+
+
+def test_the_engine_names_the_triton_leaf_kernels(triton_leaf, device):
+    """The public name "triton" (the CPU sends "simt", as for "heads"); float64 refused by name."""
+    from test_heads_leaf import engine_attention, engine_norms
+
+    attn = engine_attention(1, 2, 2, 4)
+    tree = pk.PathTree.complete(2, 2)
+    if device == "cpu":
+        fused = pk.path_residuals(attn, tree)
+        result = pk.path_residuals(attn, tree, leaf_kernel="triton")
+        assert torch.equal(result.residual, fused.residual) and torch.equal(result.norm, fused.norm)
+    with pytest.raises(ValueError, match="leaf_kernel='triton' runs on TF32 tensor cores and takes float32"):
+        pk.path_residuals(attn.double().to(device), tree, leaf_kernel="triton")
+    with pytest.raises(TypeError, match="leaf_kernel='triton_tf32' runs on TF32 tensor cores"):
+        engine_norms(attn.double() / attn.double().sum(-1, keepdim=True), tree, "triton_tf32")
+
+
+def test_the_engine_refuses_the_op_unregistered():
+    """The engine's C++ finds the op through the dispatcher: in a process that never registered it,
+    leaf_kernel="triton_tf32x3" is refused with what to do, not a crash (a fresh interpreter)."""
+    script = (
+        "import torch, pathkernels as pk\n"
+        "from pathkernels.core.engine import check_inputs, leaf_norms\n"
+        "attn = torch.softmax(torch.randn(1, 2, 2, 4, 4), -1)\n"
+        "tree = pk.PathTree.complete(2, 2)\n"
+        "net, budget = check_inputs(attn, tree, None, None, None, 2**22, 'test')\n"
+        "try:\n"
+        "    leaf_norms(net, tree, 0, tree.num_leaves, budget, leaf_kernel='triton_tf32x3', where='test')\n"
+        "except RuntimeError as error:\n"
+        "    print(str(error).splitlines()[0])\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith(
+        "pathkernels.path_chunk_norms: leaf_kernel 'triton_tf32x3' calls the Triton op "
+        "pathkernels::triton_leaf_norms, which is not registered"
+    ), result.stdout
 
 
 COMPILE_SCRIPT = r"""

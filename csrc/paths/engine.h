@@ -210,7 +210,7 @@ bool fused_leaf_norms(Backend& backend, const Network& net, int64_t layer, int64
 // where the level is not so, or W is factored (each head's right operand R' W_h differs), or n is
 // beyond the kernel; the caller then takes the level's blocks head by head.
 template <typename Backend>
-bool every_head_leaves(Backend& backend, const Network& net, int64_t layer, heads_leaf::Variant variant,
+bool every_head_leaves(Backend& backend, const Network& net, int64_t layer, const EngineHeadsKernel& kernel,
                        const Nodes& level, const at::Tensor& positions, const at::Tensor& heads, double* residual,
                        double* norm) {
   const int64_t num_heads = net.attn.size(1);
@@ -233,9 +233,11 @@ bool every_head_leaves(Backend& backend, const Network& net, int64_t layer, head
     }
   }
   const Nodes parents = run_parents(level, positions, runs.front().begin, count);
-  const HeadsLeafOperands ops{net.attn[layer], net.attn_mean[layer], parents.residual, parents.mean, parents.scale,
-                              variant};
-  const auto [head_residual, head_norm] = backend.heads_leaf_norms(ops);  // [count, H]
+  const HeadsLeafOperands ops{net.attn[layer],   net.attn_mean[layer], parents.residual,         parents.mean,
+                              parents.scale,     kernel.variant,       kernel.triton_precision};
+  const auto [head_residual, head_norm] =  // [count, H]
+      kernel.triton_precision != nullptr ? triton_leaf_norms(ops, "pathkernels.path_chunk_norms")
+                                         : backend.heads_leaf_norms(ops);
   // The runs tile the level in head order, so leaf (parent k, head h) is runs[0].begin + h·count + k.
   const auto doubles = head_residual.options();
   at::from_blob(residual + runs.front().begin, {num_heads, count}, doubles).copy_(head_residual.t());
@@ -257,11 +259,11 @@ bool every_head_leaves(Backend& backend, const Network& net, int64_t layer, head
 //   heads_leaf_norms(ops): the heads leaf kernel (heads_leaf_op.h) on laid-out operands,
 // and, where kFusedLeaves, fuses_leaves(n) and fused_leaf_norms<T>(attn [n, n], operands, residual,
 // norm): the norms of the leaves C(A) · operands.right, computed without storing them.
-// `every_head`: the heads leaf kernel's variant for leaf levels it can take whole (every_head_leaves;
-// float32 only), or none.
+// `every_head`: the heads leaf kernel (its variant, or the Triton kernel's precision) for leaf levels
+// it can take whole (every_head_leaves; float32 only), or none.
 template <typename T, typename Backend>
 void evaluate_chunk(const Network& net, const at::Tensor& root, const at::Tensor& root_mean, const PathChunk& chunk,
-                    int64_t leaf_block, std::optional<heads_leaf::Variant> every_head, double* residual, double* norm,
+                    int64_t leaf_block, const std::optional<EngineHeadsKernel>& every_head, double* residual, double* norm,
                     Backend& backend) {
   const int64_t layers = static_cast<int64_t>(chunk.parents.size());
   const int64_t n = root.size(0), m = root.size(1);
@@ -321,8 +323,6 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms(const at::Tensor& attn, cons
   const std::optional<EngineHeadsKernel> every_head = engine_heads_kernel(leaf_kernel, attn.scalar_type(), op);
   const LeafKernel kernel = parse_leaf_kernel(every_head ? every_head->per_head : leaf_kernel, attn.scalar_type(),
                                               true, op, "leaf_kernel");
-  const std::optional<heads_leaf::Variant> variant =
-      every_head ? std::optional<heads_leaf::Variant>(every_head->variant) : std::nullopt;
   const int64_t batch = attn.size(0);
   const int64_t leaves = chunk.parents.back().numel();
   // No level of a trie has more nodes than its leaves, so larger blocks change nothing; capping
@@ -344,7 +344,7 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms(const at::Tensor& attn, cons
     Backend backend(kernel);
     for (int64_t b = 0; b < batch; ++b) {
       const Network net{attn_c[b], attn_mean_c[b], w_v_c, w_o_c, std::is_same_v<scalar_t, float>};
-      evaluate_chunk<scalar_t>(net, root_c[b], root_mean_c[b], chunk, block, variant,
+      evaluate_chunk<scalar_t>(net, root_c[b], root_mean_c[b], chunk, block, every_head,
                                residual[b].mutable_data_ptr<double>(), norm[b].mutable_data_ptr<double>(), backend);
     }
   });

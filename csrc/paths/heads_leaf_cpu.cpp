@@ -13,6 +13,7 @@
 //   - runs the shuffles' rounds in lockstep over the 32 lanes (keep + received, as the device adds);
 //   - records each lane's mma and replays the warp's calls at the next barrier as exact products of
 //     the 32 lanes' fragments gathered by MmaLayout (an ideal tensor core).
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <array>
@@ -78,19 +79,38 @@ bool aligned16(const void* pointer) {
 
 std::optional<EngineHeadsKernel> engine_heads_kernel(c10::string_view leaf_kernel, at::ScalarType dtype,
                                                      const char* op) {
+  using heads_leaf::Variant;
   constexpr c10::string_view kPrefix = "heads_";
-  if (leaf_kernel.substr(0, kPrefix.size()) != kPrefix) {
+  std::optional<EngineHeadsKernel> kernel;
+  if (leaf_kernel == "triton_tf32x3") {
+    kernel = EngineHeadsKernel{Variant::kTf32x3, "tf32x3", "tf32x3"};
+  } else if (leaf_kernel == "triton_tf32") {
+    kernel = EngineHeadsKernel{Variant::kTf32, "tf32", "tf32"};
+  } else if (leaf_kernel.substr(0, kPrefix.size()) == kPrefix) {
+    const std::optional<Variant> variant = find_variant(leaf_kernel.substr(kPrefix.size()));
+    TORCH_CHECK_VALUE(variant.has_value(), op,
+                      ": expected leaf_kernel 'heads_' followed by 'tf32x3', 'tf32x3_128', 'tf32' or 'tf32_128', got '",
+                      std::string(leaf_kernel), "'");
+    const bool three_passes = *variant == Variant::kTf32x3 || *variant == Variant::kTf32x3Wide;
+    kernel = EngineHeadsKernel{*variant, three_passes ? "tf32x3" : "tf32"};
+  } else {
     return std::nullopt;
   }
-  using heads_leaf::Variant;
-  const std::optional<Variant> variant = find_variant(leaf_kernel.substr(kPrefix.size()));
-  TORCH_CHECK_VALUE(variant.has_value(), op,
-                    ": expected leaf_kernel 'heads_' followed by 'tf32x3', 'tf32x3_128', 'tf32' or 'tf32_128', got '",
-                    std::string(leaf_kernel), "'");
   TORCH_CHECK_TYPE(dtype == at::kFloat, op, ": leaf_kernel='", std::string(leaf_kernel),
                    "' runs on TF32 tensor cores and takes torch.float32, got ", dtype_name(dtype));
-  const bool three_passes = *variant == Variant::kTf32x3 || *variant == Variant::kTf32x3Wide;
-  return EngineHeadsKernel{*variant, three_passes ? "tf32x3" : "tf32"};
+  return kernel;
+}
+
+std::tuple<at::Tensor, at::Tensor> triton_leaf_norms(const HeadsLeafOperands& ops, const char* op) {
+  const auto handle = c10::Dispatcher::singleton().findSchema({"pathkernels::triton_leaf_norms", ""});
+  TORCH_CHECK(handle.has_value(), op, ": leaf_kernel 'triton_", ops.triton_precision,
+              "' calls the Triton op pathkernels::triton_leaf_norms, which is not registered (Python registers it: ",
+              "pathkernels.core.triton_leaf.op(), with Triton installed)");
+  using Signature = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                        const at::Tensor&, const std::optional<at::Tensor>&,
+                                                        c10::string_view);
+  return handle->typed<Signature>().call(ops.attn, ops.attn_mean, ops.right, ops.mean, ops.scale,
+                                         ops.triton_precision);
 }
 
 HeadsLeafOperands check_heads_leaf(const at::Tensor& attn, const at::Tensor& attn_mean, const at::Tensor& right,

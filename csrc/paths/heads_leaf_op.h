@@ -15,7 +15,8 @@ namespace pathkernels {
 
 // The operands as the kernel reads them: attn C(A) [H, n, n] and attn_mean a [H, n] contiguous,
 // right [n, c, m] with unit column stride and leaf stride m (any row stride), mean [c, m] with unit
-// column stride, scale [c] float64 contiguous, all float32 but scale.
+// column stride, scale [c] float64 contiguous, all float32 but scale. `triton_precision`: where
+// set ("tf32x3" or "tf32"), the Triton kernel of that precision takes them instead (triton_leaf_norms).
 struct HeadsLeafOperands {
   at::Tensor attn;
   at::Tensor attn_mean;
@@ -23,6 +24,7 @@ struct HeadsLeafOperands {
   at::Tensor mean;
   at::Tensor scale;
   heads_leaf::Variant variant;
+  const char* triton_precision = nullptr;
 };
 
 // Validates the inputs of _heads_leaf_norms (see registration.cpp), copying only operands that are
@@ -58,13 +60,21 @@ heads_leaf::Params heads_leaf_params(const HeadsLeafOperands& ops, HeadsLeafBuff
 std::tuple<at::Tensor, at::Tensor> heads_leaf_norms_on_host(const HeadsLeafOperands& ops);
 std::tuple<at::Tensor, at::Tensor> heads_leaf_norms_on_device(const HeadsLeafOperands& ops);
 
+// The Triton candidate of the same kernel (pathkernels/core/triton_leaf.py) on the same operands,
+// at ops.triton_precision: the op `pathkernels::triton_leaf_norms`, which Python registers
+// (torch.library.triton_op) and this calls through the dispatcher, on CUDA tensors or, under
+// Triton's interpreter, CPU ones. Refuses, naming `op`, where the op is not registered.
+std::tuple<at::Tensor, at::Tensor> triton_leaf_norms(const HeadsLeafOperands& ops, const char* op);
+
 // path_chunk_norms' leaf_kernel "heads_" + a variant's name ("heads_tf32x3", "heads_tf32x3_128",
 // "heads_tf32", "heads_tf32_128"): leaf levels at which every head takes the same parents go
 // through the heads leaf kernel in one call (engine.h), any other leaf block through the per-head
-// tensor-core kernel of the same precision, `per_head` ("tf32x3" or "tf32").
+// tensor-core kernel of the same precision, `per_head` ("tf32x3" or "tf32"). "triton_tf32x3" and
+// "triton_tf32": the same levels through the Triton kernel of that precision (`triton_precision`).
 struct EngineHeadsKernel {
   heads_leaf::Variant variant;
   const char* per_head;
+  const char* triton_precision = nullptr;
 };
 
 // `leaf_kernel` as an EngineHeadsKernel; nullopt for a name without the "heads_" prefix. Refuses

@@ -40,7 +40,7 @@ from pathkernels.core.planner import (
 )
 from pathkernels.reference import trie_products_ref
 
-LEAF_KERNELS = ("fused", "tensor", "gemm", "heads", "heads_128")
+LEAF_KERNELS = ("fused", "tensor", "gemm", "heads", "heads_128", "triton")
 
 
 def op_leaf_kernel(leaf_kernel: str, fast: bool, attn, where: str) -> str:
@@ -55,21 +55,29 @@ def op_leaf_kernel(leaf_kernel: str, fast: bool, attn, where: str) -> str:
 
     "heads" and "heads_128" are the heads leaf kernel ("heads_tf32x3", or "heads_tf32" with fast;
     64- or 128-column tiles): leaf levels whose every head takes the same parents in one launch
-    that reads each parent once for all heads (csrc/paths/heads_leaf.h). On the CPU, which ignores
-    the choice, they become "simt": the op's CPU backend would run the kernel's test harness."""
+    that reads each parent once for all heads (csrc/paths/heads_leaf.h). "triton" takes the same
+    leaf levels through the Triton candidate of that kernel ("triton_tf32x3", or "triton_tf32" with
+    fast; pathkernels/core/triton_leaf.py, registered here on first use). On the CPU, which ignores
+    the choice, they become "simt": the op's CPU backend would run the kernel's test harness, or
+    Triton's interpreter."""
     if leaf_kernel not in LEAF_KERNELS:
         raise ValueError(f"{where}: expected leaf_kernel in {LEAF_KERNELS}, got {leaf_kernel!r}")
     if fast:
         _check_fast(attn, where)
-    if leaf_kernel in ("tensor", "heads", "heads_128"):
+    if leaf_kernel in ("tensor", "heads", "heads_128", "triton"):
         dtype = getattr(attn, "dtype", None)
         if dtype != torch.float32:
             raise ValueError(
                 f"{where}: leaf_kernel={leaf_kernel!r} runs on TF32 tensor cores and takes float32 attn, got {dtype}"
             )
-    if leaf_kernel in ("heads", "heads_128"):
+    if leaf_kernel in ("heads", "heads_128", "triton"):
         if attn.device.type != "cuda":
             return "simt"
+        if leaf_kernel == "triton":
+            from pathkernels.core import triton_leaf
+
+            triton_leaf.op()  # registered, so that the engine's C++ finds it through the dispatcher
+            return "triton_tf32" if fast else "triton_tf32x3"
         return ("heads_tf32" if fast else "heads_tf32x3") + leaf_kernel.removeprefix("heads")
     if leaf_kernel == "tensor":
         return "tf32" if fast else "tf32x3"
@@ -200,7 +208,9 @@ def path_residuals(
             (float32, compute capability ≥ 8.0) take each leaf level whose every head has the
             same parents (complete trees) in one launch over all heads on TF32 tensor cores
             (3×TF32, or one pass with ``fast``; 64- or 128-column tiles), reading each parent once
-            instead of once per head, other leaves as ``"tensor"``: candidates that
+            instead of once per head, other leaves as ``"tensor"``; ``"triton"`` takes the same
+            levels through the Triton candidate of that kernel (Triton installed;
+            ``pathkernels.core.triton_leaf``, autotuned on the card): candidates that
             ``bench/gpu_check.sh`` times against the others. Ignored on CPU.
 
     Returns:
