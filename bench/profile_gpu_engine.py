@@ -2,11 +2,12 @@
 
 For ``path_residuals`` on a complete tree (L = 6, H = 10, n = 64, float32) with each leaf kernel
 (the all-heads candidates "heads", "heads_128" and the Triton one, "triton", too; each call's
-residuals against the SIMT kernel's, the largest relative difference), and ``path_statistics`` on the same tree (its chunks
-folded by torch ops or by the Triton fold, PATHKERNELS_STATISTICS_FOLD=triton), each also with its
-chunks settled one at a time (as before the chunk pipeline, ``PATHKERNELS_SYNC_CHUNKS=1``):
-the wall time, the number of kernel launches, and the top kernels by total GPU time (name, calls,
-total and mean microseconds, share of GPU time).
+residuals against the SIMT kernel's, the largest relative difference), and ``path_statistics``
+on the same tree (its chunks folded by torch ops or by the Triton fold,
+PATHKERNELS_STATISTICS_FOLD=triton), each also with its chunks settled one at a time (as before
+the chunk pipeline, ``PATHKERNELS_SYNC_CHUNKS=1``): the wall time, the number of kernel launches,
+and the top kernels by total GPU time (name, calls, total and mean microseconds, share of GPU
+time).
 
     python bench/profile_gpu_engine.py [--top 12] --out bench/results/<folder>/gpu_profile.json
 """

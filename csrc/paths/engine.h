@@ -233,8 +233,9 @@ bool every_head_leaves(Backend& backend, const Network& net, int64_t layer, cons
     }
   }
   const Nodes parents = run_parents(level, positions, runs.front().begin, count);
-  const HeadsLeafOperands ops{net.attn[layer],   net.attn_mean[layer], parents.residual,         parents.mean,
-                              parents.scale,     kernel.variant,       kernel.triton_precision};
+  const HeadsLeafOperands ops{
+      net.attn[layer], net.attn_mean[layer], parents.residual, parents.mean, parents.scale, kernel.variant,
+      kernel.triton_precision};
   const auto [head_residual, head_norm] =  // [count, H]
       kernel.triton_precision != nullptr ? triton_leaf_norms(ops, "pathkernels.path_chunk_norms")
                                          : backend.heads_leaf_norms(ops);
