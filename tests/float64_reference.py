@@ -3,6 +3,7 @@ float64, written here independently of the adapters: the reference their float64
 to (docs: "Float64 means float64")."""
 
 import contextlib
+import math
 
 import torch
 
@@ -10,9 +11,10 @@ import torch
 @contextlib.contextmanager
 def float64_steps(model):
     """Within the block, ``model``'s attention softmax (``softmax(x, dtype=torch.float32)``), its
-    RMSNorms (``x / sqrt(mean(x²) + ε) · γ``, Gemma's ``γ = 1 + w``) and OLMo's LayerNorms compute in
-    float64 where their input is float64. The model's own attention implementation runs (SDPA,
-    where it has one: float64 throughout)."""
+    RMSNorms (``x / sqrt(mean(x²) + ε) · γ``, Gemma's ``γ = 1 + w``), OLMo's LayerNorms, the rotary
+    cosines and sines (angles ``p · θ_i``, ``θ_i = 1 / base^(2i/dim)``) and Gemma's embedding scale
+    ``√d`` compute in float64 where their input is float64. The model's own attention implementation
+    runs (SDPA, where it has one: float64 throughout)."""
 
     def exact_norm(module, args, output):
         x = args[0]
@@ -35,11 +37,51 @@ def float64_steps(model):
         centred = x - x.mean(-1, keepdim=True)
         return centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + 1e-5)
 
+    def exact_rotary(module, args, kwargs, output):  # (x, position_ids[, layer_type]) -> (cos, sin)
+        x, positions = args[0], args[1] if len(args) > 1 else kwargs["position_ids"]
+        if x.dtype != torch.float64:
+            return None
+        layer_type = args[2] if len(args) > 2 else kwargs.get("layer_type")
+        config = module.config
+        parameters = config.rope_parameters
+        parameters = parameters[layer_type] if layer_type is not None else parameters
+        assert parameters.get("rope_type", "default") == "default", "the tests' models use the default rotary"
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        dim = int(head_dim * parameters.get("partial_rotary_factor", 1.0))
+        theta = 1.0 / parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        angles = positions[..., None].double() * theta
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+    def exact_sinusoids(module, args, kwargs, output):  # GPT-J: (sin, cos) from its table
+        positions = args[1] if len(args) > 1 else kwargs["position_ids"]
+        if output[0].dtype != torch.float64:
+            return None
+        dim = module.pos_embd_dim
+        theta = 1.0 / 10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        angles = positions[..., None].double() * theta
+        return angles.sin(), angles.cos()
+
+    def exact_embedding_scale(module, args, output):  # Gemma: embeddings · √d
+        if output.dtype != torch.float64:
+            return None
+        return torch.nn.functional.embedding(args[0], module.weight, module.padding_idx) * math.sqrt(
+            module.embedding_dim
+        )
+
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     handles = [norm.register_forward_hook(exact_norm) for norm in norms]
     handles += [
         m.register_forward_hook(exact_layer_norm) for m in model.modules() if type(m).__name__ == "OlmoLayerNorm"
     ]
+    for m in model.modules():
+        name = type(m).__name__
+        if name == "GPTJRotaryEmbedding":
+            handles.append(m.register_forward_hook(exact_sinusoids, with_kwargs=True))
+        elif name.endswith("RotaryEmbedding") and type(m).__module__.startswith("transformers."):
+            handles.append(m.register_forward_hook(exact_rotary, with_kwargs=True))
+        elif name.endswith("ScaledWordEmbedding"):
+            handles.append(m.register_forward_hook(exact_embedding_scale))
     torch.nn.functional.softmax = exact_softmax
     try:
         yield

@@ -94,6 +94,38 @@ def test_a_sequence_classifier_is_read_through_its_score_head(family):
         pk.logit(model, 3)
 
 
+@pytest.mark.parametrize("case", ["no mask", "a real pad id", "a mask that disagrees"])
+def test_a_classifier_is_read_at_the_token_its_head_reads(case):
+    """The score head reads the rightmost token whose id is not the pad id, whatever the mask says:
+    right-padded ids without a mask, and a real last token whose id is the pad id, read there (the
+    last real token by the mask was another, silently); a mask that marks that token as padding is
+    refused, naming the token."""
+    model = classifier("llama")
+    ids = torch.randint(1, 50, (1, 7))
+    mask = torch.ones_like(ids)
+    if case == "no mask":
+        ids[0, 5:], inputs = 0, {"input_ids": ids}  # pooled: token 4; the stack sees 7 real tokens
+    elif case == "a real pad id":
+        ids[0, 6], inputs = 0, {"input_ids": ids, "attention_mask": mask}  # pooled: token 5
+    else:
+        mask[0, 4:] = 0
+        ids[0, 5:], inputs = 0, {"input_ids": ids, "attention_mask": mask}  # pooled: token 4, masked
+    stack, capture = capture_huggingface_residual(model, **inputs)
+    readout = pk.logit_diff(model, 2, 0)
+    if case == "a mask that disagrees":
+        with pytest.raises(ValueError, match=r"the classifier reads batch element 0 at token 4 .* marks as padding"):
+            pk.path_attribution(stack, readout)
+        return
+    expected_token = {"no mask": 4, "a real pad id": 5}[case]
+    assert capture.pooled_token.tolist() == [expected_token]
+    logits = logits_in_float64(model, **inputs)  # [1, classes]: read at the pooled token
+    result = pk.path_attribution(stack, readout)
+    assert result.positions.tolist() == [expected_token]
+    torch.testing.assert_close(result.value, (logits[0, 2] - logits[0, 0]).reshape(1, 1), rtol=1e-10, atol=1e-10)
+    probe = pk.path_attribution(stack, readout.directions[0])  # a direction reads the last real token
+    assert probe.positions.tolist() == [6]
+
+
 def test_a_pooled_classifier_is_refused_by_name():
     model = classifier("bert")
     with pytest.raises(ValueError, match=r"^pathkernels\.logit_diff: BertForSequenceClassification classifies"):

@@ -42,6 +42,9 @@ class ResidualStreamCapture:
     and γ' of an RMSNorm on each attention sublayer's output (Gemma-2 and -3, OLMo 2), which
     scales every head's term, ``D' · (A D x C Γ W_V W_O) · Γ'``, and the sublayer's constant rows;
     None where the model has none. (An RMSNorm on the MLP's output is in ``mlp_out`` already.)
+    ``pooled_token`` ``[B]`` int64: for a Hugging Face sequence classifier, the token whose state
+    its ``score`` head reads, by the model's own rule (the rightmost token whose id is not the pad
+    id; the last token where the model has no pad id or took embeddings), else None.
     """
 
     layout: str
@@ -63,6 +66,7 @@ class ResidualStreamCapture:
     final_norm: str | None = None
     attention_output_scale: Tensor | None = None
     attention_output_weight: Tensor | None = None
+    pooled_token: Tensor | None = None
 
     @property
     def centred(self) -> bool:

@@ -447,10 +447,11 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
     positions it has alone; RoBERTa derives its own from the padding tokens, and ViT has none.
 
     Float64 means float64: Llama, Mistral, Qwen2 and ViT take the softmax (and the Llama family its
-    RMSNorms) in float32 even in a float64 model; for a float64 model the pass computes those steps
-    in float64 (:func:`pathkernels.adapters.precision.in_float64`), so that the patterns are the
-    model's own computed in float64 throughout, their rows summing to 1 to float64's rounding. The
-    model's unmodified forward pass differs from it by float32's rounding (~1e-7 relative).
+    RMSNorms and rotary angles) in float32 even in a float64 model; for a float64 model the pass
+    computes those steps in float64 (:func:`pathkernels.adapters.precision.in_float64`), so that
+    the patterns are the model's own computed in float64 throughout, their rows summing to 1 to
+    float64's rounding. The model's unmodified forward pass differs from it by float32's rounding
+    (~1e-7 relative, up to ~1e-6 where the rotary angles dominate).
 
     Returns:
         :class:`AttentionStack` with ``attn [B, L, H, n, n]``, ``w_v [L, H, d, d_head]``,

@@ -1,11 +1,11 @@
 """Float64 means float64: the steps a Hugging Face or TransformerLens model computes in float32
-whatever its dtype (the attention softmax, RMSNorms), computed in float64 during a float64 model's
-capture, so that it is decomposed at float64 precision."""
+whatever its dtype (the attention softmax, RMSNorms, rotary angles, Gemma's embedding scale),
+computed in float64 during a float64 model's capture, so that it is decomposed at float64 precision."""
 
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -15,8 +15,10 @@ from torch import Tensor, nn
 def in_float64(model: nn.Module):
     """Within the block, a float64 ``model``'s forward pass computes in float64 the steps that its
     code rounds to float32: the attention softmax (:func:`softmax_in_input_precision`), GPT-J's
-    attention scores, its RMSNorms (:func:`rms_norm_in_float64` on :func:`float32_rms_norms`) and
-    OLMo's LayerNorms (:func:`layer_norm_in_float64`). A float32 model is unchanged."""
+    attention scores, its RMSNorms (:func:`rms_norm_in_float64` on :func:`float32_rms_norms`),
+    OLMo's LayerNorms (:func:`layer_norm_in_float64`), the rotary angles and their cosines and sines
+    (:func:`rotary_in_float64`) and Gemma's embedding scale √d (:func:`positions_and_scales_in_float64`).
+    A float32 model is unchanged."""
     # First among the norms' forward hooks, so that every other hook sees the float64 output.
     handles = [norm.register_forward_hook(rms_norm_in_float64, prepend=True) for norm in float32_rms_norms(model)]
     handles += [
@@ -24,12 +26,143 @@ def in_float64(model: nn.Module):
         for norm in model.modules()
         if type(norm).__name__ == "OlmoLayerNorm"
     ]
+    handles += [
+        module.register_forward_hook(rotary_in_float64, with_kwargs=True)
+        for module in _every_module(model)
+        if _is_rotary(module)
+    ]
     try:
-        with softmax_in_input_precision(), _scores_in_input_precision():
+        with ExitStack() as stack:
+            stack.enter_context(softmax_in_input_precision())
+            stack.enter_context(_scores_in_input_precision())
+            stack.enter_context(positions_and_scales_in_float64(model))
             yield
     finally:
         for handle in handles:
             handle.remove()
+
+
+# --- rotary positions --------------------------------------------------------------------------
+# Hugging Face's rotary modules (Llama's and the families built like it) hold their inverse
+# frequencies θ_i as float32 numbers and compute the angles p·θ_i, their cosines and sines in float32
+# whatever the model's dtype: a float64 model's queries and keys would carry float32 roundings (up
+# to ~1e-6 relative in the logits). In a float64 capture the angles are computed in float64 from θ
+# in float64: θ_i = 1 / base^(2i/dim) (÷ factor for "linear" scaling) from the config, where that
+# formula reproduces the module's own θ to float32's rounding; the module's θ otherwise (other
+# scalings: the angles still in float64).
+
+
+def _every_module(model: nn.Module) -> list[nn.Module]:
+    """``model``'s modules and, for a TransformerLens 4.x bridge, those of the Hugging Face model it
+    wraps (held outside its module tree: GPT-J's rotary table is reached only there), each once."""
+    modules = {id(m): m for m in model.modules()}
+    original = model.__dict__.get("original_model")
+    if isinstance(original, nn.Module):
+        modules |= {id(m): m for m in original.modules() if id(m) not in modules}
+    return list(modules.values())
+
+
+def _is_rotary(module: nn.Module) -> bool:
+    """A Hugging Face rotary embedding: ``forward(x, position_ids[, layer_type]) -> (cos, sin)``
+    from inverse frequencies ``inv_freq`` (or ``<layer_type>_inv_freq``)."""
+    name = type(module).__name__
+    return (
+        name.endswith("RotaryEmbedding")
+        and type(module).__module__.startswith("transformers.")
+        and any(key.endswith("inv_freq") for key, _ in module.named_buffers(recurse=False))
+    )
+
+
+def _rope_parameters(config, layer_type: str | None) -> dict:
+    """The rotary parameters of ``config`` (those of ``layer_type`` where they are per layer type)."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    if layer_type is not None and isinstance(parameters.get(layer_type), dict):
+        parameters = parameters[layer_type]
+    return parameters
+
+
+def exact_inverse_frequencies(module: nn.Module, layer_type: str | None = None) -> Tensor:
+    """The rotary module's inverse frequencies θ ``[dim/2]`` in float64: from its config's formula
+    where that reproduces the module's own (float32) θ to within 4e-7 relative, else its own θ."""
+    prefix = f"{layer_type}_" if layer_type is not None else ""
+    held = getattr(module, prefix + "inv_freq").detach().double()
+    config = getattr(module, "config", None)
+    parameters = _rope_parameters(config, layer_type)
+    kind = parameters.get("rope_type", "default")
+    base = parameters.get("rope_theta")
+    if config is None or base is None or kind not in ("default", "linear"):
+        return held
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = int(head_dim * parameters.get("partial_rotary_factor", 1.0))
+    exponents = torch.arange(0, dim, 2, dtype=torch.float64, device=held.device) / dim
+    exact = 1.0 / float(base) ** exponents
+    if kind == "linear":
+        exact = exact / float(parameters["factor"])
+    if exact.shape != held.shape or not bool(((exact - held).abs() <= 4e-7 * held.abs()).all()):
+        return held
+    return exact
+
+
+def rotary_in_float64(module: nn.Module, args: tuple, kwargs: dict, output):
+    """A forward hook on a rotary module that, for a float64 ``x``, computes its ``(cos, sin)`` in
+    float64: angles ``p · θ_i`` for every position p (:func:`exact_inverse_frequencies`), repeated
+    over the two halves of the head (``cat(freqs, freqs)``, the layout of every family that has such
+    a module), times the module's attention scaling. The module's own (float32) output must agree
+    with that layout to float32's rounding of the angles; where it does not, the output is kept.
+    Returned in float64, whatever the module returns (OLMo's keeps its float32 ones)."""
+    x = args[0] if args else kwargs.get("x")
+    position_ids = args[1] if len(args) > 1 else kwargs.get("position_ids")
+    layer_type = args[2] if len(args) > 2 else kwargs.get("layer_type")
+    if not isinstance(x, Tensor) or x.dtype != torch.float64 or not isinstance(position_ids, Tensor):
+        return None
+    cos, sin = output
+    prefix = f"{layer_type}_" if layer_type is not None else ""
+    scaling = float(getattr(module, prefix + "attention_scaling", 1.0))
+    theta = exact_inverse_frequencies(module, layer_type)
+    angles = position_ids[..., None].double() * theta.to(position_ids.device)
+    angles = torch.cat((angles, angles), dim=-1)
+    exact_cos, exact_sin = angles.cos() * scaling, angles.sin() * scaling
+    # float32 angles are off by up to about |p| · θ_max · 2^-23: a layout check, not a precision one.
+    slack = abs(scaling) * (1e-6 + 3e-7 * float(position_ids.abs().max()) * float(theta.abs().max()))
+    if (
+        exact_cos.shape != cos.shape
+        or max(float((exact_cos - cos).abs().max()), float((exact_sin - sin).abs().max())) > slack
+    ):
+        return None
+    return exact_cos, exact_sin  # float64 (OLMo's module returns float32 ones, which promote against float64)
+
+
+@contextmanager
+def positions_and_scales_in_float64(model: nn.Module):
+    """Within the block, the float32 constants a float64 ``model`` holds in float64 buffers, exact:
+    Gemma's embedding scale √d (``embed_scale``, from its Python float ``scalar_embed_scale``) and
+    GPT-J's table of rotary sines and cosines (``embed_positions``, computed again in float64).
+    Restored after."""
+    swapped = []
+    for module in _every_module(model):
+        scale = getattr(module, "scalar_embed_scale", None)
+        held = getattr(module, "embed_scale", None)
+        if isinstance(scale, (int, float)) and isinstance(held, Tensor) and held.dtype == torch.float64:
+            swapped.append((module, "embed_scale", held))
+            module.embed_scale = torch.tensor(float(scale), dtype=torch.float64, device=held.device)
+        table = getattr(module, "embed_positions", None)
+        if hasattr(module, "pos_embd_dim") and isinstance(table, Tensor) and table.dtype == torch.float64:
+            exact = _sinusoid_table(table.shape[0], table.shape[1], table.device)
+            if float((exact[:64] - table[:64]).abs().max()) <= 1e-5:  # the same layout
+                swapped.append((module, "embed_positions", table))
+                module.embed_positions = exact
+    try:
+        yield
+    finally:
+        for module, name, held in swapped:
+            setattr(module, name, held)
+
+
+def _sinusoid_table(positions: int, dim: int, device) -> Tensor:
+    """GPT-J's ``[positions, dim]`` table ``cat(sin(p θ), cos(p θ))``, θ_i = 1 / 10000^(2i/dim), in float64."""
+    theta = 1.0 / 10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
+    angles = torch.arange(positions, dtype=torch.float64, device=device)[:, None] * theta
+    return torch.cat((angles.sin(), angles.cos()), dim=1)
 
 
 def _gptj_attention_in_input_precision(original):

@@ -208,10 +208,10 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
     ``C Γ`` on the right (docs/DESIGN.md, "Real transformers"). Other families are refused by name.
 
     Rotary positions and grouped-query attention change nothing: the patterns are read as
-    computed. A float64 model's softmax and RMSNorms, which Hugging Face computes in float32, run in
-    float64 for this pass (:func:`pathkernels.adapters.precision.in_float64`), so that its stream is
-    exactly the sum of its paths and the model's own in float64; its unmodified forward pass
-    differs from it by float32's rounding (about 1e-7 relative).
+    computed. A float64 model's softmax, RMSNorms and rotary angles, which Hugging Face computes in
+    float32, run in float64 for this pass (:func:`pathkernels.adapters.precision.in_float64`), so
+    that its stream is exactly the sum of its paths and the model's own in float64; its unmodified
+    forward pass differs from it by float32's rounding (about 1e-7 relative, up to 2e-6).
 
     Returns:
         ``(stack, capture)``; the capture is also ``stack.residual_capture``, which
@@ -295,9 +295,24 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
             attn_row_sums=None if stack.attn_precision is None else attn.double().sum(-1),
             unembedding=unembedding,
             unembedding_bias=unembedding_bias,
+            pooled_token=pooled_tokens(model, inputs.get("input_ids"), batch, tokens),
             **extra,
         )
     return _attached(stack, capture)
+
+
+def pooled_tokens(model: nn.Module, input_ids: Tensor | None, batch: int, tokens: int) -> Tensor | None:
+    """``[B]``: the token a Hugging Face sequence classifier's ``score`` head reads in each sequence,
+    by its own rule: the rightmost token whose id is not ``config.pad_token_id`` (whatever the
+    attention mask says; 0 where every id is the pad id), or the last token where the model has no
+    pad id or was given embeddings. None for any other model."""
+    if not type(model).__name__.endswith("ForSequenceClassification"):
+        return None
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    if pad is None or not isinstance(input_ids, Tensor):
+        return torch.full((batch,), tokens - 1, dtype=torch.long)
+    ids = input_ids.detach().cpu().reshape(batch, tokens)
+    return (torch.arange(tokens) * (ids != pad)).argmax(-1)
 
 
 def output_embedding(model) -> tuple[Tensor | None, Tensor | None]:

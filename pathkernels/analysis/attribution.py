@@ -58,16 +58,20 @@ _WHERE = "pathkernels.path_attribution"
 class Readout:
     """Readout directions in the model's output space: ``directions [R, d]`` (one row per readout,
     in the unembedding's space: before the final norm's frozen scale), ``bias [R]`` (each one's
-    constant, e.g. the unembedding bias) and their ``labels``."""
+    constant, e.g. the unembedding bias) and their ``labels``. ``pooled``: the readout is a sequence
+    classifier's class logits, which the model reads at one token of its own choosing (the capture's
+    ``pooled_token``): the default position of an attribution."""
 
     directions: Tensor
     bias: Tensor
     labels: tuple[str, ...]
+    pooled: bool = False
 
     @staticmethod
     def of(value: Readout | Tensor, d_model: int, where: str = _WHERE) -> Readout:
         """``value`` as a Readout: a Readout, a vector ``[d]`` or a matrix ``[d, R]`` of R columns
         (as ``W_U[:, tokens]``), in float64."""
+        pooled = isinstance(value, Readout) and value.pooled
         if isinstance(value, Readout):
             directions, bias, labels = value.directions, value.bias, value.labels
         elif isinstance(value, Tensor) and value.dim() in (1, 2) and value.shape[0] == d_model:
@@ -100,7 +104,9 @@ class Readout:
                 raise TypeError(f"{where}: expected the readout's {name} to be real numbers, got {value.dtype}")
             if not bool(torch.isfinite(value).all()):
                 raise ValueError(f"{where}: expected finite readout {name}, got a NaN or infinite value")
-        return Readout(directions.detach().double(), bias.detach().double().reshape(-1), tuple(map(str, labels)))
+        return Readout(
+            directions.detach().double(), bias.detach().double().reshape(-1), tuple(map(str, labels)), pooled
+        )
 
 
 # Families whose logits are a linear map of the final norm's output (an LM head, or the tied word
@@ -207,7 +213,7 @@ def logit(model, token: int) -> Readout:
     weight, bias, vocab = unembedding(model, where)
     a = _token(token, vocab, "token", where)
     constant = torch.zeros(1, dtype=torch.float64) if bias is None else bias.detach()[a : a + 1].double()
-    return Readout(weight[a : a + 1].double(), constant, (_logit_label(model, a),))
+    return Readout(weight[a : a + 1].double(), constant, (_logit_label(model, a),), _is_classifier(model))
 
 
 def logit_diff(model, a: int, b: int) -> Readout:
@@ -219,7 +225,7 @@ def logit_diff(model, a: int, b: int) -> Readout:
     a, b = _token(a, vocab, "a", where), _token(b, vocab, "b", where)
     direction = (weight[a].double() - weight[b].double())[None]
     constant = torch.zeros(1, dtype=torch.float64) if bias is None else (bias[a].double() - bias[b].double()).reshape(1)
-    return Readout(direction, constant.detach(), (_logit_label(model, a, b),))
+    return Readout(direction, constant.detach(), (_logit_label(model, a, b),), _is_classifier(model))
 
 
 def path_bars(top: list[dict], bottom: list[dict], label: str, title: str, ax=None):
@@ -400,7 +406,18 @@ def read_out(stack, readout, positions, batch, max_length, where: str) -> Checke
     read = Readout.of(readout, stack.d_model, where)
     tokens = stack.attn.shape[-1]
     real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu()
-    if positions is None:
+    pooled = getattr(capture, "pooled_token", None)
+    if positions is None and read.pooled and pooled is not None:
+        # The token the classifier's score head reads, by the model's rule (its pad id), which
+        # need not be the last token the mask marks real.
+        positions = [int(pooled[batch])]
+        if not bool(real[positions[0]]):
+            raise ValueError(
+                f"{where}: the classifier reads batch element {batch} at token {positions[0]} (the rightmost whose "
+                "id is not its pad id), which the attention mask marks as padding; pass positions, or a mask "
+                "that agrees with the ids"
+            )
+    elif positions is None:
         positions = [int(real.nonzero().flatten()[-1])]
     elif not isinstance(positions, (list, tuple)):
         positions = [positions]
@@ -450,7 +467,8 @@ def path_attribution(
         stack: a stack with a ``residual_capture`` (:func:`pathkernels.adapters.capture_huggingface_residual`).
         readout: :func:`logit_diff`, :func:`logit`, a :class:`Readout`, a direction ``[d]`` or
             directions ``[d, R]`` in the unembedding's space (before the final norm's frozen scale).
-        positions: token positions to read out (default: the last real token of ``batch``).
+        positions: token positions to read out (default: the last real token of ``batch``; for a
+            classifier's class logits, the token its score head reads, by its pad id).
         batch: the batch element.
         max_length: enumerate only paths through at most this many heads (default: every path).
             What the longer paths carry together is still exact: ``unenumerated``.

@@ -365,7 +365,8 @@ def top_paths(
         readout: one direction: :func:`pathkernels.logit_diff`, :func:`pathkernels.logit`, a
             :class:`Readout` of one row or a vector ``[d]``.
         k: how many paths.
-        position: the token read out (default: the last real token); ``batch``: the element.
+        position: the token read out (default: the last real token; for a classifier's class logits,
+            the token its score head reads); ``batch``: the element.
         largest: the largest attributions, or the smallest (the largest of the negated readout).
         max_length: only paths through at most this many heads.
         time_limit: seconds; at the limit the best list so far comes back with its gap.
