@@ -425,23 +425,32 @@ def test_a_direction_reads_the_final_norms_output_of_a_gpt2(tmp_path, capsys):
     assert code == 0 and f"readout: the direction from {path} · the last hidden state at token 3 = " in out
 
 
-def test_a_classifiers_class_logits_are_read_through_its_score_head(tmp_path, capsys):
+@pytest.mark.parametrize("seed", [0, 70])
+def test_a_classifiers_class_logits_are_read_through_its_score_head(tmp_path, capsys, seed):
+    """At the token the model's head reads (the rightmost whose id is not the pad id, 0 here), with
+    the model's own class logits; --seed draws the token ids: seed 70 draws [24, 8, 28, 2, 0], whose
+    last token is the pad id, so the head reads token 3."""
     folder = tiny_gpt2(
         tmp_path / "classifier", transformers.GPT2ForSequenceClassification, num_labels=3, pad_token_id=0
     )
-    code, out, _ = run(["attribute", "--model", str(folder), "--tokens", "5", "--target", "2", "--versus", "0"], capsys)
-    assert code == 0, out
-    readout = re.search(
-        r"readout: class logit\[2\] − class logit\[0\] at token 4 = (\S+) \(the model's own: (\S+)\)", out
-    )
-    assert readout is not None, out
     from pathkernels.adapters.huggingface import load_local_model, local_model_inputs
 
     local = load_local_model(folder)
-    inputs, _ = local_model_inputs(local, num_tokens=5)
+    inputs, _ = local_model_inputs(local, num_tokens=5, seed=seed)
+    ids = inputs["input_ids"][0]
+    pooled = int((torch.arange(5) * (ids != 0)).argmax())
+    assert pooled == (3 if seed == 70 else 4), ids
+    command = ["attribute", "--model", str(folder), "--tokens", "5", "--target", "2", "--versus", "0"]
+    code, out, _ = run([*command, "--seed", str(seed)], capsys)
+    assert code == 0, out
+    readout = re.search(
+        rf"readout: class logit\[2\] − class logit\[0\] at token {pooled} = (\S+) \(the model's own: (\S+)\)", out
+    )
+    assert readout is not None, (ids, out)
     with torch.no_grad():
         logits = local.model.double().eval()(**inputs).logits[0]
     assert float(readout[1]) == pytest.approx(float(logits[2] - logits[0]), rel=1e-5)
+    assert float(readout[2]) == pytest.approx(float(logits[2] - logits[0]), rel=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -273,7 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
         "without replacement. Under torchrun the processes split the tree.",
     )
     model_options(paths, layers=6, tokens=DEFAULT_TOKENS["paths"])
-    paths.add_argument("--seed", type=_SEED, default=0, help="seed of the network and of the sample")
+    paths.add_argument(
+        "--seed", type=_SEED, default=0, help="seed of the network, of the sample and of random token ids"
+    )
     paths.add_argument(
         "--samples-per-length", type=_integer(1), help="draw up to this many paths per length instead of all"
     )
@@ -301,7 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
         "heads too, whose logits are not linear.",
     )
     model_options(attribute, layers=4, tokens=DEFAULT_TOKENS["attribute"])
-    attribute.add_argument("--seed", type=_SEED, default=0, help="seed of the built-in model and its tokens")
+    attribute.add_argument(
+        "--seed", type=_SEED, default=0, help="seed of the built-in model and of random token ids (--tokens)"
+    )
     attribute.add_argument(
         "--target", help="token id (or, with a tokenizer, one token's text); default: the top prediction"
     )

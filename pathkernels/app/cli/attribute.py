@@ -193,7 +193,7 @@ def attribute_table(
             _linear_logits(local.model, model)
         elif getattr(local.model.config, "hidden_size", probe.shape[0]) != probe.shape[0]:
             read_direction(Path(direction), local.model.config.hidden_size)  # refuses, naming d
-        inputs, what = model_inputs(local, text, tokens, default_tokens=DEFAULT_TOKENS["attribute"])
+        inputs, what = model_inputs(local, text, tokens, default_tokens=DEFAULT_TOKENS["attribute"], seed=seed)
         config = local.model.config
         parameters = sum(p.numel() for p in local.model.parameters() if p.dtype != torch.float64)
         check_fits(
@@ -254,9 +254,10 @@ def attribute_table(
         raise CommandLineError(str(error).split(": ", 1)[-1]) from None
     if not done:
         return _stopped(clock, "capturing the model")
-    stack = captured[0]
+    stack, pooled = captured[0], captured[1].pooled_token
     n = stack.attn.shape[-1]
-    position = n - 1 if position is None else position
+    if position is None:  # a classifier's class logits: the token its score head reads (by its pad id)
+        position = int(pooled[0]) if pooled is not None and probe is None else n - 1
     if not -n <= position < n:
         raise CommandLineError(f"--position: expected a token position in [-{n}, {n}), got {position}")
     position %= n
@@ -276,7 +277,9 @@ def attribute_table(
         logits = getattr(output, "logits", None)
         if logits is not None and logits.dim() == 3 and not capped:
             logits = logits[0, position].double()
-        else:  # a base model with tied embeddings, a classifier's head at this token, or logits before the cap
+        elif logits is not None and pooled is not None and position == int(pooled[0]):
+            logits = logits[0].double()  # the classifier's own class logits, read at this token
+        else:  # a base model with tied embeddings, a classifier's head at another token, or logits before the cap
             logits = last @ weight.double().T
             logits = logits if bias is None else logits + bias.double()
         ranked = torch.argsort(logits, descending=True).tolist()

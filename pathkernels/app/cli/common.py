@@ -88,11 +88,12 @@ def local_model(spec: str) -> LocalModel:
 
 
 def model_inputs(
-    local: LocalModel, text: str | None, tokens: int | None, batch: int = 1, *, default_tokens: int
+    local: LocalModel, text: str | None, tokens: int | None, batch: int = 1, *, default_tokens: int, seed: int = 0
 ) -> tuple[dict, str]:
     """The inputs that ``--text`` / ``--tokens`` ask for, refusing those that do not apply: without
     either, a model with a tokenizer reads a fixed sentence, one without ``default_tokens`` random
-    token ids (the command's ``--tokens`` default)."""
+    token ids (the command's ``--tokens`` default). Random token ids and images are drawn from
+    ``seed`` (the command's ``--seed``, where it has one)."""
     if local.is_vision and (text is not None or tokens is not None):
         option = "--text" if text is not None else "--tokens"
         raise CommandLineError(
@@ -108,7 +109,7 @@ def model_inputs(
     if tokens is None and text is None and local.tokenizer is None and not local.is_vision:
         tokens = default_tokens
     try:
-        return local_model_inputs(local, text=text, num_tokens=tokens, batch=batch)
+        return local_model_inputs(local, text=text, num_tokens=tokens, batch=batch, seed=seed)
     except ValueError as error:
         raise CommandLineError(f"--text: {str(error).split(': ', 1)[-1]}") from None
 

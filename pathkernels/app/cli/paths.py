@@ -45,7 +45,7 @@ def paths_table(
             device = f"cuda:{torch.cuda.current_device()}"
         if model:
             local = local_model(model)
-            inputs, what = model_inputs(local, text, tokens, default_tokens=DEFAULT_TOKENS["paths"])
+            inputs, what = model_inputs(local, text, tokens, default_tokens=DEFAULT_TOKENS["paths"], seed=seed)
             config = local.model.config
             check_attention_fits(
                 "paths",
