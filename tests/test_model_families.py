@@ -484,6 +484,22 @@ def test_each_path_of_a_family_is_its_literal_term(name):
         assert math.isclose(got[key], value, rel_tol=1e-10, abs_tol=1e-12 * scale), (key, got[key], value)
 
 
+def test_the_paths_of_a_post_norm_opt_are_their_literal_terms():
+    """OPT-350m's layout (norms after each sublayer, project_in and project_out): every path written
+    literally from the design's matrices (the post-norm enumeration of BERT's test), summed by length,
+    against the stack's length sums; and those against the model's last hidden state."""
+    from test_real_models import enumerated_post_norm_sums
+
+    model = family_model("opt-post-projected")
+    stack, capture = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 5)))
+    assert capture.layout == "post"
+    expected = enumerated_post_norm_sums(stack, capture)
+    sums = stack.length_sums()[:, 0]
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(sums, expected, rtol=1e-12, atol=1e-12 * scale)
+    torch.testing.assert_close(sums.sum(0), capture.residual[0], rtol=1e-12, atol=1e-12 * scale)
+
+
 @pytest.mark.parametrize("name", ["gemma2", "gpt_neox", "falcon-grouped", "olmo2", "opt-post-projected"])
 def test_the_top_paths_of_a_family_are_those_of_enumeration(name):
     from test_top_paths import assert_same_as_enumeration

@@ -121,26 +121,30 @@ def test_the_paths_of_a_bert_sum_to_its_last_hidden_state():
     assert all(float(s.abs().max()) > 1e-3 for s in sums)
 
 
-def test_the_bert_length_sums_are_the_sums_of_the_enumerated_paths():
-    """Each post-LN path literally: a source, then at every sublayer after it the skip (D · C Γ)
-    or a head (D A_h · W_h C Γ), with the norms' D = diag(1/σ), C = I − 11ᵀ/d and Γ = diag(γ)."""
-    layers, heads, width, n = 2, 2, 8, 5
-    stack, capture = capture_huggingface_residual(bert(layers, heads, width), input_ids=torch.randint(0, 50, (1, n)))
+def enumerated_post_norm_sums(stack, capture, batch: int = 0) -> torch.Tensor:
+    """``[L+1, n, d]``: a post-norm model's paths summed by length, each written literally: a source,
+    then at every sublayer after it the skip (D · C Γ) or a head (D A_h · W_h C Γ), with the norms'
+    D = diag(1/σ), C = I − 11ᵀ/d and Γ = diag(γ); a sublayer's constant rows and the MLP's output
+    enter after it as sources (D · C Γ, plus the norm's 1 βᵀ)."""
+    layers, heads, width = stack.num_layers, stack.num_heads, stack.d_model
+    n = stack.attn.shape[-1]
     attn, w_v, w_o, b_o = (
-        t.double()[0] if t.dim() == 5 else t.double() for t in (stack.attn, stack.w_v, stack.w_o, stack.b_o)
+        t.double()[batch] if t.dim() == 5 else t.double() for t in (stack.attn, stack.w_v, stack.w_o, stack.b_o)
     )
     centre = torch.eye(width, dtype=torch.float64) - 1.0 / width
     ones = torch.ones(n, 1, dtype=torch.float64)
 
     def norm(layer, which):  # (D, C Γ) of a frozen LayerNorm
-        return torch.diag(capture.norm_scale[0, layer, which]), centre @ torch.diag(capture.norm_weight[layer, which])
+        return torch.diag(capture.norm_scale[batch, layer, which]), centre @ torch.diag(
+            capture.norm_weight[layer, which]
+        )
 
     # Sublayers in order: (layer, 0) attention, (layer, 1) MLP. Sources enter after a sublayer.
     sublayers = [(layer, which) for layer in range(layers) for which in (0, 1)]
-    sources = [(0, capture.embedding[0])]
+    sources = [(0, capture.embedding[batch])]
     for index, (layer, which) in enumerate(sublayers):
         d, cg = norm(layer, which)
-        inner = ones @ b_o[layer][None] if which == 0 else capture.mlp_out[0, layer]
+        inner = ones @ b_o[layer][None] if which == 0 else capture.mlp_out[batch, layer]
         sources.append((index + 1, d @ inner @ cg + ones @ capture.norm_bias[layer, which][None]))
     expected = torch.zeros(layers + 1, n, width, dtype=torch.float64)
     for first, source in sources:
@@ -156,6 +160,13 @@ def test_the_bert_length_sums_are_the_sums_of_the_enumerated_paths():
                     else d @ attn[layer, head] @ term @ w_v[layer, head] @ w_o[layer, head] @ cg
                 )
             expected[sum(h is not None for h in choice)] += term
+    return expected
+
+
+def test_the_bert_length_sums_are_the_sums_of_the_enumerated_paths():
+    layers, heads, width, n = 2, 2, 8, 5
+    stack, capture = capture_huggingface_residual(bert(layers, heads, width), input_ids=torch.randint(0, 50, (1, n)))
+    expected = enumerated_post_norm_sums(stack, capture)
     torch.testing.assert_close(stack.length_sums()[:, 0], expected, rtol=1e-12, atol=1e-12)
 
 
