@@ -76,6 +76,7 @@ INTERPRETED = triton is not None and interpreting()
 
 @_jit
 def _sum(x, axis: tl.constexpr):
+    """tl.sum along axis (a tree in a fixed order for a given config)."""
     return tl.reduce(x, axis, tl.standard._sum_combine)
 
 
