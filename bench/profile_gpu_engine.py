@@ -1,8 +1,9 @@
 """Where the CUDA engine spends its time: torch.profiler over one call of each.
 
 For ``path_residuals`` on a complete tree (L = 6, H = 10, n = 64, float32) with each leaf kernel
-(the all-heads candidates "heads", "heads_128" and the Triton one, "triton", too; each call's
-residuals against the SIMT kernel's, the largest relative difference), and ``path_statistics``
+(the all-heads candidates "heads", "heads_128" and the Triton one, "triton", too, and the internal
+levels all heads at once, PATHKERNELS_ENGINE_LEVELS=all_heads; each call's residuals against the
+SIMT kernel's, the largest relative difference), and ``path_statistics``
 on the same tree (its chunks folded by torch ops or by the Triton fold,
 PATHKERNELS_STATISTICS_FOLD=triton), each also with its chunks settled one at a time (as before
 the chunk pipeline, ``PATHKERNELS_SYNC_CHUNKS=1``): the wall time, the number of kernel launches,
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -38,6 +40,21 @@ def triton_fold(call):
     def run(a, t):
         with fold("triton"):
             return call(a, t)
+
+    return run
+
+
+def all_heads_levels(call):
+    """``call`` with the engine's internal levels taken all heads at once
+    (PATHKERNELS_ENGINE_LEVELS=all_heads): one batched product, one GEMM of the means and one
+    scales pass a level, instead of each per head."""
+
+    def run(a, t):
+        os.environ["PATHKERNELS_ENGINE_LEVELS"] = "all_heads"
+        try:
+            return call(a, t)
+        finally:
+            del os.environ["PATHKERNELS_ENGINE_LEVELS"]
 
     return run
 
@@ -68,6 +85,11 @@ CALLS = {
     # The Triton candidate of the all-heads kernel, called by the engine through the dispatcher.
     "path_residuals[triton]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="triton"),
     "path_residuals[triton, fast]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="triton", fast=True),
+    # Fewer launches above the leaves: every head's children of a level at once.
+    "path_residuals[simt, all-heads levels]": all_heads_levels(lambda a, t: pk.path_residuals(a, t)),
+    "path_residuals[heads, all-heads levels]": all_heads_levels(
+        lambda a, t: pk.path_residuals(a, t, leaf_kernel="heads")
+    ),
     "path_statistics[simt]": lambda a, t: pk.path_statistics(a, t),
     "path_statistics[simt, synced chunks]": synced(lambda a, t: pk.path_statistics(a, t)),
     "path_statistics[tensor]": lambda a, t: pk.path_statistics(a, t, leaf_kernel="tensor"),

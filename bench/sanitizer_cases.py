@@ -6,6 +6,7 @@ column count that is not a multiple of the block, non-contiguous inputs, ties an
     python bench/sanitizer_cases.py [norms] [engine] [leaves]   (default: all three groups)
 """
 
+import os
 import sys
 
 import torch
@@ -54,6 +55,15 @@ def engine_cases():
     e[..., -1] = -e[..., :-1].sum(-1)
     for kernel in ("fused", "gemm") + (("tensor",) if tensor_cores else ()):
         pk.path_residuals((1 / 8 + 2.0**-22 * e).float(), pk.PathTree.complete(6, 2, skip=True), leaf_kernel=kernel)
+    # The internal levels all heads at once (one batched product into strided views of the level).
+    os.environ["PATHKERNELS_ENGINE_LEVELS"] = "all_heads"
+    try:
+        for tree in trees[:3]:
+            for dtype in (torch.float32, torch.float64):
+                pk.path_residuals(attn.to(dtype), tree, memory_budget=1 << 16)
+        pk.path_residuals((1 / 8 + 2.0**-22 * e).float(), pk.PathTree.complete(6, 2, skip=True))
+    finally:
+        del os.environ["PATHKERNELS_ENGINE_LEVELS"]
 
 
 def leaf_cases():

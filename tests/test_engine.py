@@ -788,3 +788,86 @@ def test_path_chunk_norms_passes_opcheck(device, outputs):
     torch.library.opcheck(torch.ops.pathkernels.path_chunk_norms.default, args)
     residual, norm = ops.path_chunk_norms(*args)
     assert residual.shape == norm.shape == (1, 27)
+
+
+# --- PATHKERNELS_ENGINE_LEVELS=all_heads: every head's children of an internal level at once ------
+
+
+def all_heads_call(monkeypatch, call):
+    """``call()`` with the engine's internal levels taken all heads at once, and how many times the
+    engine repeated its parents' means or scales for the heads (aten::repeat: only that path does)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setenv("PATHKERNELS_ENGINE_LEVELS", "all_heads")
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            result = call()
+    finally:
+        monkeypatch.delenv("PATHKERNELS_ENGINE_LEVELS")
+    return result, sum(event.name == "aten::repeat" for event in prof.events())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("tree_kind", [*TREES, "factored W", "small chunks", "float32 range"])
+def test_all_heads_levels_change_no_bit_on_the_cpu(monkeypatch, dtype, tree_kind):
+    """The internal levels whose heads share their parents (complete trees, pruned ones, the upper
+    levels of an explicit tree) in a fixed number of products whatever H give the bits of the
+    per-head path; factored W keeps the per-head path; a float32 tree whose products fall below
+    float32's range renormalises the same."""
+    layers, heads, n = 4, 3, 6
+    tree = TREES.get(tree_kind, TREES["complete_skip"])(layers, heads)
+    attn, x, w_v, w_o = network(2, layers, heads, n, dtype=dtype)
+    budget = 2**22
+    if tree_kind == "factored W":
+        attn, x, w_v, w_o = network(2, layers, heads, n, 5, 2, dtype=dtype)
+    elif tree_kind == "small chunks":
+        budget = 20_000
+    elif tree_kind == "float32 range":
+        layers, heads, n = 9, 2, 8
+        attn = dyadic_attention(zero_sum_integers(2, layers, heads, n, spread=4), 2.0**-20).to(dtype)
+        tree = pk.PathTree.complete(layers, heads, skip=True)
+
+    def call():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a small budget's warning
+            return pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, memory_budget=budget)
+
+    expected = call()
+    got, repeats = all_heads_call(monkeypatch, call)
+    assert torch.equal(got.residual, expected.residual) and torch.equal(got.norm, expected.norm)
+    if tree_kind != "explicit":  # (whose upper levels may branch fully)
+        assert (repeats > 0) == (tree_kind != "factored W"), repeats
+    if tree_kind == "float32 range":
+        assert float(expected.residual.min()) < 1e-40  # renormalised: below float32's smallest normal
+
+
+def test_all_heads_levels_switch_is_checked(monkeypatch):
+    attn = random_attention(1, 3, 2, 4, 4)
+    monkeypatch.setenv("PATHKERNELS_ENGINE_LEVELS", "batched")
+    with pytest.raises(ValueError, match="expected PATHKERNELS_ENGINE_LEVELS 'per_head' or 'all_heads', got 'batched'"):
+        pk.path_residuals(attn, pk.PathTree.complete(3, 2))
+    monkeypatch.setenv("PATHKERNELS_ENGINE_LEVELS", "per_head")
+    pk.path_residuals(attn, pk.PathTree.complete(3, 2))
+
+
+@pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_all_heads_levels_agree_with_the_cpu(monkeypatch, dtype):
+    """On the GPU the internal levels go through one batched cuBLAS product into strided views of the
+    level: the same numbers as the CPU's engine (cuBLAS may round apart), complete, pruned and
+    renormalised trees."""
+    attn, _, _, _ = network(2, 5, 4, 16, dtype=dtype)
+    deep = dyadic_attention(zero_sum_integers(2, 9, 2, 8, spread=4), 2.0**-20).to(dtype)
+    cases = [
+        (attn, pk.PathTree.complete(5, 4)),
+        (attn, pk.PathTree.complete(5, 4, skip=True, max_length=3)),
+        (deep, pk.PathTree.complete(9, 2, skip=True)),
+    ]
+    for network_attn, tree in cases:
+        cpu = pk.path_residuals(network_attn, tree)
+        on_gpu = network_attn.cuda()
+        gpu, repeats = all_heads_call(monkeypatch, lambda a=on_gpu, t=tree: pk.path_residuals(a, t))
+        assert repeats > 0
+        tol = tolerance(dtype) if dtype == torch.float64 else {"rtol": 1e-4, "atol": 0}
+        torch.testing.assert_close(gpu.residual.cpu(), cpu.residual, **tol)
+        torch.testing.assert_close(gpu.norm.cpu(), cpu.norm, **tol)

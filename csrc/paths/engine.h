@@ -22,7 +22,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -203,6 +205,30 @@ bool fused_leaf_norms(Backend& backend, const Network& net, int64_t layer, int64
   return false;
 }
 
+// Where every head of a layer takes the same parents at a level, in head order (every level of a
+// complete tree, with or without the skip, and pruned by length): the first node of head 0's run
+// and the run's length, the runs of heads 1.. following it; nullopt otherwise. The skip run, which
+// comes first where there is one, is left to the caller.
+inline std::optional<std::pair<int64_t, int64_t>> shared_parent_runs(int64_t num_heads, const at::Tensor& positions,
+                                                                      const at::Tensor& heads) {
+  std::vector<HeadRun> runs = head_runs(heads);
+  if (!runs.empty() && runs.front().head < 0) {
+    runs.erase(runs.begin());
+  }
+  if (static_cast<int64_t>(runs.size()) != num_heads) {
+    return std::nullopt;
+  }
+  const int64_t count = runs.front().end - runs.front().begin;
+  const int64_t* p = positions.const_data_ptr<int64_t>();
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const HeadRun& run = runs[h];
+    if (run.head != h || run.end - run.begin != count || !std::equal(p + run.begin, p + run.end, p + runs[0].begin)) {
+      return std::nullopt;
+    }
+  }
+  return std::make_pair(runs.front().begin, count);
+}
+
 // The leaves of a level at which every head of the layer takes the same parents (the leaf level of
 // a complete tree, and of any tree whose last layer branches fully): all H heads' leaves in one call
 // of the backend's heads leaf kernel (heads_leaf.h), which reads each parent once for every head and
@@ -217,32 +243,75 @@ bool every_head_leaves(Backend& backend, const Network& net, int64_t layer, cons
   if (net.w_v.has_value() || level.residual.size(0) > heads_leaf::kMaxRows) {
     return false;
   }
-  std::vector<HeadRun> runs = head_runs(heads);
-  if (!runs.empty() && runs.front().head < 0) {
-    runs.erase(runs.begin());  // the skip leaves: their parents, reduced where they lie
-  }
-  if (static_cast<int64_t>(runs.size()) != num_heads) {
+  const auto shared = shared_parent_runs(num_heads, positions, heads);
+  if (!shared.has_value()) {
     return false;
   }
-  const int64_t count = runs.front().end - runs.front().begin;
-  const int64_t* p = positions.const_data_ptr<int64_t>();
-  for (int64_t h = 0; h < num_heads; ++h) {
-    const HeadRun& run = runs[h];
-    if (run.head != h || run.end - run.begin != count || !std::equal(p + run.begin, p + run.end, p + runs[0].begin)) {
-      return false;
-    }
-  }
-  const Nodes parents = run_parents(level, positions, runs.front().begin, count);
+  const auto [begin, count] = *shared;
+  const Nodes parents = run_parents(level, positions, begin, count);
   const HeadsLeafOperands ops{
       net.attn[layer], net.attn_mean[layer], parents.residual, parents.mean, parents.scale, kernel.variant,
       kernel.triton_precision};
   const auto [head_residual, head_norm] =  // [count, H]
       kernel.triton_precision != nullptr ? triton_leaf_norms(ops, "pathkernels.path_chunk_norms")
                                          : backend.heads_leaf_norms(ops);
-  // The runs tile the level in head order, so leaf (parent k, head h) is runs[0].begin + h·count + k.
+  // The runs tile the level in head order, so leaf (parent k, head h) is begin + h·count + k.
   const auto doubles = head_residual.options();
-  at::from_blob(residual + runs.front().begin, {num_heads, count}, doubles).copy_(head_residual.t());
-  at::from_blob(norm + runs.front().begin, {num_heads, count}, doubles).copy_(head_norm.t());
+  at::from_blob(residual + begin, {num_heads, count}, doubles).copy_(head_residual.t());
+  at::from_blob(norm + begin, {num_heads, count}, doubles).copy_(head_norm.t());
+  return true;
+}
+
+// PATHKERNELS_ENGINE_LEVELS=all_heads: internal levels whose heads share their parents go through
+// every_head_children; otherwise (the default, "per_head") head run by head run. A switch for the
+// GPU run that times both; read at each call, so that one process can measure both.
+inline bool all_heads_levels() {
+  const char* value = std::getenv("PATHKERNELS_ENGINE_LEVELS");
+  if (value == nullptr || std::string(value).empty() || std::string(value) == "per_head") {
+    return false;
+  }
+  TORCH_CHECK_VALUE(std::string(value) == "all_heads",
+                    "pathkernels.path_chunk_norms: expected PATHKERNELS_ENGINE_LEVELS 'per_head' or 'all_heads', got '",
+                    value, "'");
+  return true;
+}
+
+// The children through every head of an internal level whose heads share their parents
+// (shared_parent_runs), in a fixed number of launches whatever H: the residuals C(A_h) R' of every
+// head in one batched product (Backend::head_products) written into the level's head runs, the
+// column means μ + s R'ᵀ a_h of every head from one GEMM of the layer's a [H, n], and the scales of
+// every child in one pass. The same arithmetic as children() head by head (on the CPU the same bits:
+// its products do not depend on how the nodes are grouped). False, having done nothing, where the
+// level is not so or W is factored; the caller then takes the level head run by head run.
+template <typename T, typename Backend>
+bool every_head_children(Backend& backend, const Network& net, int64_t layer, const Nodes& level,
+                         const at::Tensor& positions, const at::Tensor& heads, const Nodes& next) {
+  const int64_t num_heads = net.attn.size(1);
+  if (net.w_v.has_value()) {
+    return false;
+  }
+  const auto shared = shared_parent_runs(num_heads, positions, heads);
+  if (!shared.has_value()) {
+    return false;
+  }
+  const auto [begin, count] = *shared;
+  const Nodes parents = run_parents(level, positions, begin, count);
+  const int64_t n = parents.residual.size(0), m = parents.residual.size(2);
+  const Nodes out = next.narrow(begin, num_heads * count);  // head h's children: count nodes from h·count
+  const at::Tensor right = parents.residual.flatten(1);     // [n, c·m], the level's row stride
+  // [H, n, c·m] views of the level: head h's rows are its run's [n, c·m] block.
+  backend.head_products(out.residual.view({n, num_heads, count * m}).transpose(0, 1), net.attn[layer], right);
+  const at::Tensor means = out.mean.view({num_heads, count * m});
+  if (net.renormalises) {
+    const at::Tensor shifts = product(backend, net.attn_mean[layer], right);  // [H, c·m]: R'ᵀ a_h
+    means.view({num_heads * count, m})
+        .copy_(backend.template add_scaled<T>(parents.mean.repeat({num_heads, 1}),
+                                              shifts.view({num_heads * count, m}), parents.scale.repeat({num_heads})));
+  } else {
+    out.mean.view({num_heads, count, m}).copy_(parents.mean.unsqueeze(0).expand({num_heads, count, m}));
+    backend.matmul(means, net.attn_mean[layer], right, true);
+  }
+  backend.template carry_scales<T>(out, parents.scale.repeat({num_heads}), net.renormalises);
   return true;
 }
 
@@ -258,6 +327,8 @@ bool every_head_leaves(Backend& backend, const Network& net, int64_t layer, cons
 //   carry_scales<T>(out, parent_scale, renormalise): out.scale = parent_scale, then, with
 //   `renormalise`, the rule of scales.h applied to each node of out, in place,
 //   heads_leaf_norms(ops): the heads leaf kernel (heads_leaf_op.h) on laid-out operands,
+//   head_products(out [H, n, c·m], attn [H, n, n], right [n, c·m]): out[h] = attn[h] @ right for
+//   every head (out a view into a level, rows of unit column stride),
 // and, where kFusedLeaves, fuses_leaves(n) and fused_leaf_norms<T>(attn [n, n], operands, residual,
 // norm): the norms of the leaves C(A) · operands.right, computed without storing them.
 // `every_head`: the heads leaf kernel (its variant, or the Triton kernel's precision) for leaf levels
@@ -281,6 +352,10 @@ void evaluate_chunk(const Network& net, const at::Tensor& root, const at::Tensor
               at::empty({positions.numel()}, scale_options)};
     }
     std::vector<NodeBlock> blocks = node_blocks(chunk.heads[l], leaf_block);
+    if (!leaves && all_heads_levels() &&
+        every_head_children<T>(backend, net, l, level, positions, chunk.heads[l], next)) {
+      std::erase_if(blocks, [](const NodeBlock& blk) { return blk.head >= 0; });  // done: the skip children remain
+    }
     if constexpr (std::is_same_v<T, float>) {
       if (leaves && every_head.has_value() &&
           every_head_leaves(backend, net, l, *every_head, level, positions, chunk.heads[l], residual, norm)) {

@@ -99,6 +99,15 @@ struct CpuBackend {
     cpu::mm_out(out, a, b, accumulate);
   }
 
+  // Every head's product in turn on the threads, each by matmul: the bits of the per-head path.
+  void head_products(const at::Tensor& out, const at::Tensor& attn, const at::Tensor& right) {
+    at::parallel_for(0, attn.size(0), 1, [&](int64_t first, int64_t last) {
+      for (int64_t h = first; h < last; ++h) {
+        matmul(out[h], attn[h], right, false);
+      }
+    });
+  }
+
   template <typename Fn>
   void for_each_block(int64_t count, Fn&& fn) {
     at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {

@@ -319,6 +319,14 @@ struct CudaBackend {
     }
   }
 
+  // Every head's product in one batched cuBLAS call: right is shared (a batch stride of 0), out a
+  // strided view of the level (row stride N·m, batch stride c·m); ATen copies an operand or the
+  // result only where cuBLAS cannot take its layout.
+  void head_products(const at::Tensor& out, const at::Tensor& attn, const at::Tensor& right) {
+    at::Tensor target = out;
+    at::bmm_out(target, attn, right.unsqueeze(0).expand({attn.size(0), right.size(0), right.size(1)}));
+  }
+
   // The scales' two per-node steps (engine.h): one launch each, on the current stream, no host sync.
   template <typename T>
   at::Tensor add_scaled(const at::Tensor& mean, const at::Tensor& shift, const at::Tensor& scale) {
