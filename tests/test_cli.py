@@ -447,6 +447,7 @@ def test_a_classifiers_class_logits_are_read_through_its_score_head(tmp_path, ca
         rf"readout: class logit\[2\] − class logit\[0\] at token {pooled} = (\S+) \(the model's own: (\S+)\)", out
     )
     assert readout is not None, (ids, out)
+    assert f"token ids: {ids.tolist()}" in out  # what --seed drew, printed
     with torch.no_grad():
         logits = local.model.double().eval()(**inputs).logits[0]
     assert float(readout[1]) == pytest.approx(float(logits[2] - logits[0]), rel=1e-5)

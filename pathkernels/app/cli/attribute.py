@@ -317,6 +317,9 @@ def attribute_table(
 
     value, constant = float(result.value[0, 0]), float(result.constant[0, 0])
     print(f"Path attribution of {source}")
+    if "random token ids" in source:  # what was drawn, so that a run can be read again
+        ids = inputs["input_ids"][0].tolist()
+        print(f"token ids: {ids[:64]}" + (f" … ({len(ids) - 64} more)" if len(ids) > 64 else ""))
     theirs = "n/a: the hidden state's width differs" if own is None else number(own, ".6g")
     print(
         f"readout: {label} at token {position} = {number(value, '.6g')} (the model's own: {theirs}); "
