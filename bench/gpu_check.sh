@@ -76,10 +76,11 @@ if $quick; then
   step sanitizer-racecheck "$SANITIZER" --tool racecheck --error-exitcode 1 $PYTHON bench/sanitizer_cases.py leaves engine
   step bench-gpu-leaves $PYTHON bench/bench_gpu_leaves.py --quick --limit 60 --out "$out/gpu_leaves.json"
   step bench-gpu-heads-leaf $PYTHON bench/bench_gpu_heads_leaf.py --quick --out "$out/gpu_heads_leaf.json"
-  step profile-engine $PYTHON bench/profile_gpu_engine.py --out "$out/gpu_profile.json"
+  # The Triton leaf kernel in the engine autotunes over its quick space here (four configs).
+  step profile-engine env PATHKERNELS_TRITON_CONFIGS=quick $PYTHON bench/profile_gpu_engine.py --out "$out/gpu_profile.json"
   step bench-norms $PYTHON bench/bench_norms.py --device cuda --quick --out "$out/norms.json"
   step bench-norms-triton $PYTHON bench/bench_norms.py --device cuda --only triton --quick --out "$out/norms_triton.json"
-  step bench-gpu-statistics $PYTHON bench/bench_gpu_statistics.py --out "$out/gpu_statistics.json"
+  step bench-gpu-statistics env PATHKERNELS_TRITON_CONFIGS=quick $PYTHON bench/bench_gpu_statistics.py --out "$out/gpu_statistics.json"
   step bench-gpu-readout $PYTHON bench/bench_gpu_readout.py --out "$out/gpu_readout.json"
   logs="tests crash-backtrace bench-gpu-leaves bench-gpu-heads-leaf profile-engine bench-norms bench-norms-triton bench-gpu-statistics bench-gpu-readout"
 else

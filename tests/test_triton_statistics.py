@@ -361,3 +361,24 @@ def test_extremes_recorded_in_either_order_of_chunks(ts, device):
     fold(ts, stats, torch.tensor([[0.5, 0.4, 0.2]], dtype=torch.float64, device=device), norm, lengths, paths)
     assert stats.argmin["ratio"][0, 1].tolist() == paths[2].tolist()
     assert stats.argmax["ratio"][0, 1].tolist() == paths[2].tolist()  # 0.4 at leaf 2 in chunk 1
+
+
+def test_the_autotuned_fold_counts_each_leaf_once(ts, device, monkeypatch):
+    """On the GPU, the fold's first launch is autotuned: every config runs on the chunk, counting
+    into the scratch histogram, which must be zeroed between the trials and before the real launch
+    (reset_to_zero), so that the histograms count each leaf once. (The interpreter runs one config.)"""
+    if device != "cuda":
+        pytest.skip("the interpreter does not autotune")
+    monkeypatch.setenv("PATHKERNELS_TRITON_STATISTICS_CONFIGS", "full")
+    ts._TUNERS.clear()
+    tree = pk.PathTree.complete(4, 6, skip=True)
+    count = tree.num_leaves
+    lengths, paths = tree.leaf_lengths(0, count), tree.leaf_paths(torch.arange(count))
+    residual, norm = chunk_values(2, count, torch.Generator().manual_seed(3), device)
+    got = PathStatistics.empty(2, tree, torch.float32, 2, 0, device)
+    expected = PathStatistics.empty(2, tree, torch.float32, 2, 0, "cpu")
+    for _ in range(2):
+        fold(ts, got, residual, norm, lengths.to(device), paths)
+        expected._add_torch(residual.cpu(), norm.cpu(), paths)
+    assert_same(got, expected)
+    assert ts.chosen_config() is not None
