@@ -128,6 +128,8 @@ def test_a_classifier_is_read_at_the_token_its_head_reads(case):
 
 def test_a_pooled_classifier_is_refused_by_name():
     model = classifier("bert")
+    _, capture = capture_huggingface_residual(model, input_ids=torch.randint(1, 50, (1, 5)))
+    assert capture.pooled_token is None  # its pooler reads the first token, not a score head's token
     with pytest.raises(ValueError, match=r"^pathkernels\.logit_diff: BertForSequenceClassification classifies"):
         pk.logit_diff(model, 1, 0)
 

@@ -303,12 +303,17 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
 
 def pooled_tokens(model: nn.Module, input_ids: Tensor | None, batch: int, tokens: int) -> Tensor | None:
     """``[B]``: the token a Hugging Face sequence classifier's ``score`` head reads in each sequence,
-    by its own rule: the rightmost token whose id is not ``config.pad_token_id`` (whatever the
-    attention mask says; 0 where every id is the pad id), or the last token where the model has no
-    pad id or was given embeddings. None for any other model."""
-    if not type(model).__name__.endswith("ForSequenceClassification"):
+    by its own rule: the rightmost token whose id is not the (text) config's ``pad_token_id``
+    (whatever the attention mask says; 0 where every id is the pad id), or the last token where the
+    model has no pad id or was given embeddings. None for any other model, a classifier without a
+    ``score`` head among them (BERT's reads its pooler at the first token)."""
+    if not type(model).__name__.endswith("ForSequenceClassification") or not isinstance(
+        getattr(model, "score", None), nn.Linear
+    ):
         return None
-    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    pad = getattr(config, "pad_token_id", None)
     if pad is None or not isinstance(input_ids, Tensor):
         return torch.full((batch,), tokens - 1, dtype=torch.long)
     ids = input_ids.detach().cpu().reshape(batch, tokens)
