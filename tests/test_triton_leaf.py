@@ -7,15 +7,13 @@ kernel. Checked against a float64 reference written from the formula, against th
 rounded by frexp, independently of the kernel's bit arithmetic), and on hand-worked leaves whose
 exact values tell the three precisions apart."""
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from triton_interpreter import kernel_module
+from triton_interpreter import compiled_for_the_gpu, kernel_module, printed_without_triton
 
 import pathkernels as pk
 from pathkernels.reference import composite_norm_ref
@@ -511,13 +509,7 @@ def test_compiles_for_the_gpu(triton_leaf, device):
     (Triton's own tf32x3 as well), and the composite's float64 square roots correctly rounded."""
     if device == "cuda":
         pytest.skip("the GPU runs the compiled kernel itself")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, cwd=root, env=env, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    counts = json.loads(result.stdout)
+    counts = compiled_for_the_gpu(COMPILE_SCRIPT)
     for arch in (80, 90):
         ieee, tf32, tf32x3, native = (counts[f"{arch}/{p}"] for p in ("ieee", "tf32", "tf32x3", "tf32x3-triton"))
         assert ieee["mma"] == ieee["wgmma"] == 0 and ieee["fma"] > 0, (arch, ieee)
@@ -532,8 +524,7 @@ def test_compiles_for_the_gpu(triton_leaf, device):
 def test_without_triton():
     """Where Triton is not installed, pathkernels and this module import, and the kernel's functions
     raise an error that names them (a fresh interpreter in which `import triton` fails)."""
-    script = (
-        "import sys; sys.modules['triton'] = None\n"
+    output = printed_without_triton(
         "import torch, pathkernels, pathkernels.core.triton_leaf as t\n"
         "x = torch.zeros(2, 2)\n"
         "try:\n"
@@ -541,8 +532,5 @@ def test_without_triton():
         "except RuntimeError as error:\n"
         "    print(error)\n"
     )
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300)
-    assert result.returncode == 0, result.stderr
     message = "pathkernels.triton_leaf_norms: needs Triton (pip install triton), which is not installed"
-    assert result.stdout.strip() == message
+    assert output.strip() == message

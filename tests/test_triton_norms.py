@@ -6,16 +6,11 @@ run the compiled kernel. Checked against a float64 reference written from the fo
 pk.composite_norm / pk.residual_norm (the C++ ops), on a hand-worked matrix, and, without a GPU, on
 the PTX that Triton compiles for sm_80 and sm_90."""
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from triton_interpreter import kernel_module
+from triton_interpreter import compiled_for_the_gpu, kernel_module, printed_without_triton
 
 import pathkernels as pk
 
@@ -425,13 +420,7 @@ def test_compiles_for_the_gpu(tn, device):
     multiply-add: the composite's range test must not be contracted (_composite)."""
     if device == "cuda":
         pytest.skip("the GPU runs the compiled kernel itself")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, cwd=root, env=env, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    counts = json.loads(result.stdout)
+    counts = compiled_for_the_gpu(COMPILE_SCRIPT)
     for arch in (80, 90):
         case = {name.split("/")[1]: c for name, c in counts.items() if name.startswith(f"{arch}/")}
         for name in ("f32_64x64_residual", "f32_32x768_strips", "f32_composite", "f16_64x64", "f32_rows"):
@@ -450,8 +439,7 @@ def test_compiles_for_the_gpu(tn, device):
 def test_without_triton():
     """Where Triton is not installed, pathkernels and this module import, and the ops raise an error
     that names them (a fresh interpreter in which `import triton` fails)."""
-    script = (
-        "import sys; sys.modules['triton'] = None\n"
+    output = printed_without_triton(
         "import torch, pathkernels, pathkernels.core.triton_norms as t\n"
         "for fn in (t.triton_composite_norm, t.triton_residual_norm):\n"
         "    try:\n"
@@ -459,10 +447,7 @@ def test_without_triton():
         "    except RuntimeError as error:\n"
         "        print(error)\n"
     )
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == [
+    assert output.splitlines() == [
         f"pathkernels.triton_{name}_norm: needs Triton (pip install triton), which is not installed"
         for name in ("composite", "residual")
     ]

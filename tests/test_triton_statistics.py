@@ -5,16 +5,11 @@ interpreter (tests/triton_interpreter.py). Checked against the torch fold
 sums to a few ulp), on a hand-worked chunk, through pk.path_statistics against the default fold,
 and, without a GPU, on the PTX Triton compiles for sm_80 and sm_90."""
 
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from triton_interpreter import kernel_module
+from triton_interpreter import compiled_for_the_gpu, kernel_module, printed_without_triton
 
 import pathkernels as pk
 from pathkernels.core.statistics import _HISTOGRAMS, _MEASURES, PathStatistics, statistics_fold
@@ -318,13 +313,7 @@ def test_compiles_for_the_gpu(ts, device):
     float atomics anywhere (the sums' order is fixed), float64 arithmetic in the fold (the log10)."""
     if device == "cuda":
         pytest.skip("the GPU runs the compiled kernels themselves")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run(
-        [sys.executable, "-c", COMPILE_SCRIPT], capture_output=True, text=True, cwd=root, env=env, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    counts = json.loads(result.stdout)
+    counts = compiled_for_the_gpu(COMPILE_SCRIPT)
     for arch in (80, 90):
         fold_counts, merge = counts[f"{arch}/_fold_chunk_kernel"], counts[f"{arch}/_merge_kernel"]
         assert fold_counts["integer_atomics"] > 0 and fold_counts["f64_fma"] > 0, (arch, fold_counts)
@@ -332,19 +321,15 @@ def test_compiles_for_the_gpu(ts, device):
 
 
 def test_without_triton():
-    script = (
-        "import sys; sys.modules['triton'] = None\n"
+    output = printed_without_triton(
         "import torch, pathkernels, pathkernels.core.triton_statistics as t\n"
         "try:\n"
         "    t.triton_statistics_update(*[torch.zeros(1)] * 12)\n"
         "except RuntimeError as error:\n"
         "    print(error)\n"
     )
-    root = Path(__file__).resolve().parents[1]
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300)
-    assert result.returncode == 0, result.stderr
     message = "pathkernels.triton_statistics_update: needs Triton (pip install triton), which is not installed"
-    assert result.stdout.strip() == message
+    assert output.strip() == message
 
 
 def test_extremes_recorded_in_either_order_of_chunks(ts, device):

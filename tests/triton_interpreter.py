@@ -7,8 +7,11 @@ compiled kernels.
 """
 
 import importlib
+import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,3 +40,25 @@ def kernel_module(name: str, what: str):
     if not module.INTERPRETED and not torch.cuda.is_available():
         pytest.skip(f"{name} was imported without TRITON_INTERPRET=1 and there is no GPU")
     return module
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def compiled_for_the_gpu(script: str) -> dict:
+    """The JSON that ``script`` prints, run in a fresh interpreter without TRITON_INTERPRET (so that
+    Triton compiles its kernels for the GPU, with its own ptxas and no driver), from the checkout."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+def printed_without_triton(script: str) -> str:
+    """What ``script`` prints in a fresh interpreter in which ``import triton`` fails."""
+    script = "import sys; sys.modules['triton'] = None\n" + script
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
