@@ -21,9 +21,9 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
-from bench_gpu_statistics import fold
 from torch.profiler import ProfilerActivity, profile
 
 import pathkernels as pk
@@ -33,28 +33,15 @@ from pathkernels.testing import random_attention
 LAYERS, HEADS, N = 6, 10, 64
 
 
-def triton_fold(call):
-    """``call`` with path_statistics folding its chunks in the Triton kernels
-    (PATHKERNELS_STATISTICS_FOLD=triton) instead of torch ops."""
+def with_environment(call, **variables):
+    """``call`` with the environment ``variables`` set while it runs: PATHKERNELS_STATISTICS_FOLD=triton
+    (path_statistics folds its chunks in the Triton kernels instead of torch ops),
+    PATHKERNELS_ENGINE_LEVELS=all_heads (the engine's internal levels all heads at once: one batched
+    product, one GEMM of the means and one scales pass a level, instead of each per head)."""
 
     def run(a, t):
-        with fold("triton"):
+        with mock.patch.dict(os.environ, variables):
             return call(a, t)
-
-    return run
-
-
-def all_heads_levels(call):
-    """``call`` with the engine's internal levels taken all heads at once
-    (PATHKERNELS_ENGINE_LEVELS=all_heads): one batched product, one GEMM of the means and one
-    scales pass a level, instead of each per head."""
-
-    def run(a, t):
-        os.environ["PATHKERNELS_ENGINE_LEVELS"] = "all_heads"
-        try:
-            return call(a, t)
-        finally:
-            del os.environ["PATHKERNELS_ENGINE_LEVELS"]
 
     return run
 
@@ -86,17 +73,23 @@ CALLS = {
     "path_residuals[triton]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="triton"),
     "path_residuals[triton, fast]": lambda a, t: pk.path_residuals(a, t, leaf_kernel="triton", fast=True),
     # Fewer launches above the leaves: every head's children of a level at once.
-    "path_residuals[simt, all-heads levels]": all_heads_levels(lambda a, t: pk.path_residuals(a, t)),
-    "path_residuals[heads, all-heads levels]": all_heads_levels(
-        lambda a, t: pk.path_residuals(a, t, leaf_kernel="heads")
+    "path_residuals[simt, all-heads levels]": with_environment(
+        lambda a, t: pk.path_residuals(a, t), PATHKERNELS_ENGINE_LEVELS="all_heads"
+    ),
+    "path_residuals[heads, all-heads levels]": with_environment(
+        lambda a, t: pk.path_residuals(a, t, leaf_kernel="heads"), PATHKERNELS_ENGINE_LEVELS="all_heads"
     ),
     "path_statistics[simt]": lambda a, t: pk.path_statistics(a, t),
     "path_statistics[simt, synced chunks]": synced(lambda a, t: pk.path_statistics(a, t)),
     "path_statistics[tensor]": lambda a, t: pk.path_statistics(a, t, leaf_kernel="tensor"),
     "path_statistics[heads]": lambda a, t: pk.path_statistics(a, t, leaf_kernel="heads"),
     # The Triton fold (two launches a chunk) in place of torch ops (about 40).
-    "path_statistics[simt, triton fold]": triton_fold(lambda a, t: pk.path_statistics(a, t)),
-    "path_statistics[heads, triton fold]": triton_fold(lambda a, t: pk.path_statistics(a, t, leaf_kernel="heads")),
+    "path_statistics[simt, triton fold]": with_environment(
+        lambda a, t: pk.path_statistics(a, t), PATHKERNELS_STATISTICS_FOLD="triton"
+    ),
+    "path_statistics[heads, triton fold]": with_environment(
+        lambda a, t: pk.path_statistics(a, t, leaf_kernel="heads"), PATHKERNELS_STATISTICS_FOLD="triton"
+    ),
 }
 
 

@@ -8,6 +8,7 @@ column count that is not a multiple of the block, non-contiguous inputs, ties an
 
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -56,14 +57,11 @@ def engine_cases():
     for kernel in ("fused", "gemm") + (("tensor",) if tensor_cores else ()):
         pk.path_residuals((1 / 8 + 2.0**-22 * e).float(), pk.PathTree.complete(6, 2, skip=True), leaf_kernel=kernel)
     # The internal levels all heads at once (one batched product into strided views of the level).
-    os.environ["PATHKERNELS_ENGINE_LEVELS"] = "all_heads"
-    try:
+    with mock.patch.dict(os.environ, {"PATHKERNELS_ENGINE_LEVELS": "all_heads"}):
         for tree in trees[:3]:
             for dtype in (torch.float32, torch.float64):
                 pk.path_residuals(attn.to(dtype), tree, memory_budget=1 << 16)
         pk.path_residuals((1 / 8 + 2.0**-22 * e).float(), pk.PathTree.complete(6, 2, skip=True))
-    finally:
-        del os.environ["PATHKERNELS_ENGINE_LEVELS"]
 
 
 def leaf_cases():
