@@ -20,7 +20,17 @@ except ImportError:  # the modules still import; their functions say what is mis
     triton = None
     tl = None
 
-__all__ = ["config_space", "describe_choice", "interpreting", "jit", "on_device", "require", "tl", "triton"]
+__all__ = [
+    "config_space",
+    "describe_choice",
+    "interpreting",
+    "jit",
+    "on_device",
+    "registered_op",
+    "require",
+    "tl",
+    "triton",
+]
 
 
 def interpreting() -> bool:
@@ -72,3 +82,18 @@ def describe_choice(tuner) -> dict | None:
         "timings_ms": [{**describe(c), "ms": t[0] if isinstance(t, (list, tuple)) else t} for c, t in timings.items()],
         "bench_s": getattr(tuner, "bench_time", None),
     }
+
+
+_REGISTERED: dict = {}
+
+
+def registered_op(name: str, impl, fake, mutates_args=()):
+    """``torch.ops.<name>.default`` ("namespace::op"), registered on first use: ``impl`` as a
+    torch.library.triton_op (its schema read from impl's signature; ``mutates_args``: the arguments
+    it writes) with the fake kernel ``fake``. Later calls return the registered op."""
+    if name not in _REGISTERED:
+        defined = torch.library.triton_op(name, mutates_args=mutates_args)(impl)
+        defined.register_fake(fake)
+        namespace, op = name.split("::")
+        _REGISTERED[name] = getattr(getattr(torch.ops, namespace), op).default
+    return _REGISTERED[name]

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from pathkernels.core._triton import config_space as _config_space
-from pathkernels.core._triton import describe_choice, interpreting, on_device, require, tl, triton
+from pathkernels.core._triton import describe_choice, interpreting, on_device, registered_op, require, tl, triton
 from pathkernels.core._triton import jit as _jit
 
 OP = "pathkernels.triton_leaf_norms"
@@ -502,19 +502,11 @@ def _triton_leaf_norms_fake(attn_centred, attn_mean, parents, parent_means, scal
     return _outputs(attn_centred, parents)
 
 
-_OP = None
-
-
 def op():
     """``torch.ops.pathkernels.triton_leaf_norms``, registered (torch.library.triton_op, with a fake
     kernel) on first use."""
-    global _OP
     require_triton()
-    if _OP is None:
-        defined = torch.library.triton_op(OP_NAME, mutates_args=())(_triton_leaf_norms_impl)
-        defined.register_fake(_triton_leaf_norms_fake)
-        _OP = torch.ops.pathkernels.triton_leaf_norms.default
-    return _OP
+    return registered_op(OP_NAME, _triton_leaf_norms_impl, _triton_leaf_norms_fake)
 
 
 def triton_leaf_norms(

@@ -62,7 +62,7 @@ import torch
 from torch import Tensor
 
 from pathkernels.core._triton import config_space as _config_space
-from pathkernels.core._triton import describe_choice, interpreting, on_device, require, tl, triton
+from pathkernels.core._triton import describe_choice, interpreting, on_device, registered_op, require, tl, triton
 from pathkernels.core._triton import jit as _jit
 from pathkernels.core.ops import check_norm_input
 from pathkernels.core.paths import check_flag
@@ -686,24 +686,13 @@ def _triton_residual_norm_fake(x, return_norm=False):
     return _outputs(x, True, return_norm)
 
 
-_OPS: dict = {}
-
-
 def op(centered: bool):
     """``torch.ops.pathkernels.triton_residual_norm`` (centered) or ``triton_composite_norm``,
     registered (torch.library.triton_op, with a fake kernel) on first use."""
     require_triton(OPS[centered])
-    if centered not in _OPS:
-        impl, fake = (
-            (_triton_residual_norm_impl, _triton_residual_norm_fake)
-            if centered
-            else (_triton_composite_norm_impl, _triton_composite_norm_fake)
-        )
-        defined = torch.library.triton_op(OP_NAMES[centered], mutates_args=())(impl)
-        defined.register_fake(fake)
-        name = OP_NAMES[centered].split("::")[1]
-        _OPS[centered] = getattr(torch.ops.pathkernels, name).default
-    return _OPS[centered]
+    if centered:
+        return registered_op(OP_NAMES[True], _triton_residual_norm_impl, _triton_residual_norm_fake)
+    return registered_op(OP_NAMES[False], _triton_composite_norm_impl, _triton_composite_norm_fake)
 
 
 def triton_composite_norm(x: Tensor, *, config: NormConfig | None = None) -> Tensor:

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from pathkernels.core._triton import config_space as _config_space
-from pathkernels.core._triton import describe_choice, interpreting, on_device, require, tl, triton
+from pathkernels.core._triton import describe_choice, interpreting, on_device, registered_op, require, tl, triton
 from pathkernels.core._triton import jit as _jit
 
 OP_NAME = "pathkernels::triton_statistics_update"
@@ -585,22 +585,12 @@ def _triton_statistics_update_fake(residual, norm, lengths, edges, counts, *accu
     return counts.new_empty((2, MEASURES, *counts.shape))
 
 
-_OP = None
-
-
 def op():
     """``torch.ops.pathkernels.triton_statistics_update``, registered (torch.library.triton_op, with
     a fake kernel; the accumulators are mutated) on first use."""
-    global _OP
     require_triton()
-    if _OP is None:
-        mutated = {"counts", "zero_norms", "log10_ratio_sums", "sums", "sums_of_squares", "minima", "maxima"}
-        defined = torch.library.triton_op(OP_NAME, mutates_args=mutated | {"histograms"})(
-            _triton_statistics_update_impl
-        )
-        defined.register_fake(_triton_statistics_update_fake)
-        _OP = torch.ops.pathkernels.triton_statistics_update.default
-    return _OP
+    mutated = ("counts", "zero_norms", "log10_ratio_sums", "sums", "sums_of_squares", "minima", "maxima", "histograms")
+    return registered_op(OP_NAME, _triton_statistics_update_impl, _triton_statistics_update_fake, mutated)
 
 
 def triton_statistics_update(
