@@ -206,11 +206,17 @@ bool fused_leaf_norms(Backend& backend, const Network& net, int64_t layer, int64
 }
 
 // Where every head of a layer takes the same parents at a level, in head order (every level of a
-// complete tree, with or without the skip, and pruned by length): the first node of head 0's run
-// and the run's length, the runs of heads 1.. following it; nullopt otherwise. The skip run, which
-// comes first where there is one, is left to the caller.
-inline std::optional<std::pair<int64_t, int64_t>> shared_parent_runs(int64_t num_heads, const at::Tensor& positions,
-                                                                      const at::Tensor& heads) {
+// complete tree, with or without the skip, and pruned by length): the first node of head 0's run,
+// the run's length (the runs of heads 1.. follow it) and those parents; nullopt otherwise. The skip
+// run, which comes first where there is one, is left to the caller.
+struct SharedParents {
+  int64_t begin;
+  int64_t count;
+  Nodes parents;
+};
+
+inline std::optional<SharedParents> shared_parents(const Nodes& level, int64_t num_heads, const at::Tensor& positions,
+                                                   const at::Tensor& heads) {
   std::vector<HeadRun> runs = head_runs(heads);
   if (!runs.empty() && runs.front().head < 0) {
     runs.erase(runs.begin());
@@ -226,7 +232,7 @@ inline std::optional<std::pair<int64_t, int64_t>> shared_parent_runs(int64_t num
       return std::nullopt;
     }
   }
-  return std::make_pair(runs.front().begin, count);
+  return SharedParents{runs.front().begin, count, run_parents(level, positions, runs.front().begin, count)};
 }
 
 // The leaves of a level at which every head of the layer takes the same parents (the leaf level of
@@ -243,12 +249,11 @@ bool every_head_leaves(Backend& backend, const Network& net, int64_t layer, cons
   if (net.w_v.has_value() || level.residual.size(0) > heads_leaf::kMaxRows) {
     return false;
   }
-  const auto shared = shared_parent_runs(num_heads, positions, heads);
+  const auto shared = shared_parents(level, num_heads, positions, heads);
   if (!shared.has_value()) {
     return false;
   }
-  const auto [begin, count] = *shared;
-  const Nodes parents = run_parents(level, positions, begin, count);
+  const auto& [begin, count, parents] = *shared;
   const HeadsLeafOperands ops{
       net.attn[layer], net.attn_mean[layer], parents.residual, parents.mean, parents.scale, kernel.variant,
       kernel.triton_precision};
@@ -277,7 +282,7 @@ inline bool all_heads_levels() {
 }
 
 // The children through every head of an internal level whose heads share their parents
-// (shared_parent_runs), in a fixed number of launches whatever H: the residuals C(A_h) R' of every
+// (shared_parents), in a fixed number of launches whatever H: the residuals C(A_h) R' of every
 // head in one batched product (Backend::head_products) written into the level's head runs, the
 // column means μ + s R'ᵀ a_h of every head from one GEMM of the layer's a [H, n], and the scales of
 // every child in one pass. The same arithmetic as children() head by head (on the CPU the same bits:
@@ -290,12 +295,11 @@ bool every_head_children(Backend& backend, const Network& net, int64_t layer, co
   if (net.w_v.has_value()) {
     return false;
   }
-  const auto shared = shared_parent_runs(num_heads, positions, heads);
+  const auto shared = shared_parents(level, num_heads, positions, heads);
   if (!shared.has_value()) {
     return false;
   }
-  const auto [begin, count] = *shared;
-  const Nodes parents = run_parents(level, positions, begin, count);
+  const auto& [begin, count, parents] = *shared;
   const int64_t n = parents.residual.size(0), m = parents.residual.size(2);
   const Nodes out = next.narrow(begin, num_heads * count);  // head h's children: count nodes from h·count
   const at::Tensor right = parents.residual.flatten(1);     // [n, c·m], the level's row stride
