@@ -347,7 +347,7 @@ class PathStatistics:
                 kept = where[name].view(-1, self.num_layers)
                 kept.copy_(torch.where(better.unsqueeze(1), found, kept))
                 current.copy_(best(current, chunk_best))
-        edges = self.edges.to(residual.device)
+        edges = _edges_on(self.bins_per_decade, residual.device)  # copied to a GPU once, not per chunk
         for name in _HISTOGRAMS:
             flat = values[name].flatten()
             # Bin 0: below the first edge, exact zeros; bins 1..E-1 regular; bin E: from the last
