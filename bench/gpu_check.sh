@@ -9,7 +9,8 @@
 # --quick (about 8 minutes): the build for this card's architecture alone; the CUDA cases of the
 # leaf-kernel, engine, norm, statistics and readout-engine tests, with the CPU GEMM's and the
 # hostile-input tests, the Triton leaf kernel's tests compiled for the GPU (no interpreter) and the
-# all-heads CUDA leaf kernel's, the Triton norm kernels' and the Triton statistics fold's tests;
+# all-heads CUDA leaf kernel's, the Triton norm kernels', the Triton statistics fold's and the CUDA
+# graphs' (PATHKERNELS_CUDA_GRAPHS=1) tests;
 # memcheck of every kernel and racecheck of the leaf and engine kernels; bench_gpu_leaves.py
 # --quick (its whole-leaf-level section times the Triton kernel, autotuned over its quick space,
 # against cuBLAS and the CUDA kernels, and writes its JSON after every case); bench_gpu_heads_leaf.py
@@ -67,7 +68,8 @@ if $quick; then
   step tests env PATHKERNELS_TEST_DEVICES=cuda $PYTHON -m pytest -q -rs --durations=5 $parallel \
     tests/test_fused_leaf.py tests/test_engine.py tests/test_norms.py tests/test_statistics.py \
     tests/test_engine_gemm.py tests/test_hostile_inputs.py tests/test_readout_engine.py tests/test_triton_leaf.py \
-    tests/test_heads_leaf.py tests/test_triton_norms.py tests/test_triton_statistics.py -k "not compile"
+    tests/test_heads_leaf.py tests/test_triton_norms.py tests/test_triton_statistics.py tests/test_chunk_graphs.py \
+    -k "not compile"
   # 2026-11-27 this test crashed (SIGSEGV) in the op under the machine's GCC 13 build: a native
   # backtrace, from cuda-gdb (which also debugs host code; the image has no gdb).
   step crash-backtrace cuda-gdb -batch -ex run -ex bt -ex quit --args $PYTHON -m pytest -q -p no:cacheprovider \

@@ -2,8 +2,9 @@
 
 For ``path_residuals`` on a complete tree (L = 6, H = 10, n = 64, float32) with each leaf kernel
 (the all-heads candidates "heads", "heads_128" and the Triton one, "triton", too, and the internal
-levels all heads at once, PATHKERNELS_ENGINE_LEVELS=all_heads; each call's residuals against the
-SIMT kernel's, the largest relative difference), and ``path_statistics``
+levels all heads at once, PATHKERNELS_ENGINE_LEVELS=all_heads, and the repeated subtrees replayed
+from CUDA graphs, PATHKERNELS_CUDA_GRAPHS=1; each call's residuals against the SIMT kernel's, the
+largest relative difference), and ``path_statistics``
 on the same tree (its chunks folded by torch ops or by the Triton fold,
 PATHKERNELS_STATISTICS_FOLD=triton), each also with its chunks settled one at a time (as before
 the chunk pipeline, ``PATHKERNELS_SYNC_CHUNKS=1``): the wall time, the number of kernel launches,
@@ -37,7 +38,8 @@ def with_environment(call, **variables):
     """``call`` with the environment ``variables`` set while it runs: PATHKERNELS_STATISTICS_FOLD=triton
     (path_statistics folds its chunks in the Triton kernels instead of torch ops),
     PATHKERNELS_ENGINE_LEVELS=all_heads (the engine's internal levels all heads at once: one batched
-    product, one GEMM of the means and one scales pass a level, instead of each per head)."""
+    product, one GEMM of the means and one scales pass a level, instead of each per head),
+    PATHKERNELS_CUDA_GRAPHS=1 (each chunk's subtree below its prefix replayed from a CUDA graph)."""
 
     def run(a, t):
         with mock.patch.dict(os.environ, variables):
@@ -79,6 +81,18 @@ CALLS = {
     "path_residuals[heads, all-heads levels]": with_environment(
         lambda a, t: pk.path_residuals(a, t, leaf_kernel="heads"), PATHKERNELS_ENGINE_LEVELS="all_heads"
     ),
+    # The subtree below each chunk's prefix from a CUDA graph: one graph launch a chunk.
+    "path_residuals[simt, graphs]": with_environment(lambda a, t: pk.path_residuals(a, t), PATHKERNELS_CUDA_GRAPHS="1"),
+    "path_residuals[heads, all-heads levels, graphs]": with_environment(
+        lambda a, t: pk.path_residuals(a, t, leaf_kernel="heads"),
+        PATHKERNELS_ENGINE_LEVELS="all_heads",
+        PATHKERNELS_CUDA_GRAPHS="1",
+    ),
+    "path_residuals[triton, all-heads levels, graphs]": with_environment(
+        lambda a, t: pk.path_residuals(a, t, leaf_kernel="triton"),
+        PATHKERNELS_ENGINE_LEVELS="all_heads",
+        PATHKERNELS_CUDA_GRAPHS="1",
+    ),
     "path_statistics[simt]": lambda a, t: pk.path_statistics(a, t),
     "path_statistics[simt, synced chunks]": synced(lambda a, t: pk.path_statistics(a, t)),
     "path_statistics[tensor]": lambda a, t: pk.path_statistics(a, t, leaf_kernel="tensor"),
@@ -89,6 +103,12 @@ CALLS = {
     ),
     "path_statistics[heads, triton fold]": with_environment(
         lambda a, t: pk.path_statistics(a, t, leaf_kernel="heads"), PATHKERNELS_STATISTICS_FOLD="triton"
+    ),
+    "path_statistics[heads, all-heads levels, triton fold, graphs]": with_environment(
+        lambda a, t: pk.path_statistics(a, t, leaf_kernel="heads"),
+        PATHKERNELS_STATISTICS_FOLD="triton",
+        PATHKERNELS_ENGINE_LEVELS="all_heads",
+        PATHKERNELS_CUDA_GRAPHS="1",
     ),
 }
 

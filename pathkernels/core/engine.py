@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from pathkernels.core import distributed, ops
+from pathkernels.core import chunk_graphs, distributed, ops
 from pathkernels.core._memory import check_fits, format_bytes
 from pathkernels.core._progress import progress_bar
 from pathkernels.core.checks import (
@@ -500,11 +500,21 @@ def chunk_reports(net: Network, tree: PathTree, pieces, leaf_kernel: str, memory
     ``pieces``: ``(start, stop, chunk, leaf_block, leaf_position)``, the chunk's leaf order on the
     results' device. On CUDA a chunk is settled one chunk late: its range checks, which read a flag on
     the host, wait until the next chunk's kernels are queued, so the GPU does not idle while the host
-    reads a flag and plans the next chunk."""
+    reads a flag and plans the next chunk. With PATHKERNELS_CUDA_GRAPHS=1 the chunks that repeat a
+    subtree below a prefix are split there, and on CUDA their subtrees replayed from a CUDA graph
+    (:mod:`pathkernels.core.chunk_graphs`)."""
     operands = engine_operands(net)
+
+    def evaluate(chunk, leaf_block: int) -> tuple[Tensor, Tensor]:
+        return chunk_norms(net, operands, chunk, leaf_block, leaf_kernel)
+
+    if chunk_graphs.graphs_enabled():
+        evaluate = chunk_graphs.ChunkGraphs(
+            net, operands, leaf_kernel, evaluate, capture=net.attn.device.type == "cuda"
+        )
     pending = None
     for start, stop, chunk, leaf_block, leaf_position in pieces:
-        residual, norm = chunk_norms(net, operands, chunk, leaf_block, leaf_kernel)
+        residual, norm = evaluate(chunk, leaf_block)
         residual, norm = residual[:, leaf_position], norm[:, leaf_position]
         flags, event = _range_flags(net, residual, norm)
         if pending is not None:
