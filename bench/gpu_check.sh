@@ -16,8 +16,9 @@
 # against cuBLAS and the CUDA kernels, and writes its JSON after every case); bench_gpu_heads_leaf.py
 # --quick (the all-heads CUDA leaf kernel's variants against cuBLAS and the per-head kernels); the engine's profile
 # (every leaf kernel, the engine's all-heads candidates "heads" and "heads_128" among them, each
-# call's residuals against the SIMT kernel's);
-# bench_norms.py --quick, and its Triton section (the Triton norm kernels, autotuned, against the CUDA
+# call's residuals against the SIMT kernel's, and the CUDA graphs); bench_engine_choices.py --quick (every
+# leaf kernel with and without graphs against float64, the statistics folds and the level modes:
+# the defaults table's entries for this card, engine_defaults.json); bench_norms.py --quick, and its Triton section (the Triton norm kernels, autotuned, against the CUDA
 # kernel, torch.compile, x.sum() and a copy); bench_gpu_statistics.py (each leaf kernel with the torch and the
 # Triton fold at 10^7 paths, the folds' statistics compared, a resumed 10^8-path checkpoint);
 # bench_gpu_readout.py (the readout engine, CUDA against CPU).
@@ -80,11 +81,14 @@ if $quick; then
   step bench-gpu-heads-leaf $PYTHON bench/bench_gpu_heads_leaf.py --quick --out "$out/gpu_heads_leaf.json"
   # The Triton leaf kernel in the engine autotunes over its quick space here (four configs).
   step profile-engine env PATHKERNELS_TRITON_CONFIGS=quick $PYTHON bench/profile_gpu_engine.py --out "$out/gpu_profile.json"
+  # The defaults table's entries for this card (copy them into pathkernels/core/engine_defaults.json).
+  step bench-engine-choices env PATHKERNELS_TRITON_CONFIGS=quick $PYTHON bench/bench_engine_choices.py --quick \
+    --out "$out/engine_defaults.json"
   step bench-norms $PYTHON bench/bench_norms.py --device cuda --quick --out "$out/norms.json"
   step bench-norms-triton $PYTHON bench/bench_norms.py --device cuda --only triton --quick --out "$out/norms_triton.json"
   step bench-gpu-statistics env PATHKERNELS_TRITON_CONFIGS=quick $PYTHON bench/bench_gpu_statistics.py --out "$out/gpu_statistics.json"
   step bench-gpu-readout $PYTHON bench/bench_gpu_readout.py --out "$out/gpu_readout.json"
-  logs="tests crash-backtrace bench-gpu-leaves bench-gpu-heads-leaf profile-engine bench-norms bench-norms-triton bench-gpu-statistics bench-gpu-readout"
+  logs="tests crash-backtrace bench-gpu-leaves bench-gpu-heads-leaf profile-engine bench-engine-choices bench-norms bench-norms-triton bench-gpu-statistics bench-gpu-readout"
 else
   step tests $PYTHON -m pytest -q -rs --durations=5 $parallel tests
   for tool in memcheck racecheck; do
@@ -94,12 +98,13 @@ else
   step bench-gpu-leaves $PYTHON bench/bench_gpu_leaves.py --limit 100 --out "$out/gpu_leaves.json"
   step bench-gpu-heads-leaf $PYTHON bench/bench_gpu_heads_leaf.py --out "$out/gpu_heads_leaf.json"
   step profile-engine $PYTHON bench/profile_gpu_engine.py --out "$out/gpu_profile.json"
+  step bench-engine-choices $PYTHON bench/bench_engine_choices.py --out "$out/engine_defaults.json"
   step bench-norms $PYTHON bench/bench_norms.py --device cuda --out "$out/norms.json"
   step bench-norms-triton $PYTHON bench/bench_norms.py --device cuda --only triton --out "$out/norms_triton.json"
   step bench-gpu-statistics $PYTHON bench/bench_gpu_statistics.py --full --out "$out/gpu_statistics.json"
   step bench-paths $PYTHON bench/bench_paths.py --device cuda --quick --out "$out/paths.json"
   step bench-gpu-readout $PYTHON bench/bench_gpu_readout.py --out "$out/gpu_readout.json"
-  logs="tests bench-gpu-leaves bench-gpu-heads-leaf profile-engine bench-norms bench-norms-triton bench-gpu-statistics bench-paths bench-gpu-readout"
+  logs="tests bench-gpu-leaves bench-gpu-heads-leaf profile-engine bench-engine-choices bench-norms bench-norms-triton bench-gpu-statistics bench-paths bench-gpu-readout"
 fi
 for log in $logs; do
   { echo; echo "$log:"; tail -n 30 "$out/$log.log" | sed 's/^/    /'; } >> "$summary"

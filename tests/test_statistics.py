@@ -223,7 +223,7 @@ def test_bad_arguments():
         pk.path_statistics(attn, tree, top_k=1).top(2)
     with pytest.raises(
         ValueError,
-        match=r"path_statistics: expected leaf_kernel in \('fused', .*, 'triton'\), got 'simt'",
+        match=r"path_statistics: expected leaf_kernel in \('auto', 'fused', .*, 'triton'\), got 'simt'",
     ):
         pk.path_statistics(attn, tree, leaf_kernel="simt")
     with pytest.raises(ValueError, match="leaf_kernel='tensor' runs on TF32 tensor cores and takes float32 attn"):

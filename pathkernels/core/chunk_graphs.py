@@ -1,5 +1,5 @@
-"""CUDA graphs for the engine's repeated chunks (``PATHKERNELS_CUDA_GRAPHS=1``; off by default until
-a GPU run measures it against the eager engine).
+"""CUDA graphs for the engine's repeated chunks (``PATHKERNELS_CUDA_GRAPHS=1``; unset, as measured
+for the card: :mod:`pathkernels.core.engine_defaults`, off until a GPU run times it).
 
 A complete tree's chunks are subtrees (:meth:`PathTree.subtree_chunk`): a chain of ``k = L − depth``
 prefix nodes, one a layer, then every choice of the last ``depth`` layers. The levels below the
@@ -48,13 +48,14 @@ _MEAN_HEADROOM_EXPONENT = 40
 _SMALLEST_ROOT = 2.0**-100
 
 
-def graphs_enabled() -> bool:
-    """Whether PATHKERNELS_CUDA_GRAPHS asks for the split (and, on CUDA, the graphs): "1" on, "0" or
-    unset off. Read at each call of the engine, so that one process can time both."""
-    value = os.environ.get(_GRAPHS_ENV, "0").strip()
+def graphs_enabled() -> bool | None:
+    """Whether PATHKERNELS_CUDA_GRAPHS asks for the split (and, on CUDA, the graphs): "1" on, "0" off,
+    None when unset (the engine then takes :mod:`pathkernels.core.engine_defaults`' choice). Read at
+    each call of the engine, so that one process can time both."""
+    value = os.environ.get(_GRAPHS_ENV, "").strip()
     if value not in ("", "0", "1"):
         raise ValueError(f"pathkernels.path_residuals: expected {_GRAPHS_ENV} '0' or '1', got {value!r}")
-    return value == "1"
+    return None if value == "" else value == "1"
 
 
 def prefix_length(chunk) -> int:

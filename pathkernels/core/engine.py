@@ -30,6 +30,7 @@ from pathkernels.core.checks import (
     mask_group_inputs,
     unpack_stack,
 )
+from pathkernels.core.engine_defaults import engine_choice
 from pathkernels.core.paths import SKIP, PathTree, check_flag
 from pathkernels.core.planner import (
     DEFAULT_MEMORY_BUDGET,
@@ -40,7 +41,7 @@ from pathkernels.core.planner import (
 )
 from pathkernels.reference import trie_products_ref
 
-LEAF_KERNELS = ("fused", "tensor", "gemm", "heads", "heads_128", "triton")
+LEAF_KERNELS = ("auto", "fused", "tensor", "gemm", "heads", "heads_128", "triton")
 
 
 def op_leaf_kernel(leaf_kernel: str, fast: bool, attn, where: str) -> str:
@@ -53,6 +54,9 @@ def op_leaf_kernel(leaf_kernel: str, fast: bool, attn, where: str) -> str:
     same accuracy, and "tf32x3" only 1.15× faster than "simt" at ten times its error (5e-7 against
     4e-8 relative at n = 64), so float32 accuracy stays on the SIMT kernel by default.
 
+    "auto" (the default) is the kernel chosen for this card family, dtype, fast and n by measurement
+    (:mod:`pathkernels.core.engine_defaults`), "fused" wherever nothing was measured.
+
     "heads" and "heads_128" are the heads leaf kernel ("heads_tf32x3", or "heads_tf32" with fast;
     64- or 128-column tiles): leaf levels whose every head takes the same parents in one launch
     that reads each parent once for all heads (csrc/paths/heads_leaf.h). "triton" takes the same
@@ -62,6 +66,8 @@ def op_leaf_kernel(leaf_kernel: str, fast: bool, attn, where: str) -> str:
     Triton's interpreter."""
     if leaf_kernel not in LEAF_KERNELS:
         raise ValueError(f"{where}: expected leaf_kernel in {LEAF_KERNELS}, got {leaf_kernel!r}")
+    if leaf_kernel == "auto":
+        leaf_kernel = _measured_leaf_kernel(attn, fast)
     if fast:
         _check_fast(attn, where)
     if leaf_kernel in ("tensor", "heads", "heads_128", "triton"):
@@ -86,6 +92,14 @@ def op_leaf_kernel(leaf_kernel: str, fast: bool, attn, where: str) -> str:
     if fast:  # the SIMT kernel is full float32: fast mode's leaves take TF32 tensor cores
         return "tf32" if torch.cuda.get_device_capability(attn.device)[0] >= 8 else "gemm"
     return "simt"
+
+
+def _measured_leaf_kernel(attn, fast: bool) -> str:
+    """``leaf_kernel="auto"``: the measured table's kernel for attn's device, dtype and n, "fused"
+    where attn is no tensor yet (the checks that follow refuse it)."""
+    if not isinstance(attn, Tensor) or attn.dim() < 2:
+        return "fused"
+    return engine_choice(attn.device, attn.dtype, attn.shape[-1], fast).leaf_kernel
 
 
 class PathResiduals:
@@ -157,7 +171,7 @@ def path_residuals(
     all_ranks: bool = False,
     fast: bool = False,
     token_mask: Tensor | None = None,
-    leaf_kernel: str = "fused",
+    leaf_kernel: str = "auto",
 ) -> PathResiduals | None:
     """Residual norms of every path of ``tree``, evaluated on its shared-prefix trie.
 
@@ -199,12 +213,15 @@ def path_residuals(
             padded batch's ``attention_mask``: each batch element is evaluated on its real tokens
             only, ``P_p`` restricted to them (its rows must still sum to 1 there). Elements that
             share a mask run as one batch. Not with ``materialize`` (the products differ in size).
-        leaf_kernel: CUDA only: ``"fused"`` (the default) reduces leaves of n ≤ 128 on chip in the
-            fused leaf kernel, on CUDA cores; ``"tensor"`` does the same on TF32 tensor cores at
-            float32 accuracy (3×TF32; float32 attn, compute capability ≥ 8.0): on an H200 1.15×
-            faster than ``"fused"`` at about ten times its rounding error (5e-7 against 4e-8
-            relative at n = 64), hence not the default; ``"gemm"`` runs cuBLAS into a scratch
-            block and reduces that (the benchmarks' comparison); ``"heads"`` and ``"heads_128"``
+        leaf_kernel: CUDA only: ``"auto"`` (the default) takes the kernel measured fastest at
+            float32 accuracy on this card family for this dtype, ``fast`` and n
+            (:mod:`pathkernels.core.engine_defaults`: so far ``"fused"`` everywhere); ``"fused"``
+            reduces leaves of n ≤ 128 on chip in the fused leaf kernel, on CUDA cores; ``"tensor"``
+            does the same on TF32 tensor cores at float32 accuracy (3×TF32; float32 attn, compute
+            capability ≥ 8.0): on an H200 1.15× faster than ``"fused"`` at about ten times its
+            rounding error (5e-7 against 4e-8 relative at n = 64), hence not chosen; ``"gemm"``
+            runs cuBLAS into a scratch block and reduces that (the benchmarks' comparison);
+            ``"heads"`` and ``"heads_128"``
             (float32, compute capability ≥ 8.0) take each leaf level whose every head has the
             same parents (complete trees) in one launch over all heads on TF32 tensor cores
             (3×TF32, or one pass with ``fast``; 64- or 128-column tiles), reading each parent once
@@ -257,7 +274,7 @@ def evaluate_paths(
     all_ranks: bool = False,
     fast: bool = False,
     token_mask: Tensor | None = None,
-    leaf_kernel: str = "fused",
+    leaf_kernel: str = "auto",
 ) -> PathResiduals | None:
     """:func:`path_residuals` on behalf of ``where``, the public function the user called (such as
     ``"pathkernels.decompose"``): its checks, errors and warnings name that function."""
@@ -508,7 +525,10 @@ def chunk_reports(net: Network, tree: PathTree, pieces, leaf_kernel: str, memory
     def evaluate(chunk, leaf_block: int) -> tuple[Tensor, Tensor]:
         return chunk_norms(net, operands, chunk, leaf_block, leaf_kernel)
 
-    if chunk_graphs.graphs_enabled():
+    graphs = chunk_graphs.graphs_enabled()
+    if graphs is None:  # unset: as measured for this card family, dtype and n
+        graphs = engine_choice(net.attn.device, net.attn.dtype, net.attn.shape[-1]).graphs
+    if graphs:
         evaluate = chunk_graphs.ChunkGraphs(
             net, operands, leaf_kernel, evaluate, capture=net.attn.device.type == "cuda"
         )

@@ -29,6 +29,7 @@ from pathkernels.core._files import read_sealed, tensor_digest, write_sealed
 from pathkernels.core._progress import progress_bar
 from pathkernels.core.checks import check_masked_network, first_index, mask_group_inputs, unpack_stack
 from pathkernels.core.engine import check_inputs, chunk_reports, op_leaf_kernel, to_device
+from pathkernels.core.engine_defaults import engine_choice
 from pathkernels.core.paths import (
     DEFAULT_MAX_PATHS,
     MAX_SIZE,
@@ -84,8 +85,9 @@ _FOLD_ENV = "PATHKERNELS_STATISTICS_FOLD"
 def statistics_fold(device: torch.device) -> str:
     """How :meth:`PathStatistics.add` folds a chunk on ``device``, from PATHKERNELS_STATISTICS_FOLD
     ("auto" when unset): "native" (the C++ op; the CPU's default), "torch" (torch ops; the GPU's
-    default until a GPU run measures the Triton fold) or "triton" (core/triton_statistics.py: a GPU,
-    or CPU tensors under TRITON_INTERPRET=1). The switch lets one run time them against each other."""
+    default where :mod:`pathkernels.core.engine_defaults` has no measured choice) or "triton"
+    (core/triton_statistics.py: a GPU, or CPU tensors under TRITON_INTERPRET=1). The switch lets one
+    run time them against each other."""
     choice = os.environ.get(_FOLD_ENV, "auto").strip().lower() or "auto"
     if choice not in STATISTICS_FOLDS:
         raise ValueError(
@@ -93,8 +95,8 @@ def statistics_fold(device: torch.device) -> str:
         )
     if choice == "native" and device.type != "cpu":
         raise ValueError(f"pathkernels.path_statistics: {_FOLD_ENV}=native is the CPU's fold, got tensors on {device}")
-    if choice == "auto":
-        return "native" if device.type == "cpu" else "torch"
+    if choice == "auto":  # the GPU's: as measured for the card family (float32 reports, n unknown here)
+        return "native" if device.type == "cpu" else engine_choice(device, torch.float32, 1).statistics_fold
     return choice
 
 
@@ -936,7 +938,7 @@ def path_statistics(
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: float = 180.0,
     token_mask: Tensor | None = None,
-    leaf_kernel: str = "fused",
+    leaf_kernel: str = "auto",
     max_paths: int = DEFAULT_MAX_PATHS,
 ) -> PathStatistics | None:
     """Exact per-length statistics of the residual ratio, residual and norm of every path.
@@ -1020,7 +1022,7 @@ def stream_statistics(
     checkpoint: str | os.PathLike | None = None,
     checkpoint_every: float = 180.0,
     token_mask: Tensor | None = None,
-    leaf_kernel: str = "fused",
+    leaf_kernel: str = "auto",
     max_paths: int = DEFAULT_MAX_PATHS,
 ) -> PathStatistics | None:
     """:func:`path_statistics` on behalf of ``where``, the public function the user called (such

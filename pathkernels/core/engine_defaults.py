@@ -1,0 +1,62 @@
+"""The engine's defaults on a GPU, chosen by measurement: which leaf kernel ``leaf_kernel="auto"``
+takes, whether the chunks replay from CUDA graphs and how ``path_statistics`` folds its chunks,
+per card family (compute capability's major version), dtype, ``fast`` and n.
+
+The table is ``engine_defaults.json`` beside this file, written by ``bench/bench_engine_choices.py``
+on a card (``bench/gpu_check.sh --quick`` runs it) and committed with the measurements behind each
+entry. A configuration no entry covers (another card family, float64, the CPU) takes the built-in
+choice: the SIMT leaf kernel, no graphs, the torch fold on a GPU (the C++ fold on the CPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TABLE = Path(__file__).with_name("engine_defaults.json")
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """What the engine runs: ``leaf_kernel`` (one of path_residuals' names), ``graphs``
+    (PATHKERNELS_CUDA_GRAPHS), ``statistics_fold`` (PATHKERNELS_STATISTICS_FOLD), and ``source``:
+    the measurement that chose it (a results folder), or None for the built-in choice."""
+
+    leaf_kernel: str = "fused"
+    graphs: bool = False
+    statistics_fold: str = "torch"
+    source: str | None = None
+
+
+BUILT_IN = EngineChoice()
+
+
+@functools.lru_cache(maxsize=1)
+def table_entries() -> tuple[dict, ...]:
+    """The table's entries, each ``{"capability", "dtype", "fast", "n_max", "leaf_kernel", "graphs",
+    "statistics_fold", "card", "source", ...}`` (the measurements ride along)."""
+    return tuple(json.loads(TABLE.read_text())["entries"])
+
+
+def engine_choice(device, dtype: torch.dtype, n: int, fast: bool = False) -> EngineChoice:
+    """The table's choice for ``n × n`` attention of ``dtype`` on ``device``: the entry of the
+    device's card family, dtype and ``fast`` with the smallest ``n_max ≥ n``; :data:`BUILT_IN`
+    where none applies (the CPU, float64, another family, n beyond every entry)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return BUILT_IN
+    family = torch.cuda.get_device_capability(device)[0]
+    dtype_name = str(dtype).removeprefix("torch.")
+    fitting = [
+        entry
+        for entry in table_entries()
+        if (entry["capability"], entry["dtype"], entry["fast"]) == (family, dtype_name, fast) and n <= entry["n_max"]
+    ]
+    if not fitting:
+        return BUILT_IN
+    entry = min(fitting, key=lambda entry: entry["n_max"])
+    return EngineChoice(entry["leaf_kernel"], entry["graphs"], entry["statistics_fold"], entry["source"])

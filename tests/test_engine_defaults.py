@@ -1,0 +1,100 @@
+"""The measured defaults table (core/engine_defaults.py): its entries, the lookup by card family,
+dtype, fast and n, and where the engine reads it (leaf_kernel="auto", the CUDA graphs' switch
+unset, PATHKERNELS_STATISTICS_FOLD=auto)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import pathkernels as pk
+from pathkernels.core import chunk_graphs, engine, engine_defaults, statistics
+from pathkernels.core.engine_defaults import BUILT_IN, EngineChoice, engine_choice
+from pathkernels.testing import random_attention
+
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def test_every_entry_names_known_choices_and_the_measurements_behind_it():
+    entries = engine_defaults.table_entries()
+    assert entries
+    for entry in entries:
+        assert entry["leaf_kernel"] in engine.LEAF_KERNELS and entry["leaf_kernel"] != "auto"
+        assert entry["statistics_fold"] in ("torch", "triton")
+        assert isinstance(entry["graphs"], bool) and isinstance(entry["fast"], bool)
+        assert entry["dtype"] in ("float32", "float64") and entry["n_max"] >= 1
+        assert isinstance(entry["capability"], int) and entry["card"] and entry["why"]
+        assert (REPOSITORY / entry["source"]).is_dir(), entry["source"]  # the results folder is committed
+    keys = [(e["capability"], e["dtype"], e["fast"], e["n_max"]) for e in entries]
+    assert len(keys) == len(set(keys)), "two entries for one configuration"
+
+
+@pytest.fixture
+def hopper_table(monkeypatch):
+    """A GPU of compute capability 9.0 and a hand-made table: n ≤ 32 → heads, n ≤ 128 → tensor."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    entry = {"capability": 9, "dtype": "float32", "fast": False, "graphs": True, "statistics_fold": "triton"}
+    table = (
+        {**entry, "n_max": 128, "leaf_kernel": "tensor", "source": "wide"},
+        {**entry, "n_max": 32, "leaf_kernel": "heads", "source": "narrow"},
+    )
+    monkeypatch.setattr(engine_defaults, "table_entries", lambda: table)
+
+
+def test_the_lookup_takes_the_narrowest_entry_that_fits(hopper_table):
+    cuda = torch.device("cuda")
+    assert engine_choice(cuda, torch.float32, 16) == EngineChoice("heads", True, "triton", "narrow")
+    assert engine_choice(cuda, torch.float32, 32).leaf_kernel == "heads"
+    assert engine_choice(cuda, torch.float32, 33) == EngineChoice("tensor", True, "triton", "wide")
+    assert engine_choice(cuda, torch.float32, 129) is BUILT_IN  # beyond every entry
+    assert engine_choice(cuda, torch.float64, 16) is BUILT_IN
+    assert engine_choice(cuda, torch.float32, 16, fast=True) is BUILT_IN
+    assert engine_choice("cpu", torch.float32, 16) is BUILT_IN
+
+
+def test_another_card_family_takes_the_built_in_choice(hopper_table, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert engine_choice(torch.device("cuda"), torch.float32, 16) is BUILT_IN
+    assert BUILT_IN == EngineChoice("fused", False, "torch", None)
+
+
+def test_auto_leaf_kernel_graphs_and_fold_read_the_table(monkeypatch):
+    """The engine asks the table where the user left the choice to it, and only there."""
+    chosen = EngineChoice("gemm", True, "triton", "test")
+    monkeypatch.setattr(engine, "engine_choice", lambda *args, **kwargs: chosen)
+    monkeypatch.setattr(statistics, "engine_choice", lambda *args, **kwargs: chosen)
+    attn = random_attention(3, 2, 4, 4)
+    assert engine.op_leaf_kernel("auto", False, attn, "test") == "gemm"
+    assert engine.op_leaf_kernel("fused", False, attn, "test") == "simt"
+    assert engine.op_leaf_kernel("auto", False, [1, 2], "test") == "simt"  # no tensor: refused later
+    made = []
+    monkeypatch.setattr(chunk_graphs.ChunkGraphs, "__init__", _recording(made))
+    monkeypatch.delenv("PATHKERNELS_CUDA_GRAPHS", raising=False)
+    tree = pk.PathTree.complete(3, 2)
+    pk.path_residuals(attn, tree)
+    assert made  # unset: the table's graphs
+    made.clear()
+    monkeypatch.setenv("PATHKERNELS_CUDA_GRAPHS", "0")
+    pk.path_residuals(attn, tree)
+    assert not made  # set: the switch wins
+    monkeypatch.delenv("PATHKERNELS_STATISTICS_FOLD", raising=False)
+    assert statistics.statistics_fold(torch.device("cuda")) == "triton"
+    assert statistics.statistics_fold(torch.device("cpu")) == "native"
+    monkeypatch.setenv("PATHKERNELS_STATISTICS_FOLD", "torch")
+    assert statistics.statistics_fold(torch.device("cuda")) == "torch"
+
+
+def _recording(made):
+    real = chunk_graphs.ChunkGraphs.__init__
+
+    def init(self, *args, **kwargs):
+        made.append(self)
+        real(self, *args, **kwargs)
+
+    return init
+
+
+def test_auto_is_the_fused_kernel_on_the_cpu():
+    attn = random_attention(2, 3, 8, 8)
+    assert engine.op_leaf_kernel("auto", False, attn, "test") == "simt"
+    assert engine_choice(attn.device, attn.dtype, 8) is BUILT_IN
