@@ -8,8 +8,8 @@ it is accurate enough (float32: within 1e-6 relative of float64; fast: within tw
 "fused" with fast) and at least ``MIN_SPEEDUP`` times faster; graphs are kept where they make the
 chosen kernel that much faster too. Then ``path_statistics`` with the chosen kernel, the torch
 fold against the Triton fold (PATHKERNELS_STATISTICS_FOLD; the counts must agree), and the engine's
-internal levels per head against all heads at once (PATHKERNELS_ENGINE_LEVELS, reported: not yet a
-table entry). Each case is written to --out as soon as it is measured.
+internal levels per head against all heads at once (PATHKERNELS_ENGINE_LEVELS), each kept where it
+is that much faster. Each case is written to --out as soon as it is measured.
 
     python bench/bench_engine_choices.py [--quick] --out bench/results/<card>-<date>/engine_defaults.json
     python bench/bench_engine_choices.py --device cpu --out /tmp/choices.json   # a dry run (tiny trees)
@@ -103,9 +103,10 @@ def choose(measurements: dict, fast: bool) -> dict:
     }
 
 
-def fold_and_levels(attn, tree, leaf_kernel: str, device: str) -> dict:
+def fold_and_levels(attn, tree, leaf_kernel: str, truth, bound: float, device: str) -> dict:
     """path_statistics with each fold (their counts compared) and path_residuals with each level
-    mode, for the chosen kernel: ``{"statistics_fold", "fold_seconds", "levels_seconds"}``."""
+    mode (their errors against ``truth`` within ``bound``), for the chosen kernel: ``{"statistics_fold",
+    "fold_seconds", "folds_agree", "engine_levels", "levels_seconds", "levels_errors"}``."""
     fold_seconds, counts = {}, {}
     folds = ["torch", "triton"] if importlib.util.find_spec("triton") is not None and device == "cuda" else ["torch"]
     for fold in folds:
@@ -126,21 +127,22 @@ def fold_and_levels(attn, tree, leaf_kernel: str, device: str) -> dict:
     fold = "torch"
     if agree and "triton" in timed and "torch" in timed and timed["torch"] >= MIN_SPEEDUP * timed["triton"]:
         fold = "triton"
-    levels_seconds = {}
+    levels_seconds, levels_errors = {}, {}
     for levels in ("per_head", "all_heads"):
-        with with_environment(PATHKERNELS_ENGINE_LEVELS=levels):
-            levels_seconds[levels] = seconds_per_call(
-                lambda: pk.path_residuals(attn, tree, leaf_kernel=leaf_kernel),
-                device,
-                min_runs=3,
-                min_seconds=0.0,
-                statistic="min",
-            )
+        with with_environment(PATHKERNELS_ENGINE_LEVELS=levels, PATHKERNELS_CUDA_GRAPHS="0"):
+            call = lambda: pk.path_residuals(attn, tree, leaf_kernel=leaf_kernel)  # noqa: E731
+            levels_errors[levels] = largest_relative_error(call(), truth)
+            levels_seconds[levels] = seconds_per_call(call, device, min_runs=3, min_seconds=0.0, statistic="min")
+    all_heads = (
+        levels_errors["all_heads"] <= bound and levels_seconds["per_head"] >= MIN_SPEEDUP * levels_seconds["all_heads"]
+    )
     return {
         "statistics_fold": fold,
         "fold_seconds": fold_seconds,
         "folds_agree": agree,
+        "engine_levels": "all_heads" if all_heads else "per_head",
         "levels_seconds": levels_seconds,
+        "levels_errors": levels_errors,
     }
 
 
@@ -174,7 +176,9 @@ def main(argv=None) -> int:
                 for graphs in (False, True)
             }
             chosen = choose(measurements, fast)
-            extra = fold_and_levels(attn, tree, chosen["leaf_kernel"], args.device) if not fast else {}
+            extra = {}
+            if not fast:  # the fold and the levels for float32 accuracy (the table reads them there)
+                extra = fold_and_levels(attn, tree, chosen["leaf_kernel"], truth, chosen["bound"], args.device)
             report["measurements"].append(
                 {"layers": layers, "heads": heads, "n": n, "fast": fast, "candidates": measurements, **chosen, **extra}
             )
@@ -187,6 +191,7 @@ def main(argv=None) -> int:
                     "leaf_kernel": chosen["leaf_kernel"],
                     "graphs": chosen["graphs"],
                     "statistics_fold": extra.get("statistics_fold", "torch"),
+                    "engine_levels": extra.get("engine_levels", "per_head"),
                     "card": card,
                     "source": source,
                     "why": f"L = {layers}, H = {heads}, n = {n}: {chosen['speedup']:.2f} times 'fused' at error "

@@ -23,11 +23,13 @@ TORCH_LIBRARY(pathkernels, m) {
   // one TF32 pass), "gemm" (cuBLAS into a scratch block, then a reduction), "heads_" and a variant of
   // _heads_leaf_norms (leaf levels whose every head takes the same parents in one call of that
   // kernel, other leaf blocks through "tf32x3" or "tf32"). The CPU ignores it but for "heads_*",
-  // which it runs through the heads kernel's CPU harness (for the tests: slow).
+  // which it runs through the heads kernel's CPU harness (for the tests: slow). all_heads_levels:
+  // internal levels whose every head takes the same parents in a fixed number of launches whatever
+  // H (one batched product, one GEMM of the means, one pass of the scales; engine.h), else per head.
   m.def(
       "path_chunk_norms(Tensor attn, Tensor attn_mean, Tensor root, Tensor root_mean, Tensor? w_v, "
-      "Tensor? w_o, Tensor[] parents, Tensor[] heads, int leaf_block, str leaf_kernel=\"simt\") "
-      "-> (Tensor residual, Tensor norm)");
+      "Tensor? w_o, Tensor[] parents, Tensor[] heads, int leaf_block, str leaf_kernel=\"simt\", "
+      "bool all_heads_levels=False) -> (Tensor residual, Tensor norm)");
   // The fused leaf reduction on its own: attn C(A) [n, n] (n <= 128), right [n, c, m],
   // mean [c, m], optional scale [c] (float64 powers of two, default 1) -> per leaf k, with
   // R_k = scale_k · C(A) right_k, ‖R_k‖_{1,∞} and ‖1 mean_kᵀ + R_k‖_{1,∞}, each [c] in float64.

@@ -71,4 +71,5 @@ def test_a_dry_run_writes_entries_the_table_takes(bench, tmp_path):
         assert entry["leaf_kernel"] in engine.LEAF_KERNELS and entry["statistics_fold"] in ("torch", "triton")
         assert set(entry) >= {"capability", "dtype", "fast", "n_max", "graphs", "card", "source", "why"}
         assert measurement["folds_agree"] and set(measurement["levels_seconds"]) == {"per_head", "all_heads"}
+        assert entry["engine_levels"] in ("per_head", "all_heads") and max(measurement["levels_errors"].values()) < 1e-6
         assert all(value["error"] < 1e-6 for value in measurement["candidates"].values())  # the CPU runs one kernel

@@ -222,6 +222,7 @@ def test_one_subtree_is_kept_at_a_time(spied):
         net,
         operands,
         "simt",
+        False,
         lambda chunk, block: engine.chunk_norms(net, operands, chunk, block, "simt"),
         capture=False,
     )

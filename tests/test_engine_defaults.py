@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pathkernels as pk
-from pathkernels.core import chunk_graphs, engine, engine_defaults, statistics
+from pathkernels.core import chunk_graphs, engine, engine_defaults, ops, statistics
 from pathkernels.core.engine_defaults import BUILT_IN, EngineChoice, engine_choice
 from pathkernels.testing import random_attention
 
@@ -21,6 +21,7 @@ def test_every_entry_names_known_choices_and_the_measurements_behind_it():
     for entry in entries:
         assert entry["leaf_kernel"] in engine.LEAF_KERNELS and entry["leaf_kernel"] != "auto"
         assert entry["statistics_fold"] in ("torch", "triton")
+        assert entry["engine_levels"] in ("per_head", "all_heads")
         assert isinstance(entry["graphs"], bool) and isinstance(entry["fast"], bool)
         assert entry["dtype"] in ("float32", "float64") and entry["n_max"] >= 1
         assert isinstance(entry["capability"], int) and entry["card"] and entry["why"]
@@ -33,7 +34,14 @@ def test_every_entry_names_known_choices_and_the_measurements_behind_it():
 def hopper_table(monkeypatch):
     """A GPU of compute capability 9.0 and a hand-made table: n ≤ 32 → heads, n ≤ 128 → tensor."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    entry = {"capability": 9, "dtype": "float32", "fast": False, "graphs": True, "statistics_fold": "triton"}
+    entry = {
+        "capability": 9,
+        "dtype": "float32",
+        "fast": False,
+        "graphs": True,
+        "statistics_fold": "triton",
+        "engine_levels": "all_heads",
+    }
     table = (
         {**entry, "n_max": 128, "leaf_kernel": "tensor", "source": "wide"},
         {**entry, "n_max": 32, "leaf_kernel": "heads", "source": "narrow"},
@@ -43,9 +51,9 @@ def hopper_table(monkeypatch):
 
 def test_the_lookup_takes_the_narrowest_entry_that_fits(hopper_table):
     cuda = torch.device("cuda")
-    assert engine_choice(cuda, torch.float32, 16) == EngineChoice("heads", True, "triton", "narrow")
+    assert engine_choice(cuda, torch.float32, 16) == EngineChoice("heads", True, "triton", "all_heads", "narrow")
     assert engine_choice(cuda, torch.float32, 32).leaf_kernel == "heads"
-    assert engine_choice(cuda, torch.float32, 33) == EngineChoice("tensor", True, "triton", "wide")
+    assert engine_choice(cuda, torch.float32, 33) == EngineChoice("tensor", True, "triton", "all_heads", "wide")
     assert engine_choice(cuda, torch.float32, 129) is BUILT_IN  # beyond every entry
     assert engine_choice(cuda, torch.float64, 16) is BUILT_IN
     assert engine_choice(cuda, torch.float32, 16, fast=True) is BUILT_IN
@@ -55,28 +63,32 @@ def test_the_lookup_takes_the_narrowest_entry_that_fits(hopper_table):
 def test_another_card_family_takes_the_built_in_choice(hopper_table, monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert engine_choice(torch.device("cuda"), torch.float32, 16) is BUILT_IN
-    assert BUILT_IN == EngineChoice("fused", False, "torch", None)
+    assert BUILT_IN == EngineChoice("fused", False, "torch", "per_head", None)
 
 
-def test_auto_leaf_kernel_graphs_and_fold_read_the_table(monkeypatch):
+def test_auto_leaf_kernel_graphs_levels_and_fold_read_the_table(monkeypatch):
     """The engine asks the table where the user left the choice to it, and only there."""
-    chosen = EngineChoice("gemm", True, "triton", "test")
+    chosen = EngineChoice("gemm", True, "triton", "all_heads", "test")
     monkeypatch.setattr(engine, "engine_choice", lambda *args, **kwargs: chosen)
     monkeypatch.setattr(statistics, "engine_choice", lambda *args, **kwargs: chosen)
     attn = random_attention(3, 2, 4, 4)
     assert engine.op_leaf_kernel("auto", False, attn, "test") == "gemm"
     assert engine.op_leaf_kernel("fused", False, attn, "test") == "simt"
     assert engine.op_leaf_kernel("auto", False, [1, 2], "test") == "simt"  # no tensor: refused later
-    made = []
+    made, levels = [], []
     monkeypatch.setattr(chunk_graphs.ChunkGraphs, "__init__", _recording(made))
+    real_op = ops.path_chunk_norms
+    monkeypatch.setattr(ops, "path_chunk_norms", lambda *args: levels.append(args[-1]) or real_op(*args))
     monkeypatch.delenv("PATHKERNELS_CUDA_GRAPHS", raising=False)
+    monkeypatch.delenv("PATHKERNELS_ENGINE_LEVELS", raising=False)
     tree = pk.PathTree.complete(3, 2)
     pk.path_residuals(attn, tree)
-    assert made  # unset: the table's graphs
-    made.clear()
+    assert made and levels and all(levels)  # unset: the table's graphs and levels
+    made.clear(), levels.clear()
     monkeypatch.setenv("PATHKERNELS_CUDA_GRAPHS", "0")
+    monkeypatch.setenv("PATHKERNELS_ENGINE_LEVELS", "per_head")
     pk.path_residuals(attn, tree)
-    assert not made  # set: the switch wins
+    assert not made and levels and not any(levels)  # set: the switches win
     monkeypatch.delenv("PATHKERNELS_STATISTICS_FOLD", raising=False)
     assert statistics.statistics_fold(torch.device("cuda")) == "triton"
     assert statistics.statistics_fold(torch.device("cpu")) == "native"

@@ -267,20 +267,6 @@ bool every_head_leaves(Backend& backend, const Network& net, int64_t layer, cons
   return true;
 }
 
-// PATHKERNELS_ENGINE_LEVELS=all_heads: internal levels whose heads share their parents go through
-// every_head_children; otherwise (the default, "per_head") head run by head run. A switch for the
-// GPU run that times both; read at each call, so that one process can measure both.
-inline bool all_heads_levels() {
-  const char* value = std::getenv("PATHKERNELS_ENGINE_LEVELS");
-  if (value == nullptr || std::string(value).empty() || std::string(value) == "per_head") {
-    return false;
-  }
-  TORCH_CHECK_VALUE(std::string(value) == "all_heads",
-                    "pathkernels.path_chunk_norms: expected PATHKERNELS_ENGINE_LEVELS 'per_head' or 'all_heads', got '",
-                    value, "'");
-  return true;
-}
-
 // The children through every head of an internal level whose heads share their parents
 // (shared_parents), in a fixed number of launches whatever H: the residuals C(A_h) R' of every
 // head in one batched product (Backend::head_products) written into the level's head runs, the
@@ -336,11 +322,12 @@ bool every_head_children(Backend& backend, const Network& net, int64_t layer, co
 // and, where kFusedLeaves, fuses_leaves(n) and fused_leaf_norms<T>(attn [n, n], operands, residual,
 // norm): the norms of the leaves C(A) · operands.right, computed without storing them.
 // `every_head`: the heads leaf kernel (its variant, or the Triton kernel's precision) for leaf levels
-// it can take whole (every_head_leaves; float32 only), or none.
+// it can take whole (every_head_leaves; float32 only), or none. `all_heads_levels`: internal levels
+// whose heads share their parents go through every_head_children, otherwise head run by head run.
 template <typename T, typename Backend>
 void evaluate_chunk(const Network& net, const at::Tensor& root, const at::Tensor& root_mean, const PathChunk& chunk,
-                    int64_t leaf_block, const std::optional<EngineHeadsKernel>& every_head, double* residual, double* norm,
-                    Backend& backend) {
+                    int64_t leaf_block, const std::optional<EngineHeadsKernel>& every_head, bool all_heads_levels,
+                    double* residual, double* norm, Backend& backend) {
   const int64_t layers = static_cast<int64_t>(chunk.parents.size());
   const int64_t n = root.size(0), m = root.size(1);
   const auto scale_options = root.options().dtype(at::kDouble);
@@ -356,7 +343,7 @@ void evaluate_chunk(const Network& net, const at::Tensor& root, const at::Tensor
               at::empty({positions.numel()}, scale_options)};
     }
     std::vector<NodeBlock> blocks = node_blocks(chunk.heads[l], leaf_block);
-    if (!leaves && all_heads_levels() &&
+    if (!leaves && all_heads_levels &&
         every_head_children<T>(backend, net, l, level, positions, chunk.heads[l], next)) {
       std::erase_if(blocks, [](const NodeBlock& blk) { return blk.head >= 0; });  // done: the skip children remain
     }
@@ -397,7 +384,7 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms(const at::Tensor& attn, cons
                                                     const std::optional<at::Tensor>& w_v,
                                                     const std::optional<at::Tensor>& w_o, at::TensorList parents,
                                                     at::TensorList heads, int64_t leaf_block,
-                                                    c10::string_view leaf_kernel) {
+                                                    c10::string_view leaf_kernel, bool all_heads_levels) {
   constexpr const char* op = "pathkernels.path_chunk_norms";
   const PathChunk chunk = check_path_chunk(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block);
   const std::optional<EngineHeadsKernel> every_head = engine_heads_kernel(leaf_kernel, attn.scalar_type(), op);
@@ -424,7 +411,7 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms(const at::Tensor& attn, cons
     Backend backend(kernel);
     for (int64_t b = 0; b < batch; ++b) {
       const Network net{attn_c[b], attn_mean_c[b], w_v_c, w_o_c, std::is_same_v<scalar_t, float>};
-      evaluate_chunk<scalar_t>(net, root_c[b], root_mean_c[b], chunk, block, every_head,
+      evaluate_chunk<scalar_t>(net, root_c[b], root_mean_c[b], chunk, block, every_head, all_heads_levels,
                                residual[b].mutable_data_ptr<double>(), norm[b].mutable_data_ptr<double>(), backend);
     }
   });

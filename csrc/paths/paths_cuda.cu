@@ -414,10 +414,11 @@ std::tuple<at::Tensor, at::Tensor> path_chunk_norms_cuda(const at::Tensor& attn,
                                                          const std::optional<at::Tensor>& w_v,
                                                          const std::optional<at::Tensor>& w_o,
                                                          at::TensorList parents, at::TensorList heads,
-                                                         int64_t leaf_block, c10::string_view leaf_kernel) {
+                                                         int64_t leaf_block, c10::string_view leaf_kernel,
+                                                         bool all_heads_levels) {
   const c10::cuda::CUDAGuard guard(attn.device());
   return engine::path_chunk_norms<CudaBackend>(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads,
-                                               leaf_block, leaf_kernel);
+                                               leaf_block, leaf_kernel, all_heads_levels);
 }
 
 std::tuple<at::Tensor, at::Tensor> fused_leaf_norms_cuda(const at::Tensor& attn, const at::Tensor& right,

@@ -115,11 +115,12 @@ class _Subtree:
     that a later chunk is recognised by identity: :meth:`PathTree.subtree_chunk` hands every chunk
     of a depth the same level tensors)."""
 
-    def __init__(self, net: Network, operands: tuple, chunk, k: int, leaf_block: int, leaf_kernel: str):
+    def __init__(
+        self, net: Network, operands: tuple, chunk, k: int, leaf_block: int, leaf_kernel: str, all_heads_levels: bool
+    ):
         attn_centred, attn_mean = operands[:2]
         self.parents, self.heads = chunk.parents[k:], chunk.heads[k:]
-        self.leaf_block, self.leaf_kernel = leaf_block, leaf_kernel
-        self.levels_switch = os.environ.get("PATHKERNELS_ENGINE_LEVELS")  # read by the op when captured
+        self.leaf_block, self.leaf_kernel, self.all_heads_levels = leaf_block, leaf_kernel, all_heads_levels
         # Contiguous once (a view for one batch element), not copied by the op at every call.
         self.attn_centred = attn_centred[:, k:].contiguous()
         self.attn_mean = attn_mean[:, k:].contiguous()
@@ -128,13 +129,12 @@ class _Subtree:
         self.sightings = 0
         self.graph = None
 
-    def serves(self, chunk, k: int, leaf_block: int, leaf_kernel: str) -> bool:
+    def serves(self, chunk, k: int, leaf_block: int) -> bool:
         return (
             len(chunk.heads) - k == len(self.heads)
             and all(a is b for a, b in zip(chunk.parents[k:], self.parents))
             and all(a is b for a, b in zip(chunk.heads[k:], self.heads))
-            and (leaf_block, leaf_kernel) == (self.leaf_block, self.leaf_kernel)
-            and os.environ.get("PATHKERNELS_ENGINE_LEVELS") == self.levels_switch
+            and leaf_block == self.leaf_block
         )
 
     def run(self, root: Tensor, root_mean: Tensor) -> tuple[Tensor, Tensor]:
@@ -150,6 +150,7 @@ class _Subtree:
             self.heads,
             self.leaf_block,
             self.leaf_kernel,
+            self.all_heads_levels,
         )
 
 
@@ -182,12 +183,15 @@ class ChunkGraphs:
     subtree from a CUDA graph. One subtree is kept at a time: a chunk of another shape releases the
     graph (and its memory) before it runs, so the engine's memory budget holds as without graphs.
 
-    ``unsplit(chunk, leaf_block)``: the engine's evaluation of a whole chunk, for those that are not
-    split; ``capture``: whether to capture graphs (CUDA); False runs the split eagerly (the CPU's)."""
+    ``leaf_kernel`` and ``all_heads_levels``: the engine op's; ``unsplit(chunk, leaf_block)``: the
+    engine's evaluation of a whole chunk, for those that are not split; ``capture``: whether to
+    capture graphs (CUDA); False runs the split eagerly (the CPU's)."""
 
-    def __init__(self, net: Network, operands: tuple, leaf_kernel: str, unsplit, *, capture: bool):
-        self.net, self.operands, self.leaf_kernel, self.capture = net, operands, leaf_kernel, capture
-        self.unsplit = unsplit
+    def __init__(
+        self, net: Network, operands: tuple, leaf_kernel: str, all_heads_levels: bool, unsplit, *, capture: bool
+    ):
+        self.net, self.operands, self.capture = net, operands, capture
+        self.leaf_kernel, self.all_heads_levels, self.unsplit = leaf_kernel, all_heads_levels, unsplit
         self.subtree: _Subtree | None = None
         self.replays = 0  # chunks served by a graph (for tests and the profile)
         self.failure: str | None = None  # why a capture failed; the split then runs eagerly
@@ -198,8 +202,10 @@ class ChunkGraphs:
         if k == 0:
             self.subtree = None
             return self.unsplit(chunk, leaf_block)
-        if self.subtree is None or not self.subtree.serves(chunk, k, leaf_block, self.leaf_kernel):
-            self.subtree = _Subtree(self.net, self.operands, chunk, k, leaf_block, self.leaf_kernel)
+        if self.subtree is None or not self.subtree.serves(chunk, k, leaf_block):
+            self.subtree = _Subtree(
+                self.net, self.operands, chunk, k, leaf_block, self.leaf_kernel, self.all_heads_levels
+            )
         subtree = self.subtree
         subtree.sightings += 1
         if self.capture and subtree.sightings == 1:  # a shape seen once gains nothing from a graph

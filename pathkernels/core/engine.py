@@ -444,13 +444,41 @@ def _widened(results: Tensor, dtype: torch.dtype, where: str) -> Tensor:
     return results.double()
 
 
-def chunk_norms(net: Network, operands: tuple, chunk, leaf_block: int, leaf_kernel: str) -> tuple[Tensor, Tensor]:
+def chunk_norms(
+    net: Network, operands: tuple, chunk, leaf_block: int, leaf_kernel: str, all_heads_levels: bool = False
+) -> tuple[Tensor, Tensor]:
     """The engine op on one chunk (:func:`pathkernels.core.ops.path_chunk_norms`): float64 residual and
     norm ``[B, leaves]`` in the chunk's trie order; ``operands`` from :func:`engine_operands`."""
     attn_centred, attn_mean, root, root_mean = operands
     return ops.path_chunk_norms(
-        attn_centred, attn_mean, root, root_mean, net.w_v, net.w_o, chunk.parents, chunk.heads, leaf_block, leaf_kernel
+        attn_centred,
+        attn_mean,
+        root,
+        root_mean,
+        net.w_v,
+        net.w_o,
+        chunk.parents,
+        chunk.heads,
+        leaf_block,
+        leaf_kernel,
+        all_heads_levels,
     )
+
+
+_LEVELS_ENV = "PATHKERNELS_ENGINE_LEVELS"
+
+
+def engine_levels(net: Network) -> bool:
+    """Whether the engine takes internal levels all heads at once: PATHKERNELS_ENGINE_LEVELS
+    "all_heads" or "per_head", or unset, as measured for this card family, dtype and n
+    (:mod:`pathkernels.core.engine_defaults`; per head wherever nothing was measured). Read at each
+    call, so that one process can time both."""
+    value = os.environ.get(_LEVELS_ENV, "").strip()
+    if value not in ("", "per_head", "all_heads"):
+        raise ValueError(f"pathkernels.path_residuals: expected {_LEVELS_ENV} 'per_head' or 'all_heads', got {value!r}")
+    if value == "":
+        value = engine_choice(net.attn.device, net.attn.dtype, net.attn.shape[-1]).engine_levels
+    return value == "all_heads"
 
 
 @torch.no_grad()
@@ -521,16 +549,17 @@ def chunk_reports(net: Network, tree: PathTree, pieces, leaf_kernel: str, memory
     subtree below a prefix are split there, and on CUDA their subtrees replayed from a CUDA graph
     (:mod:`pathkernels.core.chunk_graphs`)."""
     operands = engine_operands(net)
+    all_heads_levels = engine_levels(net)
 
     def evaluate(chunk, leaf_block: int) -> tuple[Tensor, Tensor]:
-        return chunk_norms(net, operands, chunk, leaf_block, leaf_kernel)
+        return chunk_norms(net, operands, chunk, leaf_block, leaf_kernel, all_heads_levels)
 
     graphs = chunk_graphs.graphs_enabled()
     if graphs is None:  # unset: as measured for this card family, dtype and n
         graphs = engine_choice(net.attn.device, net.attn.dtype, net.attn.shape[-1]).graphs
     if graphs:
         evaluate = chunk_graphs.ChunkGraphs(
-            net, operands, leaf_kernel, evaluate, capture=net.attn.device.type == "cuda"
+            net, operands, leaf_kernel, all_heads_levels, evaluate, capture=net.attn.device.type == "cuda"
         )
     pending = None
     for start, stop, chunk, leaf_block, leaf_position in pieces:

@@ -1,11 +1,13 @@
 """The engine's defaults on a GPU, chosen by measurement: which leaf kernel ``leaf_kernel="auto"``
-takes, whether the chunks replay from CUDA graphs and how ``path_statistics`` folds its chunks,
-per card family (compute capability's major version), dtype, ``fast`` and n.
+takes, whether the chunks replay from CUDA graphs, whether internal levels go all heads at once,
+and how ``path_statistics`` folds its chunks, per card family (compute capability's major
+version), dtype, ``fast`` and n.
 
 The table is ``engine_defaults.json`` beside this file, written by ``bench/bench_engine_choices.py``
 on a card (``bench/gpu_check.sh --quick`` runs it) and committed with the measurements behind each
 entry. A configuration no entry covers (another card family, float64, the CPU) takes the built-in
-choice: the SIMT leaf kernel, no graphs, the torch fold on a GPU (the C++ fold on the CPU).
+choice: the SIMT leaf kernel, no graphs, levels head by head, the torch fold on a GPU (the C++
+fold on the CPU). An environment switch that is set wins over the table.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ TABLE = Path(__file__).with_name("engine_defaults.json")
 @dataclass(frozen=True)
 class EngineChoice:
     """What the engine runs: ``leaf_kernel`` (one of path_residuals' names), ``graphs``
-    (PATHKERNELS_CUDA_GRAPHS), ``statistics_fold`` (PATHKERNELS_STATISTICS_FOLD), and ``source``:
-    the measurement that chose it (a results folder), or None for the built-in choice."""
+    (PATHKERNELS_CUDA_GRAPHS), ``statistics_fold`` (PATHKERNELS_STATISTICS_FOLD), ``engine_levels``
+    (PATHKERNELS_ENGINE_LEVELS: "per_head" or "all_heads"), and ``source``: the measurement that
+    chose it (a results folder), or None for the built-in choice."""
 
     leaf_kernel: str = "fused"
     graphs: bool = False
     statistics_fold: str = "torch"
+    engine_levels: str = "per_head"
     source: str | None = None
 
 
@@ -38,7 +42,7 @@ BUILT_IN = EngineChoice()
 @functools.lru_cache(maxsize=1)
 def table_entries() -> tuple[dict, ...]:
     """The table's entries, each ``{"capability", "dtype", "fast", "n_max", "leaf_kernel", "graphs",
-    "statistics_fold", "card", "source", ...}`` (the measurements ride along)."""
+    "statistics_fold", "engine_levels", "card", "source", ...}`` (the measurements ride along)."""
     return tuple(json.loads(TABLE.read_text())["entries"])
 
 
@@ -59,4 +63,6 @@ def engine_choice(device, dtype: torch.dtype, n: int, fast: bool = False) -> Eng
     if not fitting:
         return BUILT_IN
     entry = min(fitting, key=lambda entry: entry["n_max"])
-    return EngineChoice(entry["leaf_kernel"], entry["graphs"], entry["statistics_fold"], entry["source"])
+    return EngineChoice(
+        entry["leaf_kernel"], entry["graphs"], entry["statistics_fold"], entry["engine_levels"], entry["source"]
+    )

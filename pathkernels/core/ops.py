@@ -88,7 +88,9 @@ def _norm_parts_backward_fake(grad_parts, x, parts, argmax, centered, with_norm=
 
 
 @torch.library.register_fake("pathkernels::path_chunk_norms")
-def _path_chunk_norms_fake(attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block, leaf_kernel="simt"):
+def _path_chunk_norms_fake(
+    attn, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block, leaf_kernel="simt", all_heads_levels=False
+):
     op = "pathkernels.path_chunk_norms"
     check_one_device(op, attn=attn, attn_mean=attn_mean, root=root, root_mean=root_mean, w_v=w_v, w_o=w_o)
     # The kernels read the index lists on the CPU wherever the operands are, but meta indices hold
@@ -135,6 +137,7 @@ def path_chunk_norms(
     heads: list[Tensor],
     leaf_block: int,
     leaf_kernel: str = "simt",
+    all_heads_levels: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """One chunk of a path tree, breadth-first: the per-leaf residual and norm (the engine's op).
 
@@ -154,12 +157,16 @@ def path_chunk_norms(
         leaf_kernel: CUDA: how leaves of n ≤ 128 are reduced: ``"simt"`` (the fused on-chip
             kernel), ``"tf32x3"`` or ``"tf32"`` (the same on TF32 tensor cores, float32 only:
             float32 accuracy, or one pass), ``"gemm"`` (cuBLAS, then a reduction).
+        all_heads_levels: internal levels whose every head takes the same parents (complete trees)
+            in a fixed number of launches whatever H (one batched product of every head, one GEMM
+            of the column means, one pass of the scales) instead of head by head; the same bits on
+            the CPU.
 
     Returns:
         ``(residual, norm)``, each ``[B, N_L]`` float64, in the leaves' trie order.
     """
     return torch.ops.pathkernels.path_chunk_norms(
-        attn_centred, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block, leaf_kernel
+        attn_centred, attn_mean, root, root_mean, w_v, w_o, parents, heads, leaf_block, leaf_kernel, all_heads_levels
     )
 
 
