@@ -135,6 +135,7 @@ def test_split_chunks_give_the_engine_numbers(device, spied, monkeypatch, dtype,
         split = pk.path_residuals(attn, tree, memory_budget=budget, **kw)
     chunks = len(prefixes)
     assert chunks >= 8 and all(len(heads) >= 1 for heads in prefixes)
+    assert all(graphs.capture == (device == "cuda") and graphs.failure is None for graphs in made)
     if device == "cuda":  # the first chunk of the shape runs eagerly and unsplit, every later one from the graph
         assert all(graphs.failure is None for graphs in made) and sum(graphs.replays for graphs in made) == chunks
     if dtype == torch.float64:

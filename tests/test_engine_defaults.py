@@ -69,10 +69,12 @@ def test_another_card_family_takes_the_built_in_choice(hopper_table, monkeypatch
 def test_auto_leaf_kernel_graphs_levels_and_fold_read_the_table(monkeypatch):
     """The engine asks the table where the user left the choice to it, and only there."""
     chosen = EngineChoice("gemm", True, "triton", "all_heads", "test")
-    monkeypatch.setattr(engine, "engine_choice", lambda *args, **kwargs: chosen)
+    asked = []
+    monkeypatch.setattr(engine, "engine_choice", lambda *args: asked.append(args) or chosen)
     monkeypatch.setattr(statistics, "engine_choice", lambda *args, **kwargs: chosen)
-    attn = random_attention(3, 2, 4, 4)
-    assert engine.op_leaf_kernel("auto", False, attn, "test") == "gemm"
+    attn = random_attention(3, 2, 5, 5)
+    monkeypatch.setattr(engine, "_check_fast", lambda attn, where: None)  # fast is CUDA's: asked all the same
+    assert engine.op_leaf_kernel("auto", True, attn, "test") == "gemm" and asked == [(attn.device, attn.dtype, 5, True)]
     assert engine.op_leaf_kernel("fused", False, attn, "test") == "simt"
     assert engine.op_leaf_kernel("auto", False, [1, 2], "test") == "simt"  # no tensor: refused later
     made, levels = [], []
@@ -84,6 +86,7 @@ def test_auto_leaf_kernel_graphs_levels_and_fold_read_the_table(monkeypatch):
     tree = pk.PathTree.complete(3, 2)
     pk.path_residuals(attn, tree)
     assert made and levels and all(levels)  # unset: the table's graphs and levels
+    assert {args[:3] for args in asked} == {(attn.device, attn.dtype, 5)}  # asked for this n
     made.clear(), levels.clear()
     monkeypatch.setenv("PATHKERNELS_CUDA_GRAPHS", "0")
     monkeypatch.setenv("PATHKERNELS_ENGINE_LEVELS", "per_head")
