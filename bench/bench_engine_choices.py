@@ -78,6 +78,8 @@ def choose(measurements: dict, fast: bool) -> dict:
     graphs if they make that choice ``MIN_SPEEDUP`` times faster. Returns ``{"leaf_kernel",
     "graphs", "speedup", "bound"}``."""
     baseline = measurements["fused|graphs=0"]
+    if "seconds" not in baseline:  # the SIMT kernel itself failed: nothing to compare against
+        return {"leaf_kernel": "fused", "graphs": False, "speedup": 1.0, "bound": FLOAT32_ACCURATE}
     bound = FAST_ERROR_FACTOR * baseline["error"] if fast else FLOAT32_ACCURATE
     accurate = {
         key: value

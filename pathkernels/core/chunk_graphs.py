@@ -20,10 +20,13 @@ chunk. Split there, they repeat:
 The engine is linear in ``(root, root_mean)`` jointly: every node's R and μ, and so every report,
 scales with them. A float32 root is therefore handed over as ``(R, μ) / s`` with ``s`` a power of two
 near ``max|R|`` (at least ``max|μ| · 2^-40``, so that μ / s keeps float32's range as the subtree's
-value maps grow it), and the reports multiplied by ``s``: exact. Where ``R / s`` would fall below
-``2^-100`` (a residual 10^-42 of its mean), the chunk's reports in that batch element are NaN, which
-the engine's range check (:func:`pathkernels.core.engine.out_of_range_in_float64`) evaluates again
-in float64. float64 roots go as they are.
+value maps grow it), and the reports multiplied by ``s``: exact. The engine keeps every node's
+largest entry within [2^-32, 2^32] and renormalises children only, so a root must lie there too:
+where ``R / s`` falls below ``2^-32`` (a residual below 2^-72 of its mean), the chunk's reports in
+that batch element are NaN, which the engine's range check
+(:func:`pathkernels.core.engine.out_of_range_in_float64`) evaluates again in float64, slower than
+the unsplit engine, which carries such residuals in its node scales (the op takes no root scale:
+a root scale of its own would remove these float64 passes). float64 roots go as they are.
 
 On the CPU the switch runs the same split without graphs (the CPU launches nothing), which is how
 the split is tested there; the capture is tested on a GPU (tests/test_chunk_graphs.py).
@@ -43,9 +46,10 @@ from pathkernels.core.paths import SKIP
 
 _GRAPHS_ENV = "PATHKERNELS_CUDA_GRAPHS"
 # float32 roots: μ / s stays below 2^40 · 2 (headroom for the subtree's value maps), and a residual
-# whose largest entry falls below 2^-100 once divided by s is evaluated again in float64.
+# whose largest entry falls below 2^-32 once divided by s (below the band the engine keeps its nodes
+# in) is evaluated again in float64.
 _MEAN_HEADROOM_EXPONENT = 40
-_SMALLEST_ROOT = 2.0**-100
+_SMALLEST_ROOT = 2.0**-32
 
 
 def graphs_enabled() -> bool | None:
@@ -87,7 +91,7 @@ def prefix_node(net: Network, operands: tuple, heads: list[int]) -> tuple[Tensor
 
 def scaled_root(residual: Tensor, mean: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(R / s, μ / s)`` in ``dtype``, the power-of-two scales ``s [B]`` (float64) and ``lost [B]``:
-    the batch elements whose ``R / s`` falls below ``2^-100`` (see the module's docstring). float64:
+    the batch elements whose ``R / s`` falls below ``2^-32`` (see the module's docstring). float64:
     s = 1. No host synchronisation: every step is a device op."""
     batch = residual.shape[0]
     if dtype == torch.float64:
@@ -158,22 +162,25 @@ class _CapturedSubtree:
     """A subtree's launches in a CUDA graph: static root inputs, static report outputs."""
 
     def __init__(self, subtree: _Subtree, root: Tensor, root_mean: Tensor):
+        self.device = root.device  # captured and replayed on it, whatever the current device
         self.root, self.root_mean = root.clone(), root_mean.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # a run outside the capture: cuBLAS's workspace for this stream
-            subtree.run(self.root, self.root_mean)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream):
-            self.residual, self.norm = subtree.run(self.root, self.root_mean)
+        with torch.cuda.device(self.device):
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # a run outside the capture: cuBLAS's workspace for this stream
+                subtree.run(self.root, self.root_mean)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, stream=stream):
+                self.residual, self.norm = subtree.run(self.root, self.root_mean)
 
     def __call__(self, root: Tensor, root_mean: Tensor) -> tuple[Tensor, Tensor]:
         """The reports for this root, in the graph's output tensors (overwritten by the next call:
         the caller gathers them into tensors of its own first, as chunk_reports does)."""
-        self.root.copy_(root)
-        self.root_mean.copy_(root_mean)
-        self.graph.replay()
+        with torch.cuda.device(self.device):
+            self.root.copy_(root)
+            self.root_mean.copy_(root_mean)
+            self.graph.replay()
         return self.residual, self.norm
 
 
