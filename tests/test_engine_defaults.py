@@ -33,6 +33,7 @@ def test_every_entry_names_known_choices_and_the_measurements_behind_it():
 @pytest.fixture
 def hopper_table(monkeypatch):
     """A GPU of compute capability 9.0 and a hand-made table: n ≤ 32 → heads, n ≤ 128 → tensor."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     entry = {
         "capability": 9,
@@ -107,6 +108,12 @@ def _recording(made):
         real(self, *args, **kwargs)
 
     return init
+
+
+def test_a_cuda_device_without_cuda_takes_the_built_in_choice(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert engine_choice(torch.device("cuda"), torch.float32, 16) is BUILT_IN
+    assert statistics.statistics_fold(torch.device("cuda")) == "torch"
 
 
 def test_auto_is_the_fused_kernel_on_the_cpu():

@@ -51,7 +51,7 @@ def engine_choice(device, dtype: torch.dtype, n: int, fast: bool = False) -> Eng
     device's card family, dtype and ``fast`` with the smallest ``n_max ≥ n``; :data:`BUILT_IN`
     where none applies (the CPU, float64, another family, n beyond every entry)."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():  # e.g. asked about "cuda" on a CPU-only torch
         return BUILT_IN
     family = torch.cuda.get_device_capability(device)[0]
     dtype_name = str(dtype).removeprefix("torch.")
