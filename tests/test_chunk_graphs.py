@@ -10,6 +10,7 @@ import torch
 import pathkernels as pk
 from pathkernels.core import chunk_graphs, engine
 from pathkernels.core.checks import check_network
+from pathkernels.core.engine_defaults import engine_settings
 from pathkernels.core.paths import SKIP
 from pathkernels.testing import float32_error_bound, path_condition_numbers, random_attention
 
@@ -65,14 +66,19 @@ def relative(result, truth):
 
 
 def test_the_switch_is_off_unless_set_and_refuses_other_values(monkeypatch):
+    def graphs():
+        return engine_settings("cpu", torch.float32, 4).graphs
+
     monkeypatch.delenv(GRAPHS, raising=False)
-    assert not chunk_graphs.graphs_enabled()
+    assert not graphs()
     monkeypatch.setenv(GRAPHS, "0")
-    assert not chunk_graphs.graphs_enabled()
+    assert not graphs()
     monkeypatch.setenv(GRAPHS, "1")
-    assert chunk_graphs.graphs_enabled()
+    assert graphs()
+    monkeypatch.setenv(GRAPHS, "auto")
+    assert not graphs()  # the CPU's choice
     monkeypatch.setenv(GRAPHS, "yes")
-    with pytest.raises(ValueError, match="PATHKERNELS_CUDA_GRAPHS '0' or '1', got 'yes'"):
+    with pytest.raises(ValueError, match=r"path_residuals: expected PATHKERNELS_CUDA_GRAPHS in \['auto', '0', '1'\]"):
         pk.path_residuals(random_attention(2, 2, 4, 4), pk.PathTree.complete(2, 2))
 
 

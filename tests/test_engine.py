@@ -844,7 +844,11 @@ def test_all_heads_levels_change_no_bit_on_the_cpu(monkeypatch, dtype, tree_kind
 def test_all_heads_levels_switch_is_checked(monkeypatch):
     attn = random_attention(1, 3, 2, 4, 4)
     monkeypatch.setenv("PATHKERNELS_ENGINE_LEVELS", "batched")
-    with pytest.raises(ValueError, match="expected PATHKERNELS_ENGINE_LEVELS 'per_head' or 'all_heads', got 'batched'"):
+    with pytest.raises(
+        ValueError,
+        match=r"path_residuals: expected PATHKERNELS_ENGINE_LEVELS in \['auto', 'per_head', 'all_heads'\] or unset, "
+        "got 'batched'",
+    ):
         pk.path_residuals(attn, pk.PathTree.complete(3, 2))
     monkeypatch.setenv("PATHKERNELS_ENGINE_LEVELS", "per_head")
     pk.path_residuals(attn, pk.PathTree.complete(3, 2))

@@ -34,7 +34,6 @@ the split is tested there; the capture is tested on a GPU (tests/test_chunk_grap
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
@@ -44,22 +43,11 @@ from pathkernels.core import ops
 from pathkernels.core.checks import Network
 from pathkernels.core.paths import SKIP
 
-_GRAPHS_ENV = "PATHKERNELS_CUDA_GRAPHS"
 # float32 roots: μ / s stays below 2^40 · 2 (headroom for the subtree's value maps), and a residual
 # whose largest entry falls below 2^-32 once divided by s (below the band the engine keeps its nodes
 # in) is evaluated again in float64.
 _MEAN_HEADROOM_EXPONENT = 40
 _SMALLEST_ROOT = 2.0**-32
-
-
-def graphs_enabled() -> bool | None:
-    """Whether PATHKERNELS_CUDA_GRAPHS asks for the split (and, on CUDA, the graphs): "1" on, "0" off,
-    None when unset (the engine then takes :mod:`pathkernels.core.engine_defaults`' choice). Read at
-    each call of the engine, so that one process can time both."""
-    value = os.environ.get(_GRAPHS_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"pathkernels.path_residuals: expected {_GRAPHS_ENV} '0' or '1', got {value!r}")
-    return None if value == "" else value == "1"
 
 
 def prefix_length(chunk) -> int:

@@ -30,7 +30,7 @@ from pathkernels.core.checks import (
     mask_group_inputs,
     unpack_stack,
 )
-from pathkernels.core.engine_defaults import engine_choice
+from pathkernels.core.engine_defaults import engine_choice, engine_settings
 from pathkernels.core.paths import SKIP, PathTree, check_flag
 from pathkernels.core.planner import (
     DEFAULT_MEMORY_BUDGET,
@@ -465,22 +465,6 @@ def chunk_norms(
     )
 
 
-_LEVELS_ENV = "PATHKERNELS_ENGINE_LEVELS"
-
-
-def engine_levels(net: Network) -> bool:
-    """Whether the engine takes internal levels all heads at once: PATHKERNELS_ENGINE_LEVELS
-    "all_heads" or "per_head", or unset, as measured for this card family, dtype and n
-    (:mod:`pathkernels.core.engine_defaults`; per head wherever nothing was measured). Read at each
-    call, so that one process can time both."""
-    value = os.environ.get(_LEVELS_ENV, "").strip()
-    if value not in ("", "per_head", "all_heads"):
-        raise ValueError(f"pathkernels.path_residuals: expected {_LEVELS_ENV} 'per_head' or 'all_heads', got {value!r}")
-    if value == "":
-        value = engine_choice(net.attn.device, net.attn.dtype, net.attn.shape[-1]).engine_levels
-    return value == "all_heads"
-
-
 @torch.no_grad()
 def leaf_norms(
     net: Network,
@@ -549,15 +533,13 @@ def chunk_reports(net: Network, tree: PathTree, pieces, leaf_kernel: str, memory
     subtree below a prefix are split there, and on CUDA their subtrees replayed from a CUDA graph
     (:mod:`pathkernels.core.chunk_graphs`)."""
     operands = engine_operands(net)
-    all_heads_levels = engine_levels(net)
+    settings = engine_settings(net.attn.device, net.attn.dtype, net.attn.shape[-1])
+    all_heads_levels = settings.engine_levels == "all_heads"
 
     def evaluate(chunk, leaf_block: int) -> tuple[Tensor, Tensor]:
         return chunk_norms(net, operands, chunk, leaf_block, leaf_kernel, all_heads_levels)
 
-    graphs = chunk_graphs.graphs_enabled()
-    if graphs is None:  # unset: as measured for this card family, dtype and n
-        graphs = engine_choice(net.attn.device, net.attn.dtype, net.attn.shape[-1]).graphs
-    if graphs:
+    if settings.graphs:
         evaluate = chunk_graphs.ChunkGraphs(
             net, operands, leaf_kernel, all_heads_levels, evaluate, capture=net.attn.device.type == "cuda"
         )

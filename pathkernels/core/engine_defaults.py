@@ -7,13 +7,16 @@ The table is ``engine_defaults.json`` beside this file, written by ``bench/bench
 on a card (``bench/gpu_check.sh --quick`` runs it) and committed with the measurements behind each
 entry. A configuration no entry covers (another card family, float64, the CPU) takes the built-in
 choice: the SIMT leaf kernel, no graphs, levels head by head, the torch fold on a GPU (the C++
-fold on the CPU). An environment switch that is set wins over the table.
+fold on the CPU). An environment switch that is set wins over the table: :func:`engine_settings`
+reads them all, once per call of the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +40,19 @@ class EngineChoice:
 
 
 BUILT_IN = EngineChoice()
+CPU_CHOICE = EngineChoice(statistics_fold="native")  # the C++ fold: one pass, no launches to save
+
+# The environment switches, each over one field of the choice where it is set: the field, the
+# variable, and what each of its values sets ("auto": the table's choice, as if unset).
+SWITCHES = (
+    ("graphs", "PATHKERNELS_CUDA_GRAPHS", {"auto": None, "0": False, "1": True}),
+    ("engine_levels", "PATHKERNELS_ENGINE_LEVELS", {"auto": None, "per_head": "per_head", "all_heads": "all_heads"}),
+    (
+        "statistics_fold",
+        "PATHKERNELS_STATISTICS_FOLD",
+        {"auto": None, "native": "native", "torch": "torch", "triton": "triton"},
+    ),
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -49,8 +65,10 @@ def table_entries() -> tuple[dict, ...]:
 def engine_choice(device, dtype: torch.dtype, n: int, fast: bool = False) -> EngineChoice:
     """The table's choice for ``n × n`` attention of ``dtype`` on ``device``: the entry of the
     device's card family, dtype and ``fast`` with the smallest ``n_max ≥ n``; :data:`BUILT_IN`
-    where none applies (the CPU, float64, another family, n beyond every entry)."""
+    where none applies (float64, another family, n beyond every entry), :data:`CPU_CHOICE` on the CPU."""
     device = torch.device(device)
+    if device.type == "cpu":
+        return CPU_CHOICE
     if device.type != "cuda" or not torch.cuda.is_available():  # e.g. asked about "cuda" on a CPU-only torch
         return BUILT_IN
     family = torch.cuda.get_device_capability(device)[0]
@@ -66,3 +84,21 @@ def engine_choice(device, dtype: torch.dtype, n: int, fast: bool = False) -> Eng
     return EngineChoice(
         entry["leaf_kernel"], entry["graphs"], entry["statistics_fold"], entry["engine_levels"], entry["source"]
     )
+
+
+def engine_settings(
+    device, dtype: torch.dtype, n: int, fast: bool = False, *, where: str = "pathkernels.path_residuals"
+) -> EngineChoice:
+    """:func:`engine_choice` with each environment switch of :data:`SWITCHES` that is set put over
+    its field. Read at each call of the engine, so that one process can time the choices against
+    each other; a value the switch does not know is refused, naming ``where``'s function."""
+    overrides = {}
+    for field, variable, values in SWITCHES:
+        value = os.environ.get(variable, "").strip().lower()
+        if value == "":
+            continue
+        if value not in values:
+            raise ValueError(f"{where}: expected {variable} in {list(values)} or unset, got {value!r}")
+        if values[value] is not None:
+            overrides[field] = values[value]
+    return dataclasses.replace(engine_choice(device, dtype, n, fast), **overrides)

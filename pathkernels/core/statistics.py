@@ -29,7 +29,7 @@ from pathkernels.core._files import read_sealed, tensor_digest, write_sealed
 from pathkernels.core._progress import progress_bar
 from pathkernels.core.checks import check_masked_network, first_index, mask_group_inputs, unpack_stack
 from pathkernels.core.engine import check_inputs, chunk_reports, op_leaf_kernel, to_device
-from pathkernels.core.engine_defaults import engine_choice
+from pathkernels.core.engine_defaults import engine_settings
 from pathkernels.core.paths import (
     DEFAULT_MAX_PATHS,
     MAX_SIZE,
@@ -78,26 +78,20 @@ def positive_log10(values: Tensor) -> Tensor:
     return torch.where(values == 0, 0.0, values.log10())
 
 
-STATISTICS_FOLDS = ("auto", "native", "torch", "triton")
-_FOLD_ENV = "PATHKERNELS_STATISTICS_FOLD"
-
-
-def statistics_fold(device: torch.device) -> str:
-    """How :meth:`PathStatistics.add` folds a chunk on ``device``, from PATHKERNELS_STATISTICS_FOLD
-    ("auto" when unset): "native" (the C++ op; the CPU's default), "torch" (torch ops; the GPU's
-    default where :mod:`pathkernels.core.engine_defaults` has no measured choice) or "triton"
-    (core/triton_statistics.py: a GPU, or CPU tensors under TRITON_INTERPRET=1). The switch lets one
-    run time them against each other."""
-    choice = os.environ.get(_FOLD_ENV, "auto").strip().lower() or "auto"
-    if choice not in STATISTICS_FOLDS:
+def statistics_fold(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """How :meth:`PathStatistics.add` folds a chunk of a ``dtype`` network's reports on ``device``:
+    "native" (the C++ op; the CPU's), "torch" (torch ops; the GPU's where
+    :mod:`pathkernels.core.engine_defaults` has no measured choice for the card family) or "triton"
+    (core/triton_statistics.py: a GPU, or CPU tensors under TRITON_INTERPRET=1).
+    PATHKERNELS_STATISTICS_FOLD, where set, wins over the table, so that one run can time the folds
+    against each other. The table is asked for its narrowest entry: the fold does not know n."""
+    fold = engine_settings(device, dtype, 1, where="pathkernels.path_statistics").statistics_fold
+    if fold == "native" and device.type != "cpu":
         raise ValueError(
-            f"pathkernels.path_statistics: expected {_FOLD_ENV} in {list(STATISTICS_FOLDS)}, got {choice!r}"
+            "pathkernels.path_statistics: PATHKERNELS_STATISTICS_FOLD=native is the CPU's fold, "
+            f"got tensors on {device}"
         )
-    if choice == "native" and device.type != "cpu":
-        raise ValueError(f"pathkernels.path_statistics: {_FOLD_ENV}=native is the CPU's fold, got tensors on {device}")
-    if choice == "auto":  # the GPU's: as measured for the card family (float32 reports, n unknown here)
-        return "native" if device.type == "cpu" else engine_choice(device, torch.float32, 1).statistics_fold
-    return choice
+    return fold
 
 
 @functools.lru_cache(maxsize=8)
@@ -223,7 +217,7 @@ class PathStatistics:
         one pass of the C++ op ``_statistics_update``; on a GPU torch ops (:meth:`_add_torch`) or
         the Triton fold (two launches); for a chunk that holds a zero path (whose 0/0 ratio the C++
         op would add to the sums), torch ops. Each gives the same numbers."""
-        fold = statistics_fold(residual.device)
+        fold = statistics_fold(residual.device, self.dtype)
         if fold == "triton":
             self._add_triton(residual, norm, lengths, paths_of)
             return
