@@ -274,6 +274,51 @@ def test_an_empty_batch_is_refused_before_the_model_runs():
         adapters.stream_huggingface_attention(model, print, input_ids=torch.zeros(1, 0, dtype=torch.long))
 
 
+TINY_GPT2 = dict(n_layer=1, n_head=2, n_embd=8, vocab_size=50)
+TINY_ENCODER = dict(num_hidden_layers=1, num_attention_heads=2, hidden_size=8, intermediate_size=16, vocab_size=50)
+POSITIONED = {  # families with learned absolute positions: a tiny model and the most tokens it embeds
+    "gpt2": (lambda: transformers.GPT2Model(transformers.GPT2Config(**TINY_GPT2, n_positions=16)), 16),
+    "bert": (lambda: transformers.BertModel(transformers.BertConfig(**TINY_ENCODER, max_position_embeddings=16)), 16),
+    # RoBERTa's positions start after its padding index 1: 16 rows embed 14 tokens
+    "roberta": (
+        lambda: transformers.RobertaModel(transformers.RobertaConfig(**TINY_ENCODER, max_position_embeddings=16)),
+        14,
+    ),
+    "opt": (  # OPT's table has 2 rows more than max_position_embeddings: 16 tokens
+        lambda: transformers.OPTModel(
+            transformers.OPTConfig(
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                hidden_size=8,
+                ffn_dim=16,
+                vocab_size=50,
+                max_position_embeddings=16,
+                word_embed_proj_dim=8,
+            )
+        ),
+        16,
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(POSITIONED))
+def test_tokens_beyond_the_learned_positions_are_refused_by_name(family):
+    """At its limit a model runs, and so does the adapter; one token more, the model itself fails (an
+    embedding's IndexError, or a buffer's RuntimeError), and the adapter refuses the inputs in its
+    own words first."""
+    build, limit = POSITIONED[family]
+    model = build().eval()
+    model(input_ids=torch.randint(2, 50, (1, limit)))
+    adapters.from_huggingface(model, input_ids=torch.randint(2, 50, (1, limit)))
+    too_many = torch.randint(2, 50, (1, limit + 1))
+    with pytest.raises((IndexError, RuntimeError)):
+        model(input_ids=too_many)
+    with pytest.raises(
+        ValueError, match=rf"from_huggingface: {limit + 1} tokens, but the model embeds positions for at most {limit}$"
+    ):
+        adapters.from_huggingface(model, input_ids=too_many)
+
+
 @pytest.mark.parametrize(
     "inputs, message",
     [

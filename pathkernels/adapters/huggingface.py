@@ -242,12 +242,13 @@ def _attention_layers(model) -> list[_AttentionLayer]:
 
 def _position_limit(model) -> int | None:
     """The most tokens a model with learned absolute positions embeds (None: rotary, or no limit
-    known). RoBERTa's positions start after its padding index."""
+    known). RoBERTa's positions start after its padding index; OPT's table holds two more rows than
+    its limit (its positions start at 2)."""
     config = model.config
     if config.model_type == "gpt2":
         return getattr(config, "n_positions", None)
     limit = getattr(config, "max_position_embeddings", None)
-    if config.model_type == "bert" or limit is None:
+    if config.model_type in ("bert", "opt") or limit is None:
         return limit
     if config.model_type == "roberta":
         return limit - (getattr(config, "pad_token_id", 1) or 0) - 1
