@@ -8,11 +8,34 @@ import math
 import torch
 
 
+def scaled_frequency(frequency: float, parameters: dict) -> float:
+    """One rotary frequency as the config's rope type scales it: "default" keeps it, "linear"
+    divides it by the factor, "llama3" (Llama 3.1's long context) divides the long wavelengths
+    (beyond context / low_freq_factor) by the factor, keeps the short ones (below context /
+    high_freq_factor) and blends linearly in 1 / wavelength between the two."""
+    kind = parameters.get("rope_type", "default")
+    if kind == "default":
+        return frequency
+    if kind == "linear":
+        return frequency / parameters["factor"]
+    assert kind == "llama3", f"the reference knows no rope type {kind!r}"
+    factor, low, high = parameters["factor"], parameters["low_freq_factor"], parameters["high_freq_factor"]
+    context = parameters["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / frequency
+    if wavelength < context / high:
+        return frequency
+    if wavelength > context / low:
+        return frequency / factor
+    weight = (context / wavelength - low) / (high - low)  # 0 at the long end, 1 at the short one
+    return weight * frequency + (1 - weight) * frequency / factor
+
+
 @contextlib.contextmanager
 def float64_steps(model):
     """Within the block, ``model``'s attention softmax (``softmax(x, dtype=torch.float32)``), its
     RMSNorms (``x / sqrt(mean(x²) + ε) · γ``, Gemma's ``γ = 1 + w``), OLMo's LayerNorms, the rotary
-    cosines and sines (angles ``p · θ_i``, ``θ_i = 1 / base^(2i/dim)``) and Gemma's embedding scale
+    cosines and sines (angles ``p · θ_i``, ``θ_i = 1 / base^(2i/dim)`` scaled by the rope type:
+    :func:`scaled_frequency`) and Gemma's embedding scale
     ``√d`` compute in float64 where their input is float64. The model's own attention implementation
     runs (SDPA, where it has one: float64 throughout)."""
 
@@ -45,10 +68,12 @@ def float64_steps(model):
         config = module.config
         parameters = config.rope_parameters
         parameters = parameters[layer_type] if layer_type is not None else parameters
-        assert parameters.get("rope_type", "default") == "default", "the tests' models use the default rotary"
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dim = int(head_dim * parameters.get("partial_rotary_factor", 1.0))
-        theta = 1.0 / parameters["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+        theta = torch.tensor(
+            [scaled_frequency(parameters["rope_theta"] ** (-i / dim), parameters) for i in range(0, dim, 2)],
+            dtype=torch.float64,
+        )
         angles = positions[..., None].double() * theta
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos(), angles.sin()

@@ -205,6 +205,50 @@ def test_float64_models_with_a_float32_softmax(family):
     torch.testing.assert_close(result.residual, residual_norm_ref(products), rtol=1e-10, atol=1e-12)
 
 
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 2.5},
+    # head_dim 8: wavelengths 2π·(1, 10, 100, 1000); a context of 64 keeps the first, blends the
+    # second and divides the last two
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+}
+
+
+@pytest.mark.parametrize("scaling", sorted(ROPE_SCALINGS))
+def test_float64_rotary_positions_with_scaled_frequencies(scaling):
+    """Llama's rotary module computes θ and the angles in float32 whatever the model's dtype; a
+    float64 model's scaled θ ("linear", Llama 3.1's "llama3") is computed again in float64 from the
+    config, and the patterns are the float64 forward pass's (the reference scales each frequency by
+    its own code), not the float32 angles' (1e-9 and more apart at 40 positions)."""
+    from float64_reference import float64_steps
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=32,
+        intermediate_size=64,
+        vocab_size=50,
+        rope_parameters={"rope_theta": 10000.0, **ROPE_SCALINGS[scaling]},
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).double()
+    inputs = {"input_ids": torch.randint(0, 50, (2, 40))}
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    with torch.no_grad():
+        raw = torch.stack(reference.eval()(**inputs, output_attentions=True).attentions, dim=1)
+        with float64_steps(reference):
+            exact = torch.stack(reference(**inputs, output_attentions=True).attentions, dim=1)
+    stack = adapters.from_huggingface(model, **inputs)
+    torch.testing.assert_close(stack.attn, exact, rtol=1e-12, atol=1e-14)
+    assert float((stack.attn - raw).abs().max()) > 1e-9  # the premise: float32 angles are visibly apart
+
+
 def test_a_float32_softmax_is_still_checked():
     """attn_precision widens the tolerance to float32's, no further: a row off by 1e-3 is refused."""
     model, inputs = llama_style("llama"), {"input_ids": torch.randint(0, 50, (1, 6))}

@@ -4,6 +4,7 @@ computed in float64 during a float64 model's capture, so that it is decomposed a
 
 from __future__ import annotations
 
+import math
 import sys
 from contextlib import ExitStack, contextmanager
 
@@ -47,9 +48,9 @@ def in_float64(model: nn.Module):
 # frequencies θ_i as float32 numbers and compute the angles p·θ_i, their cosines and sines in float32
 # whatever the model's dtype: a float64 model's queries and keys would carry float32 roundings (up
 # to ~1e-6 relative in the logits). In a float64 capture the angles are computed in float64 from θ
-# in float64: θ_i = 1 / base^(2i/dim) (÷ factor for "linear" scaling) from the config, where that
-# formula reproduces the module's own θ to float32's rounding; the module's θ otherwise (other
-# scalings: the angles still in float64).
+# in float64: θ_i = 1 / base^(2i/dim) from the config, scaled as its "linear" or "llama3" rope type
+# says (:func:`_scaled_frequencies`), where that formula reproduces the module's own θ to float32's
+# rounding; the module's θ otherwise (other scalings: the angles still in float64).
 
 
 def _every_module(model: nn.Module) -> list[nn.Module]:
@@ -90,17 +91,40 @@ def exact_inverse_frequencies(module: nn.Module, layer_type: str | None = None) 
     parameters = _rope_parameters(config, layer_type)
     kind = parameters.get("rope_type", "default")
     base = parameters.get("rope_theta")
-    if config is None or base is None or kind not in ("default", "linear"):
+    if config is None or base is None or kind not in _SCALINGS:
         return held
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dim = int(head_dim * parameters.get("partial_rotary_factor", 1.0))
     exponents = torch.arange(0, dim, 2, dtype=torch.float64, device=held.device) / dim
-    exact = 1.0 / float(base) ** exponents
-    if kind == "linear":
-        exact = exact / float(parameters["factor"])
+    try:
+        exact = _SCALINGS[kind](1.0 / float(base) ** exponents, parameters)
+    except (KeyError, TypeError, ValueError):  # a parameter missing or malformed: the module's own θ
+        return held
     if exact.shape != held.shape or not bool(((exact - held).abs() <= 4e-7 * held.abs()).all()):
         return held
     return exact
+
+
+def _llama3_frequencies(theta: Tensor, parameters: dict) -> Tensor:
+    """Llama 3.1's scaling of the inverse frequencies θ (float64): with the wavelength λ = 2π/θ and
+    the pretraining context c, θ is kept where λ < c / high_freq_factor, divided by ``factor`` where
+    λ > c / low_freq_factor, and in between ``(1 − s) θ / factor + s θ`` with
+    ``s = (c / λ − low_freq_factor) / (high_freq_factor − low_freq_factor)`` (continuous at both ends)."""
+    factor, low, high = (float(parameters[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    context = float(parameters["original_max_position_embeddings"])
+    wavelength = 2 * math.pi / theta
+    smooth = (context / wavelength - low) / (high - low)
+    medium = (1 - smooth) * theta / factor + smooth * theta
+    scaled = torch.where(wavelength > context / low, theta / factor, medium)
+    return torch.where(wavelength < context / high, theta, scaled)
+
+
+# rope type -> its inverse frequencies from the default ones θ_i = 1 / base^(2i/dim), in float64
+_SCALINGS = {
+    "default": lambda theta, parameters: theta,
+    "linear": lambda theta, parameters: theta / float(parameters["factor"]),
+    "llama3": _llama3_frequencies,
+}
 
 
 def rotary_in_float64(module: nn.Module, args: tuple, kwargs: dict, output):
