@@ -244,9 +244,39 @@ def test_float64_rotary_positions_with_scaled_frequencies(scaling):
         raw = torch.stack(reference.eval()(**inputs, output_attentions=True).attentions, dim=1)
         with float64_steps(reference):
             exact = torch.stack(reference(**inputs, output_attentions=True).attentions, dim=1)
-    stack = adapters.from_huggingface(model, **inputs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stack = adapters.from_huggingface(model, **inputs)
+    assert not [w for w in caught if "RotaryEmbedding" in str(w.message)]  # θ computed here: nothing to say
     torch.testing.assert_close(stack.attn, exact, rtol=1e-12, atol=1e-14)
     assert float((stack.attn - raw).abs().max()) > 1e-9  # the premise: float32 angles are visibly apart
+
+
+def test_a_float64_rotary_module_whose_theta_is_not_computed_here_is_named():
+    """YaRN's θ is not computed again here: the module's float32 θ is kept, and the capture says so
+    (the patterns are still the model's own to float32's rounding of the angles)."""
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        hidden_size=16,
+        intermediate_size=32,
+        vocab_size=50,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config).double()
+    inputs = {"input_ids": torch.randint(0, 50, (1, 12))}
+    with pytest.warns(UserWarning, match=r"LlamaRotaryEmbedding of a float64 model: its rope type 'yarn' is not one"):
+        stack = adapters.from_huggingface(model, **inputs)
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    with torch.no_grad():
+        raw = torch.stack(reference.eval()(**inputs, output_attentions=True).attentions, dim=1)
+    torch.testing.assert_close(stack.attn, raw, rtol=1e-6, atol=1e-7)
 
 
 def test_a_float32_softmax_is_still_checked():

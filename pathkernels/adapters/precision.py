@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -92,6 +93,7 @@ def exact_inverse_frequencies(module: nn.Module, layer_type: str | None = None) 
     kind = parameters.get("rope_type", "default")
     base = parameters.get("rope_theta")
     if config is None or base is None or kind not in _SCALINGS:
+        _warn_float32_rotary(module, f"its rope type {kind!r} is not one whose θ is computed here")
         return held
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dim = int(head_dim * parameters.get("partial_rotary_factor", 1.0))
@@ -99,10 +101,22 @@ def exact_inverse_frequencies(module: nn.Module, layer_type: str | None = None) 
     try:
         exact = _SCALINGS[kind](1.0 / float(base) ** exponents, parameters)
     except (KeyError, TypeError, ValueError):  # a parameter missing or malformed: the module's own θ
+        _warn_float32_rotary(module, f"its {kind!r} rope parameters are incomplete")
         return held
     if exact.shape != held.shape or not bool(((exact - held).abs() <= 4e-7 * held.abs()).all()):
+        _warn_float32_rotary(module, f"the config's {kind!r} formula does not reproduce its θ")
         return held
     return exact
+
+
+def _warn_float32_rotary(module: nn.Module, why: str) -> None:
+    """Say that a float64 capture keeps some of ``module``'s float32 rotary arithmetic, and why."""
+    warnings.warn(
+        f"pathkernels: {type(module).__name__} of a float64 model: {why}, so its float32 values are kept "
+        "and the patterns carry float32's rounding of the rotary angles (~1e-7 relative) instead of float64's",
+        UserWarning,
+        stacklevel=2,
+    )
 
 
 def _llama3_frequencies(theta: Tensor, parameters: dict) -> Tensor:
@@ -152,6 +166,7 @@ def rotary_in_float64(module: nn.Module, args: tuple, kwargs: dict, output):
         exact_cos.shape != cos.shape
         or max(float((exact_cos - cos).abs().max()), float((exact_sin - sin).abs().max())) > slack
     ):
+        _warn_float32_rotary(module, "its cosines and sines do not follow the layout cat(freqs, freqs) · scaling")
         return None
     return exact_cos, exact_sin  # float64 (OLMo's module returns float32 ones, which promote against float64)
 
