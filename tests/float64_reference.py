@@ -8,19 +8,36 @@ import math
 import torch
 
 
-def scaled_frequency(frequency: float, parameters: dict) -> float:
-    """One rotary frequency as the config's rope type scales it: "default" keeps it, "linear"
-    divides it by the factor, "llama3" (Llama 3.1's long context) divides the long wavelengths
-    (beyond context / low_freq_factor) by the factor, keeps the short ones (below context /
-    high_freq_factor) and blends linearly in 1 / wavelength between the two."""
+def scaled_frequency(i: int, dim: int, parameters: dict) -> float:
+    """Rotary frequency i (of dim/2) as the config's rope type scales the default one
+    ``f = base^(-2i/dim)``: "default" keeps it, "linear" divides it by the factor; "llama3" (Llama
+    3.1's long context) divides the long wavelengths (beyond context / low_freq_factor) by the
+    factor, keeps the short ones (below context / high_freq_factor) and blends linearly in
+    1 / wavelength between the two; "yarn" blends f and f / factor by a ramp over i, from the
+    dimension where a frequency turns beta_fast times over the context (kept) to the one where it
+    turns beta_slow times (divided), those dimensions rounded outwards unless truncate is false, and
+    kept within [0, dim − 1]."""
+    base = parameters["rope_theta"]
+    frequency = base ** (-2 * i / dim)
     kind = parameters.get("rope_type", "default")
     if kind == "default":
         return frequency
+    factor, context = parameters["factor"], parameters.get("original_max_position_embeddings")
     if kind == "linear":
-        return frequency / parameters["factor"]
+        return frequency / factor
+    if kind == "yarn":
+        # the dimension d at which base^(-d/dim) · context = 2π · turns
+        def turning(turns):
+            return dim * math.log(context / (2 * math.pi * turns)) / (2 * math.log(base))
+
+        first, last = turning(parameters.get("beta_fast", 32)), turning(parameters.get("beta_slow", 1))
+        if parameters.get("truncate", True):
+            first, last = math.floor(first), math.ceil(last)
+        first, last = max(first, 0), min(last, dim - 1)
+        ramp = min(max((i - first) / (last - first), 0.0), 1.0)  # 0: kept, 1: divided by the factor
+        return (1 - ramp) * frequency + ramp * frequency / factor
     assert kind == "llama3", f"the reference knows no rope type {kind!r}"
-    factor, low, high = parameters["factor"], parameters["low_freq_factor"], parameters["high_freq_factor"]
-    context = parameters["original_max_position_embeddings"]
+    low, high = parameters["low_freq_factor"], parameters["high_freq_factor"]
     wavelength = 2 * math.pi / frequency
     if wavelength < context / high:
         return frequency
@@ -70,13 +87,13 @@ def float64_steps(model):
         parameters = parameters[layer_type] if layer_type is not None else parameters
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         dim = int(head_dim * parameters.get("partial_rotary_factor", 1.0))
-        theta = torch.tensor(
-            [scaled_frequency(parameters["rope_theta"] ** (-i / dim), parameters) for i in range(0, dim, 2)],
-            dtype=torch.float64,
-        )
+        theta = torch.tensor([scaled_frequency(i, dim, parameters) for i in range(dim // 2)], dtype=torch.float64)
         angles = positions[..., None].double() * theta
         angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos(), angles.sin()
+        scale = 1.0
+        if parameters.get("rope_type") == "yarn":  # YaRN's "attention temperature" 0.1 ln(factor) + 1
+            scale = parameters.get("attention_factor") or 0.1 * math.log(parameters["factor"]) + 1
+        return angles.cos() * scale, angles.sin() * scale
 
     def exact_sinusoids(module, args, kwargs, output):  # GPT-J: (sin, cos) from its table
         positions = args[1] if len(args) > 1 else kwargs["position_ids"]

@@ -205,10 +205,11 @@ def test_float64_models_with_a_float32_softmax(family):
     torch.testing.assert_close(result.residual, residual_norm_ref(products), rtol=1e-10, atol=1e-12)
 
 
+# head_dim 16: frequencies 10000^(-i/8), i < 8 (wavelengths 2π · 10^(i/2)), unless rope_theta says
+# otherwise.
 ROPE_SCALINGS = {
     "linear": {"rope_type": "linear", "factor": 2.5},
-    # head_dim 8: wavelengths 2π·(1, 10, 100, 1000); a context of 64 keeps the first, blends the
-    # second and divides the last two
+    # a context of 64 keeps frequency 0, blends 1 and 2, divides the rest
     "llama3": {
         "rope_type": "llama3",
         "factor": 8.0,
@@ -216,13 +217,26 @@ ROPE_SCALINGS = {
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64,
     },
+    # a context of 100: the ramp over frequencies j runs from dimension -0.61 (rounded to -1,
+    # clamped to 0) to 2.40 (rounded to 3): j = 0 kept, 1 and 2 blended, the rest divided
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 100},
+    # base 100, a context of 2^16: from 2.30 to 16.07 (clamped to dim − 1 = 15), unrounded
+    "yarn-untruncated": {
+        "rope_type": "yarn",
+        "rope_theta": 100.0,
+        "factor": 8.0,
+        "original_max_position_embeddings": 2**16,
+        "beta_fast": 2774.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    },
 }
 
 
 @pytest.mark.parametrize("scaling", sorted(ROPE_SCALINGS))
 def test_float64_rotary_positions_with_scaled_frequencies(scaling):
     """Llama's rotary module computes θ and the angles in float32 whatever the model's dtype; a
-    float64 model's scaled θ ("linear", Llama 3.1's "llama3") is computed again in float64 from the
+    float64 model's scaled θ ("linear", Llama 3.1's "llama3", "yarn") is computed again in float64 from the
     config, and the patterns are the float64 forward pass's (the reference scales each frequency by
     its own code), not the float32 angles' (1e-9 and more apart at 40 positions)."""
     from float64_reference import float64_steps
@@ -232,8 +246,10 @@ def test_float64_rotary_positions_with_scaled_frequencies(scaling):
         num_attention_heads=4,
         num_key_value_heads=2,
         hidden_size=32,
+        head_dim=16,
         intermediate_size=64,
         vocab_size=50,
+        max_position_embeddings=64,
         rope_parameters={"rope_theta": 10000.0, **ROPE_SCALINGS[scaling]},
     )
     model = transformers.AutoModelForCausalLM.from_config(config).double()
@@ -253,24 +269,21 @@ def test_float64_rotary_positions_with_scaled_frequencies(scaling):
 
 
 def test_a_float64_rotary_module_whose_theta_is_not_computed_here_is_named():
-    """YaRN's θ is not computed again here: the module's float32 θ is kept, and the capture says so
-    (the patterns are still the model's own to float32's rounding of the angles)."""
+    """Dynamic NTK's θ is not computed again here: the module's float32 θ is kept, and the capture
+    says so (the patterns are still the model's own to float32's rounding of the angles)."""
     config = transformers.LlamaConfig(
         num_hidden_layers=1,
         num_attention_heads=2,
         hidden_size=16,
         intermediate_size=32,
         vocab_size=50,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 32,
-        },
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
     )
     model = transformers.AutoModelForCausalLM.from_config(config).double()
     inputs = {"input_ids": torch.randint(0, 50, (1, 12))}
-    with pytest.warns(UserWarning, match=r"LlamaRotaryEmbedding of a float64 model: its rope type 'yarn' is not one"):
+    with pytest.warns(
+        UserWarning, match=r"LlamaRotaryEmbedding of a float64 model: its rope type 'dynamic' is not one"
+    ):
         stack = adapters.from_huggingface(model, **inputs)
     reference = copy.deepcopy(model)
     reference.set_attn_implementation("eager")

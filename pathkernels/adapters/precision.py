@@ -49,8 +49,8 @@ def in_float64(model: nn.Module):
 # frequencies θ_i as float32 numbers and compute the angles p·θ_i, their cosines and sines in float32
 # whatever the model's dtype: a float64 model's queries and keys would carry float32 roundings (up
 # to ~1e-6 relative in the logits). In a float64 capture the angles are computed in float64 from θ
-# in float64: θ_i = 1 / base^(2i/dim) from the config, scaled as its "linear" or "llama3" rope type
-# says (:func:`_scaled_frequencies`), where that formula reproduces the module's own θ to float32's
+# in float64: θ_i = 1 / base^(2i/dim) from the config, scaled as its "linear", "llama3" or "yarn" rope
+# type says (``_SCALINGS``), where that formula reproduces the module's own θ to float32's
 # rounding; the module's θ otherwise (other scalings: the angles still in float64).
 
 
@@ -133,11 +133,39 @@ def _llama3_frequencies(theta: Tensor, parameters: dict) -> Tensor:
     return torch.where(wavelength < context / high, theta, scaled)
 
 
+def _yarn_frequencies(theta: Tensor, parameters: dict) -> Tensor:
+    """YaRN's inverse frequencies (float64) from the default ones θ_j, j < dim/2: a blend
+    ``r_j θ_j / factor + (1 − r_j) θ_j`` by the ramp ``r_j = clamp((j − lo) / (hi − lo), 0, 1)``,
+    where lo and hi are the dimensions at which a frequency turns ``beta_fast`` (32) and
+    ``beta_slow`` (1) times over the pretraining context c, ``dim · ln(c / (2π β)) / (2 ln base)``,
+    rounded outwards unless ``truncate`` is false and kept within [0, dim − 1]. YaRN's scaling of the
+    angles, ``attention_factor``, is the module's ``attention_scaling``, which is applied after."""
+    factor, base = float(parameters["factor"]), float(parameters["rope_theta"])
+    context = float(parameters["original_max_position_embeddings"])
+    dim = 2 * theta.numel()
+
+    def turning_dimension(rotations: float) -> float:
+        return dim * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = (
+        turning_dimension(parameters.get("beta_fast") or 32),
+        turning_dimension(parameters.get("beta_slow") or 1),
+    )
+    if parameters.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as the reference implementation does: no division by zero
+    ramp = ((torch.arange(theta.numel(), dtype=torch.float64, device=theta.device) - low) / (high - low)).clamp(0, 1)
+    return ramp * theta / factor + (1 - ramp) * theta
+
+
 # rope type -> its inverse frequencies from the default ones θ_i = 1 / base^(2i/dim), in float64
 _SCALINGS = {
     "default": lambda theta, parameters: theta,
     "linear": lambda theta, parameters: theta / float(parameters["factor"]),
     "llama3": _llama3_frequencies,
+    "yarn": _yarn_frequencies,
 }
 
 
