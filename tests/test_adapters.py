@@ -4,6 +4,7 @@ Each extracted map is checked against the model's own computation: a layer's att
 ``Σ_h A[l,h] X_l W_V[l,h] W_O[l,h] + b_O[l]``, with X_l the attention module's input.
 """
 
+import contextlib
 import copy
 import os
 import warnings
@@ -174,24 +175,45 @@ def llama_style(model_type: str):
     return transformers.AutoModelForCausalLM.from_config(config).double()
 
 
+def eager_patterns(model, inputs: dict, *, in_float64: bool = False) -> torch.Tensor:
+    """The patterns ``[B, L, H, n, n]`` that a copy of ``model`` returns with eager attention, its own
+    forward pass, or with ``in_float64`` the independent float64 reference's (tests/float64_reference.py)."""
+    from float64_reference import float64_steps
+
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    with torch.no_grad(), float64_steps(reference) if in_float64 else contextlib.nullcontext():
+        return torch.stack(reference.eval()(**inputs, output_attentions=True).attentions, dim=1)
+
+
+def rotary_llama(rope_parameters: dict, **sizes) -> torch.nn.Module:
+    """A float64 Llama of two layers (four query heads over two key-value heads, head_dim 16) with
+    these rotary parameters; ``sizes`` override the config's."""
+    config = dict(
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        hidden_size=32,
+        head_dim=16,
+        intermediate_size=64,
+        vocab_size=50,
+        max_position_embeddings=64,
+        rope_parameters=rope_parameters,
+    )
+    return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**{**config, **sizes})).double()
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "vit"])
 def test_float64_models_with_a_float32_softmax(family):
     """Their eager attention takes the softmax in float32 (rows summing to 1 only to ~1e-7): the
     adapter computes a float64 model's patterns in float64, as the model would in float64 throughout."""
-    from float64_reference import float64_steps
-
     if family == "vit":
         model, inputs = hf_case("vit")
         model = model.double()
         inputs = {"pixel_values": inputs["pixel_values"].double()}
     else:
         model, inputs = llama_style(family), {"input_ids": torch.randint(0, 50, (2, 9))}
-    reference = copy.deepcopy(model)
-    reference.set_attn_implementation("eager")
-    with torch.no_grad():
-        raw = torch.stack(reference.eval()(**inputs, output_attentions=True).attentions, dim=1)
-        with float64_steps(reference):
-            exact = torch.stack(reference(**inputs, output_attentions=True).attentions, dim=1)
+    raw, exact = eager_patterns(model, inputs), eager_patterns(model, inputs, in_float64=True)
     assert float((raw.sum(-1) - 1).abs().max()) > 1e-12  # the premise: float32 rounding, not float64's
     stack = adapters.from_huggingface(model, **inputs)
     assert stack.attn.dtype == torch.float64 and stack.attn_precision is None
@@ -239,27 +261,9 @@ def test_float64_rotary_positions_with_scaled_frequencies(scaling):
     float64 model's scaled θ ("linear", Llama 3.1's "llama3", "yarn") is computed again in float64 from the
     config, and the patterns are the float64 forward pass's (the reference scales each frequency by
     its own code), not the float32 angles' (1e-9 and more apart at 40 positions)."""
-    from float64_reference import float64_steps
-
-    config = transformers.LlamaConfig(
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        hidden_size=32,
-        head_dim=16,
-        intermediate_size=64,
-        vocab_size=50,
-        max_position_embeddings=64,
-        rope_parameters={"rope_theta": 10000.0, **ROPE_SCALINGS[scaling]},
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config).double()
+    model = rotary_llama({"rope_theta": 10000.0, **ROPE_SCALINGS[scaling]})
     inputs = {"input_ids": torch.randint(0, 50, (2, 40))}
-    reference = copy.deepcopy(model)
-    reference.set_attn_implementation("eager")
-    with torch.no_grad():
-        raw = torch.stack(reference.eval()(**inputs, output_attentions=True).attentions, dim=1)
-        with float64_steps(reference):
-            exact = torch.stack(reference(**inputs, output_attentions=True).attentions, dim=1)
+    raw, exact = eager_patterns(model, inputs), eager_patterns(model, inputs, in_float64=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         stack = adapters.from_huggingface(model, **inputs)
@@ -271,25 +275,13 @@ def test_float64_rotary_positions_with_scaled_frequencies(scaling):
 def test_a_float64_rotary_module_whose_theta_is_not_computed_here_is_named():
     """Dynamic NTK's θ is not computed again here: the module's float32 θ is kept, and the capture
     says so (the patterns are still the model's own to float32's rounding of the angles)."""
-    config = transformers.LlamaConfig(
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        hidden_size=16,
-        intermediate_size=32,
-        vocab_size=50,
-        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
-    )
-    model = transformers.AutoModelForCausalLM.from_config(config).double()
+    model = rotary_llama({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}, num_hidden_layers=1)
     inputs = {"input_ids": torch.randint(0, 50, (1, 12))}
     with pytest.warns(
         UserWarning, match=r"LlamaRotaryEmbedding of a float64 model: its rope type 'dynamic' is not one"
     ):
         stack = adapters.from_huggingface(model, **inputs)
-    reference = copy.deepcopy(model)
-    reference.set_attn_implementation("eager")
-    with torch.no_grad():
-        raw = torch.stack(reference.eval()(**inputs, output_attentions=True).attentions, dim=1)
-    torch.testing.assert_close(stack.attn, raw, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(stack.attn, eager_patterns(model, inputs), rtol=1e-6, atol=1e-7)
 
 
 def test_a_float32_softmax_is_still_checked():
