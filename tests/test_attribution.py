@@ -163,8 +163,9 @@ def test_a_llama_logit_difference_is_the_sum_of_its_path_attributions(dtype):
     if dtype == torch.float64:
         torch.testing.assert_close(complete, result.value, rtol=1e-10, atol=1e-10)
         assert float((result.value - own).abs().max()) <= 1e-5 * float(logits.abs().max())
-    else:  # the float32 stream is a sum of its paths to float32's rounding
-        assert float((complete - own).abs().max()) <= 1e-4 * float(own.abs().max())
+    else:  # the float32 stream is a sum of its paths to float32's rounding, relative to the logits'
+        # scale (the difference of two logits can be near 0: relative to it, 0.66 of the bound was seen)
+        assert float((complete - own).abs().max()) <= 1e-4 * float(logits.abs().max())
     if dtype == torch.float64:  # exactly the capture's stream through the frozen final norm
         norm = capture.residual[0] * capture.final_scale[0, :, None] * capture.final_weight
         direct = norm[[8, 5]] @ readout.directions[0]
