@@ -142,6 +142,30 @@ def path_condition_numbers(
     return torch.stack(kappas, dim=1)
 
 
+def output_condition_numbers(
+    attn: Tensor, paths: Tensor, x: Tensor | None = None, w_v: Tensor | None = None, w_o: Tensor | None = None
+) -> Tensor:
+    """Condition number of each path's norm (not its residual's: :func:`path_condition_numbers`), in
+    float64: ``[B, M]``.
+
+    ``κ_p = ‖ P_p |X| |W_p| ‖_{1,∞} / ‖ P_p X W_p ‖_{1,∞}``, uncentred (``|W_V| |W_O|`` per layer):
+    1 for attention products alone (non-negative factors), and large where the output's entries
+    cancel in their sums. The norm's relative error in float32 is then at most about
+    :func:`float32_error_bound` of it.
+
+    Args:
+        attn: ``[B, L, H, n, n]``; paths: ``[M, L]`` (``-1`` = skip); optional x ``[B, n, d]``,
+            w_v ``[L, H, d, d_head]``, w_o ``[L, H, d_head, d]`` for path outputs.
+    """
+    from pathkernels.reference import composite_norm_ref, path_products_ref
+
+    maps = {name: t.double() for name, t in (("x", x), ("w_v", w_v), ("w_o", w_o)) if t is not None}
+    attn = attn.double()
+    exact = composite_norm_ref(path_products_ref(attn, paths, **maps))
+    magnitude = composite_norm_ref(path_products_ref(attn, paths, **{k: v.abs() for k, v in maps.items()}))
+    return magnitude / exact
+
+
 def leaf_kernel_slack(attn: Tensor, right: Tensor, kernel: str = "simt") -> Tensor:
     """Absolute error a float32 leaf kernel's product ``C(A) right_k`` may carry into its norms,
     per leaf: the dot-product bound ``γ_n = n·2⁻²⁴`` times the largest column or row sum of

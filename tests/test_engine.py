@@ -24,6 +24,7 @@ from pathkernels.testing import (
     float32_error_bound,
     has_tensor_cores,
     num_threads,
+    output_condition_numbers,
     path_condition_numbers,
     random_attention,
     tolerance,
@@ -316,11 +317,7 @@ def test_float32_range_across_a_tree(device, mode, leaf_kernel):
     error = ((single.norm.double() - truth.norm).abs() / truth.norm).cpu()
     batch, path = torch.nonzero(error > 2e-4, as_tuple=True)
     if len(path):
-        paths = tree.paths()[path]
-        exact = composite_norm_ref(path_products_ref(attn.double(), paths, **{k: v.double() for k, v in args.items()}))
-        bound_inputs = {k: v.double().abs() for k, v in args.items()}
-        magnitude = composite_norm_ref(path_products_ref(attn.double(), paths, **bound_inputs))
-        kappa = magnitude / exact
+        kappa = output_condition_numbers(attn, tree.paths()[path], **args)
         bound = float32_error_bound(kappa[batch, torch.arange(len(path))], layers, n)
         assert (error[batch, path] <= bound).all(), (error[batch, path], bound)
     stats = pk.path_statistics(
@@ -763,6 +760,37 @@ def test_condition_numbers_bound_the_float32_error():
     # The skip-only path is C(I): no cancellation at all; products of centred factors do cancel.
     assert float(kappa[0, 0]) == pytest.approx(1.0)
     assert float(kappa[:, tree.lengths() >= 2].min()) > 1
+
+
+def test_output_condition_numbers_are_one_without_cancellation_and_bound_the_norms():
+    """Attention products alone are non-negative (κ = 1); with value maps of mixed signs the outputs
+    cancel (κ > 1), and the float32 norms lie within the bound of that κ. Hand-worked: n = 1,
+    X = [[2, -1]], W_V = [[1], [1]], W_O = [[1, 0]]: X W = [[1, 0]] and |X| |W| = [[3, 0]], so κ = 3."""
+    from pathkernels.testing import float32_error_bound, output_condition_numbers
+
+    attn = random_attention(2, 3, 2, 5, 5, dtype=torch.float64)
+    tree = pk.PathTree.complete(3, 2, skip=True)
+    kappa = output_condition_numbers(attn, tree.paths())
+    torch.testing.assert_close(kappa, torch.ones_like(kappa), rtol=1e-12, atol=0)
+    maps = {
+        "x": torch.randn(2, 5, 4, dtype=torch.float64),
+        "w_v": torch.randn(3, 2, 4, 2, dtype=torch.float64),
+        "w_o": torch.randn(3, 2, 2, 4, dtype=torch.float64),
+    }
+    kappa = output_condition_numbers(attn, tree.paths(), **maps)
+    assert kappa.shape == (2, len(tree)) and bool((kappa >= 1 - 1e-12).all()) and float(kappa.max()) > 1
+    exact = pk.path_residuals(attn, tree, **maps).norm
+    single = pk.path_residuals(
+        (attn / attn.sum(-1, keepdim=True)).float(), tree, **{k: v.float() for k, v in maps.items()}
+    ).norm.double()
+    assert bool(((single - exact).abs() / exact <= float32_error_bound(kappa, 3, 5) + 1e-7).all())
+    one = torch.ones(1, 1, 1, 1, 1, dtype=torch.float64)
+    hand = {
+        "x": torch.tensor([[[2.0, -1.0]]], dtype=torch.float64),
+        "w_v": torch.tensor([[1.0], [1.0]], dtype=torch.float64).expand(1, 1, 2, 1),
+        "w_o": torch.tensor([[1.0, 0.0]], dtype=torch.float64).expand(1, 1, 1, 2),
+    }
+    assert float(output_condition_numbers(one, torch.tensor([[0]]), **hand)) == pytest.approx(3.0, rel=1e-15)
 
 
 @pytest.mark.parametrize("outputs", [False, True])
