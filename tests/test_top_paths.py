@@ -171,19 +171,37 @@ def test_the_first_head_factors_are_their_definition():
 
 def test_the_chain_factors_are_their_definition_and_bound_every_path():
     """The chain bound written out chain by chain (every set of heads, one per attention sublayer
-    taken, top to bottom): σ(V_top) · Π ‖T‖_∞ · Π σ(V_lower U_upper) · κ'_lowest; and at the top
-    node it bounds every path that takes a head, by enumeration."""
-    import itertools
-
+    taken, top to bottom): σ(V_top) · Π ‖T‖_∞ · Π σ(V_lower U_upper) · κ'_lowest, on the captured
+    model and on a variant with strong heads over small sources, where chains of several heads
+    decide (so that the pairing term is needed); and at the top node of the captured model it
+    bounds every path that takes a head, by enumeration."""
     from pathkernels.analysis.attribution import read_out
-    from pathkernels.analysis.top_paths import _chain_factors, _source_head_factors, _token_norms
+    from pathkernels.analysis.top_paths import _chain_factors
 
     model_hf = gpt2(3, 2, 16)
     stack, _ = capture_huggingface_residual(model_hf, input_ids=torch.randint(0, 50, (1, 6)))
     readout = pk.logit_diff(model_hf, 1, 2)
     setup = read_out(stack, readout, None, 0, None, "test")
+    variants = {name: variant for name, variant, _, _ in _variants(setup.model, setup.rho[0, 0], setup.phi[0, 0])}
+    for model in (setup.model, variants["strong heads, small sources above"]):
+        single, several = _chains_by_size(model, stack.num_heads)
+        expected = [max(a, b) for a, b in zip(single, several)]
+        assert _chain_factors(model) == pytest.approx(expected, rel=1e-10, abs=1e-300)
+    assert several[-1] > 2 * single[-1]  # the premise: on the variant, chains of several heads decide
     model = setup.model
-    chains = _chain_factors(model)
+    every = pk.path_attribution(stack, readout)
+    with_head = (every.paths >= 0).any(1)
+    bound = float(setup.rho.abs().sum() * setup.phi.norm()) * _chain_factors(model)[-1]
+    assert bool((every.attribution[with_head, 0, 0].abs() <= bound).all())
+
+
+def _chains_by_size(model, heads_count: int) -> tuple[list[float], list[float]]:
+    """The chain bound per level written out, as the largest over chains of one head and over chains
+    of several."""
+    import itertools
+
+    from pathkernels.analysis.top_paths import _source_head_factors, _token_norms
+
     attention = [index for index, sublayer in enumerate(model.sublayers) if sublayer.attn is not None]
 
     def u(index):
@@ -192,24 +210,23 @@ def test_the_chain_factors_are_their_definition_and_bound_every_path():
     def sigma(matrix):
         return float(torch.linalg.matrix_norm(matrix, ord=2))
 
+    single, several = [], []
     for level in range(len(model.sources)):
-        expected = 0.0
+        expected = [0.0, 0.0]
         below = [index for index in attention if index < level]
         for size in range(1, len(below) + 1):
             for taken in itertools.combinations(sorted(below, reverse=True), size):  # top first
-                for heads in itertools.product(range(stack.num_heads), repeat=size):
+                for heads in itertools.product(range(heads_count), repeat=size):
                     value = sigma(model.sublayers[taken[0]].w_o[heads[0]])
                     for index, head in zip(taken, heads):
                         value *= float(_token_norms(model.sublayers[index])[head])
                     for (upper, g), (lower, g2) in zip(zip(taken, heads), zip(taken[1:], heads[1:])):
                         value *= sigma(model.sublayers[lower].w_o[g2] @ u(upper)[g])
                     value *= float(_source_head_factors(model, taken[-1])[heads[-1]])
-                    expected = max(expected, value)
-        assert chains[level] == pytest.approx(expected, rel=1e-10, abs=1e-300)
-    every = pk.path_attribution(stack, readout)
-    with_head = (every.paths >= 0).any(1)
-    bound = float(setup.rho.abs().sum() * setup.phi.norm()) * chains[-1]
-    assert bool((every.attribution[with_head, 0, 0].abs() <= bound).all())
+                    expected[size > 1] = max(expected[size > 1], value)
+        single.append(expected[0])
+        several.append(expected[1])
+    return single, several
 
 
 def _every_node(model):
@@ -564,3 +581,93 @@ def test_a_time_limit_within_the_set_up_of_the_bound_per_node_stops_uncertified(
     assert found.stopped == "time_limit" and not found.certified
     assert found.bound == math.inf and found.gap == math.inf
     assert found.visited == 9 and found.values.shape[0] == 3 and bool((found.paths == -1).all())  # 9 sources
+
+
+def _assert_top_paths_of(stack, readout, k: int, scale: float, **kwargs):
+    """top_paths of ``readout`` scaled by ``scale`` returns, certified, the enumeration's list of the
+    unscaled readout (values scaled, relative 1e-12), for the largest and the smallest (which a
+    negative scale swaps)."""
+    every = pk.path_attribution(stack, readout, top_k=k)
+    for largest in (True, False):
+        found = pk.top_paths(stack, readout * scale, k, largest=largest, **kwargs)
+        top = largest == (scale > 0)
+        values, paths = (every.top_values, every.top_paths) if top else (every.bottom_values, every.bottom_paths)
+        assert found.certified and found.stopped == "certified", (scale, largest)
+        assert torch.equal(found.paths, paths[:, 0, 0]), (scale, largest)
+        torch.testing.assert_close(found.values / scale, values[:, 0, 0], rtol=1e-12, atol=0)
+        assert math.isfinite(found.bound) and found.bound <= abs(scale) * 1e3
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+@pytest.mark.parametrize("scale", [1e-300, 1e-200, 1e250, 1e300, -1e-300])
+def test_certificates_hold_at_every_scale_of_the_readout(family, scale):
+    """A readout scaled by 1e±300: the list and certificate are the unscaled readout's, scaled, for
+    every bound (the squares of the bounds' norms made them 0 below 1e-154, so that a wrong list
+    came back certified)."""
+    _, stack, readout = captured(family)
+    direction = readout.directions[0] if isinstance(readout, pk.Readout) else readout
+    for bound in ("node", "chain", "first_head", "plain"):
+        _assert_top_paths_of(stack, direction, 4, scale, bound=bound)
+
+
+@pytest.mark.parametrize("scale", [1e300, 1e-300])
+def test_certificates_hold_at_every_scale_of_the_weights(scale):
+    """Every head's value map scaled by ``s = 1e±300`` and its output map by ``4/s``: the bounds meet
+    factors of 1e±300 (value maps, their Gram matrices, the norms of pairs of heads), and paths
+    through several heads are in the lists, so that every bound is needed. The search must still
+    certify the enumeration's list."""
+    model = gpt2(4, 4, 32)
+    with torch.no_grad():
+        for block in model.transformer.h:  # GPT-2's fused QKV columns: [q | k | v]
+            block.attn.c_attn.weight[:, 64:] *= scale
+            block.attn.c_attn.bias[64:] *= scale
+            block.attn.c_proj.weight *= 4 / scale
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 9)))
+    readout = pk.logit_diff(model, 1, 2).directions[0]
+    every = pk.path_attribution(stack, readout, top_k=12)
+    lengths = (torch.cat([every.top_paths, every.bottom_paths]) >= 0).sum(-1)
+    assert int(lengths.max()) >= 2  # the premise: chains of heads are among the listed paths
+    for bound in ("node", "chain", "first_head", "plain"):
+        _assert_top_paths_of(stack, readout, 12, 1.0, bound=bound)
+
+
+def test_a_bound_that_is_not_a_number_never_prunes():
+    """``inf · 0`` in a bound's factors gives NaN, which compares false with the k-th value and so
+    would prune: it is taken as ``inf``."""
+    from pathkernels.analysis.top_paths import _norm, _safe_bounds
+
+    bounds = _safe_bounds(torch.tensor([math.nan, 1.0, math.inf, -math.inf], dtype=torch.float64))
+    assert bounds.tolist() == [math.inf, 1.0, math.inf, -math.inf]
+    tiny = torch.tensor([[3e-300, 4e-300], [3e300, 4e300], [0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(_norm(tiny), torch.tensor([5e-300, 5e300, 0.0], dtype=torch.float64), rtol=1e-15, atol=0)
+
+
+def test_exact_ties_at_the_kth_value_give_a_valid_certified_list():
+    """Every head of each layer an exact copy of head 0: attributions tie exactly in groups, and for
+    every k the k-th value sits in a tie. Which of the tied paths is returned is not specified; the
+    values must be enumeration's, each returned path's own attribution, and certified."""
+    model = gpt2(3, 3, 24)
+    with torch.no_grad():
+        for block in model.transformer.h:  # 3 heads of 8: q, k and v columns, the output rows
+            qkv, qkv_bias = block.attn.c_attn.weight.view(24, 3, 3, 8), block.attn.c_attn.bias.view(3, 3, 8)
+            qkv[:] = qkv[:, :, :1].clone()
+            qkv_bias[:] = qkv_bias[:, :1].clone()
+            out = block.attn.c_proj.weight.view(3, 8, 24)
+            out[:] = out[:1].clone()
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 6)))
+    readout = pk.logit_diff(model, 1, 2)
+    every = pk.path_attribution(stack, readout)
+    own = {
+        (tuple(p.tolist()), int(s)): float(v[0, 0])
+        for p, s, v in zip(every.paths, every.path_sources, every.attribution)
+    }
+    ordered = every.attribution[:, 0, 0].sort(descending=True).values
+    tied = 0
+    for k in range(1, 25):
+        found = pk.top_paths(stack, readout, k, batch_nodes=2)
+        assert found.certified
+        torch.testing.assert_close(found.values, ordered[:k], rtol=1e-12, atol=1e-14)
+        for path, source, value in zip(found.paths, found.sources, found.values):
+            assert own[tuple(path.tolist()), int(source)] == pytest.approx(float(value), rel=1e-12, abs=1e-14)
+        tied += int(k < ordered.numel() and bool((ordered[k] - ordered[k - 1]).abs() <= 1e-14 * ordered.abs().max()))
+    assert tied >= 5  # the premise: many k-th values tie with the next one

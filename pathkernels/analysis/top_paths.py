@@ -26,6 +26,7 @@ head's output map), with chains of head pairs kept per token.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import time
@@ -94,6 +95,45 @@ class TopPaths:
         ]
 
 
+def _unit(x: Tensor, dims) -> Tensor:
+    """The power of two ``2^e ≤ max |x| < 2^(e+1)`` over ``dims`` (kept as size-1 dimensions; 1 where
+    x is zero or not finite): dividing by it is exact and brings the largest entry into [1, 2), so
+    that squares neither overflow nor underflow to 0 where x does not."""
+    peak = x.abs().amax(dim=dims, keepdim=True)
+    _, exponent = torch.frexp(peak)
+    usable = (peak > 0) & peak.isfinite()
+    return torch.where(usable, torch.ldexp(torch.ones_like(peak), exponent - 1), torch.ones_like(peak))
+
+
+def _exponent(x: Tensor) -> int:
+    """``e`` with ``2^e ≤ max |x| < 2^(e+1)`` (0 where x is zero or not finite)."""
+    peak = x.abs().max()
+    return int(torch.frexp(peak)[1]) - 1 if bool(peak > 0) and bool(peak.isfinite()) else 0
+
+
+def _times_power_of_two(x, exponent: int):
+    """``x · 2^exponent``, exact wherever the result is in range, in steps of at most ``2^±1000``
+    (each a float: 2^1074, which lifts the smallest subnormal to 1, is not)."""
+    while exponent:
+        step = max(-1000, min(1000, exponent))
+        x = x * 2.0**step
+        exponent -= step
+    return x
+
+
+def _norm(x: Tensor, dim: int = -1) -> Tensor:
+    """``‖x‖₂`` over ``dim``, computed on x scaled by a power of two (:func:`_unit`): the plain norm
+    squares the entries, which makes it 0 for entries below 1e-154 and inf above 1e154."""
+    unit = _unit(x, dim)
+    return (x / unit).norm(dim=dim) * unit.squeeze(dim)
+
+
+def _safe_bounds(bound: Tensor) -> Tensor:
+    """Bounds with NaN (``inf · 0`` where a factor overflowed) taken as ``inf``: a bound that is not
+    a number must never prune."""
+    return torch.where(bound.isnan(), math.inf, bound)
+
+
 def _branch_bounds(model: FrozenModel) -> Tensor:
     """``G_m`` per sublayer: the largest ``‖T‖_∞ σ_max(F)`` over its branches, the skip's included."""
     factors = []
@@ -130,20 +170,25 @@ def _spectral_norm(matrix: Tensor) -> Tensor:
     """``σ_max`` over the last two dimensions: the square root of the largest eigenvalue of the
     smaller Gram matrix. (The symmetric eigensolver, because LAPACK's batched SVD and QR of small
     matrices stall for seconds on a loaded two-core machine; the eigensolver does not.)"""
+    unit = _unit(matrix, (-2, -1))  # scaled into [−1, 1] by a power of two: the Gram matrix stays in range
+    matrix = matrix / unit
     gram = matrix.mT @ matrix if matrix.shape[-1] <= matrix.shape[-2] else matrix @ matrix.mT
-    return torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0).sqrt()
+    return torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0).sqrt() * unit[..., 0, 0]
 
 
 def _product_norm(left: Tensor, right: Tensor) -> Tensor:
     """An upper bound on ``σ_max(left @ right)``, ``left [..., d, e]``, ``right [..., e, d']``, without
     the ``d × d'`` product, within a relative ``10⁻¹²`` of it: ``‖L R x‖² = xᵀ Rᵀ (LᵀL) R x ≤ ‖Cᵀ R x‖²``
     with ``C Cᵀ = LᵀL + δ I`` (Cholesky, δ = 10⁻¹² of LᵀL's largest diagonal entry, so that it
-    exists when L is singular), so it is ``σ_max(Cᵀ R)`` of an ``e × d'`` matrix."""
+    exists when L is singular), so it is ``σ_max(Cᵀ R)`` of an ``e × d'`` matrix. Both factors are
+    first scaled into [−1, 1] by powers of two (:func:`_unit`), so that the Gram matrix stays in range."""
+    left_unit, right_unit = _unit(left, (-2, -1)), _unit(right, (-2, -1))
+    left, right = left / left_unit, right / right_unit
     gram = left.mT @ left
     shift = 1e-12 * gram.diagonal(dim1=-2, dim2=-1).amax(-1) + torch.finfo(gram.dtype).tiny
     eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
     factor = torch.linalg.cholesky(gram + shift[..., None, None] * eye)
-    return _spectral_norm(factor.mT @ right)
+    return _spectral_norm(factor.mT @ right) * (left_unit * right_unit)[..., 0, 0]
 
 
 def _reach_bounds(model: FrozenModel, bound: str = "chain") -> Tensor:
@@ -155,7 +200,7 @@ def _reach_bounds(model: FrozenModel, bound: str = "chain") -> Tensor:
     into that head (:func:`_first_head_factors`), and the chain bound of :func:`_chain_factors`.
     ``bound`` picks fewer of them: ``"first_head"`` leaves the chain bound out, ``"plain"`` takes the
     post-norm form for every model."""
-    kappa = [float(source.norm(dim=-1).max()) for source in model.sources]
+    kappa = [float(_norm(source).max()) for source in model.sources]
     growth = _branch_bounds(model).tolist()
     if not model.sublayers[0].pre or bound == "plain":
         reach = [kappa[0]]
@@ -186,7 +231,7 @@ def _source_head_factors(model: FrozenModel, index: int) -> Tensor:
     through that head's d_head values."""
     values = model.sublayers[index].norm_values  # [H, d, d_head]
     sources = torch.stack(model.sources[: index + 1])  # [I, n, d]
-    return torch.einsum("ind,hde->ihne", sources, values).norm(dim=-1).amax(dim=(0, 2))
+    return _norm(torch.einsum("ind,hde->ihne", sources, values)).amax(dim=(0, 2))
 
 
 def _first_head_factors(model: FrozenModel) -> list[float]:
@@ -268,7 +313,10 @@ class _NodeBounds:
         self.values = [model.sublayers[index].norm_values for index in self.index]  # U [H, d, e]
         self.outputs = torch.cat([model.sublayers[index].w_o for index in self.index])  # V [A·H, e, d]
         self.token_maps = torch.cat([model.sublayers[index].token_maps for index in self.index])  # T [A·H, n, n]
-        self.grams = [u.mT @ u for u in self.values]  # UᵀU [H, e, e]
+        # ‖U z‖₂ as √(zᵀ UᵀU z), with U and z scaled into [−1, 1] by powers of two (:func:`_unit`):
+        # the Gram matrix of the scaled U [H, e, e], and the scale per head [H].
+        self.value_units = [_unit(u, (-2, -1)) for u in self.values]
+        self.grams = [(u / unit).mT @ (u / unit) for u, unit in zip(self.values, self.value_units)]
         self._cache = TensorCache(cache_bytes)
         first = _first_head_reach(model)
         self.reach = [first[index] for index in self.index]  # W at the level of each attention sublayer
@@ -283,7 +331,7 @@ class _NodeBounds:
         for a, index in enumerate(self.index):
             if out_of_time is not None and out_of_time():
                 raise _OutOfTime
-            best = self.source_maps(a).view(heads, n, index + 1, e).norm(dim=-1).amax(-1)  # κ' [H, n]
+            best = _norm(self.source_maps(a).view(heads, n, index + 1, e)).amax(-1)  # κ' [H, n]
             if a:
                 pair = torch.stack(  # σ(V_c' U_c) [H, a·H]
                     [_spectral_norm(self.pair_map(a, h).view(e, a * heads, e).transpose(0, 1)) for h in range(heads)]
@@ -335,10 +383,15 @@ class _NodeBounds:
         """A bound on ``|attr|`` over the paths below the nodes that take another head ``[N]``."""
         if a == 0:
             return torch.full((rho.shape[0],), -math.inf, dtype=torch.float64, device=rho.device)
-        outputs = self.child_features(a, head, z).norm(dim=-1)  # ‖V_c φ‖₂ [N, a·H]
+        outputs = _norm(self.child_features(a, head, z))  # ‖V_c φ‖₂ [N, a·H]
         node = (outputs * (rho.abs() @ self.below[a])).amax(-1)
-        phi_norm = torch.einsum("Ne,ef,Nf->N", z, self.grams[a][head], z).clamp_min(0).sqrt()  # ‖U z‖₂
-        return torch.minimum(node, rho.abs().sum(-1) * phi_norm * self.reach[a])
+        unit = _unit(z, -1)
+        scaled = z / unit
+        phi_norm = torch.einsum("Ne,ef,Nf->N", scaled, self.grams[a][head], scaled).clamp_min(0).sqrt()  # ‖U z‖₂
+        phi_norm = phi_norm * unit[:, 0] * self.value_units[a][head, 0, 0]
+        return _safe_bounds(
+            torch.fmin(node, rho.abs().sum(-1) * phi_norm * self.reach[a])
+        )  # fmin: a NaN side is no bound
 
 
 def top_paths(
@@ -391,7 +444,9 @@ def top_paths(
     k = check_int(k, "k", _WHERE, minimum=1)
     batch_nodes = check_int(batch_nodes, "batch_nodes", _WHERE, minimum=1)
     memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
-    if time_limit is not None and not (isinstance(time_limit, (int, float)) and time_limit > 0):
+    if time_limit is not None and (
+        isinstance(time_limit, bool) or not isinstance(time_limit, numbers.Real) or not time_limit > 0
+    ):
         raise ValueError(
             f"{_WHERE}: expected time_limit to be a positive number of seconds or None, got {time_limit!r}"
         )
@@ -409,6 +464,16 @@ def top_paths(
     setup = read_out(stack, readout, position, batch, max_length, _WHERE)
     if len(setup.readout.labels) != 1:
         raise ValueError(f"{_WHERE}: expected one readout direction, got {len(setup.readout.labels)}")
+    # The search runs on ρ and φ scaled by powers of two (exactly) to a largest entry in [1, 2): every
+    # attribution and bound is bilinear in them, so values and bounds scale back exactly, and the
+    # bounds' squares stay in range whatever the readout's scale (1e-300 made them 0, pruning the
+    # true top paths).
+    shift = _exponent(setup.rho[0, :1]) + _exponent(setup.phi[0, :1])
+    setup = dataclasses.replace(
+        setup,
+        rho=_times_power_of_two(setup.rho, -_exponent(setup.rho[0, :1])),
+        phi=_times_power_of_two(setup.phi, -_exponent(setup.phi[0, :1])),
+    )
     model, layers = setup.model, stack.num_layers
     sign = 1.0 if largest else -1.0
     total = count_attribution_paths(layers, stack.num_heads, setup.max_length)
@@ -432,20 +497,20 @@ def top_paths(
             torch.zeros(0, 1, 1, dtype=torch.float64),
         )
         paths, sources, values = (torch.cat(parts) for parts in zip(nothing, *fold.kept))  # none: stopped at once
-        recorded = (paths, sources, sign * values[:, 0, 0])
+        recorded = (paths, sources, _times_power_of_two(sign * values[:, 0, 0], shift))
     if bar is not None:
         bar.close()
     return TopPaths(
-        values=sign * fold.best[0][:, 0, 0],
+        values=_times_power_of_two(sign * fold.best[0][:, 0, 0], shift),
         paths=fold.best[1][:, 0, 0],
         sources=fold.best[2][:, 0, 0],
         source_names=model.source_names,
         label=("" if largest else "−") + setup.readout.labels[0],
         position=setup.positions[0],
         largest=largest,
-        bound=max(remaining, 0.0),  # −inf: no path was left; inf: no bound was set up in time
+        bound=_times_power_of_two(max(remaining, 0.0), shift),  # −inf: no path was left; inf: no bound in time
         certified=bool(certified),
-        gap=0.0 if certified else max(0.0, remaining - kth),
+        gap=0.0 if certified else _times_power_of_two(max(0.0, remaining - kth), shift),
         visited=visited,
         expanded=expanded,
         total=total,
@@ -686,7 +751,7 @@ def _search_heads(search: _Search) -> tuple[float, float, int, int, str]:
 
 def _bounds(rho: Tensor, phi: Tensor, reach: Tensor, level: Tensor) -> Tensor:
     """``‖ρ‖₁ ‖φ‖₂ M_level`` per node (one position, one readout)."""
-    return rho[:, 0].abs().sum(-1) * phi[:, 0].norm(dim=-1) * reach[level]
+    return _safe_bounds(rho[:, 0].abs().sum(-1) * _norm(phi[:, 0]) * reach[level])
 
 
 def _kth(fold: Fold, k: int) -> float:
