@@ -165,11 +165,9 @@ def test_samples_measure_their_paths_as_the_exact_decomposition_does():
     assert len(set(keys)) == 40  # without replacement
     expected = torch.stack([ratio_of[key] for key in keys], dim=1)
     torch.testing.assert_close(uniform.results.ratio, expected, rtol=1e-10, atol=1e-14)
-    # Weights: each path stands for count_k / n_k paths of its length.
-    lengths = uniform.lengths
-    for k in lengths.unique().tolist():
-        drawn = int((lengths == k).sum())
-        assert torch.allclose(uniform.weights[lengths == k], torch.tensor(exact.path_counts[k] / drawn).double())
+    # Weights (Horvitz–Thompson): each of 40 paths drawn uniformly stands for N / 40 paths; a path of a
+    # stratum of n_k drawn stands for count_k / n_k.
+    assert torch.equal(uniform.weights, torch.full((40,), sum(exact.path_counts) / 40, dtype=torch.float64))
     # Stratified: a stratum with no more paths than asked for is whole, and its mean is exact.
     stratified = pk.decompose(stack, samples_per_length={0: 100, 2: 10}, generator=torch.Generator().manual_seed(0))
     table = stratified.by_length().set_index("length")
@@ -178,8 +176,30 @@ def test_samples_measure_their_paths_as_the_exact_decomposition_does():
     exact_table = exact.by_length().set_index("length")
     assert table.loc[0, "mean"] == pytest.approx(exact_table.loc[0, "mean"], rel=1e-10)
     assert stratified.path_counts[1] == 0 and stratified.path_counts[2] == exact.path_counts[2]
+    expected = torch.where(stratified.lengths == 0, 1.0, exact.path_counts[2] / 10).double()
+    assert torch.equal(stratified.weights, expected)
     # Asking for every path gives the exact decomposition.
     assert pk.decompose(stack, num_samples=10**6).method == "exact"
+
+
+@pytest.mark.parametrize("sampling", [{"num_samples": 5}, {"samples_per_length": {1: 2, 3: 3}}])
+def test_sampled_estimates_of_a_model_are_unbiased_over_many_seeds(sampling):
+    """The 187 paths of a 3-layer, 4-head model, 5 of them drawn, 400 seeds: the mean of the
+    Horvitz–Thompson estimates of Σ ratio (over the strata asked for) lies within 5 standard errors
+    of the exact sum."""
+    stack, _ = capture_huggingface_residual(gpt2(), input_ids=torch.randint(0, 50, (1, 5)))
+    every = pk.decompose(stack)
+    strata = sampling.get("samples_per_length", {k: None for k in range(4)})
+    in_set = torch.isin(every.lengths, torch.tensor(list(strata)))
+    exact = float(every.path_ratio().nan_to_num(nan=0.0)[in_set].sum())
+    estimates = torch.tensor(
+        [
+            pk.decompose(stack, generator=torch.Generator().manual_seed(seed), **sampling).estimate()
+            for seed in range(400)
+        ]
+    )
+    z = (estimates.mean() - exact) / (estimates.std() / 20)
+    assert abs(float(z)) < 5
 
 
 def test_results_beyond_the_budget_are_refused_before_any_work():

@@ -34,7 +34,12 @@ from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, Sublayer, de
 from pathkernels.core._figures import require
 from pathkernels.core._memory import format_bytes
 from pathkernels.core._progress import progress_bar
-from pathkernels.core.decompose import DEFAULT_MAX_RESULT_BYTES, PathDecomposition, register_model_decomposer
+from pathkernels.core.decompose import (
+    DEFAULT_MAX_RESULT_BYTES,
+    PathDecomposition,
+    register_model_decomposer,
+    sample_weights,
+)
 from pathkernels.core.engine import PathResiduals
 from pathkernels.core.ops import residual_norm
 from pathkernels.core.paths import (
@@ -496,10 +501,7 @@ def decompose_model(
         norms.append(norm)
     if bar is not None:
         bar.close()
-    # Each path stands for count_k / evaluated_k paths of its length (1 where every path was evaluated).
     lengths = (paths != NO_HEAD).sum(1)
-    evaluated = torch.bincount(lengths, minlength=layers + 1)
-    weights = torch.tensor([counts[k] / max(int(evaluated[k]), 1) for k in range(layers + 1)], dtype=torch.float64)
     results = PathResiduals(torch.stack(residuals), torch.stack(norms), PathTree.from_paths(paths, num_heads=heads))
     return ModelPathDecomposition(
         results=results,
@@ -508,7 +510,7 @@ def decompose_model(
         num_heads=heads,
         skip=True,
         path_counts=list(counts),
-        weights=weights[lengths],
+        weights=sample_weights(method, lengths, list(counts)),
         sources=path_sources,
         source_names=models[0].source_names,
         stack=stack,

@@ -48,13 +48,17 @@ class PathDecomposition:
     """Per-path residual ratios of one network, with the weights that make them estimators.
 
     ``results`` holds ``residual``, ``norm`` and ``ratio`` ``[B, M]`` for the evaluated paths.
-    ``weights[i]`` is how many paths of the whole network path i stands for: 1 for an exact tree,
-    ``count_k / n_k`` for a path of length k when ``n_k`` distinct paths of that length were drawn
-    uniformly without replacement (uniform sampling or stratified by length). ``Σ_i weights[i]
-    f(path_i)`` is then an unbiased estimate of ``Σ_p f(p)`` over all paths, and per-length sample
-    means are unbiased estimates of the per-length means. Standard errors carry the finite-population
-    correction ``sqrt(1 − n_k / count_k)``: a length whose every path was evaluated is exact, with
-    standard error 0.
+    ``weights[i]`` is how many paths of the decomposed set path i stands for, the inverse of its
+    chance to be drawn (Horvitz–Thompson, :func:`sample_weights`): 1 for an exact tree, ``N / n``
+    when n distinct paths were drawn uniformly without replacement from all N, and ``count_k / n_k``
+    for a path of length k when ``n_k`` distinct paths of that length were drawn (stratified by
+    length; the set is then the strata asked for). ``Σ_i weights[i] f(path_i)`` (:meth:`estimate`) is
+    an unbiased estimate of ``Σ_p f(p)`` over the set for every sample. What else is estimated:
+    :meth:`mean_ratio`'s uniform sample mean and stratified weighted mean are unbiased for the mean
+    over the set; a per-length mean of a uniform sample (``by_length``) is unbiased given that the
+    length was drawn at all (a length not drawn has no row statistics). Standard errors carry the
+    finite-population correction ``sqrt(1 − n_k / count_k)``: a length whose every path was
+    evaluated is exact, with standard error 0.
 
     Zero paths: a path whose term is exactly the zero matrix (norm 0: a path through a pruned head,
     W_O = 0; an all-zero x or value map; a captured model's constant rows at zero-initialised
@@ -175,6 +179,22 @@ class PathDecomposition:
         frame = pd.DataFrame(rows)
         frame["path_count"] = frame["path_count"].astype(object)  # exact counts may exceed int64
         return frame
+
+    def estimate(self, values: Tensor | None = None) -> float:
+        """The Horvitz–Thompson estimate ``Σ_i weights[i] f_i`` of ``Σ_p f(p)`` over every path of the
+        decomposed set (exact for an exact tree; unbiased for a sample, the class docstring).
+
+        Args:
+            values: ``f_i`` per evaluated path ``[M]``; default the residual ratio averaged over the
+                batch (:meth:`path_ratio`), zero paths counted as 0.
+        """
+        where = "pathkernels.PathDecomposition.estimate"
+        if values is None:
+            values = self.path_ratio().nan_to_num(nan=0.0)
+        if not isinstance(values, Tensor) or values.shape != self.weights.shape:
+            got = list(values.shape) if isinstance(values, Tensor) else type(values).__name__
+            raise ValueError(f"{where}: expected values of shape [{self.weights.shape[0]}] (one per path), got {got}")
+        return float((self.weights * values.double().cpu()).sum())
 
     def mean_ratio(self) -> tuple[float, float]:
         """Estimate of the mean residual ratio over all paths, with its standard error.
@@ -408,11 +428,7 @@ def decompose(
             method = "uniform"
             drawn_paths = sample_paths(layers, heads, num_samples, skip=skip, generator=generator, replace=False)
             tree = PathTree.from_paths(drawn_paths, num_heads=heads)
-            drawn = torch.bincount(tree.lengths(), minlength=layers + 1)
-            per_length = torch.tensor(
-                [counts[k] / max(int(drawn[k]), 1) for k in range(layers + 1)], dtype=torch.float64
-            )
-            weights = per_length[tree.lengths()]
+            weights = sample_weights(method, tree.lengths(), counts)
     elif samples_per_length is not None:
         method = "stratified"
         if isinstance(samples_per_length, int):
@@ -432,11 +448,8 @@ def decompose(
             for k, n_k in strata.items()
         ]
         tree = PathTree.from_paths(torch.cat(parts), num_heads=heads)
-        evaluated = {k: part.shape[0] for k, part in zip(sorted(samples_per_length), parts)}
-        counts = [counts[k] if k in evaluated else 0 for k in range(layers + 1)]
-        weights = torch.tensor(
-            [counts[k] / max(evaluated.get(k, 0), 1) for k in range(layers + 1)], dtype=torch.float64
-        )[tree.lengths()]
+        counts = [counts[k] if k in strata else 0 for k in range(layers + 1)]
+        weights = sample_weights(method, tree.lengths(), counts)
     else:
         method = "exact"
         total = sum(counts)
@@ -465,6 +478,33 @@ def decompose(
     if results is None:
         return None
     return PathDecomposition(results, method, layers, heads, skip, list(counts), weights)
+
+
+def sample_weights(method: str, lengths: Tensor, counts: list[int]) -> Tensor:
+    """Horvitz–Thompson weights ``[M]`` float64 for M evaluated paths of the given ``lengths`` ``[M]``:
+    how many paths of the decomposed set each stands for, the inverse of its chance to be drawn.
+
+    - ``"exact"``: 1 (every path evaluated);
+    - ``"uniform"``: ``N / M`` for each, ``N = Σ_k counts[k]``: M distinct paths drawn uniformly
+      without replacement, so each path is in the sample with probability ``M / N``;
+    - ``"stratified"``: ``counts[k] / n_k`` for a path of length k, ``n_k`` the distinct paths of
+      that length drawn (its stratum's size, fixed in advance; ``counts[k]`` is 0 for the lengths not
+      asked for, which the estimate leaves out).
+
+    Then ``Σ_i weights[i] f(path_i)`` is an unbiased estimate of ``Σ_p f(p)`` over the decomposed set
+    for any ``f``. (Weights ``count_k / n_k`` after uniform draws, whose n_k are random, leave out
+    every length that happened not to be drawn: biased low.)"""
+    if method == "exact":
+        return torch.ones(lengths.shape[0], dtype=torch.float64)
+    if method == "uniform":
+        return torch.full((lengths.shape[0],), sum(counts) / max(lengths.shape[0], 1), dtype=torch.float64)
+    if method != "stratified":
+        raise ValueError(
+            f"pathkernels.sample_weights: expected method 'exact', 'uniform' or 'stratified', got {method!r}"
+        )
+    drawn = torch.bincount(lengths.cpu(), minlength=len(counts))
+    per_length = torch.tensor([counts[k] / max(int(drawn[k]), 1) for k in range(len(counts))], dtype=torch.float64)
+    return per_length[lengths.cpu()]
 
 
 def _check_sampling(num_samples, samples_per_length, generator, where: str) -> None:
