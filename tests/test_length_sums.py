@@ -321,6 +321,21 @@ def test_truncated_output_refuses_a_sum_beyond_its_dtype():
         pk.truncated_output(torch.full((2, 2, 2), 1e308, dtype=torch.float64), 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_truncated_output_scales_each_batch_element_alone(dtype):
+    """Batch elements of 1e-300 and 1e300 (float32: 1e-30 and 1e30) side by side: each element's
+    sum is its own, to the last digits (one power of two for the whole batch made the small one 0)."""
+    tiny, huge = (1e-300, 1e300) if dtype == torch.float64 else (1e-30, 1e30)
+    sums = torch.randn(4, 3, 2, 5, dtype=torch.float64)
+    sums[:, 0] *= tiny
+    sums[:, 2] *= huge
+    sums = sums.to(dtype)
+    got = pk.truncated_output(sums, 2)
+    expected = sums[:3].double().sum(0)
+    for b in range(3):
+        torch.testing.assert_close(got[b].double(), expected[b], rtol=torch.finfo(dtype).eps, atol=0, msg=str(b))
+
+
 def test_refusals_write_numbers_and_lengths_as_read():
     """The range refusals' numbers ("1.3e+68") and length lists ("3–5, 9")."""
     from pathkernels.core.length_sums import _listed, _power_of_ten

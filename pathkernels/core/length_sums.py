@@ -301,8 +301,8 @@ def _masked_length_sums(attn, x, w_v, w_o, b_o, skip: bool, token_mask, where: s
 def truncated_output(sums: Tensor, max_length: int) -> Tensor:
     """Output of the paths of length ≤ ``max_length``: ``Σ_{k ≤ max_length} S_k`` from :func:`length_sums`.
 
-    Summed in float64, scaled by a power of two, so that a sum beyond the range of ``sums``' dtype
-    is refused (ValueError, as in :func:`length_sums`) rather than returned as inf, NaN or 0.
+    Summed in float64, each batch element scaled by a power of two of its own, so that elements of
+    any scales keep their digits and a sum beyond the range of ``sums``' dtype is refused (ValueError, as in :func:`length_sums`) rather than returned as inf, NaN or 0.
     Differentiable.
 
     Args:
@@ -330,9 +330,11 @@ def truncated_output(sums: Tensor, max_length: int) -> Tensor:
     if sums.numel() == 0:
         return kept.sum(0)
     batched = sums.dim() == 4
-    scaled, scale = _normalized(kept.double().flatten(), 1)  # one power of two for all: |entries| < 1
-    total = scaled.reshape(kept.shape).sum(0)  # at most L + 1 in size: no overflow
-    total = total if batched else total.unsqueeze(0)  # [B, n, d]
+    kept = kept.double() if batched else kept.double().unsqueeze(1)  # [K, B, n, d]
+    # One power of two per batch element, over its lengths (|entries| < 1): the elements' scales are
+    # their own, so one of 1e-300 beside one of 1e300 keeps its digits.
+    scaled, scale = _normalized(kept.transpose(0, 1).flatten(1), 1)  # [B, K·n·d], [B]
+    total = scaled.reshape(kept.transpose(0, 1).shape).sum(1)  # [B, n, d], at most L + 1 in size
     mantissas, shift = _normalized(total, 2)  # a fresh scale per batch element
     exponents = torch.where(shift == _ZERO_EXPONENT, _ZERO_EXPONENT, shift + scale)
     out = _in_dtype(
