@@ -432,7 +432,8 @@ def test_float32_products_with_tiny_norms_come_from_float64():
 def test_float32_products_across_float64s_range_agree_with_float64(layers, growth):
     """Value maps scaled by 1e5 over 60 layers (products to 1e300) gave NaN in float32; shrinking
     ones (to 1e-130) lost their column means. Both now agree with float64 to float32's precision;
-    a product beyond float64's range is warned about by name, never returned as a silent NaN."""
+    a product beyond float64's range is warned about by name, never returned as a silent NaN, in a
+    float32 network and in a float64 one (which returned NaN without a word)."""
     n, d = 6, 4
     attn = random_attention(1, layers, 1, n, n, dtype=torch.float32)
     x = torch.randn(1, n, d)
@@ -440,9 +441,14 @@ def test_float32_products_across_float64s_range_agree_with_float64(layers, growt
     w_o = torch.eye(d).expand(layers, 1, d, d).clone()
     tree = pk.PathTree.complete(layers, 1)
     attn64 = attn.double() / attn.double().sum(-1, keepdim=True)
-    if growth > 1e6:
-        with pytest.warns(RuntimeWarning, match=r"1 path\(s\) lie beyond float64's range .* for example \[\[0, 0,"):
-            pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o)
+    if growth > 1e6:  # float32 and float64 networks alike, every entry point of the engine
+        beyond = r"1 path\(s\) lie beyond float64's range .* for example \[\[0, 0,"
+        for network_args in ((attn, x, w_v, w_o), (attn64, x.double(), w_v.double(), w_o.double())):
+            a, x_, v, o = network_args
+            with pytest.warns(RuntimeWarning, match=beyond):
+                pk.path_residuals(a, tree, x=x_, w_v=v, w_o=o)
+            with pytest.warns(RuntimeWarning, match=beyond):
+                pk.path_statistics(a, tree, x=x_, w_v=v, w_o=o)
         return
     got = pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o)
     want = pk.path_residuals(attn64, tree, x=x.double(), w_v=w_v.double(), w_o=w_o.double())

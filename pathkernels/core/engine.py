@@ -559,14 +559,19 @@ def chunk_reports(net: Network, tree: PathTree, pieces, leaf_kernel: str, memory
 
 
 def _range_flags(net: Network, residual: Tensor, norm: Tensor) -> tuple[Tensor | None, object | None]:
-    """float32 networks: ``[3]`` bools, on their way to the host (with the CUDA event to wait for):
+    """``[3]`` bools, on their way to the host (with the CUDA event to wait for). float32 networks:
     whether some leaf needs the float64 engine (:func:`out_of_range_in_float64`), and whether some
-    residual, or some norm, lies outside float32's range (:func:`engine_reports`)."""
-    if net.attn.dtype != torch.float32:
+    residual, or some norm, lies outside float32's range (:func:`engine_reports`); float64 networks:
+    whether some leaf lies beyond float64's range (inf or NaN reports), then two unused flags."""
+    if net.attn.dtype == torch.float32:
+        flags = torch.stack(
+            [_needs_float64(residual, norm).any(), _outside_float32(residual).any(), _outside_float32(norm).any()]
+        )
+    elif net.attn.dtype == torch.float64:
+        beyond = _not_finite(residual, norm).any()
+        flags = torch.stack([beyond, torch.zeros_like(beyond), torch.zeros_like(beyond)])
+    else:
         return None, None
-    flags = torch.stack(
-        [_needs_float64(residual, norm).any(), _outside_float32(residual).any(), _outside_float32(norm).any()]
-    )
     if flags.device.type != "cuda":
         return flags, None
     host = torch.empty(3, dtype=torch.bool, pin_memory=True)
@@ -584,6 +589,11 @@ def _settled(net: Network, tree: PathTree, chunk: _ChunkInFlight, memory_budget:
     if chunk.event is not None:
         chunk.event.synchronize()
     needs_float64, residual_outside, norm_outside = chunk.flags.tolist()
+    if dtype == torch.float64:
+        if needs_float64:  # some leaf beyond float64's range: its reports are inf or NaN
+            leaves = _not_finite(residual, norm).nonzero().flatten()
+            _warn_beyond_float64(tree.leaf_paths(leaves.cpu() + chunk.start))
+        return chunk.start, chunk.stop, engine_reports(residual, dtype), engine_reports(norm, dtype)
     if needs_float64:  # rare: the float64 engine, then every check afresh
         residual, norm = out_of_range_in_float64(net, tree, chunk.start, residual, norm, memory_budget)
         return chunk.start, chunk.stop, engine_reports(residual, dtype), engine_reports(norm, dtype)
@@ -622,16 +632,27 @@ def out_of_range_in_float64(
     residual, norm = residual.clone(), norm.clone()
     residual[:, leaves.to(residual.device)] = wide_residual.to(residual.device)
     norm[:, leaves.to(norm.device)] = wide_norm.to(norm.device)
-    still = ~(torch.isfinite(wide_residual) & torch.isfinite(wide_norm)).all(0)
+    still = _not_finite(wide_residual, wide_norm)
     if bool(still.any()):
-        named = [[int(h) for h in path] for path in paths[still.cpu()][:3]]
-        warnings.warn(
-            f"pathkernels: {int(still.sum())} path(s) lie beyond float64's range (about 1e308) and have inf or NaN "
-            f"norms, for example {named} (-1 = skip)",
-            RuntimeWarning,
-            stacklevel=4,
-        )
+        _warn_beyond_float64(paths[still.cpu()])
     return residual, norm
+
+
+def _not_finite(residual: Tensor, norm: Tensor) -> Tensor:
+    """``[leaves]``: the leaves of reports ``[B, leaves]`` that are inf or NaN in some batch element."""
+    return ~(torch.isfinite(residual) & torch.isfinite(norm)).all(0)
+
+
+def _warn_beyond_float64(paths: Tensor) -> None:
+    """Warn, naming some of them, that the paths ``[k, L]`` lie beyond float64's range (their reports
+    are inf or NaN): inputs are finite, so nothing else makes them so."""
+    named = [[int(h) for h in path] for path in paths[:3]]
+    warnings.warn(
+        f"pathkernels: {paths.shape[0]} path(s) lie beyond float64's range (about 1e308) and have inf or NaN "
+        f"norms, for example {named} (-1 = skip); scale the inputs down",
+        RuntimeWarning,
+        stacklevel=5,
+    )
 
 
 def _needs_float64(residual: Tensor, norm: Tensor) -> Tensor:
