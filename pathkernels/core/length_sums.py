@@ -302,8 +302,8 @@ def truncated_output(sums: Tensor, max_length: int) -> Tensor:
     """Output of the paths of length ≤ ``max_length``: ``Σ_{k ≤ max_length} S_k`` from :func:`length_sums`.
 
     Summed in float64, each batch element scaled by a power of two of its own, so that elements of
-    any scales keep their digits and a sum beyond the range of ``sums``' dtype is refused (ValueError, as in :func:`length_sums`) rather than returned as inf, NaN or 0.
-    Differentiable.
+    any scales keep their digits and a sum beyond the range of ``sums``' dtype is refused
+    (ValueError, as in :func:`length_sums`) rather than returned as inf, NaN or 0. Differentiable.
 
     Args:
         sums: ``[L+1, B, n, d]`` (or ``[L+1, n, d]``), as :func:`length_sums` returns them.
