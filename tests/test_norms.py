@@ -140,6 +140,47 @@ def test_nan_and_inf_propagate_as_in_torch(device):
     torch.testing.assert_close(pk.residual_norm(x), residual, equal_nan=True)
 
 
+@pytest.mark.parametrize(
+    "dtype, level, power",
+    [
+        (torch.float64, 1e308, 1000),
+        (torch.float64, 4e307, 1000),
+        (torch.bfloat16, 1e38, 120),
+        (torch.float32, 1e38, 120),
+    ],
+)
+def test_sums_that_overflow_leave_the_norms_that_do_not(device, dtype, level, power):
+    """Entries near the top of the range: a column sum (the mean, an ℓ1 sum, float32's accumulation
+    of bfloat16) overflows, while the residual is far smaller. Every norm is the float64 reference's
+    of the matrix scaled by 2^-power, scaled back (inf only where the dtype cannot hold it); a matrix
+    with an inf entry keeps inf, and the gradient is finite."""
+    x = level * (1 + 0.01 * random_matrices(3, 6, 4, dtype=torch.float64)).clamp(0.98, 1.0)
+    x[1] = level  # a constant matrix: residual exactly 0
+    x = x.to(device=device, dtype=dtype)
+    scaled = x.double() * 2.0**-power
+    info = torch.finfo(dtype)
+    for residual in (True, False):
+        got = pk.matrix_norms(x, residual=residual)
+        expected = matrix_norms_ref(residual_ref(scaled) if residual else scaled)
+        for name, value, want in zip(("l1", "linf", "composite"), got, expected):
+            want = want * 2.0**power
+            want = torch.where(want > info.max, math.inf, want)  # beyond the dtype: inf, as it must be
+            torch.testing.assert_close(value.double().cpu(), want.cpu(), **tolerance(dtype), msg=f"{name} {residual}")
+    residual, norm = pk.residual_norm(x, return_norm=True)
+    assert float(residual[1]) == 0.0 and bool(torch.isfinite(residual).all())
+    assert torch.equal(residual, pk.matrix_norms(x, residual=True).composite)
+    torch.testing.assert_close(norm, pk.composite_norm(x), rtol=0, atol=0)
+    with_inf = x.clone()
+    with_inf[0, 0, 0] = math.inf
+    assert math.isnan(float(pk.residual_norm(with_inf)[0])) and float(pk.residual_norm(with_inf)[2]) == float(
+        residual[2]
+    )
+    if dtype == torch.float64:
+        leaf = x.clone().requires_grad_()
+        pk.residual_norm(leaf).sum().backward()
+        assert bool(torch.isfinite(leaf.grad).all()) and bool((leaf.grad != 0).any())
+
+
 @pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_norm", [True, False])

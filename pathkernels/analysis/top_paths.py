@@ -38,6 +38,7 @@ from torch import Tensor
 from pathkernels.analysis.attribution import Readout, read_out
 from pathkernels.analysis.readout_trie import NO_HEAD, Fold, FrozenModel, Sublayer, TensorCache, Walker, describe_path
 from pathkernels.core._progress import progress_bar
+from pathkernels.core._scaling import leading_exponent, power_of_two, times_power_of_two
 from pathkernels.core.paths import check_flag, check_int, count_attribution_paths
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
@@ -99,26 +100,22 @@ def _unit(x: Tensor, dims) -> Tensor:
     """The power of two ``2^e ≤ max |x| < 2^(e+1)`` over ``dims`` (kept as size-1 dimensions; 1 where
     x is zero or not finite): dividing by it is exact and brings the largest entry into [1, 2), so
     that squares neither overflow nor underflow to 0 where x does not."""
-    peak = x.abs().amax(dim=dims, keepdim=True)
-    _, exponent = torch.frexp(peak)
-    usable = (peak > 0) & peak.isfinite()
-    return torch.where(usable, torch.ldexp(torch.ones_like(peak), exponent - 1), torch.ones_like(peak))
+    exponent = leading_exponent(x, dims)
+    dims = (dims,) if isinstance(dims, int) else dims
+    for dim in sorted(d % x.dim() for d in dims):
+        exponent = exponent.unsqueeze(dim)
+    return power_of_two(exponent)
 
 
 def _exponent(x: Tensor) -> int:
     """``e`` with ``2^e ≤ max |x| < 2^(e+1)`` (0 where x is zero or not finite)."""
-    peak = x.abs().max()
-    return int(torch.frexp(peak)[1]) - 1 if bool(peak > 0) and bool(peak.isfinite()) else 0
+    return int(leading_exponent(x.flatten(), 0))
 
 
 def _times_power_of_two(x, exponent: int):
-    """``x · 2^exponent``, exact wherever the result is in range, in steps of at most ``2^±1000``
-    (each a float: 2^1074, which lifts the smallest subnormal to 1, is not)."""
-    while exponent:
-        step = max(-1000, min(1000, exponent))
-        x = x * 2.0**step
-        exponent -= step
-    return x
+    """``x · 2^exponent`` for a float or a float64 tensor, exact wherever the result is in range."""
+    scaled = times_power_of_two(torch.as_tensor(x, dtype=torch.float64), torch.tensor(exponent))
+    return scaled if isinstance(x, Tensor) else float(scaled)
 
 
 def _norm(x: Tensor, dim: int = -1) -> Tensor:

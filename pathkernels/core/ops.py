@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from pathkernels.core._scaling import leading_exponent, times_power_of_two
 from pathkernels.core.paths import check_flag
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -175,7 +176,38 @@ def _norm_parts(x: Tensor, centered: bool, with_norm: bool, op: str | None = Non
     when centered and with_norm, is x itself (skipping it spares the CPU kernel a third of its
     arithmetic). with_norm is ignored when not centered. ``op`` names the caller in errors."""
     check_norm_input(x, centered, op)
-    return torch.ops.pathkernels.norm_parts(x, centered, with_norm)[0]
+    parts = torch.ops.pathkernels.norm_parts(x, centered, with_norm)[0]
+    # Rare: sums that overflowed (or inputs that are not finite). A data-dependent branch, so not
+    # taken inside torch.compile's graphs or on meta tensors, which then keep the kernel's parts.
+    if x.numel() and x.device.type != "meta" and not torch.compiler.is_compiling():
+        if not bool(parts.isfinite().all()):
+            parts = _rescaled_parts(x, parts, centered, with_norm)
+    return parts
+
+
+def _rescaled_parts(x: Tensor, parts: Tensor, centered: bool, with_norm: bool) -> Tensor:
+    """``parts`` with those of the finite matrices whose parts came out inf or NaN computed again:
+    in float64, on the matrix divided by a power of two that brings its largest entry into [1, 2)
+    (exactly), the parts multiplied back and cast to x's dtype. Sums of finite entries (column sums,
+    the column mean) can overflow where the norm itself does not: a matrix of 1e308 has residual 0,
+    and the kernel's float32 accumulation of bfloat16 overflows at 3.4e38. What stays inf is beyond
+    the dtype. The other matrices are computed again as they were (the same bits), apart, so that
+    no gradient passes through the overflowed parts (0 · inf would make it NaN); matrices with an
+    inf or NaN entry keep their parts."""
+    n, m = x.shape[-2:]
+    flat_x, flat_parts = x.reshape(-1, n, m), parts.detach().reshape(-1, *parts.shape[-2:])
+    redo = (~flat_parts.isfinite().flatten(1).all(1)) & flat_x.detach().isfinite().flatten(1).all(1)
+    rows, others = redo.nonzero().flatten(), (~redo).nonzero().flatten()
+    if rows.numel() == 0:
+        return parts
+    matrices = flat_x[rows].double()
+    exponent = leading_exponent(matrices, (-2, -1))
+    again = torch.ops.pathkernels.norm_parts(times_power_of_two(matrices, -exponent), centered, with_norm)[0]
+    again = times_power_of_two(again, exponent).to(parts.dtype)
+    out = flat_parts.new_zeros(flat_parts.shape).index_put((rows,), again)
+    if others.numel():
+        out = out.index_put((others,), torch.ops.pathkernels.norm_parts(flat_x[others], centered, with_norm)[0])
+    return out.reshape(parts.shape)
 
 
 def matrix_norms(x: Tensor, *, residual: bool = False) -> MatrixNorms:
