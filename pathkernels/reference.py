@@ -174,10 +174,14 @@ def pre_ln_length_sums_ref(
     mlp_out: Tensor,
     *,
     centred: bool = True,
+    collapse: bool = False,
 ) -> Tensor:
     """Exact sums by path length of a pre-norm transformer's residual stream, norms frozen, in the
     dtype given (docs/DESIGN.md, "Real transformers"): ``[L+1, B, n, d]``, entry k the sum of the
-    paths through k heads; their total is the stream entering the final norm.
+    paths through k heads; their total is the stream entering the final norm. ``collapse``: only
+    that total, ``[1, B, n, d]``, by one stream (``S ← S + Σ_h (A_h D) S (C Γ W_V,h W_O,h) + sources``:
+    the sum over k of the recurrence below, since no path is longer than the layers passed), L
+    times fewer products.
 
     attn ``[B, L, H, n, n]`` as the model computed it (rows need not sum to 1); norm_scale
     ``[B, L, n]`` (``1/σ`` of each block's attention-input norm), norm_weight and norm_bias
@@ -190,13 +194,14 @@ def pre_ln_length_sums_ref(
         S_0 ← S_0 + Σ_h r_h (βᵀ W_V,h + b_V,hᵀ) W_O,h + 1 b_Oᵀ + MLP output   (the sources entering)
     """
     layers = attn.shape[1]
-    sums = [embedding] + [torch.zeros_like(embedding) for _ in range(layers)]
+    count = 1 if collapse else layers + 1  # the sums kept: every length, or their total
+    sums = [embedding] + [torch.zeros_like(embedding) for _ in range(count - 1)]
     for layer in range(layers):
         token_map = attn[:, layer] * norm_scale[:, layer, None, None, :]  # A D: column j scaled by 1/σ_j
         before = sums
         sums = [s.clone() for s in before]
-        for k in range(1, layers + 1):
-            prev = before[k - 1]
+        for k in range(0 if collapse else 1, count):
+            prev = before[k if collapse else k - 1]
             centred_prev = prev - prev.mean(-1, keepdim=True) if centred else prev
             values = torch.einsum("bnd,hde->bhne", centred_prev * norm_weight[layer], w_v[layer])  # x C Γ W_V
             sums[k] += torch.einsum("bhij,bhje,hef->bif", token_map, values, w_o[layer])
@@ -219,9 +224,11 @@ def post_ln_length_sums_ref(
     mlp_out: Tensor,
     *,
     centred: bool = True,
+    collapse: bool = False,
 ) -> Tensor:
     """Exact sums by path length of a post-norm transformer's (BERT's) stream, norms frozen:
-    ``[L+1, B, n, d]``, entry k the paths through k heads, their total the last hidden state.
+    ``[L+1, B, n, d]``, entry k the paths through k heads, their total the last hidden state
+    (``collapse``: only the total, ``[1, B, n, d]``, by one stream, as in :func:`pre_ln_length_sums_ref`).
 
     As :func:`pre_ln_length_sums_ref`, with two norms per layer: norm_scale ``[B, L, 2, n]``,
     norm_weight and norm_bias ``[L, 2, d]`` (after the attention sum, after the MLP sum). A block
@@ -237,14 +244,15 @@ def post_ln_length_sums_ref(
         scale = norm_scale[:, layer, which, :, None]
         return scale * (t - t.mean(-1, keepdim=True) if centred else t) * norm_weight[layer, which]
 
-    sums = [embedding] + [torch.zeros_like(embedding) for _ in range(layers)]
+    count = 1 if collapse else layers + 1  # the sums kept: every length, or their total
+    sums = [embedding] + [torch.zeros_like(embedding) for _ in range(count - 1)]
     for layer in range(layers):
         before = sums
         sums = []
-        for k in range(layers + 1):
+        for k in range(count):
             inner = before[k]
-            if k >= 1:
-                values = torch.einsum("bnd,hde->bhne", before[k - 1], w_v[layer])
+            if k >= 1 or collapse:
+                values = torch.einsum("bnd,hde->bhne", before[k if collapse else k - 1], w_v[layer])
                 inner = inner + torch.einsum("bhij,bhje,hef->bif", attn[:, layer], values, w_o[layer])
             sums.append(frozen(inner, layer, 0))
         biases = torch.einsum("bhi,he,hef->bif", attn[:, layer].sum(-1), value_bias[layer], w_o[layer])

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TL4 = ROOT / "build" / "transformer-lens-4"
 SELECTED = [
     "tests/test_adapters.py",
+    "tests/test_capture_self_check.py",
     "tests/test_masking.py",
     "tests/test_model_families.py",
     "tests/test_readme.py",

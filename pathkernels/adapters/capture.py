@@ -44,7 +44,9 @@ class ResidualStreamCapture:
     None where the model has none. (An RMSNorm on the MLP's output is in ``mlp_out`` already.)
     ``pooled_token`` ``[B]`` int64: for a Hugging Face sequence classifier, the token whose state
     its ``score`` head reads, by the model's own rule (the rightmost token whose id is not the pad
-    id; the last token where the model has no pad id or took embeddings), else None.
+    id; the last token where the model has no pad id or took embeddings), else None. ``check``: how
+    the capture compared with the model's own forward pass (:class:`~pathkernels.adapters.self_check.
+    CaptureCheck`), None where the check was turned off.
     """
 
     layout: str
@@ -67,6 +69,7 @@ class ResidualStreamCapture:
     attention_output_scale: Tensor | None = None
     attention_output_weight: Tensor | None = None
     pooled_token: Tensor | None = None
+    check: object | None = None  # the self-check's CaptureCheck (pathkernels.adapters.self_check), or None
 
     @property
     def centred(self) -> bool:

@@ -11,6 +11,9 @@ attention for the call (SDPA and flash kernels return no weights) and restored a
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -305,21 +308,50 @@ def _described(t: Tensor) -> str:
 
 def _prepared_inputs(model, inputs: dict, where: str) -> dict:
     """``inputs`` checked (:func:`_check_inputs`), with ``position_ids`` derived from a left-padded
-    ``attention_mask`` when the caller gave none (as ``generate`` does): each real token's position
-    is the number of real tokens before it, so a left-padded sequence sees the positions it has
-    alone. Families whose positions do not start at 0 (RoBERTa) or are not token positions (ViT)
-    are left as they are."""
+    ``attention_mask`` when the caller gave none (as ``generate`` does): in each row whose padding
+    all comes before its first real token, a real token's position is the number of real tokens
+    before it, so that the row sees the positions it has alone. That differs from
+    ``model(**inputs)``, which counts positions from the first column whatever the mask: the call
+    says so (a UserWarning naming the rows) and how to have the model's own (pass ``position_ids``).
+    Other rows (no padding, right padding, a hole among the real tokens) keep the model's own
+    positions, as do families whose positions do not start at 0 (RoBERTa) or are not token
+    positions (ViT)."""
     _check_inputs(model, inputs, where)
     mask = inputs.get("attention_mask")
     if inputs.get("position_ids") is not None or not isinstance(mask, Tensor) or mask.dim() != 2:
         return inputs
     real = mask != 0
-    real_after = real.flip(-1).cummax(-1).values.flip(-1)  # a real token here or later in the row
-    left_padded = bool((~real & real_after).any())
-    if not (left_padded and _family(model).zero_based_positions):
+    suffix = (real.long().cummax(-1).values == real.long()).all(-1)  # once real, real to the end of the row
+    left_padded = suffix & ~real.all(-1) & real.any(-1)
+    if not (bool(left_padded.any()) and _family(model).zero_based_positions):
         return inputs
-    positions = real.long().cumsum(-1) - 1
-    return {**inputs, "position_ids": positions.masked_fill(~real, 1)}
+    rows = left_padded.nonzero().flatten().tolist()
+    warnings.warn(
+        f"{where}: the left-padded row(s) {_listed(rows)} get positions counted from their first real token (as "
+        "generate gives them, so each reads as it does alone), where model(**inputs) counts from the first "
+        "column; pass position_ids (e.g. torch.arange(n).expand(B, n) for the model's own) to choose",
+        UserWarning,
+        stacklevel=_outside_the_package(),
+    )
+    arange = torch.arange(real.shape[-1], device=mask.device).expand_as(mask)
+    rebuilt = (real.long().cumsum(-1) - 1).masked_fill(~real, 1)
+    return {**inputs, "position_ids": torch.where(left_padded[:, None], rebuilt, arange)}
+
+
+def _outside_the_package() -> int:
+    """The ``stacklevel`` of a warning issued by the caller of this function that names the first
+    frame outside pathkernels (the user's call, through however many of the package's frames)."""
+    frame, level = sys._getframe(1), 1
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _listed(rows: list[int], shown: int = 8) -> str:
+    """``[0, 3, 5]`` as "0, 3, 5", at most ``shown`` of them and how many more."""
+    text = ", ".join(str(row) for row in rows[:shown])
+    return text if len(rows) <= shown else f"{text} and {len(rows) - shown} more"
 
 
 def _value_output(layer: _AttentionLayer) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
@@ -400,6 +432,48 @@ def _finite_in_float32(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tu
     return args, {**kwargs, "attention_mask": mask.clamp(min=floor)}
 
 
+@contextmanager
+def finite_masks(model: nn.Module, layers: list[_AttentionLayer] | None = None):
+    """Within the block, a family that takes its softmax in float32 gets its float64 attention masks
+    kept finite in float32 (:func:`_finite_in_float32`), which changes no finite result: without
+    it a float64 model's padded queries give NaN rows, which reach the real tokens of the next
+    layer as ``0 · NaN``."""
+    handles = []
+    if _family(model).softmax_in_float32:
+        layers = _attention_layers(model) if layers is None else layers
+        handles = [layer.attention.register_forward_pre_hook(_finite_in_float32, with_kwargs=True) for layer in layers]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def score_head(model: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+    """``(W [num_labels, d], b or None)``: a Hugging Face sequence classifier's linear ``score`` head
+    in the stream's space (OPT's ``project_out``, which maps the last hidden state to the head's
+    width, folded in), None for a model without one."""
+    score = getattr(model, "score", None)
+    if not isinstance(score, nn.Linear):
+        return None
+    weight = score.weight.detach()
+    project = getattr(getattr(getattr(model, "base_model", None), "decoder", None), "project_out", None)
+    if project is not None:  # OPT: score(project_out(x))
+        weight = weight @ project.weight.detach()
+    return weight, None if score.bias is None else score.bias.detach()
+
+
+def _alibi_once(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """A forward pre-hook on Falcon's attention: its ALiBi bias added once, as its normal forward
+    adds it. Falcon folds ALiBi (scaled by 1/√d_head) into the attention mask, which its SDPA path
+    adds to the scaled scores; the eager path, the one that returns the patterns, adds the mask and
+    ALiBi again (4.5e-3 to 6.5e-2 of the logits off). Zeroing the second leaves the mask's."""
+    alibi = kwargs.get("alibi")
+    if not isinstance(alibi, Tensor):
+        return None
+    return args, {**kwargs, "alibi": torch.zeros_like(alibi)}
+
+
 def _stream(model: nn.Module, layers: list[_AttentionLayer], callback: Callable[[int, Tensor], None], inputs: dict):
     """stream_huggingface_attention on layers already found."""
     seen = [False] * len(layers)
@@ -418,10 +492,10 @@ def _stream(model: nn.Module, layers: list[_AttentionLayer], callback: Callable[
         return hook
 
     handles = [layer.attention.register_forward_hook(make_hook(i)) for i, layer in enumerate(layers)]
-    if _family(model).softmax_in_float32:
-        handles += [layer.attention.register_forward_pre_hook(_finite_in_float32, with_kwargs=True) for layer in layers]
+    if getattr(model.config, "model_type", None) == "falcon" and getattr(model.config, "alibi", False):
+        handles += [layer.attention.register_forward_pre_hook(_alibi_once, with_kwargs=True) for layer in layers]
     try:
-        with _eager_eval(model), torch.no_grad(), in_float64(model):
+        with _eager_eval(model), torch.no_grad(), finite_masks(model, layers), in_float64(model):
             output = model(**inputs)
     finally:
         for handle in handles:

@@ -19,8 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from pathkernels.adapters.capture import ResidualStreamCapture
-from pathkernels.adapters.huggingface import _attention_layers, _blocks, _read_stack, _value_output
+from pathkernels.adapters.huggingface import _attention_layers, _blocks, _prepared_inputs, _read_stack, _value_output
 from pathkernels.adapters.precision import norm_eps, rms_gain
+from pathkernels.adapters.self_check import check_huggingface_capture, check_transformer_lens_capture
 from pathkernels.adapters.stack import AttentionStack
 from pathkernels.adapters.transformer_lens import (
     _bias,
@@ -30,6 +31,7 @@ from pathkernels.adapters.transformer_lens import (
     require_patterns,
     run_cached,
 )
+from pathkernels.core.paths import check_flag
 
 _WHERE = "pathkernels.adapters.capture_huggingface_residual"
 
@@ -196,7 +198,9 @@ def _inverse_scale(x: Tensor, norm: nn.Module | None, kind: str) -> Tensor:
     return torch.rsqrt(x.pow(2).mean(-1) + norm_eps(norm))
 
 
-def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionStack, ResidualStreamCapture]:
+def capture_huggingface_residual(
+    model: nn.Module, *, check: bool = True, **inputs
+) -> tuple[AttentionStack, ResidualStreamCapture]:
     """The attention stack of :func:`from_huggingface` and, from the same forward pass, what the
     real model's residual stream needs beyond it (:class:`ResidualStreamCapture`), in float64.
 
@@ -213,11 +217,19 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
     that its stream is exactly the sum of its paths and the model's own in float64; its unmodified
     forward pass differs from it by float32's rounding (about 1e-7 relative, up to 2e-6).
 
+    The capture checks itself (``check=True``, the default; :mod:`pathkernels.adapters.self_check`):
+    the model runs once more, unmodified, on the same inputs, and the sum of the paths and the
+    logits read out from it must match the model's stream and logits to within
+    :func:`~pathkernels.adapters.self_check.check_tolerance`, or the capture is refused by name. It
+    costs one more forward pass and the length sums; ``capture.check`` holds the differences found.
+
     Returns:
         ``(stack, capture)``; the capture is also ``stack.residual_capture``, which
         :meth:`AttentionStack.length_sums` decomposes.
     """
+    check = check_flag(check, "check", _WHERE)
     spec = _layout(model)
+    inputs = _prepared_inputs(model, inputs, _WHERE)
     blocks = _blocks(model, *spec.blocks)
     count = len(blocks)
     norms = [norm for block in blocks for norm in spec.norms(block)]
@@ -298,7 +310,12 @@ def capture_huggingface_residual(model: nn.Module, **inputs) -> tuple[AttentionS
             pooled_token=pooled_tokens(model, inputs.get("input_ids"), batch, tokens),
             **extra,
         )
-    return _attached(stack, capture)
+    stack, capture = _attached(stack, capture)
+    if check:
+        projection = getattr(getattr(model.base_model, "decoder", None), "project_out", None)
+        final_input = final_norm if final_norm is not None else projection
+        capture.check = check_huggingface_capture(model, inputs, stack, capture, final_input, _WHERE)
+    return stack, capture
 
 
 def pooled_tokens(model: nn.Module, input_ids: Tensor | None, batch: int, tokens: int) -> Tensor | None:
@@ -394,7 +411,7 @@ _TL_NORMS = {
 
 
 def capture_transformer_lens_residual(
-    model, tokens, *, attention_mask=None
+    model, tokens, *, attention_mask=None, check: bool = True
 ) -> tuple[AttentionStack, ResidualStreamCapture]:
     """:func:`capture_huggingface_residual` for a TransformerLens ``HookedTransformer`` (3.x) or
     ``TransformerBridge`` (4.x: over its native models or a Hugging Face one; the same hooks).
@@ -413,9 +430,11 @@ def capture_transformer_lens_residual(
     block's input) give the same frozen paths. RMSNorms on a sublayer's output (Gemma-2's
     ``use_normalization_before_and_after``, ``ln1_post``/``ln2_post``; OLMo 2's post-norm blocks)
     scale each head's term and the sublayer's constants on both sides, ``D' · (⋯) · Γ'``; a
-    LayerNorm there is refused by name.
+    LayerNorm there is refused by name. The capture checks itself against the model's own forward
+    pass, as :func:`capture_huggingface_residual` does (``check``).
     """
     where = "pathkernels.adapters.capture_transformer_lens_residual"
+    check = check_flag(check, "check", where)
     cfg = getattr(model, "cfg", None)
     if cfg is None or not hasattr(model, "run_with_cache"):
         raise TypeError(
@@ -423,6 +442,13 @@ def capture_transformer_lens_residual(
         )
     if cfg.normalization_type not in _TL_NORMS:
         raise ValueError(f"{where}: normalization_type {cfg.normalization_type!r} is not captured")
+    original = model.__dict__.get("original_model") if hasattr(model, "__dict__") else None
+    clip = getattr(cfg, "clip_qkv", None) or getattr(getattr(original, "config", None), "clip_qkv", None)
+    if clip is not None:
+        raise ValueError(
+            f"{where}: clip_qkv={clip} clamps the queries, keys and values, so a head is not linear in its input "
+            "and the paths would not sum to the model's stream; not captured"
+        )
     inputs, outputs = _tl_sublayer_norms(model, cfg, where)
     tokens = check_tokens(model, tokens, where)
     norm, has_weight, has_bias = _TL_NORMS[cfg.normalization_type]
@@ -521,18 +547,58 @@ def capture_transformer_lens_residual(
             final_norm=final_norm,
             **extra,
         )
-    return _attached(stack, capture)
+    stack, capture = _attached(stack, capture)
+    if check:
+        capture.check = check_transformer_lens_capture(model, tokens, attention_mask, stack, capture, where)
+    return stack, capture
 
 
 def _uses_weight_offset(norm, cfg) -> bool:
-    """Whether a TransformerLens norm computes ``x̂ · (1 + w)`` (a bridge over a Gemma-style RMSNorm,
-    which stores γ as an offset from 1): 4.x bridges say so per norm (``uses_weight_offset``), 3.x
-    bridges apply the config's ``rmsnorm_uses_offset`` to every norm they wrap. A HookedTransformer's
-    own norms hold γ itself (its weight conversion adds the 1)."""
+    """Whether a TransformerLens norm computes ``x̂ · (1 + w)`` (Gemma-style norms store γ as an offset
+    from 1) rather than ``x̂ · w``: read from the norm's own output on a probe, the ratio of its
+    output (less its bias) to the normalised probe compared with ``w`` and ``1 + w``. Flags can be
+    wrong: a 4.x native bridge built with ``rmsnorm_uses_offset=True`` says ``uses_weight_offset``
+    while its norms compute ``x̂ · w``, which made the value twice the model's. Where the output
+    matches neither (a norm of another form), the flags decide: 4.x bridges say so per norm
+    (``uses_weight_offset``), 3.x bridges apply the config's ``rmsnorm_uses_offset`` to every norm
+    they wrap, and a HookedTransformer's own norms hold γ itself."""
+    weight = getattr(norm, "w", None)
+    if isinstance(weight, Tensor) and weight.dim() == 1:
+        measured = _measured_gain(norm, weight)
+        if measured is not None:
+            gain, scale = measured
+            plain = float((gain - weight.double()).abs().max())
+            offset = float((gain - 1 - weight.double()).abs().max())
+            if min(plain, offset) <= 1e-3 * scale:
+                return offset < plain
     flag = getattr(norm, "uses_weight_offset", None)
     if flag is not None:
         return bool(flag)
     return hasattr(norm, "original_component") and bool(getattr(cfg, "rmsnorm_uses_offset", False))
+
+
+def _measured_gain(norm, weight: Tensor) -> tuple[Tensor, float] | None:
+    """``(γ [d], max |γ| + 1)`` of a norm from its output on a fixed probe: ``(N(x) − β) / x̂`` with
+    ``x̂`` the probe centred (a LayerNorm) and divided by its root mean square; None where the norm
+    cannot be called on it."""
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(1, 1, weight.shape[0], generator=generator, dtype=torch.float64)
+    probe = (probe.sign() * (probe.abs() + 0.5)).to(weight.device, weight.dtype)  # no entry near 0
+    centred = not _is_rms_norm(norm)
+    try:
+        with torch.no_grad():
+            output = norm(probe).double().reshape(-1)
+    except Exception:  # noqa: BLE001 (a norm that is not a plain module of the stream: the flags decide)
+        return None
+    x = probe.double().reshape(-1)
+    x = x - x.mean() if centred else x
+    normalised = x / x.pow(2).mean().sqrt()
+    bias = getattr(norm, "b", None)
+    if centred and isinstance(bias, Tensor):
+        output = output - bias.detach().double().reshape(-1)
+    if output.shape != normalised.shape or bool((normalised.abs() < 1e-3).any()):
+        return None
+    return output / normalised, float(weight.detach().double().abs().max()) + 1.0
 
 
 # TransformerLens's post-norm decoders (OLMo 2 and 3): their ln1 and ln2 normalise each sublayer's

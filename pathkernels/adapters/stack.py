@@ -227,7 +227,19 @@ class AttentionStack:
             token_mask=self.token_mask,
         )
 
-    def _model_length_sums(self, x, skip: bool, biases: bool) -> Tensor:
+    def path_sum(self) -> Tensor:
+        """The sum of every path of the captured model (a stack with a :attr:`residual_capture`):
+        ``Σ_k S_k`` of :meth:`length_sums`, ``[B, n, d]`` float64, by one stream through the frozen
+        recurrence (L times fewer products than the sums by length). It is the stream the blocks
+        leave (before a final norm) wherever the capture reproduces the model; padded rows are 0."""
+        if self.residual_capture is None:
+            raise ValueError(
+                "pathkernels.AttentionStack.path_sum: expected a stack with a residual_capture "
+                "(pk.adapters.capture_huggingface_residual); an attention-only stack's total is length_sums().sum(0)"
+            )
+        return self._model_length_sums(None, True, True, collapse=True)[0]
+
+    def _model_length_sums(self, x, skip: bool, biases: bool, collapse: bool = False) -> Tensor:
         """:meth:`length_sums` of the captured model, by the float64 recurrences of
         :mod:`pathkernels.reference` (one pass over the layers, ``O(L H n² d)``: no path is
         enumerated, so no engine is needed)."""
@@ -258,7 +270,7 @@ class AttentionStack:
         else:  # pre-norm: the norm before the attention; the MLP's output is a source
             norms = (capture.norm_scale[:, :, 0], capture.norm_weight[:, 0], capture.norm_bias[:, 0])
             reference = pre_ln_length_sums_ref
-        sums = reference(attn, *norms, w_v, w_o, *biases, centred=capture.centred)
+        sums = reference(attn, *norms, w_v, w_o, *biases, centred=capture.centred, collapse=collapse)
         if self.token_mask is not None:
             sums = sums * self.token_mask.to(sums.device)[None, :, :, None]
         return sums

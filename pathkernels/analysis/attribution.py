@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from pathkernels.adapters.huggingface import score_head
 from pathkernels.adapters.residual import output_embedding
 from pathkernels.analysis.readout_trie import (
     ENGINE,
@@ -147,15 +148,15 @@ def unembedding(model, where: str = "pathkernels.logit") -> tuple[Tensor, Tensor
         return weight, getattr(model, "b_U", None), weight.shape[0]
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if _is_classifier(model):
-        score = getattr(model, "score", None)
-        if model_type not in _LINEAR_READOUT_FAMILIES or not isinstance(score, torch.nn.Linear):
+        head = score_head(model)
+        if model_type not in _LINEAR_READOUT_FAMILIES or head is None:
             raise ValueError(
                 f"{where}: {type(model).__name__} classifies through a non-linear head (a pooler, such as "
                 "BERT's tanh pooler, or a dense layer and an activation), so a path attribution cannot read "
                 "its class logits; pass a direction [d] that reads its last hidden state (a probe) instead"
             )
-        weight = score.weight.detach()  # [num_labels, d]: the class logits read the final norm's output
-        return weight, score.bias, weight.shape[0]
+        weight, bias = head  # [num_labels, d]: the class logits read the final norm's output (OPT: projected)
+        return weight, bias, weight.shape[0]
     if model_type not in _LINEAR_READOUT_FAMILIES:
         raise ValueError(
             f"{where}: expected a GPT-2 or Llama-family model, whose logits are a linear map of its final "
@@ -177,7 +178,10 @@ def unembedding(model, where: str = "pathkernels.logit") -> tuple[Tensor, Tensor
 def logit_soft_cap(model) -> float | None:
     """The cap ``c`` of a model whose logits are soft-capped, ``c · tanh(z / c)`` of the linear
     readout ``z`` (Gemma-2's ``final_logit_softcapping``, TransformerLens's
-    ``output_logits_soft_cap``), or None. A path attribution is linear, so it attributes ``z``."""
+    ``output_logits_soft_cap``), or None. A path attribution is linear, so it attributes ``z``. A
+    sequence classifier's score head is not capped (Gemma-2's included), so its cap is None."""
+    if _is_classifier(model):
+        return None
     cfg = getattr(model, "cfg", None)
     cap = getattr(cfg, "output_logits_soft_cap", None) if cfg is not None else None
     if cap is None:

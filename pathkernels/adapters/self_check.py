@@ -1,0 +1,197 @@
+"""A capture that checks itself against the model: the sum of its paths, and the logits it reads
+out, beside the model's own unmodified forward pass on the same inputs.
+
+A capture reads the model through a forward pass of its own: eager attention with
+``output_attentions``, hooks on the norms and MLPs, float64 softmax and norms in a float64 model.
+Where that pass differs from what the model computes when it is simply called (a family whose
+``output_attentions`` branch is not its normal one, a clamp the paths cannot hold, a norm read
+with the wrong gain, positions that are not the model's), the paths still sum exactly, to the
+wrong value. So after every capture, :func:`check_huggingface_capture` and
+:func:`check_transformer_lens_capture` run the model once more as a user would (eval mode, no
+gradients, its own attention implementation, nothing changed: a read-only hook at most, for the
+stream entering the final norm, and a float64 model's attention masks kept finite in float32,
+which changes no finite result, :func:`~pathkernels.adapters.huggingface.finite_masks`) and
+compare, on the real tokens:
+
+- the stream: ``Σ_p term_p`` (:meth:`AttentionStack.path_sum`) against the model's
+  stream entering its final norm (the last hidden state of a post-norm model);
+- the logits (where the model's output is its linear readout: an LM head, a sequence classifier's
+  score head at the token it reads; before Gemma-2's soft cap): the reconstruction read out through
+  the frozen final norm and the unembedding, against the model's logits (capped alike).
+
+Each difference is relative to the largest entry of the model's own tensor. Beyond
+:func:`check_tolerance` the capture is refused by name, with both differences. The tolerance
+leaves room for the model's own float32 steps (a float64 Hugging Face model computes its softmax,
+RMSNorms and rotary angles in float32: up to 1.3e-5 relative measured, weights ×15), far below the
+discrepancies it exists to catch (4.5e-3 and more).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from pathkernels.adapters.huggingface import finite_masks, score_head
+
+# Measured (tests/test_capture_self_check.py, every family the capture reads, weights ×5 and ×15,
+# random biases and norm gains): a float64 model against its own forward ≤ 1.3e-5 relative (its
+# float32 softmax, norms and angles), a float32 model ≤ 2e-5. The tolerance is 10× the larger.
+_TOLERANCE = {torch.float64: 2e-4, torch.float32: 2e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+def check_tolerance(dtype: torch.dtype) -> float:
+    """The largest relative difference a capture of a ``dtype`` model may show against the model's
+    own forward pass (:data:`_TOLERANCE`, from measurement)."""
+    return _TOLERANCE.get(dtype, _TOLERANCE[torch.float32])
+
+
+@dataclass(frozen=True)
+class CaptureCheck:
+    """How a capture compared with the model's own forward pass on the same inputs.
+
+    ``stream_error``: ``max |Σ_p term_p − stream| / max |stream|`` over the real tokens, ``stream``
+    the model's, entering its final norm; ``logits_error``: the same for the logits read out from
+    the reconstruction (None where the model's output is not its linear readout); ``tolerance``:
+    the bound both met; ``seconds``: the check's cost (the model's forward pass and the sums)."""
+
+    stream_error: float
+    logits_error: float | None
+    tolerance: float
+    seconds: float
+
+
+@contextmanager
+def _eval_mode(model: nn.Module):
+    """Eval mode (no dropout) and no gradients for the call; the user's mode is restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        model.train(was_training)
+
+
+def _relative(got: Tensor, want: Tensor, real: Tensor) -> float:
+    """``max |got − want| / max |want|`` over the real rows (``real [B, n]``) of ``[B, n, ·]`` tensors."""
+    keep = real.to(got.device)[..., None]
+    got, want = (torch.where(keep, t.double().to(got.device), 0.0) for t in (got, want))  # padded rows may be NaN
+    if not bool(torch.isfinite(want).all()):
+        return float("inf")
+    difference, scale = (got - want).abs().amax(), want.abs().amax()
+    return float(difference / scale) if float(scale) > 0 else float(difference)
+
+
+def read_out_stream(capture, stream: Tensor) -> Tensor:
+    """``stream [B, n, d]`` through the capture's frozen final norm (its kind, scale, γ and β; none
+    for a post-norm model): ``D (x C) Γ + 1 βᵀ``, float64."""
+    x = stream.double()
+    if capture.final_scale is None:
+        return x
+    x = x - x.mean(-1, keepdim=True) if capture.final_centred else x
+    return capture.final_scale[..., None] * x * capture.final_weight + capture.final_bias
+
+
+def _soft_capped(logits: Tensor, cap: float | None) -> Tensor:
+    return logits if cap is None else cap * torch.tanh(logits / cap)
+
+
+def _refuse_if_beyond(family: str, stream_error: float, logits_error: float | None, tolerance: float, where: str):
+    worst = max(stream_error, logits_error if logits_error is not None else 0.0)
+    if worst <= tolerance:  # NaN and inf fail too
+        return
+    logits = "" if logits_error is None else f", its logits {logits_error:.2g} of the model's logits' scale off"
+    raise ValueError(
+        f"{where}: the capture of this {family} model does not reproduce the model's own forward pass on the same "
+        f"inputs: the sum of its paths is {stream_error:.2g} of the stream's scale off{logits}, beyond the "
+        f"tolerance {tolerance:.2g} (room for the model's own float32 rounding). The paths would sum exactly to "
+        "a value the model does not compute. Check the inputs (position_ids, attention_mask), or pass "
+        "check=False to keep the capture anyway"
+    )
+
+
+def check_huggingface_capture(
+    model: nn.Module, inputs: dict, stack, capture, final_input: nn.Module | None, where: str
+) -> CaptureCheck:
+    """Compare a Hugging Face capture with ``model(**inputs)`` (module docstring); refuse it by name
+    beyond :func:`check_tolerance`. ``inputs``: those the capture ran on (the positions it used
+    included); ``final_input``: the module whose input is the stream the capture holds as
+    ``residual`` (the final norm, OPT's ``project_out``), None where it is the last hidden state."""
+    start = time.monotonic()
+    seen: list[Tensor] = []
+    handle = None
+    if final_input is not None:  # read-only: the hook keeps a copy of the module's input
+        handle = final_input.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+    try:
+        with _eval_mode(model), finite_masks(model):
+            output = model(**inputs, output_hidden_states=final_input is None)
+    finally:
+        if handle is not None:
+            handle.remove()
+    batch, tokens, d = stack.attn.shape[0], stack.attn.shape[-1], stack.d_model
+    stream = (seen[-1] if final_input is not None else output.hidden_states[-1]).reshape(batch, tokens, d)
+    real = torch.ones(batch, tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask.bool().cpu()
+    reconstruction = stack.path_sum()
+    stream_error = _relative(reconstruction, stream, real)
+    logits_error = _huggingface_logits_error(model, output, capture, reconstruction, real)
+    tolerance = check_tolerance(next(model.parameters()).dtype)
+    family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    _refuse_if_beyond(family, stream_error, logits_error, tolerance, where)
+    return CaptureCheck(stream_error, logits_error, tolerance, time.monotonic() - start)
+
+
+def _huggingface_logits_error(model, output, capture, reconstruction: Tensor, real: Tensor) -> float | None:
+    """The logits' difference where the model's logits are its linear readout of the final norm:
+    an LM head (``capture.unembedding``) or a sequence classifier's ``score`` at its pooled token."""
+    logits = getattr(output, "logits", None)
+    if not isinstance(logits, Tensor):
+        return None
+    normed = read_out_stream(capture, reconstruction)
+    cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+    if capture.pooled_token is not None:  # a sequence classifier: its score head at the pooled token (no cap)
+        pooled = capture.pooled_token.cpu()
+        rows = normed[torch.arange(normed.shape[0]), pooled.to(normed.device)]
+        weight, bias = score_head(model)
+        ours = rows @ weight.double().T.to(rows.device)
+        if bias is not None:
+            ours = ours + bias.double().to(rows.device)
+        read = real[torch.arange(real.shape[0]), pooled]  # a pooled token the mask pads is refused when read
+        return _relative(ours[:, None], logits.reshape(ours.shape)[:, None], read[:, None])
+    if capture.unembedding is None or capture.final_scale is None or logits.shape[-1] != capture.unembedding.shape[0]:
+        return None  # a head that is not a linear readout of the final norm (BERT's MLM transform, ViT)
+    ours = normed @ capture.unembedding.double().T.to(normed.device)
+    if capture.unembedding_bias is not None:
+        ours = ours + capture.unembedding_bias.double().to(normed.device)
+    ours = _soft_capped(ours, float(cap) if cap else None)
+    return _relative(ours, logits.reshape(ours.shape), real)
+
+
+def check_transformer_lens_capture(model, tokens: Tensor, attention_mask, stack, capture, where: str) -> CaptureCheck:
+    """Compare a TransformerLens capture with the model's own forward pass on the same tokens: its
+    logits (``model(tokens)``, soft-capped as it caps them) and the stream its last block leaves
+    (``run_with_cache`` of that one hook, which only reads); refuse it by name beyond
+    :func:`check_tolerance`."""
+    start = time.monotonic()
+    name = f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"
+    kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+    with _eval_mode(model):
+        logits, cache = model.run_with_cache(tokens, names_filter=lambda hook: hook == name, **kwargs)
+    stream = cache[name]
+    real = torch.ones(stream.shape[:2], dtype=torch.bool) if stack.token_mask is None else stack.token_mask.bool().cpu()
+    reconstruction = stack.path_sum()
+    stream_error = _relative(reconstruction, stream, real)
+    ours = read_out_stream(capture, reconstruction) @ capture.unembedding.double().T.to(reconstruction.device)
+    if capture.unembedding_bias is not None:
+        ours = ours + capture.unembedding_bias.double().to(ours.device)
+    cap = getattr(model.cfg, "output_logits_soft_cap", None)
+    ours = _soft_capped(ours, float(cap) if cap is not None and float(cap) > 0 else None)
+    logits_error = _relative(ours, logits, real)
+    dtype = next(model.parameters()).dtype
+    tolerance = check_tolerance(dtype)
+    family = getattr(model.cfg, "original_architecture", None) or type(model).__name__
+    _refuse_if_beyond(family, stream_error, logits_error, tolerance, where)
+    return CaptureCheck(stream_error, logits_error, tolerance, time.monotonic() - start)
