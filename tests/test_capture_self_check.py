@@ -231,3 +231,22 @@ def test_a_gemma2_classifier_is_not_labelled_as_capped():
     assert pk.analysis.attribution.logit_soft_cap(classifier) is None
     assert "soft cap" not in pk.logit_diff(classifier, 1, 2).labels[0]
     assert "before the logit soft cap" in pk.logit_diff(transformers.Gemma2ForCausalLM(config), 1, 2).labels[0]
+
+
+def test_a_model_in_train_mode_with_active_dropout_is_warned_about():
+    """A freshly built Hugging Face model is in train mode: its own calls apply dropout, the
+    capture's do not. The capture says so (and the check, in eval mode, still holds); in eval mode,
+    or with no dropout, nothing is said, and the user's mode is kept."""
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50))
+    ids = torch.randint(0, 50, (1, 5))
+    with pytest.warns(
+        UserWarning, match=r"capture_huggingface_residual: the model is in train mode with active dropout"
+    ):
+        capture_huggingface_residual(model, input_ids=ids)
+    assert model.training
+    for quiet in (model.eval(), transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=50, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    ))):  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            capture_huggingface_residual(quiet, input_ids=ids)

@@ -21,7 +21,11 @@ from torch import Tensor, nn
 from pathkernels.adapters.capture import ResidualStreamCapture
 from pathkernels.adapters.huggingface import _attention_layers, _blocks, _prepared_inputs, _read_stack, _value_output
 from pathkernels.adapters.precision import norm_eps, rms_gain
-from pathkernels.adapters.self_check import check_huggingface_capture, check_transformer_lens_capture
+from pathkernels.adapters.self_check import (
+    check_huggingface_capture,
+    check_transformer_lens_capture,
+    warn_if_training,
+)
 from pathkernels.adapters.stack import AttentionStack
 from pathkernels.adapters.transformer_lens import (
     _bias,
@@ -229,6 +233,7 @@ def capture_huggingface_residual(
     """
     check = check_flag(check, "check", _WHERE)
     spec = _layout(model)
+    warn_if_training(model, _WHERE)
     inputs = _prepared_inputs(model, inputs, _WHERE)
     blocks = _blocks(model, *spec.blocks)
     count = len(blocks)
@@ -435,6 +440,7 @@ def capture_transformer_lens_residual(
     """
     where = "pathkernels.adapters.capture_transformer_lens_residual"
     check = check_flag(check, "check", where)
+    warn_if_training(model, where)
     cfg = getattr(model, "cfg", None)
     if cfg is None or not hasattr(model, "run_with_cache"):
         raise TypeError(

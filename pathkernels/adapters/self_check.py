@@ -29,6 +29,7 @@ discrepancies it exists to catch (4.5e-3 and more).
 from __future__ import annotations
 
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -76,6 +77,31 @@ def _eval_mode(model: nn.Module):
             yield
     finally:
         model.train(was_training)
+
+
+def warn_if_training(model: nn.Module, where: str) -> None:
+    """Warn when ``model`` is in train mode with active dropout: the capture runs it in eval mode (no
+    dropout), so the user's own ``model(ids)`` differs from the capture by its dropout until they
+    call ``model.eval()`` (a freshly built Hugging Face model is in train mode)."""
+    if not model.training:
+        return
+    active = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0
+    ]
+    config = getattr(model, "config", None)
+    rates = [
+        getattr(config, key, 0) or 0 for key in ("attention_dropout", "attn_pdrop", "resid_pdrop", "hidden_dropout")
+    ]
+    if active or any(isinstance(rate, (int, float)) and rate > 0 for rate in rates):
+        warnings.warn(
+            f"{where}: the model is in train mode with active dropout ({len(active)} dropout module(s) with p > 0"
+            f"{', e.g. ' + active[0] if active else ''}); the capture runs it in eval mode, without dropout, so "
+            "your own model(...) calls differ from it until you call model.eval()",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _relative(got: Tensor, want: Tensor, real: Tensor) -> float:
