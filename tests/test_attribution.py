@@ -245,3 +245,27 @@ def test_a_tree_restricts_the_paths_to_its_head_choices():
     torch.testing.assert_close(some.unenumerated[0, 0], outside, rtol=1e-9, atol=1e-12)
     with pytest.raises(ValueError, match=r"^pathkernels\.path_attribution: the tree has 2 layers"):
         pk.path_attribution(stack, readout, tree=pk.PathTree.complete(2, 4, skip=True))
+
+
+def test_the_result_methods_refuse_arguments_outside_it_by_name():
+    """PathAttribution.plot(k=-1) drew all but the last path ([:k]); a position or readout beyond
+    the result raised a raw IndexError, a negative one read from the end."""
+    pytest.importorskip("matplotlib")
+    model = gpt2()
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 6)))
+    result = pk.path_attribution(stack, pk.logit_diff(model, 1, 2), top_k=3)
+    for k, error, message in (
+        (-1, ValueError, r"expected k >= 1, got -1"),
+        (0, ValueError, r"expected k >= 1, got 0"),
+        (2.0, TypeError, r"expected k to be an int, got float 2\.0"),
+    ):
+        with pytest.raises(error, match=r"^pathkernels\.PathAttribution\.plot: " + message):
+            result.plot(k)
+    for method in ("table", "plot", "to_frame"):
+        for name in ("position", "readout"):
+            for value, error in ((1, ValueError), (-1, ValueError), (0.0, TypeError)):
+                with pytest.raises(error, match=rf"^pathkernels\.PathAttribution\.{method}: expected {name} "):
+                    getattr(result, method)(**{name: value})
+    with pytest.raises(ValueError, match=r"^pathkernels\.PathAttribution\.table: expected which='top' or 'bottom'"):
+        result.table(which="middle")
+    assert len(result.table()) == 3 and result.plot(1) is not None

@@ -409,3 +409,34 @@ def test_budget_errors_and_warnings_name_decompose():
         pk.path_residuals(attn, pk.PathTree.complete(3, 2, skip=True), memory_budget=10)
     with pytest.raises(ValueError, match=r"^pathkernels\.path_statistics: memory_budget=10 bytes is too small"):
         pk.path_statistics(attn, pk.PathTree.complete(3, 2, skip=True), memory_budget=10)
+
+
+def test_a_tree_with_max_length_or_a_contradicting_skip_is_refused():
+    """decompose(tree=…, max_length=1) evaluated the whole tree, and decompose(skip=False,
+    tree=skip_tree) the paths through skips of a network said to have none: one of the two was
+    silently ignored. Both are refused, naming both; a tree without skips fits either skip."""
+    attn = attention(layers=2, heads=2, n=3)
+    skip_tree, bare_tree = pk.PathTree.complete(2, 2, skip=True), pk.PathTree.complete(2, 2)
+    with pytest.raises(ValueError, match=r"^pathkernels\.decompose: pass tree or max_length, not both.*max_length=1"):
+        pk.decompose(attn, tree=skip_tree, max_length=1)
+    with pytest.raises(ValueError, match=r"^pathkernels\.decompose: skip=False .* a tree whose paths skip layers"):
+        pk.decompose(attn, skip=False, tree=skip_tree)
+    for skip in (True, False):
+        assert len(pk.decompose(attn, skip=skip, tree=bare_tree).paths) == 4
+    assert len(pk.decompose(attn, tree=skip_tree).paths) == 9
+
+
+def test_decomposes_refusals_name_decompose():
+    """Its errors named pathkernels.PathTree.complete (skip=False with max_length < L) or
+    pathkernels.sample_paths (a sample beyond memory), and an empty set of strata reached
+    torch.cat() ("expected a non-empty list")."""
+    attn = attention(layers=3, heads=2, n=3)
+    for extra in ({}, {"samples_per_length": 2}):
+        with pytest.raises(ValueError, match=r"^pathkernels\.decompose: without skip every path takes a head at each"):
+            pk.decompose(attn, skip=False, max_length=1, **extra)
+    with pytest.raises(ValueError, match=r"^pathkernels\.decompose: expected samples_per_length to ask for at least"):
+        pk.decompose(attn, samples_per_length={})
+    big = random_attention(1, 12, 12, 3, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"^pathkernels\.decompose: num_samples=1,000,000,000,000 paths of 12 layers"):
+        pk.decompose(big, num_samples=10**12, max_paths=10**13)
+    assert pk.decompose(attn, skip=False, samples_per_length=2).method == "stratified"  # length L only

@@ -329,3 +329,48 @@ def test_result_methods_refuse_hostile_arguments_in_their_own_name():
     for result, name in ((stats, "PathStatistics"), (decomposition, "PathDecomposition")):
         with pytest.raises(TypeError, match=rf"^pathkernels\.{name}\.plot: expected path to be a str or os\.PathLike"):
             result.plot(path=3)
+
+
+@pytest.mark.parametrize("deviation", [1e-5, 1e-7, -1e-6])
+def test_float64_attention_rows_must_sum_to_one_within_1e_8(deviation):
+    """float64 patterns sum to 1 within 1e-8 (ROW_SUM_TOLERANCE; a float64 softmax within 1e-16):
+    a row off by 1e-7 … 1e-5 is refused by every engine function, by name, and one off by 1e-10 is
+    taken. A tolerance raised to 1e-3 was caught only by an adapter test that skips without
+    transformers; this one needs neither transformers nor TransformerLens."""
+    attn = random_attention(2, 2, 2, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    w = torch.randn(2, 2, 3, 3, dtype=torch.float64)
+    tree = pk.PathTree.complete(2, 2, skip=True)
+    calls = {
+        "path_residuals": lambda a: pk.path_residuals(a, tree),
+        "path_statistics": lambda a: pk.path_statistics(a, tree),
+        "decompose": lambda a: pk.decompose(a),
+        "length_sums": lambda a: pk.length_sums(a, x, w, w),
+    }
+    off, close = attn.clone(), attn.clone()
+    off[1, 1, 0, 2] *= 1 + deviation  # one row of batch element 1, layer 1, head 0
+    close[1, 1, 0, 2] *= 1 + 1e-10
+    for name, call in calls.items():
+        with pytest.raises(
+            ValueError,
+            match=rf"^pathkernels\.{name}: attention rows must sum to 1 .* row 2 of batch element 1, layer 1, "
+            rf"head 0 sums to {1 + deviation:.9g}",
+        ):
+            call(off)
+        call(close)  # within 1e-8: taken
+
+
+def test_w_path_refuses_entries_that_are_not_heads():
+    """stack.w_path([0.5, -1, 1]) took 0.5 as head 0 (int() truncates), True as head 1 and "1" as 1."""
+    from pathkernels.adapters.stack import AttentionStack
+
+    attn = random_attention(1, 3, 2, 4, 4, dtype=torch.float64)
+    w = torch.randn(3, 2, 5, 5, dtype=torch.float64)
+    stack = AttentionStack(attn=attn, w_v=w, w_o=w, b_o=torch.zeros(3, 5, dtype=torch.float64))
+    for path in ([0.5, -1, 1], [True, -1, 1], ["1", -1, 1], torch.tensor([0.0, -1.0, 1.0]), "01-", 3):
+        with pytest.raises(TypeError, match=r"^pathkernels\.AttentionStack\.w_path: expected a path of 3 entries"):
+            stack.w_path(path)
+    with pytest.raises(ValueError, match=r"^pathkernels\.AttentionStack\.w_path: expected a path of 3 entries.*got"):
+        stack.w_path([0, -1, 2])
+    left, right = stack.w_path(torch.tensor([1, -1, 0]))
+    torch.testing.assert_close(left @ right, w[0, 1] @ w[0, 1] @ w[2, 0] @ w[2, 0])

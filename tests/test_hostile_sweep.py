@@ -1059,6 +1059,267 @@ def result_cases():
 result_cases()
 
 
+def argument_and_file_cases():
+    """Arguments that were taken as valid, counts and ranges beyond use, and statistics files edited
+    consistently (refused now by recomputing their recorded paths)."""
+    # decompose: two arguments that contradict each other, and refusals in its own name
+    where = "pathkernels.decompose"
+    skip_tree = pk.PathTree.complete(L, H, skip=True)
+    refused(
+        where,
+        ("max_length", "tree"),
+        "shape",
+        "tree with max_length",
+        lambda: pk.decompose(ATTN, tree=skip_tree, max_length=1),
+    )
+    refused(
+        where,
+        ("skip", "tree"),
+        "bool",
+        "skip=False with a skip tree",
+        lambda: pk.decompose(ATTN, skip=False, tree=skip_tree),
+    )
+    refused(
+        where,
+        ("max_length", "skip"),
+        "zero",
+        "skip=False, max_length=1",
+        lambda: pk.decompose(ATTN, skip=False, max_length=1),
+    )
+    refused(
+        where,
+        ("max_length", "skip"),
+        "zero",
+        "skip=False, max_length=1, strata",
+        lambda: pk.decompose(ATTN, skip=False, max_length=1, samples_per_length=2),
+    )
+    refused(
+        where, "samples_per_length", "empty", "samples_per_length={}", lambda: pk.decompose(ATTN, samples_per_length={})
+    )
+    refused(where, "skip", "huge", "skip=10**5000", lambda: pk.decompose(ATTN, skip=10**5000))
+    big = torch.softmax(torch.zeros(1, 12, 12, 3, 3, dtype=torch.float64), -1)
+    refused(
+        where,
+        "num_samples",
+        "huge",
+        "a sample beyond memory (named sample_paths)",
+        lambda: pk.decompose(big, num_samples=10**12, max_paths=10**13),
+    )
+    bare = pk.PathTree.complete(L, H)
+    gives(
+        where,
+        "tree",
+        "bool",
+        "skip=False with a tree without skips",
+        lambda: pk.decompose(ATTN, skip=False, tree=bare).results.residual,
+        lambda: ref_residuals(ATTN, tree=bare)[0],
+    )
+    # counts: consistent, quick, and their messages written whatever their size
+    where = "pathkernels.count_paths"
+    gives(where, "max_length", "zero", "no skip, max_length < L", lambda: pk.count_paths(3, 2, max_length=1), lambda: 0)
+    refused(where, "num_layers", "huge", "6·10^7 layers of 3 heads", lambda: pk.count_paths(6 * 10**7, 3))
+    refused(where, "num_layers", "huge", "num_layers=10**5000", lambda: pk.count_paths(10**5000, 2))
+    gives(
+        where,
+        "max_length",
+        "huge",
+        "2^31 - 1 layers, max_length=1",
+        lambda: pk.count_paths(2**31 - 1, 3, skip=True, max_length=1),
+        lambda: 1 + 3 * (2**31 - 1),
+    )
+    refused(
+        "pathkernels.count_by_length",
+        "num_layers",
+        "huge",
+        "a list of 2^31 counts",
+        lambda: pk.count_by_length(2**31 - 1, 3, skip=True, max_length=1),
+    )
+    refused("pathkernels.PathTree.complete", "paths", "huge", "10^6000 paths", lambda: pk.PathTree.complete(3000, 100))
+    gives(
+        "pathkernels.PathTree.complete",
+        "num_heads",
+        "huge",
+        "2^31 - 1 heads, max_length=0",
+        lambda: pk.PathTree.complete(3, 2**31 - 1, skip=True, max_length=0).paths(),
+        lambda: torch.full((1, 3), -1),
+    )
+    refused(
+        "pathkernels.sample_paths",
+        "num_samples",
+        "huge",
+        "num_samples=10**5000",
+        lambda: pk.sample_paths(3, 2, 10**5000),
+    )
+    # ranges of a tree
+    tree = pk.PathTree.complete(3, 2, skip=True)
+    for method in ("path_range", "leaf_range", "leaf_lengths"):
+        where = f"pathkernels.PathTree.{method}"
+        call = getattr(tree, method)
+        for kind, (start, stop), argument in (
+            ("huge", (0, 10**6), "stop"),
+            ("negative", (-3, 2), "start"),
+            ("float", (0.5, 2), "start"),
+            ("None", (0, None), "stop"),
+            ("bool", (True, 2), "start"),
+        ):
+            refused(where, argument, kind, f"{method}({start!r}, {stop!r})", lambda c=call, a=start, b=stop: c(a, b))
+    gives(
+        "pathkernels.PathTree.path_range",
+        "stop",
+        "zero",
+        "an empty range",
+        lambda: tree.path_range(3, 3).shape,
+        lambda: (0, 3),
+    )
+    where = "pathkernels.PathTree.from_paths"
+    refused(where, "heads", "huge", "a head of 2^62", lambda: pk.PathTree.from_paths([[2**62, 0]]))
+    refused(where, "num_heads", "huge", "num_heads=2^62", lambda: pk.PathTree.from_paths([[1, 0]], num_heads=2**62))
+    # statistics' methods
+    stats = pk.path_statistics(ATTN, TREE, top_k=2)
+    where = "pathkernels.PathStatistics.quantiles"
+    for kind, q in (("huge", [1.5]), ("negative", [-0.1]), ("nan", [NAN]), ("str", "0.5"), ("None", [None])):
+        refused(where, "q", kind, "q", lambda v=q: stats.quantiles(q=v))
+    for method in ("measured", "mean", "std"):
+        refused(
+            f"pathkernels.PathStatistics.{method}",
+            "measure",
+            "str",
+            "measure",
+            lambda m=method: getattr(stats, m)("bogus"),
+        )
+        refused(
+            f"pathkernels.PathStatistics.{method}",
+            "measure",
+            "None",
+            "measure",
+            lambda m=method: getattr(stats, m)(None),
+        )
+    refused(
+        "pathkernels.PathStatistics.merge",
+        "skip",
+        "bool",
+        "statistics of a tree without skip",
+        lambda: stats.merge(pk.path_statistics(ATTN, pk.PathTree.complete(L, H), top_k=2)),
+    )
+    for method in ("by_length", "plot"):
+        for kind, value in (("huge", 5), ("negative", -1), ("float", 1.0), ("str", "0")):
+            refused(
+                f"pathkernels.PathStatistics.{method}",
+                "batch_element",
+                kind,
+                "batch_element",
+                lambda m=method, v=value: getattr(stats, m)(batch_element=v),
+            )
+    refused("pathkernels.PathStatistics.to", "device", "str", "device", lambda: stats.to("bogus"))
+    where = "pathkernels.PathStatistics.save"
+    for kind, path in (
+        ("empty", ""),
+        ("file", FOLDER),
+        ("file", FOLDER / "missing" / "s.pt"),
+        ("int", 3),
+        ("None", None),
+    ):
+        refused(where, "path", kind, f"path {str(path)[-12:]!r}", lambda p=path: stats.save(p))
+    refused("pathkernels.PathStatistics.load", "path", "None", "path", lambda: pk.PathStatistics.load(None))
+    # statistics checked against their inputs: a loaded file, verify, a resumed checkpoint
+    other = torch.softmax(torch.randn(B, L, H, N, N, generator=_G, dtype=torch.float64), -1)
+    saved_stats = FOLDER / "verified.pt"
+    stats.save(saved_stats)
+    gives(
+        "pathkernels.PathStatistics.load",
+        "attn",
+        "file",
+        "with its own inputs",
+        lambda: pk.PathStatistics.load(saved_stats, ATTN).top_values,
+        lambda: stats.top_values,
+    )
+    refused(
+        "pathkernels.PathStatistics.load",
+        "argmin",
+        "file",
+        "with another input",
+        lambda: pk.PathStatistics.load(saved_stats, other),
+    )
+    refused(
+        "pathkernels.PathStatistics.verify",
+        ("argmin", "argmax", "top_values"),
+        "file",
+        "another input",
+        lambda: stats.verify(other),
+    )
+    refused("pathkernels.PathStatistics.verify", ("attn", "attention"), "str", "attn", lambda: stats.verify("attn"))
+    where = "pathkernels.path_statistics"
+    for label, edit in (
+        ("minima × 0.99", lambda statistics: [v.mul_(0.99) for v in statistics["minima"].values()]),
+        (
+            "another input's statistics",
+            lambda statistics: statistics.update(pk.path_statistics(other, TREE, top_k=2).state()),
+        ),
+    ):
+        refused(
+            where,
+            ("argmin", "argmax", "top_values"),
+            "file",
+            f"checkpoint with {label}",
+            lambda e=edit: statistics_resumed_edited(e),
+        )
+    existing = FOLDER / "a-file"
+    existing.write_bytes(b"x")
+    for kind, label, checkpoint in (
+        ("empty", "checkpoint ''", ""),
+        ("file", "checkpoint an existing file", existing),
+        ("file", "checkpoint under a file", existing / "sub"),
+        ("file", "checkpoint unwritable", "/proc/pathkernels-sweep"),
+    ):
+        refused(where, "checkpoint", kind, label, lambda c=checkpoint: pk.path_statistics(ATTN, TREE, checkpoint=c))
+    refused(where, "top_k", "huge", "top_k beyond memory", lambda: pk.path_statistics(ATTN, TREE, top_k=10**12))
+    # the metrics, and a stack's w_path
+    gives(
+        "pathkernels.metrics.token_cosine_similarity",
+        "eps",
+        "huge",
+        "eps=0.5 below a token's norm",
+        lambda: pk.metrics.token_cosine_similarity(
+            torch.tensor([[3.0, 0.0], [1.6, 0.0]], dtype=torch.float64), eps=0.5
+        ),
+        lambda: torch.tensor(1.0, dtype=torch.float64),
+    )
+    from pathkernels.adapters.stack import AttentionStack
+
+    stack = AttentionStack(attn=ATTN, w_v=W_V, w_o=W_O, b_o=B_O)
+    where = "pathkernels.AttentionStack.w_path"
+    for kind, path in (
+        ("float", [0.5, -1]),
+        ("bool", [True, -1]),
+        ("str", ["1", -1]),
+        ("float", torch.tensor([0.0, 1.0])),
+    ):
+        refused(where, "path", kind, "path", lambda p=path: stack.w_path(p))
+    refused(where, "path", "huge", "a head beyond the heads", lambda: stack.w_path([0, 2]))
+    # float64 attention rows must sum to 1 within 1e-8 (a row off by 1e-5 is refused)
+    off = ATTN.clone()
+    off[1, 1, 0, 2] *= 1 + 1e-5
+    for where, call in (
+        ("pathkernels.path_residuals", lambda: pk.path_residuals(off, TREE)),
+        ("pathkernels.length_sums", lambda: pk.length_sums(off, X, W_V, W_O)),
+    ):
+        refused(where, "attention rows", "huge", "a float64 row summing to 1 + 1e-5", call)
+
+
+def statistics_resumed_edited(edit):
+    """A finished checkpoint of ATTN's statistics (top 2), its statistics edited and sealed again,
+    resumed."""
+    folder = Path(tempfile.mkdtemp(dir=FOLDER))
+    pk.path_statistics(ATTN, TREE, top_k=2, checkpoint=folder)
+    state = read_sealed(folder / "rank0-of-1.pt", "", "", "")
+    edit(state["statistics"])
+    write_sealed(folder / "rank0-of-1.pt", state)
+    return pk.path_statistics(ATTN, TREE, top_k=2, checkpoint=folder)
+
+
+argument_and_file_cases()
+
+
 # --- the adapters and the analysis on a tiny GPT-2 ----------------------------------------------------------
 
 try:
@@ -1133,6 +1394,18 @@ def adapter_cases():
     for kind, value in (("negative", -1), ("huge", 20), ("float", 1.0), ("str", "1")):
         refused(where, "token", kind, "token", lambda v=value: pk.logit(model, v))
     readout = pk.logit_diff(model, 1, 2)
+    attribution = pk.path_attribution(stack, readout, top_k=3)
+    for kind, k in (("negative", -1), ("zero", 0), ("float", 2.0)):
+        refused("pathkernels.PathAttribution.plot", "k", kind, "k", lambda v=k: attribution.plot(v))
+    for method in ("table", "to_frame"):
+        for kind, value in (("huge", 1), ("negative", -1), ("float", 0.0)):
+            refused(
+                f"pathkernels.PathAttribution.{method}",
+                "position",
+                kind,
+                "position",
+                lambda m=method, v=value: getattr(attribution, m)(position=v),
+            )
     where = "pathkernels.path_attribution"
     value = lambda r: r.value[0, 0]
     own = lambda: logits[-1, 1] - logits[-1, 2]

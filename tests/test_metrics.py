@@ -425,3 +425,22 @@ def test_half_inputs_are_computed_in_float32(name, dtype):
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, COMPUTED[name](x.float()), rtol=0, atol=0)
     torch.testing.assert_close(got.double(), COMPUTED[name](x.double()), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("scale", [1.0, 1e-30, 3e20])
+def test_token_cosine_eps_bounds_a_tokens_norm_by_the_largest_entry(dtype, scale):
+    """eps is what its docstring says: a lower bound on a token's norm of eps times the largest
+    absolute entry of the matrix. The code bounded the norm of the matrix scaled to a largest entry
+    in [½, 1) by eps, so eps · 2^e instead: with a largest entry of 3 (e = 2) and eps = 0.5 a token
+    of norm 1.6 (above 1.5) was cut to 0.8 of itself."""
+    f = pk.metrics.token_cosine_similarity
+    parallel = torch.tensor([[3.0, 0.0], [1.6, 0.0]], dtype=dtype) * scale  # norm 1.6 > eps · 3 = 1.5
+    assert f(parallel, eps=0.5).item() == pytest.approx(1.0, rel=1e-6)
+    small = torch.tensor([[3.0, 0.0], [1.2, 0.0]], dtype=dtype) * scale  # 1.2 < 1.5: divided by 1.5
+    assert f(small, eps=0.5).item() == pytest.approx(0.8, rel=1e-6)
+    # The default: only tokens 10^12 times below the largest entry are touched; a zero token is
+    # orthogonal to the rest, and a zero matrix gives 0.
+    with_zero = torch.tensor([[1.0, 2.0], [0.0, 0.0], [2.0, 4.0]], dtype=dtype) * scale
+    assert f(with_zero).item() == pytest.approx(1 / 3, rel=1e-6)
+    assert f(torch.zeros(3, 2, dtype=dtype)).item() == 0.0

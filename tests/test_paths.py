@@ -355,9 +355,130 @@ def test_counts_are_refused_beyond_the_bits_they_may_take(monkeypatch):
         lambda: pk.count_paths(101, 2),
         lambda: pk.count_by_length(101, 2),
         lambda: pk.count_paths(51, 3, skip=True),
-        lambda: pk.count_paths(50, 3, skip=True, max_length=1),  # two terms of up to 100 bits
+        lambda: pk.count_paths(50, 3, skip=True, max_length=25),  # terms of up to 87 bits, 26 of them
         lambda: pk.count_by_length(50, 3, skip=True),
+        lambda: pk.count_by_length(10**6, 2, skip=True, max_length=120),  # 121 terms, each a bit at least
     ):
         with pytest.raises(ValueError, match=r"^pathkernels\.count_(paths|by_length): the counts of num_layers="):
             call()
-    assert pk.count_paths(25, 3, skip=True, max_length=1) == 1 + 25 * 3  # two terms of 50 bits
+    # The terms are sized one by one (log2 C(L, k) H^k): few short paths of many layers are small
+    # numbers, whatever (H+1)^L would be.
+    assert pk.count_paths(50, 3, skip=True, max_length=1) == 1 + 50 * 3
+    assert pk.count_paths(10**6, 12, skip=True, max_length=1) == 1 + 12 * 10**6
+
+
+def test_a_count_beyond_use_is_refused_at_once():
+    """count_paths(6·10^7, 3) computed 3^(6·10^7), 9.5·10^7 bits, for 36 s to 5 minutes; its
+    by-length counts, or those of 2^31 − 1 layers with a small max_length, built a list of every
+    layer first (a minute, 17 GB). Counts beyond MAX_COUNT_BITS are refused in under a second,
+    naming the function and the sizes; short paths of many layers are counted as fast."""
+    import time
+
+    for call, where in (
+        (lambda: pk.count_paths(6 * 10**7, 3), "count_paths"),
+        (lambda: pk.count_paths(6 * 10**7, 3, skip=True), "count_paths"),
+        (lambda: pk.count_by_length(6 * 10**7, 3, skip=True), "count_by_length"),
+        (lambda: pk.count_paths(2**31 - 1, 3, skip=True, max_length=10**6), "count_paths"),
+        (lambda: pk.count_by_length(2**31 - 1, 3, skip=True, max_length=1), "count_by_length"),
+        (lambda: pk.PathTree.complete(6 * 10**7, 3), "PathTree.complete"),
+    ):
+        started = time.perf_counter()
+        with pytest.raises(ValueError, match=rf"^pathkernels\.{where}: .*num_layers=[\d,]+ layers"):
+            call()
+        assert time.perf_counter() - started < 1.0, where
+    started = time.perf_counter()
+    assert pk.count_paths(2**31 - 1, 3, skip=True, max_length=1) == 1 + 3 * (2**31 - 1)
+    assert pk.count_paths(2**31 - 1, 3, max_length=1) == 0
+    assert time.perf_counter() - started < 1.0
+
+
+def test_counts_without_skip_and_a_max_length_below_the_layers_agree():
+    """Without skip every path takes L heads, so max_length < L keeps none: count_paths said 8 for
+    (3, 2, max_length=1) where count_by_length said zeros; both count 0 now, and PathTree.complete,
+    which cannot hold an empty set, refuses it and says why."""
+    for layers, heads, max_length in ((3, 2, 1), (3, 2, 0), (5, 4, 4)):
+        assert pk.count_paths(layers, heads, max_length=max_length) == 0
+        assert pk.count_by_length(layers, heads, max_length=max_length) == [0] * (layers + 1)
+        assert pk.count_paths(layers, heads, max_length=max_length) == sum(
+            pk.count_by_length(layers, heads, max_length=max_length)
+        )
+        with pytest.raises(ValueError, match=r"^pathkernels\.PathTree\.complete: without skip .* keeps no path"):
+            pk.PathTree.complete(layers, heads, max_length=max_length)
+    assert pk.count_paths(3, 2, max_length=3) == 8 == sum(pk.count_by_length(3, 2, max_length=3))
+
+
+def test_counts_of_more_than_4300_digits_are_written_by_their_size():
+    """Python refuses to write an int of more than 4,300 digits: a refusal that quoted such a count
+    raised "Exceeds the limit (4300 digits)" instead of its own message."""
+    from pathkernels.core._memory import format_count
+
+    assert format_count(23_298_085_122_481) == "23,298,085,122,481"
+    assert format_count(10**6000) == "about 1.00·10^6,000"
+    assert format_count(3 * 10**5000 + 7) == "about 3.00·10^5,000"
+    assert format_count(-(10**101)) == "-about 1.00·10^101"
+    assert format_count(31**30) == "550,618,520,345,910,837,374,536,871,905,139,185,678,862,401"  # 45 digits
+    with pytest.raises(ValueError, match=r"^pathkernels\.PathTree\.complete: the tree has about 1\.00·10\^6,000 paths"):
+        pk.PathTree.complete(3000, 100)  # 100^3000
+    with pytest.raises(
+        ValueError, match=r"^pathkernels\.count_paths: expected num_layers in .*, got about 1\.00·10\^5,000"
+    ):
+        pk.count_paths(10**5000, 2)
+    with pytest.raises(TypeError, match=r"^pathkernels\.count_paths: expected skip to be True or False, got int about"):
+        pk.count_paths(2, 2, skip=10**5000)
+    with pytest.raises(ValueError, match=r"^pathkernels\.sample_paths: num_samples=about 1\.00·10\^5,000 paths"):
+        pk.sample_paths(3, 2, 10**5000)
+
+
+@pytest.mark.parametrize("kind", ["complete", "short", "explicit"])
+def test_path_and_leaf_ranges_outside_the_tree_are_refused(kind):
+    """path_range(0, 10^6) of a 27-path tree wrapped round to a million paths; negative and float
+    bounds were taken (as slices clamp them, or arange counts from them)."""
+    tree = {
+        "complete": pk.PathTree.complete(3, 2, skip=True),
+        "short": pk.PathTree.complete(3, 2, skip=True, max_length=1),
+        "explicit": pk.PathTree.from_paths([[0, 1, -1], [1, 1, 1], [0, 1, -1]]),
+    }[kind]
+    assert torch.equal(tree.path_range(0, tree.num_paths), tree.paths())
+    assert tree.path_range(1, 1).shape == (0, 3)
+    for method, count in (
+        ("path_range", tree.num_paths),
+        ("leaf_range", tree.num_leaves),
+        ("leaf_lengths", tree.num_leaves),
+    ):
+        call = getattr(tree, method)
+        for start, stop in ((0, 10**6), (0, count + 1), (2, 1), (count + 1, count + 2)):
+            with pytest.raises(
+                ValueError, match=rf"^pathkernels\.PathTree\.{method}: expected 0 <= start <= stop <= {count} "
+            ):
+                call(start, stop)
+        with pytest.raises(ValueError, match=rf"^pathkernels\.PathTree\.{method}: expected start >= 0, got -3"):
+            call(-3, 2)
+        for start, stop, name in ((0.5, 2, "start"), (0, 2.0, "stop"), (None, 2, "start"), (True, 2, "start")):
+            with pytest.raises(TypeError, match=rf"^pathkernels\.PathTree\.{method}: expected {name} to be an int"):
+                call(start, stop)
+        assert call(0, count).shape[0] == count
+
+
+def test_from_paths_refuses_heads_beyond_the_int_range():
+    """[[2**62, 0]] made a tree of 2^62 + 1 heads; num_heads=2**62 likewise."""
+    with pytest.raises(ValueError, match=r"^pathkernels\.PathTree\.from_paths: expected heads in \[-1, 2147483647\)"):
+        pk.PathTree.from_paths([[2**62, 0]])
+    with pytest.raises(ValueError, match=r"^pathkernels\.PathTree\.from_paths: expected num_heads <= 2147483647"):
+        pk.PathTree.from_paths([[1, 0]], num_heads=2**62)
+    with pytest.raises(TypeError, match=r"^pathkernels\.PathTree\.from_paths: expected paths as an integer tensor"):
+        pk.PathTree.from_paths([[2**63, 0]])  # beyond int64
+    assert pk.PathTree.from_paths([[2**31 - 2, 0]]).num_heads == 2**31 - 1
+
+
+def test_short_trees_of_huge_sizes_are_refused_before_they_allocate(monkeypatch):
+    """max_length=0 over 2^31 − 1 heads built an arange of every head (16 GiB); 2^31 − 1 layers the
+    completions [L + 1, k + 1] (16 GiB): an allocator error, or the machine's memory. (As on a
+    machine with 64 GiB free, whatever this one has.)"""
+    import pathkernels.core._memory as memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda device: 64 << 30)
+    assert pk.PathTree.complete(3, 2**31 - 1, skip=True, max_length=0).paths().tolist() == [[-1, -1, -1]]
+    with pytest.raises(ValueError, match=r"^pathkernels\.PathTree\.complete: the [\d,]+ paths of at most max_length=1"):
+        pk.PathTree.complete(2**31 - 1, 1, skip=True, max_length=1)
+    with pytest.raises(ValueError, match=r"^pathkernels\.PathTree\.complete: the counts of num_layers="):
+        pk.PathTree.complete(2**31 - 1, 1, skip=True)  # counted by count_paths, refused in complete's name

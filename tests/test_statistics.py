@@ -810,3 +810,295 @@ def test_std_of_equal_values_is_zero_not_nan():
     stats.sums["ratio"][0, 2] = n * 0.1
     stats.sums_of_squares["ratio"][0, 2] = (n * 0.1) ** 2 / n * (1 - 4 * torch.finfo(torch.float64).eps)
     assert stats.std("ratio")[0, 2].item() == 0.0
+
+
+def _swap_extreme_paths(statistics):
+    """argmin['ratio'] and argmax['ratio'] of batch element 0, length 1, exchanged: both still paths
+    of one head, each where the other's value was recorded."""
+    low, high = statistics["argmin"]["ratio"], statistics["argmax"]["ratio"]
+    low[0, 1], high[0, 1] = high[0, 1].clone(), low[0, 1].clone()
+
+
+# Edits that keep the statistics consistent with themselves (checked_state accepts them, as the test
+# asserts): only the engine's values at the recorded paths tell them apart.
+CONSISTENT_EDITS = {
+    "minima × 0.99": lambda statistics, other: [value.mul_(0.99) for value in statistics["minima"].values()],
+    "maxima and top × 1.01": lambda statistics, other: [
+        value.mul_(1.01) for value in [*statistics["maxima"].values(), statistics["top_values"]]
+    ],
+    "an argmin swapped": lambda statistics, other: _swap_extreme_paths(statistics),
+    "another input's statistics": lambda statistics, other: statistics.update(other.state()),
+}
+
+
+def _two_inputs():
+    attn = random_attention(2, 3, 2, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    other = random_attention(2, 3, 2, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    return attn, other, pk.PathTree.complete(3, 2, skip=True)
+
+
+@pytest.mark.parametrize("edit", sorted(CONSISTENT_EDITS))
+def test_a_resumed_checkpoint_is_checked_against_the_engine(tmp_path, edit):
+    """Checkpoints edited consistently (minima × 0.99, maxima and top × 1.01, an argmin swapped,
+    another input's statistics under this input's identity) resumed into wrong statistics: the
+    paths recorded as extremes and top are now evaluated again and compared, by name."""
+    from pathkernels.core._files import write_sealed
+    from pathkernels.core.statistics import checked_state
+
+    attn, other_attn, tree = _two_inputs()
+    intact = pk.path_statistics(attn, tree, top_k=2, checkpoint=tmp_path)
+    path = tmp_path / "rank0-of-1.pt"
+    state = read_sealed(path, "test", "", "")
+    CONSISTENT_EDITS[edit](state["statistics"], pk.path_statistics(other_attn, tree, top_k=2))
+    checked_state(state["statistics"], "t", "it", "", leaves=(0, 27), tree=tree)  # consistent in itself
+    write_sealed(path, state)
+    with pytest.raises(
+        ValueError,
+        match=r"^pathkernels\.path_statistics: the checkpoint .*rank0-of-1\.pt is not consistent with its inputs: "
+        r"(argmin|argmax)\['(ratio|residual|norm)'\] at index \[\d, \d\] is .*, but the engine gives .* at its path "
+        r"\[.*\] \(a difference beyond the engine's precision, 1e-09 relative\)\. Delete it, or pass another",
+    ):
+        pk.path_statistics(attn, tree, top_k=2, checkpoint=tmp_path)
+    path.unlink()
+    again = pk.path_statistics(attn, tree, top_k=2, checkpoint=tmp_path)
+    assert torch.equal(again.minima["ratio"], intact.minima["ratio"])
+    assert torch.equal(pk.path_statistics(attn, tree, top_k=2, checkpoint=tmp_path).top_values, intact.top_values)
+
+
+@pytest.mark.parametrize("edit", sorted(CONSISTENT_EDITS))
+def test_loaded_statistics_are_checked_against_their_inputs_when_given(tmp_path, edit):
+    """PathStatistics.load(path, attn, …) and stats.verify(attn, …) evaluate the recorded paths
+    again; load(path) alone checks the file's own consistency only (it holds no inputs)."""
+    from pathkernels.core._files import write_sealed
+
+    attn, other_attn, tree = _two_inputs()
+    x = torch.randn(2, 4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    w = torch.randn(3, 2, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    for outputs in ({}, {"x": x, "w_v": w, "w_o": w}):
+        stats = pk.path_statistics(attn, tree, top_k=2, **outputs)
+        saved = tmp_path / "stats.pt"
+        stats.save(saved)
+        assert PathStatistics.load(saved, attn, **outputs).verify(attn, **outputs) is not None
+        state = read_sealed(saved, "test", "", "")
+        CONSISTENT_EDITS[edit](state, pk.path_statistics(other_attn, tree, top_k=2, **outputs))
+        write_sealed(saved, state)
+        edited = PathStatistics.load(saved)  # consistent in itself: nothing to compare it with
+        message = r"(argmin|argmax)\['(ratio|residual|norm)'\] at index \[\d, \d\] is .*, but the engine gives"
+        with pytest.raises(
+            ValueError,
+            match=r"^pathkernels\.PathStatistics\.load: the file .*stats\.pt does not hold "
+            r"the statistics of these inputs: " + message,
+        ):
+            PathStatistics.load(saved, attn, **outputs)
+        with pytest.raises(
+            ValueError,
+            match=r"^pathkernels\.PathStatistics\.verify: the statistics are not those of "
+            r"these inputs: " + message + r".*compute them again with pk\.path_statistics",
+        ):
+            edited.verify(attn, **outputs)
+    with pytest.raises(
+        ValueError,
+        match=r"^pathkernels\.PathStatistics\.verify: the statistics are not those of these "
+        r"inputs: the statistics are of 2 batch elements, but the inputs have 1",
+    ):
+        stats.verify(attn[:1])
+    with pytest.raises(ValueError, match=r"^pathkernels\.PathStatistics\.load: x is checked .* pass attn too"):
+        PathStatistics.load(saved, x=x)
+
+
+def test_float32_statistics_verify_within_float32_precision():
+    attn = random_attention(2, 3, 2, 5, 5, dtype=torch.float32, generator=torch.Generator().manual_seed(4))
+    tree = pk.PathTree.complete(3, 2, skip=True)
+    stats = pk.path_statistics(attn, tree, top_k=3)
+    assert stats.verify(attn) is stats
+    stats.maxima["norm"] *= 1.001
+    with pytest.raises(ValueError, match=r"^pathkernels\.PathStatistics\.verify: .* argmax\['norm'\] .* 0\.0001 "):
+        stats.verify(attn)
+
+
+def test_checkpoint_folders_that_cannot_be_used_are_refused_before_any_work(tmp_path, monkeypatch):
+    """checkpoint="" wrote into the working directory; a file, a path under a file and a folder
+    that cannot be written raised FileExistsError or NotADirectoryError, or failed at the first
+    save after the work of a checkpoint interval."""
+    attn, _, tree = _two_inputs()
+    monkeypatch.chdir(tmp_path)
+    existing = tmp_path / "file.pt"
+    existing.write_bytes(b"x")
+    cases = [
+        ("", r"expected checkpoint to be a folder's path, got '' \(an empty path would write into the working"),
+        ("  ", r"expected checkpoint to be a folder's path, got '  '"),
+        (existing, r"expected checkpoint to be a folder, got '.*file\.pt', an existing file"),
+        (existing / "sub", r"cannot write checkpoints to the folder checkpoint='.*file\.pt/sub': Not a directory"),
+        ("/proc/pathkernels-checkpoint", r"cannot write checkpoints to the folder checkpoint='/proc/pathkernels-"),
+    ]
+    for checkpoint, message in cases:
+        with pytest.raises(ValueError, match=r"^pathkernels\.path_statistics: " + message):
+            pk.path_statistics(attn, tree, checkpoint=checkpoint)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.pt"]  # nothing written anywhere
+
+
+def test_four_threads_sharing_a_checkpoint_folder_complete_or_are_refused(tmp_path):
+    """Four threads sharing one folder crashed three of themselves with raw tracebacks (one's
+    rename took another's partial file). One run holds the folder's lock at a time: each thread
+    completes with the uninterrupted statistics or is refused by name, and the lock goes with it."""
+    import threading
+
+    attn = random_attention(2, 6, 3, 6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    tree = pk.PathTree.complete(6, 3, skip=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the small budget's warning: many chunks, many saves
+        whole = pk.path_statistics(attn, tree, top_k=2, memory_budget=1 << 16)
+    outcomes = []
+    start = threading.Barrier(4)
+
+    def run():
+        start.wait()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                stats = pk.path_statistics(
+                    attn, tree, top_k=2, memory_budget=1 << 16, checkpoint=tmp_path, checkpoint_every=0
+                )
+            outcomes.append(("completed", stats))
+        except BaseException as error:  # noqa: BLE001 (what the test is for)
+            outcomes.append(("refused", error))
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert len(outcomes) == 4
+    completed = [value for kind, value in outcomes if kind == "completed"]
+    assert completed, [str(value) for _, value in outcomes]
+    for stats in completed:
+        assert torch.equal(stats.counts, whole.counts) and torch.equal(stats.top_paths, whole.top_paths)
+        torch.testing.assert_close(stats.sums["ratio"], whole.sums["ratio"], rtol=1e-14, atol=0)
+    for kind, error in outcomes:
+        if kind == "refused":
+            assert isinstance(error, ValueError), repr(error)
+            assert re.match(
+                r"^pathkernels\.path_statistics: the checkpoint .*rank0-of-1\.pt is in use by another run in this "
+                r"process \(another thread\): two runs cannot write one checkpoint",
+                str(error),
+            ), str(error)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0-of-1.pt"]  # no lock, no partial file left
+
+
+def test_a_stale_lock_is_taken_over_and_a_live_one_refused(tmp_path):
+    """A lock whose process has ended (killed mid-run), or that this process left behind, is taken
+    over; a live process's lock is refused, naming it and the lock file to delete."""
+    import os
+    import socket
+
+    attn, _, tree = _two_inputs()
+    lock = tmp_path / "rank0-of-1.pt.lock"
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    host = socket.gethostname()
+    for pid in (ended.pid, os.getpid()):
+        lock.write_text(f"{pid} {host} stale-token\n")
+        assert pk.path_statistics(attn, tree, checkpoint=tmp_path) is not None
+        assert not lock.exists()
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for holder in (f"{alive.pid} {host} token", f"1 {host}-elsewhere token", ""):
+            lock.write_text(holder)
+            with pytest.raises(
+                ValueError,
+                match=r"^pathkernels\.path_statistics: the checkpoint .*rank0-of-1\.pt is in use by (the run of "
+                r"process \d+ on \S+|another run): .*if no run uses it, delete .*rank0-of-1\.pt\.lock",
+            ):
+                pk.path_statistics(attn, tree, checkpoint=tmp_path)
+            assert lock.read_text() == holder  # left to its holder
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_statistics_methods_refuse_what_they_cannot_read():
+    """quantiles(q=[1.5]) gave inf, measured("bogus") returned the counts, mean("bogus") raised a
+    KeyError, by_length(5) "amin(): Expected reduction dim 0 to have non-zero size", and merge
+    added the statistics of a tree without skip to those of a tree with."""
+    attn, _, tree = _two_inputs()
+    stats = pk.path_statistics(attn, tree, top_k=2)
+    for q, error, message in (
+        ([1.5], ValueError, r"expected q to hold levels in \[0, 1\], got 1\.5"),
+        ([-0.1], ValueError, r"expected q to hold levels in \[0, 1\], got -0\.1"),
+        ([math.nan], ValueError, r"expected q to hold levels in \[0, 1\], got nan"),
+        ("0.5", TypeError, r"expected q to be a level in \[0, 1\] or a sequence of them, got str '0\.5'"),
+        ([None], TypeError, r"expected q to hold real levels in \[0, 1\], got NoneType None"),
+    ):
+        with pytest.raises(error, match=r"^pathkernels\.PathStatistics\.quantiles: " + message):
+            stats.quantiles(q=q)
+    assert torch.equal(stats.quantiles(q=0.5)[0], stats.quantiles(q=[0.5])[0])
+    for method in ("measured", "mean", "std"):
+        with pytest.raises(ValueError, match=rf"^pathkernels\.PathStatistics\.{method}: expected measure to be one of"):
+            getattr(stats, method)("bogus")
+        with pytest.raises(TypeError, match=rf"^pathkernels\.PathStatistics\.{method}: expected measure to be one of"):
+            getattr(stats, method)(None)
+    with pytest.raises(ValueError, match=r"^pathkernels\.PathStatistics\.quantiles: expected measure to be one of"):
+        stats.quantiles("norm")  # no histogram of the norm
+    bare = pk.path_statistics(attn, pk.PathTree.complete(3, 2), top_k=2)
+    with pytest.raises(ValueError, match=r"^pathkernels\.PathStatistics\.merge: skip differs \(True and False\)"):
+        stats.merge(bare)
+    for value, error, message in (
+        (5, ValueError, r"expected batch_element in \[0, 1\], got 5"),
+        (-1, ValueError, r"expected batch_element in \[0, 1\], got -1"),
+        (1.0, TypeError, r"expected batch_element to be an int, got float 1\.0"),
+    ):
+        for method in ("by_length", "plot"):
+            with pytest.raises(error, match=rf"^pathkernels\.PathStatistics\.{method}: " + message):
+                getattr(stats, method)(batch_element=value)
+    with pytest.raises(ValueError, match=r"^pathkernels\.PathStatistics\.to: expected device .* got str 'bogus'"):
+        stats.to("bogus")
+
+
+def test_saving_to_a_path_that_cannot_be_written_is_refused(tmp_path):
+    """save("") raised "PosixPath('.') has an empty name", save(folder) IsADirectoryError, and a
+    missing folder FileNotFoundError."""
+    attn, _, tree = _two_inputs()
+    stats = pk.path_statistics(attn, tree)
+    for path, error, message in (
+        ("", ValueError, r"expected path to be a file's path, got ''"),
+        (tmp_path, ValueError, r"expected path to be a file, got '.*', an existing folder"),
+        (tmp_path / "missing" / "s.pt", ValueError, r"cannot write '.*s\.pt': its folder '.*missing' does not exist"),
+        ("/proc/pathkernels-stats.pt", ValueError, r"cannot write '/proc/pathkernels-stats\.pt': "),
+        (3, TypeError, r"expected path to be a file's path \(a str or os\.PathLike\), got int"),
+    ):
+        with pytest.raises(error, match=r"^pathkernels\.PathStatistics\.save: " + message):
+            stats.save(path)
+    with pytest.raises(TypeError, match=r"^pathkernels\.PathStatistics\.load: expected path to be a file's path"):
+        PathStatistics.load(None)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_top_k_beyond_memory_is_refused_by_name_before_any_work():
+    """top_k=10**9 asked the allocator for 48 GB and failed there; the accumulators are now sized
+    (top paths and histograms, twice) against the memory free, before any work."""
+    import time
+
+    attn, _, tree = _two_inputs()
+    started = time.perf_counter()
+    with pytest.raises(
+        ValueError, match=r"^pathkernels\.path_statistics: top_k=1,000,000,000,000 \(the largest ratios"
+    ):
+        pk.path_statistics(attn, tree, top_k=10**12)
+    assert time.perf_counter() - started < 1.0
+
+
+def test_verify_takes_the_inputs_path_statistics_took():
+    """A padded batch with its token_mask, a network without a batch dimension, float16 patterns
+    (computed in float32): their own statistics verify, another element's do not."""
+    attn, x, w_v, w_o, mask = padded_network([5, 2, 2], 3, 2, n=5, d=3)
+    tree = pk.PathTree.complete(3, 2, skip=True)
+    outputs = {"x": x, "w_v": w_v, "w_o": w_o, "token_mask": mask}
+    stats = pk.path_statistics(attn, tree, top_k=3, **outputs)
+    assert stats.verify(attn, **outputs) is stats
+    swapped = {**outputs, "x": x.flip(0), "token_mask": mask.flip(0)}
+    with pytest.raises(ValueError, match=r"^pathkernels\.PathStatistics\.verify: the statistics are not those of"):
+        stats.verify(attn.flip(0), **swapped)
+    single = random_attention(3, 2, 4, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    assert pk.path_statistics(single, tree, top_k=2).verify(single).counts.shape == (1, 4)
+    half = random_attention(1, 3, 2, 4, 4, dtype=torch.float32, generator=torch.Generator().manual_seed(7)).half()
+    assert pk.path_statistics(half, tree, top_k=2).verify(half).dtype == torch.float32

@@ -161,12 +161,28 @@ class AttentionStack:
         Args:
             path: ``L`` entries, one per layer: a head index, or ``-1`` for skip.
         """
-        heads = [int(h) for h in (path.tolist() if isinstance(path, Tensor) else path)]
+        import numbers  # here, not at the top: this method is the part of the module that checks entries
+
+        where = "pathkernels.AttentionStack.w_path"
+        expected = (
+            f"expected a path of {self.num_layers} entries, one per layer, each a head in 0..{self.num_heads - 1} "
+            "or -1 for skip"
+        )
+        if isinstance(path, Tensor):
+            if path.dtype.is_floating_point or path.dtype.is_complex or path.dtype == torch.bool or path.dim() != 1:
+                raise TypeError(f"{where}: {expected} (ints); got a {path.dtype} tensor of shape {list(path.shape)}")
+            path = path.tolist()
+        elif hasattr(path, "dtype") and hasattr(path, "tolist"):  # a numpy array: its entries, checked below
+            path = path.tolist()
+        if isinstance(path, (str, bytes)) or not isinstance(path, Sequence):
+            raise TypeError(f"{where}: {expected} (ints); got {type(path).__name__} {path!r}"[:300])
+        for entry in path:  # 0.5 or True would pass int() as a head
+            if isinstance(entry, bool) or not isinstance(entry, numbers.Integral):
+                got = f"{list(path)!r}, an entry {type(entry).__name__}"[:200]
+                raise TypeError(f"{where}: {expected} (ints); got {got}")
+        heads = [int(h) for h in path]
         if len(heads) != self.num_layers or not all(-1 <= h < self.num_heads for h in heads):
-            raise ValueError(
-                f"pathkernels.AttentionStack.w_path: expected a path of {self.num_layers} entries, one per layer, "
-                f"each a head in 0..{self.num_heads - 1} or -1 for skip; got {heads} ({len(heads)} entries)"
-            )
+            raise ValueError(f"{where}: {expected}; got {heads} ({len(heads)} entries)")
         taken = [(layer, head) for layer, head in enumerate(heads) if head != SKIP]
         if not taken:
             eye = torch.eye(self.d_model, dtype=self.w_v.dtype, device=self.w_v.device)

@@ -329,8 +329,10 @@ class PathAttribution:
         """The top (or ``which="bottom"``) paths of one position and readout (indices into
         ``positions`` and ``labels``) as rows: rank, path, source, length, attribution and its
         share of ``value − constant``."""
-        if which not in ("top", "bottom"):
-            raise ValueError(f"PathAttribution.table: expected which='top' or 'bottom', got {which!r}")
+        where = "pathkernels.PathAttribution.table"
+        if not isinstance(which, str) or which not in ("top", "bottom"):
+            raise ValueError(f"{where}: expected which='top' or 'bottom', got {which!r}")
+        position, readout = self._check_cell(position, readout, where)
         values, paths, sources = (
             (self.top_values, self.top_paths, self.top_sources)
             if which == "top"
@@ -353,13 +355,20 @@ class PathAttribution:
             )
         return rows
 
+    def _check_cell(self, position, readout, where: str) -> tuple[int, int]:
+        """``position`` and ``readout`` as indices into ``positions`` and ``labels`` (ints in range)."""
+        position = check_int(position, "position", where, minimum=0, maximum=self.value.shape[0] - 1)
+        readout = check_int(readout, "readout", where, minimum=0, maximum=self.value.shape[1] - 1)
+        return position, readout
+
     def plot(self, k: int = 10, *, position: int = 0, readout: int = 0, ax=None, path=None):
         """The ``k`` largest and ``k`` smallest attributions of one position and readout as
-        horizontal bars, labelled by path. Returns the matplotlib Figure; with ``path`` it is also
-        saved there (the format from the suffix)."""
+        horizontal bars, labelled by path (``k >= 1``; fewer where there are fewer paths). Returns
+        the matplotlib Figure; with ``path`` it is also saved there (the format from the suffix)."""
         where = "pathkernels.PathAttribution.plot"
         check_save_path(path, where)
-        k = check_int(k, "k", where)
+        k = check_int(k, "k", where, minimum=1)
+        position, readout = self._check_cell(position, readout, where)
         top = self.table(position=position, readout=readout)[:k]
         bottom = self.table(position=position, readout=readout, which="bottom")[:k]
         token = int(self.positions[position])
@@ -371,6 +380,10 @@ class PathAttribution:
         """:meth:`table` as a pandas DataFrame (pandas is optional)."""
         import pandas as pd
 
+        where = "pathkernels.PathAttribution.to_frame"
+        position, readout = self._check_cell(position, readout, where)
+        if not isinstance(which, str) or which not in ("top", "bottom"):
+            raise ValueError(f"{where}: expected which='top' or 'bottom', got {which!r}")
         return pd.DataFrame(self.table(position=position, readout=readout, which=which))
 
 

@@ -590,8 +590,11 @@ def token_cosine_similarity(
 
     Args:
         x: ``[..., n, d]`` with n ≥ 2, or a sequence of same-shape tensors (stacked). Finite.
-        eps: lower bound on a token's norm relative to the largest entry of its matrix (the measure
-            is scale-invariant), so a zero token counts as orthogonal to the rest.
+        eps: lower bound on a token's norm, relative to the largest absolute entry of its matrix
+            (the measure is scale-invariant): a token whose norm is below ``eps · max|x|`` is
+            divided by that bound instead of its norm, so that a zero token counts as orthogonal
+            to the rest and a tiny one as nearly so. With the default 1e-12 only tokens 10^12
+            times smaller than the largest entry are affected.
         token_mask: True at real tokens, broadcasting against ``[..., n]``.
 
     Returns:
@@ -609,7 +612,11 @@ def token_cosine_similarity(
         if n < 2:
             raise ValueError(f"{where}: expected at least 2 real tokens per matrix, got {n}")
         xs, _ = _scaled(x)
-        unit = xs / torch.linalg.vector_norm(xs, dim=-1, keepdim=True).clamp_min(eps)
+        # The bound eps · max|x| of the scaled matrix (its largest entry in [½, 1), not 1), kept
+        # positive (a zero matrix, or eps · max below the dtype's range: a zero token divides to 0).
+        largest = xs.abs().amax((-2, -1), keepdim=True)
+        bound = (largest * eps).clamp_min(torch.finfo(xs.dtype).tiny)
+        unit = xs / torch.maximum(torch.linalg.vector_norm(xs, dim=-1, keepdim=True), bound)
         # Σ_{i,j} ⟨u_i, u_j⟩ = ‖Σ_i u_i‖²; remove the diagonal Σ_i ‖u_i‖².
         total = unit.sum(-2).square().sum(-1)
         diagonal = unit.square().sum((-2, -1))

@@ -1,6 +1,9 @@
-"""Memory: how much a device has free, and byte counts as messages print them."""
+"""Memory: how much a device has free, and byte counts (and other counts) as messages print them."""
 
 from __future__ import annotations
+
+import math
+import numbers
 
 import torch
 
@@ -34,10 +37,40 @@ def check_fits(
 
 
 def format_bytes(count: int) -> str:
-    """``count`` bytes for a message: "512 bytes", "24.0 KiB", "3.50 GiB"."""
+    """``count`` bytes for a message: "512 bytes", "24.0 KiB", "3.50 GiB"; counts beyond any
+    memory (2^80 bytes and more) as :func:`format_count` writes them."""
     if count < 1024:
         return f"{count:,} bytes"
+    if count >= 1 << 80:  # a yobibyte: no memory holds it, and its TiB would not fit a float
+        return f"{format_count(count)} bytes"
     for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if count >= size:
             return f"{count / size:.2f} {unit} ({count:,} bytes)"
     raise AssertionError
+
+
+def format_count(count: int) -> str:
+    """An exact int for a message: ``"23,298,085,122,481"`` up to 100 digits, ``"about 1.23·10^4,300"``
+    beyond (Python refuses to write an int of more than 4,300 digits, and such a count is read by
+    its size). Anything else as ``repr`` gives it."""
+    if isinstance(count, bool) or not isinstance(count, numbers.Integral):
+        return repr(count)
+    count = int(count)
+    if abs(count) < 10**100:
+        return f"{count:,}"
+    bits = abs(count).bit_length()
+    exponent10 = math.log10(abs(count) >> (bits - 64)) + (bits - 64) * math.log10(2)
+    power = math.floor(exponent10)
+    mantissa = 10 ** (exponent10 - power)
+    if mantissa >= 9.995:  # rounds up to 10.00
+        mantissa, power = 1.0, power + 1
+    return f"{'-' if count < 0 else ''}about {mantissa:.2f}·10^{power:,}"
+
+
+def shown(value, limit: int = 200) -> str:
+    """``value`` for a message: ``repr``, cut to ``limit`` characters; an int by :func:`format_count`
+    beyond 100 digits (``repr`` of an int of more than 4,300 digits raises)."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and abs(int(value)) >= 10**100:
+        return format_count(value)
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from pathkernels.core._figures import check_save_path, require, saved
+from pathkernels.core._memory import format_count
 from pathkernels.core.checks import check_tree_shape, unpack_stack, validate_inputs
 from pathkernels.core.engine import PathResiduals, evaluate_paths
 from pathkernels.core.paths import (
@@ -22,6 +23,7 @@ from pathkernels.core.paths import (
     check_max_paths,
     count_attribution_paths_by_length,
     count_by_length,
+    named_errors,
     sample_paths,
 )
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
@@ -406,8 +408,27 @@ def decompose(
     ]
     if len(chosen) > 1:
         raise ValueError(f"{where}: pass at most one of tree, num_samples and samples_per_length, got {chosen}")
+    if tree is not None and max_length is not None:
+        raise ValueError(
+            f"{where}: pass tree or max_length, not both: a tree holds its own paths, which max_length would not "
+            f"cut (build the tree with PathTree.complete(..., max_length={max_length})), got max_length="
+            f"{max_length} and a tree"
+        )
+    if tree is not None and not skip and isinstance(tree, PathTree) and tree.skip:
+        raise ValueError(
+            f"{where}: skip=False (a network without skip connections) and a tree whose paths skip layers "
+            "contradict each other: pass skip=True, or a tree without skips (tree and skip are both given; "
+            f"the tree is {tree!r})"
+        )
     top = layers if max_length is None else min(max_length, layers)
-    counts = count_by_length(layers, heads, skip=skip, max_length=max_length)
+    # The counts, trees and samples built here are this call's: their refusals name it.
+    with named_errors(where, "pathkernels.count_by_length", "pathkernels.PathTree.complete"):
+        counts = count_by_length(layers, heads, skip=skip, max_length=max_length)
+    if tree is None and sum(counts) == 0:  # only without skip: every path takes all L layers' heads
+        raise ValueError(
+            f"{where}: without skip every path takes a head at each of the {layers} layers, so max_length="
+            f"{max_length} keeps no path; pass skip=True (the network's skip connections) or max_length >= {layers}"
+        )
 
     if tree is not None:
         check_tree_shape(tree, layers, heads, where)
@@ -422,17 +443,24 @@ def decompose(
             )
         check_max_paths(min(num_samples, sum(counts)), max_paths, where, ways_round)
         if num_samples >= sum(counts):  # the sample would be every path: evaluate them all, exactly
-            method, tree = "exact", PathTree.complete(layers, heads, skip=skip)
+            with named_errors(where, "pathkernels.PathTree.complete"):
+                method, tree = "exact", PathTree.complete(layers, heads, skip=skip)
             weights = torch.ones(len(tree), dtype=torch.float64)
         else:
             method = "uniform"
-            drawn_paths = sample_paths(layers, heads, num_samples, skip=skip, generator=generator, replace=False)
-            tree = PathTree.from_paths(drawn_paths, num_heads=heads)
+            with named_errors(where, "pathkernels.sample_paths", "pathkernels.PathTree.from_paths"):
+                drawn_paths = sample_paths(layers, heads, num_samples, skip=skip, generator=generator, replace=False)
+                tree = PathTree.from_paths(drawn_paths, num_heads=heads)
             weights = sample_weights(method, tree.lengths(), counts)
     elif samples_per_length is not None:
         method = "stratified"
         if isinstance(samples_per_length, int):
             samples_per_length = {k: samples_per_length for k in range(top + 1) if counts[k] > 0}
+        if not samples_per_length:
+            raise ValueError(
+                f"{where}: expected samples_per_length to ask for at least one length (a dict {{length: count}} "
+                f"of lengths 0..{top}), got an empty dict"
+            )
         for k in sorted(samples_per_length):
             if not 0 <= k <= top or counts[k] == 0:
                 raise ValueError(
@@ -443,11 +471,12 @@ def decompose(
         # others are drawn without replacement.
         strata = {k: min(n_k, counts[k]) for k, n_k in sorted(samples_per_length.items())}
         check_max_paths(sum(strata.values()), max_paths, where, ways_round)
-        parts = [
-            sample_paths(layers, heads, n_k, skip=skip, length=k, generator=generator, replace=False)
-            for k, n_k in strata.items()
-        ]
-        tree = PathTree.from_paths(torch.cat(parts), num_heads=heads)
+        with named_errors(where, "pathkernels.sample_paths", "pathkernels.PathTree.from_paths"):
+            parts = [
+                sample_paths(layers, heads, n_k, skip=skip, length=k, generator=generator, replace=False)
+                for k, n_k in strata.items()
+            ]
+            tree = PathTree.from_paths(torch.cat(parts), num_heads=heads)
         counts = [counts[k] if k in strata else 0 for k in range(layers + 1)]
         weights = sample_weights(method, tree.lengths(), counts)
     else:
@@ -457,21 +486,23 @@ def decompose(
         result_bytes = 2 * batch * total * attn.element_size()  # residual and norm per path and batch element
         if total > MAX_LEAVES:
             raise ValueError(
-                f"{where}: the exact tree has {total:,} paths, more than even streamed statistics index "
+                f"{where}: the exact tree has {format_count(total)} paths, more than even streamed statistics index "
                 f"({MAX_LEAVES:,}); pass max_length, num_samples or samples_per_length, or use pk.length_sums "
                 "for exact sums per length"
             )
         if max_length is not None and total > MAX_ENUMERATED_PATHS:  # listed, short paths: never more
             raise ValueError(
-                f"{where}: the exact tree has {total:,} paths; pass a smaller max_length, num_samples or "
+                f"{where}: the exact tree has {format_count(total)} paths; pass a smaller max_length, num_samples or "
                 "samples_per_length, or use pk.length_sums for exact sums per length"
             )
         check_max_paths(total, max_paths, where, ways_round)
         if max_length is None and (total > MAX_ENUMERATED_PATHS or result_bytes > max_result_bytes):
             # Too many paths to keep one result each: the same table from streamed statistics.
-            tree = PathTree.complete(layers, heads, skip=skip)
+            with named_errors(where, "pathkernels.PathTree.complete"):
+                tree = PathTree.complete(layers, heads, skip=skip)
             return stream_statistics(attn, tree, where, token_mask=token_mask, max_paths=max_paths, **engine_options)
-        tree = PathTree.complete(layers, heads, skip=skip, max_length=max_length)
+        with named_errors(where, "pathkernels.PathTree.complete"):
+            tree = PathTree.complete(layers, heads, skip=skip, max_length=max_length)
         weights = torch.ones(len(tree), dtype=torch.float64)
 
     results = evaluate_paths(attn, tree, where, token_mask=token_mask, **engine_options)

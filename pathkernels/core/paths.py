@@ -7,6 +7,7 @@ Python ints: ``(H+1)^L`` exceeds 2^63 for real models.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pathkernels.core._memory import available_memory, check_fits, format_bytes
+from pathkernels.core._memory import available_memory, check_fits, format_bytes, format_count, shown
 
 SKIP = -1
 
@@ -42,12 +43,15 @@ def check_max_paths(num_paths: int, max_paths, where: str, ways_round: str) -> i
     max_paths = check_int(max_paths, "max_paths", where, minimum=1)
     if num_paths > max_paths:
         fastest, slowest = (
-            _duration(num_paths / rate) for rate in (FASTEST_PATHS_PER_SECOND, SLOWEST_PATHS_PER_SECOND)
+            _duration(min(num_paths, 10**300) / rate)  # an int beyond float64 does not divide
+            for rate in (FASTEST_PATHS_PER_SECOND, SLOWEST_PATHS_PER_SECOND)
         )
         raise ValueError(
-            f"{where}: the call would evaluate {num_paths:,} paths, more than max_paths={max_paths:,}: {fastest} to "
+            f"{where}: the call would evaluate {format_count(num_paths)} paths, more than max_paths="
+            f"{format_count(max_paths)}: {fastest} to "
             f"{slowest} at the 6·10^6 to 10^5 paths/s measured on an H200 and on 2 CPU cores (docs/BENCHMARKS.md). "
-            f"{ways_round}; or pass max_paths={num_paths} to run them all"
+            f"{ways_round}; or pass max_paths={num_paths if num_paths < 10**100 else format_count(num_paths)} to run "
+            "them all"
         )
     return max_paths
 
@@ -67,31 +71,38 @@ def _duration(seconds: float) -> str:
     raise AssertionError
 
 
-# The most bits the exact counts of one call may take, all together: 2^30 bits (128 MiB), a
-# count of 10^(3·10^8). Beyond it, counting alone would take minutes to hours and the numbers
-# gigabytes: ``count_by_length(10**4, 10**4, skip=True)`` took 80 s for 1.3·10^9 bits.
-MAX_COUNT_BITS = 1 << 30
+# The most bits the exact counts of one call may take, all together: 2^22 bits (512 KiB), a
+# count of about 10^1,262,611. Beyond it a count is of no use, and computing it is slow: the
+# powers H^L take super-linear time in their bits (3^L at 2^22 bits, 0.3 s on 2 CPU cores; at
+# 9.5·10^7 bits, ``count_paths(6·10**7, 3)``, 36 s to 5 minutes), and
+# ``count_by_length(10**4, 10**4, skip=True)`` took 80 s for 1.3·10^9 bits.
+MAX_COUNT_BITS = 1 << 22
 
 
 def count_paths(num_layers: int, num_heads: int, *, skip: bool = False, max_length: int | None = None) -> int:
-    """Exact number of paths: ``H^L`` without skip; ``Σ_{k ≤ max_length} C(L, k) H^k`` with skip
-    (``(H+1)^L`` when ``max_length`` keeps every path). Refused (ValueError) when the terms to add
-    would take more than ``MAX_COUNT_BITS`` bits."""
+    """Exact number of paths with at most ``max_length`` heads: ``H^L`` without skip (every path
+    takes L heads, so 0 when ``max_length < L``: the sum of :func:`count_by_length`);
+    ``Σ_{k ≤ max_length} C(L, k) H^k`` with skip (``(H+1)^L`` when ``max_length`` keeps every
+    path). Refused (ValueError), in well under a second, when the counts would take more than
+    ``MAX_COUNT_BITS`` bits (a count of about 10^1,262,611 or more: beyond any use)."""
     where = "pathkernels.count_paths"
     num_layers, num_heads, max_length = _check_shape_args(num_layers, num_heads, max_length, where)
     skip = check_flag(skip, "skip", where)
     if not skip:
+        if max_length is not None and max_length < num_layers:
+            return 0  # every path takes a head at each of the L layers: none has at most max_length
         _check_count_size(num_layers, num_heads, num_heads, 1, where)
         return num_heads**num_layers
     if max_length is None or max_length >= num_layers:
         _check_count_size(num_layers, num_heads, num_heads + 1, 1, where)
         return (num_heads + 1) ** num_layers
-    return sum(_count_by_length(num_layers, num_heads, skip, max_length, where))
+    return sum(_length_terms(num_layers, num_heads, max_length, where))
 
 
 def count_by_length(num_layers: int, num_heads: int, *, skip: bool = False, max_length: int | None = None) -> list[int]:
     """Exact path counts by length ``k = 0..L``: ``C(L, k) H^k`` with skip, only ``H^L`` at k = L
-    without. Refused (ValueError) when they would take more than ``MAX_COUNT_BITS`` bits."""
+    without (0 beyond ``max_length``). Refused (ValueError) when they would take more than
+    ``MAX_COUNT_BITS`` bits, or the list more than ``MAX_LENGTH_COUNTS`` entries."""
     where = "pathkernels.count_by_length"
     num_layers, num_heads, max_length = _check_shape_args(num_layers, num_heads, max_length, where)
     return _count_by_length(num_layers, num_heads, check_flag(skip, "skip", where), max_length, where)
@@ -100,34 +111,74 @@ def count_by_length(num_layers: int, num_heads: int, *, skip: bool = False, max_
 def _check_count_size(num_layers: int, num_heads: int, base: int, terms: int, where: str) -> None:
     """Refuse ``terms`` counts of up to ``base^L`` each beyond ``MAX_COUNT_BITS`` bits together."""
     bits = terms * num_layers * math.log2(base) if base > 1 else 0.0
+    _refuse_count_bits(bits, num_layers, num_heads, where)
+
+
+def _check_length_counts_size(num_layers: int, num_heads: int, top: int, where: str) -> None:
+    """Refuse the counts ``C(L, k) H^k``, ``k = 0..top``, beyond ``MAX_COUNT_BITS`` bits together,
+    from their sizes (``log2`` of each term, by ``lgamma``), before computing any of them. Each term
+    past the first takes a bit at least, so more than ``MAX_COUNT_BITS`` terms are refused unread."""
+    if top + 1 > MAX_COUNT_BITS:
+        _refuse_count_bits(float(top + 1), num_layers, num_heads, where)
+    k = torch.arange(top + 1, dtype=torch.float64)
+    log_binomial = math.lgamma(num_layers + 1) - torch.lgamma(k + 1) - torch.lgamma(num_layers - k + 1)
+    bits = float((log_binomial / math.log(2) + k * math.log2(num_heads)).clamp_min(0).add(1).sum())
+    _refuse_count_bits(bits, num_layers, num_heads, where)
+
+
+def _refuse_count_bits(bits: float, num_layers: int, num_heads: int, where: str) -> None:
     if bits > MAX_COUNT_BITS:
         raise ValueError(
             f"{where}: the counts of num_layers={num_layers:,} layers of num_heads={num_heads:,} heads "
-            f"would take about {bits:.3g} bits, more than the {MAX_COUNT_BITS:,} (128 MiB) counted exactly; pass "
-            "fewer layers or heads, or a smaller max_length"
+            f"would take about {bits:.3g} bits, more than the {MAX_COUNT_BITS:,} (a count of about "
+            f"10^{MAX_COUNT_BITS * math.log10(2):,.0f}) counted exactly: beyond any use; pass fewer layers or "
+            "heads, or a smaller max_length"
         )
+
+
+# The longest list of counts by length (one per length 0..L) that count_by_length returns: 2^24
+# entries (128 MiB of the list alone). Networks have at most thousands of layers; a list of 2^31
+# (num_layers up to MAX_SIZE) took a minute and 17 GB.
+MAX_LENGTH_COUNTS = 1 << 24
 
 
 def _count_by_length(
     num_layers: int, num_heads: int, skip: bool, max_length: int | None, where: str = "pathkernels.count_by_length"
 ) -> list[int]:
-    """:func:`count_by_length` of checked arguments. With skip, term by term:
-    ``C(L, k) H^k = C(L, k−1) H^(k−1) · (L − k + 1) H / k``, exact in integers (``C(L, k−1)(L−k+1)``
-    is ``k C(L, k)``), so that each term costs one product and one division by small numbers."""
+    """:func:`count_by_length` of checked arguments: :func:`_length_terms` (with skip), padded with
+    zeros to ``L + 1`` lengths."""
+    if num_layers + 1 > MAX_LENGTH_COUNTS:
+        raise ValueError(
+            f"{where}: the counts by length of num_layers={num_layers:,} layers are a list of {num_layers + 1:,} "
+            f"entries, more than the {MAX_LENGTH_COUNTS:,} returned; pass fewer layers (pk.count_paths counts "
+            "the paths of any number of layers with a small max_length)"
+        )
     top = num_layers if max_length is None else min(max_length, num_layers)
-    counts = [0] * (num_layers + 1)
     if not skip:
+        counts = [0] * (num_layers + 1)
         if top == num_layers:
             _check_count_size(num_layers, num_heads, num_heads, 1, where)
             counts[num_layers] = num_heads**num_layers
         return counts
-    _check_count_size(num_layers, num_heads, num_heads + 1, top + 1, where)
-    term = 1
+    terms = _length_terms(num_layers, num_heads, max_length, where)
+    return terms + [0] * (num_layers + 1 - len(terms))
+
+
+def _length_terms(num_layers: int, num_heads: int, max_length: int | None, where: str) -> list[int]:
+    """The paths of a skip tree by length ``k = 0..min(max_length, L)``, term by term:
+    ``C(L, k) H^k = C(L, k−1) H^(k−1) · (L − k + 1) H / k``, exact in integers (``C(L, k−1)(L−k+1)``
+    is ``k C(L, k)``), so that each term costs one product and one division by small numbers.
+    Refused before any term is computed when they would take more than ``MAX_COUNT_BITS`` bits."""
+    top = num_layers if max_length is None else min(max_length, num_layers)
+    if top == num_layers:  # every term: (H+1)^L bounds their sum
+        _check_count_size(num_layers, num_heads, num_heads + 1, 1, where)
+    _check_length_counts_size(num_layers, num_heads, top, where)
+    terms, term = [], 1
     for k in range(top + 1):
         if k:
             term = term * (num_layers - k + 1) * num_heads // k
-        counts[k] = term
-    return counts
+        terms.append(term)
+    return terms
 
 
 def count_attribution_paths(layers: int, heads: int, max_length: int) -> int:
@@ -152,18 +203,34 @@ def count_attribution_paths_by_length(layers: int, heads: int, max_length: int) 
 def check_int(value, name: str, where: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
     """``value`` as a Python int: any integer type (numpy's too), not bool, within the bounds."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where}: expected {name} to be an int, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{where}: expected {name} to be an int, got {type(value).__name__} {shown(value)}")
     value = int(value)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{where}: expected {name} {bounds}, got {value}")
+        got = str(value) if abs(value) < 10**100 else format_count(value)  # str() refuses 4,300 digits
+        raise ValueError(f"{where}: expected {name} {bounds}, got {got}")
     return value
+
+
+@contextlib.contextmanager
+def named_errors(where: str, *inner: str):
+    """Refusals (ValueError, TypeError) of the functions named ``inner`` (``"pathkernels.sample_paths"``)
+    raised inside the block, renamed to ``where``: the public function the user called, which built
+    the counts, tree or sample on its own account. Other errors pass unchanged."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        for name in inner:
+            if message.startswith(f"{name}:"):
+                raise type(error)(f"{where}:{message[len(name) + 1 :]}") from error
+        raise
 
 
 def check_flag(value, name: str, where: str) -> bool:
     """``value`` as a bool: True/False (numpy's too), nothing else (a string such as "no" is truthy)."""
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{where}: expected {name} to be True or False, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{where}: expected {name} to be True or False, got {type(value).__name__} {shown(value)}")
     return bool(value)
 
 
@@ -174,6 +241,8 @@ def check_paths(
     num_heads (default: the largest head + 1). With ``num_layers``, L must equal it."""
     if num_heads is not None:
         num_heads = check_int(num_heads, "num_heads", where, minimum=1)
+        if num_heads > MAX_SIZE:
+            raise ValueError(f"{where}: expected num_heads <= {MAX_SIZE} (int range), got {format_count(num_heads)}")
     if isinstance(paths, (list, tuple)) and len(paths) == 0:
         raise ValueError(f"{where}: expected at least one path, got an empty {type(paths).__name__}")
     try:
@@ -194,6 +263,8 @@ def check_paths(
     paths = paths.to(device="cpu", dtype=torch.long).contiguous()
     low, high = int(paths.min()), int(paths.max())
     if num_heads is None:
+        if high >= MAX_SIZE:  # a head index that no network's head tensors reach
+            raise ValueError(f"{where}: expected heads in [-1, {MAX_SIZE}) (int range), got values in [{low}, {high}]")
         num_heads = max(high + 1, 1)
     if low < SKIP or high >= num_heads:
         raise ValueError(f"{where}: expected heads in [-1, {num_heads}), got values in [{low}, {high}]")
@@ -215,11 +286,11 @@ def _check_shape_args(num_layers, num_heads, max_length, where: str) -> tuple[in
 def _too_many_paths(count: int, where: str, limit: int | None = None) -> ValueError:
     if limit is not None:
         return ValueError(
-            f"{where}: the tree has {count:,} paths, more than int64 leaf indices reach ({limit:,}). Use "
+            f"{where}: the tree has {format_count(count)} paths, more than int64 leaf indices reach ({limit:,}). Use "
             "max_length, sample paths, or pk.length_sums for exact sums per path length."
         )
     return ValueError(
-        f"{where}: the tree has {count:,} paths, more than can be enumerated ({MAX_ENUMERATED_PATHS:,}). "
+        f"{where}: the tree has {format_count(count)} paths, more than can be enumerated ({MAX_ENUMERATED_PATHS:,}). "
         "Use pk.path_statistics for exact per-length statistics of all of them, max_length to keep only "
         "short paths, sampling (pk.sample_paths / pk.decompose with num_samples), or pk.length_sums for "
         "exact sums per path length."
@@ -323,9 +394,19 @@ class PathTree:
             )
         tree = cls(num_layers, num_heads, skip=skip, max_length=max_length, paths=None)
         short = max_length is not None and max_length < num_layers
-        if tree.num_paths > MAX_LEAVES or (short and tree.num_paths > MAX_ENUMERATED_PATHS):
-            raise _too_many_paths(tree.num_paths, where, MAX_LEAVES if tree.num_paths > MAX_LEAVES else None)
+        with named_errors(where, "pathkernels.count_paths"):  # counted on this call's behalf
+            num_paths = tree.num_paths
+        if num_paths > MAX_LEAVES or (short and num_paths > MAX_ENUMERATED_PATHS):
+            raise _too_many_paths(num_paths, where, MAX_LEAVES if num_paths > MAX_LEAVES else None)
         if short:
+            check_fits(
+                _short_paths_bytes(num_layers, max_length, num_paths),
+                torch.device("cpu"),
+                where,
+                f"the {format_count(num_paths)} paths of at most max_length={max_length} heads over num_layers="
+                f"{num_layers:,} layers, held by their heads, need about",
+                "pass fewer layers or a smaller max_length, or use pk.length_sums for exact sums per path length",
+            )
             tree._short = _ShortPaths(num_layers, num_heads, max_length)
         return tree
 
@@ -358,7 +439,7 @@ class PathTree:
         kind = "complete" if self.is_complete else "explicit"
         return (
             f"PathTree({kind}, num_layers={self.num_layers}, num_heads={self.num_heads}, skip={self.skip}, "
-            f"max_length={self.max_length}, paths={self.num_paths:,})"
+            f"max_length={self.max_length}, paths={format_count(self.num_paths)})"
         )
 
     def count_by_length(self) -> list[int]:
@@ -394,7 +475,7 @@ class PathTree:
                 f"a table [M, L], more than half the {format_bytes(available)} available; read them a range at a "
                 "time with path_range(start, stop)"
             )
-        return self.path_range(0, self.num_paths)
+        return self._path_range(0, self.num_paths)
 
     def lengths(self) -> Tensor:
         """``[M]`` int64: heads taken by each path."""
@@ -405,7 +486,35 @@ class PathTree:
     # --- what the engine needs -------------------------------------------------------------------
 
     def path_range(self, start: int, stop: int) -> Tensor:
-        """Paths ``start..stop-1`` in result order, as ``[stop - start, L]``."""
+        """Paths ``start..stop-1`` in result order, as ``[stop - start, L]``: ints with
+        ``0 <= start <= stop <= num_paths`` (anything else is refused, not clamped or wrapped
+        round), the table no larger than half the memory available."""
+        start, stop = self._check_range(start, stop, self.num_paths, "pathkernels.PathTree.path_range", "paths")
+        return self._path_range(start, stop)
+
+    def _check_range(self, start, stop, count: int, where: str, what: str) -> tuple[int, int]:
+        """``start``, ``stop`` as ints with ``0 <= start <= stop <= count``, and the ``[stop - start, L]``
+        int64 table they ask for within half the memory available (checked for large tables only)."""
+        start = check_int(start, "start", where, minimum=0)
+        stop = check_int(stop, "stop", where, minimum=0)
+        if not start <= stop <= count:
+            raise ValueError(
+                f"{where}: expected 0 <= start <= stop <= {format_count(count)} (the tree's {what}), got start="
+                f"{format_count(start)} and stop={format_count(stop)}"
+            )
+        table = (stop - start) * self.num_layers * 8
+        if table > 1 << 28:  # reading the memory available costs a file read: only where it may matter
+            available = available_memory(torch.device("cpu"))
+            if available is not None and table > available // 2:
+                raise ValueError(
+                    f"{where}: {what} {format_count(start)} to {format_count(stop)} over {self.num_layers} layers take "
+                    f"{format_bytes(table)} as a table [stop - start, L], more than half the "
+                    f"{format_bytes(available)} available; read a smaller range at a time"
+                )
+        return start, stop
+
+    def _path_range(self, start: int, stop: int) -> Tensor:
+        """:meth:`path_range` of checked bounds."""
         if self._paths is not None:
             return self._paths[start:stop]
         if self._short is not None:
@@ -442,9 +551,11 @@ class PathTree:
     def leaf_lengths(self, start: int, stop: int) -> Tensor:
         """``[stop - start]`` int64: heads taken by leaves ``start..stop-1``. For the aligned
         blocks of ``C^depth`` leaves that complete trees are streamed in, the low digits' pattern
-        is computed once and the block's prefix adds its own count."""
+        is computed once and the block's prefix adds its own count. ``0 <= start <= stop <=
+        num_leaves``, as in :meth:`leaf_range`."""
+        start, stop = self._check_range(start, stop, self.num_leaves, "pathkernels.PathTree.leaf_lengths", "leaves")
         if self._paths is not None:
-            return (self.leaf_range(start, stop) != SKIP).sum(1)
+            return (self._unique_paths()[0][start:stop] != SKIP).sum(1)
         if self._short is not None:
             return self._short.lengths(start, stop)
         if not self.skip:
@@ -455,7 +566,7 @@ class PathTree:
             depth += 1
         block = choices**depth
         if block != stop - start or start % block != 0:
-            return (self.path_range(start, stop) != SKIP).sum(1)
+            return (self._path_range(start, stop) != SKIP).sum(1)
         prefix, prefix_heads = start // block, 0
         for _ in range(self.num_layers - depth):
             prefix, digit = divmod(prefix, choices)
@@ -476,9 +587,11 @@ class PathTree:
         return self.num_paths if self._paths is None else self._unique_paths()[0].shape[0]
 
     def leaf_range(self, start: int, stop: int) -> Tensor:
-        """Leaves ``start..stop-1`` (unique paths in lexicographic order)."""
+        """Leaves ``start..stop-1`` (unique paths in lexicographic order), ``0 <= start <= stop <=
+        num_leaves`` (as in :meth:`path_range`)."""
+        start, stop = self._check_range(start, stop, self.num_leaves, "pathkernels.PathTree.leaf_range", "leaves")
         if self._paths is None:
-            return self.path_range(start, stop)
+            return self._path_range(start, stop)
         return self._unique_paths()[0][start:stop]
 
     def subtree_chunk(self, start: int, depth: int) -> TrieChunk:
@@ -509,7 +622,7 @@ class PathTree:
                 index = index.div(choices, rounding_mode="floor")
             self._subtrees = {depth: (parents, heads, position)}  # one depth at a time is in use
         parents, heads, position = self._subtrees[depth]
-        prefix = self.path_range(start, start + 1)[0, : self.num_layers - depth]
+        prefix = self._path_range(start, start + 1)[0, : self.num_layers - depth]
         root = torch.zeros(1, dtype=torch.long)
         return TrieChunk([root] * prefix.numel() + parents, list(prefix.reshape(-1, 1)) + heads, position)
 
@@ -543,7 +656,7 @@ class _ShortPaths:
         self.num_paths = int(completions[num_layers, max_length])
         # Every prefix of at most k heads continues (it may skip to the end), so depth l has N(l, k).
         self.nodes_per_level = [int(v) for v in completions[:, max_length]]
-        heads = np.arange(num_heads, dtype=np.int64)
+        heads = np.arange(num_heads if max_length >= 1 else 0, dtype=np.int64)  # none to take at k = 0
         rows, layers, taken = [], [], []
         # Open prefixes (those that may still take a head): first row, next layer, budget.
         starts = np.zeros(1 if max_length >= 1 else 0, dtype=np.int64)
@@ -595,6 +708,13 @@ class _ShortPaths:
         table = torch.full((index.numel(), self.num_layers), SKIP, dtype=torch.long)
         table[owner, self.layer[entry]] = self.head[entry]
         return table
+
+
+def _short_paths_bytes(num_layers: int, max_length: int, num_paths: int) -> int:
+    """About the peak bytes of :class:`_ShortPaths`: per layer, the completions ``[L + 1, k + 1]``
+    (twice, while stacked) and a count of nodes in a list; per entry (a head of a path, at most k a
+    path) its row, layer and head with their temporaries; per path its start and count."""
+    return (num_layers + 1) * (16 * (max_length + 1) + 48) + 64 * num_paths * max(max_length, 1) + 32 * num_paths
 
 
 def _ranges(lengths: np.ndarray) -> np.ndarray:
@@ -664,24 +784,29 @@ def sample_paths(
         SAMPLE_COPIES * 8 * num_samples * num_layers,
         torch.device("cpu"),
         where,
-        f"num_samples={num_samples:,} paths of {num_layers} layers (int64, with the draws' temporaries) need about",
+        f"num_samples={format_count(num_samples)} paths of {num_layers} layers (int64, with the draws' "
+        "temporaries) need about",
         "draw fewer paths (num_samples), or draw them in batches",
     )
     if replace:
         return _draw_paths(num_layers, num_heads, num_samples, skip, length, generator)
-    if length is None:
-        available = count_paths(num_layers, num_heads, skip=skip)
-    else:
-        available = count_by_length(num_layers, num_heads, skip=skip)[length]
+    with named_errors(where, "pathkernels.count_paths", "pathkernels.count_by_length"):
+        if length is None:
+            available = count_paths(num_layers, num_heads, skip=skip)
+        else:
+            available = count_paths(num_layers, num_heads, skip=True, max_length=length) - (
+                count_paths(num_layers, num_heads, skip=True, max_length=length - 1) if length else 0
+            )
     if num_samples > available:
         which = "paths" if length is None else f"paths of length {length}"
         raise ValueError(
-            f"{where}: expected num_samples <= {available:,} with replace=False (there are "
-            f"{available:,} {which}), got {num_samples:,}"
+            f"{where}: expected num_samples <= {format_count(available)} with replace=False (there are "
+            f"{format_count(available)} {which}), got {format_count(num_samples)}"
         )
     if 2 * num_samples >= available:  # most of a small set: enumerate it, take a random subset
         if length is None:
-            every = PathTree.complete(num_layers, num_heads, skip=skip).paths()
+            with named_errors(where, "pathkernels.PathTree.complete", "pathkernels.PathTree.paths"):
+                every = PathTree.complete(num_layers, num_heads, skip=skip).paths()
         else:
             every = _enumerate_short_paths(num_layers, num_heads, length)
             every = every[(every != SKIP).sum(1) == length]

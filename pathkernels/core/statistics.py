@@ -11,11 +11,16 @@ The statistics run over the tree's leaves: its distinct paths (every path of a c
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import numbers
 import os
+import socket
+import tempfile
+import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -26,9 +31,10 @@ from torch import Tensor
 from pathkernels.core import distributed
 from pathkernels.core._figures import check_save_path, require, saved
 from pathkernels.core._files import read_sealed, tensor_digest, write_sealed
+from pathkernels.core._memory import check_fits, shown
 from pathkernels.core._progress import progress_bar
 from pathkernels.core.checks import check_masked_network, first_index, mask_group_inputs, unpack_stack
-from pathkernels.core.engine import check_inputs, chunk_reports, op_leaf_kernel, to_device
+from pathkernels.core.engine import check_inputs, chunk_reports, evaluate_paths, op_leaf_kernel, to_device
 from pathkernels.core.engine_defaults import engine_settings
 from pathkernels.core.paths import (
     DEFAULT_MAX_PATHS,
@@ -385,11 +391,13 @@ class PathStatistics:
     def measured(self, measure: str = "ratio") -> Tensor:
         """``[B, L+1]`` how many paths ``measure``'s statistics are over: every path for the
         residual and the norm, those of norm other than 0 for the ratio."""
+        measure = _check_measure(measure, _MEASURES, "pathkernels.PathStatistics.measured")
         return self.counts - self.zero_norms if measure == "ratio" else self.counts
 
     def mean(self, measure: str = "ratio") -> Tensor:
         """``[B, L+1]`` float64 means (NaN where a length has no path; the ratio's 0 where every
         path of a length is a zero path, whose residual is 0)."""
+        measure = _check_measure(measure, _MEASURES, "pathkernels.PathStatistics.mean")
         n = self.measured(measure)
         return torch.where((n == 0) & (self.counts > 0), 0.0, self.sums[measure] / n)
 
@@ -397,17 +405,18 @@ class PathStatistics:
         """``[B, L+1]`` sample standard deviations, ``sqrt((Σx² − (Σx)²/n) / (n − 1))`` from the
         float64 sums over the :meth:`measured` paths (0 for one path, and the ratio's where every
         path of a length is a zero path; NaN where a length has no path)."""
+        measure = _check_measure(measure, _MEASURES, "pathkernels.PathStatistics.std")
         n = self.measured(measure).double()
         variance = (self.sums_of_squares[measure] - self.sums[measure] ** 2 / n) / (n - 1)
         return torch.where((n <= 1) & (self.counts > 0), 0.0, variance.clamp_min(0).sqrt())
 
     def quantiles(self, measure: str = "ratio", q=QUANTILES) -> tuple[Tensor, float]:
         """Quantiles ``[B, L+1, len(q)]`` read from the histogram (log-interpolated within a bin),
-        and their relative error bound: the bin width, a factor ``10^(1/bins_per_decade)``."""
-        if measure not in self.histograms:
-            raise ValueError(
-                f"pathkernels.PathStatistics.quantiles: histograms exist for {_HISTOGRAMS}, got {measure!r}"
-            )
+        and their relative error bound: the bin width, a factor ``10^(1/bins_per_decade)``.
+        ``q``: levels in [0, 1] (a number or a sequence of them); anything else is refused."""
+        where = "pathkernels.PathStatistics.quantiles"
+        measure = _check_measure(measure, _HISTOGRAMS, where, " (the measures with histograms)")
+        q = _check_levels(q, where)
         return histogram_quantiles(self.histograms[measure], self.edges, q), 10 ** (1 / self.bins_per_decade) - 1
 
     def path_counts(self) -> list[int]:
@@ -430,6 +439,7 @@ class PathStatistics:
         ``batch_element``. A length whose every pair is a zero path has 0 in its ratio columns
         (a zero matrix's residual is 0), never NaN.
         """
+        batch_element = self._check_batch_element(batch_element, "pathkernels.PathStatistics.by_length")
         pd = require("pandas")
         pick = slice(None) if batch_element is None else slice(batch_element, batch_element + 1)
         counts = self.counts[pick].sum(0).cpu()
@@ -481,6 +491,12 @@ class PathStatistics:
         frame = pd.DataFrame(rows)
         frame["path_count"] = frame["path_count"].astype(object)
         return frame
+
+    def _check_batch_element(self, batch_element, where: str) -> int | None:
+        """``batch_element``: None (every element) or an int in ``[0, B)``."""
+        if batch_element is None:
+            return None
+        return check_int(batch_element, "batch_element", where, minimum=0, maximum=self.counts.shape[0] - 1)
 
     def mean_ratio(self) -> tuple[float, float]:
         """The mean residual ratio over every path and batch element (zero paths left out; 0 if
@@ -540,6 +556,7 @@ class PathStatistics:
         minimum and maximum. Exact zeros have no place on a log scale: they are left out, and the
         legend says how many. Returns the matplotlib Figure; with ``path`` it is also saved there."""
         check_save_path(path, "pathkernels.PathStatistics.plot")
+        batch_element = self._check_batch_element(batch_element, "pathkernels.PathStatistics.plot")
         require("matplotlib")
         import matplotlib.pyplot as plt
 
@@ -573,7 +590,7 @@ class PathStatistics:
             raise TypeError(
                 f"pathkernels.PathStatistics.merge: expected other to be a PathStatistics, got {type(other).__name__}"
             )
-        for name in ("num_layers", "num_heads", "dtype", "bins_per_decade", "top_k"):
+        for name in ("num_layers", "num_heads", "skip", "dtype", "bins_per_decade", "top_k"):
             if getattr(self, name) != getattr(other, name):
                 raise ValueError(
                     f"pathkernels.PathStatistics.merge: {name} differs ({getattr(self, name)} and "
@@ -630,7 +647,14 @@ class PathStatistics:
                 raise ValueError(f"pathkernels.PathStatistics.place: {item.name} differs ({mine} and {theirs})")
 
     def to(self, device) -> PathStatistics:
-        """A copy with every tensor on ``device``."""
+        """A copy with every tensor on ``device`` (a torch.device, or a str such as ``"cuda:0"``)."""
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(
+                f"pathkernels.PathStatistics.to: expected device to be a torch.device or a device's name such as "
+                f"'cpu' or 'cuda:0', got {type(device).__name__} {shown(device)}"
+            ) from None
         return PathStatistics.from_state(self.state(), device)
 
     def state(self) -> dict:
@@ -660,19 +684,167 @@ class PathStatistics:
 
     def save(self, path) -> None:
         """Write to ``path``: a sealed file (its SHA-256 checked on reading) of plain tensors and
-        numbers, written atomically."""
-        write_sealed(Path(path), {"pathkernels.PathStatistics": 1, **self.state()})
+        numbers, written atomically. ``path`` is a file in a folder that exists; an empty path, a
+        folder, or a file that cannot be written is refused (ValueError) before anything is written."""
+        where = "pathkernels.PathStatistics.save"
+        target = _check_file_path(path, where)
+        try:
+            write_sealed(target, {"pathkernels.PathStatistics": 1, **self.state()})
+        except OSError as error:
+            raise ValueError(f"{where}: cannot write {str(target)!r}: {error.strerror or error}") from None
 
     @classmethod
-    def load(cls, path) -> PathStatistics:
+    def load(
+        cls,
+        path,
+        attn=None,
+        *,
+        x: Tensor | None = None,
+        w_v: Tensor | None = None,
+        w_o: Tensor | None = None,
+        token_mask: Tensor | None = None,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    ) -> PathStatistics:
         """Read what :meth:`save` wrote; a damaged, truncated or foreign file is refused, and so
-        are statistics that contradict themselves (:func:`checked_state`)."""
+        are statistics that contradict themselves (:func:`checked_state`).
+
+        The file holds the statistics, not the inputs they were computed from. Given those inputs
+        (``attn`` and, for path outputs, ``x``, ``w_v``, ``w_o``; ``token_mask`` as in
+        :func:`path_statistics`), the statistics are also checked against them, as
+        :meth:`verify` does: statistics of other inputs, or whose extremes or top ratios were
+        edited, are refused. Without them only the file's own consistency is checked: call
+        :meth:`verify` once the inputs are at hand."""
         where = "pathkernels.PathStatistics.load"
         advice = "Save the statistics again."
-        state = read_sealed(Path(path), where, "the file", advice)
+        state = read_sealed(_check_file_path(path, where, write=False), where, "the file", advice)
         if not isinstance(state, dict) or state.pop("pathkernels.PathStatistics", None) != 1:
             raise ValueError(f"{where}: {path} was not written by PathStatistics.save")
-        return cls.from_state(checked_state(state, where, f"the file {path}", advice))
+        stats = cls.from_state(checked_state(state, where, f"the file {path}", advice))
+        if attn is None:
+            for name, value in (("x", x), ("w_v", w_v), ("w_o", w_o), ("token_mask", token_mask)):
+                if value is not None:
+                    raise ValueError(
+                        f"{where}: {name} is checked against the statistics together with attn; pass attn too"
+                    )
+            return stats
+        return stats._verify(
+            attn,
+            where,
+            f"the file {path} does not hold the statistics of these inputs",
+            _RECOMPUTE_ADVICE,
+            x=x,
+            w_v=w_v,
+            w_o=w_o,
+            token_mask=token_mask,
+            memory_budget=memory_budget,
+        )
+
+    def verify(
+        self,
+        attn,
+        *,
+        x: Tensor | None = None,
+        w_v: Tensor | None = None,
+        w_o: Tensor | None = None,
+        token_mask: Tensor | None = None,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    ) -> PathStatistics:
+        """Check these statistics against the inputs they claim to be of, and return them.
+
+        The paths recorded as extremes (``argmin``/``argmax`` of the ratio, the residual and the
+        norm) and as the top ratios are evaluated again with the engine
+        (:func:`pathkernels.path_residuals` of ``attn``, ``x``, ``w_v``, ``w_o``, ``token_mask``,
+        as given to :func:`path_statistics`): each recorded value must equal the engine's at its
+        path, in its batch element, to the engine's precision (:data:`RECOMPUTED_TOLERANCE`: 1e-9
+        of the path's norm in float64, 1e-4 in float32). Cheap: a few paths per batch element and
+        length. Refused (ValueError), naming the field, index and both values: statistics of other
+        inputs, extremes or top ratios edited (even all together, consistently), a path swapped
+        for another. Not checked: the counts, sums, sums of squares, log sums and histograms
+        beyond their own consistency (:meth:`load` checks it), which only the whole run gives."""
+        return self._verify(
+            attn,
+            "pathkernels.PathStatistics.verify",
+            "the statistics are not those of these inputs",
+            _RECOMPUTE_ADVICE,
+            x=x,
+            w_v=w_v,
+            w_o=w_o,
+            token_mask=token_mask,
+            memory_budget=memory_budget,
+        )
+
+    def _verify(self, attn, where: str, what: str, advice: str, **inputs) -> PathStatistics:
+        """:meth:`verify` on behalf of ``where``, the statistics called ``what``."""
+
+        def evaluate(paths: Tensor) -> tuple[Tensor, Tensor]:
+            tree = PathTree.from_paths(paths, num_heads=self.num_heads)
+            with torch.no_grad():
+                results = evaluate_paths(attn, tree, where, **inputs)
+            if self.dtype == torch.float64 and results.residual.dtype != torch.float64:
+                raise ValueError(
+                    f"{where}: {what}: they were computed in {self.dtype}, but these inputs compute in "
+                    f"{results.residual.dtype}. {advice}"
+                )
+            count = paths.shape[0]
+            return (
+                results.residual.detach().double().cpu().reshape(-1, count),
+                results.norm.detach().double().cpu().reshape(-1, count),
+            )
+
+        check_recorded_paths(self, evaluate, where, what, advice)
+        return self
+
+
+_RECOMPUTE_ADVICE = "They were computed from other inputs, or edited: compute them again with pk.path_statistics"
+
+
+def _check_file_path(path, where: str, *, write: bool = True) -> Path:
+    """``path`` (a str or os.PathLike naming a file) as a Path; to write, not an existing folder and
+    in a folder that exists."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{where}: expected path to be a file's path (a str or os.PathLike), got {type(path).__name__}")
+    text = os.fspath(path)
+    if isinstance(text, bytes) or not text.strip():
+        raise ValueError(f"{where}: expected path to be a file's path, got {path!r}")
+    target = Path(text)
+    if write:
+        if target.is_dir():
+            raise ValueError(f"{where}: expected path to be a file, got {text!r}, an existing folder")
+        if not target.parent.is_dir():
+            raise ValueError(f"{where}: cannot write {text!r}: its folder {str(target.parent)!r} does not exist")
+    return target
+
+
+def _check_measure(measure, allowed: tuple[str, ...], where: str, which: str = "") -> str:
+    """``measure`` if it is one of ``allowed`` (a str), else a refusal naming ``where`` (``which``:
+    what the allowed measures are, for the message)."""
+    if not isinstance(measure, str):
+        raise TypeError(
+            f"{where}: expected measure to be one of {allowed}{which}, got {type(measure).__name__} {shown(measure)}"
+        )
+    if measure not in allowed:
+        raise ValueError(f"{where}: expected measure to be one of {allowed}{which}, got {shown(measure)}")
+    return measure
+
+
+def _check_levels(q, where: str) -> tuple[float, ...]:
+    """Quantile levels ``q`` (a real number or a sequence of them, each in [0, 1]) as a tuple."""
+    levels = (q,) if isinstance(q, numbers.Real) and not isinstance(q, bool) else q
+    if isinstance(levels, Tensor):
+        usable = levels.dim() <= 1 and not levels.is_complex() and levels.device.type != "meta"
+        levels = levels.reshape(-1).tolist() if usable else None
+    if isinstance(levels, (str, bytes)) or not isinstance(levels, (list, tuple)):
+        raise TypeError(
+            f"{where}: expected q to be a level in [0, 1] or a sequence of them, got {type(q).__name__} {shown(q)}"
+        )
+    for level in levels:
+        if isinstance(level, bool) or not isinstance(level, numbers.Real):
+            raise TypeError(
+                f"{where}: expected q to hold real levels in [0, 1], got {type(level).__name__} {shown(level)}"
+            )
+        if not 0 <= level <= 1:  # NaN too
+            raise ValueError(f"{where}: expected q to hold levels in [0, 1], got {shown(level)}")
+    return tuple(float(level) for level in levels)
 
 
 @dataclass(frozen=True)
@@ -963,7 +1135,15 @@ def path_statistics(
             its partial statistics and the leaf it has reached there, atomically (write, then
             rename). A rerun with the same inputs and folder resumes where it stopped and gives
             exactly the statistics of an uninterrupted run; different inputs (or a different
-            budget, bins, top_k, thread count or number of ranks) are refused.
+            budget, bins, top_k, thread count or number of ranks) are refused. So is a checkpoint
+            whose contents contradict themselves (:func:`checked_state`) or the engine: the paths
+            it records as extremes and top are evaluated again, and their values must be the
+            engine's (:func:`check_recorded_paths`). The folder is created and checked writable
+            before any work (an empty path, an existing file or a folder that cannot be written
+            is refused), and one run at a time writes a checkpoint file: it holds
+            ``rank<r>-of-<world>.pt.lock`` (its pid and host) while it runs, so that a second run
+            on the same folder, in another process or thread, is refused; a lock left by a run
+            that has ended is taken over.
         token_mask: ``[B, n]`` (1 = a real token), or taken from an AttentionStack: each batch
             element is measured on its real tokens, as in :func:`pathkernels.path_residuals`
             (one stream per group of equal masks; with a checkpoint, each group keeps its files
@@ -1036,6 +1216,7 @@ def stream_statistics(
         )
     if not checkpoint_every >= 0:  # NaN too
         raise ValueError(f"{where}: expected checkpoint_every >= 0 seconds, got {checkpoint_every!r}")
+    checkpoint = check_checkpoint_folder(checkpoint, where)
     if isinstance(tree, PathTree):  # anything else is refused by the checks below
         max_paths = check_max_paths(
             tree.num_leaves,
@@ -1045,6 +1226,9 @@ def stream_statistics(
             "num_samples or samples_per_length), or use pk.length_sums for exact sums per length",
         )
     attn, x, w_v, w_o, token_mask = unpack_stack(attn, x, w_v, w_o, token_mask, where)
+    if isinstance(tree, PathTree) and isinstance(attn, Tensor) and attn.dim() in (4, 5):
+        batch = attn.shape[0] if attn.dim() == 5 else 1
+        check_accumulators_fit(batch, tree.num_layers, bins_per_decade, top_k, attn.device, where)
     kernel = op_leaf_kernel(leaf_kernel, False, attn, where)
     options = {
         "w_v": w_v,
@@ -1103,6 +1287,38 @@ def stream_statistics(
     return merged.to(net.attn.device)
 
 
+# Copies of the accumulators a run may hold at once: its own, and one more (a checkpoint's bytes
+# while it is written, a merge's result, a padded batch's assembled statistics).
+ACCUMULATOR_COPIES = 2
+
+
+def accumulator_bytes(batch: int, num_layers: int, bins_per_decade: int, top_k: int) -> int:
+    """Bytes of :class:`PathStatistics`' tensors for ``batch`` elements of ``num_layers`` layers:
+    per (element, length), two histograms of ``bins + 1`` int64 bins, ``top_k`` float64 ratios with
+    their int64 paths, the extremes' paths and the float64 sums (a few dozen numbers)."""
+    bins = histogram_edges(bins_per_decade).numel() + 1
+    per_length = 8 * (2 * bins + top_k * (1 + num_layers) + 2 * len(_MEASURES) * num_layers + 24)
+    return batch * (num_layers + 1) * per_length
+
+
+def check_accumulators_fit(
+    batch: int, num_layers: int, bins_per_decade: int, top_k: int, device: torch.device, where: str
+) -> None:
+    """Refuse (ValueError) before any work the statistics whose accumulators, chiefly the top_k paths
+    and the histograms, would not fit the memory ``device`` has free (:data:`ACCUMULATOR_COPIES`
+    copies of them), naming top_k and bins_per_decade, rather than fail in the allocator."""
+    need = ACCUMULATOR_COPIES * accumulator_bytes(batch, num_layers, bins_per_decade, top_k)
+    check_fits(
+        need,
+        device,
+        where,
+        f"top_k={top_k:,} (the largest ratios and their paths of {num_layers} layers) and bins_per_decade="
+        f"{bins_per_decade} (histograms), kept per batch element and path length for B = {batch} × "
+        f"{num_layers + 1} lengths, need about",
+        "pass a smaller top_k (the paths of PathStatistics.top), or fewer bins_per_decade",
+    )
+
+
 def _masked_statistics(attn, tree: PathTree, x, token_mask, checkpoint, where: str, options: dict):
     """path_statistics of each batch element on its real tokens: one stream per group of equal
     masks, placed into the batch's rows."""
@@ -1144,13 +1360,39 @@ def _stream(
     stats = PathStatistics.empty(
         net.attn.shape[0], tree, net.attn.dtype, settings.bins_per_decade, settings.top_k, net.attn.device
     )
-    reached = first
-    store = None
-    if settings.checkpoint is not None:
-        store = _Checkpoint(settings, net, tree, first, last, where, fingerprint)
+    if settings.checkpoint is None:
+        return _stream_from(stats, first, net, tree, first, last, settings, where, None)
+    store = _Checkpoint(settings, net, tree, first, last, where, fingerprint)
+    with store.locked():  # one writer per checkpoint file: a second run is refused, not interleaved
+        reached = first
         resumed = store.load()
         if resumed is not None:
             stats, reached = resumed[0].to(net.attn.device), resumed[1]
+            # Consistent edits (extremes scaled together, an argmin swapped, another input's statistics
+            # under this input's identity) pass the checks of the contents: the engine's values at the
+            # recorded paths do not.
+            check_recorded_paths(
+                stats,
+                lambda paths: _engine_values(net, tree.num_heads, paths, settings, where),
+                where,
+                f"the checkpoint {store.path} is not consistent with its inputs",
+                _CHECKPOINT_ADVICE,
+            )
+        return _stream_from(stats, reached, net, tree, first, last, settings, where, store)
+
+
+def _stream_from(
+    stats: PathStatistics,
+    reached: int,
+    net,
+    tree: PathTree,
+    first: int,
+    last: int,
+    settings: _Settings,
+    where: str,
+    store: _Checkpoint | None,
+) -> PathStatistics:
+    """:func:`_stream` from leaf ``reached`` on, ``stats`` those of leaves ``first..reached-1``."""
     bar = progress_bar(last - first, enabled=settings.progress, desc="pathkernels statistics")
     if bar is not None and reached > first:
         bar.update(reached - first)
@@ -1196,6 +1438,155 @@ def _stream(
     if store is not None:
         store.save(stats, reached)
     return stats
+
+
+def _engine_values(net, num_heads: int, paths: Tensor, settings: _Settings, where: str) -> tuple[Tensor, Tensor]:
+    """The residuals and norms ``[B, M]`` (float64, on the CPU) that the engine reports for
+    ``paths [M, L]`` (sorted, unique) of the checked network ``net``, by the same chunks, kernel and
+    budget as a stream: what :func:`check_recorded_paths` compares a resumed checkpoint with."""
+    tree = PathTree.from_paths(paths, num_heads=num_heads)
+    pieces = (
+        (start, stop, chunk, leaf_block, to_device(chunk.leaf_position, net.attn.device))
+        for start, stop, chunk, leaf_block in chunks(tree, net, settings.memory_budget, 0, tree.num_leaves, where=where)
+    )
+    residuals, norms = [], []
+    with torch.no_grad():
+        for _, _, residual, norm in chunk_reports(net, tree, pieces, settings.leaf_kernel, settings.memory_budget):
+            residuals.append(residual.double().cpu())
+            norms.append(norm.double().cpu())
+    leaf = tree.leaf_of_path()  # the leaves are the unique paths, sorted: the paths themselves here
+    return torch.cat(residuals, 1)[:, leaf], torch.cat(norms, 1)[:, leaf]
+
+
+# How far a recorded extreme or top ratio may lie from the engine's value at its path, computed
+# again, relative to the path's norm (the ratio's: to 1 + the ratio). The same engine on the same
+# inputs gives the same bits on one device (float64 and float32 alike, measured); across devices
+# and kernels float32 differs by up to about 5e-7 (the "tf32x3" kernels: docs/DESIGN.md), float64
+# by about 1e-15. Edits of 1 % (minima × 0.99) lie far beyond either.
+RECOMPUTED_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
+_VERIFY_BLOCK = 1 << 22  # (batch element, path) values computed again at a time
+
+
+def check_recorded_paths(stats: PathStatistics, evaluate, where: str, what: str, advice: str) -> None:
+    """Refuse statistics whose recorded paths the engine contradicts: the paths of the extremes
+    (``argmin``/``argmax`` of each measure) and of the top ratios are evaluated again, by
+    ``evaluate(paths [M, L]) -> (residual, norm)`` ``[B, M]`` float64, and each recorded value must
+    equal the engine's at its path, in its batch element, within :data:`RECOMPUTED_TOLERANCE` of the
+    statistics' dtype: else ``"{where}: {what}: {field} at index … is …, but the engine gives ….
+    {advice}"`` (``what`` says what the statistics are and that they do not match).
+
+    What this catches: extremes or top ratios edited (even together, so that the contents stay
+    consistent), a path swapped for another, statistics of other inputs. What it cannot: edits of
+    the counts, sums, sums of squares, log sums or histograms that keep them consistent with each
+    other and with the extremes (:func:`checked_state` bounds them; they are not recomputed, which
+    would take the whole run)."""
+    layers = stats.num_layers
+    batch = stats.counts.shape[0]
+    fields_of = [
+        (f"{extreme}[{measure!r}]", getattr(stats, extreme)[measure], values[measure], measure)
+        for extreme, values in (("argmin", stats.minima), ("argmax", stats.maxima))
+        for measure in _MEASURES
+    ]
+    if stats.top_k:
+        fields_of.append(("top_values", stats.top_paths, stats.top_values, "ratio"))
+    rows = [paths.cpu().reshape(batch, -1, layers) for _, paths, _, _ in fields_of]
+    flat = torch.cat(rows, 1).reshape(-1, layers)
+    present = flat[:, 0] != _NO_PATH
+    if not bool(present.any()):
+        return
+    unique, inverse = torch.unique(flat[present], dim=0, sorted=True, return_inverse=True)
+    index = torch.full((flat.shape[0],), -1, dtype=torch.long)
+    index[present] = inverse
+    index = index.view(batch, -1)  # [B, recorded rows]: each row's path among the unique ones
+    stored = torch.cat([values.cpu().reshape(batch, -1) for _, _, values, _ in fields_of], 1)
+    measure_of = torch.cat(
+        [torch.full((paths[0].numel() // layers,), _MEASURES.index(m)) for _, paths, _, m in fields_of]
+    )
+    field_of = torch.cat([torch.full((paths[0].numel() // layers,), i) for i, (_, paths, _, _) in enumerate(fields_of)])
+    tolerance = RECOMPUTED_TOLERANCE.get(stats.dtype, 1e-4)
+    block = max(1, _VERIFY_BLOCK // batch)
+    for start in range(0, unique.shape[0], block):
+        stop = min(start + block, unique.shape[0])
+        residual, norm = evaluate(unique[start:stop])
+        if residual.shape[0] != batch:
+            raise ValueError(
+                f"{where}: {what}: the statistics are of {batch} batch elements, but the inputs have "
+                f"{residual.shape[0]}. {advice}"
+            )
+        inside = (index >= start) & (index < stop)
+        column = (index - start).clamp(0, stop - start - 1)
+        r, n = residual.gather(1, column), norm.gather(1, column)
+        value = torch.stack([r / n, r, n])  # [3, B, rows]: ratio, residual, norm
+        value = value.gather(0, measure_of.expand(batch, -1).unsqueeze(0))[0]
+        scale = torch.where(measure_of == 0, 1 + value.abs(), n)
+        ok = (value == stored) | ((value - stored).abs() <= tolerance * scale)
+        bad = inside & ~ok
+        if bool(bad.any()):
+            b, row = (int(i) for i in bad.nonzero()[0])
+            name, paths, _, _ = fields_of[int(field_of[row])]
+            position = row - int((field_of < field_of[row]).sum())
+            location = [b, *torch.unravel_index(torch.tensor(position), paths.shape[1:-1])]
+            raise ValueError(
+                f"{where}: {what}: {name} at index {[int(i) for i in location]} "
+                f"is {float(stored[b, row]):.17g}, but the engine gives {float(value[b, row]):.17g} at its path "
+                f"{unique[int(index[b, row])].tolist()} (a difference beyond the engine's precision, {tolerance:g} "
+                f"relative). {advice}"
+            )
+
+
+_CHECKPOINT_ADVICE = "Delete it, or pass another checkpoint folder, to start afresh."
+
+
+def check_checkpoint_folder(checkpoint, where: str) -> Path | None:
+    """``checkpoint`` (None, or a folder as a str or os.PathLike) as a Path, the folder created and
+    checked writable before any work: an empty path (which would write into the working directory),
+    an existing file, or a folder that cannot be created or written to is refused, naming ``where``."""
+    if checkpoint is None:
+        return None
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(
+            f"{where}: expected checkpoint to be a folder (a str or os.PathLike) or None, got "
+            f"{type(checkpoint).__name__} {checkpoint!r}"
+        )
+    text = os.fspath(checkpoint)
+    if isinstance(text, bytes) or not text.strip():
+        raise ValueError(
+            f"{where}: expected checkpoint to be a folder's path, got {checkpoint!r} (an empty path would write "
+            "into the working directory: pass '.' for that)"
+        )
+    folder = Path(text)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{where}: expected checkpoint to be a folder, got {str(folder)!r}, an existing file")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=folder, prefix=".pathkernels-probe-", delete=True)
+        probe.close()
+    except OSError as error:
+        raise ValueError(
+            f"{where}: cannot write checkpoints to the folder checkpoint={str(folder)!r}: "
+            f"{error.strerror or error}; pass a folder this process may write to"
+        ) from None
+    return folder
+
+
+# The checkpoint locks this process holds (their paths), so that a second run in another thread,
+# which shares the pid written in the lock, is refused, while a lock this process left behind is
+# taken over.
+_HELD_LOCKS: set[str] = set()
+_HELD_LOCKS_GUARD = threading.Lock()
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (a process of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return True
+    return True
 
 
 # Raised when what a checkpoint holds changes meaning: 2 when the histograms' bin 0 came to hold
@@ -1244,10 +1635,81 @@ class _Checkpoint:
             "batch": net.attn.shape[0],
         }
 
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold ``<file>.lock`` for the block: created exclusively (``O_CREAT | O_EXCL``) with this
+        process's pid, host and a token of its own, and removed at the end. A lock whose process
+        has ended (on this host), or that this process left behind, is stale: taken over (renamed
+        away, then created afresh). Any other lock, another run's (in another thread of this
+        process too), is refused before any work, naming the checkpoint and the holder."""
+        lock = self.path.with_name(self.path.name + ".lock")
+        key = str(lock.resolve())
+        with _HELD_LOCKS_GUARD:  # threads share the pid: they are told apart here
+            busy = key in _HELD_LOCKS
+            if not busy:
+                _HELD_LOCKS.add(key)
+        if busy:
+            self._refuse_lock(lock, "another run in this process (another thread)")
+        try:
+            token = f"{os.getpid()} {socket.gethostname()} {uuid.uuid4().hex}"
+            if not self._acquire(lock, token):
+                holder = _read_lock(lock)
+                parts = (holder or "").split()
+                who = f"the run of process {parts[0]} on {parts[1]}" if len(parts) == 3 else "another run"
+                self._refuse_lock(lock, who)
+            try:
+                yield
+            finally:
+                if _read_lock(lock) == token:
+                    with contextlib.suppress(OSError):
+                        os.unlink(lock)
+        finally:
+            with _HELD_LOCKS_GUARD:
+                _HELD_LOCKS.discard(key)
+
+    def _refuse_lock(self, lock: Path, who: str):
+        raise ValueError(
+            f"{self.where}: the checkpoint {self.path} is in use by {who}: two runs cannot write one checkpoint. "
+            f"Wait for that run to end, or pass another checkpoint folder (if no run uses it, delete {lock})"
+        )
+
+    def _acquire(self, lock: Path, token: str) -> bool:
+        """Create ``lock`` holding ``token``, taking over a stale one; False where another run holds it."""
+        for _ in range(3):  # each round takes over at most one stale lock
+            try:
+                descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = _read_lock(lock)
+                if holder is None or not _stale(holder):
+                    return False
+                stale = lock.with_name(f"{lock.name}.stale-{uuid.uuid4().hex}")
+                try:
+                    os.rename(lock, stale)  # atomic: of two runs taking it over, one renames it
+                except FileNotFoundError:
+                    continue
+                if _read_lock(stale) != holder:  # a newer lock, created meanwhile: put it back
+                    with contextlib.suppress(OSError):
+                        os.link(stale, lock)
+                    with contextlib.suppress(OSError):
+                        os.unlink(stale)
+                    return False
+                with contextlib.suppress(OSError):
+                    os.unlink(stale)
+                continue
+            except OSError as error:
+                raise ValueError(
+                    f"{self.where}: cannot create the checkpoint lock {lock}: {error.strerror or error}; pass a "
+                    "checkpoint folder this process may write to"
+                ) from None
+            with os.fdopen(descriptor, "w") as file:
+                file.write(token + "\n")
+            return True
+        return False
+
     def load(self) -> tuple[PathStatistics, int] | None:
         if not self.path.exists():
             return None
-        advice = "Delete it, or pass another checkpoint folder, to start afresh."
+        advice = _CHECKPOINT_ADVICE
         state = read_sealed(self.path, self.where, "the checkpoint", advice)
         if not (isinstance(state, dict) and isinstance(state.get("identity"), dict) and "statistics" in state):
             raise ValueError(f"{self.where}: the checkpoint {self.path} is not one of path_statistics'. {advice}")
@@ -1280,3 +1742,24 @@ class _Checkpoint:
 
     def save(self, stats: PathStatistics, reached: int) -> None:
         write_sealed(self.path, {"identity": self.identity, "reached": reached, "statistics": stats.state()})
+
+
+def _stale(holder: str) -> bool:
+    """Whether a lock held by ``holder`` ("pid host token") is left over from a run that has ended:
+    a process of this host that is gone, or this process itself (whose live runs hold the lock in
+    ``_HELD_LOCKS`` first, so that one it finds on disk was left behind)."""
+    parts = holder.split()
+    if len(parts) != 3 or not parts[0].isdigit() or parts[1] != socket.gethostname():
+        return False  # not a lock of this version, or another host's: it cannot be told stale
+    pid = int(parts[0])
+    return pid == os.getpid() or not _process_alive(pid)
+
+
+def _read_lock(lock: Path) -> str | None:
+    """The holder a checkpoint lock names ("pid host token"), or None where it cannot be read (gone,
+    or not yet written: a run that has just created it)."""
+    try:
+        text = lock.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text or None
