@@ -374,3 +374,32 @@ def test_w_path_refuses_entries_that_are_not_heads():
         stack.w_path([0, -1, 2])
     left, right = stack.w_path(torch.tensor([1, -1, 0]))
     torch.testing.assert_close(left @ right, w[0, 1] @ w[0, 1] @ w[2, 0] @ w[2, 0])
+
+
+def test_huge_expanded_inputs_are_refused_at_once():
+    """Expanded (stride-0) inputs hold few values but name 10^10 to 10^12 entries: norms that would
+    reduce them for many minutes, and functions whose float64 working copies exceed memory (a raw
+    allocator error before), are refused by name within a second."""
+    import time
+
+    cases = {
+        "pathkernels.residual_norm": lambda: pk.residual_norm(torch.ones(1, 1).expand(10**6, 10**6)),
+        "pathkernels.composite_norm": lambda: pk.composite_norm(torch.ones(1, 1, 1).expand(10**4, 10**4, 10**4)),
+        "pathkernels.matrix_norms": lambda: pk.matrix_norms(torch.ones(1, 1).expand(10**6, 10**6), residual=True),
+        "pathkernels.metrics.residual_ratio": lambda: pk.metrics.residual_ratio(
+            torch.ones(1, 1, 1).expand(10**4, 10**4, 10**4)
+        ),
+        "pathkernels.rollout": lambda: pk.rollout(torch.full((1, 1, 1, 1, 1), 1.0).expand(1, 10**5, 1, 10**4, 10**4)),
+        "pathkernels.path_residuals": lambda: pk.path_residuals(
+            torch.full((1, 1, 1, 1, 1), 1.0).expand(1, 1, 1, 10**5, 10**5), pk.PathTree.complete(1, 1)
+        ),
+    }
+    for where, call in cases.items():
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="^" + where.replace(".", r"\.") + r": .*(entries|need)"):
+            call()
+        assert time.monotonic() - start < 1.0, where
+    # What such an input holds is still checked, once per distinct value.
+    nan = torch.full((1, 1, 1, 1, 1), float("nan")).expand(1, 2, 1, 3, 3)
+    with pytest.raises(ValueError, match=r"^pathkernels\.path_residuals: attn has a non-finite value \(nan\)"):
+        pk.path_residuals(nan, pk.PathTree.complete(2, 1))

@@ -386,3 +386,27 @@ def test_matrix_norms_errors_name_matrix_norms():
         pk.matrix_norms(torch.zeros(3))
     with pytest.raises(TypeError, match=r"pathkernels.matrix_norms: expected x to be a floating-point tensor"):
         pk.matrix_norms(torch.zeros(3, 3, dtype=torch.long), residual=True)
+
+
+@pytest.mark.parametrize("exponent", [-154, -156, -158, -160, -161, -162, -163, -200])
+def test_norms_whose_product_is_subnormal_keep_their_digits(device, exponent):
+    """float64 entries near 1e-160: ‖·‖_1 ‖·‖_∞ is a subnormal number that has lost digits (the
+    composite was 6e-6 off at 1e-160 and 1e-2 at 1e-162); the roots' product keeps them. Every norm
+    op, and the engine's leaves, against a reference computed at scale 1 and scaled back."""
+    scale = 10.0**exponent
+    x = random_matrices(3, 5, 7, dtype=torch.float64, device=device)
+    for got, unit in (
+        (pk.composite_norm(x * scale), composite_norm_ref(x)),
+        (pk.residual_norm(x * scale), residual_norm_ref(x)),
+        (pk.matrix_norms(x * scale, residual=True).composite, residual_norm_ref(x)),
+        (pk.residual_norm(x * scale, return_norm=True)[1], composite_norm_ref(x)),
+    ):
+        torch.testing.assert_close(got, unit * scale, rtol=1e-14, atol=0)
+    attn = random_attention(2, 2, 2, 5, 5, dtype=torch.float64, device=device)
+    w_v = torch.randn(2, 2, 7, 3, dtype=torch.float64, device=device)
+    w_o = torch.randn(2, 2, 3, 7, dtype=torch.float64, device=device)
+    tree = pk.PathTree.complete(2, 2, skip=True)
+    small = pk.path_residuals(attn, tree, x=x[:2] * scale, w_v=w_v, w_o=w_o)
+    plain = pk.path_residuals(attn, tree, x=x[:2], w_v=w_v, w_o=w_o)
+    torch.testing.assert_close(small.residual, plain.residual * scale, rtol=1e-13, atol=0)
+    torch.testing.assert_close(small.norm, plain.norm * scale, rtol=1e-13, atol=0)

@@ -52,15 +52,29 @@ C10_HOST_DEVICE inline void max_update(A value, int64_t index, A& best, int64_t&
   }
 }
 
-// ‖M‖_{1,∞} = sqrt(‖M‖_1 ‖M‖_∞), from the two maxima. The product leaves A's range for norms
+// The smallest normal number of A, as a literal (usable in device code without relaxed constexpr).
+template <typename A>
+C10_HOST_DEVICE constexpr A smallest_normal();
+template <>
+C10_HOST_DEVICE constexpr double smallest_normal<double>() {
+  return 2.2250738585072014e-308;
+}
+template <>
+C10_HOST_DEVICE constexpr float smallest_normal<float>() {
+  return 1.17549435e-38f;
+}
+
+// ‖M‖_{1,∞} = sqrt(‖M‖_1 ‖M‖_∞), from the two maxima. The product leaves A's normal range for norms
 // beyond about 1e154 or below 1e-154 in float64 (products of paths that long value maps grow or
-// shrink): then each factor's root, which stays in range. Elsewhere sqrt of the product, as always,
-// so results in range keep their bits. (inf − inf and NaN − NaN are NaN: `p − p != 0` finds both.)
+// shrink): then each factor's root, which stays in range. A subnormal product has lost digits
+// already (norms of 1e-160 were 6e-6 off, of 1e-162 1e-2), so it counts as underflowed too.
+// Elsewhere sqrt of the product, as always, so results in range keep their bits. (inf − inf and
+// NaN − NaN are NaN: `p − p != 0` finds both.)
 template <typename A>
 C10_HOST_DEVICE inline A composite_from_parts(A l1, A linf) {
   const A product = l1 * linf;
   const bool overflowed = !(product - product == A(0));
-  const bool underflowed = product == A(0) && l1 != A(0) && linf != A(0);
+  const bool underflowed = product < smallest_normal<A>() && l1 != A(0) && linf != A(0);
   return overflowed || underflowed ? ::sqrt(l1) * ::sqrt(linf) : ::sqrt(product);
 }
 

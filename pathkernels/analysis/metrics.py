@@ -40,6 +40,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from pathkernels.core._memory import check_fits
 from pathkernels.core.checks import check_finite
 from pathkernels.core.masking import per_matrix
 from pathkernels.core.ops import composite_norm
@@ -97,6 +98,13 @@ def _prepare(
     """``x`` checked (:func:`_matrices`), refused where it holds NaN or inf at a real token (padded
     rows, and padded columns of square inputs, may hold anything), in the dtype it is computed in."""
     x = _matrices(x, where, min_rows=min_rows, name=name)
+    check_fits(  # the working copies (upcast, centred, scaled, absolute values): an expanded x is copied whole
+        4 * 8 * x.numel(),
+        x.device,
+        where,
+        f"{name} of {x.numel():,} entries {list(x.shape)} needs, in working copies,",
+        "pass fewer or smaller matrices",
+    )
     checked = x
     if isinstance(token_mask, Tensor) and token_mask.device.type in ("cpu", "cuda"):  # per_matrix refuses others
         try:

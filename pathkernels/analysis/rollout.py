@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from pathkernels.core import masking
-from pathkernels.core.checks import check_finite, check_nonempty_batch, unpack_stack
+from pathkernels.core._memory import check_fits
+from pathkernels.core.checks import check_finite, check_nonempty_batch, distinct_view, unpack_stack
 from pathkernels.core.paths import check_flag
 
 _FUSIONS = ("mean", "max", "min")
@@ -71,7 +72,15 @@ def rollout(
     batched = attn.dim() == 5
     attn = attn if batched else attn.unsqueeze(0)
     check_nonempty_batch(attn, where)
-    if bool((attn < 0).any()):
+    batch, layers, _, n, _ = attn.shape
+    check_fits(  # the fused layers [B, L, n, n] and the running product, in the working copies
+        4 * attn.element_size() * batch * (layers + 1) * n * n,
+        attn.device,
+        where,
+        f"the fused layers of {batch} × {layers} matrices of {n} × {n} need",
+        "pass fewer layers or shorter sequences (an expanded input is fused whole)",
+    )
+    if bool((distinct_view(attn) < 0).any()):
         raise ValueError(f"{where}: expected non-negative attention probabilities")
     check_finite(attn, "attn", where)
     if token_mask is not None:

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from pathkernels.core import masking
 from pathkernels.core._extension import has_cuda_kernels
+from pathkernels.core._memory import check_fits
 from pathkernels.core.paths import PathTree
 
 # Largest |row sum − 1| accepted as row-stochastic, by the precision the attention was computed in.
@@ -46,11 +47,22 @@ def first_index(mask: Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in torch.nonzero(mask)[0])
 
 
+def distinct_view(t: Tensor) -> Tensor:
+    """``t`` with each stride-0 dimension (an expanded tensor's repeats) taken once: the same values,
+    without the repeats, so that a check of every value costs what the tensor holds, not its size."""
+    if all(stride != 0 or size <= 1 for size, stride in zip(t.shape, t.stride())):
+        return t
+    return t[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in t.stride())]
+
+
 def check_finite(t: Tensor, name: str, where: str) -> None:
-    bad = ~torch.isfinite(t)
+    """Raise, naming ``name`` and the first index, unless every value of ``t`` is finite (read once
+    per distinct value: an expanded tensor's repeats are not materialised)."""
+    distinct = distinct_view(t)
+    bad = ~torch.isfinite(distinct)
     if bool(bad.any()):
         index = first_index(bad)
-        raise ValueError(f"{where}: {name} has a non-finite value ({t[index].item()}) at index {list(index)}")
+        raise ValueError(f"{where}: {name} has a non-finite value ({distinct[index].item()}) at index {list(index)}")
 
 
 def check_row_stochastic(
@@ -197,6 +209,16 @@ def check_network(attn, x, w_v, w_o, where: str, *, attn_values: bool = True) ->
     check_nonempty_batch(attn, where)
     if (x is None) != (w_v is None) or (w_v is None) != (w_o is None):
         raise ValueError(f"{where}: pass x, w_v and w_o together (path outputs) or none of them (attention products)")
+    # The checks' and the computations' float64 working copies (row sums, the centred operands): an
+    # expanded input of 10^10 entries is copied whole, and would fail in the allocator.
+    entries = attn.numel() + (x.numel() if isinstance(x, Tensor) else 0)
+    check_fits(
+        3 * 8 * entries,
+        attn.device,
+        where,
+        f"attn and x ({entries:,} entries; an expanded input is copied whole) need, in float64 working copies,",
+        "pass fewer or shorter sequences",
+    )
     tensors = {"attn": attn}
     if x is not None:
         for name, t in (("x", x), ("w_v", w_v), ("w_o", w_o)):

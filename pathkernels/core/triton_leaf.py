@@ -128,7 +128,9 @@ def _composite(l1, linf):
     """sqrt(l1 · linf), or sqrt(l1) · sqrt(linf) where the product leaves float64's range:
     norm_math.h's composite_from_parts. tl.sqrt of float64 is correctly rounded (sqrt.rn.f64)."""
     product = l1 * linf
-    out_of_range = ((product - product) != 0.0) | ((product == 0.0) & (l1 != 0.0) & (linf != 0.0))
+    # A subnormal product has lost digits already (below 2.2e-308): the roots' product, as there.
+    subnormal = (product < 2.2250738585072014e-308) & (l1 != 0.0) & (linf != 0.0)
+    out_of_range = ((product - product) != 0.0) | subnormal
     return tl.where(out_of_range, tl.sqrt(l1) * tl.sqrt(linf), tl.sqrt(product))
 
 

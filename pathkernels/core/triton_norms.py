@@ -183,9 +183,12 @@ def _composite(l1, linf, ACC_F64: tl.constexpr):
     product = l1 * linf
     if ACC_F64:
         largest = 1.7976931348623157e308
+        smallest = 2.2250738585072014e-308
     else:
         largest = 3.4028234663852886e38
-    out_of_range = (~(tl.abs(product) <= largest)) | ((product == 0.0) & (l1 != 0.0) & (linf != 0.0))
+        smallest = 1.17549435e-38
+    # Below the smallest normal number the product has lost digits already: the roots' product.
+    out_of_range = (~(tl.abs(product) <= largest)) | ((product < smallest) & (l1 != 0.0) & (linf != 0.0))
     return tl.where(out_of_range, _sqrt(l1, ACC_F64) * _sqrt(linf, ACC_F64), _sqrt(product, ACC_F64))
 
 
