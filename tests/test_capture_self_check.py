@@ -87,7 +87,7 @@ def test_a_mask_with_a_hole_keeps_the_models_own_positions(make):
     """A padding token among the real ones (not left padding): the positions are the model's own, so
     the attribution is ``model(**inputs)``'s logit (rebuilt as cumsum(mask) − 1 they were 21–32 %
     off), and no positions warning is given."""
-    model = make().double()
+    model = make().double().eval()  # eval: no dropout warning (the capture runs in eval mode either way)
     ids = torch.randint(1, 50, (2, 8))
     mask = torch.ones_like(ids)
     mask[0, 3] = 0
@@ -104,7 +104,7 @@ def test_left_padding_rebuilds_the_positions_and_says_so():
     """Left padding: positions counted from each row's first real token, as generate gives them (the
     row reads as it does alone), with a warning naming the rows and how to have the model's own;
     given position_ids are used as they are, silently, and the check holds either way."""
-    model = gpt2().double()
+    model = gpt2().double().eval()
     ids = torch.randint(1, 50, (3, 6))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0

@@ -440,3 +440,27 @@ def test_decomposes_refusals_name_decompose():
     with pytest.raises(ValueError, match=r"^pathkernels\.decompose: num_samples=1,000,000,000,000 paths of 12 layers"):
         pk.decompose(big, num_samples=10**12, max_paths=10**13)
     assert pk.decompose(attn, skip=False, samples_per_length=2).method == "stratified"  # length L only
+
+
+def test_the_stratified_standard_error_is_its_formula_written_by_hand():
+    """``mean_ratio``'s stratified estimate and standard error against ``Σ_k w_k mean_k / Σ w`` and
+    ``sqrt(Σ_k (w_k / Σ w)² s_k² / n_k · (1 − n_k / count_k))`` computed here from the paths'
+    ratios (the squared weights and the correction each matter); a stratum of 0 paths is refused."""
+    attn = attention(batch=1, layers=5, heads=3, n=5)
+    dec = pk.decompose(attn, samples_per_length={1: 6, 3: 40, 4: 25}, generator=torch.Generator().manual_seed(3))
+    ratio, lengths = dec.path_ratio(), dec.lengths
+    weights, means, terms = [], [], []
+    for k, count in ((1, 15), (3, 270), (4, 405)):
+        values = ratio[lengths == k]
+        n = values.numel()
+        weights.append(count)
+        means.append(float(values.mean()))
+        terms.append(0.0 if n >= count else float(values.var(correction=1)) / n * (1 - n / count))
+    total = sum(weights)
+    mean = sum(w / total * m for w, m in zip(weights, means))
+    stderr = math.sqrt(sum((w / total) ** 2 * t for w, t in zip(weights, terms)))
+    got_mean, got_stderr = dec.mean_ratio()
+    assert got_mean == pytest.approx(mean, rel=1e-12) and got_stderr == pytest.approx(stderr, rel=1e-12)
+    assert got_stderr > 0
+    with pytest.raises(ValueError, match=r"^pathkernels\.decompose: expected samples_per_length\[1\] >= 1"):
+        pk.decompose(attn, samples_per_length={1: 0})
