@@ -106,10 +106,13 @@ def test_each_path_attribution_is_its_literal_term():
 
 
 def test_the_top_and_bottom_paths_are_those_of_a_sort():
-    model = gpt2()
+    model = gpt2().eval()
     stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 9)))
     result = pk.path_attribution(stack, pk.logit_diff(model, 1, 2), top_k=7)
     ordered = torch.sort(result.attribution[:, 0, 0], descending=True)
+    one = pk.path_attribution(stack, pk.logit_diff(model, 1, 2), top_k=1)  # the fold's smallest list
+    assert one.top_values.shape[0] == 1 and float(one.top_values[0, 0, 0]) == float(ordered.values[0])
+    assert float(one.bottom_values[0, 0, 0]) == float(ordered.values[-1])
     torch.testing.assert_close(result.top_values[:, 0, 0], ordered.values[:7], rtol=0, atol=0)
     torch.testing.assert_close(result.bottom_values[:, 0, 0], ordered.values.flip(0)[:7], rtol=0, atol=0)
     for rank in range(7):
