@@ -93,8 +93,9 @@ def _z_of_mean(estimates: list[float], exact: float) -> float:
 def test_sampled_estimates_are_unbiased_over_many_seeds(sampling):
     """A 27-path tree (L = 3, H = 2, with skips), a handful of samples, 1,500 seeds: the mean of the
     estimates of Σ ratio lies within 5 standard errors of the exact sum (|z| > 5 has probability
-    6e-7 for an unbiased estimator), and so does that of ``mean_ratio`` of the exact mean. The per-length weights after uniform draws averaged 10.34 ±
-    0.06 against 13.30 here (z = −53): a length not drawn was left out."""
+    6e-7 for an unbiased estimator), and so does that of ``mean_ratio`` of the exact mean. The
+    per-length weights after uniform draws averaged 10.34 ± 0.06 against 13.30 here (z = −53): a
+    length not drawn was left out."""
     attn = attention(batch=1, layers=3, heads=2, n=4)
     every = pk.decompose(attn)
     in_set = every.lengths == 2 if isinstance(sampling.get("samples_per_length"), dict) else every.lengths >= 0
