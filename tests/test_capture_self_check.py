@@ -250,3 +250,15 @@ def test_a_model_in_train_mode_with_active_dropout_is_warned_about():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             capture_huggingface_residual(quiet, input_ids=ids)
+
+
+def test_a_difference_that_is_not_a_number_is_refused():
+    """NaN in either difference (a reconstruction with NaN rows) refuses the capture, whichever of
+    the two it is: a maximum taken over them would have let a NaN second one pass."""
+    from pathkernels.adapters.self_check import _refuse_if_beyond
+
+    for stream, logits in ((float("nan"), 0.0), (0.0, float("nan")), (0.0, float("inf")), (1e-3, None)):
+        with pytest.raises(ValueError, match=r"^where: the capture of this gpt2 model does not reproduce"):
+            _refuse_if_beyond("gpt2", stream, logits, 2e-4, "where")
+    _refuse_if_beyond("gpt2", 1e-5, None, 2e-4, "where")
+    _refuse_if_beyond("gpt2", 1e-5, 1e-6, 2e-4, "where")

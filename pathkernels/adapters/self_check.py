@@ -129,8 +129,7 @@ def _soft_capped(logits: Tensor, cap: float | None) -> Tensor:
 
 
 def _refuse_if_beyond(family: str, stream_error: float, logits_error: float | None, tolerance: float, where: str):
-    worst = max(stream_error, logits_error if logits_error is not None else 0.0)
-    if worst <= tolerance:  # NaN and inf fail too
+    if all(error <= tolerance for error in (stream_error, logits_error) if error is not None):  # NaN fails too
         return
     logits = "" if logits_error is None else f", its logits {logits_error:.2g} of the model's logits' scale off"
     raise ValueError(
