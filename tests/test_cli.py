@@ -504,3 +504,25 @@ def test_a_seed_beyond_64_bits_is_refused_by_the_parser(capsys):
             f"pathkernels {command}: argument --seed: expected an integer in [0, {2**64 - 1}], got {2**64} "
             "(--help lists the options)"
         ]
+
+
+def test_checking_the_out_folder_leaves_none_behind(tmp_path):
+    """--out is checked before any work (its folder created, a probe written), and the folders the
+    check made are removed again: a run refused or interrupted after it leaves no empty folder; an
+    existing folder and what it holds are kept; an unwritable place is refused by name."""
+    from pathkernels.app.cli.base import CommandLineError, check_writable
+
+    target = tmp_path / "a" / "b" / "out"
+    check_writable(target, "--out", "paths")
+    assert not (tmp_path / "a").exists()
+    check_writable(tmp_path / "c" / "result.json", "--out", "bench", folder=False)
+    assert not (tmp_path / "c").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "mine.txt").write_text("x")
+    check_writable(kept, "--out", "paths")
+    assert (kept / "mine.txt").read_text() == "x" and sorted(p.name for p in kept.iterdir()) == ["mine.txt"]
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(CommandLineError, match=r"^pathkernels paths: --out .*file/out: cannot write there"):
+        check_writable(blocker / "out", "--out", "paths")

@@ -3,6 +3,7 @@ the defaults, the check of ``--out``, and calls bounded in time."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import tempfile
 import threading
@@ -42,10 +43,13 @@ def error_line(command: str | None, message: str) -> str:
 
 def check_writable(path: Path, option: str, command: str, *, folder: bool = True) -> None:
     """Make sure ``path`` (a folder, or with ``folder=False`` a file) can be written, before any
-    work: the folder is created and a probe file written and removed there."""
+    work: the folder is created, a probe file written and removed there, and the folders this made
+    removed again, so that a run refused or interrupted later leaves no empty folder behind (the
+    outputs create it when they are written)."""
     directory = path if folder else path.parent
     if not folder and path.is_dir():
         raise CommandLineError(f"pathkernels {command}: {option} {path}: is a folder; expected a file name")
+    made = [parent for parent in [directory, *directory.parents] if not parent.exists()]  # deepest first
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".pathkernels-probe-"):
@@ -53,6 +57,10 @@ def check_writable(path: Path, option: str, command: str, *, folder: bool = True
     except OSError as error:
         reason = error.strerror or type(error).__name__
         raise CommandLineError(f"pathkernels {command}: {option} {path}: cannot write there ({reason})") from None
+    finally:
+        for parent in made:
+            with contextlib.suppress(OSError):  # not empty after all (another writer): leave it
+                parent.rmdir()
 
 
 def within(seconds: float, function, *args, **kwargs):
