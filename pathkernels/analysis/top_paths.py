@@ -100,11 +100,7 @@ def _unit(x: Tensor, dims) -> Tensor:
     """The power of two ``2^e ≤ max |x| < 2^(e+1)`` over ``dims`` (kept as size-1 dimensions; 1 where
     x is zero or not finite): dividing by it is exact and brings the largest entry into [1, 2), so
     that squares neither overflow nor underflow to 0 where x does not."""
-    exponent = leading_exponent(x, dims)
-    dims = (dims,) if isinstance(dims, int) else dims
-    for dim in sorted(d % x.dim() for d in dims):
-        exponent = exponent.unsqueeze(dim)
-    return power_of_two(exponent)
+    return power_of_two(leading_exponent(x, dims, keepdim=True))
 
 
 def _exponent(x: Tensor) -> int:
@@ -167,7 +163,7 @@ def _spectral_norm(matrix: Tensor) -> Tensor:
     """``σ_max`` over the last two dimensions: the square root of the largest eigenvalue of the
     smaller Gram matrix. (The symmetric eigensolver, because LAPACK's batched SVD and QR of small
     matrices stall for seconds on a loaded two-core machine; the eigensolver does not.)"""
-    unit = _unit(matrix, (-2, -1))  # scaled into [−1, 1] by a power of two: the Gram matrix stays in range
+    unit = _unit(matrix, (-2, -1))  # the largest entry scaled into [1, 2): the Gram matrix stays in range
     matrix = matrix / unit
     gram = matrix.mT @ matrix if matrix.shape[-1] <= matrix.shape[-2] else matrix @ matrix.mT
     return torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0).sqrt() * unit[..., 0, 0]
@@ -178,7 +174,8 @@ def _product_norm(left: Tensor, right: Tensor) -> Tensor:
     the ``d × d'`` product, within a relative ``10⁻¹²`` of it: ``‖L R x‖² = xᵀ Rᵀ (LᵀL) R x ≤ ‖Cᵀ R x‖²``
     with ``C Cᵀ = LᵀL + δ I`` (Cholesky, δ = 10⁻¹² of LᵀL's largest diagonal entry, so that it
     exists when L is singular), so it is ``σ_max(Cᵀ R)`` of an ``e × d'`` matrix. Both factors are
-    first scaled into [−1, 1] by powers of two (:func:`_unit`), so that the Gram matrix stays in range."""
+    first scaled by powers of two to a largest entry in [1, 2) (:func:`_unit`), so that the Gram
+    matrix stays in range."""
     left_unit, right_unit = _unit(left, (-2, -1)), _unit(right, (-2, -1))
     left, right = left / left_unit, right / right_unit
     gram = left.mT @ left
@@ -310,7 +307,7 @@ class _NodeBounds:
         self.values = [model.sublayers[index].norm_values for index in self.index]  # U [H, d, e]
         self.outputs = torch.cat([model.sublayers[index].w_o for index in self.index])  # V [A·H, e, d]
         self.token_maps = torch.cat([model.sublayers[index].token_maps for index in self.index])  # T [A·H, n, n]
-        # ‖U z‖₂ as √(zᵀ UᵀU z), with U and z scaled into [−1, 1] by powers of two (:func:`_unit`):
+        # ‖U z‖₂ as √(zᵀ UᵀU z), U and z scaled by powers of two to a largest entry in [1, 2) (:func:`_unit`):
         # the Gram matrix of the scaled U [H, e, e], and the scale per head [H].
         self.value_units = [_unit(u, (-2, -1)) for u in self.values]
         self.grams = [(u / unit).mT @ (u / unit) for u, unit in zip(self.values, self.value_units)]

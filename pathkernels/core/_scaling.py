@@ -26,9 +26,10 @@ def times_power_of_two(t: Tensor, k: Tensor) -> Tensor:
     return t * power_of_two(half) * power_of_two(k - half)
 
 
-def leading_exponent(t: Tensor, dims) -> Tensor:
-    """int64 ``e`` with ``2^e ≤ max |t| < 2^(e+1)`` over ``dims`` (reduced away; 0 where the
-    slice is all zero or not finite): ``t · 2^-e`` has its largest entry in [1, 2)."""
-    peak = t.detach().abs().amax(dim=dims)
+def leading_exponent(t: Tensor, dims, *, keepdim: bool = False) -> Tensor:
+    """int64 ``e`` with ``2^e ≤ max |t| < 2^(e+1)`` over ``dims`` (reduced away, or kept as size-1
+    dimensions with ``keepdim``; 0 where the slice is all zero or not finite): ``t · 2^-e`` has its
+    largest entry in [1, 2)."""
+    peak = t.detach().abs().amax(dim=dims, keepdim=keepdim)
     exponent = torch.frexp(peak).exponent.long() - 1
     return torch.where((peak > 0) & peak.isfinite(), exponent, torch.zeros_like(exponent))

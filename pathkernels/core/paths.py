@@ -50,8 +50,7 @@ def check_max_paths(num_paths: int, max_paths, where: str, ways_round: str) -> i
             f"{where}: the call would evaluate {format_count(num_paths)} paths, more than max_paths="
             f"{format_count(max_paths)}: {fastest} to "
             f"{slowest} at the 6·10^6 to 10^5 paths/s measured on an H200 and on 2 CPU cores (docs/BENCHMARKS.md). "
-            f"{ways_round}; or pass max_paths={num_paths if num_paths < 10**100 else format_count(num_paths)} to run "
-            "them all"
+            f"{ways_round}; or pass max_paths={shown(num_paths)} to run them all"
         )
     return max_paths
 
@@ -207,8 +206,7 @@ def check_int(value, name: str, where: str, *, minimum: int | None = None, maxim
     value = int(value)
     if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        got = str(value) if abs(value) < 10**100 else format_count(value)  # str() refuses 4,300 digits
-        raise ValueError(f"{where}: expected {name} {bounds}, got {got}")
+        raise ValueError(f"{where}: expected {name} {bounds}, got {shown(value)}")  # str() refuses 4,300 digits
     return value
 
 

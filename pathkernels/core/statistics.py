@@ -1582,9 +1582,7 @@ def _process_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
-    except OSError:
+    except OSError:  # PermissionError among them: it runs, as another user
         return True
     return True
 
