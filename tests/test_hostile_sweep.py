@@ -1484,6 +1484,66 @@ def adapter_cases():
             args = {"paths": [[-1, -1]], "sources": [0], name: bad}
             words = ("sources", "source") if name == "sources" else name
             refused(where, words, kind, name, lambda a=args: pk.path_terms(stack, **a))
+    scored, _ = pk.adapters.capture_huggingface_residual(model, input_ids=ids, query_key=True)
+    refused(
+        "pathkernels.adapters.capture_huggingface_residual",
+        "query_key",
+        "str",
+        "query_key",
+        lambda: pk.adapters.capture_huggingface_residual(model, input_ids=ids, query_key="yes"),
+    )
+    scores = {
+        "pathkernels.score_decomposition": lambda **a: pk.score_decomposition(scored, **({"layer": 1, "head": 0} | a)),
+        "pathkernels.score_decompositions": lambda **a: pk.score_decompositions(scored, **({"layer": 1} | a)),
+        "pathkernels.score_pairs": lambda **a: pk.score_pairs(scored, **({"layer": 1, "head": 0, "key": 1} | a)),
+        "pathkernels.score_attribution": lambda **a: pk.score_attribution(
+            scored, **({"layer": 1, "head": 0, "key": 1} | a)
+        ),
+    }
+    for where, call in scores.items():
+        bad_values = {
+            "layer": (("huge", 2), ("negative", -1), ("float", 1.0), ("str", "1")),
+            "batch": (("huge", 1), ("float", 0.0)),
+            "query": (("huge", 4), ("float", 3.0), ("list", [1, 2])),
+        }
+        if where != "pathkernels.score_decompositions":
+            bad_values["head"] = (("huge", 2), ("negative", -3), ("None", None))
+        else:
+            bad_values["heads"] = (("huge", [0, 2]), ("str", "all"), ("empty", []))
+        if where in ("pathkernels.score_pairs", "pathkernels.score_attribution"):
+            bad_values["key"] = (("huge", 9), ("float", 1.5), ("None", None))
+            bad_values["top_k"] = (("negative", -1), ("str", "5"))
+        else:
+            bad_values["keys"] = (("huge", [9]), ("empty", []), ("str", "all"))
+        if where == "pathkernels.score_attribution":
+            bad_values["side"] = (("str", "value"), ("None", None))
+        for name, values in bad_values.items():
+            words = ("heads", "head") if name == "heads" else name
+            for kind, bad in values:
+                refused(where, words, kind, name, lambda c=call, n=name, b=bad: c(**{n: b}))
+    gives(
+        "pathkernels.score_decomposition",
+        "keys",
+        "tensor",
+        "keys as a tensor",
+        lambda: pk.score_decomposition(scored, 1, 0, keys=torch.tensor([0, 2])).scores,
+        lambda: pk.score_decomposition(scored, 1, 0, keys=[0, 2]).model_scores,
+    )
+    gives(
+        "pathkernels.score_pairs",
+        "query",
+        "negative",
+        "the last token as -1",
+        lambda: torch.tensor(pk.score_pairs(scored, 1, 1, query=-1, key=0).score),
+        lambda: torch.tensor(pk.score_pairs(scored, 1, 1, query=3, key=0).model_score),
+    )
+    refused(
+        "pathkernels.score_decomposition",
+        "stack",
+        "type",
+        "a stack without queries and keys",
+        lambda: pk.score_decomposition(stack, 1, 0),
+    )
 
 
 adapter_cases()

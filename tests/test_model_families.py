@@ -415,13 +415,14 @@ def test_a_left_padded_batch_reads_as_each_sequence_alone(name):
     torch.testing.assert_close(padded.by_source_length, single.by_source_length, rtol=1e-9, atol=1e-10)
 
 
-def literal_pre_norm_terms(stack, capture) -> dict:
+def literal_pre_norm_terms(stack, capture, below: int | None = None) -> dict:
     """Every path's term ``[n, d]`` of a pre-norm model's first sequence, written from the design's
     matrices: a head of layer l is the token map ``D'_l A_h D_l`` and the feature map
     ``C Γ_l W_V W_O Γ'_l`` (``D'``, ``Γ'``: the norm on the attention's output, else I); the sources
     are the embedding, per layer the constant rows ``D' (Σ_h (A_h 1)(βᵀ W_V + b_Vᵀ) W_O + 1 b_Oᵀ) Γ'``
-    and the MLP's output. Keys: ``(heads per layer, source name)``."""
-    layers, heads, d = stack.num_layers, stack.num_heads, stack.d_model
+    and the MLP's output. Keys: ``(heads per layer, source name)``. ``below``: only the layers
+    under it (the paths of the stream entering layer ``below``)."""
+    layers, heads, d = stack.num_layers if below is None else below, stack.num_heads, stack.d_model
     n = stack.attn.shape[-1]
     attn, w_v, w_o = stack.attn[0].double(), stack.w_v.double(), stack.w_o.double()
     centre = torch.eye(d, dtype=torch.float64) - (1.0 / d if capture.centred else 0.0)

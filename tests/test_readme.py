@@ -66,6 +66,13 @@ def test_readme_blocks_paste_into_a_python_repl(tmp_path):
         assert shown_row.split()[:-2] == printed_row.split()[:-2]  # rank and path
         assert float(printed_row.split()[-2]) == pytest.approx(float(shown_row.split()[-2]), rel=1e-4, abs=2e-6)
     assert printed[-1] == shown[-1]  # the sums by number of heads
+    # Where the induction head looks: the score line, and the pairs as shown.
+    shown = re.search(r"^```\n(L1H0's score, query .*?)^```", text, flags=re.S | re.M).group(1).strip().splitlines()
+    printed = output[output.index("L1H0's score, query ") :].strip().splitlines()[: len(shown)]
+    assert printed[0] == shown[0], printed
+    for shown_row, printed_row in zip(shown[2:], printed[2:]):
+        assert shown_row.split()[:-2] == printed_row.split()[:-2]  # rank and both paths
+        assert float(printed_row.split()[-2]) == pytest.approx(float(shown_row.split()[-2]), rel=1e-5)
 
 
 def test_usage_python_blocks_paste_in_order_into_a_python_repl(tmp_path):

@@ -46,7 +46,9 @@ class ResidualStreamCapture:
     its ``score`` head reads, by the model's own rule (the rightmost token whose id is not the pad
     id; the last token where the model has no pad id or took embeddings), else None. ``check``: how
     the capture compared with the model's own forward pass (:class:`~pathkernels.adapters.self_check.
-    CaptureCheck`), None where the check was turned off.
+    CaptureCheck`), None where the check was turned off. ``query_key``: the frozen query and key maps
+    of every head and the model's own queries and keys (:class:`~pathkernels.adapters.query_key.
+    QueryKeyCapture`), read when the capture is asked for them (``query_key=True``), else None.
     """
 
     layout: str
@@ -70,6 +72,7 @@ class ResidualStreamCapture:
     attention_output_weight: Tensor | None = None
     pooled_token: Tensor | None = None
     check: object | None = None  # the self-check's CaptureCheck (pathkernels.adapters.self_check), or None
+    query_key: object | None = None  # the score side's QueryKeyCapture (pathkernels.adapters.query_key), or None
 
     @property
     def centred(self) -> bool:
@@ -96,4 +99,7 @@ class ResidualStreamCapture:
 
     def on(self, device) -> ResidualStreamCapture:
         """A copy on ``device`` (float64 throughout, whatever the stack's dtype)."""
-        return ResidualStreamCapture(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()})
+        moved = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()}
+        if self.query_key is not None:
+            moved["query_key"] = self.query_key.on(device)
+        return ResidualStreamCapture(**moved)

@@ -13,6 +13,7 @@ grouped-query attention, rotary positions); other families are refused by name.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,8 +22,10 @@ from torch import Tensor, nn
 from pathkernels.adapters.capture import ResidualStreamCapture
 from pathkernels.adapters.huggingface import _attention_layers, _blocks, _prepared_inputs, _read_stack, _value_output
 from pathkernels.adapters.precision import norm_eps, rms_gain
+from pathkernels.adapters.query_key import QUERY_KEY_FAMILIES, query_key_capture, recording
 from pathkernels.adapters.self_check import (
     check_huggingface_capture,
+    check_tolerance,
     check_transformer_lens_capture,
     warn_if_training,
 )
@@ -203,7 +206,7 @@ def _inverse_scale(x: Tensor, norm: nn.Module | None, kind: str) -> Tensor:
 
 
 def capture_huggingface_residual(
-    model: nn.Module, *, check: bool = True, **inputs
+    model: nn.Module, *, check: bool = True, query_key: bool = False, **inputs
 ) -> tuple[AttentionStack, ResidualStreamCapture]:
     """The attention stack of :func:`from_huggingface` and, from the same forward pass, what the
     real model's residual stream needs beyond it (:class:`ResidualStreamCapture`), in float64.
@@ -227,12 +230,24 @@ def capture_huggingface_residual(
     :func:`~pathkernels.adapters.self_check.check_tolerance`, or the capture is refused by name. It
     costs one more forward pass and the length sums; ``capture.check`` holds the differences found.
 
+    With ``query_key=True`` the same forward pass also reads the score side, every head's frozen
+    query and key maps and the queries and keys the model computed
+    (:class:`~pathkernels.adapters.query_key.QueryKeyCapture`, as ``capture.query_key``), which
+    :func:`pathkernels.score_decomposition` decomposes into pairs of paths; families:
+    :data:`~pathkernels.adapters.query_key.QUERY_KEY_FAMILIES` (others refused by name).
+
     Returns:
         ``(stack, capture)``; the capture is also ``stack.residual_capture``, which
         :meth:`AttentionStack.length_sums` decomposes.
     """
     check = check_flag(check, "check", _WHERE)
+    query_key = check_flag(query_key, "query_key", _WHERE)
     spec = _layout(model)
+    if query_key and model.config.model_type not in QUERY_KEY_FAMILIES:
+        raise ValueError(
+            f"{_WHERE}: query_key=True reads the queries and keys of {', '.join(QUERY_KEY_FAMILIES)} models; "
+            f"not yet of {model.config.model_type!r}"
+        )
     warn_if_training(model, _WHERE)
     inputs = _prepared_inputs(model, inputs, _WHERE)
     blocks = _blocks(model, *spec.blocks)
@@ -264,8 +279,12 @@ def capture_huggingface_residual(
     handles += [out[0].register_forward_pre_hook(keep("output_in", i, output=False)) for i, out in enumerate(outputs)]
     if final_norm is not None:
         handles.append(final_norm.register_forward_pre_hook(keep("final_in", 0, output=False)))
+    attention = _attention_layers(model)
     try:
-        stack, attn = _read_stack(model, inputs, "pathkernels.adapters.capture_huggingface_residual")
+        with ExitStack() as scope:
+            modules = [a.attention for a in attention]
+            scores_seen = scope.enter_context(recording(modules, _WHERE)) if query_key else None
+            stack, attn = _read_stack(model, inputs, "pathkernels.adapters.capture_huggingface_residual")
     finally:
         for handle in handles:
             handle.remove()
@@ -315,12 +334,39 @@ def capture_huggingface_residual(
             pooled_token=pooled_tokens(model, inputs.get("input_ids"), batch, tokens),
             **extra,
         )
+        if scores_seen is not None:
+            first = attention[0]
+            capture.query_key = query_key_capture(
+                modules, scores_seen, first.num_heads, first.num_kv_heads, first.head_dim, _WHERE
+            )
+            _check_query_key(capture, stack)
     stack, capture = _attached(stack, capture)
     if check:
         projection = getattr(getattr(model.base_model, "decoder", None), "project_out", None)
         final_input = final_norm if final_norm is not None else projection
         capture.check = check_huggingface_capture(model, inputs, stack, capture, final_input, _WHERE)
     return stack, capture
+
+
+def _check_query_key(capture: ResidualStreamCapture, stack: AttentionStack) -> None:
+    """Refuse a score capture whose frozen maps do not rebuild the model's own queries and keys
+    from the stream entering each layer (``hidden_states[l]``) through the frozen norm before its
+    attention, to within :func:`check_tolerance` of the model's dtype."""
+    stream = stack.hidden_states[:-1].double().transpose(0, 1)  # [B, L, n, d]: each block's input
+    if capture.centred:
+        stream = stream - stream.mean(-1, keepdim=True)
+    inputs = capture.norm_scale[:, :, 0, :, None] * stream * capture.norm_weight[None, :, 0, None, :]
+    real = torch.ones(inputs.shape[0], inputs.shape[2], dtype=torch.bool, device=inputs.device)
+    if stack.token_mask is not None:
+        real = stack.token_mask.to(inputs.device).bool()
+    error = capture.query_key.reconstruction_error(inputs, capture.norm_bias[:, 0], real)
+    tolerance = check_tolerance(stack.attn.dtype)
+    if not error <= tolerance:  # a NaN refuses too
+        raise ValueError(
+            f"{_WHERE}: the frozen query and key maps rebuild the model's own queries and keys only to "
+            f"{error:.2g} (relative), beyond the tolerance {tolerance:g}; this family's score side is not read "
+            "correctly, so it is refused rather than decomposed"
+        )
 
 
 def pooled_tokens(model: nn.Module, input_ids: Tensor | None, batch: int, tokens: int) -> Tensor | None:

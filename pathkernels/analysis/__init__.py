@@ -5,7 +5,8 @@
   certified search for its top paths; :mod:`~pathkernels.analysis.real_paths`: the decomposition of
   its stream into its paths' terms (which :func:`pathkernels.decompose` of a captured stack runs:
   the core's hook, set on import). All three walk :mod:`~pathkernels.analysis.readout_trie`, the
-  frozen model as a trie of its paths;
+  frozen model as a trie of its paths; :mod:`~pathkernels.analysis.scores`: where heads look, a
+  head's attention scores as exact sums over pairs of paths (``pk.score_decomposition``);
 - :mod:`~pathkernels.analysis.metrics` (``pk.metrics``: rank collapse and token similarity),
   :mod:`~pathkernels.analysis.rollout` (``pk.rollout``), :mod:`~pathkernels.analysis.nn`
   (``pk.nn.DeEscalation``) and :mod:`~pathkernels.analysis.compat` (``pk.compat``: the paper's
@@ -17,17 +18,31 @@ demo): it imports the core and the adapters, and neither imports it (docs/DESIGN
 
 from pathkernels.analysis.attribution import PathAttribution, Readout, logit, logit_diff, path_attribution
 from pathkernels.analysis.real_paths import ModelPathDecomposition, decompose_model, path_terms
+from pathkernels.analysis.scores import (
+    ScoreDecomposition,
+    ScorePairs,
+    score_attribution,
+    score_decomposition,
+    score_decompositions,
+    score_pairs,
+)
 from pathkernels.analysis.top_paths import TopPaths, top_paths
 
 __all__ = [
     "ModelPathDecomposition",
     "PathAttribution",
     "Readout",
+    "ScoreDecomposition",
+    "ScorePairs",
     "TopPaths",
     "decompose_model",
     "logit",
     "logit_diff",
     "path_attribution",
     "path_terms",
+    "score_attribution",
+    "score_decomposition",
+    "score_decompositions",
+    "score_pairs",
     "top_paths",
 ]

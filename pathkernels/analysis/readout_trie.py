@@ -320,7 +320,7 @@ class Walker:
         cache_bytes: int = 1 << 28,
     ):
         self.model, self.steps = model, steps
-        self.low_rank = low_rank and model.sublayers[0].pre
+        self.low_rank = low_rank and bool(model.sublayers) and model.sublayers[0].pre
         self.max_length = model.layers if max_length is None else max_length
         self._cache = TensorCache(cache_bytes)
         self._shared_by: dict[tuple[int, bool], bool] = {}

@@ -1,0 +1,349 @@
+"""The query and key side of a captured model's attention, frozen at one forward pass.
+
+A head's pre-softmax score is bilinear in the attention's input ``y`` (the normalised stream, for a
+pre-norm model) at its query token i and key token j (docs/DESIGN.md, "Where heads look"):
+
+    s_ij = scaling · ⟨q_i, k_j⟩,   q_t = R_t (ν_t γ_Q ⊙ (y_t W_Q + b_Q)),   k_t likewise,
+
+with ``R_t`` the rotation at position t (the identity without rotary positions, acting on the first
+``r`` features of a head by the model's own ``rotate_half`` convention), ``ν_t`` and ``γ_Q`` a
+query/key norm's frozen ``1/σ`` and gain (1 without one). Every map from ``y`` to ``q`` is linear
+per token once ``ν`` is frozen, so the score splits exactly over any split of ``y``.
+
+:class:`QueryKeyCapture` holds those maps for every layer and head, with the queries, keys and
+scaling the model itself used, read from the same forward pass as the value side
+(:func:`~pathkernels.adapters.capture_huggingface_residual` with ``query_key=True``), so that the
+decomposition is checked against the model's own scores. :func:`recording` is the context that
+reads them from a Hugging Face model's eager attention.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import Tensor, nn
+
+from pathkernels.adapters.precision import norm_eps, rms_gain
+
+# Families whose queries and keys are read, each a projection (or GPT-2's fused c_attn) per side,
+# an optional RMSNorm on each (per head, or over every head: OLMo 2) and rotary positions handed to
+# the attention as ``position_embeddings``.
+QUERY_KEY_FAMILIES = (
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "olmo",
+    "olmo2",
+)
+SIDES = ("query", "key")
+
+
+@dataclass
+class QueryKeyCapture:
+    """The frozen query and key maps of every head, and what the model computed with them, in
+    float64 (grouped-query models repeat each key head for the query heads that share it).
+
+    ``w_q``, ``w_k`` ``[L, H, d, e]`` and ``b_q``, ``b_k`` ``[L, H, e]``: the projections from the
+    attention's input ``y``; ``query_scale``, ``key_scale`` ``[B, L, H, n]``: a query/key norm's
+    frozen ``1/σ`` per token (1 without one), with its gain ``query_gain``, ``key_gain`` ``[L, H, e]``;
+    ``cos``, ``sin`` ``[B, L, n, r]``: the rotation of the first ``r`` features of every head at each
+    position (``x·cos + rotate_half(x)·sin``), None without rotary positions; ``scaling`` ``[L]``;
+    ``allowed`` ``[B, L, n, n]``: which keys each query may attend (causal, padding, sliding
+    windows); ``soft_cap`` ``[L]``: the cap ``c`` of a soft-capped score ``c·tanh(s/c)`` (0: none);
+    ``queries``, ``keys`` ``[B, L, H, n, e]``: the model's own, after norms and rotation.
+    """
+
+    w_q: Tensor
+    b_q: Tensor
+    w_k: Tensor
+    b_k: Tensor
+    query_scale: Tensor
+    key_scale: Tensor
+    query_gain: Tensor
+    key_gain: Tensor
+    scaling: Tensor
+    allowed: Tensor
+    soft_cap: Tensor
+    queries: Tensor
+    keys: Tensor
+    cos: Tensor | None = None
+    sin: Tensor | None = None
+
+    def on(self, device) -> QueryKeyCapture:
+        """A copy on ``device``."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return QueryKeyCapture(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in moved.items()})
+
+    def _weights(self, side: str, layer: int, head: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        if side == "query":
+            return self.w_q[layer, head], self.b_q[layer, head], self.query_scale, self.query_gain[layer, head]
+        return self.w_k[layer, head], self.b_k[layer, head], self.key_scale, self.key_gain[layer, head]
+
+    def rotate(self, x: Tensor, batch: int, layer: int, rows: Tensor) -> Tensor:
+        """``R_t x_t`` for ``x [..., T, e]`` at positions ``rows [T]`` (token indices of sequence
+        ``batch``): the model's rotation of the first r features, the rest unchanged."""
+        if self.cos is None:
+            return x
+        cos, sin = self.cos[batch, layer, rows], self.sin[batch, layer, rows]  # [T, r]
+        r = cos.shape[-1]
+        part = x[..., :r]
+        half = torch.cat((-part[..., r // 2 :], part[..., : r // 2]), dim=-1)  # rotate_half
+        return torch.cat((part * cos + half * sin, x[..., r:]), dim=-1)
+
+    def rotation_matrices(self, batch: int, layer: int, rows: Tensor) -> Tensor:
+        """``R_t`` as matrices ``[T, e, e]`` in the row form ``x R_tᵀ`` (``x @ M[t]`` rotates)."""
+        e = self.w_q.shape[-1]
+        eye = torch.eye(e, dtype=torch.float64, device=self.w_q.device).expand(rows.numel(), e, e)
+        return self.rotate(eye.transpose(0, 1), batch, layer, rows).transpose(0, 1)
+
+    def project(self, side: str, inputs: Tensor, batch: int, layer: int, head: int, rows: Tensor) -> Tensor:
+        """The linear part of one side: ``R_t (ν_t γ ⊙ (y_t W))`` ``[..., T, e]`` for parts of the
+        attention's input ``inputs [..., T, d]`` at positions ``rows [T]`` (no bias)."""
+        w, _, scale, gain = self._weights(side, layer, head)
+        narrow = inputs @ w * (scale[batch, layer, head, rows, None] * gain)
+        return self.rotate(narrow, batch, layer, rows)
+
+    def constant(self, side: str, shift: Tensor, batch: int, layer: int, head: int, rows: Tensor) -> Tensor:
+        """What one side holds whatever the stream: ``R_t (ν_t γ ⊙ (β W + b))`` ``[T, e]`` for the
+        constant ``shift [d]`` of the attention's input (its norm's β; 0 without one)."""
+        w, b, scale, gain = self._weights(side, layer, head)
+        narrow = (shift @ w + b) * (scale[batch, layer, head, rows, None] * gain)
+        return self.rotate(narrow, batch, layer, rows)
+
+    def reconstruction_error(self, inputs: Tensor, shift: Tensor, real: Tensor) -> float:
+        """``max |q̂ − q| / max |q|`` over every layer, head and real token, and the same for the
+        keys: the queries and keys rebuilt by these maps from the attention's inputs ``inputs
+        [B, L, n, d]`` (without β) and ``shift [L, d]`` (β), against the model's own. ``real [B, n]``
+        bool marks the tokens compared."""
+        worst = 0.0
+        batch_size, layers, tokens = inputs.shape[0], inputs.shape[1], inputs.shape[2]
+        rows = torch.arange(tokens, device=inputs.device)
+        for side, own in (("query", self.queries), ("key", self.keys)):
+            for batch in range(batch_size):
+                keep = real[batch]
+                for layer in range(layers):
+                    for head in range(self.w_q.shape[1]):
+                        rebuilt = self.project(side, inputs[batch, layer], batch, layer, head, rows)
+                        rebuilt = rebuilt + self.constant(side, shift[layer], batch, layer, head, rows)
+                        expected = own[batch, layer, head][keep]
+                        scale = float(expected.abs().max()) or 1.0
+                        worst = max(worst, float((rebuilt[keep] - expected).abs().max()) / scale)
+        return worst
+
+    def model_scores(self, batch: int, layer: int, head: int) -> Tensor:
+        """The model's own pre-softmax (pre-cap) scores ``scaling · q kᵀ`` ``[n, n]``, every pair
+        (``allowed`` says which the mask kept)."""
+        q, k = self.queries[batch, layer, head], self.keys[batch, layer, head]
+        return self.scaling[layer] * (q @ k.T)
+
+
+# --- reading them from a Hugging Face model -----------------------------------------------------
+
+
+@dataclass
+class _Seen:
+    """What one attention module handed its eager attention and its norms, in one forward pass."""
+
+    queries: Tensor | None = None  # [B, H, n, e]
+    keys: Tensor | None = None  # [B, H_kv, n, e]
+    mask: Tensor | None = None  # [B, 1 or H, n, n] additive
+    scaling: float | None = None
+    soft_cap: float | None = None
+    rotation: tuple[Tensor, Tensor] | None = None  # (cos, sin) [B, n, r]
+    norm_inputs: dict = field(default_factory=dict)  # "q_norm"/"k_norm": their input
+
+
+@contextmanager
+def recording(attention_modules: list[nn.Module], where: str) -> Iterator[list[_Seen]]:
+    """Within the block, what each of ``attention_modules`` (one per layer) computes its scores
+    from: the rotation it is handed, its query/key norms' inputs and, from its modeling module's
+    ``eager_attention_forward`` (swapped process-wide for the block, restored after), the queries,
+    keys, mask and scaling the model itself uses."""
+    seen = [_Seen() for _ in attention_modules]
+    index = {id(module): i for i, module in enumerate(attention_modules)}
+    handles, swapped = [], []
+
+    def before(module, args, kwargs):
+        rotation = kwargs.get("position_embeddings")
+        if isinstance(rotation, tuple) and len(rotation) == 2:
+            seen[index[id(module)]].rotation = tuple(t.detach() for t in rotation)
+
+    def norm_hook(i: int, name: str):
+        def hook(module, args):
+            seen[i].norm_inputs[name] = args[0].detach()
+
+        return hook
+
+    def recorder(original):
+        def attention(module, query, key, value, attention_mask, *args, **kwargs):
+            i = index.get(id(module))
+            if i is not None:
+                record = seen[i]
+                record.queries, record.keys = query.detach(), key.detach()
+                record.mask = None if attention_mask is None else attention_mask.detach()
+                scaling = kwargs.get("scaling", args[0] if args else None)
+                record.scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+                record.soft_cap = kwargs.get("softcap")
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+
+        return attention
+
+    for i, module in enumerate(attention_modules):
+        handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        for name in ("q_norm", "k_norm"):
+            norm = getattr(module, name, None)
+            if isinstance(norm, nn.Module):
+                handles.append(norm.register_forward_pre_hook(norm_hook(i, name)))
+    for name in {type(module).__module__ for module in attention_modules}:
+        modeling = sys.modules.get(name)
+        original = getattr(modeling, "eager_attention_forward", None)
+        if original is None:
+            raise ValueError(f"{where}: {name} has no eager_attention_forward to read the queries and keys from")
+        modeling.eager_attention_forward = recorder(original)
+        swapped.append((modeling, original))
+    try:
+        yield seen
+    finally:
+        for handle in handles:
+            handle.remove()
+        for modeling, original in swapped:
+            modeling.eager_attention_forward = original
+
+
+def _projection(module: nn.Module) -> tuple[Tensor, Tensor | None]:
+    """``(W [in, out], b [out] | None)`` of a Linear or a Conv1D, in float64."""
+    if type(module).__name__ == "Conv1D":
+        weight, bias = module.weight, module.bias
+    else:
+        weight, bias = module.weight.T, module.bias
+    return weight.detach().double(), None if bias is None else bias.detach().double()
+
+
+def _query_key_weights(module: nn.Module, heads: int, kv_heads: int, head_dim: int) -> list[tuple[Tensor, Tensor]]:
+    """``[(W_Q [H, d, e], b_Q [H, e]), (W_K, b_K)]``, key heads repeated per query head."""
+    if hasattr(module, "c_attn"):  # GPT-2: [q | k | v] columns of one projection
+        weight, bias = _projection(module.c_attn)
+        width = heads * head_dim
+        parts = [(weight[:, :width], bias[:width]), (weight[:, width : 2 * width], bias[width : 2 * width])]
+    else:
+        parts = [_projection(module.q_proj), _projection(module.k_proj)]
+    out = []
+    for (weight, bias), count in zip(parts, (heads, kv_heads)):
+        w = weight.reshape(weight.shape[0], count, head_dim).permute(1, 0, 2)
+        b = torch.zeros(count, head_dim, dtype=torch.float64, device=w.device) if bias is None else bias
+        b = b.reshape(count, head_dim)
+        if count != heads:
+            w, b = w.repeat_interleave(heads // count, 0), b.repeat_interleave(heads // count, 0)
+        out.append((w.contiguous(), b))
+    return out
+
+
+def _norm_scale_gain(
+    module: nn.Module, name: str, seen: _Seen, heads: int, count: int, head_dim: int, shape: tuple[int, int]
+) -> tuple[Tensor, Tensor]:
+    """A query/key norm's frozen ``1/σ`` ``[B, H, n]`` and gain ``[H, e]``: over each head's
+    features (Qwen3, Gemma-3) or over every head's at once (OLMo 2); ones without a norm."""
+    batch, tokens = shape
+    norm = getattr(module, name, None)
+    x = seen.norm_inputs.get(name)
+    if not isinstance(norm, nn.Module) or x is None:
+        return (
+            torch.ones(batch, heads, tokens, dtype=torch.float64),
+            torch.ones(heads, head_dim, dtype=torch.float64),
+        )
+    if x.dim() == 4 and _heads_first(x, tokens, count):  # normed after the heads' transpose (Gemma-3)
+        x = x.transpose(1, 2)
+    x = x.double()
+    inverse = torch.rsqrt(x.pow(2).mean(-1) + norm_eps(norm))  # [B, n, count] per head, [B, n] over all
+    inverse = inverse[..., None].expand(batch, tokens, count) if inverse.dim() == 2 else inverse
+    gain = rms_gain(norm)
+    gain = torch.ones(count * head_dim, dtype=torch.float64) if gain is None else gain.cpu()
+    gain = gain.expand(count, head_dim) if gain.numel() == head_dim else gain.reshape(count, head_dim)
+    inverse = inverse.permute(0, 2, 1).cpu()  # [B, count, n]
+    if count != heads:
+        inverse, gain = inverse.repeat_interleave(heads // count, 1), gain.repeat_interleave(heads // count, 0)
+    return inverse, gain
+
+
+def _heads_first(x: Tensor, tokens: int, count: int) -> bool:
+    """Whether a per-head norm's input ``[B, ·, ·, e]`` holds the heads on axis 1 (``[B, H, n, e]``,
+    after the transpose) rather than the tokens (``[B, n, H, e]``): by the shape, or where the two
+    counts agree by the strides (the transpose of the projection's ``[B, n, H, e]`` view leaves the
+    heads' stride the smaller)."""
+    if tokens != count:
+        return x.shape[1] == count
+    return x.stride(1) < x.stride(2)
+
+
+def query_key_capture(
+    attention_modules: list[nn.Module], seen: list[_Seen], heads: int, kv_heads: int, head_dim: int, where: str
+) -> QueryKeyCapture:
+    """The :class:`QueryKeyCapture` of a forward pass recorded by :func:`recording`."""
+    missing = [i for i, record in enumerate(seen) if record.queries is None]
+    if missing:
+        raise ValueError(
+            f"{where}: layers {missing} computed their scores outside eager_attention_forward (GPT-2's "
+            "reorder_and_upcast_attn, say), so their queries and keys could not be read"
+        )
+    batch, _, tokens, _ = seen[0].queries.shape
+    per_layer = {name: [] for name in ("w_q", "b_q", "w_k", "b_k", "qs", "ks", "qg", "kg", "allowed", "q", "k")}
+    rotations = []
+    for module, record in zip(attention_modules, seen):
+        (w_q, b_q), (w_k, b_k) = _query_key_weights(module, heads, kv_heads, head_dim)
+        query_scale, query_gain = _norm_scale_gain(module, "q_norm", record, heads, heads, head_dim, (batch, tokens))
+        key_scale, key_gain = _norm_scale_gain(module, "k_norm", record, heads, kv_heads, head_dim, (batch, tokens))
+        keys = record.keys.double().cpu()
+        if keys.shape[1] != heads:
+            keys = keys.repeat_interleave(heads // keys.shape[1], 1)
+        mask = record.mask
+        if mask is None:
+            allowed = torch.ones(batch, tokens, tokens, dtype=torch.bool)
+        else:
+            mask = mask.double().cpu()[..., :tokens]
+            allowed = (mask > -1e30).all(1)  # masked entries hold the dtype's lowest value or -inf
+            kept = torch.where(allowed[:, None], mask, torch.zeros((), dtype=mask.dtype))
+            if bool((kept != 0).any()):
+                raise ValueError(
+                    f"{where}: the attention mask adds a position bias (ALiBi or similar), which the score "
+                    "decomposition does not take yet"
+                )
+        for name, value in zip(
+            per_layer,
+            (w_q, b_q, w_k, b_k, query_scale, key_scale, query_gain, key_gain, allowed, record.queries, keys),
+        ):
+            per_layer[name].append(value.double().cpu() if value.is_floating_point() else value.cpu())
+        rotations.append(record.rotation)
+    cos = sin = None
+    if any(r is not None for r in rotations):
+        if any(r is None for r in rotations):
+            raise ValueError(f"{where}: some layers were handed rotary positions and some were not")
+        cos = torch.stack([r[0].double().cpu().expand(batch, tokens, -1) for r in rotations], 1)
+        sin = torch.stack([r[1].double().cpu().expand(batch, tokens, -1) for r in rotations], 1)
+    batch_axis = ("qs", "ks", "allowed", "q", "k")  # [B, L, ...]; the weights are [L, ...]
+    stacked = {name: torch.stack(values, 1 if name in batch_axis else 0) for name, values in per_layer.items()}
+    return QueryKeyCapture(
+        w_q=stacked["w_q"],
+        b_q=stacked["b_q"],
+        w_k=stacked["w_k"],
+        b_k=stacked["b_k"],
+        query_scale=stacked["qs"],
+        key_scale=stacked["ks"],
+        query_gain=stacked["qg"],
+        key_gain=stacked["kg"],
+        scaling=torch.tensor([record.scaling for record in seen], dtype=torch.float64),
+        allowed=stacked["allowed"],
+        soft_cap=torch.tensor([float(record.soft_cap or 0.0) for record in seen], dtype=torch.float64),
+        queries=stacked["q"],
+        keys=stacked["k"],
+        cos=cos,
+        sin=sin,
+    ).on(seen[0].queries.device)

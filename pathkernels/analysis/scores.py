@@ -1,0 +1,581 @@
+"""Where heads look: a head's attention scores as exact sums over pairs of paths.
+
+With every norm frozen at one forward pass, the stream entering layer l is a sum of paths (a
+source below l, then heads below l; :mod:`pathkernels.analysis.readout_trie`), and head h's
+pre-softmax score at query i and key j is bilinear in that stream at i and at j
+(:mod:`pathkernels.adapters.query_key`). So it splits exactly (docs/DESIGN.md, "Where heads look"):
+
+    s_ij = Σ_{p, p'} scaling · ⟨q_p(i), k_{p'}(j)⟩,
+
+p and p' running over the paths of the stream and over one constant each (the norm's β and the
+projection's bias through the same frozen maps). ``q_p(i) = R_i (ν_i γ_Q ⊙ (D_i (Y_p C Γ)_i W_Q))``
+for a pre-norm model: the path's term ``Y_p`` through the frozen norm, the query projection, a frozen
+query norm and the rotation at i; likewise ``k_{p'}(j)``.
+
+- :func:`score_decomposition`: the score grouped by (source, number of heads) on each side, for a
+  query and every key it may attend (or chosen keys), exact at any depth: the groups' terms come
+  from one pass over the layers below, as the sums by length do.
+- :func:`score_pairs`: every pair of paths, where they are few enough to list, with the top and
+  bottom pairs.
+- :func:`score_attribution`: one side fixed to the model's own query or key, the score is a linear
+  readout of the stream at the other token, so every path on that side gets its exact share from
+  the readout trie (:func:`pathkernels.path_attribution`'s walk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from pathkernels.analysis.attribution import CheckedReadout, PathAttribution, Readout, attribute
+from pathkernels.analysis.readout_trie import FrozenModel, describe_path, frozen_model
+from pathkernels.analysis.real_paths import _every_term, _heads, _skip
+from pathkernels.core._figures import check_save_path, require, saved
+from pathkernels.core._memory import format_bytes
+from pathkernels.core.paths import check_int
+from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
+
+if TYPE_CHECKING:
+    from pathkernels.adapters.stack import AttentionStack
+
+_WHERE = "pathkernels.score_decomposition"
+CONSTANT = "constant"  # the label of a side's constant: its norm's β and its bias through the frozen maps
+
+
+@dataclass
+class _Head:
+    """One head of a captured stack at one sequence, checked: the frozen model below its layer (on
+    the sequence's real tokens), its query/key maps and where its tokens are."""
+
+    stack: AttentionStack
+    layer: int
+    head: int
+    batch: int
+    model: FrozenModel  # the sublayers and sources below the head's layer
+    positions: Tensor  # [n] the real tokens' positions in the sequence
+    scale: Tensor  # [n] D of the layer's attention-input norm
+    gamma: Tensor  # [d] Γ
+    shift: Tensor  # [d] β (0 for RMSNorm)
+    centred: bool
+
+    @property
+    def maps(self):
+        return self.stack.residual_capture.query_key
+
+    def inputs(self, parts: Tensor, rows: Tensor) -> Tensor:
+        """The attention's input ``D (Y C) Γ`` (no β) of stream parts ``[..., T, d]`` at real-token
+        indices ``rows [T]``."""
+        parts = parts - parts.mean(-1, keepdim=True) if self.centred else parts
+        return self.scale[rows, None] * parts * self.gamma
+
+    def side(self, which: str, parts: Tensor, rows: Tensor) -> Tensor:
+        """One side's vectors ``[..., T, e]`` of stream parts ``[..., n, d]`` at real-token indices
+        ``rows [T]`` (the parts' constant not included)."""
+        inputs = self.inputs(parts[..., rows, :], rows)
+        return self.maps.project(which, inputs, self.batch, self.layer, self.head, self.positions[rows])
+
+    def constant(self, which: str, rows: Tensor) -> Tensor:
+        """One side's constant ``[T, e]`` at real-token indices ``rows``."""
+        return self.maps.constant(which, self.shift, self.batch, self.layer, self.head, self.positions[rows])
+
+    def model_scores(self, query: int, keys: Tensor) -> Tensor:
+        """The model's own scores ``[K]`` of real-token index ``query`` against ``keys``."""
+        scores = self.maps.model_scores(self.batch, self.layer, self.head)
+        return scores[self.positions[query], self.positions[keys]]
+
+
+def _checked_head(stack, layer, head, batch, where: str) -> _Head:
+    capture = getattr(stack, "residual_capture", None)
+    if capture is None or getattr(capture, "query_key", None) is None:
+        raise ValueError(
+            f"{where}: expected a stack captured with its queries and keys "
+            "(pk.adapters.capture_huggingface_residual(model, query_key=True, ...))"
+        )
+    if capture.layout != "pre":
+        raise ValueError(f"{where}: scores of post-norm models (BERT's) are not decomposed yet")
+    layer = check_int(layer, "layer", where, minimum=0, maximum=stack.num_layers - 1)
+    head = check_int(head, "head", where, minimum=0, maximum=stack.num_heads - 1)
+    batch = check_int(batch, "batch", where, minimum=0, maximum=stack.batch_size - 1)
+    tokens = stack.attn.shape[-1]
+    real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
+    full = frozen_model(stack, capture, batch, real)
+    below = 2 * layer  # each layer's attention sublayer, then its MLP's
+    model = FrozenModel(
+        full.sublayers[:below], full.sources[: below + 1], full.source_names[: below + 1], layer, full.num_heads
+    )
+    attention = full.sublayers[below]
+    device = capture.embedding.device
+    return _Head(
+        stack,
+        layer,
+        head,
+        batch,
+        model,
+        real.nonzero().flatten().to(device),
+        attention.scale,
+        attention.gamma,
+        capture.norm_bias[layer, 0],
+        attention.centred,
+    )
+
+
+def _position(value, name: str, head: _Head, where: str) -> int:
+    """A token position of the head's sequence as its index among the real tokens."""
+    tokens = head.stack.attn.shape[-1]
+    position = check_int(value, name, where, minimum=-tokens, maximum=tokens - 1) % tokens
+    index = (head.positions == position).nonzero().flatten()
+    if index.numel() == 0:
+        raise ValueError(f"{where}: expected {name} to be a real token of batch element {head.batch}, got {value}")
+    return int(index[0])
+
+
+def _query_and_keys(head: _Head, query, keys, where: str) -> tuple[int, Tensor]:
+    """``(query index, key indices [K])`` among the real tokens: the last real token and every key
+    it may attend by default."""
+    query = head.positions.numel() - 1 if query is None else _position(query, "query", head, where)
+    allowed = head.maps.allowed[head.batch, head.layer, head.positions[query], head.positions]  # [n]
+    if keys is None:
+        return query, allowed.nonzero().flatten()
+    keys = [keys] if not isinstance(keys, (list, tuple, Tensor)) else keys
+    keys = keys.tolist() if isinstance(keys, Tensor) else list(keys)
+    if not keys:
+        raise ValueError(f"{where}: expected keys to hold at least one position, got {keys!r}")
+    return query, torch.tensor([_position(k, "keys", head, where) for k in keys], device=head.positions.device)
+
+
+def _stream_groups(model: FrozenModel) -> tuple[list[tuple[int, int]], Tensor]:
+    """The stream entering the sublayer above ``model`` split by (source, number of heads):
+    ``(groups, parts [G, n, d])``, exact, by one pass over the sublayers (each group's skip, and
+    every head's branch summed into the group one head longer)."""
+    groups: list[tuple[int, int]] = []
+    parts = model.sources[0].new_zeros(0, *model.sources[0].shape)
+    for position in range(len(model.sources)):
+        groups.append((position, 0))
+        parts = torch.cat([parts, model.sources[position][None]])
+        if position == len(model.sublayers):
+            break
+        sublayer = model.sublayers[position]
+        skipped = _skip(sublayer, parts)
+        if sublayer.attn is None:
+            parts = skipped
+            continue
+        grown = _heads(sublayer, parts).sum(0)  # [G, n, d]
+        index = {group: i for i, group in enumerate(groups)}
+        for (source, length), term in zip(list(groups), grown):
+            longer = (source, length + 1)
+            if longer not in index:
+                index[longer] = len(groups)
+                groups.append(longer)
+                skipped = torch.cat([skipped, torch.zeros_like(term)[None]])
+            skipped[index[longer]] += term
+        parts = skipped
+    order = sorted(range(len(groups)), key=lambda i: groups[i])
+    return [groups[i] for i in order], parts[order]
+
+
+def _group_label(names: list[str], group: tuple[int, int]) -> str:
+    source, length = group
+    return f"{names[source]} (direct)" if length == 0 else f"{names[source]} via {length} head{'s' * (length > 1)}"
+
+
+@dataclass
+class ScoreDecomposition:
+    """One head's scores at one query, split by pairs of path groups (:func:`score_decomposition`).
+
+    Attributes:
+        layer, head, batch, query: the head, the sequence and the query's position.
+        keys: ``[K]`` the keys' positions.
+        groups: the labels of the groups, the same on both sides: ``"embedding (direct)"``,
+            ``"L0 MLP via 2 heads"``, …, and :data:`CONSTANT` last (β and the projection's bias).
+        table: ``[G, G, K]`` float64: entry ``[a, b, k]`` is ``scaling · ⟨q_a(query), k_b(key k)⟩``,
+            group a's query against group b's key; it sums to ``scores``.
+        scores: ``[K]`` the pre-softmax scores the table sums to (pre-cap where the model caps them).
+        model_scores: ``[K]`` the model's own, from its queries and keys as it computed them.
+        allowed: ``[K]`` whether the mask lets the query attend each key.
+        soft_cap: the cap of a soft-capped model (the scores here are before it), else None.
+    """
+
+    layer: int
+    head: int
+    batch: int
+    query: int
+    keys: Tensor
+    groups: tuple[str, ...]
+    table: Tensor
+    scores: Tensor
+    model_scores: Tensor
+    allowed: Tensor
+    soft_cap: float | None = None
+
+    def __repr__(self) -> str:
+        error = float((self.scores - self.model_scores).abs().max()) if self.scores.numel() else 0.0
+        capped = f", pre-cap (cap {self.soft_cap:g})" if self.soft_cap else ""
+        return (
+            f"ScoreDecomposition(L{self.layer}H{self.head}, batch {self.batch}, query {self.query}, "
+            f"{self.keys.numel()} keys, {len(self.groups)} groups per side{capped}; "
+            f"largest |sum − model| {error:.2g})"
+        )
+
+    def _key(self, key: int | None) -> int:
+        if key is None:
+            if self.keys.numel() != 1:
+                raise ValueError(
+                    f"pathkernels.ScoreDecomposition: expected key= one of the {self.keys.numel()} key positions "
+                    f"{self.keys.tolist()[:8]}…"
+                )
+            return 0
+        where = (self.keys == int(key)).nonzero().flatten()
+        if where.numel() == 0:
+            raise ValueError(f"pathkernels.ScoreDecomposition: key {key} is not among the keys {self.keys.tolist()}")
+        return int(where[0])
+
+    def pair_table(self, key: int | None = None, other: int | None = None) -> Tensor:
+        """``[G, G]``: the table at one key position, or (``other`` given) the difference of two
+        keys' tables, which explains why the head prefers ``key`` to ``other``."""
+        table = self.table[..., self._key(key)]
+        return table if other is None else table - self.table[..., self._key(other)]
+
+    def by_query_group(self) -> Tensor:
+        """``[G, K]``: each query group's share of every key's score (the key side summed)."""
+        return self.table.sum(1)
+
+    def by_key_group(self) -> Tensor:
+        """``[G, K]``: each key group's share of every key's score (the query side summed)."""
+        return self.table.sum(0)
+
+    def to_frame(self, key: int | None = None, other: int | None = None):
+        """A pandas DataFrame of :meth:`pair_table`: one row per (query group, key group), largest
+        magnitude first, with its share of the total (the score, or the difference)."""
+        pd = require("pandas")
+        table = self.pair_table(key, other)
+        total = float(table.sum())
+        rows = [
+            {"query group": q, "key group": k, "value": float(table[a, b])}
+            for a, q in enumerate(self.groups)
+            for b, k in enumerate(self.groups)
+        ]
+        frame = pd.DataFrame(rows)
+        frame["share"] = frame["value"] / total if total != 0 else float("nan")
+        return frame.reindex(frame["value"].abs().sort_values(ascending=False).index).reset_index(drop=True)
+
+    def plot(self, key: int | None = None, other: int | None = None, *, ax=None, path=None):
+        """A heatmap of :meth:`pair_table` (query groups down, key groups across), symmetric
+        colours around 0; saved to ``path`` when given. Returns the figure."""
+        check_save_path(path, "pathkernels.ScoreDecomposition.plot")
+        require("matplotlib")
+        import matplotlib.pyplot as plt
+
+        table = self.pair_table(key, other).cpu()
+        used = (table.abs().sum(1) > 0) | (table.abs().sum(0) > 0)
+        labels = [g for g, u in zip(self.groups, used.tolist()) if u]
+        table = table[used][:, used]
+        if ax is None:
+            size = 2.5 + 0.45 * len(labels)
+            _, ax = plt.subplots(figsize=(size + 1.5, size))
+        limit = float(table.abs().max()) or 1.0
+        image = ax.imshow(table.numpy(), cmap="RdBu_r", vmin=-limit, vmax=limit)
+        ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
+        ax.set_yticks(range(len(labels)), labels, fontsize=8)
+        ax.set_xlabel("key side")
+        ax.set_ylabel("query side")
+        what = f"key {self.keys[self._key(key)]}" + ("" if other is None else f" − key {other}")
+        ax.set_title(f"L{self.layer}H{self.head} score, query {self.query}, {what}", fontsize=9)
+        ax.figure.colorbar(image, ax=ax, shrink=0.8)
+        return saved(ax.figure, path)
+
+
+def score_decomposition(
+    stack: AttentionStack,
+    layer: int,
+    head: int,
+    *,
+    query: int | None = None,
+    keys=None,
+    batch: int = 0,
+) -> ScoreDecomposition:
+    """Head ``(layer, head)``'s pre-softmax scores at one query, split exactly by pairs of path
+    groups (source, number of heads) on the query and the key side (module docstring).
+
+    Args:
+        stack: a stack captured with its queries and keys
+            (``pk.adapters.capture_huggingface_residual(model, query_key=True, ...)``).
+        layer, head: the head.
+        query: the query token's position (default: the last real token).
+        keys: a key position or positions (default: every key the query may attend).
+        batch: the sequence.
+
+    Returns:
+        :class:`ScoreDecomposition`; its ``table [G, G, K]`` sums to the scores, which the tests
+        hold to the model's own to 1e-12 relative (float64).
+    """
+    return _decompositions(stack, layer, [head], query, keys, batch, _WHERE)[0]
+
+
+def score_decompositions(
+    stack: AttentionStack,
+    layer: int,
+    heads=None,
+    *,
+    query: int | None = None,
+    keys=None,
+    batch: int = 0,
+) -> list[ScoreDecomposition]:
+    """:func:`score_decomposition` of several heads of one layer (``heads``: a list of head indices;
+    default every head), the stream's groups computed once for all of them (at GPT-2-small's shape,
+    every head of the top layer at one query and every key takes about as long as one head)."""
+    return _decompositions(stack, layer, heads, query, keys, batch, "pathkernels.score_decompositions")
+
+
+def _decompositions(stack, layer, heads, query, keys, batch, where: str) -> list[ScoreDecomposition]:
+    heads = list(range(stack.num_heads)) if heads is None and hasattr(stack, "num_heads") else heads
+    if isinstance(heads, (int, Tensor)) or not hasattr(heads, "__iter__"):
+        heads = [heads]
+    if not heads:
+        raise ValueError(f"{where}: expected heads to hold at least one head, got {heads!r}")
+    first = _checked_head(stack, layer, heads[0], batch, where)  # the frozen model below is the heads' own
+    checked = [first] + [
+        replace(first, head=check_int(head, "head", where, minimum=0, maximum=stack.num_heads - 1))
+        for head in heads[1:]
+    ]
+    query, keys = _query_and_keys(first, query, keys, where)
+    groups, parts = _stream_groups(first.model)
+    labels = (*(_group_label(first.model.source_names, g) for g in groups), CONSTANT)
+    rows = torch.tensor([query], device=parts.device)
+    positions = first.positions
+    allowed = first.maps.allowed[first.batch, first.layer, positions[query], positions[keys]].cpu()
+    cap = float(first.maps.soft_cap[first.layer])
+    results = []
+    for one in checked:
+        queries = torch.cat([one.side("query", parts, rows)[:, 0], one.constant("query", rows)])  # [G+1, e]
+        key_vectors = torch.cat([one.side("key", parts, keys), one.constant("key", keys)[None]])  # [G+1, K, e]
+        table = one.maps.scaling[one.layer] * torch.einsum("ae,bke->abk", queries, key_vectors)
+        results.append(
+            ScoreDecomposition(
+                layer=one.layer,
+                head=one.head,
+                batch=one.batch,
+                query=int(positions[query]),
+                keys=positions[keys].cpu(),
+                groups=labels,
+                table=table.cpu(),
+                scores=table.sum((0, 1)).cpu(),
+                model_scores=one.model_scores(query, keys).cpu(),
+                allowed=allowed,
+                soft_cap=cap or None,
+            )
+        )
+    return results
+
+
+@dataclass
+class ScorePairs:
+    """Every pair of paths' term of one head's score at one (query, key) (:func:`score_pairs`).
+
+    ``values [P+1, P+1]``: ``scaling · ⟨q_p(query), k_{p'}(key)⟩`` for the P paths of the stream
+    below the head and a last row and column for each side's constant; ``paths [P, L']`` (the head
+    taken at each layer below, −1 where none) and ``sources [P]`` index ``source_names``; ``score``
+    is their sum, ``model_score`` the model's own. ``top``/``bottom``: the ``k`` largest and
+    smallest pairs as rows."""
+
+    layer: int
+    head: int
+    batch: int
+    query: int
+    key: int
+    values: Tensor
+    paths: Tensor
+    sources: Tensor
+    source_names: list[str]
+    score: float
+    model_score: float
+    top: list[dict]
+    bottom: list[dict]
+
+    def describe(self, index: int) -> str:
+        """Path ``index`` (or the constant, index P) as text."""
+        if index == self.paths.shape[0]:
+            return CONSTANT
+        return describe_path(self.paths[index], self.source_names[int(self.sources[index])])
+
+    def __repr__(self) -> str:
+        best = self.top[0] if self.top else None
+        shown = f"; top pair {best['query path']} · {best['key path']} = {best['value']:.4g}" if best else ""
+        return (
+            f"ScorePairs(L{self.layer}H{self.head}, batch {self.batch}, query {self.query}, key {self.key}, "
+            f"{self.paths.shape[0]} paths per side, score {self.score:.6g}{shown})"
+        )
+
+    def to_frame(self, which: str = "top"):
+        """The top (or ``which="bottom"``) pairs as a pandas DataFrame."""
+        return require("pandas").DataFrame(self.top if which == "top" else self.bottom)
+
+
+def score_pairs(
+    stack: AttentionStack,
+    layer: int,
+    head: int,
+    *,
+    query: int | None = None,
+    key: int,
+    batch: int = 0,
+    top_k: int = 20,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+) -> ScorePairs:
+    """Every pair (query path, key path)'s term of head ``(layer, head)``'s score at one query and
+    key, by listing every path of the stream below the layer (module docstring), and the ``top_k``
+    largest and smallest pairs.
+
+    The paths below layer l number ``Σ_j (H + 1)^(heads above source j)``; the pairs' table is their
+    square, so this is for shallow layers and small models (refused beyond ``memory_budget``:
+    :func:`score_decomposition` groups the pairs exactly at any depth).
+
+    Returns:
+        :class:`ScorePairs`; its ``values`` sum to the score, which the tests hold to the model's own.
+    """
+    where = "pathkernels.score_pairs"
+    checked = _checked_head(stack, layer, head, batch, where)
+    top_k = check_int(top_k, "top_k", where, minimum=0)
+    memory_budget = check_int(memory_budget, "memory_budget", where, minimum=1)
+    query, keys = _query_and_keys(checked, query, [key], where)
+    model = checked.model
+    heads = model.num_heads
+    attention_below = [sum(1 for s in model.sublayers[j:] if s.attn is not None) for j in range(len(model.sources))]
+    count = sum((heads + 1) ** a for a in attention_below)
+    need = 8 * (count + 1) ** 2 + 8 * count * (model.layers + 2 * checked.maps.w_q.shape[-1])
+    if need > memory_budget:
+        raise ValueError(
+            f"{where}: layer {checked.layer}'s stream has {count:,} paths, whose pairs take {format_bytes(need)}, more "
+            f"than memory_budget={memory_budget:,} bytes; use score_decomposition (exact sums by path group at any "
+            "depth), or a larger memory_budget"
+        )
+    rows = torch.tensor([query, int(keys[0])], device=checked.positions.device)
+    sides, paths, sources = [], [], []
+    chunk = max(1, memory_budget // (8 * 4 * model.sources[0].numel() * (heads + 1)))
+    for terms, choices, source in _every_term(model, model.layers, chunk):
+        sides.append(
+            torch.stack([checked.side("query", terms, rows[:1])[:, 0], checked.side("key", terms, rows[1:])[:, 0]])
+        )
+        paths.append(choices)
+        sources.append(torch.full((choices.shape[0],), source, dtype=torch.long, device=choices.device))
+    sides = torch.cat(sides, 1)  # [2, P, e]
+    queries = torch.cat([sides[0], checked.constant("query", rows[:1])])
+    key_vectors = torch.cat([sides[1], checked.constant("key", rows[1:])])
+    values = checked.maps.scaling[checked.layer] * queries @ key_vectors.T  # [P+1, P+1]
+    result = ScorePairs(
+        layer=checked.layer,
+        head=checked.head,
+        batch=checked.batch,
+        query=int(checked.positions[query]),
+        key=int(checked.positions[keys[0]]),
+        values=values.cpu(),
+        paths=torch.cat(paths).cpu(),
+        sources=torch.cat(sources).cpu(),
+        source_names=model.source_names,
+        score=float(values.sum()),
+        model_score=float(checked.model_scores(query, keys)[0]),
+        top=[],
+        bottom=[],
+    )
+    flat = result.values.flatten()
+    width = result.values.shape[1]
+    total = result.score
+    for largest, rows_out in ((True, result.top), (False, result.bottom)):
+        picked = torch.topk(flat, min(top_k, flat.numel()), largest=largest)
+        for rank, (value, index) in enumerate(zip(picked.values.tolist(), picked.indices.tolist()), 1):
+            a, b = divmod(index, width)
+            rows_out.append(
+                {
+                    "rank": rank,
+                    "query path": result.describe(a),
+                    "key path": result.describe(b),
+                    "value": value,
+                    "share": value / total if total != 0 else float("nan"),
+                }
+            )
+    return result
+
+
+def score_attribution(
+    stack: AttentionStack,
+    layer: int,
+    head: int,
+    *,
+    query: int | None = None,
+    key: int,
+    side: str = "query",
+    batch: int = 0,
+    max_length: int | None = None,
+    top_k: int = 20,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    progress: bool = False,
+) -> PathAttribution:
+    """Every path's exact share of head ``(layer, head)``'s score at (query, key), one side at a time.
+
+    With the key fixed to the model's own ``k_j`` (``side="query"``), the score is a linear readout
+    of the stream at the query: ``s = rᵀ X v + c`` with ``r = D_i e_i``, ``v = C Γ W_Q (ν_i γ_Q ⊙
+    R_iᵀ k_j) · scaling`` and ``c`` the query's constant against ``k_j``; so each query path's share
+    comes from the readout trie, as :func:`pathkernels.path_attribution` gives a logit's. ``side="key"``
+    fixes the query and reads the stream at the key.
+
+    Args:
+        stack: a stack captured with its queries and keys (``query_key=True``).
+        layer, head: the head; query (default: the last real token) and key: token positions.
+        side: ``"query"`` (each query path's share, the key as the model computed it) or ``"key"``.
+        batch: the sequence.
+        max_length: only paths through at most this many heads (clamped to the layers below);
+            what the longer ones carry is ``unenumerated``, exactly.
+        top_k, memory_budget, progress: as in :func:`pathkernels.path_attribution`.
+
+    Returns:
+        :class:`~pathkernels.PathAttribution` over the paths below the layer (their ``paths`` have one
+        entry per layer below it); ``value`` is the model's own score, ``constant`` the side's
+        constant against the fixed vector. The tests hold each path's share to its row (column) of
+        :func:`score_pairs`' table.
+    """
+    where = "pathkernels.score_attribution"
+    if side not in ("query", "key"):
+        raise ValueError(f"{where}: expected side to be 'query' or 'key', got {side!r}")
+    checked = _checked_head(stack, layer, head, batch, where)
+    query, keys = _query_and_keys(checked, query, [key], where)
+    key = int(keys[0])
+    read, other = (query, key) if side == "query" else (key, query)
+    maps, device = checked.maps, checked.positions.device
+    fixed = (maps.keys if side == "query" else maps.queries)[checked.batch, checked.layer, checked.head]
+    fixed = fixed[checked.positions[other]].to(device)  # [e]: the model's own vector on the fixed side
+    at = checked.positions[read : read + 1]
+    scaling = maps.scaling[checked.layer]
+    # The side read is R (ν γ ⊙ (y W)) + its constant; in the row form R x = x M with M = Rᵀ, so
+    # ⟨R u, f⟩ = u · (M f) and ⟨ν γ ⊙ y W, g⟩ = y · W (ν γ ⊙ g).
+    rotated_back = maps.rotation_matrices(checked.batch, checked.layer, at)[0] @ fixed
+    w, _, scale, gain = maps._weights(side, checked.layer, checked.head)
+    direction = scaling * (w @ (scale[checked.batch, checked.layer, checked.head, at[0]] * gain * rotated_back))
+    bias = scaling * (checked.constant(side, torch.tensor([read], device=device))[0] @ fixed)
+    n = checked.positions.numel()
+    rho = torch.zeros(1, 1, n, dtype=torch.float64, device=device)
+    rho[0, 0, read] = checked.scale[read]
+    phi = (direction * checked.gamma)[None, None]
+    phi = phi - phi.mean(-1, keepdim=True) if checked.centred else phi
+    value = checked.model_scores(query, keys).reshape(1, 1)
+    label = (
+        f"L{checked.layer}H{checked.head} score {int(checked.positions[query])}→{int(checked.positions[key])} ({side})"
+    )
+    readout = Readout(direction[None].cpu(), bias.reshape(1).cpu(), (label,))
+    layers = checked.model.layers
+    if max_length is not None:  # a path below layer l takes at most l heads
+        layers = min(layers, check_int(max_length, "max_length", where, minimum=0, maximum=stack.num_layers))
+    max_length = layers
+    setup = CheckedReadout(
+        checked.model,
+        rho,
+        phi,
+        bias.reshape(1, 1),
+        value,
+        readout,
+        [int(checked.positions[read])],
+        checked.batch,
+        max_length,
+    )
+    return attribute(setup, check_int(top_k, "top_k", where, minimum=0), memory_budget, progress)
