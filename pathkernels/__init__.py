@@ -55,6 +55,7 @@ _LIBRARY_NAMES = {
     "score_decomposition": "pathkernels.analysis.scores",
     "score_decompositions": "pathkernels.analysis.scores",
     "score_pairs": "pathkernels.analysis.scores",
+    "score_top_paths": "pathkernels.analysis.scores",
     "rollout": "pathkernels.analysis.rollout",
     "sample_paths": "pathkernels.core.paths",
     "top_paths": "pathkernels.analysis.top_paths",
@@ -144,6 +145,7 @@ __all__ = [
     "score_decomposition",
     "score_decompositions",
     "score_pairs",
+    "score_top_paths",
     "top_paths",
     "truncated_output",
 ]

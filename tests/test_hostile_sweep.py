@@ -1499,6 +1499,9 @@ def adapter_cases():
         "pathkernels.score_attribution": lambda **a: pk.score_attribution(
             scored, **({"layer": 1, "head": 0, "key": 1} | a)
         ),
+        "pathkernels.score_top_paths": lambda **a: pk.score_top_paths(
+            scored, **({"layer": 1, "head": 0, "key": 1} | a)
+        ),
     }
     for where, call in scores.items():
         bad_values = {
@@ -1510,10 +1513,20 @@ def adapter_cases():
             bad_values["head"] = (("huge", 2), ("negative", -3), ("None", None))
         else:
             bad_values["heads"] = (("huge", [0, 2]), ("str", "all"), ("empty", []))
-        if where in ("pathkernels.score_pairs", "pathkernels.score_attribution"):
+        if where in ("pathkernels.score_pairs", "pathkernels.score_attribution", "pathkernels.score_top_paths"):
             bad_values["key"] = (("huge", 9), ("float", 1.5), ("None", None))
+        if where in ("pathkernels.score_pairs", "pathkernels.score_attribution"):
             bad_values["top_k"] = (("negative", -1), ("str", "5"))
-        else:
+        if where == "pathkernels.score_top_paths":
+            bad_values |= {
+                "k": (("zero", 0), ("str", "3")),
+                "time_limit": (("negative", -1), ("nan", NAN)),
+                "bound": (("str", "tight"),),
+                "side": (("str", "both"),),
+                "max_length": (("huge", 3), ("negative", -1)),
+            }
+
+        if where in ("pathkernels.score_decomposition", "pathkernels.score_decompositions"):
             bad_values["keys"] = (("huge", [9]), ("empty", []), ("str", "all"))
         if where == "pathkernels.score_attribution":
             bad_values["side"] = (("str", "value"), ("None", None))

@@ -25,6 +25,7 @@ from pathkernels.analysis.scores import (
     score_decomposition,
     score_decompositions,
     score_pairs,
+    score_top_paths,
 )
 from pathkernels.analysis.top_paths import TopPaths, top_paths
 
@@ -44,5 +45,6 @@ __all__ = [
     "score_decomposition",
     "score_decompositions",
     "score_pairs",
+    "score_top_paths",
     "top_paths",
 ]

@@ -24,18 +24,21 @@ query norm and the rotation at i; likewise ``k_{p'}(j)``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from pathkernels.adapters.query_key import SIDES
 from pathkernels.analysis.attribution import CheckedReadout, PathAttribution, Readout, attribute
 from pathkernels.analysis.readout_trie import FrozenModel, describe_path, frozen_model
 from pathkernels.analysis.real_paths import _every_term, _heads, _skip
+from pathkernels.analysis.top_paths import SearchOptions, TopPaths, search_top_paths
 from pathkernels.core._figures import check_save_path, require, saved
 from pathkernels.core._memory import format_bytes
-from pathkernels.core.paths import check_int
+from pathkernels.core.paths import check_flag, check_int
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 if TYPE_CHECKING:
@@ -536,7 +539,49 @@ def score_attribution(
         :func:`score_pairs`' table.
     """
     where = "pathkernels.score_attribution"
-    if side not in ("query", "key"):
+    setup = _one_side(stack, layer, head, query, key, side, batch, max_length, where)
+    top_k = check_int(top_k, "top_k", where, minimum=0)
+    memory_budget = check_int(memory_budget, "memory_budget", where, minimum=1)
+    return attribute(setup, top_k, memory_budget, check_flag(progress, "progress", where))
+
+
+def score_top_paths(
+    stack: AttentionStack,
+    layer: int,
+    head: int,
+    k: int = 20,
+    *,
+    query: int | None = None,
+    key: int,
+    side: str = "query",
+    batch: int = 0,
+    largest: bool = True,
+    max_length: int | None = None,
+    time_limit: float | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    batch_nodes: int = 4096,
+    bound: str = "node",
+    progress: bool = False,
+) -> TopPaths:
+    """The exact ``k`` largest (or smallest) paths of one side of head ``(layer, head)``'s score at
+    (query, key), the other side held at the model's own vector: :func:`score_attribution`'s readout
+    searched best first with a certificate, as :func:`pathkernels.top_paths` searches a logit's
+    (its arguments of the same names), for layers too deep to walk whole.
+
+    Returns:
+        :class:`~pathkernels.TopPaths` over the paths below the layer.
+    """
+    where = "pathkernels.score_top_paths"
+    options = SearchOptions.checked(
+        where, k, largest, time_limit, memory_budget, batch_nodes, False, bound, progress, time.monotonic()
+    )
+    return search_top_paths(_one_side(stack, layer, head, query, key, side, batch, max_length, where), options)
+
+
+def _one_side(stack, layer, head, query, key, side, batch, max_length, where: str) -> CheckedReadout:
+    """One side of a head's score at (query, key) as a readout of the stream below its layer, the
+    other side fixed to the model's own vector (:func:`score_attribution`)."""
+    if side not in SIDES:
         raise ValueError(f"{where}: expected side to be 'query' or 'key', got {side!r}")
     checked = _checked_head(stack, layer, head, batch, where)
     query, keys = _query_and_keys(checked, query, [key], where)
@@ -553,29 +598,15 @@ def score_attribution(
     w, _, scale, gain = maps._weights(side, checked.layer, checked.head)
     direction = scaling * (w @ (scale[checked.batch, checked.layer, checked.head, at[0]] * gain * rotated_back))
     bias = scaling * (checked.constant(side, torch.tensor([read], device=device))[0] @ fixed)
-    n = checked.positions.numel()
-    rho = torch.zeros(1, 1, n, dtype=torch.float64, device=device)
-    rho[0, 0, read] = checked.scale[read]
-    phi = (direction * checked.gamma)[None, None]
+    rho = torch.zeros(1, 1, checked.positions.numel(), dtype=torch.float64, device=device)
+    rho[0, 0, read] = checked.scale[read]  # r = D_i e_i
+    phi = (direction * checked.gamma)[None, None]  # v = C Γ W (…)
     phi = phi - phi.mean(-1, keepdim=True) if checked.centred else phi
     value = checked.model_scores(query, keys).reshape(1, 1)
-    label = (
-        f"L{checked.layer}H{checked.head} score {int(checked.positions[query])}→{int(checked.positions[key])} ({side})"
-    )
-    readout = Readout(direction[None].cpu(), bias.reshape(1).cpu(), (label,))
+    label = f"L{checked.layer}H{checked.head} score {int(checked.positions[query])}→{int(checked.positions[key])}"
+    readout = Readout(direction[None].cpu(), bias.reshape(1).cpu(), (f"{label} ({side} side)",))
     layers = checked.model.layers
     if max_length is not None:  # a path below layer l takes at most l heads
         layers = min(layers, check_int(max_length, "max_length", where, minimum=0, maximum=stack.num_layers))
-    max_length = layers
-    setup = CheckedReadout(
-        checked.model,
-        rho,
-        phi,
-        bias.reshape(1, 1),
-        value,
-        readout,
-        [int(checked.positions[read])],
-        checked.batch,
-        max_length,
-    )
-    return attribute(setup, check_int(top_k, "top_k", where, minimum=0), memory_budget, progress)
+    positions = [int(checked.positions[read])]
+    return CheckedReadout(checked.model, rho, phi, bias.reshape(1, 1), value, readout, positions, checked.batch, layers)

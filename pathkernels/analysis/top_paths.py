@@ -435,20 +435,8 @@ def top_paths(
         ``certified``, ``gap``) with how much of the tree was visited.
     """
     start = time.monotonic()
-    k = check_int(k, "k", _WHERE, minimum=1)
-    batch_nodes = check_int(batch_nodes, "batch_nodes", _WHERE, minimum=1)
-    memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
-    if time_limit is not None and (
-        isinstance(time_limit, bool) or not isinstance(time_limit, numbers.Real) or not time_limit > 0
-    ):
-        raise ValueError(
-            f"{_WHERE}: expected time_limit to be a positive number of seconds or None, got {time_limit!r}"
-        )
-    if bound not in _BOUNDS:
-        raise ValueError(f"{_WHERE}: expected bound in {_BOUNDS}, got {bound!r}")
-    largest, record, progress = (
-        check_flag(value, name, _WHERE)
-        for name, value in (("largest", largest), ("record", record), ("progress", progress))
+    options = SearchOptions.checked(
+        _WHERE, k, largest, time_limit, memory_budget, batch_nodes, record, bound, progress, start
     )
     if position is not None and (isinstance(position, bool) or not isinstance(position, numbers.Integral)):
         raise TypeError(
@@ -458,6 +446,49 @@ def top_paths(
     setup = read_out(stack, readout, position, batch, max_length, _WHERE)
     if len(setup.readout.labels) != 1:
         raise ValueError(f"{_WHERE}: expected one readout direction, got {len(setup.readout.labels)}")
+    return search_top_paths(setup, options)
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """The checked options of a best-first search (:func:`top_paths`' arguments of the same names)."""
+
+    k: int
+    largest: bool
+    time_limit: float | None
+    memory_budget: int
+    batch_nodes: int
+    record: bool
+    bound: str
+    progress: bool
+    start: float  # time.monotonic() when the call began: the time limit counts from it
+
+    @staticmethod
+    def checked(where, k, largest, time_limit, memory_budget, batch_nodes, record, bound, progress, start):
+        """The options, each refused in ``where``'s name where it is not what the search takes."""
+        k = check_int(k, "k", where, minimum=1)
+        batch_nodes = check_int(batch_nodes, "batch_nodes", where, minimum=1)
+        memory_budget = check_int(memory_budget, "memory_budget", where, minimum=1)
+        if time_limit is not None and (
+            isinstance(time_limit, bool) or not isinstance(time_limit, numbers.Real) or not time_limit > 0
+        ):
+            raise ValueError(
+                f"{where}: expected time_limit to be a positive number of seconds or None, got {time_limit!r}"
+            )
+        if bound not in _BOUNDS:
+            raise ValueError(f"{where}: expected bound in {_BOUNDS}, got {bound!r}")
+        largest, record, progress = (
+            check_flag(value, name, where)
+            for name, value in (("largest", largest), ("record", record), ("progress", progress))
+        )
+        return SearchOptions(k, largest, time_limit, memory_budget, batch_nodes, record, bound, progress, start)
+
+
+def search_top_paths(setup, options: SearchOptions) -> TopPaths:
+    """:func:`top_paths` of a checked readout of one direction at one token
+    (:class:`~pathkernels.analysis.attribution.CheckedReadout`: its frozen model may be the part of
+    a model below a layer, as :func:`pathkernels.score_top_paths` reads it)."""
+    k, largest, record, bound = options.k, options.largest, options.record, options.bound
     # The search runs on ρ and φ scaled by powers of two (exactly) to a largest entry in [1, 2): every
     # attribution and bound is bilinear in them, so values and bounds scale back exactly, and the
     # bounds' squares stay in range whatever the readout's scale (1e-300 made them 0, pruning the
@@ -468,13 +499,15 @@ def top_paths(
         rho=_times_power_of_two(setup.rho, -_exponent(setup.rho[0, :1])),
         phi=_times_power_of_two(setup.phi, -_exponent(setup.phi[0, :1])),
     )
-    model, layers = setup.model, stack.num_layers
+    model, layers = setup.model, setup.model.layers
     sign = 1.0 if largest else -1.0
-    total = count_attribution_paths(layers, stack.num_heads, setup.max_length)
-    bar = progress_bar(total, enabled=progress, unit="path", desc=_WHERE)
+    total = count_attribution_paths(layers, model.num_heads, setup.max_length)
+    bar = progress_bar(total, enabled=options.progress, unit="path", desc=_WHERE)
     # The k largest of the (signed) attributions found, and with record every visited path.
     fold = Fold(len(model.sources), layers, 1, 1, k, keep=record, bottom=False)
-    search = _Search(setup, sign, fold, k, start, time_limit, memory_budget, batch_nodes, bar)
+    search = _Search(
+        setup, sign, fold, k, options.start, options.time_limit, options.memory_budget, options.batch_nodes, bar
+    )
     if bound == "node" and model.sublayers[0].pre:
         pruned, frontier, visited, expanded, stopped = _search_heads(search)
     else:  # post-norm models take "plain" for "node"
@@ -508,7 +541,7 @@ def top_paths(
         visited=visited,
         expanded=expanded,
         total=total,
-        seconds=time.monotonic() - start,
+        seconds=time.monotonic() - options.start,
         stopped=stopped,
         recorded=recorded,
     )
