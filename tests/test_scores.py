@@ -14,6 +14,7 @@ test of tests/test_model_families.py builds them so (sharp attention), float64 a
 
 import math
 import sys
+import warnings
 
 import pytest
 import torch
@@ -29,7 +30,20 @@ transformers = pytest.importorskip("transformers")
 from test_model_families import family_model, literal_pre_norm_terms  # noqa: E402
 from test_real_models import gpt2, llama  # noqa: E402
 
-FAMILIES = ["gpt2", "llama", "qwen2", "qwen3", "gemma", "gemma2-sliding-biased", "gemma3", "olmo", "olmo2"]
+FAMILIES = [
+    "gpt2",
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2-sliding-biased",
+    "gemma3",
+    "olmo",
+    "olmo2",
+    "gpt_neox",
+    "phi",
+    "opt",
+]
 
 
 def build(name: str, dtype=torch.float64):
@@ -59,7 +73,8 @@ def test_every_heads_scores_sum_to_the_models_own(name, dtype):
     tokens the mask lets the query see, and the pattern is 0 on every other."""
     model = build(name, dtype)
     ids, mask = padded_ids()
-    with pytest.warns(UserWarning, match="left-padded"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the left-padded row's positions, as generate gives them
         stack, capture = capture_huggingface_residual(model, input_ids=ids, attention_mask=mask, query_key=True)
     exact = dtype == torch.float64
     for batch in (0, 1):
@@ -85,6 +100,21 @@ def test_every_heads_scores_sum_to_the_models_own(name, dtype):
             assert bool(result.allowed.all())
             assert set(result.keys.tolist()) <= set(range(2 * batch, result.query + 1))
     assert (name.startswith("gemma2")) == (result.soft_cap is not None)
+
+
+def test_a_vit_looks_at_every_patch():
+    """ViT (no mask, learned positions, a class token): the sums are the model's own scores and the
+    log of its patterns, every key allowed."""
+    config = transformers.ViTConfig(
+        num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64, image_size=8, patch_size=4
+    )
+    model = transformers.ViTModel(config).double().eval()
+    stack, capture = capture_huggingface_residual(model, pixel_values=torch.randn(1, 3, 8, 8), query_key=True)
+    for result in pk.score_decompositions(stack, 1, query=0):
+        assert result.keys.tolist() == [0, 1, 2, 3, 4]
+        assert float((result.scores - result.model_scores).abs().max()) < 1e-12 * float(result.scores.abs().max())
+        row = capture.patterns(stack.attn, 0)[1, result.head, 0]
+        torch.testing.assert_close(result.scores - torch.logsumexp(result.scores, 0), row.log(), rtol=0, atol=1e-10)
 
 
 # --- the literal pairs ----------------------------------------------------------------------------
@@ -313,10 +343,15 @@ def test_the_induction_heads_look_by_k_composition_through_the_previous_token_he
 
 
 def test_what_is_not_read_is_refused_by_name():
-    model = family_model("gpt_neox")
     ids = torch.randint(0, 50, (1, 5))
-    with pytest.raises(ValueError, match=r"query_key=True reads the queries and keys of gpt2, .*not yet of 'gpt_neox'"):
-        capture_huggingface_residual(model, input_ids=ids, query_key=True)
+    with pytest.raises(ValueError, match=r"query_key=True reads the queries and keys of gpt2, .*not yet of 'gptj'"):
+        capture_huggingface_residual(family_model("gptj"), input_ids=ids, query_key=True)
+    with pytest.raises(ValueError, match=r"query_key=True reads pre-norm models; this 'opt' normalises after"):
+        capture_huggingface_residual(family_model("opt-post-projected"), input_ids=ids, query_key=True)
+    phi = family_model("phi")
+    phi.config.qk_layernorm = True
+    with pytest.raises(ValueError, match=r"does not read LayerNorms on the queries and keys"):
+        capture_huggingface_residual(phi, input_ids=ids, query_key=True)
     stack, _ = capture_huggingface_residual(build("gpt2"), input_ids=ids)
     with pytest.raises(ValueError, match=r"^pathkernels\.score_decomposition: expected a stack captured with its"):
         pk.score_decomposition(stack, 0, 0)

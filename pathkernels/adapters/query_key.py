@@ -43,6 +43,10 @@ QUERY_KEY_FAMILIES = (
     "gemma3_text",
     "olmo",
     "olmo2",
+    "gpt_neox",
+    "phi",
+    "opt",
+    "vit",
 )
 SIDES = ("query", "key")
 
@@ -228,14 +232,27 @@ def _projection(module: nn.Module) -> tuple[Tensor, Tensor | None]:
     return weight.detach().double(), None if bias is None else bias.detach().double()
 
 
-def _query_key_weights(module: nn.Module, heads: int, kv_heads: int, head_dim: int) -> list[tuple[Tensor, Tensor]]:
-    """``[(W_Q [H, d, e], b_Q [H, e]), (W_K, b_K)]``, key heads repeated per query head."""
+def _query_key_weights(
+    module: nn.Module, heads: int, kv_heads: int, head_dim: int, scaled_queries: bool = False
+) -> list[tuple[Tensor, Tensor]]:
+    """``[(W_Q [H, d, e], b_Q [H, e]), (W_K, b_K)]``, key heads repeated per query head;
+    ``scaled_queries``: the module multiplies its query projection's output by its ``scaling``."""
     if hasattr(module, "c_attn"):  # GPT-2: [q | k | v] columns of one projection
         weight, bias = _projection(module.c_attn)
         width = heads * head_dim
         parts = [(weight[:, :width], bias[:width]), (weight[:, width : 2 * width], bias[width : 2 * width])]
+    elif hasattr(module, "query_key_value"):  # GPT-NeoX: per head [q | k | v]
+        weight, bias = _projection(module.query_key_value)
+        weight = weight.reshape(weight.shape[0], heads, 3, head_dim)
+        bias = None if bias is None else bias.reshape(heads, 3, head_dim)
+        parts = [
+            (weight[:, :, i].reshape(weight.shape[0], -1), None if bias is None else bias[:, i].reshape(-1))
+            for i in (0, 1)
+        ]
     else:
         parts = [_projection(module.q_proj), _projection(module.k_proj)]
+        if scaled_queries:  # OPT scales the projection's output, and its attention then by 1
+            parts[0] = (parts[0][0] * module.scaling, None if parts[0][1] is None else parts[0][1] * module.scaling)
     out = []
     for (weight, bias), count in zip(parts, (heads, kv_heads)):
         w = weight.reshape(weight.shape[0], count, head_dim).permute(1, 0, 2)
@@ -285,9 +302,16 @@ def _heads_first(x: Tensor, tokens: int, count: int) -> bool:
 
 
 def query_key_capture(
-    attention_modules: list[nn.Module], seen: list[_Seen], heads: int, kv_heads: int, head_dim: int, where: str
+    attention_modules: list[nn.Module],
+    seen: list[_Seen],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    where: str,
+    scaled_queries: bool = False,
 ) -> QueryKeyCapture:
-    """The :class:`QueryKeyCapture` of a forward pass recorded by :func:`recording`."""
+    """The :class:`QueryKeyCapture` of a forward pass recorded by :func:`recording` (``scaled_queries``:
+    OPT's, whose query projection's output is scaled before its attention)."""
     missing = [i for i, record in enumerate(seen) if record.queries is None]
     if missing:
         raise ValueError(
@@ -298,7 +322,7 @@ def query_key_capture(
     per_layer = {name: [] for name in ("w_q", "b_q", "w_k", "b_k", "qs", "ks", "qg", "kg", "allowed", "q", "k")}
     rotations = []
     for module, record in zip(attention_modules, seen):
-        (w_q, b_q), (w_k, b_k) = _query_key_weights(module, heads, kv_heads, head_dim)
+        (w_q, b_q), (w_k, b_k) = _query_key_weights(module, heads, kv_heads, head_dim, scaled_queries)
         query_scale, query_gain = _norm_scale_gain(module, "q_norm", record, heads, heads, head_dim, (batch, tokens))
         key_scale, key_gain = _norm_scale_gain(module, "k_norm", record, heads, kv_heads, head_dim, (batch, tokens))
         keys = record.keys.double().cpu()

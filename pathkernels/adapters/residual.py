@@ -248,6 +248,15 @@ def capture_huggingface_residual(
             f"{_WHERE}: query_key=True reads the queries and keys of {', '.join(QUERY_KEY_FAMILIES)} models; "
             f"not yet of {model.config.model_type!r}"
         )
+    if query_key and spec.layout == "post":
+        raise ValueError(
+            f"{_WHERE}: query_key=True reads pre-norm models; this {model.config.model_type!r} normalises after each "
+            "residual sum (post-norm), whose score side is not read yet"
+        )
+    if query_key and getattr(model.config, "qk_layernorm", False):
+        raise ValueError(
+            f"{_WHERE}: query_key=True does not read LayerNorms on the queries and keys (Phi's qk_layernorm)"
+        )
     warn_if_training(model, _WHERE)
     inputs = _prepared_inputs(model, inputs, _WHERE)
     blocks = _blocks(model, *spec.blocks)
@@ -337,7 +346,13 @@ def capture_huggingface_residual(
         if scores_seen is not None:
             first = attention[0]
             capture.query_key = query_key_capture(
-                modules, scores_seen, first.num_heads, first.num_kv_heads, first.head_dim, _WHERE
+                modules,
+                scores_seen,
+                first.num_heads,
+                first.num_kv_heads,
+                first.head_dim,
+                _WHERE,
+                scaled_queries=model.config.model_type == "opt",
             )
             _check_query_key(capture, stack)
     stack, capture = _attached(stack, capture)
