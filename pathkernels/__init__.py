@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 
 # The public names of the library layers and the modules that define them.
 _LIBRARY_NAMES = {
+    "CausalCheck": "pathkernels.analysis.causal",
     "DEFAULT_MEMORY_BUDGET": "pathkernels.core.planner",
     "MatrixNorms": "pathkernels.core.ops",
     "PathAttribution": "pathkernels.analysis.attribution",
@@ -38,6 +39,7 @@ _LIBRARY_NAMES = {
     "ScorePairs": "pathkernels.analysis.scores",
     "TopPaths": "pathkernels.analysis.top_paths",
     "build_info": "pathkernels.core._extension",
+    "causal_check": "pathkernels.analysis.causal",
     "composite_norm": "pathkernels.core.ops",
     "count_by_length": "pathkernels.core.paths",
     "count_paths": "pathkernels.core.paths",
@@ -107,6 +109,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "CausalCheck",
     "DEFAULT_MEMORY_BUDGET",
     "MatrixNorms",
     "PathAttribution",
@@ -120,6 +123,7 @@ __all__ = [
     "TopPaths",
     "adapters",
     "build_info",
+    "causal_check",
     "compat",
     "composite_norm",
     "count_by_length",

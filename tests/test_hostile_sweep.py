@@ -1557,6 +1557,36 @@ def adapter_cases():
         "a stack without queries and keys",
         lambda: pk.score_decomposition(stack, 1, 0),
     )
+    where = "pathkernels.causal_check"
+    check = lambda **a: pk.causal_check(  # noqa: E731
+        model,
+        scored,
+        a.pop("inputs", {"input_ids": ids}),
+        a.pop("paths", [[0, -1]]),
+        a.pop("sources", [0]),
+        **({"layer": 1, "head": 0, "key": 1} | a),
+    )
+    for name, values in {
+        "side": (("str", "value"), ("None", None)),
+        "layer": (("huge", 2), ("negative", -1), ("float", 1.0)),
+        "head": (("huge", 2), ("str", "0")),
+        "key": (("huge", 9), ("float", 1.0)),
+        "query": (("huge", 9),),
+        "batch": (("huge", 1), ("float", 0.0)),
+        "frozen": (("str", "yes"),),
+        "position": (("huge", 9), ("float", 2.0)),
+        "paths": (("huge", [[5, -1]]), ("shape", [[0]]), ("above", [[-1, 1]])),
+        "sources": (("str", ["no such source"]), ("huge", [99])),
+        "readout": (("shape", torch.ones(3, dtype=torch.float64)), ("nan", torch.full((8,), NAN))),
+        "inputs": (("type", ids),),
+    }.items():
+        for kind, bad in values:
+            words = ("sources", "source") if name == "sources" else ("paths", "path") if name == "paths" else name
+            if name == "position":
+                call = lambda b=bad: check(position=b, readout=torch.ones(8, dtype=torch.float64))  # noqa: E731
+            else:
+                call = lambda n=name, b=bad: check(**{n: b})  # noqa: E731
+            refused(where, words, kind, name, call)
 
 
 adapter_cases()

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from pathkernels.adapters.precision import norm_eps, rms_gain
 
-# Families whose queries and keys are read, each a projection (or GPT-2's fused c_attn) per side,
+# Families whose queries and keys are read, each a projection per side (or one fused: GPT-2, GPT-NeoX),
 # an optional RMSNorm on each (per head, or over every head: OLMo 2) and rotary positions handed to
 # the attention as ``position_embeddings``.
 QUERY_KEY_FAMILIES = (

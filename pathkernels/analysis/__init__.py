@@ -7,6 +7,8 @@
   the core's hook, set on import). All three walk :mod:`~pathkernels.analysis.readout_trie`, the
   frozen model as a trie of its paths; :mod:`~pathkernels.analysis.scores`: where heads look, a
   head's attention scores as exact sums over pairs of paths (``pk.score_decomposition``);
+  :mod:`~pathkernels.analysis.causal`: the causal check of a path, its term removed where it
+  enters and the model run on (``pk.causal_check``);
 - :mod:`~pathkernels.analysis.metrics` (``pk.metrics``: rank collapse and token similarity),
   :mod:`~pathkernels.analysis.rollout` (``pk.rollout``), :mod:`~pathkernels.analysis.nn`
   (``pk.nn.DeEscalation``) and :mod:`~pathkernels.analysis.compat` (``pk.compat``: the paper's
@@ -17,6 +19,7 @@ demo): it imports the core and the adapters, and neither imports it (docs/DESIGN
 """
 
 from pathkernels.analysis.attribution import PathAttribution, Readout, logit, logit_diff, path_attribution
+from pathkernels.analysis.causal import CausalCheck, causal_check
 from pathkernels.analysis.real_paths import ModelPathDecomposition, decompose_model, path_terms
 from pathkernels.analysis.scores import (
     ScoreDecomposition,
@@ -30,12 +33,14 @@ from pathkernels.analysis.scores import (
 from pathkernels.analysis.top_paths import TopPaths, top_paths
 
 __all__ = [
+    "CausalCheck",
     "ModelPathDecomposition",
     "PathAttribution",
     "Readout",
     "ScoreDecomposition",
     "ScorePairs",
     "TopPaths",
+    "causal_check",
     "decompose_model",
     "logit",
     "logit_diff",
