@@ -6,10 +6,11 @@ Reported per case: the capture with its queries and keys (``query_key=True``: on
 value side's self-check and the rebuild of every query and key), every head of the top layer split
 by (source, heads) groups at the last token against every key (``pk.score_decompositions``), one
 head alone, the groups per side, the largest relative difference of the sums from the model's own
-scores, and one head's query side as a readout (``pk.score_attribution``, paths up to
-``max_length`` heads).
+scores, one head's query side as a readout (``pk.score_attribution``, paths up to ``max_length``
+heads), and that head's top 20 pairs of paths at key 3, certified (``pk.top_score_pairs``; its time
+and whether it certified within two minutes).
 
-    python bench/bench_scores.py                 # the grid, about a minute on 2 cores
+    python bench/bench_scores.py                 # the grid, a few minutes on 2 cores
     python bench/bench_scores.py --quick
     python bench/bench_scores.py --out bench/results/scores-cpu-epyc.json
 """
@@ -44,6 +45,8 @@ COLUMNS = [
     ("|sum-model|", "relative_error", ".1e"),
     ("max len", "max_length", ""),
     ("query side s", "query_side_s", ".3f"),
+    ("top 20 pairs s", "top_pairs_s", ".2f"),
+    ("certified", "certified", ""),
 ]
 
 
@@ -65,6 +68,7 @@ def bench_case(layers: int, heads: int, width: int, tokens: int, init: str, max_
     top = layers - 1
     time_it = lambda call: seconds_per_call(call, "cpu", min_runs=3, min_seconds=1.0, statistic="min")  # noqa: E731
     results = pk.score_decompositions(stack, top)
+    found = pk.top_score_pairs(stack, top, 0, 20, key=3, time_limit=120)
     error = max(float((r.scores - r.model_scores).abs().max() / r.model_scores.abs().max()) for r in results)
     return {
         "layers": layers,
@@ -79,6 +83,8 @@ def bench_case(layers: int, heads: int, width: int, tokens: int, init: str, max_
         "relative_error": error,
         "max_length": max_length,
         "query_side_s": time_it(lambda: pk.score_attribution(stack, top, 0, key=0, max_length=max_length)),
+        "top_pairs_s": found.seconds,
+        "certified": found.certified,
     }
 
 

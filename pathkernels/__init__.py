@@ -38,6 +38,7 @@ _LIBRARY_NAMES = {
     "ScoreDecomposition": "pathkernels.analysis.scores",
     "ScorePairs": "pathkernels.analysis.scores",
     "TopPaths": "pathkernels.analysis.top_paths",
+    "TopScorePairs": "pathkernels.analysis.score_search",
     "build_info": "pathkernels.core._extension",
     "causal_check": "pathkernels.analysis.causal",
     "composite_norm": "pathkernels.core.ops",
@@ -61,6 +62,7 @@ _LIBRARY_NAMES = {
     "rollout": "pathkernels.analysis.rollout",
     "sample_paths": "pathkernels.core.paths",
     "top_paths": "pathkernels.analysis.top_paths",
+    "top_score_pairs": "pathkernels.analysis.score_search",
     "truncated_output": "pathkernels.core.length_sums",
 }
 # The library's modules that are public names (pk.metrics, ...), the layers themselves included.
@@ -121,6 +123,7 @@ __all__ = [
     "ScoreDecomposition",
     "ScorePairs",
     "TopPaths",
+    "TopScorePairs",
     "adapters",
     "build_info",
     "causal_check",
@@ -151,6 +154,7 @@ __all__ = [
     "score_pairs",
     "score_top_paths",
     "top_paths",
+    "top_score_pairs",
     "truncated_output",
 ]
 

@@ -1502,6 +1502,9 @@ def adapter_cases():
         "pathkernels.score_top_paths": lambda **a: pk.score_top_paths(
             scored, **({"layer": 1, "head": 0, "key": 1} | a)
         ),
+        "pathkernels.top_score_pairs": lambda **a: pk.top_score_pairs(
+            scored, **({"layer": 1, "head": 0, "key": 1} | a)
+        ),
     }
     for where, call in scores.items():
         bad_values = {
@@ -1513,7 +1516,12 @@ def adapter_cases():
             bad_values["head"] = (("huge", 2), ("negative", -3), ("None", None))
         else:
             bad_values["heads"] = (("huge", [0, 2]), ("str", "all"), ("empty", []))
-        if where in ("pathkernels.score_pairs", "pathkernels.score_attribution", "pathkernels.score_top_paths"):
+        if where in (
+            "pathkernels.score_pairs",
+            "pathkernels.score_attribution",
+            "pathkernels.score_top_paths",
+            "pathkernels.top_score_pairs",
+        ):
             bad_values["key"] = (("huge", 9), ("float", 1.5), ("None", None))
         if where in ("pathkernels.score_pairs", "pathkernels.score_attribution"):
             bad_values["top_k"] = (("negative", -1), ("str", "5"))
@@ -1530,6 +1538,15 @@ def adapter_cases():
             bad_values["keys"] = (("huge", [9]), ("empty", []), ("str", "all"))
         if where == "pathkernels.score_attribution":
             bad_values["side"] = (("str", "value"), ("None", None))
+        if where == "pathkernels.top_score_pairs":
+            bad_values |= {
+                "k": (("zero", 0), ("float", 2.0)),
+                "time_limit": (("negative", -1), ("nan", NAN), ("str", "5")),
+                "bound": (("str", "node"), ("None", None)),
+                "memory_budget": (("zero", 0),),
+                "batch_nodes": (("zero", 0),),
+                "largest": (("str", "no"),),
+            }
         for name, values in bad_values.items():
             words = ("heads", "head") if name == "heads" else name
             for kind, bad in values:

@@ -24,6 +24,7 @@ import pathkernels as pk
 from pathkernels.adapters import query_key as query_key_module
 from pathkernels.adapters.residual import capture_huggingface_residual
 from pathkernels.analysis.scores import CONSTANT
+from pathkernels.core.paths import count_attribution_paths
 
 transformers = pytest.importorskip("transformers")
 
@@ -293,6 +294,132 @@ def test_the_certified_top_paths_of_one_side_are_brute_forces(side, bound):
         ceiling = max(stopped.bound, float(listed.min())) if listed.numel() else stopped.bound
         assert not stopped.certified or listed.numel() == 6
         assert float(signed[listed.numel() :].max()) <= ceiling + 1e-12 * scale
+
+
+@pytest.mark.parametrize("bound", ["chain", "first_head", "plain"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3"])
+def test_the_certified_top_pairs_are_the_listed_pairs_top(name, bound):
+    """top_score_pairs, largest and smallest, on every bound: certified and equal to the top of
+    every pair listed by score_pairs (values and both paths)."""
+    stack, _ = capture_huggingface_residual(build(name), input_ids=torch.randint(0, 50, (1, 6)), query_key=True)
+    layer = stack.num_layers - 1
+    listed = pk.score_pairs(stack, layer, 1, query=5, key=2, top_k=8)
+    scale = float(listed.values.abs().max())
+    for largest, rows in ((True, listed.top), (False, listed.bottom)):
+        found = pk.top_score_pairs(stack, layer, 1, 8, query=5, key=2, largest=largest, bound=bound, batch_nodes=3)
+        assert found.certified and found.stopped in ("certified", "exhausted"), found
+        assert [row["value"] for row in found.table()] == pytest.approx(
+            [row["value"] for row in rows], abs=1e-12 * scale
+        )
+        assert [(row["query path"], row["key path"]) for row in found.table()][:3] == [
+            (row["query path"], row["key path"]) for row in rows
+        ][:3]
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_a_search_stopped_early_bounds_every_pair_it_did_not_list(largest):
+    """Stopped before certifying (a time limit passed before the first step, or memory budgets that
+    stop it at 30 points along the way), the reported bound holds: no pair outside the list exceeds
+    the larger of the bound and the list's k-th value, and the list is certified exactly when the
+    bound is at most that value. A 4-layer GPT-2 with sharp attention, so that paths through
+    further heads and both frontiers matter."""
+    stack, _ = capture_huggingface_residual(
+        gpt2(layers=4).eval(), input_ids=torch.randint(0, 50, (1, 6)), query_key=True
+    )
+    listed = pk.score_pairs(stack, 3, 3, query=5, key=1)
+    signed = listed.values.flatten() * (1 if largest else -1)
+    ranked = torch.sort(signed, descending=True).values
+    scale = float(signed.abs().max())
+    stops = [{"time_limit": 1e-9}] + [{"memory_budget": budget} for budget in range(4_000, 124_000, 4_000)]
+    uncertified = 0
+    for limits in stops:
+        found = pk.top_score_pairs(stack, 3, 3, 5, query=5, key=1, largest=largest, batch_nodes=1, **limits)
+        kept = found.values * (1 if largest else -1)
+        kth = float(kept[-1]) if kept.numel() == 5 else -math.inf
+        ceiling = max(found.bound, kth)
+        assert float(ranked[kept.numel() :].max()) <= ceiling + 1e-12 * scale, (limits, found, ceiling)
+        assert found.certified == (found.bound <= kth), (limits, found)
+        uncertified += not found.certified
+        if found.certified:
+            torch.testing.assert_close(kept, ranked[:5], rtol=0, atol=1e-12 * scale)
+    assert uncertified >= 5  # the sweep stops it before the certificate
+
+
+@pytest.mark.parametrize("amplified", [1.0, 8.0])
+@pytest.mark.parametrize("side", ["query", "key"])
+def test_every_node_bound_is_above_every_vector_below_it(side, amplified):
+    """The search's node bound, checked node by node on a whole walk: every path below a node (its
+    tails and every path through further heads) has a vector no longer than the node's bound. A
+    4-layer GPT-2, and the same with every head's value and output maps ×8 (paths through more
+    heads then carry more)."""
+    from pathkernels.analysis import score_search
+    from pathkernels.analysis.scores import _checked_head
+    from pathkernels.analysis.top_paths import _chain_factors, _first_head_reach, _NodeBounds
+
+    model = gpt2(layers=4).eval()
+    width = model.config.n_embd
+    with torch.no_grad():
+        for block in model.transformer.h:
+            block.attn.c_proj.weight.mul_(amplified)
+            block.attn.c_attn.weight[:, 2 * width :].mul_(amplified)  # the values
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 6)), query_key=True)
+    head = _checked_head(stack, 3, 1, 0, "test")
+    bounds = _NodeBounds(head.model)
+    first, chains = _first_head_reach(head.model), _chain_factors(head.model)
+    with_head = [min(first[index], chains[index]) for index in bounds.index]
+    walk = score_search._Side(head, side, 4, bounds, with_head, record=True)
+    while walk.heap:
+        walk.expand(16)
+    norms = walk.all_vectors().norm(dim=-1)
+    heads_taken = walk.record[1]
+    assert len(heads_taken) == norms.numel() == 1 + count_attribution_paths(3, 4, 3)  # every path, and the constant
+    for prefix, bound in walk.record[0]:
+        below = torch.tensor([taken[: len(prefix)] == prefix for taken in heads_taken])
+        assert bool(below.any()) and float(norms[below].max()) <= bound * (1 + 1e-12), (prefix, bound)
+
+
+def test_the_certificate_is_the_formula_over_both_frontiers():
+    """Stopped before its first step, the search reports ``scaling · max(F_Q · max(V_K, F_K),
+    F_K · max(V_Q, F_Q))``: each side's largest node bound F and largest visited norm V (its
+    constant and its paths through no head), computed here from the two sides' walks."""
+    from pathkernels.analysis import score_search
+    from pathkernels.analysis.scores import _checked_head
+    from pathkernels.analysis.top_paths import _chain_factors, _first_head_reach, _NodeBounds
+
+    model = gpt2(layers=4).eval()
+    with torch.no_grad():  # heads that amplify: the frontier's bounds exceed the visited paths' norms
+        for block in model.transformer.h:
+            block.attn.c_proj.weight.mul_(8.0)
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 6)), query_key=True)
+    head = _checked_head(stack, 3, 2, 0, "test")
+    bounds = _NodeBounds(head.model)
+    first, chains = _first_head_reach(head.model), _chain_factors(head.model)
+    with_head = [min(first[index], chains[index]) for index in bounds.index]
+    query, key = (score_search._Side(head, side, row, bounds, with_head) for side, row in (("query", 5), ("key", 1)))
+    f_q, f_k, v_q, v_k = query.frontier, key.frontier, query.largest_norm, key.largest_norm
+    assert f_q > v_q and f_k > v_k
+    expected = float(head.maps.scaling[3]) * max(f_q * max(v_k, f_k), f_k * max(v_q, f_q))
+    found = pk.top_score_pairs(stack, 3, 2, 5, query=5, key=1, time_limit=1e-9)
+    assert not found.certified and found.bound == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("fixture", ["attn_only_2l", "gpt2_4l", "llama_2l"])
+def test_the_top_20_pairs_of_every_fixture_head_are_certified(fixture):
+    """Each fixture's top layer, every head, at the example's last token against its first:
+    the top 20 pairs certified and equal to the full list."""
+    from pathkernels.fixtures import load_fixture
+
+    model, inputs = load_fixture(fixture)
+    stack, _ = capture_huggingface_residual(model, **inputs, query_key=True)
+    layer = stack.num_layers - 1
+    for head in range(stack.num_heads):
+        found = pk.top_score_pairs(stack, layer, head, 20, key=1)
+        listed = pk.score_pairs(stack, layer, head, key=1, top_k=20)
+        assert found.certified, found
+        scale = float(listed.values.abs().max())
+        assert [float(v) for v in found.values] == pytest.approx(
+            [row["value"] for row in listed.top], abs=1e-12 * scale
+        )
 
 
 def test_layer_zero_has_only_the_embedding_and_the_constant():

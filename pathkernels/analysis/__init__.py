@@ -21,6 +21,7 @@ demo): it imports the core and the adapters, and neither imports it (docs/DESIGN
 from pathkernels.analysis.attribution import PathAttribution, Readout, logit, logit_diff, path_attribution
 from pathkernels.analysis.causal import CausalCheck, causal_check
 from pathkernels.analysis.real_paths import ModelPathDecomposition, decompose_model, path_terms
+from pathkernels.analysis.score_search import TopScorePairs, top_score_pairs
 from pathkernels.analysis.scores import (
     ScoreDecomposition,
     ScorePairs,
@@ -40,6 +41,7 @@ __all__ = [
     "ScoreDecomposition",
     "ScorePairs",
     "TopPaths",
+    "TopScorePairs",
     "causal_check",
     "decompose_model",
     "logit",
@@ -52,4 +54,5 @@ __all__ = [
     "score_pairs",
     "score_top_paths",
     "top_paths",
+    "top_score_pairs",
 ]
