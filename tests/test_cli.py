@@ -526,3 +526,71 @@ def test_checking_the_out_folder_leaves_none_behind(tmp_path):
     blocker.write_text("not a folder")
     with pytest.raises(CommandLineError, match=r"^pathkernels paths: --out .*file/out: cannot write there"):
         check_writable(blocker / "out", "--out", "paths")
+
+
+# --- scores --------------------------------------------------------------------------------------
+
+
+def test_scores_prints_the_head_the_groups_and_the_pairs_and_writes_its_files(tmp_path, capsys):
+    """The built-in GPT-2: the head's scores equal to the library's own decomposition of the same
+    model and tokens, the headings, and with --out the CSV files and the heatmap (labelled axes)."""
+    import pandas as pd
+
+    argv = ["scores", "--layers", "3", "--heads", "2", "--width", "16", "--tokens", "6", "--layer", "2", "--head", "1"]
+    code, out, errors = run([*argv, "--top", "3", "--out", str(tmp_path)], capsys)
+    assert code == 0 and not errors, (errors, out)
+    lines = out.splitlines()
+    headings = [lines[i - 1] for i, line in enumerate(lines) if line and set(line) == {"="}]
+    assert headings[0] == "L2H1's scores and attention at query 5"
+    assert headings[1].startswith("The score at key ") and headings[1].endswith("the 3 largest in size")
+    assert headings[2:] == [h for h in headings[2:] if "pairs (query path · key path)" in h] and len(headings) == 4
+    assert "every pair of the 17 paths per side below layer 2, listed" in out
+    by_key = pd.read_csv(tmp_path / "scores_by_key.csv")
+    by_group = pd.read_csv(tmp_path / "scores_by_group.csv")
+    assert list(by_key.columns) == ["key", "token", "score", "attention"] and len(by_key) == 6
+    key = int(by_key["key"][by_key["attention"].idxmax()])  # the default key: where the head attends most
+    assert by_group["value"].sum() == pytest.approx(float(by_key["score"][key]), rel=1e-9, abs=1e-12)
+    assert (tmp_path / "scores_by_group.png").stat().st_size > 0
+    assert {f.name for f in tmp_path.iterdir()} >= {"score_pairs_largest.csv", "score_pairs_smallest.csv"}
+    code, out, _ = run([*argv, "--key", "1", "--versus", "3"], capsys)
+    assert code == 0 and "The score at key 1 − key 3, by (query group, key group)" in out
+
+
+def test_scores_searches_when_the_pairs_are_too_many_to_list(capsys, monkeypatch):
+    """Above the listing limit the top and bottom pairs come from the certified search, which says
+    what it visited and whether it certified."""
+    from pathkernels.app.cli import scores
+
+    monkeypatch.setattr(scores, "MAX_LISTED_PATHS", 10)
+    argv = ["scores", "--layers", "3", "--heads", "2", "--width", "16", "--tokens", "6", "--top", "3"]
+    code, out, errors = run(argv, capsys)
+    assert code == 0 and all(line.startswith("pathkernels.top_score_pairs: ") for line in errors), errors  # progress
+    assert re.search(r"the 3 largest pairs of 17 paths per side: a best-first search visited \d+ \+ \d+ paths", out)
+    assert "certified" in out
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--layer", "4"], r"--layer: expected a layer in \[0, 3\), got 4"),
+        (["--head", "2"], r"--head: expected a head in \[0, 2\), got 2"),
+        (["--key", "9"], r"--key: expected a token position in \[-6, 6\), got 9"),
+        (["--query", "2", "--key", "4"], r"--key: expected a key that token 2 may attend \(0…2\), got 4"),
+        (["--key", "1", "--versus", "1"], r"--versus: expected a key other than --key \(1\)"),
+    ],
+)
+def test_scores_refuses_what_does_not_exist_by_name(options, message, capsys):
+    argv = ["scores", "--layers", "3", "--heads", "2", "--width", "16", "--tokens", "6", *options]
+    code, _, errors = run(argv, capsys)
+    assert code == 2 and len(errors) == 1 and re.search(message, errors[0]), errors
+
+
+def test_scores_refuses_a_family_whose_queries_are_not_read(tmp_path, capsys):
+    folder = tmp_path / "gptj"
+    folder.mkdir()
+    config = transformers.GPTJConfig(n_layer=2, n_head=2, n_embd=16, vocab_size=50, rotary_dim=4, n_positions=32)
+    config.save_pretrained(folder)
+    code, _, errors = run(["scores", "--model", str(folder), "--tokens", "5"], capsys)
+    assert code == 2 and "query_key=True reads the queries and keys of gpt2" in errors[0], errors
+    code, _, errors = run(["scores", "--model", str(folder), "--layer", "5"], capsys)
+    assert code == 2 and "--layer: expected a layer in [0, 2), got 5" in errors[0], errors

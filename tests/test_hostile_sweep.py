@@ -1631,6 +1631,10 @@ CLI = [
     ("collapse", "--width", "negative", ["collapse", "--width", "-8"], False),
     ("collapse", "--out", "file", ["collapse", "--out", "/proc/x"], False),
     ("bench", "--out", "file", ["bench", "--out", "/"], False),
+    ("scores", "--layer", "huge", ["scores", "--layer", "99"], False),
+    ("scores", "--head", "negative", ["scores", "--head", "-1"], False),
+    ("scores", "--key", "huge", ["scores", *SMALL, "--key", "7"], False),
+    ("scores", "--versus", "str", ["scores", *SMALL, "--versus", "first"], False),
 ]
 
 
@@ -1683,7 +1687,7 @@ def test_the_sweep_covers_every_public_function_and_every_class():
     public |= {f"pathkernels.metrics.{name}" for name in (*METRIC_REFERENCES, "escalation_rate")}
     public |= {f"pathkernels.compat.{name}" for name in pk.compat.__all__}
     public |= {"pathkernels.nn.DeEscalation", "pathkernels.PathTree.complete", "pathkernels.PathTree.from_paths"}
-    public |= {f"pathkernels {command}" for command in ("attribute", "paths", "collapse", "bench")}
+    public |= {f"pathkernels {command}" for command in ("attribute", "paths", "collapse", "scores", "bench")}
     if transformers is None:
         public -= {
             f"pathkernels.{name}" for name in ("path_attribution", "top_paths", "logit", "logit_diff", "path_terms")

@@ -284,7 +284,7 @@ class ScoreDecomposition:
         ax.set_yticks(range(len(labels)), labels, fontsize=8)
         ax.set_xlabel("key side")
         ax.set_ylabel("query side")
-        what = f"key {self.keys[self._key(key)]}" + ("" if other is None else f" − key {other}")
+        what = f"key {int(self.keys[self._key(key)])}" + ("" if other is None else f" − key {int(other)}")
         ax.set_title(f"L{self.layer}H{self.head} score, query {self.query}, {what}", fontsize=9)
         ax.figure.colorbar(image, ax=ax, shrink=0.8)
         return saved(ax.figure, path)

@@ -4,6 +4,7 @@
     pathkernels collapse [--model PATH] ...     residual ratio against depth
     pathkernels paths [--model PATH] ...        residual ratio of the paths, by length
     pathkernels attribute [--model PATH] ...    each path's share of a logit difference, top paths
+    pathkernels scores [--model PATH] ...       where a head looks: its scores by pairs of paths
     pathkernels bench [--device cuda] ...       fused ops and the engine against pure PyTorch
 
 ``--model`` takes a local Hugging Face model directory (its weights are loaded, nothing is
@@ -21,7 +22,7 @@ a plain line about every 10 s elsewhere (a log).
 
 This module is the parser and ``main``: it imports neither torch nor the library, so that
 ``--help`` answers at once. Each subcommand is a module of its own (``demo``, ``collapse``,
-``paths``, ``attribute``, ``bench``; ``common`` and ``base`` what they share), imported when it
+``paths``, ``attribute``, ``scores``, ``bench``; ``common`` and ``base`` what they share), imported when it
 runs.
 """
 
@@ -161,6 +162,12 @@ def _check_options(args, parser: argparse.ArgumentParser) -> None:
             )
     _check_paths(args)
     if getattr(args, "model", None):
+        if args.command == "scores":  # the model's shape from its config, before its weights are read
+            from pathkernels.app.cli.sizes import model_shape
+
+            shape = model_shape(args.model)
+            if shape is not None:
+                _check_head_and_tokens(args, shape["layers"], shape["heads"], args.tokens)
         return
     if getattr(args, "text", None) is not None:
         parser.error("--text needs --model (a model directory with a tokenizer)")
@@ -174,6 +181,8 @@ def _check_options(args, parser: argparse.ArgumentParser) -> None:
             f"argument --width: expected at least --heads = {args.heads} (each head gets width // heads "
             f"columns), got {args.width}"
         )
+    if args.command == "scores":  # the built-in network: its layers, heads and tokens are known now
+        _check_head_and_tokens(args, args.layers, args.heads, args.tokens)
     if args.command == "attribute":  # the built-in network: its tokens and vocabulary are known now
         if args.position is not None and not -args.tokens <= args.position < args.tokens:
             raise CommandLineError(
@@ -192,6 +201,21 @@ def _check_options(args, parser: argparse.ArgumentParser) -> None:
                 ) from None
             if not 0 <= token < BUILT_IN_VOCAB:
                 raise CommandLineError(f"--{name}: expected a token id in [0, {BUILT_IN_VOCAB}), got {token}")
+
+
+def _check_head_and_tokens(args, layers: int, heads: int, tokens: int | None) -> None:
+    """``scores``' --layer and --head against the network's shape, and its token positions against
+    the tokens (where known before the model is loaded): CommandLineError otherwise."""
+    if args.layer is not None and args.layer >= layers:
+        raise CommandLineError(f"--layer: expected a layer in [0, {layers}), got {args.layer}")
+    if args.head >= heads:
+        raise CommandLineError(f"--head: expected a head in [0, {heads}), got {args.head}")
+    if tokens is None:
+        return
+    for name in ("query", "key", "versus"):
+        value = getattr(args, name)
+        if value is not None and not -tokens <= value < tokens:
+            raise CommandLineError(f"--{name}: expected a token position in [-{tokens}, {tokens}), got {value}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -335,6 +359,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
     attribute.set_defaults(run=_run_attribute)
 
+    scores = command(
+        "scores",
+        help="where a head looks: its attention scores at one token as exact sums over pairs of paths",
+        description="A head's pre-softmax score is bilinear in the stream at its query and at its key; with "
+        "the norms frozen each is a sum of paths, so the score is an exact sum over pairs (query path, key "
+        "path). Prints the head's scores and attention at one query, the score at one key (or the difference "
+        "of two keys') by pairs of path groups (source, number of heads), and the top and bottom pairs of "
+        "paths: listed where they are few, else found by a certified best-first search. A GPT-2 built from a "
+        "config, or a local model of a family whose queries and keys the adapters read (GPT-2, GPT-NeoX, Phi, "
+        "OPT, ViT, the Llama family, Gemma, OLMo).",
+    )
+    model_options(scores, layers=4, tokens=DEFAULT_TOKENS["scores"])
+    scores.add_argument(
+        "--seed", type=_SEED, default=0, help="seed of the built-in model and of random token ids (--tokens)"
+    )
+    scores.add_argument("--layer", type=_integer(0), help="the head's layer (default: the last)")
+    scores.add_argument("--head", type=_integer(0), default=0, help="the head")
+    scores.add_argument("--query", type=int, help="the query token (default: the last)")
+    scores.add_argument("--key", type=int, help="the key token to explain (default: where the head attends most)")
+    scores.add_argument("--versus", type=int, help="explain the score at --key minus the score at this key")
+    scores.add_argument("--top", type=_integer(1), default=10, help="how many groups and pairs to show")
+    scores.add_argument(
+        "--time-limit",
+        type=_seconds,
+        default=300.0,
+        help="seconds for the whole command (the model, its capture and, where the paths are too many to list, "
+        "the searches of the top and bottom pairs): at the limit it reports what it found and its gap",
+    )
+    scores.set_defaults(run=_run_scores)
+
     bench = command(
         "bench",
         help="fused ops and the path engine against pure PyTorch",
@@ -387,6 +441,13 @@ def _run_attribute(args) -> int:
 
     names = ("seed", "target", "versus", "direction", "position", "top", "max_length", "time_limit", "started")
     return _done(attribute_table(**_options(args, *_MODEL_OPTIONS, *names)))
+
+
+def _run_scores(args) -> int:
+    from pathkernels.app.cli.scores import scores_table
+
+    names = ("seed", "layer", "head", "query", "key", "versus", "top", "time_limit", "started")
+    return _done(scores_table(**_options(args, *_MODEL_OPTIONS, *names)))
 
 
 def _run_bench(args) -> int:

@@ -20,19 +20,9 @@ from pathkernels.analysis.attribution import (
     unembedding,
 )
 from pathkernels.analysis.top_paths import top_paths
-from pathkernels.app.cli.base import BUILT_IN_VOCAB, DEFAULT_TOKENS, MAX_ATTRIBUTION_PATHS, CommandLineError, within
-from pathkernels.app.cli.common import (
-    check_attention_fits,
-    float_format,
-    heading,
-    local_model,
-    model_inputs,
-    number,
-    save,
-    sequence_length,
-)
-from pathkernels.app.cli.sizes import gpt2_bytes, model_shape
-from pathkernels.core._memory import check_fits
+from pathkernels.app.cli.base import MAX_ATTRIBUTION_PATHS, CommandLineError, within
+from pathkernels.app.cli.common import float_format, heading, local_model, model_to_run, number, save
+from pathkernels.app.cli.sizes import model_shape
 from pathkernels.core._progress import TimeLimitReached, time_limit
 from pathkernels.core.paths import count_attribution_paths
 
@@ -176,7 +166,6 @@ def attribute_table(
     the time the limit counts from; default the call. Returns the PathAttribution, or None when
     the limit came before any path was attributed."""
     import pandas as pd
-    import transformers
 
     clock = _Clock(time_limit, started)
     probe = None
@@ -193,61 +182,17 @@ def attribute_table(
             _linear_logits(local.model, model)
         elif getattr(local.model.config, "hidden_size", probe.shape[0]) != probe.shape[0]:
             read_direction(Path(direction), local.model.config.hidden_size)  # refuses, naming d
-        inputs, what = model_inputs(local, text, tokens, default_tokens=DEFAULT_TOKENS["attribute"], seed=seed)
-        config = local.model.config
-        parameters = sum(p.numel() for p in local.model.parameters() if p.dtype != torch.float64)
-        check_fits(
-            8 * parameters,
-            torch.device("cpu"),
-            "pathkernels attribute",
-            f"the model's float64 copy ({parameters:,} parameters) needs about",
-            "attribute a smaller model, or one saved in float64",
-            error=CommandLineError,
-        )
-        check_attention_fits(
-            "attribute",
-            batch=1,
-            layers=config.num_hidden_layers,
-            heads=config.num_attention_heads,
-            tokens=sequence_length(local, inputs),
-            bytes_per_entry=40,  # the float64 maps, the capture's copies and the walk's token maps
-            device="cpu",
-        )
-        build, tokenizer = local.model.double, local.tokenizer
-        source = f"{model}, {local.weights}; inputs: {what}"
-    else:
-        tokens = DEFAULT_TOKENS["attribute"] if tokens is None else tokens
-        config = transformers.GPT2Config(
-            n_layer=layers,
-            n_head=heads,
-            n_embd=width,
-            vocab_size=BUILT_IN_VOCAB,
-            n_positions=max(tokens, 16),
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-        check_fits(
-            gpt2_bytes(layers, heads, width, tokens),
-            torch.device("cpu"),
-            "pathkernels attribute",
-            f"a GPT-2 of L = {layers}, H = {heads}, d = {width} and its capture of {tokens} tokens need about",
-            "pass a smaller --layers, --width or --tokens",
-            error=CommandLineError,
-        )
-        inputs, tokenizer = None, None  # the token ids are drawn after the model, from the same seed
-        source = f"a GPT-2 built from a config (L = {layers}, H = {heads}, d = {width}), {tokens} random token ids"
-
-        def build():
-            torch.manual_seed(seed)
-            return transformers.GPT2LMHeadModel(config).double()
-
+    run = model_to_run(
+        "attribute", local if model else None, model, text, tokens, layers, heads, width, seed, bytes_per_entry=40
+    )
+    build, inputs, tokenizer, source = run.build, run.inputs, run.tokenizer, run.source
+    tokens = run.tokens
     # Building and capturing cannot be stopped part-way (minutes for a large model): they run aside
     # and are left behind at the limit.
     done, network = within(clock.left(), build)
     if not done:
         return _stopped(clock, "building the model")
-    if inputs is None:
-        inputs = {"input_ids": torch.randint(0, BUILT_IN_VOCAB, (1, tokens))}
+    inputs = run.drawn_inputs() if inputs is None else inputs
     try:
         done, captured = within(clock.left(), capture_huggingface_residual, network, **inputs)
     except ValueError as error:

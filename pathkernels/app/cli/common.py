@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from pathkernels.adapters.huggingface import LocalModel, load_local_model, local_model_inputs
-from pathkernels.app.cli.base import CommandLineError
-from pathkernels.app.cli.sizes import model_folder
+from pathkernels.app.cli.base import BUILT_IN_VOCAB, DEFAULT_TOKENS, CommandLineError
+from pathkernels.app.cli.sizes import gpt2_bytes, model_folder
 from pathkernels.core._extension import build_info
 from pathkernels.core._figures import saved
 from pathkernels.core._memory import check_fits
@@ -120,3 +122,91 @@ def sequence_length(local: LocalModel, inputs: dict) -> int:
         config = local.model.config
         return (config.image_size // config.patch_size) ** 2 + 1
     return inputs["input_ids"].shape[-1]
+
+
+@dataclass
+class ModelToRun:
+    """What a command that captures a language model runs: ``build()`` makes the float64 model,
+    ``inputs`` are its inputs (None: random token ids, drawn by :meth:`drawn_inputs` after the
+    model is built, from the same seed), ``tokens`` their length and ``source`` says what it is."""
+
+    build: Callable
+    inputs: dict | None
+    tokenizer: object | None
+    source: str
+    tokens: int
+
+    def drawn_inputs(self) -> dict:
+        return {"input_ids": torch.randint(0, BUILT_IN_VOCAB, (1, self.tokens))}
+
+
+def model_to_run(
+    command: str,
+    local: LocalModel | None,
+    spec: str | None,
+    text: str | None,
+    tokens: int | None,
+    layers: int,
+    heads: int,
+    width: int,
+    seed: int,
+    *,
+    bytes_per_entry: int,
+) -> ModelToRun:
+    """A local model (``local``, read from ``--model spec``) with the inputs ``--text`` / ``--tokens``
+    ask for, or a GPT-2 built from a config of ``layers``, ``heads``, ``width`` on ``tokens`` random
+    ids, each refused before anything is built where the machine's memory would not hold it (the
+    float64 copy of the model, and ``bytes_per_entry`` per entry of its attention maps)."""
+    import transformers
+
+    where = f"pathkernels {command}"
+    if local is not None:
+        inputs, what = model_inputs(local, text, tokens, default_tokens=DEFAULT_TOKENS[command], seed=seed)
+        config = local.model.config
+        parameters = sum(p.numel() for p in local.model.parameters() if p.dtype != torch.float64)
+        check_fits(
+            8 * parameters,
+            torch.device("cpu"),
+            where,
+            f"the model's float64 copy ({parameters:,} parameters) needs about",
+            f"{command} a smaller model, or one saved in float64",
+            error=CommandLineError,
+        )
+        length = sequence_length(local, inputs)
+        check_attention_fits(
+            command,
+            batch=1,
+            layers=config.num_hidden_layers,
+            heads=config.num_attention_heads,
+            tokens=length,
+            bytes_per_entry=bytes_per_entry,  # the float64 maps and the command's copies of them
+            device="cpu",
+        )
+        return ModelToRun(
+            local.model.double, inputs, local.tokenizer, f"{spec}, {local.weights}; inputs: {what}", length
+        )
+    tokens = DEFAULT_TOKENS[command] if tokens is None else tokens
+    config = transformers.GPT2Config(
+        n_layer=layers,
+        n_head=heads,
+        n_embd=width,
+        vocab_size=BUILT_IN_VOCAB,
+        n_positions=max(tokens, 16),
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    check_fits(
+        gpt2_bytes(layers, heads, width, tokens),
+        torch.device("cpu"),
+        where,
+        f"a GPT-2 of L = {layers}, H = {heads}, d = {width} and its capture of {tokens} tokens need about",
+        "pass a smaller --layers, --width or --tokens",
+        error=CommandLineError,
+    )
+
+    def build():
+        torch.manual_seed(seed)
+        return transformers.GPT2LMHeadModel(config).double().eval()  # as a user reads it: no dropout
+
+    source = f"a GPT-2 built from a config (L = {layers}, H = {heads}, d = {width}), {tokens} random token ids"
+    return ModelToRun(build, None, None, source, tokens)

@@ -252,7 +252,7 @@ def refuse_oversized(args) -> None:
     """Refuse, before torch is imported, a command whose work would not fit: the attention maps,
     the model and its capture, the paths. Commands without a size (demo, bench) pass."""
     command = args.command
-    if command not in ("attribute", "paths", "collapse"):
+    if command not in ("attribute", "paths", "collapse", "scores"):
         return
     model = getattr(args, "model", None)
     if model:
@@ -266,9 +266,9 @@ def refuse_oversized(args) -> None:
 
 def _refuse_builtin(command: str, args) -> None:
     layers, heads, width, tokens = args.layers, args.heads, args.width, args.tokens
-    if command == "attribute":
+    if command in ("attribute", "scores"):
         check_memory(
-            "attribute",
+            command,
             gpt2_bytes(layers, heads, width, tokens),
             f"a GPT-2 of L = {layers}, H = {heads}, d = {width} and its capture of {tokens} tokens need about",
             "pass a smaller --layers, --width or --tokens",
@@ -331,12 +331,12 @@ def collapse_bytes(layers: int, heads: int, width: int, tokens: int, batch: int)
 
 
 def _refuse_model(command: str, args, shape: dict) -> None:
-    default = 16 if command == "attribute" else 32
+    default = 16 if command in ("attribute", "scores") else 32
     model = args.model
     n = _model_tokens(command, model, shape, args.tokens, args.text, default)
     layers, heads, width = shape["layers"], shape["heads"], shape["width"]
     batch = getattr(args, "batch", 1) if command == "collapse" else 1
-    attention = {"attribute": 40, "paths": 40, "collapse": 16}[command]
+    attention = {"attribute": 40, "scores": 48, "paths": 40, "collapse": 16}[command]
     if n is not None:
         check_memory(
             command,
@@ -346,7 +346,7 @@ def _refuse_model(command: str, args, shape: dict) -> None:
         )
     need = shape["loaded"]  # the model as loaded
     copy = ""
-    if command == "attribute" and not shape["float64"]:
+    if command in ("attribute", "scores") and not shape["float64"]:
         need += 8 * shape["parameters"]
         copy = " with its float64 copy"
     if n is not None:
