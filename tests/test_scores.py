@@ -547,3 +547,76 @@ def test_a_wrong_rotation_or_query_norm_scale_is_refused(monkeypatch):
     monkeypatch.setattr(query_key_module, "_norm_scale_gain", unscaled)
     with pytest.raises(ValueError, match=r"rebuild the model's own queries and keys only to"):
         capture_huggingface_residual(build("qwen3"), input_ids=ids, query_key=True)
+
+
+# --- TransformerLens ------------------------------------------------------------------------------
+
+TRANSFORMER_LENS_CASES = {
+    "LN": {},
+    "LNPre": {"normalization_type": "LNPre"},
+    "RMS, rotary halves, grouped keys": {
+        "normalization_type": "RMS",
+        "positional_embedding_type": "rotary",
+        "rotary_dim": 4,
+        "n_key_value_heads": 2,
+    },
+    "rotary adjacent pairs": {"positional_embedding_type": "rotary", "rotary_dim": 8, "rotary_adjacent_pairs": True},
+    "attention-only, no norm": {"normalization_type": None, "attn_only": True},
+    "soft-capped scores": {"attn_scores_soft_cap": 30.0},
+}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # 3.x deprecates HookedTransformer
+@pytest.mark.parametrize("case", TRANSFORMER_LENS_CASES)
+def test_a_transformer_lens_model_scores_sum_to_its_own(case):
+    """A HookedTransformer (3.x) of each kind, a left-padded batch: every head's grouped sums equal
+    the scores its own hooks report (``hook_attn_scores``, 1e-12 relative where not masked), and the
+    log of its patterns. On 4.x (a TransformerBridge) the score side is refused by name."""
+    pytest.importorskip("transformer_lens")
+    from test_real_models_transformer_lens import tl_model
+
+    from pathkernels.adapters.residual import capture_transformer_lens_residual
+    from pathkernels.testing import transformer_lens_major
+
+    extra = dict(TRANSFORMER_LENS_CASES[case])
+    model = tl_model(attn_only=extra.pop("attn_only", False), **extra)
+    tokens = torch.randint(0, 50, (2, 7))
+    mask = torch.ones_like(tokens)
+    mask[1, :2] = 0
+    if transformer_lens_major() != 3:
+        with pytest.raises(ValueError, match=r"query_key=True reads a HookedTransformer's queries and keys"):
+            capture_transformer_lens_residual(model, tokens, attention_mask=mask, query_key=True)
+        return
+    stack, capture = capture_transformer_lens_residual(model, tokens, attention_mask=mask, query_key=True)
+    _, cache = model.run_with_cache(tokens, attention_mask=mask)
+    for batch in (0, 1):
+        patterns = capture.patterns(stack.attn, batch)
+        for layer in range(stack.num_layers):
+            own = cache[f"blocks.{layer}.attn.hook_attn_scores"][batch].double()  # [H, n, n], capped, masked
+            for result in pk.score_decompositions(stack, layer, batch=batch):
+                scores = result.scores
+                if result.soft_cap:
+                    scores = result.soft_cap * torch.tanh(scores / result.soft_cap)
+                expected = own[result.head, result.query, result.keys]
+                torch.testing.assert_close(scores, expected, rtol=0, atol=1e-12 * float(expected.abs().max()))
+                row = patterns[layer, result.head, result.query, result.keys]
+                torch.testing.assert_close(scores - torch.logsumexp(scores, 0), row.log(), rtol=0, atol=1e-10)
+    assert (result.soft_cap is not None) == (case == "soft-capped scores")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_what_transformer_lens_does_not_read_is_refused_by_name():
+    pytest.importorskip("transformer_lens")
+    from test_real_models_transformer_lens import tl_model
+
+    from pathkernels.adapters.residual import capture_transformer_lens_residual
+    from pathkernels.testing import transformer_lens_major
+
+    tokens = torch.randint(0, 50, (1, 5))
+    if transformer_lens_major() != 3:  # a bridge: refused whatever its options
+        with pytest.raises(ValueError, match=r"not yet a TransformerBridge"):
+            capture_transformer_lens_residual(tl_model(), tokens, query_key=True)
+        return
+    model = tl_model(positional_embedding_type="alibi")
+    with pytest.raises(ValueError, match=r"does not read 'alibi' positions \(a bias added to the scores\) yet"):
+        capture_transformer_lens_residual(model, tokens, query_key=True)

@@ -22,6 +22,7 @@ SELECTED = [
     "tests/test_model_families.py",
     "tests/test_readme.py",
     "tests/test_real_models_transformer_lens.py",
+    "tests/test_scores.py",
 ]
 
 

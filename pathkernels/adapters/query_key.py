@@ -60,7 +60,8 @@ class QueryKeyCapture:
     attention's input ``y``; ``query_scale``, ``key_scale`` ``[B, L, H, n]``: a query/key norm's
     frozen ``1/σ`` per token (1 without one), with its gain ``query_gain``, ``key_gain`` ``[L, H, e]``;
     ``cos``, ``sin`` ``[B, L, n, r]``: the rotation of the first ``r`` features of every head at each
-    position (``x·cos + rotate_half(x)·sin``), None without rotary positions; ``scaling`` ``[L]``;
+    position (``x·cos + rotate_half(x)·sin``; with ``interleaved``, the pairs are adjacent features
+    rather than the two halves), None without rotary positions; ``scaling`` ``[L]``;
     ``allowed`` ``[B, L, n, n]``: which keys each query may attend (causal, padding, sliding
     windows); ``soft_cap`` ``[L]``: the cap ``c`` of a soft-capped score ``c·tanh(s/c)`` (0: none);
     ``queries``, ``keys`` ``[B, L, H, n, e]``: the model's own, after norms and rotation.
@@ -81,6 +82,7 @@ class QueryKeyCapture:
     keys: Tensor
     cos: Tensor | None = None
     sin: Tensor | None = None
+    interleaved: bool = False
 
     def on(self, device) -> QueryKeyCapture:
         """A copy on ``device``."""
@@ -100,8 +102,11 @@ class QueryKeyCapture:
         cos, sin = self.cos[batch, layer, rows], self.sin[batch, layer, rows]  # [T, r]
         r = cos.shape[-1]
         part = x[..., :r]
-        half = torch.cat((-part[..., r // 2 :], part[..., : r // 2]), dim=-1)  # rotate_half
-        return torch.cat((part * cos + half * sin, x[..., r:]), dim=-1)
+        if self.interleaved:  # adjacent pairs (GPT-J's, TransformerLens's rotary_adjacent_pairs)
+            turned = torch.stack((-part[..., 1::2], part[..., ::2]), dim=-1).flatten(-2)
+        else:  # the two halves (rotate_half)
+            turned = torch.cat((-part[..., r // 2 :], part[..., : r // 2]), dim=-1)
+        return torch.cat((part * cos + turned * sin, x[..., r:]), dim=-1)
 
     def rotation_matrices(self, batch: int, layer: int, rows: Tensor) -> Tensor:
         """``R_t`` as matrices ``[T, e, e]`` in the row form ``x R_tᵀ`` (``x @ M[t]`` rotates)."""

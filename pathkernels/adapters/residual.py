@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from pathkernels.adapters.capture import ResidualStreamCapture
 from pathkernels.adapters.huggingface import _attention_layers, _blocks, _prepared_inputs, _read_stack, _value_output
 from pathkernels.adapters.precision import norm_eps, rms_gain
-from pathkernels.adapters.query_key import QUERY_KEY_FAMILIES, query_key_capture, recording
+from pathkernels.adapters.query_key import QUERY_KEY_FAMILIES, QueryKeyCapture, query_key_capture, recording
 from pathkernels.adapters.self_check import (
     check_huggingface_capture,
     check_tolerance,
@@ -363,7 +363,7 @@ def capture_huggingface_residual(
     return stack, capture
 
 
-def _check_query_key(capture: ResidualStreamCapture, stack: AttentionStack) -> None:
+def _check_query_key(capture: ResidualStreamCapture, stack: AttentionStack, where: str = _WHERE) -> None:
     """Refuse a score capture whose frozen maps do not rebuild the model's own queries and keys
     from the stream entering each layer (``hidden_states[l]``) through the frozen norm before its
     attention, to within :func:`check_tolerance` of the model's dtype."""
@@ -378,7 +378,7 @@ def _check_query_key(capture: ResidualStreamCapture, stack: AttentionStack) -> N
     tolerance = check_tolerance(stack.attn.dtype)
     if not error <= tolerance:  # a NaN refuses too
         raise ValueError(
-            f"{_WHERE}: the frozen query and key maps rebuild the model's own queries and keys only to "
+            f"{where}: the frozen query and key maps rebuild the model's own queries and keys only to "
             f"{error:.2g} (relative), beyond the tolerance {tolerance:g}; this family's score side is not read "
             "correctly, so it is refused rather than decomposed"
         )
@@ -477,7 +477,7 @@ _TL_NORMS = {
 
 
 def capture_transformer_lens_residual(
-    model, tokens, *, attention_mask=None, check: bool = True
+    model, tokens, *, attention_mask=None, check: bool = True, query_key: bool = False
 ) -> tuple[AttentionStack, ResidualStreamCapture]:
     """:func:`capture_huggingface_residual` for a TransformerLens ``HookedTransformer`` (3.x) or
     ``TransformerBridge`` (4.x: over its native models or a Hugging Face one; the same hooks).
@@ -497,10 +497,17 @@ def capture_transformer_lens_residual(
     ``use_normalization_before_and_after``, ``ln1_post``/``ln2_post``; OLMo 2's post-norm blocks)
     scale each head's term and the sublayer's constants on both sides, ``D' · (⋯) · Γ'``; a
     LayerNorm there is refused by name. The capture checks itself against the model's own forward
-    pass, as :func:`capture_huggingface_residual` does (``check``).
+    pass, as :func:`capture_huggingface_residual` does (``check``). ``query_key=True`` also reads the
+    score side (:class:`~pathkernels.adapters.query_key.QueryKeyCapture`) of a HookedTransformer:
+    ``W_Q``, ``W_K``, their biases, ``attn_scale``, rotary positions (either pairing, partial) and
+    the soft cap, checked against the queries and keys its hooks report; query/key norms, ALiBi and
+    TransformerBridges are refused by name.
     """
     where = "pathkernels.adapters.capture_transformer_lens_residual"
     check = check_flag(check, "check", where)
+    query_key = check_flag(query_key, "query_key", where)
+    if query_key:
+        _check_transformer_lens_query_key(model, where)
     warn_if_training(model, where)
     cfg = getattr(model, "cfg", None)
     if cfg is None or not hasattr(model, "run_with_cache"):
@@ -533,6 +540,10 @@ def capture_transformer_lens_residual(
         names |= {"ln_final.hook_scale"}
     if not attn_only:
         names |= {f"blocks.{layer}.hook_mlp_out" for layer in range(layers)}
+    if query_key:
+        rotary = cfg.positional_embedding_type == "rotary"
+        sides = ("hook_rot_q", "hook_rot_k") if rotary else ("hook_q", "hook_k")
+        names |= {f"blocks.{layer}.attn.{name}" for layer in range(layers) for name in (*sides, "hook_attn_scores")}
     cache = run_cached(model, tokens, names, attention_mask)
     require_patterns(model, cache, where)
     stack = from_transformer_lens(cache, attention_mask=attention_mask)
@@ -614,10 +625,95 @@ def capture_transformer_lens_residual(
             final_norm=final_norm,
             **extra,
         )
+        if query_key:
+            capture.query_key = _transformer_lens_query_key(model, cfg, cache, stack, attention_mask)
     stack, capture = _attached(stack, capture)
+    if query_key:
+        _check_query_key(capture, stack, where)
     if check:
         capture.check = check_transformer_lens_capture(model, tokens, attention_mask, stack, capture, where)
     return stack, capture
+
+
+def _check_transformer_lens_query_key(model, where: str) -> None:
+    """Refuse, by name, what ``query_key=True`` does not read of a TransformerLens model."""
+    cfg = model.cfg
+    if type(model).__name__ != "HookedTransformer":
+        raise ValueError(
+            f"{where}: query_key=True reads a HookedTransformer's queries and keys; not yet a {type(model).__name__}"
+        )
+    unread = {
+        "use_qk_norm": "query/key norms",
+        "use_logn_attn": "logn attention scaling",
+        "use_attention_sinks": "attention sinks",
+        "use_dynamic_ntk_rope": "dynamic NTK rotary positions",
+    }
+    for flag, what in unread.items():
+        if getattr(cfg, flag, False):
+            raise ValueError(f"{where}: query_key=True does not read {what} ({flag}) yet")
+    if cfg.positional_embedding_type not in ("standard", "rotary", "shortformer"):
+        raise ValueError(
+            f"{where}: query_key=True does not read {cfg.positional_embedding_type!r} positions (a bias added to "
+            "the scores) yet"
+        )
+
+
+def _transformer_lens_query_key(model, cfg, cache, stack: AttentionStack, attention_mask) -> QueryKeyCapture:
+    """A HookedTransformer's score side from its weights and, for the check, its own queries, keys
+    and scores in ``cache``: ``W_Q``, ``W_K`` ``[L, H, d, e]`` (grouped keys repeated), ``b_Q``,
+    ``b_K``, ``1 / attn_scale`` per layer, and its rotary angles at each token's position
+    (``attention_mask``'s offsets, as its ``apply_rotary`` takes them)."""
+    layers, heads = cfg.n_layers, cfg.n_heads
+    batch, tokens = stack.attn.shape[0], stack.attn.shape[-1]
+    device = stack.attn.device
+
+    def per_query_head(t: Tensor) -> Tensor:
+        return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], 1)
+
+    attention = [block.attn for block in model.blocks]
+    w_q = torch.stack([a.W_Q.detach() for a in attention]).double()
+    w_k = per_query_head(torch.stack([a.W_K.detach() for a in attention]).double())
+    b_q = torch.stack([a.b_Q.detach() for a in attention]).double()
+    b_k = per_query_head(torch.stack([a.b_K.detach() for a in attention]).double())
+    rotary = cfg.positional_embedding_type == "rotary"
+    sides = ("hook_rot_q", "hook_rot_k") if rotary else ("hook_q", "hook_k")
+    own = [
+        torch.stack([cache[f"blocks.{layer}.attn.{name}"] for layer in range(layers)], 1).double()  # [B, L, n, H, e]
+        for name in sides
+    ]
+    queries, keys = (t.permute(0, 1, 3, 2, 4) for t in own)
+    keys = keys if keys.shape[2] == heads else keys.repeat_interleave(heads // keys.shape[2], 2)
+    scores = torch.stack([cache[f"blocks.{layer}.attn.hook_attn_scores"] for layer in range(layers)], 1)
+    allowed = (scores.double() > -1e30).all(2)  # masked pairs hold -inf: [B, L, n, n]
+    cos = sin = None
+    if rotary:
+        if attention_mask is None:
+            positions = torch.arange(tokens, device=device).expand(batch, tokens)
+        else:  # its apply_rotary's offsets: a left-padded row's real tokens from 0
+            positions = (attention_mask.to(device).long().cumsum(1) - 1).clamp_min(0)
+        cos = torch.stack([a.rotary_cos.detach().double()[positions] for a in attention], 1)  # [B, L, n, r]
+        sin = torch.stack([a.rotary_sin.detach().double()[positions] for a in attention], 1)
+    ones = torch.ones(batch, layers, heads, tokens, dtype=torch.float64, device=device)
+    gains = torch.ones(layers, heads, w_q.shape[-1], dtype=torch.float64, device=device)
+    cap = float(getattr(cfg, "attn_scores_soft_cap", -1.0) or -1.0)
+    return QueryKeyCapture(
+        w_q=w_q,
+        b_q=b_q,
+        w_k=w_k,
+        b_k=b_k,
+        query_scale=ones,
+        key_scale=ones.clone(),
+        query_gain=gains,
+        key_gain=gains.clone(),
+        scaling=torch.tensor([1.0 / float(a.attn_scale) for a in attention], dtype=torch.float64),
+        allowed=allowed,
+        soft_cap=torch.full((layers,), max(cap, 0.0), dtype=torch.float64),
+        queries=queries,
+        keys=keys,
+        cos=cos,
+        sin=sin,
+        interleaved=bool(getattr(cfg, "rotary_adjacent_pairs", False)),
+    )
 
 
 def _uses_weight_offset(norm, cfg) -> bool:
