@@ -563,6 +563,7 @@ TRANSFORMER_LENS_CASES = {
     "rotary adjacent pairs": {"positional_embedding_type": "rotary", "rotary_dim": 8, "rotary_adjacent_pairs": True},
     "attention-only, no norm": {"normalization_type": None, "attn_only": True},
     "soft-capped scores": {"attn_scores_soft_cap": 30.0},
+    "ALiBi": {"positional_embedding_type": "alibi"},
 }
 
 
@@ -617,6 +618,37 @@ def test_what_transformer_lens_does_not_read_is_refused_by_name():
         with pytest.raises(ValueError, match=r"not yet a TransformerBridge"):
             capture_transformer_lens_residual(tl_model(), tokens, query_key=True)
         return
-    model = tl_model(positional_embedding_type="alibi")
-    with pytest.raises(ValueError, match=r"does not read 'alibi' positions \(a bias added to the scores\) yet"):
+    model = tl_model(positional_embedding_type="relative_positional_bias")
+    with pytest.raises(ValueError, match=r"does not read 'relative_positional_bias' positions \(a bias added"):
         capture_transformer_lens_residual(model, tokens, query_key=True)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_alibi_is_a_term_of_its_own_in_every_result():
+    """TransformerLens ALiBi (3.x): the bias is each score's ``position`` term, the row "position bias"
+    of the grouped table, part of score_pairs' score and of the one-sided readouts' constant, so
+    that each still sums to the model's own score; the causal check's prediction does not move."""
+    pytest.importorskip("transformer_lens")
+    from test_real_models_transformer_lens import tl_model
+
+    from pathkernels.adapters.residual import capture_transformer_lens_residual
+    from pathkernels.testing import transformer_lens_major
+
+    if transformer_lens_major() != 3:
+        pytest.skip("HookedTransformer: 3.x")
+    model = tl_model(positional_embedding_type="alibi")
+    tokens = torch.randint(0, 50, (1, 6))
+    stack, _ = capture_transformer_lens_residual(model, tokens, query_key=True)
+    layer, head, query, key = 2, 3, 5, 1
+    result = pk.score_decomposition(stack, layer, head, query=query)
+    slope_term = float(model.blocks[layer].attn.alibi[head, query, key])
+    assert slope_term != 0 and float(result.position[key]) == pytest.approx(slope_term, abs=0)
+    frame = result.to_frame(key)
+    assert frame["value"].sum() == pytest.approx(float(result.model_scores[key]), rel=1e-12)
+    assert float(frame.loc[frame["query group"] == "position bias", "value"].iloc[0]) == slope_term
+    pairs = pk.score_pairs(stack, layer, head, query=query, key=key)
+    assert pairs.position == slope_term and pairs.score == pytest.approx(pairs.model_score, rel=1e-12)
+    for side in ("query", "key"):
+        share = pk.score_attribution(stack, layer, head, query=query, key=key, side=side)
+        closed = float(share.by_source_length.sum() + share.constant)
+        assert closed == pytest.approx(float(share.value), rel=1e-12)

@@ -61,7 +61,8 @@ class QueryKeyCapture:
     frozen ``1/σ`` per token (1 without one), with its gain ``query_gain``, ``key_gain`` ``[L, H, e]``;
     ``cos``, ``sin`` ``[B, L, n, r]``: the rotation of the first ``r`` features of every head at each
     position (``x·cos + rotate_half(x)·sin``; with ``interleaved``, the pairs are adjacent features
-    rather than the two halves), None without rotary positions; ``scaling`` ``[L]``;
+    rather than the two halves), None without rotary positions; ``position_bias`` ``[B, L, H, n, n]``:
+    a term the model adds to each pair's score whatever the stream (ALiBi), None without one; ``scaling`` ``[L]``;
     ``allowed`` ``[B, L, n, n]``: which keys each query may attend (causal, padding, sliding
     windows); ``soft_cap`` ``[L]``: the cap ``c`` of a soft-capped score ``c·tanh(s/c)`` (0: none);
     ``queries``, ``keys`` ``[B, L, H, n, e]``: the model's own, after norms and rotation.
@@ -83,6 +84,7 @@ class QueryKeyCapture:
     cos: Tensor | None = None
     sin: Tensor | None = None
     interleaved: bool = False
+    position_bias: Tensor | None = None
 
     def on(self, device) -> QueryKeyCapture:
         """A copy on ``device``."""
@@ -148,11 +150,18 @@ class QueryKeyCapture:
                         worst = max(worst, float((rebuilt[keep] - expected).abs().max()) / scale)
         return worst
 
+    def bias(self, batch: int, layer: int, head: int) -> Tensor:
+        """The position bias ``[n, n]`` of one head (zeros without one)."""
+        if self.position_bias is None:
+            n = self.queries.shape[-2]
+            return torch.zeros(n, n, dtype=torch.float64, device=self.queries.device)
+        return self.position_bias[batch, layer, head]
+
     def model_scores(self, batch: int, layer: int, head: int) -> Tensor:
-        """The model's own pre-softmax (pre-cap) scores ``scaling · q kᵀ`` ``[n, n]``, every pair
-        (``allowed`` says which the mask kept)."""
+        """The model's own pre-softmax (pre-cap) scores ``scaling · q kᵀ + bias`` ``[n, n]``, every
+        pair (``allowed`` says which the mask kept)."""
         q, k = self.queries[batch, layer, head], self.keys[batch, layer, head]
-        return self.scaling[layer] * (q @ k.T)
+        return self.scaling[layer] * (q @ k.T) + self.bias(batch, layer, head)
 
 
 # --- reading them from a Hugging Face model -----------------------------------------------------

@@ -500,8 +500,8 @@ def capture_transformer_lens_residual(
     pass, as :func:`capture_huggingface_residual` does (``check``). ``query_key=True`` also reads the
     score side (:class:`~pathkernels.adapters.query_key.QueryKeyCapture`) of a HookedTransformer:
     ``W_Q``, ``W_K``, their biases, ``attn_scale``, rotary positions (either pairing, partial) and
-    the soft cap, checked against the queries and keys its hooks report; query/key norms, ALiBi and
-    TransformerBridges are refused by name.
+    the soft cap and ALiBi (its bias, a term per pair of tokens), checked against the queries and
+    keys its hooks report; query/key norms and TransformerBridges are refused by name.
     """
     where = "pathkernels.adapters.capture_transformer_lens_residual"
     check = check_flag(check, "check", where)
@@ -651,7 +651,7 @@ def _check_transformer_lens_query_key(model, where: str) -> None:
     for flag, what in unread.items():
         if getattr(cfg, flag, False):
             raise ValueError(f"{where}: query_key=True does not read {what} ({flag}) yet")
-    if cfg.positional_embedding_type not in ("standard", "rotary", "shortformer"):
+    if cfg.positional_embedding_type not in ("standard", "rotary", "shortformer", "alibi"):
         raise ValueError(
             f"{where}: query_key=True does not read {cfg.positional_embedding_type!r} positions (a bias added to "
             "the scores) yet"
@@ -696,6 +696,10 @@ def _transformer_lens_query_key(model, cfg, cache, stack: AttentionStack, attent
     ones = torch.ones(batch, layers, heads, tokens, dtype=torch.float64, device=device)
     gains = torch.ones(layers, heads, w_q.shape[-1], dtype=torch.float64, device=device)
     cap = float(getattr(cfg, "attn_scores_soft_cap", -1.0) or -1.0)
+    position_bias = None
+    if cfg.positional_embedding_type == "alibi":  # its own bias, as its forward left it cached [H, n', n']
+        bias = torch.stack([a.alibi.detach()[:, -tokens:, :tokens] for a in attention]).double().to(device)
+        position_bias = bias[None].expand(batch, -1, -1, -1, -1)
     return QueryKeyCapture(
         w_q=w_q,
         b_q=b_q,
@@ -713,6 +717,7 @@ def _transformer_lens_query_key(model, cfg, cache, stack: AttentionStack, attent
         cos=cos,
         sin=sin,
         interleaved=bool(getattr(cfg, "rotary_adjacent_pairs", False)),
+        position_bias=position_bias,
     )
 
 

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 _WHERE = "pathkernels.score_decomposition"
 CONSTANT = "constant"  # the label of a side's constant: its norm's β and its bias through the frozen maps
+POSITION = "position bias"  # the label of what the model adds to a score whatever the stream (ALiBi)
 
 
 @dataclass
@@ -88,6 +89,11 @@ class _Head:
         """The model's own scores ``[K]`` of real-token index ``query`` against ``keys``."""
         scores = self.maps.model_scores(self.batch, self.layer, self.head)
         return scores[self.positions[query], self.positions[keys]]
+
+    def position_bias(self, query: int, keys: Tensor) -> Tensor:
+        """The position bias ``[K]`` (ALiBi; zeros without one) of ``query`` against ``keys``."""
+        bias = self.maps.bias(self.batch, self.layer, self.head)
+        return bias[self.positions[query], self.positions[keys]]
 
 
 def _checked_head(stack, layer, head, batch, where: str) -> _Head:
@@ -194,8 +200,10 @@ class ScoreDecomposition:
         groups: the labels of the groups, the same on both sides: ``"embedding (direct)"``,
             ``"L0 MLP via 2 heads"``, …, and :data:`CONSTANT` last (β and the projection's bias).
         table: ``[G, G, K]`` float64: entry ``[a, b, k]`` is ``scaling · ⟨q_a(query), k_b(key k)⟩``,
-            group a's query against group b's key; it sums to ``scores``.
-        scores: ``[K]`` the pre-softmax scores the table sums to (pre-cap where the model caps them).
+            group a's query against group b's key.
+        position: ``[K]`` what the model adds to each score whatever the stream (ALiBi), 0 without.
+        scores: ``[K]`` the pre-softmax scores, the table's sum plus ``position`` (pre-cap where the
+            model caps them).
         model_scores: ``[K]`` the model's own, from its queries and keys as it computed them.
         allowed: ``[K]`` whether the mask lets the query attend each key.
         soft_cap: the cap of a soft-capped model (the scores here are before it), else None.
@@ -212,6 +220,7 @@ class ScoreDecomposition:
     model_scores: Tensor
     allowed: Tensor
     soft_cap: float | None = None
+    position: Tensor | None = None
 
     def __repr__(self) -> str:
         error = float((self.scores - self.model_scores).abs().max()) if self.scores.numel() else 0.0
@@ -254,12 +263,15 @@ class ScoreDecomposition:
         magnitude first, with its share of the total (the score, or the difference)."""
         pd = require("pandas")
         table = self.pair_table(key, other)
-        total = float(table.sum())
         rows = [
             {"query group": q, "key group": k, "value": float(table[a, b])}
             for a, q in enumerate(self.groups)
             for b, k in enumerate(self.groups)
         ]
+        if self.position is not None and bool(self.position.any()):
+            bias = self.position[self._key(key)] - (0 if other is None else self.position[self._key(other)])
+            rows.append({"query group": POSITION, "key group": POSITION, "value": float(bias)})
+        total = sum(row["value"] for row in rows)
         frame = pd.DataFrame(rows)
         frame["share"] = frame["value"] / total if total != 0 else float("nan")
         return frame.reindex(frame["value"].abs().sort_values(ascending=False).index).reset_index(drop=True)
@@ -355,6 +367,7 @@ def _decompositions(stack, layer, heads, query, keys, batch, where: str) -> list
         queries = torch.cat([one.side("query", parts, rows)[:, 0], one.constant("query", rows)])  # [G+1, e]
         key_vectors = torch.cat([one.side("key", parts, keys), one.constant("key", keys)[None]])  # [G+1, K, e]
         table = one.maps.scaling[one.layer] * torch.einsum("ae,bke->abk", queries, key_vectors)
+        position = one.position_bias(query, keys)
         results.append(
             ScoreDecomposition(
                 layer=one.layer,
@@ -364,10 +377,11 @@ def _decompositions(stack, layer, heads, query, keys, batch, where: str) -> list
                 keys=positions[keys].cpu(),
                 groups=labels,
                 table=table.cpu(),
-                scores=table.sum((0, 1)).cpu(),
+                scores=(table.sum((0, 1)) + position).cpu(),
                 model_scores=one.model_scores(query, keys).cpu(),
                 allowed=allowed,
                 soft_cap=cap or None,
+                position=position.cpu(),
             )
         )
     return results
@@ -380,7 +394,8 @@ class ScorePairs:
     ``values [P+1, P+1]``: ``scaling · ⟨q_p(query), k_{p'}(key)⟩`` for the P paths of the stream
     below the head and a last row and column for each side's constant; ``paths [P, L']`` (the head
     taken at each layer below, −1 where none) and ``sources [P]`` index ``source_names``; ``score``
-    is their sum, ``model_score`` the model's own. ``top``/``bottom``: the ``k`` largest and
+    is their sum plus ``position`` (what the model adds whatever the stream: ALiBi, else 0),
+    ``model_score`` the model's own. ``top``/``bottom``: the ``k`` largest and
     smallest pairs as rows."""
 
     layer: int
@@ -396,6 +411,7 @@ class ScorePairs:
     model_score: float
     top: list[dict]
     bottom: list[dict]
+    position: float = 0.0
 
     def describe(self, index: int) -> str:
         """Path ``index`` (or the constant, index P) as text."""
@@ -477,10 +493,11 @@ def score_pairs(
         paths=torch.cat(paths).cpu(),
         sources=torch.cat(sources).cpu(),
         source_names=model.source_names,
-        score=float(values.sum()),
+        score=float(values.sum()) + float(checked.position_bias(query, keys)[0]),
         model_score=float(checked.model_scores(query, keys)[0]),
         top=[],
         bottom=[],
+        position=float(checked.position_bias(query, keys)[0]),
     )
     flat = result.values.flatten()
     width = result.values.shape[1]
@@ -598,6 +615,7 @@ def _one_side(stack, layer, head, query, key, side, batch, max_length, where: st
     w, _, scale, gain = maps._weights(side, checked.layer, checked.head)
     direction = scaling * (w @ (scale[checked.batch, checked.layer, checked.head, at[0]] * gain * rotated_back))
     bias = scaling * (checked.constant(side, torch.tensor([read], device=device))[0] @ fixed)
+    bias = bias + checked.position_bias(query, keys)[0]  # ALiBi's term goes with the constant
     rho = torch.zeros(1, 1, checked.positions.numel(), dtype=torch.float64, device=device)
     rho[0, 0, read] = checked.scale[read]  # r = D_i e_i
     phi = (direction * checked.gamma)[None, None]  # v = C Γ W (…)
