@@ -353,7 +353,7 @@ def test_every_node_bound_is_above_every_vector_below_it(side, amplified):
     4-layer GPT-2, and the same with every head's value and output maps ×8 (paths through more
     heads then carry more)."""
     from pathkernels.analysis import score_search
-    from pathkernels.analysis.scores import _checked_head
+    from pathkernels.analysis.scores import checked_head
     from pathkernels.analysis.top_paths import _chain_factors, _first_head_reach, _NodeBounds
 
     model = gpt2(layers=4).eval()
@@ -363,7 +363,7 @@ def test_every_node_bound_is_above_every_vector_below_it(side, amplified):
             block.attn.c_proj.weight.mul_(amplified)
             block.attn.c_attn.weight[:, 2 * width :].mul_(amplified)  # the values
     stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 6)), query_key=True)
-    head = _checked_head(stack, 3, 1, 0, "test")
+    head = checked_head(stack, 3, 1, 0, "test")
     bounds = _NodeBounds(head.model)
     first, chains = _first_head_reach(head.model), _chain_factors(head.model)
     with_head = [min(first[index], chains[index]) for index in bounds.index]
@@ -383,7 +383,7 @@ def test_the_certificate_is_the_formula_over_both_frontiers():
     F_K · max(V_Q, F_Q))``: each side's largest node bound F and largest visited norm V (its
     constant and its paths through no head), computed here from the two sides' walks."""
     from pathkernels.analysis import score_search
-    from pathkernels.analysis.scores import _checked_head
+    from pathkernels.analysis.scores import checked_head
     from pathkernels.analysis.top_paths import _chain_factors, _first_head_reach, _NodeBounds
 
     model = gpt2(layers=4).eval()
@@ -391,7 +391,7 @@ def test_the_certificate_is_the_formula_over_both_frontiers():
         for block in model.transformer.h:
             block.attn.c_proj.weight.mul_(8.0)
     stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 6)), query_key=True)
-    head = _checked_head(stack, 3, 2, 0, "test")
+    head = checked_head(stack, 3, 2, 0, "test")
     bounds = _NodeBounds(head.model)
     first, chains = _first_head_reach(head.model), _chain_factors(head.model)
     with_head = [min(first[index], chains[index]) for index in bounds.index]
@@ -580,14 +580,14 @@ def test_a_transformer_lens_model_scores_sum_to_its_own(case):
     from pathkernels.testing import transformer_lens_major
 
     extra = dict(TRANSFORMER_LENS_CASES[case])
-    model = tl_model(attn_only=extra.pop("attn_only", False), **extra)
     tokens = torch.randint(0, 50, (2, 7))
     mask = torch.ones_like(tokens)
     mask[1, :2] = 0
-    if transformer_lens_major() != 3:
+    if transformer_lens_major() != 3:  # a native bridge (which has no ALiBi): refused whatever its options
         with pytest.raises(ValueError, match=r"query_key=True reads a HookedTransformer's queries and keys"):
-            capture_transformer_lens_residual(model, tokens, attention_mask=mask, query_key=True)
+            capture_transformer_lens_residual(tl_model(), tokens, attention_mask=mask, query_key=True)
         return
+    model = tl_model(attn_only=extra.pop("attn_only", False), **extra)
     stack, capture = capture_transformer_lens_residual(model, tokens, attention_mask=mask, query_key=True)
     _, cache = model.run_with_cache(tokens, attention_mask=mask)
     for batch in (0, 1):

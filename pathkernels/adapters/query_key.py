@@ -91,7 +91,9 @@ class QueryKeyCapture:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         return QueryKeyCapture(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in moved.items()})
 
-    def _weights(self, side: str, layer: int, head: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def side_maps(self, side: str, layer: int, head: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """One side's ``(W [d, e], b [e], 1/σ of its norm [B, L, H, n], γ [e])`` (``side``: "query" or
+        "key")."""
         if side == "query":
             return self.w_q[layer, head], self.b_q[layer, head], self.query_scale, self.query_gain[layer, head]
         return self.w_k[layer, head], self.b_k[layer, head], self.key_scale, self.key_gain[layer, head]
@@ -119,14 +121,14 @@ class QueryKeyCapture:
     def project(self, side: str, inputs: Tensor, batch: int, layer: int, head: int, rows: Tensor) -> Tensor:
         """The linear part of one side: ``R_t (ν_t γ ⊙ (y_t W))`` ``[..., T, e]`` for parts of the
         attention's input ``inputs [..., T, d]`` at positions ``rows [T]`` (no bias)."""
-        w, _, scale, gain = self._weights(side, layer, head)
+        w, _, scale, gain = self.side_maps(side, layer, head)
         narrow = inputs @ w * (scale[batch, layer, head, rows, None] * gain)
         return self.rotate(narrow, batch, layer, rows)
 
     def constant(self, side: str, shift: Tensor, batch: int, layer: int, head: int, rows: Tensor) -> Tensor:
         """What one side holds whatever the stream: ``R_t (ν_t γ ⊙ (β W + b))`` ``[T, e]`` for the
         constant ``shift [d]`` of the attention's input (its norm's β; 0 without one)."""
-        w, b, scale, gain = self._weights(side, layer, head)
+        w, b, scale, gain = self.side_maps(side, layer, head)
         narrow = (shift @ w + b) * (scale[batch, layer, head, rows, None] * gain)
         return self.rotate(narrow, batch, layer, rows)
 

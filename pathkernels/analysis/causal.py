@@ -32,7 +32,7 @@ from pathkernels.adapters.precision import in_float64
 from pathkernels.analysis.attribution import Readout
 from pathkernels.analysis.readout_trie import NO_HEAD, describe_path, frozen_model
 from pathkernels.analysis.real_paths import _checked_paths, path_terms
-from pathkernels.analysis.scores import _checked_head, _query_and_keys
+from pathkernels.analysis.scores import checked_head, query_and_keys
 from pathkernels.core._figures import require
 from pathkernels.core.paths import check_flag, check_int
 
@@ -195,8 +195,8 @@ def _score_paths(
 ):
     if layer is None or head is None or key is None:
         raise ValueError(f"{_WHERE}: a score path needs layer, head and key (the head's input it is removed from)")
-    checked = _checked_head(stack, layer, head, batch, _WHERE)
-    query, keys = _query_and_keys(checked, query, [key], _WHERE)
+    checked = checked_head(stack, layer, head, batch, _WHERE)
+    query, keys = query_and_keys(checked, query, [key], _WHERE)
     maps, capture = checked.maps, stack.residual_capture
     above = [name for name, (choices, source) in zip(names, chosen) if _above(choices, source, checked.layer)]
     if above:

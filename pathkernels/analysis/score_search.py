@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from pathkernels.analysis.readout_trie import NO_HEAD, describe_path
-from pathkernels.analysis.scores import CONSTANT, _checked_head, _Head, _query_and_keys
+from pathkernels.analysis.scores import CONSTANT, CheckedHead, checked_head, query_and_keys
 from pathkernels.analysis.top_paths import (
     _BOUNDS,
     _chain_factors,
@@ -121,7 +121,7 @@ class _Side:
     The root (no head) holds ``ρ`` and ``Φᵀ`` ``[d, e]``."""
 
     def __init__(
-        self, head: _Head, which: str, row: int, bounds: _NodeBounds, with_head: list[float], record: bool = False
+        self, head: CheckedHead, which: str, row: int, bounds: _NodeBounds, with_head: list[float], record: bool = False
     ):
         self.head, self.bounds, self.with_head = head, bounds, with_head
         # With ``record`` (tests): every node's bound and every visited path's heads, top down.
@@ -129,7 +129,7 @@ class _Side:
         maps = head.maps
         layer, index = head.layer, head.head
         at = head.positions[row : row + 1]
-        w, _, scale, gain = maps._weights(which, layer, index)
+        w, _, scale, gain = maps.side_maps(which, layer, index)
         rotation = maps.rotation_matrices(head.batch, layer, at)[0]  # x M = (R x)ᵀ
         columns = (w * (scale[head.batch, layer, index, at[0]] * gain)) @ rotation  # [d, e]: W diag(νγ) Rᵀ
         columns = head.gamma[:, None] * columns  # Γ
@@ -298,8 +298,8 @@ def top_score_pairs(
         raise ValueError(
             f"{_WHERE}: expected time_limit to be a positive number of seconds or None, got {time_limit!r}"
         )
-    checked = _checked_head(stack, layer, head, batch, _WHERE)
-    query, keys = _query_and_keys(checked, query, [key], _WHERE)
+    checked = checked_head(stack, layer, head, batch, _WHERE)
+    query, keys = query_and_keys(checked, query, [key], _WHERE)
     key = int(keys[0])
     model = checked.model
     node_bounds = with_head = None

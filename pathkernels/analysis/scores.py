@@ -50,7 +50,7 @@ POSITION = "position bias"  # the label of what the model adds to a score whatev
 
 
 @dataclass
-class _Head:
+class CheckedHead:
     """One head of a captured stack at one sequence, checked: the frozen model below its layer (on
     the sequence's real tokens), its query/key maps and where its tokens are."""
 
@@ -96,7 +96,10 @@ class _Head:
         return bias[self.positions[query], self.positions[keys]]
 
 
-def _checked_head(stack, layer, head, batch, where: str) -> _Head:
+def checked_head(stack, layer, head, batch, where: str) -> CheckedHead:
+    """Head ``(layer, head)`` of sequence ``batch`` of a stack captured with its queries and keys,
+    every argument refused in ``where``'s name where it is not what is expected; what the score
+    analyses of this module, the pair search and the causal check start from."""
     capture = getattr(stack, "residual_capture", None)
     if capture is None or getattr(capture, "query_key", None) is None:
         raise ValueError(
@@ -117,7 +120,7 @@ def _checked_head(stack, layer, head, batch, where: str) -> _Head:
     )
     attention = full.sublayers[below]
     device = capture.embedding.device
-    return _Head(
+    return CheckedHead(
         stack,
         layer,
         head,
@@ -131,7 +134,7 @@ def _checked_head(stack, layer, head, batch, where: str) -> _Head:
     )
 
 
-def _position(value, name: str, head: _Head, where: str) -> int:
+def _position(value, name: str, head: CheckedHead, where: str) -> int:
     """A token position of the head's sequence as its index among the real tokens."""
     tokens = head.stack.attn.shape[-1]
     position = check_int(value, name, where, minimum=-tokens, maximum=tokens - 1) % tokens
@@ -141,7 +144,7 @@ def _position(value, name: str, head: _Head, where: str) -> int:
     return int(index[0])
 
 
-def _query_and_keys(head: _Head, query, keys, where: str) -> tuple[int, Tensor]:
+def query_and_keys(head: CheckedHead, query, keys, where: str) -> tuple[int, Tensor]:
     """``(query index, key indices [K])`` among the real tokens: the last real token and every key
     it may attend by default."""
     query = head.positions.numel() - 1 if query is None else _position(query, "query", head, where)
@@ -350,12 +353,12 @@ def _decompositions(stack, layer, heads, query, keys, batch, where: str) -> list
         heads = [heads]
     if not heads:
         raise ValueError(f"{where}: expected heads to hold at least one head, got {heads!r}")
-    first = _checked_head(stack, layer, heads[0], batch, where)  # the frozen model below is the heads' own
+    first = checked_head(stack, layer, heads[0], batch, where)  # the frozen model below is the heads' own
     checked = [first] + [
         replace(first, head=check_int(head, "head", where, minimum=0, maximum=stack.num_heads - 1))
         for head in heads[1:]
     ]
-    query, keys = _query_and_keys(first, query, keys, where)
+    query, keys = query_and_keys(first, query, keys, where)
     groups, parts = _stream_groups(first.model)
     labels = (*(_group_label(first.model.source_names, g) for g in groups), CONSTANT)
     rows = torch.tensor([query], device=parts.device)
@@ -455,10 +458,10 @@ def score_pairs(
         :class:`ScorePairs`; its ``values`` sum to the score, which the tests hold to the model's own.
     """
     where = "pathkernels.score_pairs"
-    checked = _checked_head(stack, layer, head, batch, where)
+    checked = checked_head(stack, layer, head, batch, where)
     top_k = check_int(top_k, "top_k", where, minimum=0)
     memory_budget = check_int(memory_budget, "memory_budget", where, minimum=1)
-    query, keys = _query_and_keys(checked, query, [key], where)
+    query, keys = query_and_keys(checked, query, [key], where)
     model = checked.model
     heads = model.num_heads
     attention_below = [sum(1 for s in model.sublayers[j:] if s.attn is not None) for j in range(len(model.sources))]
@@ -600,8 +603,8 @@ def _one_side(stack, layer, head, query, key, side, batch, max_length, where: st
     other side fixed to the model's own vector (:func:`score_attribution`)."""
     if side not in SIDES:
         raise ValueError(f"{where}: expected side to be 'query' or 'key', got {side!r}")
-    checked = _checked_head(stack, layer, head, batch, where)
-    query, keys = _query_and_keys(checked, query, [key], where)
+    checked = checked_head(stack, layer, head, batch, where)
+    query, keys = query_and_keys(checked, query, [key], where)
     key = int(keys[0])
     read, other = (query, key) if side == "query" else (key, query)
     maps, device = checked.maps, checked.positions.device
@@ -612,7 +615,7 @@ def _one_side(stack, layer, head, query, key, side, batch, max_length, where: st
     # The side read is R (ν γ ⊙ (y W)) + its constant; in the row form R x = x M with M = Rᵀ, so
     # ⟨R u, f⟩ = u · (M f) and ⟨ν γ ⊙ y W, g⟩ = y · W (ν γ ⊙ g).
     rotated_back = maps.rotation_matrices(checked.batch, checked.layer, at)[0] @ fixed
-    w, _, scale, gain = maps._weights(side, checked.layer, checked.head)
+    w, _, scale, gain = maps.side_maps(side, checked.layer, checked.head)
     direction = scaling * (w @ (scale[checked.batch, checked.layer, checked.head, at[0]] * gain * rotated_back))
     bias = scaling * (checked.constant(side, torch.tensor([read], device=device))[0] @ fixed)
     bias = bias + checked.position_bias(query, keys)[0]  # ALiBi's term goes with the constant
