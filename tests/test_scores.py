@@ -44,6 +44,7 @@ FAMILIES = [
     "gpt_neox",
     "phi",
     "opt",
+    "gptj",
 ]
 
 
@@ -471,8 +472,8 @@ def test_the_induction_heads_look_by_k_composition_through_the_previous_token_he
 
 def test_what_is_not_read_is_refused_by_name():
     ids = torch.randint(0, 50, (1, 5))
-    with pytest.raises(ValueError, match=r"query_key=True reads the queries and keys of gpt2, .*not yet of 'gptj'"):
-        capture_huggingface_residual(family_model("gptj"), input_ids=ids, query_key=True)
+    with pytest.raises(ValueError, match=r"query_key=True reads the queries and keys of gpt2, .*not yet of 'falcon'"):
+        capture_huggingface_residual(family_model("falcon"), input_ids=ids, query_key=True)
     with pytest.raises(ValueError, match=r"query_key=True reads pre-norm models; this 'opt' normalises after"):
         capture_huggingface_residual(family_model("opt-post-projected"), input_ids=ids, query_key=True)
     phi = family_model("phi")

@@ -232,6 +232,13 @@ def _sinusoid_table(positions: int, dim: int, device) -> Tensor:
     return torch.cat((angles.sin(), angles.cos()), dim=1)
 
 
+# Called, as ``observe(module, query, key, attention_mask, scaling, kwargs)``, by the replacements
+# below that compute a float64 model's scores themselves instead of calling the model's own eager
+# attention: what that function would have been handed (pathkernels.adapters.query_key.recording
+# reads the queries and keys there).
+SCORE_OBSERVERS: list = []
+
+
 def _gptj_attention_in_input_precision(original):
     """GPT-J's eager attention, which rounds the queries and keys to float32 "to avoid overflow",
     without that rounding for float64 inputs (the same steps otherwise)."""
@@ -239,6 +246,8 @@ def _gptj_attention_in_input_precision(original):
     def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         if query.dtype != torch.float64:
             return original(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        for observe in SCORE_OBSERVERS:
+            observe(module, query, key, attention_mask, scaling, kwargs)
         weights = torch.matmul(query, key.transpose(2, 3)) * scaling
         if attention_mask is not None:
             weights = weights + attention_mask

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import Tensor, nn
 
-from pathkernels.adapters.precision import norm_eps, rms_gain
+from pathkernels.adapters.precision import SCORE_OBSERVERS, norm_eps, rms_gain
 
 # Families whose queries and keys are read, each a projection per side (or one fused: GPT-2, GPT-NeoX),
 # an optional RMSNorm on each (per head, or over every head: OLMo 2) and rotary positions handed to
@@ -47,6 +47,7 @@ QUERY_KEY_FAMILIES = (
     "phi",
     "opt",
     "vit",
+    "gptj",
 )
 SIDES = ("query", "key")
 
@@ -203,16 +204,18 @@ def recording(attention_modules: list[nn.Module], where: str) -> Iterator[list[_
 
         return hook
 
+    def observe(module, query, key, attention_mask, scaling, kwargs):
+        i = index.get(id(module))
+        if i is not None:
+            record = seen[i]
+            record.queries, record.keys = query.detach(), key.detach()
+            record.mask = None if attention_mask is None else attention_mask.detach()
+            record.scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+            record.soft_cap = kwargs.get("softcap")
+
     def recorder(original):
         def attention(module, query, key, value, attention_mask, *args, **kwargs):
-            i = index.get(id(module))
-            if i is not None:
-                record = seen[i]
-                record.queries, record.keys = query.detach(), key.detach()
-                record.mask = None if attention_mask is None else attention_mask.detach()
-                scaling = kwargs.get("scaling", args[0] if args else None)
-                record.scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
-                record.soft_cap = kwargs.get("softcap")
+            observe(module, query, key, attention_mask, kwargs.get("scaling", args[0] if args else None), kwargs)
             return original(module, query, key, value, attention_mask, *args, **kwargs)
 
         return attention
@@ -230,9 +233,11 @@ def recording(attention_modules: list[nn.Module], where: str) -> Iterator[list[_
             raise ValueError(f"{where}: {name} has no eager_attention_forward to read the queries and keys from")
         modeling.eager_attention_forward = recorder(original)
         swapped.append((modeling, original))
+    SCORE_OBSERVERS.append(observe)  # a float64 pass that computes the scores itself (GPT-J's) reports here
     try:
         yield seen
     finally:
+        SCORE_OBSERVERS.remove(observe)
         for handle in handles:
             handle.remove()
         for modeling, original in swapped:
@@ -363,9 +368,12 @@ def query_key_capture(
             per_layer[name].append(value.double().cpu() if value.is_floating_point() else value.cpu())
         rotations.append(record.rotation)
     cos = sin = None
+    interleaved = type(attention_modules[0]).__name__ == "GPTJAttention"
     if any(r is not None for r in rotations):
         if any(r is None for r in rotations):
             raise ValueError(f"{where}: some layers were handed rotary positions and some were not")
+        if interleaved:  # GPT-J hands (sin, cos) per pair of adjacent features: one angle for two features
+            rotations = [(c.repeat_interleave(2, -1), s.repeat_interleave(2, -1)) for s, c in rotations]
         cos = torch.stack([r[0].double().cpu().expand(batch, tokens, -1) for r in rotations], 1)
         sin = torch.stack([r[1].double().cpu().expand(batch, tokens, -1) for r in rotations], 1)
     batch_axis = ("qs", "ks", "allowed", "q", "k")  # [B, L, ...]; the weights are [L, ...]
@@ -386,4 +394,5 @@ def query_key_capture(
         keys=stacked["k"],
         cos=cos,
         sin=sin,
+        interleaved=interleaved,
     ).on(seen[0].queries.device)
