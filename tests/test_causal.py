@@ -35,7 +35,9 @@ def model_of(name: str):
 
 
 @pytest.mark.parametrize("side", ["query", "key"])
-@pytest.mark.parametrize("name", ["gpt2", "llama", "opt", "gpt_neox", "phi", "gemma2", "olmo"])
+@pytest.mark.parametrize(
+    "name", ["gpt2", "llama", "opt", "gpt_neox", "phi", "gemma2", "olmo", "gptj", "falcon", "falcon-grouped"]
+)
 def test_held_norms_make_the_change_the_paths_share_exactly(name, side):
     """Every path below the top layer, removed from head 1's query or key input (a key head of a
     grouped-query model serves its group): the measured score change is ``−`` the path's share to

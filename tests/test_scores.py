@@ -45,6 +45,9 @@ FAMILIES = [
     "phi",
     "opt",
     "gptj",
+    "falcon",
+    "falcon-sequential",
+    "falcon-grouped",
 ]
 
 
@@ -102,6 +105,33 @@ def test_every_heads_scores_sum_to_the_models_own(name, dtype):
             assert bool(result.allowed.all())
             assert set(result.keys.tolist()) <= set(range(2 * batch, result.query + 1))
     assert (name.startswith("gemma2")) == (result.soft_cap is not None)
+
+
+@pytest.mark.parametrize(
+    "extra", [{}, {"multi_query": False, "parallel_attn": False}, {"new_decoder_architecture": True, "num_kv_heads": 2}]
+)
+def test_falcon_with_alibi_has_its_bias_as_a_term_of_its_own(extra):
+    """Falcon with ALiBi (its attention computes the scores inline; the capture replays its own
+    projection and head split): the pair table plus the position term is the model's own score and
+    the log of its pattern, on a left-padded batch; the position term is ALiBi's, as the model's
+    mask carries it."""
+    from test_capture_self_check import falcon_with_alibi
+
+    model = falcon_with_alibi(**extra)
+    ids, mask = padded_ids()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stack, capture = capture_huggingface_residual(model, input_ids=ids, attention_mask=mask, query_key=True)
+    for batch in (0, 1):
+        for result in pk.score_decompositions(stack, 1, batch=batch):
+            scale = float(result.model_scores.abs().max())
+            torch.testing.assert_close(result.scores, result.model_scores, rtol=0, atol=1e-12 * scale)
+            row = capture.patterns(stack.attn, batch)[1, result.head, result.query, result.keys]
+            scores = result.scores
+            torch.testing.assert_close(scores - torch.logsumexp(scores, 0), row.log(), rtol=0, atol=1e-10)
+            steps = result.position.diff()  # the same slope between every two keys: a line in the key
+            assert float(result.position.abs().max()) > 0
+            torch.testing.assert_close(steps, steps[:1].expand_as(steps), rtol=1e-10, atol=1e-14)
 
 
 def test_a_vit_looks_at_every_patch():
@@ -472,8 +502,11 @@ def test_the_induction_heads_look_by_k_composition_through_the_previous_token_he
 
 def test_what_is_not_read_is_refused_by_name():
     ids = torch.randint(0, 50, (1, 5))
-    with pytest.raises(ValueError, match=r"query_key=True reads the queries and keys of gpt2, .*not yet of 'falcon'"):
-        capture_huggingface_residual(family_model("falcon"), input_ids=ids, query_key=True)
+    bert = transformers.BertModel(
+        transformers.BertConfig(num_hidden_layers=1, num_attention_heads=2, hidden_size=8, intermediate_size=16)
+    ).eval()
+    with pytest.raises(ValueError, match=r"query_key=True reads the queries and keys of gpt2, .*not yet of 'bert'"):
+        capture_huggingface_residual(bert, input_ids=ids, query_key=True)
     with pytest.raises(ValueError, match=r"query_key=True reads pre-norm models; this 'opt' normalises after"):
         capture_huggingface_residual(family_model("opt-post-projected"), input_ids=ids, query_key=True)
     phi = family_model("phi")

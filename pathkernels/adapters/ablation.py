@@ -52,7 +52,15 @@ def projection_columns(
     if hasattr(attention, "c_attn"):  # GPT-2: [q | k | v]
         start = head * head_dim if side == "query" else heads * head_dim + group * head_dim
         return attention.c_attn, start + step
-    if hasattr(attention, "query_key_value"):  # GPT-NeoX: per head [q | k | v]
+    if type(attention).__name__.startswith("Falcon") and attention.new_decoder_architecture:
+        per_group = heads // kv_heads  # per key head [q_1 … q_g | k | v]
+        start = group * (per_group + 2) * head_dim
+        offset = (head % per_group) * head_dim if side == "query" else per_group * head_dim
+        return attention.query_key_value, start + offset + step
+    if type(attention).__name__.startswith("Falcon") and attention.multi_query:  # [q_1 … q_H | k | v]
+        start = head * head_dim if side == "query" else heads * head_dim
+        return attention.query_key_value, start + step
+    if hasattr(attention, "query_key_value"):  # GPT-NeoX, Falcon: per head [q | k | v]
         return attention.query_key_value, head * 3 * head_dim + (0 if side == "query" else head_dim) + step
     if side == "query":
         return attention.q_proj, head * head_dim + step

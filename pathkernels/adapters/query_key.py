@@ -48,6 +48,7 @@ QUERY_KEY_FAMILIES = (
     "opt",
     "vit",
     "gptj",
+    "falcon",
 )
 SIDES = ("query", "key")
 
@@ -195,8 +196,13 @@ def recording(attention_modules: list[nn.Module], where: str) -> Iterator[list[_
 
     def before(module, args, kwargs):
         rotation = kwargs.get("position_embeddings")
-        if isinstance(rotation, tuple) and len(rotation) == 2:
+        if isinstance(rotation, tuple) and len(rotation) == 2 and kwargs.get("alibi") is None:
             seen[index[id(module)]].rotation = tuple(t.detach() for t in rotation)
+        if _replayed(module):  # its scores are computed inline: replayed here
+            rotary = sys.modules[type(module).__module__].apply_rotary_pos_emb
+            with torch.no_grad():
+                query, key = _falcon_replay(module, args, kwargs, rotary)
+            observe(module, query, key, kwargs.get("attention_mask"), module.inv_norm_factor, {})
 
     def norm_hook(i: int, name: str):
         def hook(module, args):
@@ -226,7 +232,7 @@ def recording(attention_modules: list[nn.Module], where: str) -> Iterator[list[_
             norm = getattr(module, name, None)
             if isinstance(norm, nn.Module):
                 handles.append(norm.register_forward_pre_hook(norm_hook(i, name)))
-    for name in {type(module).__module__ for module in attention_modules}:
+    for name in {type(module).__module__ for module in attention_modules if not _replayed(module)}:
         modeling = sys.modules.get(name)
         original = getattr(modeling, "eager_attention_forward", None)
         if original is None:
@@ -242,6 +248,12 @@ def recording(attention_modules: list[nn.Module], where: str) -> Iterator[list[_
             handle.remove()
         for modeling, original in swapped:
             modeling.eager_attention_forward = original
+
+
+def _replayed(module: nn.Module) -> bool:
+    """Whether a module's queries and keys are replayed from its inputs (Falcon's, whose attention
+    computes its scores inline) rather than read from its eager attention function."""
+    return type(module).__name__.startswith("Falcon")
 
 
 def _projection(module: nn.Module) -> tuple[Tensor, Tensor | None]:
@@ -262,6 +274,9 @@ def _query_key_weights(
         weight, bias = _projection(module.c_attn)
         width = heads * head_dim
         parts = [(weight[:, :width], bias[:width]), (weight[:, width : 2 * width], bias[width : 2 * width])]
+    elif type(module).__name__.startswith("Falcon"):  # fused, in one of three layouts
+        weight, bias = _projection(module.query_key_value)
+        parts = _falcon_query_key(module, weight, bias, heads, kv_heads, head_dim)
     elif hasattr(module, "query_key_value"):  # GPT-NeoX: per head [q | k | v]
         weight, bias = _projection(module.query_key_value)
         weight = weight.reshape(weight.shape[0], heads, 3, head_dim)
@@ -283,6 +298,43 @@ def _query_key_weights(
             w, b = w.repeat_interleave(heads // count, 0), b.repeat_interleave(heads // count, 0)
         out.append((w.contiguous(), b))
     return out
+
+
+def _falcon_query_key(module, weight: Tensor, bias: Tensor | None, heads: int, kv_heads: int, head_dim: int):
+    """Falcon's query and key columns of its fused projection ``[(W_Q [d, H·e], b), (W_K [d, H_kv·e], b)]``:
+    per group of query heads ``[q_1 … q_g | k | v]`` (the new decoder architecture), all queries
+    then one key and one value (multi-query), or per head ``[q | k | v]``."""
+    d = weight.shape[0]
+    if module.new_decoder_architecture:
+        grouped = weight.reshape(d, kv_heads, heads // kv_heads + 2, head_dim)
+        split = lambda t: (t[:, :, :-2].reshape(t.shape[0], -1), t[:, :, -2].reshape(t.shape[0], -1))  # noqa: E731
+    elif module.multi_query:
+        grouped = weight.reshape(d, 1, heads + 2, head_dim)
+        split = lambda t: (t[:, :, :-2].reshape(t.shape[0], -1), t[:, :, -2].reshape(t.shape[0], -1))  # noqa: E731
+    else:
+        grouped = weight.reshape(d, heads, 3, head_dim)
+        split = lambda t: (t[:, :, 0].reshape(t.shape[0], -1), t[:, :, 1].reshape(t.shape[0], -1))  # noqa: E731
+    w_q, w_k = split(grouped)
+    if bias is None:
+        return [(w_q, None), (w_k, None)]
+    b_q, b_k = split(bias.reshape(1, *grouped.shape[1:]))
+    return [(w_q, b_q[0]), (w_k, b_k[0])]
+
+
+def _falcon_replay(module: nn.Module, args: tuple, kwargs: dict, apply_rotary) -> tuple[Tensor, Tensor]:
+    """Falcon's queries ``[B, H, n, e]`` and keys ``[B, H_kv, n, e]`` as its attention computes them
+    inline (no eager function to read them from): its own fused projection, head split and rotary
+    function on the same inputs."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    query, key, _ = module._split_heads(module.query_key_value(hidden))
+    batch, tokens = query.shape[0], query.shape[1]
+    kv_heads = module.num_heads if module.new_decoder_architecture else module.num_kv_heads
+    query = query.transpose(1, 2).reshape(batch, module.num_heads, tokens, module.head_dim)
+    key = key.transpose(1, 2).reshape(batch, kv_heads, tokens, module.head_dim)
+    if kwargs.get("alibi") is None:
+        cos, sin = kwargs["position_embeddings"]
+        query, key = apply_rotary(query, key, cos, sin)
+    return query, key
 
 
 def _norm_scale_gain(
@@ -341,7 +393,7 @@ def query_key_capture(
         )
     batch, _, tokens, _ = seen[0].queries.shape
     per_layer = {name: [] for name in ("w_q", "b_q", "w_k", "b_k", "qs", "ks", "qg", "kg", "allowed", "q", "k")}
-    rotations = []
+    rotations, biases = [], []
     for module, record in zip(attention_modules, seen):
         (w_q, b_q), (w_k, b_k) = _query_key_weights(module, heads, kv_heads, head_dim, scaled_queries)
         query_scale, query_gain = _norm_scale_gain(module, "q_norm", record, heads, heads, head_dim, (batch, tokens))
@@ -350,17 +402,15 @@ def query_key_capture(
         if keys.shape[1] != heads:
             keys = keys.repeat_interleave(heads // keys.shape[1], 1)
         mask = record.mask
+        bias = torch.zeros(batch, heads, tokens, tokens, dtype=torch.float64)
         if mask is None:
             allowed = torch.ones(batch, tokens, tokens, dtype=torch.bool)
         else:
             mask = mask.double().cpu()[..., :tokens]
             allowed = (mask > -1e30).all(1)  # masked entries hold the dtype's lowest value or -inf
-            kept = torch.where(allowed[:, None], mask, torch.zeros((), dtype=mask.dtype))
-            if bool((kept != 0).any()):
-                raise ValueError(
-                    f"{where}: the attention mask adds a position bias (ALiBi or similar), which the score "
-                    "decomposition does not take yet"
-                )
+            # What the mask adds where it allows a pair: 0, or a position bias (Falcon's ALiBi).
+            bias = torch.where(allowed[:, None], mask, torch.zeros((), dtype=mask.dtype)).expand(batch, heads, -1, -1)
+        biases.append(bias)
         for name, value in zip(
             per_layer,
             (w_q, b_q, w_k, b_k, query_scale, key_scale, query_gain, key_gain, allowed, record.queries, keys),
@@ -395,4 +445,5 @@ def query_key_capture(
         cos=cos,
         sin=sin,
         interleaved=interleaved,
+        position_bias=torch.stack(biases, 1) if any(bool(b.any()) for b in biases) else None,
     ).on(seen[0].queries.device)

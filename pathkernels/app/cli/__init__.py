@@ -368,7 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
         "of two keys') by pairs of path groups (source, number of heads), and the top and bottom pairs of "
         "paths: listed where they are few, else found by a certified best-first search. A GPT-2 built from a "
         "config, or a local model of a family whose queries and keys the adapters read (GPT-2, GPT-NeoX, GPT-J, "
-        "Phi, OPT, ViT, the Llama family, Gemma, OLMo).",
+        "Phi, Falcon, OPT, ViT, the Llama family, Gemma, OLMo).",
     )
     model_options(scores, layers=4, tokens=DEFAULT_TOKENS["scores"])
     scores.add_argument(
