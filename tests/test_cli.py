@@ -586,9 +586,11 @@ def test_scores_refuses_what_does_not_exist_by_name(options, message, capsys):
 
 
 def test_scores_refuses_a_family_whose_queries_are_not_read(tmp_path, capsys):
-    folder = tmp_path / "falcon"
+    folder = tmp_path / "bert"
     folder.mkdir()
-    config = transformers.FalconConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=16, vocab_size=50)
+    config = transformers.BertConfig(
+        num_hidden_layers=2, num_attention_heads=2, hidden_size=16, intermediate_size=32, vocab_size=50
+    )
     config.save_pretrained(folder)
     code, _, errors = run(["scores", "--model", str(folder), "--tokens", "5"], capsys)
     assert code == 2 and "query_key=True reads the queries and keys of gpt2" in errors[0], errors
