@@ -159,3 +159,15 @@ def test_arguments_are_refused_by_name():
             pk.causal_check(model, stack, inputs, [[-1, 1, -1]], ["embedding"], **kwargs)
     with pytest.raises(TypeError, match=r"expected inputs to be the dict of model inputs"):
         pk.causal_check(model, stack, ids, [[-1, -1, -1]], ["embedding"], layer=2, head=0, key=1)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_transformer_lens_model_is_refused_by_name():
+    transformer_lens = pytest.importorskip("transformer_lens")
+    from test_real_models_transformer_lens import tl_model
+
+    del transformer_lens
+    model = tl_model()
+    stack, _ = pk.adapters.capture_transformer_lens_residual(model, torch.randint(0, 50, (1, 5)), query_key=True)
+    with pytest.raises(TypeError, match=r"^pathkernels\.causal_check: expected model to be the Hugging Face model"):
+        pk.causal_check(model, stack, {}, [[-1, -1, -1]], ["embedding"], layer=2, head=0, key=1)

@@ -498,10 +498,11 @@ def capture_transformer_lens_residual(
     scale each head's term and the sublayer's constants on both sides, ``D' · (⋯) · Γ'``; a
     LayerNorm there is refused by name. The capture checks itself against the model's own forward
     pass, as :func:`capture_huggingface_residual` does (``check``). ``query_key=True`` also reads the
-    score side (:class:`~pathkernels.adapters.query_key.QueryKeyCapture`) of a HookedTransformer:
+    score side (:class:`~pathkernels.adapters.query_key.QueryKeyCapture`) of a HookedTransformer, or
+    of a 4.x TransformerBridge over TransformerLens's native model:
     ``W_Q``, ``W_K``, their biases, ``attn_scale``, rotary positions (either pairing, partial) and
     the soft cap and ALiBi (its bias, a term per pair of tokens), checked against the queries and
-    keys its hooks report; query/key norms and TransformerBridges are refused by name.
+    keys its hooks report; query/key norms and bridges over Hugging Face models are refused by name.
     """
     where = "pathkernels.adapters.capture_transformer_lens_residual"
     check = check_flag(check, "check", where)
@@ -541,7 +542,7 @@ def capture_transformer_lens_residual(
     if not attn_only:
         names |= {f"blocks.{layer}.hook_mlp_out" for layer in range(layers)}
     if query_key:
-        rotary = cfg.positional_embedding_type == "rotary"
+        rotary = cfg.positional_embedding_type == "rotary" and not _native_bridge(model)
         sides = ("hook_rot_q", "hook_rot_k") if rotary else ("hook_q", "hook_k")
         names |= {f"blocks.{layer}.attn.{name}" for layer in range(layers) for name in (*sides, "hook_attn_scores")}
     cache = run_cached(model, tokens, names, attention_mask)
@@ -638,9 +639,16 @@ def capture_transformer_lens_residual(
 def _check_transformer_lens_query_key(model, where: str) -> None:
     """Refuse, by name, what ``query_key=True`` does not read of a TransformerLens model."""
     cfg = model.cfg
-    if type(model).__name__ != "HookedTransformer":
+    if type(model).__name__ != "HookedTransformer" and not _native_bridge(model):
+        original = model.__dict__.get("original_model")
+        pointer = (
+            "; capture the Hugging Face model it wraps (model.original_model) with capture_huggingface_residual"
+            if original is not None and type(original).__module__.startswith("transformers.")
+            else ""
+        )
         raise ValueError(
-            f"{where}: query_key=True reads a HookedTransformer's queries and keys; not yet a {type(model).__name__}"
+            f"{where}: query_key=True reads a HookedTransformer's queries and keys, and a TransformerBridge's over "
+            f"TransformerLens's native model; not yet a {type(model).__name__} over another{pointer}"
         )
     unread = {
         "use_qk_norm": "query/key norms",
@@ -658,6 +666,16 @@ def _check_transformer_lens_query_key(model, where: str) -> None:
         )
 
 
+def _native_bridge(model) -> bool:
+    """Whether ``model`` is a TransformerLens 4.x bridge over its native model (NativeAttention)."""
+    blocks = getattr(model, "blocks", None)
+    try:
+        attention = blocks[0].attn.original_component
+    except (AttributeError, IndexError, TypeError):
+        return False
+    return type(model).__name__ == "TransformerBridge" and type(attention).__name__ == "NativeAttention"
+
+
 def _transformer_lens_query_key(model, cfg, cache, stack: AttentionStack, attention_mask) -> QueryKeyCapture:
     """A HookedTransformer's score side from its weights and, for the check, its own queries, keys
     and scores in ``cache``: ``W_Q``, ``W_K`` ``[L, H, d, e]`` (grouped keys repeated), ``b_Q``,
@@ -670,29 +688,53 @@ def _transformer_lens_query_key(model, cfg, cache, stack: AttentionStack, attent
     def per_query_head(t: Tensor) -> Tensor:
         return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], 1)
 
+    native = _native_bridge(model)
     attention = [block.attn for block in model.blocks]
     w_q = torch.stack([a.W_Q.detach() for a in attention]).double()
     w_k = per_query_head(torch.stack([a.W_K.detach() for a in attention]).double())
     b_q = torch.stack([a.b_Q.detach() for a in attention]).double()
     b_k = per_query_head(torch.stack([a.b_K.detach() for a in attention]).double())
     rotary = cfg.positional_embedding_type == "rotary"
-    sides = ("hook_rot_q", "hook_rot_k") if rotary else ("hook_q", "hook_k")
+    # A native bridge's positions are 0 … n−1 whatever the mask; a HookedTransformer's rotary
+    # offsets a left-padded row's real tokens to start at 0.
+    positions = torch.arange(tokens, device=device).expand(batch, tokens)
+    if rotary and attention_mask is not None and not native:
+        positions = (attention_mask.to(device).long().cumsum(1) - 1).clamp_min(0)
+    sides = ("hook_rot_q", "hook_rot_k") if rotary and not native else ("hook_q", "hook_k")
     own = [
         torch.stack([cache[f"blocks.{layer}.attn.{name}"] for layer in range(layers)], 1).double()  # [B, L, n, H, e]
         for name in sides
     ]
-    queries, keys = (t.permute(0, 1, 3, 2, 4) for t in own)
+    queries, keys = (t.permute(0, 1, 3, 2, 4) for t in own)  # [B, L, H, n, e]
+    if native and rotary:  # its hooks hold them before the rotation: rotated by its own function
+        turned = [
+            a.original_component.rotary.apply_rope(queries[:, i], keys[:, i], position_ids=positions)
+            for i, a in enumerate(attention)
+        ]
+        queries, keys = (torch.stack(parts, 1) for parts in zip(*turned))
     keys = keys if keys.shape[2] == heads else keys.repeat_interleave(heads // keys.shape[2], 2)
-    scores = torch.stack([cache[f"blocks.{layer}.attn.hook_attn_scores"] for layer in range(layers)], 1)
-    allowed = (scores.double() > -1e30).all(2)  # masked pairs hold -inf: [B, L, n, n]
+    if native:  # its hook_attn_scores holds the pattern: the pairs it allows are causal and real
+        causal = torch.ones(tokens, tokens, dtype=torch.bool, device=device).tril()
+        real = (
+            torch.ones(batch, tokens, dtype=torch.bool, device=device)
+            if attention_mask is None
+            else (attention_mask.to(device).bool())
+        )
+        allowed = (causal[None] & real[:, None, :])[:, None].expand(batch, layers, tokens, tokens)
+    else:
+        scores = torch.stack([cache[f"blocks.{layer}.attn.hook_attn_scores"] for layer in range(layers)], 1)
+        allowed = (scores.double() > -1e30).all(2)  # masked pairs hold -inf: [B, L, n, n]
     cos = sin = None
     if rotary:
-        if attention_mask is None:
-            positions = torch.arange(tokens, device=device).expand(batch, tokens)
-        else:  # its apply_rotary's offsets: a left-padded row's real tokens from 0
-            positions = (attention_mask.to(device).long().cumsum(1) - 1).clamp_min(0)
-        cos = torch.stack([a.rotary_cos.detach().double()[positions] for a in attention], 1)  # [B, L, n, r]
-        sin = torch.stack([a.rotary_sin.detach().double()[positions] for a in attention], 1)
+        tables = [
+            (a.original_component.rotary.cos_cached, a.original_component.rotary.sin_cached)
+            if native
+            else (a.rotary_cos, a.rotary_sin)
+            for a in attention
+        ]
+        cos = torch.stack([c.detach().double()[positions] for c, _ in tables], 1)  # [B, L, n, r]
+        sin = torch.stack([s.detach().double()[positions] for _, s in tables], 1)
+    scale = [a.original_component.scale if native else a.attn_scale for a in attention]
     ones = torch.ones(batch, layers, heads, tokens, dtype=torch.float64, device=device)
     gains = torch.ones(layers, heads, w_q.shape[-1], dtype=torch.float64, device=device)
     cap = float(getattr(cfg, "attn_scores_soft_cap", -1.0) or -1.0)
@@ -709,14 +751,14 @@ def _transformer_lens_query_key(model, cfg, cache, stack: AttentionStack, attent
         key_scale=ones.clone(),
         query_gain=gains,
         key_gain=gains.clone(),
-        scaling=torch.tensor([1.0 / float(a.attn_scale) for a in attention], dtype=torch.float64),
+        scaling=torch.tensor([1.0 / float(value) for value in scale], dtype=torch.float64),
         allowed=allowed,
         soft_cap=torch.full((layers,), max(cap, 0.0), dtype=torch.float64),
         queries=queries,
         keys=keys,
         cos=cos,
         sin=sin,
-        interleaved=bool(getattr(cfg, "rotary_adjacent_pairs", False)),
+        interleaved=native or bool(getattr(cfg, "rotary_adjacent_pairs", False)),  # native: adjacent pairs
         position_bias=position_bias,
     )
 

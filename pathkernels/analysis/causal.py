@@ -146,6 +146,11 @@ def causal_check(
     """
     if side not in _SIDES:
         raise ValueError(f"{_WHERE}: expected side to be one of {_SIDES}, got {side!r}")
+    if getattr(getattr(model, "config", None), "model_type", None) is None:
+        raise TypeError(
+            f"{_WHERE}: expected model to be the Hugging Face model the stack was captured from, got "
+            f"{type(model).__name__}; TransformerLens models are not run by the causal check yet"
+        )
     frozen = check_flag(frozen, "frozen", _WHERE)
     batch = check_int(batch, "batch", _WHERE, minimum=0, maximum=stack.batch_size - 1)
     capture = stack.residual_capture
