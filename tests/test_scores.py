@@ -44,6 +44,7 @@ FAMILIES = [
     "olmo2",
     "gpt_neox",
     "phi",
+    "phi-qk-layernorm",
     "opt",
     "gptj",
     "falcon",
@@ -57,6 +58,27 @@ def build(name: str, dtype=torch.float64):
         return gpt2().to(dtype).eval()
     if name in ("llama", "qwen2"):
         return llama(name).to(dtype).eval()
+    if name == "phi-qk-layernorm":  # LayerNorms on each head's query and key, random γ and β
+        torch.manual_seed(0)
+        config = transformers.PhiConfig(
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            hidden_size=32,
+            intermediate_size=64,
+            vocab_size=50,
+            partial_rotary_factor=0.5,
+            qk_layernorm=True,
+        )
+        model = transformers.PhiForCausalLM(config).double().eval()
+        with torch.no_grad():
+            for parameter_name, parameter in model.named_parameters():
+                if parameter_name.endswith("bias"):
+                    parameter.normal_(0, 0.3)
+                elif "layernorm" in parameter_name and parameter_name.endswith("weight"):
+                    parameter.normal_(0, 0.3).add_(1)
+                elif parameter.dim() == 2:
+                    parameter.mul_(5)
+        return model.to(dtype)
     return family_model(name, dtype)
 
 
@@ -510,10 +532,7 @@ def test_what_is_not_read_is_refused_by_name():
         capture_huggingface_residual(bert, input_ids=ids, query_key=True)
     with pytest.raises(ValueError, match=r"query_key=True reads pre-norm models; this 'opt' normalises after"):
         capture_huggingface_residual(family_model("opt-post-projected"), input_ids=ids, query_key=True)
-    phi = family_model("phi")
-    phi.config.qk_layernorm = True
-    with pytest.raises(ValueError, match=r"does not read LayerNorms on the queries and keys"):
-        capture_huggingface_residual(phi, input_ids=ids, query_key=True)
+
     stack, _ = capture_huggingface_residual(build("gpt2"), input_ids=ids)
     with pytest.raises(ValueError, match=r"^pathkernels\.score_decomposition: expected a stack captured with its"):
         pk.score_decomposition(stack, 0, 0)
@@ -599,6 +618,13 @@ TRANSFORMER_LENS_CASES = {
     "attention-only, no norm": {"normalization_type": None, "attn_only": True},
     "soft-capped scores": {"attn_scores_soft_cap": 30.0},
     "ALiBi": {"positional_embedding_type": "alibi"},
+    "query/key norms, rotary, grouped keys": {
+        "normalization_type": "RMS",
+        "positional_embedding_type": "rotary",
+        "rotary_dim": 8,
+        "use_qk_norm": True,
+        "n_key_value_heads": 2,
+    },
 }
 
 

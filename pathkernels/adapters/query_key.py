@@ -64,7 +64,9 @@ class QueryKeyCapture:
     ``cos``, ``sin`` ``[B, L, n, r]``: the rotation of the first ``r`` features of every head at each
     position (``x·cos + rotate_half(x)·sin``; with ``interleaved``, the pairs are adjacent features
     rather than the two halves), None without rotary positions; ``position_bias`` ``[B, L, H, n, n]``:
-    a term the model adds to each pair's score whatever the stream (ALiBi), None without one; ``scaling`` ``[L]``;
+    a term the model adds to each pair's score whatever the stream (ALiBi), None without one;
+    ``centred``: the query/key norms are LayerNorms (Phi's ``qk_layernorm``: each head's vector
+    centred before its scale), whose β ``query_shift``, ``key_shift`` ``[L, H, e]`` is added after; ``scaling`` ``[L]``;
     ``allowed`` ``[B, L, n, n]``: which keys each query may attend (causal, padding, sliding
     windows); ``soft_cap`` ``[L]``: the cap ``c`` of a soft-capped score ``c·tanh(s/c)`` (0: none);
     ``queries``, ``keys`` ``[B, L, H, n, e]``: the model's own, after norms and rotation.
@@ -87,6 +89,9 @@ class QueryKeyCapture:
     sin: Tensor | None = None
     interleaved: bool = False
     position_bias: Tensor | None = None
+    centred: bool = False
+    query_shift: Tensor | None = None
+    key_shift: Tensor | None = None
 
     def on(self, device) -> QueryKeyCapture:
         """A copy on ``device``."""
@@ -120,18 +125,29 @@ class QueryKeyCapture:
         eye = torch.eye(e, dtype=torch.float64, device=self.w_q.device).expand(rows.numel(), e, e)
         return self.rotate(eye.transpose(0, 1), batch, layer, rows).transpose(0, 1)
 
+    def _normed(self, side: str, narrow: Tensor, batch: int, layer: int, head: int, rows: Tensor) -> Tensor:
+        """A query/key norm frozen: ``ν_t γ ⊙ (u C)`` (``C`` centres each head's vector where the norm
+        is a LayerNorm; the identity for an RMSNorm and without a norm)."""
+        _, _, scale, gain = self.side_maps(side, layer, head)
+        if self.centred:
+            narrow = narrow - narrow.mean(-1, keepdim=True)
+        return narrow * (scale[batch, layer, head, rows, None] * gain)
+
     def project(self, side: str, inputs: Tensor, batch: int, layer: int, head: int, rows: Tensor) -> Tensor:
-        """The linear part of one side: ``R_t (ν_t γ ⊙ (y_t W))`` ``[..., T, e]`` for parts of the
+        """The linear part of one side: ``R_t (ν_t γ ⊙ (y_t W C))`` ``[..., T, e]`` for parts of the
         attention's input ``inputs [..., T, d]`` at positions ``rows [T]`` (no bias)."""
-        w, _, scale, gain = self.side_maps(side, layer, head)
-        narrow = inputs @ w * (scale[batch, layer, head, rows, None] * gain)
-        return self.rotate(narrow, batch, layer, rows)
+        w = self.side_maps(side, layer, head)[0]
+        return self.rotate(self._normed(side, inputs @ w, batch, layer, head, rows), batch, layer, rows)
 
     def constant(self, side: str, shift: Tensor, batch: int, layer: int, head: int, rows: Tensor) -> Tensor:
-        """What one side holds whatever the stream: ``R_t (ν_t γ ⊙ (β W + b))`` ``[T, e]`` for the
-        constant ``shift [d]`` of the attention's input (its norm's β; 0 without one)."""
-        w, b, scale, gain = self.side_maps(side, layer, head)
-        narrow = (shift @ w + b) * (scale[batch, layer, head, rows, None] * gain)
+        """What one side holds whatever the stream: ``R_t (ν_t γ ⊙ ((β W + b) C) + β')`` ``[T, e]`` for
+        the constant ``shift [d]`` of the attention's input (its norm's β; 0 without one) and a
+        query/key LayerNorm's β' (0 without one)."""
+        w, b, _, _ = self.side_maps(side, layer, head)
+        narrow = self._normed(side, (shift @ w + b).expand(rows.numel(), -1), batch, layer, head, rows)
+        after = self.query_shift if side == "query" else self.key_shift
+        if after is not None:
+            narrow = narrow + after[layer, head]
         return self.rotate(narrow, batch, layer, rows)
 
     def reconstruction_error(self, inputs: Tensor, shift: Tensor, real: Tensor) -> float:
@@ -228,10 +244,10 @@ def recording(attention_modules: list[nn.Module], where: str) -> Iterator[list[_
 
     for i, module in enumerate(attention_modules):
         handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-        for name in ("q_norm", "k_norm"):
+        for name in ("q_norm", "k_norm", "q_layernorm", "k_layernorm"):
             norm = getattr(module, name, None)
             if isinstance(norm, nn.Module):
-                handles.append(norm.register_forward_pre_hook(norm_hook(i, name)))
+                handles.append(norm.register_forward_pre_hook(norm_hook(i, name.replace("layernorm", "norm"))))
     for name in {type(module).__module__ for module in attention_modules if not _replayed(module)}:
         modeling = sys.modules.get(name)
         original = getattr(modeling, "eager_attention_forward", None)
@@ -343,7 +359,7 @@ def _norm_scale_gain(
     """A query/key norm's frozen ``1/σ`` ``[B, H, n]`` and gain ``[H, e]``: over each head's
     features (Qwen3, Gemma-3) or over every head's at once (OLMo 2); ones without a norm."""
     batch, tokens = shape
-    norm = getattr(module, name, None)
+    norm = getattr(module, name, None) or getattr(module, name.replace("norm", "layernorm"), None)
     x = seen.norm_inputs.get(name)
     if not isinstance(norm, nn.Module) or x is None:
         return (
@@ -353,9 +369,11 @@ def _norm_scale_gain(
     if x.dim() == 4 and _heads_first(x, tokens, count):  # normed after the heads' transpose (Gemma-3)
         x = x.transpose(1, 2)
     x = x.double()
+    if isinstance(norm, nn.LayerNorm):  # Phi's qk_layernorm: the variance about each head's mean
+        x = x - x.mean(-1, keepdim=True)
     inverse = torch.rsqrt(x.pow(2).mean(-1) + norm_eps(norm))  # [B, n, count] per head, [B, n] over all
     inverse = inverse[..., None].expand(batch, tokens, count) if inverse.dim() == 2 else inverse
-    gain = rms_gain(norm)
+    gain = norm.weight.detach().double() if isinstance(norm, nn.LayerNorm) else rms_gain(norm)
     gain = torch.ones(count * head_dim, dtype=torch.float64) if gain is None else gain.cpu()
     gain = gain.expand(count, head_dim) if gain.numel() == head_dim else gain.reshape(count, head_dim)
     inverse = inverse.permute(0, 2, 1).cpu()  # [B, count, n]
@@ -417,6 +435,13 @@ def query_key_capture(
         ):
             per_layer[name].append(value.double().cpu() if value.is_floating_point() else value.cpu())
         rotations.append(record.rotation)
+    layer_norms = [getattr(m, "q_layernorm", None) for m in attention_modules]
+    centred = all(isinstance(norm, nn.LayerNorm) for norm in layer_norms)
+    shifts = None
+    if centred:  # β of each query/key LayerNorm, per head (key heads repeated)
+        query_shift = torch.stack([m.q_layernorm.bias.detach().double().expand(heads, -1) for m in attention_modules])
+        key_shift = torch.stack([m.k_layernorm.bias.detach().double().expand(heads, -1) for m in attention_modules])
+        shifts = (query_shift.cpu(), key_shift.cpu())
     cos = sin = None
     interleaved = type(attention_modules[0]).__name__ == "GPTJAttention"
     if any(r is not None for r in rotations):
@@ -446,4 +471,7 @@ def query_key_capture(
         sin=sin,
         interleaved=interleaved,
         position_bias=torch.stack(biases, 1) if any(bool(b.any()) for b in biases) else None,
+        centred=centred,
+        query_shift=None if shifts is None else shifts[0],
+        key_shift=None if shifts is None else shifts[1],
     ).on(seen[0].queries.device)

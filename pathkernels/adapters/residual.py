@@ -253,10 +253,6 @@ def capture_huggingface_residual(
             f"{_WHERE}: query_key=True reads pre-norm models; this {model.config.model_type!r} normalises after each "
             "residual sum (post-norm), whose score side is not read yet"
         )
-    if query_key and getattr(model.config, "qk_layernorm", False):
-        raise ValueError(
-            f"{_WHERE}: query_key=True does not read LayerNorms on the queries and keys (Phi's qk_layernorm)"
-        )
     warn_if_training(model, _WHERE)
     inputs = _prepared_inputs(model, inputs, _WHERE)
     blocks = _blocks(model, *spec.blocks)
@@ -545,6 +541,8 @@ def capture_transformer_lens_residual(
         rotary = cfg.positional_embedding_type == "rotary" and not _native_bridge(model)
         sides = ("hook_rot_q", "hook_rot_k") if rotary else ("hook_q", "hook_k")
         names |= {f"blocks.{layer}.attn.{name}" for layer in range(layers) for name in (*sides, "hook_attn_scores")}
+        if _query_key_norms(model):
+            names |= {f"blocks.{layer}.attn.{n}_norm.hook_scale" for layer in range(layers) for n in ("q", "k")}
     cache = run_cached(model, tokens, names, attention_mask)
     require_patterns(model, cache, where)
     stack = from_transformer_lens(cache, attention_mask=attention_mask)
@@ -650,8 +648,12 @@ def _check_transformer_lens_query_key(model, where: str) -> None:
             f"{where}: query_key=True reads a HookedTransformer's queries and keys, and a TransformerBridge's over "
             f"TransformerLens's native model; not yet a {type(model).__name__} over another{pointer}"
         )
+    if _query_key_norms(model) and cfg.positional_embedding_type != "rotary":
+        raise ValueError(
+            f"{where}: query_key=True reads query/key norms of models with rotary positions (its hooks hold the "
+            "normed queries after the rotation only); not with {cfg.positional_embedding_type!r} positions"
+        )
     unread = {
-        "use_qk_norm": "query/key norms",
         "use_logn_attn": "logn attention scaling",
         "use_attention_sinks": "attention sinks",
         "use_dynamic_ntk_rope": "dynamic NTK rotary positions",
@@ -664,6 +666,42 @@ def _check_transformer_lens_query_key(model, where: str) -> None:
             f"{where}: query_key=True does not read {cfg.positional_embedding_type!r} positions (a bias added to "
             "the scores) yet"
         )
+
+
+def _query_key_norms(model) -> bool:
+    """Whether a TransformerLens model's attention has query/key norms (per head, or over every head:
+    its OLMo 2 architecture)."""
+    attention = model.blocks[0].attn
+    return getattr(attention, "q_norm", None) is not None
+
+
+def _transformer_lens_norm_scales(model, cache, layers: int, heads: int, batch: int, tokens: int, which: str):
+    """``(1/σ [B, L, H, n], γ [L, H, e])`` of the query (``which="q_norm"``) or key norms, from their
+    ``hook_scale`` (σ per token, per head or over every head) and weights; ones without norms."""
+    attention = [block.attn for block in model.blocks]
+    head_dim = attention[0].W_Q.shape[-1]
+    if not _query_key_norms(model):
+        ones = torch.ones(batch, layers, heads, tokens, dtype=torch.float64)
+        return ones, torch.ones(layers, heads, head_dim, dtype=torch.float64)
+    scales, gains = [], []
+    for layer, a in enumerate(attention):
+        norm = getattr(a, which)
+        sigma = cache[f"blocks.{layer}.attn.{which}.hook_scale"].double()  # [B, n, (heads,) 1]
+        inverse = (1.0 / sigma).reshape(batch, tokens, -1).transpose(1, 2)  # [B, count or 1, n]
+        weight = getattr(norm, "w", None)
+        gain = (
+            torch.ones(inverse.shape[1] * head_dim, dtype=torch.float64) if weight is None else weight.detach().double()
+        )
+        if weight is not None and _uses_weight_offset(norm, model.cfg):
+            gain = gain + 1
+        count = gain.numel() // head_dim if gain.numel() > head_dim else inverse.shape[1]
+        gain = gain.reshape(-1, head_dim).expand(count, head_dim)
+        inverse = inverse.expand(batch, count, tokens)
+        if count != heads:
+            inverse, gain = inverse.repeat_interleave(heads // count, 1), gain.repeat_interleave(heads // count, 0)
+        scales.append(inverse)
+        gains.append(gain)
+    return torch.stack(scales, 1), torch.stack(gains)
 
 
 def _native_bridge(model) -> bool:
@@ -735,8 +773,8 @@ def _transformer_lens_query_key(model, cfg, cache, stack: AttentionStack, attent
         cos = torch.stack([c.detach().double()[positions] for c, _ in tables], 1)  # [B, L, n, r]
         sin = torch.stack([s.detach().double()[positions] for _, s in tables], 1)
     scale = [a.original_component.scale if native else a.attn_scale for a in attention]
-    ones = torch.ones(batch, layers, heads, tokens, dtype=torch.float64, device=device)
-    gains = torch.ones(layers, heads, w_q.shape[-1], dtype=torch.float64, device=device)
+    query_scale, query_gain = _transformer_lens_norm_scales(model, cache, layers, heads, batch, tokens, "q_norm")
+    key_scale, key_gain = _transformer_lens_norm_scales(model, cache, layers, heads, batch, tokens, "k_norm")
     cap = float(getattr(cfg, "attn_scores_soft_cap", -1.0) or -1.0)
     position_bias = None
     if cfg.positional_embedding_type == "alibi":  # its own bias, as its forward left it cached [H, n', n']
@@ -747,10 +785,10 @@ def _transformer_lens_query_key(model, cfg, cache, stack: AttentionStack, attent
         b_q=b_q,
         w_k=w_k,
         b_k=b_k,
-        query_scale=ones,
-        key_scale=ones.clone(),
-        query_gain=gains,
-        key_gain=gains.clone(),
+        query_scale=query_scale.to(device),
+        key_scale=key_scale.to(device),
+        query_gain=query_gain.to(device),
+        key_gain=key_gain.to(device),
         scaling=torch.tensor([1.0 / float(value) for value in scale], dtype=torch.float64),
         allowed=allowed,
         soft_cap=torch.full((layers,), max(cap, 0.0), dtype=torch.float64),

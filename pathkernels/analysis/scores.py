@@ -452,10 +452,12 @@ def score_pairs(
 
     The paths below layer l number ``Σ_j (H + 1)^(heads above source j)``; the pairs' table is their
     square, so this is for shallow layers and small models (refused beyond ``memory_budget``:
-    :func:`score_decomposition` groups the pairs exactly at any depth).
+    :func:`score_decomposition` groups the pairs exactly at any depth, and
+    :func:`pathkernels.top_score_pairs` finds the top pairs with a certificate).
 
     Returns:
-        :class:`ScorePairs`; its ``values`` sum to the score, which the tests hold to the model's own.
+        :class:`ScorePairs`; its ``values`` and ``position`` sum to the score, which the tests hold
+        to the model's own.
     """
     where = "pathkernels.score_pairs"
     checked = checked_head(stack, layer, head, batch, where)
@@ -471,7 +473,7 @@ def score_pairs(
         raise ValueError(
             f"{where}: layer {checked.layer}'s stream has {count:,} paths, whose pairs take {format_bytes(need)}, more "
             f"than memory_budget={memory_budget:,} bytes; use score_decomposition (exact sums by path group at any "
-            "depth), or a larger memory_budget"
+            "depth) or top_score_pairs (the top pairs, certified), or a larger memory_budget"
         )
     rows = torch.tensor([query, int(keys[0])], device=checked.positions.device)
     sides, paths, sources = [], [], []
