@@ -1688,10 +1688,11 @@ def test_the_sweep_covers_every_public_function_and_every_class():
     public |= {f"pathkernels.compat.{name}" for name in pk.compat.__all__}
     public |= {"pathkernels.nn.DeEscalation", "pathkernels.PathTree.complete", "pathkernels.PathTree.from_paths"}
     public |= {f"pathkernels {command}" for command in ("attribute", "paths", "collapse", "scores", "bench")}
-    if transformers is None:
-        public -= {
-            f"pathkernels.{name}" for name in ("path_attribution", "top_paths", "logit", "logit_diff", "path_terms")
-        }
+    if transformers is None:  # their cases need a captured model
+        captured = ("path_attribution", "top_paths", "logit", "logit_diff", "path_terms", "causal_check")
+        captured += ("score_attribution", "score_decomposition", "score_decompositions", "score_pairs")
+        captured += ("score_top_paths", "top_score_pairs")
+        public -= {f"pathkernels.{name}" for name in captured}
     else:
         public |= {f"pathkernels.adapters.{name}" for name in ("from_huggingface", "capture_huggingface_residual")}
     assert public <= called, sorted(public - called)

@@ -410,3 +410,21 @@ def test_norms_whose_product_is_subnormal_keep_their_digits(device, exponent):
     plain = pk.path_residuals(attn, tree, x=x[:2], w_v=w_v, w_o=w_o)
     torch.testing.assert_close(small.residual, plain.residual * scale, rtol=1e-13, atol=0)
     torch.testing.assert_close(small.norm, plain.norm * scale, rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("function", ["residual_norm", "composite_norm"])
+def test_the_gradient_of_an_overflowing_matrix_is_the_gradient_of_it_scaled_down(function):
+    """The norms are homogeneous of degree 1, so their gradient at x is their gradient at x / 2^k.
+    Near the top of float64's range the column sums overflow and the norms are computed on the
+    matrix scaled down; the gradient must be that of the scaled matrix, bit for bit (it was inf in
+    a column whose residual entries are all 0, the gradient scaled up by 2^e before it was scaled
+    down)."""
+    norm = getattr(pk, function)
+    x = 1e308 * (1 + 0.01 * random_matrices(3, 6, 4, dtype=torch.float64)).clamp(0.98, 1.0)
+    x[:, :, 2] = 0.98e308  # a constant column: its residual entries are all 0
+    big = x.clone().requires_grad_()
+    norm(big).sum().backward()
+    small = (x * 2.0**-1000).requires_grad_()
+    norm(small).sum().backward()
+    assert bool(torch.isfinite(big.grad).all())
+    assert torch.equal(big.grad, small.grad)

@@ -214,9 +214,13 @@ def _rescaled_parts(x: Tensor, parts: Tensor, centered: bool, with_norm: bool) -
     if rows.numel() == 0:
         return parts
     matrices = flat_x[rows].double()
-    exponent = leading_exponent(matrices, (-2, -1))
-    again = torch.ops.pathkernels.norm_parts(times_power_of_two(matrices, -exponent), centered, with_norm)[0]
-    again = times_power_of_two(again, exponent).to(parts.dtype)
+    exponent = leading_exponent(matrices.detach(), (-2, -1))
+    # The norms are homogeneous of degree 1, so their gradient at x is the gradient at x / 2^e: the
+    # scalings pass values only (their gradient is the identity), else the gradient would be scaled
+    # up by 2^e before it is scaled down, and overflow in between (inf where it is about 1).
+    scaled = times_power_of_two(matrices.detach(), -exponent) + (matrices - matrices.detach())
+    again = torch.ops.pathkernels.norm_parts(scaled, centered, with_norm)[0]
+    again = (times_power_of_two(again.detach(), exponent) + (again - again.detach())).to(parts.dtype)
     out = flat_parts.new_zeros(flat_parts.shape).index_put((rows,), again)
     if others.numel():
         out = out.index_put((others,), torch.ops.pathkernels.norm_parts(flat_x[others], centered, with_norm)[0])
