@@ -15,7 +15,6 @@ test of tests/test_model_families.py builds them so (sharp attention), float64 a
 import math
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -671,6 +670,33 @@ def test_a_transformer_lens_model_scores_sum_to_its_own(case):
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_bridge_over_a_hugging_face_gpt2_reads_its_scores_and_a_rotary_one_is_refused(tmp_path):
+    """A TransformerBridge over a Hugging Face GPT-2 (3.x and 4.x), left-padded: the sums are its
+    own hook_attn_scores to 1e-12. Over a Llama (rotary positions: the bridge's rotated queries
+    and its scores disagree by ~1e-6 in float64) it is refused, pointing at the model itself."""
+    pytest.importorskip("transformer_lens")
+    from test_adapters import bridge_over
+
+    from pathkernels.adapters.residual import capture_transformer_lens_residual
+
+    tokens = torch.randint(0, 50, (2, 6))
+    mask = torch.ones_like(tokens)
+    mask[1, :2] = 0
+    bridge = bridge_over(build("gpt2"), tmp_path / "gpt2", dtype=torch.float64)
+    stack, _ = capture_transformer_lens_residual(bridge, tokens, attention_mask=mask, query_key=True)
+    _, cache = bridge.run_with_cache(tokens, attention_mask=mask)
+    for batch in (0, 1):
+        for layer in range(stack.num_layers):
+            own = cache[f"blocks.{layer}.attn.hook_attn_scores"][batch].double()
+            for result in pk.score_decompositions(stack, layer, batch=batch):
+                expected = own[result.head, result.query, result.keys]
+                torch.testing.assert_close(result.scores, expected, rtol=0, atol=1e-12 * float(expected.abs().max()))
+    rotary = bridge_over(build("llama"), tmp_path / "llama", dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"without rotary positions or query/key norms; capture the Hugging Face"):
+        capture_transformer_lens_residual(rotary, tokens, query_key=True)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_what_transformer_lens_does_not_read_is_refused_by_name():
     pytest.importorskip("transformer_lens")
     from test_real_models_transformer_lens import tl_model
@@ -679,15 +705,9 @@ def test_what_transformer_lens_does_not_read_is_refused_by_name():
     from pathkernels.testing import transformer_lens_major
 
     tokens = torch.randint(0, 50, (1, 5))
-    if transformer_lens_major() != 3:  # a bridge over a Hugging Face model: refused, pointing at the model
-        import tempfile
-
-        from test_adapters import bridge_over
-
-        with tempfile.TemporaryDirectory() as folder:
-            bridge = bridge_over(build("gpt2"), Path(folder), dtype=torch.float64)
-            with pytest.raises(ValueError, match=r"not yet a TransformerBridge over another; capture the Hugging"):
-                capture_transformer_lens_residual(bridge, tokens, query_key=True)
+    if transformer_lens_major() != 3:  # a native bridge has no relative position bias: its option refused
+        with pytest.raises(ValueError, match=r"relative_positional_bias|Unsupported positional_embedding_type"):
+            capture_transformer_lens_residual(tl_model(positional_embedding_type="relative_positional_bias"), tokens)
         return
     model = tl_model(positional_embedding_type="relative_positional_bias")
     with pytest.raises(ValueError, match=r"does not read 'relative_positional_bias' positions \(a bias added"):

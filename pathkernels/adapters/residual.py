@@ -538,9 +538,7 @@ def capture_transformer_lens_residual(
     if not attn_only:
         names |= {f"blocks.{layer}.hook_mlp_out" for layer in range(layers)}
     if query_key:
-        rotary = cfg.positional_embedding_type == "rotary" and not _native_bridge(model)
-        sides = ("hook_rot_q", "hook_rot_k") if rotary else ("hook_q", "hook_k")
-        names |= {f"blocks.{layer}.attn.{name}" for layer in range(layers) for name in (*sides, "hook_attn_scores")}
+        names |= {f"blocks.{layer}.attn.{name}" for layer in range(layers) for name in _score_hooks(model)}
         if _query_key_norms(model):
             names |= {f"blocks.{layer}.attn.{n}_norm.hook_scale" for layer in range(layers) for n in ("q", "k")}
     cache = run_cached(model, tokens, names, attention_mask)
@@ -637,21 +635,30 @@ def capture_transformer_lens_residual(
 def _check_transformer_lens_query_key(model, where: str) -> None:
     """Refuse, by name, what ``query_key=True`` does not read of a TransformerLens model."""
     cfg = model.cfg
-    if type(model).__name__ != "HookedTransformer" and not _native_bridge(model):
-        original = model.__dict__.get("original_model")
-        pointer = (
-            "; capture the Hugging Face model it wraps (model.original_model) with capture_huggingface_residual"
-            if original is not None and type(original).__module__.startswith("transformers.")
-            else ""
-        )
+    if type(model).__name__ != "HookedTransformer" and not _native_bridge(model) and not _hugging_face_bridge(model):
         raise ValueError(
             f"{where}: query_key=True reads a HookedTransformer's queries and keys, and a TransformerBridge's over "
-            f"TransformerLens's native model; not yet a {type(model).__name__} over another{pointer}"
+            f"TransformerLens's native model or a Hugging Face one; not a {type(model).__name__}"
+        )
+    if _hugging_face_bridge(model) and (
+        hasattr(model.blocks[0].attn, "hook_rot_q")
+        or any(
+            getattr(block.attn.original_component, name, None) is not None
+            for block in model.blocks
+            for name in ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
+        )
+    ):
+        # Its rotated queries (hook_rot_q) and its scores disagree by ~1e-6 in float64 (the bridge
+        # rotates with float32 angles in one place and not the other), and its query/key norms sit
+        # inside the wrapped attention, out of its hooks' reach.
+        raise ValueError(
+            f"{where}: query_key=True reads a bridge over a Hugging Face model without rotary positions or query/key "
+            "norms; capture the Hugging Face model it wraps (model.original_model) with capture_huggingface_residual"
         )
     if _query_key_norms(model) and cfg.positional_embedding_type != "rotary":
         raise ValueError(
             f"{where}: query_key=True reads query/key norms of models with rotary positions (its hooks hold the "
-            "normed queries after the rotation only); not with {cfg.positional_embedding_type!r} positions"
+            f"normed queries after the rotation only); not with {cfg.positional_embedding_type!r} positions"
         )
     unread = {
         "use_logn_attn": "logn attention scaling",
@@ -666,6 +673,15 @@ def _check_transformer_lens_query_key(model, where: str) -> None:
             f"{where}: query_key=True does not read {cfg.positional_embedding_type!r} positions (a bias added to "
             "the scores) yet"
         )
+
+
+def _score_hooks(model) -> tuple[str, ...]:
+    """The hooks a TransformerLens model's score side is read from: its queries and keys as its
+    attention uses them (after the rotation where its hooks have them) and its scores."""
+    if _hugging_face_bridge(model):  # one without rotary positions (others are refused)
+        return ("hook_q", "hook_k", "hook_attn_scores")
+    rotary = model.cfg.positional_embedding_type == "rotary" and not _native_bridge(model)
+    return ("hook_rot_q", "hook_rot_k", "hook_attn_scores") if rotary else ("hook_q", "hook_k", "hook_attn_scores")
 
 
 def _query_key_norms(model) -> bool:
@@ -704,6 +720,18 @@ def _transformer_lens_norm_scales(model, cache, layers: int, heads: int, batch: 
     return torch.stack(scales, 1), torch.stack(gains)
 
 
+def _hugging_face_bridge(model) -> bool:
+    """Whether ``model`` is a TransformerBridge over a Hugging Face model (its attention components
+    wrap the model's own attention modules, whose ``scaling`` they use)."""
+    original = model.__dict__.get("original_model") if hasattr(model, "__dict__") else None
+    return (
+        type(model).__name__ == "TransformerBridge"
+        and original is not None
+        and type(original).__module__.startswith("transformers.")
+        and hasattr(getattr(model.blocks[0].attn, "original_component", None), "scaling")
+    )
+
+
 def _native_bridge(model) -> bool:
     """Whether ``model`` is a TransformerLens 4.x bridge over its native model (NativeAttention)."""
     blocks = getattr(model, "blocks", None)
@@ -726,19 +754,20 @@ def _transformer_lens_query_key(model, cfg, cache, stack: AttentionStack, attent
     def per_query_head(t: Tensor) -> Tensor:
         return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], 1)
 
-    native = _native_bridge(model)
+    native, bridged = _native_bridge(model), _hugging_face_bridge(model)
     attention = [block.attn for block in model.blocks]
     w_q = torch.stack([a.W_Q.detach() for a in attention]).double()
     w_k = per_query_head(torch.stack([a.W_K.detach() for a in attention]).double())
     b_q = torch.stack([a.b_Q.detach() for a in attention]).double()
     b_k = per_query_head(torch.stack([a.b_K.detach() for a in attention]).double())
-    rotary = cfg.positional_embedding_type == "rotary"
+    hooks = _score_hooks(model)
+    rotary = cfg.positional_embedding_type == "rotary" and not bridged
     # A native bridge's positions are 0 … n−1 whatever the mask; a HookedTransformer's rotary
-    # offsets a left-padded row's real tokens to start at 0.
+    # offsets a left-padded row's real tokens to start at 0 (a Hugging Face bridge hands its own).
     positions = torch.arange(tokens, device=device).expand(batch, tokens)
     if rotary and attention_mask is not None and not native:
         positions = (attention_mask.to(device).long().cumsum(1) - 1).clamp_min(0)
-    sides = ("hook_rot_q", "hook_rot_k") if rotary and not native else ("hook_q", "hook_k")
+    sides = hooks[:2]
     own = [
         torch.stack([cache[f"blocks.{layer}.attn.{name}"] for layer in range(layers)], 1).double()  # [B, L, n, H, e]
         for name in sides
@@ -772,7 +801,10 @@ def _transformer_lens_query_key(model, cfg, cache, stack: AttentionStack, attent
         ]
         cos = torch.stack([c.detach().double()[positions] for c, _ in tables], 1)  # [B, L, n, r]
         sin = torch.stack([s.detach().double()[positions] for _, s in tables], 1)
-    scale = [a.original_component.scale if native else a.attn_scale for a in attention]
+    if bridged:
+        scale = [1.0 / a.original_component.scaling for a in attention]
+    else:
+        scale = [a.original_component.scale if native else a.attn_scale for a in attention]
     query_scale, query_gain = _transformer_lens_norm_scales(model, cache, layers, heads, batch, tokens, "q_norm")
     key_scale, key_gain = _transformer_lens_norm_scales(model, cache, layers, heads, batch, tokens, "k_norm")
     cap = float(getattr(cfg, "attn_scores_soft_cap", -1.0) or -1.0)
