@@ -298,7 +298,7 @@ def group_of(path) -> str:
 
 
 @pytest.mark.parametrize("side", ["query", "key"])
-@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3", "gemma3", "phi-qk-layernorm"])
 def test_one_side_fixed_is_a_readout_whose_paths_are_the_pair_rows(name, side):
     """With the key fixed to the model's own, each query path's attribution is its row of the pair
     table summed over the key side (and, with the query fixed, each key path's column): the readout
@@ -350,7 +350,7 @@ def test_the_certified_top_paths_of_one_side_are_brute_forces(side, bound):
 
 
 @pytest.mark.parametrize("bound", ["chain", "first_head", "plain"])
-@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3", "phi-qk-layernorm"])
 def test_the_certified_top_pairs_are_the_listed_pairs_top(name, bound):
     """top_score_pairs, largest and smallest, on every bound: certified and equal to the top of
     every pair listed by score_pairs (values and both paths)."""
@@ -407,7 +407,6 @@ def test_every_node_bound_is_above_every_vector_below_it(side, amplified):
     heads then carry more)."""
     from pathkernels.analysis import score_search
     from pathkernels.analysis.scores import checked_head
-    from pathkernels.analysis.top_paths import _chain_factors, _first_head_reach, _NodeBounds
 
     model = gpt2(layers=4).eval()
     width = model.config.n_embd
@@ -417,9 +416,7 @@ def test_every_node_bound_is_above_every_vector_below_it(side, amplified):
             block.attn.c_attn.weight[:, 2 * width :].mul_(amplified)  # the values
     stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 6)), query_key=True)
     head = checked_head(stack, 3, 1, 0, "test")
-    bounds = _NodeBounds(head.model)
-    first, chains = _first_head_reach(head.model), _chain_factors(head.model)
-    with_head = [min(first[index], chains[index]) for index in bounds.index]
+    bounds, with_head = score_search.head_sequence_bounds(head.model, "chain")
     walk = score_search._Side(head, side, 4, bounds, with_head, record=True)
     while walk.heap:
         walk.expand(16)
@@ -437,7 +434,6 @@ def test_the_certificate_is_the_formula_over_both_frontiers():
     constant and its paths through no head), computed here from the two sides' walks."""
     from pathkernels.analysis import score_search
     from pathkernels.analysis.scores import checked_head
-    from pathkernels.analysis.top_paths import _chain_factors, _first_head_reach, _NodeBounds
 
     model = gpt2(layers=4).eval()
     with torch.no_grad():  # heads that amplify: the frontier's bounds exceed the visited paths' norms
@@ -445,9 +441,7 @@ def test_the_certificate_is_the_formula_over_both_frontiers():
             block.attn.c_proj.weight.mul_(8.0)
     stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 6)), query_key=True)
     head = checked_head(stack, 3, 2, 0, "test")
-    bounds = _NodeBounds(head.model)
-    first, chains = _first_head_reach(head.model), _chain_factors(head.model)
-    with_head = [min(first[index], chains[index]) for index in bounds.index]
+    bounds, with_head = score_search.head_sequence_bounds(head.model, "chain")
     query, key = (score_search._Side(head, side, row, bounds, with_head) for side, row in (("query", 5), ("key", 1)))
     f_q, f_k, v_q, v_k = query.frontier, key.frontier, query.largest_norm, key.largest_norm
     assert f_q > v_q and f_k > v_k

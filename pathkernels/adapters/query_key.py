@@ -119,12 +119,6 @@ class QueryKeyCapture:
             turned = torch.cat((-part[..., r // 2 :], part[..., : r // 2]), dim=-1)
         return torch.cat((part * cos + turned * sin, x[..., r:]), dim=-1)
 
-    def rotation_matrices(self, batch: int, layer: int, rows: Tensor) -> Tensor:
-        """``R_t`` as matrices ``[T, e, e]`` in the row form ``x R_tᵀ`` (``x @ M[t]`` rotates)."""
-        e = self.w_q.shape[-1]
-        eye = torch.eye(e, dtype=torch.float64, device=self.w_q.device).expand(rows.numel(), e, e)
-        return self.rotate(eye.transpose(0, 1), batch, layer, rows).transpose(0, 1)
-
     def _normed(self, side: str, narrow: Tensor, batch: int, layer: int, head: int, rows: Tensor) -> Tensor:
         """A query/key norm frozen: ``ν_t γ ⊙ (u C)`` (``C`` centres each head's vector where the norm
         is a LayerNorm; the identity for an RMSNorm and without a norm)."""

@@ -30,8 +30,8 @@ from torch import Tensor
 from pathkernels.adapters.ablation import final_norm, run_without_terms
 from pathkernels.adapters.precision import in_float64
 from pathkernels.analysis.attribution import Readout
-from pathkernels.analysis.readout_trie import NO_HEAD, describe_path, frozen_model
-from pathkernels.analysis.real_paths import _checked_paths, path_terms
+from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, describe_path, frozen_model
+from pathkernels.analysis.real_paths import _checked_paths, terms_of
 from pathkernels.analysis.scores import checked_head, query_and_keys
 from pathkernels.core._figures import require
 from pathkernels.core.paths import check_flag, check_int
@@ -156,9 +156,9 @@ def causal_check(
     capture = stack.residual_capture
     if capture is None:
         raise ValueError(f"{_WHERE}: expected a captured stack (pk.adapters.capture_huggingface_residual)")
-    names, chosen = _described(stack, paths, sources, batch)  # checked in this function's name
+    frozen_paths, names, chosen = _described(stack, paths, sources, batch)  # checked in this function's name
     choices = torch.stack([c for c, _ in chosen])
-    terms = path_terms(stack, choices, [s for _, s in chosen], batch=batch)  # [M, n_real, d]
+    terms = terms_of(frozen_paths, choices, torch.tensor([s for _, s in chosen]))  # [M, n_real, d]
     tokens = stack.attn.shape[-1]
     real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
     full = terms.new_zeros(terms.shape[0], tokens, terms.shape[-1])
@@ -178,15 +178,16 @@ def causal_check(
     )
 
 
-def _described(stack, paths, sources, batch) -> tuple[list[str], list[tuple[Tensor, int]]]:
-    """The paths as text, and as ``(choices [L], source index)``."""
+def _described(stack, paths, sources, batch) -> tuple[FrozenModel, list[str], list[tuple[Tensor, int]]]:
+    """The frozen model of sequence ``batch``, and the paths as text and as ``(choices [L], source
+    index)``."""
     tokens = stack.attn.shape[-1]
     real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
     model = frozen_model(stack, stack.residual_capture, batch, real)
     names = model.source_names
     choices, index = _checked_paths(paths, sources, model, names, _WHERE)
     chosen = [(c, int(i)) for c, i in zip(choices.cpu(), index.cpu())]
-    return [describe_path(c, names[i]) for c, i in chosen], chosen
+    return model, [describe_path(c, names[i]) for c, i in chosen], chosen
 
 
 def _above(choices: Tensor, source: int, layer: int) -> bool:

@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from pathkernels.analysis.readout_trie import NO_HEAD, describe_path
+from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, describe_path
 from pathkernels.analysis.scores import CONSTANT, CheckedHead, checked_head, query_and_keys
 from pathkernels.analysis.top_paths import (
     _BOUNDS,
+    SearchOptions,
     _chain_factors,
     _first_head_reach,
     _NodeBounds,
@@ -43,7 +44,7 @@ from pathkernels.analysis.top_paths import (
 )
 from pathkernels.core._figures import require
 from pathkernels.core._progress import progress_bar
-from pathkernels.core.paths import check_flag, check_int, count_attribution_paths
+from pathkernels.core.paths import count_attribution_paths
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 if TYPE_CHECKING:
@@ -126,15 +127,7 @@ class _Side:
         self.head, self.bounds, self.with_head = head, bounds, with_head
         # With ``record`` (tests): every node's bound and every visited path's heads, top down.
         self.record = ([], [()] * (1 + len(head.model.sources))) if record else None
-        maps = head.maps
-        layer, index = head.layer, head.head
-        at = head.positions[row : row + 1]
-        w, _, scale, gain = maps.side_maps(which, layer, index)
-        rotation = maps.rotation_matrices(head.batch, layer, at)[0]  # x M = (R x)ᵀ
-        columns = (w * (scale[head.batch, layer, index, at[0]] * gain)) @ rotation  # [d, e]: W diag(νγ) Rᵀ
-        columns = head.gamma[:, None] * columns  # Γ
-        if head.centred:
-            columns = columns - columns.mean(0, keepdim=True)  # C: Φᵀ = C Γ W diag(νγ) Rᵀ
+        columns = head.readout_columns(which, row)  # Φᵀ [d, e]
         n = head.positions.numel()
         rho = torch.zeros(n, dtype=torch.float64, device=columns.device)
         rho[row] = head.scale[row]
@@ -250,6 +243,19 @@ class _Side:
         return torch.cat(self.vectors)
 
 
+def head_sequence_bounds(model: FrozenModel, bound: str) -> tuple[_NodeBounds | None, list[float] | None]:
+    """The search's set-up over a frozen model's head sequences: its per-head maps
+    (:class:`~pathkernels.analysis.top_paths._NodeBounds`) and ``W_a`` per attention sublayer a, the
+    reach of the paths below its level that take another head (the first-head bound, or with
+    ``bound="chain"`` the chain bound where smaller); ``(None, None)`` below the first layer."""
+    if not any(sublayer.attn is not None for sublayer in model.sublayers):
+        return None, None
+    node_bounds = _NodeBounds(model)
+    first = _first_head_reach(model)
+    chains = _chain_factors(model) if bound == "chain" else [math.inf] * len(model.sources)
+    return node_bounds, [min(first[index], chains[index]) for index in node_bounds.index]
+
+
 def top_score_pairs(
     stack: AttentionStack,
     layer: int,
@@ -285,39 +291,25 @@ def top_score_pairs(
     Returns:
         :class:`TopScorePairs`; the tests hold it to the full list of :func:`pathkernels.score_pairs`.
     """
-    start = time.monotonic()
-    k = check_int(k, "k", _WHERE, minimum=1)
-    batch_nodes = check_int(batch_nodes, "batch_nodes", _WHERE, minimum=1)
-    memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
-    largest, progress = check_flag(largest, "largest", _WHERE), check_flag(progress, "progress", _WHERE)
-    if bound not in _BOUNDS or bound == "node":
+    if bound not in _BOUNDS or bound == "node":  # before the shared checks, whose message lists "node"
         raise ValueError(f"{_WHERE}: expected bound in ('chain', 'first_head', 'plain'), got {bound!r}")
-    if time_limit is not None and (
-        isinstance(time_limit, bool) or not isinstance(time_limit, (int, float)) or not time_limit > 0
-    ):
-        raise ValueError(
-            f"{_WHERE}: expected time_limit to be a positive number of seconds or None, got {time_limit!r}"
-        )
+    options = SearchOptions.checked(
+        _WHERE, k, largest, time_limit, memory_budget, batch_nodes, False, bound, progress, time.monotonic()
+    )
+    k, largest, time_limit, memory_budget = options.k, options.largest, options.time_limit, options.memory_budget
     checked = checked_head(stack, layer, head, batch, _WHERE)
     query, keys = query_and_keys(checked, query, [key], _WHERE)
     key = int(keys[0])
     model = checked.model
-    node_bounds = with_head = None
-    if any(sublayer.attn is not None for sublayer in model.sublayers):
-        node_bounds = _NodeBounds(model)
-        first = _first_head_reach(model)
-        chains = _chain_factors(model) if bound == "chain" else [math.inf] * len(model.sources)
-        # W per attention sublayer a: the paths below its level that take another head.
-        with_head = [min(first[index], chains[index]) for index in node_bounds.index]
+    node_bounds, with_head = head_sequence_bounds(model, bound)
     sides = (_Side(checked, "query", query, node_bounds, with_head), _Side(checked, "key", key, node_bounds, with_head))
     scaling = float(checked.maps.scaling[checked.layer]) * (1.0 if largest else -1.0)
     magnitude = abs(scaling)
     total = count_attribution_paths(model.layers, model.num_heads, model.layers)
-    e, n = checked.maps.w_q.shape[-1], checked.positions.numel()
-    head_dim = checked.maps.w_q.shape[-1]
+    e, n = checked.maps.w_q.shape[-1], checked.positions.numel()  # e: a head's width, and each side's
     node_bytes = 8 * n + 8 * model.layers + 250  # r, the heads above, the heap's entry (Z made on expansion)
-    parent_bytes = 8 * head_dim * e  # each expanded node's Z, which its children share
-    bar = progress_bar(2 * total, enabled=progress, unit="path", desc=_WHERE)
+    parent_bytes = 8 * e * e  # each expanded node's Z [d_head, e], which its children share
+    bar = progress_bar(2 * total, enabled=options.progress, unit="path", desc=_WHERE)
     # Every pair of the paths visited from the start (each side's constant and its paths that take
     # no head); after that, each expansion pairs its side's new paths with the other side's visited.
     initial = scaling * (sides[0].all_vectors() @ sides[1].all_vectors().T)
@@ -340,7 +332,7 @@ def top_score_pairs(
             break
         if not query_side.heap and not key_side.heap:
             break
-        if time_limit is not None and time.monotonic() - start > time_limit:
+        if time_limit is not None and time.monotonic() - options.start > time_limit:
             stopped = "time_limit"
             break
         held = sum(len(s.nodes) * node_bytes + s.expanded * parent_bytes + 8 * e * len(s.labels) for s in sides)
@@ -348,7 +340,7 @@ def top_score_pairs(
             stopped = "memory_budget"
             break
         which = 0 if (through_query >= through_key and query_side.heap) or not key_side.heap else 1
-        visited = sides[which].expand(batch_nodes)
+        visited = sides[which].expand(options.batch_nodes)
         if bar is not None:
             bar.update(visited)
         # Pair the new vectors of this side with every vector of the other side.
@@ -387,6 +379,6 @@ def top_score_pairs(
         score=float(checked.model_scores(query, keys)[0]),
         visited=(len(sides[0].labels) - 1, len(sides[1].labels) - 1),  # the constant is not a path
         total=total,
-        seconds=time.monotonic() - start,
+        seconds=time.monotonic() - options.start,
         stopped=stopped,
     )

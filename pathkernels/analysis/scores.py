@@ -81,6 +81,17 @@ class CheckedHead:
         inputs = self.inputs(parts[..., rows, :], rows)
         return self.maps.project(which, inputs, self.batch, self.layer, self.head, self.positions[rows])
 
+    def readout_columns(self, which: str, row: int) -> Tensor:
+        """One side as a readout of the stream at real-token index ``row``: ``Φᵀ`` ``[d, e]`` with
+        ``x_t Φᵀ D_t`` the side's vector of a stream row ``x_t`` (its constant apart), i.e. the
+        side's own linear map (:meth:`side`: the frozen norm's ``C Γ``, the projection, a query/key
+        norm, the rotation) applied to every basis row; ``D_t`` is left to the readout's ``ρ``."""
+        d = self.gamma.shape[0]
+        basis = torch.eye(d, dtype=torch.float64, device=self.gamma.device)
+        basis = basis - basis.mean(-1, keepdim=True) if self.centred else basis
+        rows = self.positions[row : row + 1]
+        return self.maps.project(which, (basis * self.gamma)[:, None, :], self.batch, self.layer, self.head, rows)[:, 0]
+
     def constant(self, which: str, rows: Tensor) -> Tensor:
         """One side's constant ``[T, e]`` at real-token indices ``rows``."""
         return self.maps.constant(which, self.shift, self.batch, self.layer, self.head, self.positions[rows])
@@ -612,22 +623,16 @@ def _one_side(stack, layer, head, query, key, side, batch, max_length, where: st
     maps, device = checked.maps, checked.positions.device
     fixed = (maps.keys if side == "query" else maps.queries)[checked.batch, checked.layer, checked.head]
     fixed = fixed[checked.positions[other]].to(device)  # [e]: the model's own vector on the fixed side
-    at = checked.positions[read : read + 1]
     scaling = maps.scaling[checked.layer]
-    # The side read is R (ν γ ⊙ (y W)) + its constant; in the row form R x = x M with M = Rᵀ, so
-    # ⟨R u, f⟩ = u · (M f) and ⟨ν γ ⊙ y W, g⟩ = y · W (ν γ ⊙ g).
-    rotated_back = maps.rotation_matrices(checked.batch, checked.layer, at)[0] @ fixed
-    w, _, scale, gain = maps.side_maps(side, checked.layer, checked.head)
-    direction = scaling * (w @ (scale[checked.batch, checked.layer, checked.head, at[0]] * gain * rotated_back))
+    # s = scaling ⟨x_i Φᵀ D_i + c, f⟩: a readout r = D_i e_i, v = scaling Φᵀ f, constant scaling ⟨c, f⟩.
+    phi = (scaling * (checked.readout_columns(side, read) @ fixed))[None, None]  # [1, 1, d]
     bias = scaling * (checked.constant(side, torch.tensor([read], device=device))[0] @ fixed)
     bias = bias + checked.position_bias(query, keys)[0]  # ALiBi's term goes with the constant
     rho = torch.zeros(1, 1, checked.positions.numel(), dtype=torch.float64, device=device)
     rho[0, 0, read] = checked.scale[read]  # r = D_i e_i
-    phi = (direction * checked.gamma)[None, None]  # v = C Γ W (…)
-    phi = phi - phi.mean(-1, keepdim=True) if checked.centred else phi
     value = checked.model_scores(query, keys).reshape(1, 1)
     label = f"L{checked.layer}H{checked.head} score {int(checked.positions[query])}→{int(checked.positions[key])}"
-    readout = Readout(direction[None].cpu(), bias.reshape(1).cpu(), (f"{label} ({side} side)",))
+    readout = Readout(phi[0].cpu(), bias.reshape(1).cpu(), (f"{label} ({side} side)",))
     layers = checked.model.layers
     if max_length is not None:  # a path below layer l takes at most l heads
         layers = min(layers, check_int(max_length, "max_length", where, minimum=0, maximum=stack.num_layers))
