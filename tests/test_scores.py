@@ -663,31 +663,87 @@ def test_a_transformer_lens_model_scores_sum_to_its_own(case):
     assert (result.soft_cap is not None) == (case == "soft-capped scores")
 
 
+# Bridges over Hugging Face models: learned positions (GPT-2); rotary halves, grouped keys (Llama);
+# query/key norms per head (Qwen3, Gemma-3) and over every head (OLMo 2); a soft cap and sliding
+# windows (Gemma-2); partial rotary (Phi); a fused projection the bridge rotates itself (GPT-NeoX).
+BRIDGED = ["gpt2", "llama", "qwen3", "gemma3", "olmo2", "gemma2-sliding-biased", "phi", "gpt_neox"]
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-def test_a_bridge_over_a_hugging_face_gpt2_reads_its_scores_and_a_rotary_one_is_refused(tmp_path):
-    """A TransformerBridge over a Hugging Face GPT-2 (3.x and 4.x), left-padded: the sums are its
-    own hook_attn_scores to 1e-12. Over a Llama (rotary positions: the bridge's rotated queries
-    and its scores disagree by ~1e-6 in float64) it is refused, pointing at the model itself."""
+@pytest.mark.parametrize("name", BRIDGED)
+def test_a_bridge_over_a_hugging_face_model_reads_its_scores(name, tmp_path):
+    """A TransformerBridge over a float64 Hugging Face model (3.x and 4.x), left-padded: every head's
+    sums are its own hook_attn_scores (before the cap) to 1e-12, from the same forward with its
+    float32 steps in float64 (as the capture runs it), and to the rounding of its float32 rotary
+    angles from its unmodified forward. Its rotary models' own forward gives NaN at the real tokens
+    of a left-padded row (a fully masked query's float32 softmax), so check=False keeps them."""
     pytest.importorskip("transformer_lens")
     from test_adapters import bridge_over
 
+    from pathkernels.adapters.precision import in_float64
     from pathkernels.adapters.residual import capture_transformer_lens_residual
 
-    tokens = torch.randint(0, 50, (2, 6))
-    mask = torch.ones_like(tokens)
-    mask[1, :2] = 0
-    bridge = bridge_over(build("gpt2"), tmp_path / "gpt2", dtype=torch.float64)
-    stack, _ = capture_transformer_lens_residual(bridge, tokens, attention_mask=mask, query_key=True)
-    _, cache = bridge.run_with_cache(tokens, attention_mask=mask)
+    model = build(name)
+    tokens, mask = padded_ids()
+    tokens = tokens % 40
+    bridge = bridge_over(model, tmp_path, dtype=torch.float64)
+    stack, capture = capture_transformer_lens_residual(
+        bridge, tokens, attention_mask=mask, query_key=True, check=name == "gpt2"
+    )
+    cap = float(capture.query_key.soft_cap.max())
+    with in_float64(bridge):
+        _, same_pass = bridge.run_with_cache(tokens, attention_mask=mask)
+    _, unmodified = bridge.run_with_cache(tokens, attention_mask=mask)
     for batch in (0, 1):
         for layer in range(stack.num_layers):
-            own = cache[f"blocks.{layer}.attn.hook_attn_scores"][batch].double()
             for result in pk.score_decompositions(stack, layer, batch=batch):
-                expected = own[result.head, result.query, result.keys]
-                torch.testing.assert_close(result.scores, expected, rtol=0, atol=1e-12 * float(expected.abs().max()))
-    rotary = bridge_over(build("llama"), tmp_path / "llama", dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"without rotary positions or query/key norms; capture the Hugging Face"):
-        capture_transformer_lens_residual(rotary, tokens, query_key=True)
+                assert (result.soft_cap is not None) == (cap > 0)
+                for cache, tolerance in ((same_pass, 1e-12), (unmodified, 1e-5)):
+                    own = cache[f"blocks.{layer}.attn.hook_attn_scores"][batch].double()
+                    expected = own[result.head, result.query, result.keys]
+                    if cap > 0:
+                        expected = cap * torch.atanh(expected / cap)
+                    scale = float(expected.abs().max())
+                    if batch == 1 and not bool(expected.isfinite().all()):
+                        assert tolerance == 1e-5 and name != "gpt2"  # the NaN of its unmodified forward
+                        continue
+                    torch.testing.assert_close(result.scores, expected, rtol=0, atol=tolerance * scale)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_bridge_whose_scores_are_not_read_is_refused(tmp_path, monkeypatch):
+    """A bridge's score side that would not give its own hook_attn_scores is refused (a scaling off
+    by 0.1 %), and so are what is not read: a family outside QUERY_KEY_FAMILIES and an option that
+    changes the queries beside the hooks. The rotary bridge's own unmodified forward, NaN at the
+    real tokens of a left-padded row, is named as the reason its value side cannot be checked."""
+    pytest.importorskip("transformer_lens")
+    from test_adapters import bridge_over
+
+    from pathkernels.adapters import residual
+
+    tokens, mask = padded_ids()
+    tokens = tokens % 40
+    bridge = bridge_over(build("llama"), tmp_path, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"forward pass gives NaN or inf at real tokens of sequence\(s\) \[1\]"):
+        residual.capture_transformer_lens_residual(bridge, tokens, attention_mask=mask)
+    original = residual._transformer_lens_query_key
+
+    def scaled(*args):
+        maps = original(*args)
+        maps.scaling = maps.scaling * 1.001
+        return maps
+
+    with monkeypatch.context() as patch:
+        patch.setattr(residual, "_transformer_lens_query_key", scaled)
+        with pytest.raises(ValueError, match=r"give the model's own scores \(hook_attn_scores\) only to"):
+            residual.capture_transformer_lens_residual(bridge, tokens[:1], query_key=True)
+    residual.capture_transformer_lens_residual(bridge, tokens[:1], query_key=True)  # as it is
+    monkeypatch.setattr(bridge.cfg, "use_attn_in", True, raising=False)
+    with pytest.raises(ValueError, match=r"does not read per-head attention inputs \(use_attn_in\) yet"):
+        residual.capture_transformer_lens_residual(bridge, tokens[:1], query_key=True)
+    monkeypatch.setattr(bridge.original_model.config, "model_type", "bloom")
+    with pytest.raises(ValueError, match=r"query_key=True reads bridges over Hugging Face gpt2, .* not over 'bloom'"):
+        residual.capture_transformer_lens_residual(bridge, tokens[:1], query_key=True)
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")

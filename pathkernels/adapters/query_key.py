@@ -164,6 +164,20 @@ class QueryKeyCapture:
                         worst = max(worst, float((rebuilt[keep] - expected).abs().max()) / scale)
         return worst
 
+    def score_error(self, scores: Tensor) -> float:
+        """``max |ŝ − s| / max |s|`` over every allowed pair: the scores these captured queries and
+        keys give (``scaling · q kᵀ + bias``, soft-capped as the model caps them) against the
+        model's own ``scores [B, L, H, n, n]`` (after its cap, as a hook reports them)."""
+        ours = self.scaling[None, :, None, None, None] * (self.queries @ self.keys.transpose(-1, -2))
+        if self.position_bias is not None:
+            ours = ours + self.position_bias
+        cap = self.soft_cap[None, :, None, None, None]
+        ours = torch.where(cap > 0, cap * torch.tanh(ours / cap.clamp_min(1e-300)), ours)
+        keep = self.allowed[:, :, None].expand_as(ours)
+        want = scores.double().to(ours.device)
+        scale = float(want[keep].abs().max()) if bool(keep.any()) else 0.0
+        return float((ours - want)[keep].abs().max()) / (scale or 1.0) if bool(keep.any()) else 0.0
+
     def bias(self, batch: int, layer: int, head: int) -> Tensor:
         """The position bias ``[n, n]`` of one head (zeros without one)."""
         if self.position_bias is None:

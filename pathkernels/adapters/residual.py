@@ -494,11 +494,14 @@ def capture_transformer_lens_residual(
     scale each head's term and the sublayer's constants on both sides, ``D' · (⋯) · Γ'``; a
     LayerNorm there is refused by name. The capture checks itself against the model's own forward
     pass, as :func:`capture_huggingface_residual` does (``check``). ``query_key=True`` also reads the
-    score side (:class:`~pathkernels.adapters.query_key.QueryKeyCapture`) of a HookedTransformer, or
-    of a 4.x TransformerBridge over TransformerLens's native model:
-    ``W_Q``, ``W_K``, their biases, ``attn_scale``, rotary positions (either pairing, partial) and
-    the soft cap and ALiBi (its bias, a term per pair of tokens), checked against the queries and
-    keys its hooks report; query/key norms and bridges over Hugging Face models are refused by name.
+    score side (:class:`~pathkernels.adapters.query_key.QueryKeyCapture`) of a HookedTransformer, a
+    4.x TransformerBridge over TransformerLens's native model, or a bridge over a Hugging Face model
+    of :data:`~pathkernels.adapters.query_key.QUERY_KEY_FAMILIES`: ``W_Q``, ``W_K``, their biases,
+    the scaling, rotary positions (either pairing, partial; a bridge's from the ``hook_cos``/``hook_sin``
+    its attention was handed), query/key RMSNorms (frozen at their ``hook_scale``), the soft cap and
+    ALiBi (its bias, a term per pair of tokens), checked against the queries and keys its hooks
+    report and (but for a native bridge) the scores its ``hook_attn_scores`` report; what it does
+    not read is refused by name.
     """
     where = "pathkernels.adapters.capture_transformer_lens_residual"
     check = check_flag(check, "check", where)
@@ -624,6 +627,8 @@ def capture_transformer_lens_residual(
         )
         if query_key:
             capture.query_key = _transformer_lens_query_key(model, cfg, cache, stack, attention_mask)
+            if not _native_bridge(model):  # (a native bridge's hook_attn_scores holds its pattern)
+                _check_transformer_lens_scores(capture.query_key, cache, stack, where)
     stack, capture = _attached(stack, capture)
     if query_key:
         _check_query_key(capture, stack, where)
@@ -640,21 +645,8 @@ def _check_transformer_lens_query_key(model, where: str) -> None:
             f"{where}: query_key=True reads a HookedTransformer's queries and keys, and a TransformerBridge's over "
             f"TransformerLens's native model or a Hugging Face one; not a {type(model).__name__}"
         )
-    if _hugging_face_bridge(model) and (
-        hasattr(model.blocks[0].attn, "hook_rot_q")
-        or any(
-            getattr(block.attn.original_component, name, None) is not None
-            for block in model.blocks
-            for name in ("q_norm", "k_norm", "q_layernorm", "k_layernorm")
-        )
-    ):
-        # Its rotated queries (hook_rot_q) and its scores disagree by ~1e-6 in float64 (the bridge
-        # rotates with float32 angles in one place and not the other), and its query/key norms sit
-        # inside the wrapped attention, out of its hooks' reach.
-        raise ValueError(
-            f"{where}: query_key=True reads a bridge over a Hugging Face model without rotary positions or query/key "
-            "norms; capture the Hugging Face model it wraps (model.original_model) with capture_huggingface_residual"
-        )
+    if _hugging_face_bridge(model):
+        _check_hugging_face_bridge_query_key(model, where)
     if _query_key_norms(model) and cfg.positional_embedding_type != "rotary":
         raise ValueError(
             f"{where}: query_key=True reads query/key norms of models with rotary positions (its hooks hold the "
@@ -675,10 +667,62 @@ def _check_transformer_lens_query_key(model, where: str) -> None:
         )
 
 
+def _check_transformer_lens_scores(query_key: QueryKeyCapture, cache, stack: AttentionStack, where: str) -> None:
+    """Refuse a score capture whose queries and keys, scaling, bias and cap do not give the scores
+    the model's ``hook_attn_scores`` report (to :func:`check_tolerance` of its dtype)."""
+    layers = query_key.w_q.shape[0]
+    scores = torch.stack([cache[f"blocks.{layer}.attn.hook_attn_scores"] for layer in range(layers)], 1)
+    error = query_key.score_error(scores)
+    tolerance = check_tolerance(stack.attn.dtype)
+    if not error <= tolerance:  # a NaN refuses too
+        raise ValueError(
+            f"{where}: the captured queries and keys give the model's own scores (hook_attn_scores) only to "
+            f"{error:.2g} (relative), beyond the tolerance {tolerance:g}; its scaling or position terms are not "
+            "read correctly, so the score side is refused rather than decomposed"
+        )
+
+
+def _check_hugging_face_bridge_query_key(model, where: str) -> None:
+    """Refuse, by name, what ``query_key=True`` does not read of a TransformerBridge over a Hugging
+    Face model: families whose score side is not read, and the bridge options that change the
+    queries or keys beside its hooks. (TransformerLens itself refuses a model whose query/key norms
+    its bridge does not apply, Phi's ``qk_layernorm`` among them.)"""
+    family = model.original_model.config.model_type
+    if family not in QUERY_KEY_FAMILIES:
+        raise ValueError(
+            f"{where}: query_key=True reads bridges over Hugging Face {', '.join(QUERY_KEY_FAMILIES)} models; "
+            f"not over {family!r}"
+        )
+    unread = {
+        "qk_norm_after_rope": "query/key norms after the rotation",
+        "gated_q_proj": "gated query projections",
+        "use_split_qkv_input": "split query/key/value inputs",
+        "use_attn_in": "per-head attention inputs",
+    }
+    for flag, what in unread.items():
+        if getattr(model.cfg, flag, False):
+            raise ValueError(f"{where}: query_key=True does not read {what} ({flag}) yet")
+
+
+def _rotary_bridge(model) -> bool:
+    """Whether ``model`` is a TransformerBridge over a rotary Hugging Face model: its attention
+    hands each layer the model's own ``(cos, sin)`` through ``hook_cos``/``hook_sin``."""
+    return (
+        _hugging_face_bridge(model)
+        and model.cfg.positional_embedding_type == "rotary"
+        and hasattr(model.blocks[0].attn, "hook_cos")
+    )
+
+
 def _score_hooks(model) -> tuple[str, ...]:
     """The hooks a TransformerLens model's score side is read from: its queries and keys as its
-    attention uses them (after the rotation where its hooks have them) and its scores."""
-    if _hugging_face_bridge(model):  # one without rotary positions (others are refused)
+    attention uses them (after the rotation where its hooks have them) and its scores. A bridge
+    over a rotary Hugging Face model fires ``hook_rot_q``/``hook_rot_k`` where its attention
+    rotates them itself; a fused-projection one (GPT-NeoX's) only ``hook_q``/``hook_k`` and the
+    rotation it hands its own ``_apply_rotary_pos_emb``."""
+    if _rotary_bridge(model):
+        return ("hook_rot_q", "hook_rot_k", "hook_q", "hook_k", "hook_cos", "hook_sin", "hook_attn_scores")
+    if _hugging_face_bridge(model):
         return ("hook_q", "hook_k", "hook_attn_scores")
     rotary = model.cfg.positional_embedding_type == "rotary" and not _native_bridge(model)
     return ("hook_rot_q", "hook_rot_k", "hook_attn_scores") if rotary else ("hook_q", "hook_k", "hook_attn_scores")
@@ -703,7 +747,10 @@ def _transformer_lens_norm_scales(model, cache, layers: int, heads: int, batch: 
     for layer, a in enumerate(attention):
         norm = getattr(a, which)
         sigma = cache[f"blocks.{layer}.attn.{which}.hook_scale"].double()  # [B, n, (heads,) 1]
-        inverse = (1.0 / sigma).reshape(batch, tokens, -1).transpose(1, 2)  # [B, count or 1, n]
+        if getattr(a, "_qk_norm_phase", None) == "post_reshape" and not getattr(a, "_qk_norm_per_head", False):
+            inverse = (1.0 / sigma).reshape(batch, -1, tokens)  # a bridge norms [B, H, n, e]: [B, heads, n]
+        else:
+            inverse = (1.0 / sigma).reshape(batch, tokens, -1).transpose(1, 2)  # [B, count or 1, n]
         weight = getattr(norm, "w", None)
         gain = (
             torch.ones(inverse.shape[1] * head_dim, dtype=torch.float64) if weight is None else weight.detach().double()
@@ -743,10 +790,12 @@ def _native_bridge(model) -> bool:
 
 
 def _transformer_lens_query_key(model, cfg, cache, stack: AttentionStack, attention_mask) -> QueryKeyCapture:
-    """A HookedTransformer's score side from its weights and, for the check, its own queries, keys
-    and scores in ``cache``: ``W_Q``, ``W_K`` ``[L, H, d, e]`` (grouped keys repeated), ``b_Q``,
-    ``b_K``, ``1 / attn_scale`` per layer, and its rotary angles at each token's position
-    (``attention_mask``'s offsets, as its ``apply_rotary`` takes them)."""
+    """A TransformerLens model's score side from its weights and, for the check, its own queries,
+    keys and scores in ``cache``: ``W_Q``, ``W_K`` ``[L, H, d, e]`` (grouped keys repeated),
+    ``b_Q``, ``b_K`` (zeros where a bridge has none), the scaling per layer, and its rotary angles
+    at each token's position (a HookedTransformer's at ``attention_mask``'s offsets, as its
+    ``apply_rotary`` takes them; a native bridge's at 0 … n−1; a bridge over a Hugging Face model's
+    as its hooks report them)."""
     layers, heads = cfg.n_layers, cfg.n_heads
     batch, tokens = stack.attn.shape[0], stack.attn.shape[-1]
     device = stack.attn.device
@@ -754,12 +803,17 @@ def _transformer_lens_query_key(model, cfg, cache, stack: AttentionStack, attent
     def per_query_head(t: Tensor) -> Tensor:
         return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], 1)
 
-    native, bridged = _native_bridge(model), _hugging_face_bridge(model)
+    native, bridged, rotary_bridge = _native_bridge(model), _hugging_face_bridge(model), _rotary_bridge(model)
     attention = [block.attn for block in model.blocks]
     w_q = torch.stack([a.W_Q.detach() for a in attention]).double()
     w_k = per_query_head(torch.stack([a.W_K.detach() for a in attention]).double())
-    b_q = torch.stack([a.b_Q.detach() for a in attention]).double()
-    b_k = per_query_head(torch.stack([a.b_K.detach() for a in attention]).double())
+
+    def bias(a, name: str, like: Tensor) -> Tensor:  # a bridge over a model without them holds None
+        value = getattr(a, name, None)
+        return torch.zeros(like.shape[::2], dtype=like.dtype) if value is None else value.detach()
+
+    b_q = torch.stack([bias(a, "b_Q", a.W_Q) for a in attention]).double()
+    b_k = per_query_head(torch.stack([bias(a, "b_K", a.W_K) for a in attention]).double())
     hooks = _score_hooks(model)
     rotary = cfg.positional_embedding_type == "rotary" and not bridged
     # A native bridge's positions are 0 … n−1 whatever the mask; a HookedTransformer's rotary
@@ -767,12 +821,15 @@ def _transformer_lens_query_key(model, cfg, cache, stack: AttentionStack, attent
     positions = torch.arange(tokens, device=device).expand(batch, tokens)
     if rotary and attention_mask is not None and not native:
         positions = (attention_mask.to(device).long().cumsum(1) - 1).clamp_min(0)
-    sides = hooks[:2]
-    own = [
-        torch.stack([cache[f"blocks.{layer}.attn.{name}"] for layer in range(layers)], 1).double()  # [B, L, n, H, e]
-        for name in sides
-    ]
-    queries, keys = (t.permute(0, 1, 3, 2, 4) for t in own)  # [B, L, H, n, e]
+    cos = sin = None
+    if rotary_bridge:  # as its attention rotated them, with the (cos, sin) it was handed
+        queries, keys, cos, sin = _bridge_rotated_sides(attention, cache, batch)
+    else:
+        own = [  # [B, L, n, H, e]
+            torch.stack([cache[f"blocks.{layer}.attn.{name}"] for layer in range(layers)], 1).double()
+            for name in hooks[:2]
+        ]
+        queries, keys = (t.permute(0, 1, 3, 2, 4) for t in own)  # [B, L, H, n, e]
     if native and rotary:  # its hooks hold them before the rotation: rotated by its own function
         turned = [
             a.original_component.rotary.apply_rope(queries[:, i], keys[:, i], position_ids=positions)
@@ -791,7 +848,6 @@ def _transformer_lens_query_key(model, cfg, cache, stack: AttentionStack, attent
     else:
         scores = torch.stack([cache[f"blocks.{layer}.attn.hook_attn_scores"] for layer in range(layers)], 1)
         allowed = (scores.double() > -1e30).all(2)  # masked pairs hold -inf: [B, L, n, n]
-    cos = sin = None
     if rotary:
         tables = [
             (a.original_component.rotary.cos_cached, a.original_component.rotary.sin_cached)
@@ -831,6 +887,28 @@ def _transformer_lens_query_key(model, cfg, cache, stack: AttentionStack, attent
         interleaved=native or bool(getattr(cfg, "rotary_adjacent_pairs", False)),  # native: adjacent pairs
         position_bias=position_bias,
     )
+
+
+def _bridge_rotated_sides(attention, cache, batch: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(queries, keys [B, L, H(_kv), n, e], cos, sin [B, L, n, r])`` of a bridge over a rotary
+    Hugging Face model, as its attention rotated them: ``hook_rot_q``/``hook_rot_k`` where they
+    fire, else ``hook_q``/``hook_k`` turned by the bridge's own ``_apply_rotary_pos_emb`` (its
+    fused-projection attention, GPT-NeoX's), with the ``hook_cos``/``hook_sin`` it was handed."""
+    queries, keys, cos, sin = [], [], [], []
+    for layer, a in enumerate(attention):
+        hook = f"blocks.{layer}.attn."
+        turn = [cache[hook + name].double() for name in ("hook_cos", "hook_sin")]
+        turn = [t.expand(batch, *t.shape[1:]) for t in turn]  # [B, n, r]
+        if hook + "hook_rot_q" in cache:
+            query, key = (cache[hook + name].double().transpose(1, 2) for name in ("hook_rot_q", "hook_rot_k"))
+        else:
+            query, key = (cache[hook + name].double().transpose(1, 2) for name in ("hook_q", "hook_k"))
+            query, key = a._apply_rotary_pos_emb(query, key, *turn)
+        queries.append(query)
+        keys.append(key)
+        cos.append(turn[0])
+        sin.append(turn[1])
+    return torch.stack(queries, 1), torch.stack(keys, 1), torch.stack(cos, 1), torch.stack(sin, 1)
 
 
 def _uses_weight_offset(norm, cfg) -> bool:

@@ -128,6 +128,22 @@ def _soft_capped(logits: Tensor, cap: float | None) -> Tensor:
     return logits if cap is None else cap * torch.tanh(logits / cap)
 
 
+def _refuse_if_not_finite(family: str, stream: Tensor, real: Tensor, where: str) -> None:
+    """Refuse, saying so, a check whose reference is not finite: the model's own forward pass gives
+    NaN or inf at real tokens (a fully masked padded query whose softmax the model takes in float32
+    gives a NaN row, which the next layer's values carry to every real token as ``0 · NaN``)."""
+    bad = ~torch.isfinite(stream.detach()).all(-1).cpu() & real.cpu()
+    if bool(bad.any()):
+        rows = sorted({int(b) for b in bad.nonzero()[:, 0]})
+        raise ValueError(
+            f"{where}: this {family} model's own forward pass gives NaN or inf at real tokens of sequence(s) {rows} "
+            "(a padded query with no key to attend, whose softmax the model takes in float32, gives a NaN row "
+            "that reaches the real tokens), so there is nothing to check the capture against. Pass check=False "
+            "to keep it (its paths sum to the stream computed with that softmax in float64), or run those "
+            "sequences without padding"
+        )
+
+
 def _refuse_if_beyond(family: str, stream_error: float, logits_error: float | None, tolerance: float, where: str):
     if all(error <= tolerance for error in (stream_error, logits_error) if error is not None):  # NaN fails too
         return
@@ -162,11 +178,12 @@ def check_huggingface_capture(
     batch, tokens, d = stack.attn.shape[0], stack.attn.shape[-1], stack.d_model
     stream = (seen[-1] if final_input is not None else output.hidden_states[-1]).reshape(batch, tokens, d)
     real = torch.ones(batch, tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask.bool().cpu()
+    family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    _refuse_if_not_finite(family, stream, real, where)
     reconstruction = stack.path_sum()
     stream_error = _relative(reconstruction, stream, real)
     logits_error = _huggingface_logits_error(model, output, capture, reconstruction, real)
     tolerance = check_tolerance(next(model.parameters()).dtype)
-    family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     _refuse_if_beyond(family, stream_error, logits_error, tolerance, where)
     return CaptureCheck(stream_error, logits_error, tolerance, time.monotonic() - start)
 
@@ -209,6 +226,8 @@ def check_transformer_lens_capture(model, tokens: Tensor, attention_mask, stack,
         logits, cache = model.run_with_cache(tokens, names_filter=lambda hook: hook == name, **kwargs)
     stream = cache[name]
     real = torch.ones(stream.shape[:2], dtype=torch.bool) if stack.token_mask is None else stack.token_mask.bool().cpu()
+    family = getattr(model.cfg, "original_architecture", None) or type(model).__name__
+    _refuse_if_not_finite(family, stream, real, where)
     reconstruction = stack.path_sum()
     stream_error = _relative(reconstruction, stream, real)
     ours = read_out_stream(capture, reconstruction) @ capture.unembedding.double().T.to(reconstruction.device)
@@ -219,6 +238,5 @@ def check_transformer_lens_capture(model, tokens: Tensor, attention_mask, stack,
     logits_error = _relative(ours, logits, real)
     dtype = next(model.parameters()).dtype
     tolerance = check_tolerance(dtype)
-    family = getattr(model.cfg, "original_architecture", None) or type(model).__name__
     _refuse_if_beyond(family, stream_error, logits_error, tolerance, where)
     return CaptureCheck(stream_error, logits_error, tolerance, time.monotonic() - start)
