@@ -670,23 +670,26 @@ BRIDGED = ["gpt2", "llama", "qwen3", "gemma3", "olmo2", "gemma2-sliding-biased",
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", BRIDGED)
-def test_a_bridge_over_a_hugging_face_model_reads_its_scores(name, tmp_path):
+def test_a_bridge_over_a_hugging_face_model_reads_its_scores(name, dtype, tmp_path):
     """A TransformerBridge over a float64 Hugging Face model (3.x and 4.x), left-padded: every head's
     sums are its own hook_attn_scores (before the cap) to 1e-12, from the same forward with its
     float32 steps in float64 (as the capture runs it), and to the rounding of its float32 rotary
     angles from its unmodified forward. Its rotary models' own forward gives NaN at the real tokens
-    of a left-padded row (a fully masked query's float32 softmax), so check=False keeps them."""
+    of a left-padded row (a fully masked query's float32 softmax), so check=False keeps them. A
+    float32 bridge: to 1e-5 of both."""
     pytest.importorskip("transformer_lens")
     from test_adapters import bridge_over
 
     from pathkernels.adapters.precision import in_float64
     from pathkernels.adapters.residual import capture_transformer_lens_residual
 
-    model = build(name)
+    model = build(name, dtype)
     tokens, mask = padded_ids()
     tokens = tokens % 40
-    bridge = bridge_over(model, tmp_path, dtype=torch.float64)
+    bridge = bridge_over(model, tmp_path, dtype=dtype)
+    exact = 1e-12 if dtype == torch.float64 else 1e-5
     stack, capture = capture_transformer_lens_residual(
         bridge, tokens, attention_mask=mask, query_key=True, check=name == "gpt2"
     )
@@ -698,14 +701,14 @@ def test_a_bridge_over_a_hugging_face_model_reads_its_scores(name, tmp_path):
         for layer in range(stack.num_layers):
             for result in pk.score_decompositions(stack, layer, batch=batch):
                 assert (result.soft_cap is not None) == (cap > 0)
-                for cache, tolerance in ((same_pass, 1e-12), (unmodified, 1e-5)):
+                for cache, tolerance in ((same_pass, exact), (unmodified, 1e-5)):
                     own = cache[f"blocks.{layer}.attn.hook_attn_scores"][batch].double()
                     expected = own[result.head, result.query, result.keys]
                     if cap > 0:
                         expected = cap * torch.atanh(expected / cap)
                     scale = float(expected.abs().max())
                     if batch == 1 and not bool(expected.isfinite().all()):
-                        assert tolerance == 1e-5 and name != "gpt2"  # the NaN of its unmodified forward
+                        assert cache is unmodified and name != "gpt2"  # the NaN of its unmodified forward
                         continue
                     torch.testing.assert_close(result.scores, expected, rtol=0, atol=tolerance * scale)
 
