@@ -244,7 +244,7 @@ def test_tokens_default_to_one_rule_stated_in_help(tmp_path, capsys):
             capsys,
         )
         assert code == 0
-        assert f"1 sequence(s) of {default} random token ids (no tokenizer in the model directory)" in out
+        assert f"1 sequence(s) of {default} random token ids (seed 0) (no tokenizer in the model directory)" in out
         help_text = subprocess.run(
             [sys.executable, "-m", "pathkernels", command, "--help"], capture_output=True, text=True, check=True
         ).stdout
@@ -596,3 +596,107 @@ def test_scores_refuses_a_family_whose_queries_are_not_read(tmp_path, capsys):
     assert code == 2 and "query_key=True reads the queries and keys of gpt2" in errors[0], errors
     code, _, errors = run(["scores", "--model", str(folder), "--layer", "5"], capsys)
     assert code == 2 and "--layer: expected a layer in [0, 2), got 5" in errors[0], errors
+
+
+# --- refusals from the model folder's listing, and the fixtures' own inputs --------------------------
+
+
+def _refusals(tmp_path) -> list[tuple[list[str], str]]:
+    """Model-folder mistakes, each with the start of its one error line."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    unnamed = tmp_path / "unnamed"
+    unnamed.mkdir()
+    (unnamed / "config.json").write_text('{"n_layer": 2}')
+    short = tmp_path / "short.txt"
+    short.write_text("1 2 3")
+    fixtures = "pathkernels/fixtures"
+    return [
+        (["attribute", "--model", str(empty)], f"--model {empty}: a folder without config.json"),
+        (["scores", "--model", str(unnamed)], f"--model {unnamed}: config.json names no model_type"),
+        (["collapse", "--model", f"{fixtures}/attn_only_2l", "--text", "hi"], "--text needs a tokenizer, and "),
+        (
+            ["attribute", "--model", f"{fixtures}/gpt2_4l", "--direction", str(short)],
+            rf"--direction {short}: has shape \[3\]; expected .* with d = 64 \(the model's hidden size\)",
+        ),
+        (
+            ["attribute", "--model", f"{fixtures}/attn_only_2l", "--ids", "1,64"],
+            r"--ids: expected token ids in \[0, 64\)",
+        ),
+        (["scores", "--model", str(tiny_gpt2(tmp_path / "gpt2")), "--example"], "--example: .* is not one of"),
+    ]
+
+
+def test_model_folder_mistakes_are_refused_from_its_listing_in_under_a_second(tmp_path):
+    """Each mistake a model folder can hold is refused by the whole program, Python's start
+    included, in under a second, before torch is imported, and leaves no --out folder behind."""
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for argv, message in _refusals(tmp_path):
+        out = tmp_path / "out"
+        script = (
+            "import sys; from pathkernels.app.cli import main; code = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(code)"
+        )
+        start = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-c", script, *argv, "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=root,
+        )
+        elapsed = time.monotonic() - start
+        assert done.returncode == 2, (argv, done.stderr)
+        assert re.match(rf"pathkernels {argv[0]}: {message}", done.stderr), (argv, done.stderr)
+        assert elapsed < 1.0, (argv, elapsed)
+        assert not out.exists()
+
+
+def test_the_input_options_choose_one_input_and_need_a_model(capsys):
+    for argv, message in [
+        (["attribute", "--ids", "1,2"], "--ids needs --model"),
+        (["attribute", "--example"], "--example needs --model"),
+        (["attribute", "--model", "x", "--ids", "1,2", "--tokens", "5"], "--tokens and --ids each choose the input"),
+        (["scores", "--ids", "7"], "argument --ids: expected at least 2 token ids"),
+        (["scores", "--ids", "1,a"], "argument --ids: expected token ids"),
+    ]:
+        code, out, errors = run(argv, capsys)
+        assert code == 2 and len(errors) == 1 and message in errors[0], (argv, errors)
+
+
+def test_attribute_and_scores_reproduce_the_readmes_induction_example(capsys):
+    """``--example`` runs a fixture on its own example input, the README's: at token 20 the
+    predicted token is the one after the first copy of token 20's, and L1H0 at token 20 attends
+    most to that token (5). ``--ids`` reads the given tokens."""
+    from pathkernels.fixtures import load_fixture
+
+    model, inputs = load_fixture("attn_only_2l")
+    ids = inputs["input_ids"][0]
+    fixture = "pathkernels/fixtures/attn_only_2l"
+    code, out, errors = run(["attribute", "--model", fixture, "--example", "--position", "20", "--top", "3"], capsys)
+    assert code == 0, errors
+    assert "the fixture's example (16 random tokens then again after a start token, seed 0" in out
+    assert f"readout: logit[{int(ids[5])}] − logit[" in out
+    code, out, errors = run(["scores", "--model", fixture, "--example", "--layer", "1", "--query", "20"], capsys)
+    assert code == 0, errors
+    assert re.search(r"score at key 5\b", out), out
+    given = ",".join(str(int(t)) for t in ids[:10])
+    code, out, errors = run(["attribute", "--model", fixture, "--ids", given, "--top", "2"], capsys)
+    assert code == 0 and "inputs: the given 10 token ids" in out, errors
+
+
+def test_paths_states_its_seed_and_gives_the_demos_numbers(capsys):
+    """``pathkernels paths`` of the built-in network and the demo's section 3
+    (``experiments.ratio_by_length``) are the same network on the same input: the same numbers
+    under the same label, which states the seed."""
+    from pathkernels.app import experiments
+
+    for seed in (0, 3):
+        code, out, errors = run(["paths", "--layers", "3", "--seed", str(seed)], capsys)
+        assert code == 0, errors
+        assert f"(L = 3, H = 4, n = 32, seed {seed}); all 125 paths, exactly" in out
+        medians = [float(line.split()[6]) for line in out.splitlines()[2:6]]
+        expected = experiments.ratio_by_length(num_layers=3, seed=seed).by_length()["median"].tolist()
+        assert medians == pytest.approx(expected, rel=5e-3), (medians, expected)

@@ -166,7 +166,7 @@ def test_cli_reads_huggingface_directories_and_configs(tmp_path, capsys):
     config.save_pretrained(tmp_path / "config_only")
     assert main(["collapse", "--model", str(tmp_path / "weights"), "--tokens", "6", "--batch", "2"]) == 0
     out = capsys.readouterr().out
-    assert "pretrained weights" in out and "2 sequence(s) of 6 random token ids (no tokenizer" in out
+    assert "pretrained weights" in out and "2 sequence(s) of 6 random token ids (seed 0) (no tokenizer" in out
     assert (
         main(["paths", "--model", str(tmp_path / "config_only" / "config.json"), "--tokens", "6", "--device", "cpu"])
         == 0
@@ -357,8 +357,24 @@ def test_plain_progress_lines_come_about_every_interval(monkeypatch, capsys):
 def test_cli_version_and_the_bench_caveat(monkeypatch, capsys):
     from pathkernels.app.cli import bench as bench_command
 
+    cuda = "yes" if pk.build_info()["cuda"] else "no"
+    expected = f"pathkernels {pk.__version__} (torch {torch.__version__}, CUDA kernels: {cuda}"
+    # --version answers from the package metadata and the build's file, without importing torch.
+    code = (
+        "import sys, time\nstart = time.monotonic()\nfrom pathkernels.app.cli import main\ntry:\n"
+        "    main(['--version'])\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules, time.monotonic() - start)"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    line, imported = run.stdout.splitlines()
+    assert line.startswith(expected) and "rebuild" not in line, line
+    assert imported.split()[0] == "False" and float(imported.split()[1]) < 1.0, imported
     run = subprocess.run([sys.executable, "-m", "pathkernels", "--version"], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 0 and run.stdout.startswith(f"pathkernels {pk.__version__} (torch ")
+    assert run.returncode == 0 and run.stdout.startswith(expected)
+    from pathkernels.app import cli
+
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "9.9.9")
+    assert cli.version_line().endswith(f"; built against torch {torch.__version__}: rebuild (make build))")
     monkeypatch.setattr(bench_command, "QUICK_NORM_CASES", [(2, 8, 8)])
     monkeypatch.setattr(bench_command, "QUICK_PATH_CASES", [(2, 2, 8)])
     assert main(["bench", "--quick", "--device", "cpu"]) == 0

@@ -714,4 +714,4 @@ def local_model_inputs(
     n = 32 if num_tokens is None else num_tokens
     why = " (no tokenizer in the model directory)" if local.tokenizer is None else ""
     ids = torch.randint(0, config.vocab_size, (batch, n), generator=generator)
-    return {"input_ids": ids}, f"{batch} sequence(s) of {n} random token ids{why}"
+    return {"input_ids": ids}, f"{batch} sequence(s) of {n} random token ids (seed {seed}){why}"

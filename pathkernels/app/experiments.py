@@ -218,12 +218,19 @@ def ratio_by_length(
     Returns:
         The :class:`~pathkernels.PathDecomposition` (``.by_length()`` is the table, ``.plot()`` the figure).
     """
+    attn = skip_network_attention(num_layers=num_layers, num_heads=num_heads, n=n, d_model=d_model, seed=seed)
+    return decompose(attn, skip=True, progress=progress)
+
+
+def skip_network_attention(*, num_layers: int, num_heads: int, n: int, d_model: int, seed: int) -> torch.Tensor:
+    """The attention maps ``[1, L, H, n, n]`` of a "+skip" network at initialisation (its weights
+    from ``seed``) on one random input ``[1, n, d_model]`` (from a generator of the same seed): what
+    :func:`ratio_by_length` and ``pathkernels paths`` decompose."""
     torch.manual_seed(seed)
     model = SelfAttentionNetwork.variant("+skip", d_model=d_model, num_heads=num_heads, num_layers=num_layers)
     x = torch.randn(1, n, d_model, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
-        attn = model(x).attn
-    return decompose(attn, skip=True, progress=progress)
+        return model(x).attn
 
 
 # --- path effectiveness on sorting ----------------------------------------------------------------

@@ -40,6 +40,7 @@ from pathkernels.app.cli.base import (
     ABANDONED,
     BUILT_IN_VOCAB,
     DEFAULT_TOKENS,
+    DIRECTION_FORMS,
     MAX_ATTRIBUTION_PATHS,
     CommandLineError,
     check_writable,
@@ -69,23 +70,43 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Version(argparse.Action):
-    """``--version``: pathkernels', torch's and the build's versions, torch imported only then."""
+    """``--version``: pathkernels', torch's and the build's versions, without importing torch (the
+    installed torch's version from its metadata, the build's from the file the build writes beside
+    the extension)."""
 
     def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
         help = "show program's version number and exit" if help is None else help
         super().__init__(option_strings=option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        import torch
-
-        from pathkernels import __version__
-        from pathkernels.core._extension import build_info
-
-        cuda = "yes" if build_info()["cuda"] else "no"
-        parser._print_message(
-            f"pathkernels {__version__} (torch {torch.__version__}, CUDA kernels: {cuda})\n", sys.stdout
-        )
+        parser._print_message(version_line() + "\n", sys.stdout)
         parser.exit()
+
+
+def version_line() -> str:
+    """``pathkernels 0.1.0 (torch 2.13.0+cpu, CUDA kernels: no)``, read without importing torch; a
+    build the installed torch does not match, or one not found, says so."""
+    import importlib.metadata
+    import importlib.util
+
+    from pathkernels import __version__
+
+    try:
+        torch_version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return f"pathkernels {__version__} (torch: not installed)"
+    spec = importlib.util.find_spec("pathkernels._C")
+    info_file = None if spec is None or spec.origin is None else Path(spec.origin).with_name("_build_info.json")
+    try:
+        info = json.loads(info_file.read_text()) if info_file is not None else None
+    except (OSError, ValueError):
+        info = None
+    if info is None:
+        return f"pathkernels {__version__} (torch {torch_version}, the compiled extension: not found; make build)"
+    cuda = f"yes, CUDA {info['cuda_version']}" if info.get("cuda") else "no"
+    built = info.get("torch_version")
+    mismatch = "" if built == torch_version else f"; built against torch {built}: rebuild (make build)"
+    return f"pathkernels {__version__} (torch {torch_version}, CUDA kernels: {cuda}{mismatch})"
 
 
 def _integer(minimum: int, maximum: int | None = None):
@@ -103,6 +124,18 @@ def _integer(minimum: int, maximum: int | None = None):
 
     parse.__name__ = expected
     return parse
+
+
+def _token_ids(text: str) -> list[int]:
+    """An argparse type: at least two token ids (integers >= 0), separated by commas or spaces."""
+    words = text.replace(",", " ").split()
+    try:
+        ids = [int(word) for word in words]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids (integers) separated by commas, got {text!r}") from None
+    if len(ids) < 2 or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected at least 2 token ids, each >= 0, got {text!r}")
+    return ids
 
 
 _SEED = _integer(0, 2**64 - 1)  # torch's generators take 64-bit seeds
@@ -124,21 +157,56 @@ _NETWORK_DEFAULTS = {"layers": None, "heads": 4, "width": 64, "seeds": 3}
 
 
 def _check_paths(args) -> None:
-    """--model and --direction: a path that is not there, or a config file that is not JSON, refused
-    (CommandLineError) before anything is imported."""
+    """--model and --direction, from the folder's listing and the small files alone (CommandLineError
+    before anything is imported, in a fraction of a second): a path that is not there, a folder
+    without ``config.json``, a config that is not JSON or names no ``model_type``, ``--text`` for a
+    folder without a tokenizer, and a text or ``.npy`` direction whose length is not the config's
+    hidden size."""
     missing = {"model": "no such file or directory (models are never downloaded)", "direction": "no such file"}
     for name, reason in missing.items():
         path = getattr(args, name, None)
         if path and not Path(path).exists():
             raise CommandLineError(f"--{name} {path}: {reason}")
     model = getattr(args, "model", None)
-    if model and Path(model).is_file():  # a config file: JSON, or it is refused before transformers loads
-        try:
-            json.loads(Path(model).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+    if not model:
+        return
+    from pathkernels.app.cli.sizes import direction_length, example_task, has_tokenizer, model_folder, model_shape
+
+    folder = model_folder(model)
+    config_file = folder / "config.json" if folder.is_dir() else folder
+    if not config_file.is_file():
+        raise CommandLineError(
+            f"--model {model}: a folder without config.json; expected a Hugging Face model folder (config.json, "
+            "its weights and tokenizer) or a config file"
+        )
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CommandLineError(
+            f"--model {model}: not a JSON config file ({error}); expected a model folder or a config"
+        ) from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise CommandLineError(
+            f"--model {model}: {config_file.name} names no model_type; expected a transformers config "
+            '(such as {"model_type": "gpt2", ...})'
+        )
+    if getattr(args, "example", False):
+        example_task(folder)  # refuses a folder that is not a fixture
+    ids = getattr(args, "ids", None)
+    vocab = config.get("vocab_size")
+    if ids is not None and isinstance(vocab, int) and max(ids) >= vocab:
+        raise CommandLineError(f"--ids: expected token ids in [0, {vocab}) (the model's vocabulary), got {max(ids)}")
+    if getattr(args, "text", None) is not None and not has_tokenizer(folder):
+        raise CommandLineError(f"--text needs a tokenizer, and {folder} has none; pass --tokens N for random token ids")
+    direction = getattr(args, "direction", None)
+    shape = model_shape(model)
+    if direction is not None and shape is not None:
+        length = direction_length(Path(direction))
+        if length is not None and length != shape["width"]:
             raise CommandLineError(
-                f"--model {model}: not a JSON config file ({error}); expected a model folder or a config"
-            ) from None
+                f"--direction {direction}: has shape [{length}]; expected {DIRECTION_FORMS} with d = "
+                f"{shape['width']} (the model's hidden size)"
+            )
 
 
 def _check_options(args, parser: argparse.ArgumentParser) -> None:
@@ -159,6 +227,14 @@ def _check_options(args, parser: argparse.ArgumentParser) -> None:
             parser.error(
                 f"{', '.join(given)} {verbs[0]} the built-in network and {verbs[1]} not apply with --model "
                 f"{args.model} (the model has its own)"
+            )
+    given = [f"--{name}" for name in ("text", "tokens", "ids", "example") if getattr(args, name, None)]
+    if len(given) > 1:
+        parser.error(f"{' and '.join(given)} each choose the input: pass one of them")
+    for name in ("ids", "example"):
+        if getattr(args, name, None) and not getattr(args, "model", None):
+            parser.error(
+                f"--{name} needs --model (a model folder{', one of the fixtures' if name == 'example' else ''})"
             )
     _check_paths(args)
     if getattr(args, "model", None):
@@ -264,6 +340,17 @@ def build_parser() -> argparse.ArgumentParser:
             "--text",
             help="with --model: a prompt for the model directory's tokenizer (default: a "
             "fixed sentence when there is a tokenizer and no --tokens)",
+        )
+        sub.add_argument(
+            "--ids",
+            type=_token_ids,
+            help="with --model: these token ids as the input (e.g. 0,5,3,9: commas or spaces between them)",
+        )
+        sub.add_argument(
+            "--example",
+            action="store_true",
+            help="with --model of one of pathkernels' fixtures (pathkernels/fixtures/NAME): its own example "
+            "input, as pathkernels.fixtures.load_fixture gives it (the README's)",
         )
         sub.add_argument("--layers", type=_integer(1), help=f"depth of the built-in network (default {layers})")
         sub.add_argument("--heads", type=_integer(1), help="heads per layer of the built-in network (default 4)")
@@ -407,7 +494,7 @@ def _done(_result) -> int:
 
 
 # The options that model_options adds, passed on by name to collapse_table and paths_table.
-_MODEL_OPTIONS = ("model", "text", "layers", "heads", "width", "tokens", "out")
+_MODEL_OPTIONS = ("model", "text", "ids", "example", "layers", "heads", "width", "tokens", "out")
 
 
 def _options(args, *names: str) -> dict:

@@ -20,7 +20,7 @@ from pathkernels.analysis.attribution import (
     unembedding,
 )
 from pathkernels.analysis.top_paths import top_paths
-from pathkernels.app.cli.base import MAX_ATTRIBUTION_PATHS, CommandLineError, within
+from pathkernels.app.cli.base import DIRECTION_FORMS, MAX_ATTRIBUTION_PATHS, CommandLineError, within
 from pathkernels.app.cli.common import float_format, heading, local_model, model_to_run, number, save
 from pathkernels.app.cli.sizes import model_shape
 from pathkernels.core._progress import TimeLimitReached, time_limit
@@ -61,16 +61,13 @@ class _Clock:
         return self.end - time.monotonic()
 
 
-_DIRECTION_FORMS = "a torch .pt tensor [d], a .npy array [d] or a text file of d numbers"
-
-
 def read_direction(path: Path, width: int | None = None) -> torch.Tensor:
     """``--direction``: a probe direction ``[d]`` in float64, from a torch ``.pt`` (or ``.pth``)
     tensor, a NumPy ``.npy`` array or a text file of numbers (separated by spaces, commas or
     newlines). Refuses, naming ``--direction`` and the expected d where known, what is not a
     finite vector of real numbers of that length."""
     option = f"--direction {path}"
-    expected = _DIRECTION_FORMS + (f" with d = {width} (the model's hidden size)" if width is not None else "")
+    expected = DIRECTION_FORMS + (f" with d = {width} (the model's hidden size)" if width is not None else "")
     if not path.is_file():
         raise CommandLineError(f"{option}: no such file; expected {expected}")
     suffix = path.suffix.lower()
@@ -133,6 +130,8 @@ def attribute_table(
     *,
     model: str | None = None,
     text: str | None = None,
+    ids: list[int] | None = None,
+    example: bool = False,
     layers: int = 4,
     heads: int = 4,
     width: int = 64,
@@ -183,7 +182,18 @@ def attribute_table(
         elif getattr(local.model.config, "hidden_size", probe.shape[0]) != probe.shape[0]:
             read_direction(Path(direction), local.model.config.hidden_size)  # refuses, naming d
     run = model_to_run(
-        "attribute", local if model else None, model, text, tokens, layers, heads, width, seed, bytes_per_entry=40
+        "attribute",
+        local if model else None,
+        model,
+        text,
+        tokens,
+        layers,
+        heads,
+        width,
+        seed,
+        bytes_per_entry=40,
+        ids=ids,
+        example=example,
     )
     build, inputs, tokenizer, source = run.build, run.inputs, run.tokenizer, run.source
     tokens = run.tokens

@@ -19,6 +19,9 @@ BUILT_IN_VOCAB = 1000
 # Paths enumerated by default: beyond this, `attribute` enumerates the longest lengths that fit.
 MAX_ATTRIBUTION_PATHS = 10**7
 
+# What --direction reads.
+DIRECTION_FORMS = "a torch .pt tensor [d], a .npy array [d] or a text file of d numbers"
+
 # Worker threads left running past the time limit (a search still in its set-up): the process
 # does not wait for them when it ends (main, as the program's entry point).
 ABANDONED: list[threading.Thread] = []

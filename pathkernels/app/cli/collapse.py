@@ -27,6 +27,8 @@ def collapse_table(
     *,
     model: str | None = None,
     text: str | None = None,
+    ids: list[int] | None = None,
+    example: bool = False,
     layers: int = 12,
     heads: int = 4,
     width: int = 64,
@@ -40,7 +42,9 @@ def collapse_table(
     device = resolve_device(device, "collapse")
     if model:
         local = local_model(model)
-        inputs, what = model_inputs(local, text, tokens, batch, default_tokens=DEFAULT_TOKENS["collapse"])
+        inputs, what = model_inputs(
+            local, text, tokens, batch, default_tokens=DEFAULT_TOKENS["collapse"], ids=ids, example=example
+        )
         config = local.model.config
         check_attention_fits(
             "collapse",
@@ -89,7 +93,7 @@ def collapse_table(
         )
         title = (
             f"pathkernels.models at initialisation (L = {layers}, H = {heads}, d = {width}, n = {tokens}, "
-            f"{seeds} seed(s) × {batch} inputs)"
+            f"{'seed 0' if seeds == 1 else f'seeds 0 … {seeds - 1}'}, {batch} inputs each)"
         )
         plot_title = "Rank collapse at initialisation"
     wide = table.pivot(index="depth", columns="variant", values="median")[list(dict.fromkeys(table["variant"]))]

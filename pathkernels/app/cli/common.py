@@ -11,7 +11,7 @@ import torch
 
 from pathkernels.adapters.huggingface import LocalModel, load_local_model, local_model_inputs
 from pathkernels.app.cli.base import BUILT_IN_VOCAB, DEFAULT_TOKENS, CommandLineError
-from pathkernels.app.cli.sizes import gpt2_bytes, model_folder
+from pathkernels.app.cli.sizes import example_task, gpt2_bytes, model_folder
 from pathkernels.core._extension import build_info
 from pathkernels.core._figures import saved
 from pathkernels.core._memory import check_fits
@@ -90,12 +90,24 @@ def local_model(spec: str) -> LocalModel:
 
 
 def model_inputs(
-    local: LocalModel, text: str | None, tokens: int | None, batch: int = 1, *, default_tokens: int, seed: int = 0
+    local: LocalModel,
+    text: str | None,
+    tokens: int | None,
+    batch: int = 1,
+    *,
+    default_tokens: int,
+    seed: int = 0,
+    ids: list[int] | None = None,
+    example: bool = False,
 ) -> tuple[dict, str]:
-    """The inputs that ``--text`` / ``--tokens`` ask for, refusing those that do not apply: without
-    either, a model with a tokenizer reads a fixed sentence, one without ``default_tokens`` random
-    token ids (the command's ``--tokens`` default). Random token ids and images are drawn from
-    ``seed`` (the command's ``--seed``, where it has one)."""
+    """The inputs that ``--text`` / ``--tokens`` / ``--ids`` / ``--example`` ask for, refusing those
+    that do not apply: without any, a model with a tokenizer reads a fixed sentence, one without
+    ``default_tokens`` random token ids (the command's ``--tokens`` default). Random token ids and
+    images are drawn from ``seed`` (the command's ``--seed``, where it has one). ``ids``: these token
+    ids, in every one of the ``batch`` rows; ``example``: a fixture folder's own example input (its
+    ``fixture.json``'s task, as :func:`pathkernels.fixtures.load_fixture` gives it)."""
+    if ids is not None or example:
+        return _given_inputs(local, ids, example, batch)
     if local.is_vision and (text is not None or tokens is not None):
         option = "--text" if text is not None else "--tokens"
         raise CommandLineError(
@@ -114,6 +126,24 @@ def model_inputs(
         return local_model_inputs(local, text=text, num_tokens=tokens, batch=batch, seed=seed)
     except ValueError as error:
         raise CommandLineError(f"--text: {str(error).split(': ', 1)[-1]}") from None
+
+
+def _given_inputs(local: LocalModel, ids: list[int] | None, example: bool, batch: int) -> tuple[dict, str]:
+    """``--ids`` or ``--example`` as the model's inputs ``[batch, n]`` and a phrase saying what they are."""
+    if example:
+        from pathkernels.fixtures import induction_batch
+
+        task = example_task(local.path)
+        input_ids = induction_batch(task["vocab"], task["length"], batch, task["example_seed"])
+        what = (
+            f"the fixture's example ({task['length']} random tokens then again after a start token, "
+            f"seed {task['example_seed']}: pathkernels.fixtures.load_fixture)"
+        )
+        return {"input_ids": input_ids}, what
+    vocab = local.model.config.vocab_size
+    if max(ids) >= vocab:
+        raise CommandLineError(f"--ids: expected token ids in [0, {vocab}) (the model's vocabulary), got {max(ids)}")
+    return {"input_ids": torch.tensor([ids] * batch)}, f"the given {len(ids)} token ids"
 
 
 def sequence_length(local: LocalModel, inputs: dict) -> int:
@@ -152,6 +182,8 @@ def model_to_run(
     seed: int,
     *,
     bytes_per_entry: int,
+    ids: list[int] | None = None,
+    example: bool = False,
 ) -> ModelToRun:
     """A local model (``local``, read from ``--model spec``) with the inputs ``--text`` / ``--tokens``
     ask for, or a GPT-2 built from a config of ``layers``, ``heads``, ``width`` on ``tokens`` random
@@ -161,7 +193,9 @@ def model_to_run(
 
     where = f"pathkernels {command}"
     if local is not None:
-        inputs, what = model_inputs(local, text, tokens, default_tokens=DEFAULT_TOKENS[command], seed=seed)
+        inputs, what = model_inputs(
+            local, text, tokens, default_tokens=DEFAULT_TOKENS[command], seed=seed, ids=ids, example=example
+        )
         config = local.model.config
         parameters = sum(p.numel() for p in local.model.parameters() if p.dtype != torch.float64)
         check_fits(
@@ -208,5 +242,8 @@ def model_to_run(
         torch.manual_seed(seed)
         return transformers.GPT2LMHeadModel(config).double().eval()  # as a user reads it: no dropout
 
-    source = f"a GPT-2 built from a config (L = {layers}, H = {heads}, d = {width}), {tokens} random token ids"
+    source = (
+        f"a GPT-2 built from a config (L = {layers}, H = {heads}, d = {width}), {tokens} random token ids "
+        f"(seed {seed} for both)"
+    )
     return ModelToRun(build, None, None, source, tokens)

@@ -17,7 +17,7 @@ from pathkernels.app.cli.common import (
     save,
     sequence_length,
 )
-from pathkernels.app.models import SelfAttentionNetwork
+from pathkernels.app.experiments import skip_network_attention
 from pathkernels.core.decompose import decompose
 from pathkernels.core.distributed import launched_group
 from pathkernels.core.paths import count_paths
@@ -27,6 +27,8 @@ def paths_table(
     *,
     model: str | None = None,
     text: str | None = None,
+    ids: list[int] | None = None,
+    example: bool = False,
     layers: int = 6,
     heads: int = 4,
     width: int = 64,
@@ -45,7 +47,9 @@ def paths_table(
             device = f"cuda:{torch.cuda.current_device()}"
         if model:
             local = local_model(model)
-            inputs, what = model_inputs(local, text, tokens, default_tokens=DEFAULT_TOKENS["paths"], seed=seed)
+            inputs, what = model_inputs(
+                local, text, tokens, default_tokens=DEFAULT_TOKENS["paths"], seed=seed, ids=ids, example=example
+            )
             config = local.model.config
             check_attention_fits(
                 "paths",
@@ -70,11 +74,8 @@ def paths_table(
             check_attention_fits(
                 "paths", batch=1, layers=layers, heads=heads, tokens=tokens, bytes_per_entry=32, device="cpu"
             )
-            torch.manual_seed(seed)
-            network = SelfAttentionNetwork.variant("+skip", d_model=width, num_heads=heads, num_layers=layers)
-            with torch.no_grad():
-                attn = network(torch.randn(1, tokens, width)).attn
-            source = f"a '+skip' network at initialisation (L = {layers}, H = {heads}, n = {tokens})"
+            attn = skip_network_attention(num_layers=layers, num_heads=heads, n=tokens, d_model=width, seed=seed)
+            source = f"a '+skip' network at initialisation (L = {layers}, H = {heads}, n = {tokens}, seed {seed})"
         attn = attn.to(device)
         total = count_paths(attn.shape[1], attn.shape[2], skip=True)
         generator = torch.Generator().manual_seed(seed)

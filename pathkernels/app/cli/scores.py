@@ -22,6 +22,8 @@ def scores_table(
     *,
     model: str | None = None,
     text: str | None = None,
+    ids: list[int] | None = None,
+    example: bool = False,
     layers: int = 4,
     heads: int = 4,
     width: int = 64,
@@ -50,7 +52,9 @@ def scores_table(
 
     clock = _Clock(time_limit, started)
     local = local_model(model) if model else None  # a vision model's tokens are its image patches
-    run = model_to_run("scores", local, model, text, tokens, layers, heads, width, seed, bytes_per_entry=48)
+    run = model_to_run(
+        "scores", local, model, text, tokens, layers, heads, width, seed, bytes_per_entry=48, ids=ids, example=example
+    )
     done, network = within(clock.left(), run.build)
     if not done:
         return _stopped(clock, "building the model")

@@ -150,6 +150,42 @@ def has_tokenizer(folder: Path) -> bool:
     return folder.is_dir() and any((folder / name).exists() for name in TOKENIZER_FILES)
 
 
+def example_task(folder) -> dict:
+    """The ``task`` of a fixture folder's ``fixture.json`` (what ``--example`` draws its input by),
+    or CommandLineError for a folder that is not a fixture."""
+    file = Path(folder) / "fixture.json"
+    try:
+        task = json.loads(file.read_text())["task"]
+        if task.get("generator") != "pathkernels.fixtures.induction_batch":
+            raise KeyError("generator")
+        return task
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise CommandLineError(
+            f"--example: {folder} is not one of pathkernels' fixtures (no fixture.json with its example task); "
+            "pass --ids, --text or --tokens instead"
+        ) from None
+
+
+def direction_length(path: Path) -> int | None:
+    """How many numbers a ``--direction`` file holds, read without torch: a text file's words, a
+    ``.npy`` array's length from its header (None for a torch file, or one that is not a vector:
+    the reader refuses it when the model is loaded)."""
+    suffix = path.suffix.lower()
+    try:
+        if suffix in (".pt", ".pth"):
+            return None
+        if suffix == ".npy":
+            import numpy as np
+
+            with path.open("rb") as file:
+                version = np.lib.format.read_magic(file)
+                shape = np.lib.format._read_array_header(file, version)[0]
+            return shape[0] if len(shape) == 1 else None
+        return len(path.read_text().replace(",", " ").split())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
 def _first(config: dict, *names: str) -> int | None:
     for name in names:
         value = config.get(name)
