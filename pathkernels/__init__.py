@@ -62,6 +62,7 @@ _LIBRARY_NAMES = {
     "rollout": "pathkernels.analysis.rollout",
     "sample_paths": "pathkernels.core.paths",
     "top_paths": "pathkernels.analysis.top_paths",
+    "to_single_token": "pathkernels.analysis.attribution",
     "top_score_pairs": "pathkernels.analysis.score_search",
     "truncated_output": "pathkernels.core.length_sums",
 }
@@ -153,6 +154,7 @@ __all__ = [
     "score_decompositions",
     "score_pairs",
     "score_top_paths",
+    "to_single_token",
     "top_paths",
     "top_score_pairs",
     "truncated_output",

@@ -272,3 +272,55 @@ def test_the_result_methods_refuse_arguments_outside_it_by_name():
     with pytest.raises(ValueError, match=r"^pathkernels\.PathAttribution\.table: expected which='top' or 'bottom'"):
         result.table(which="middle")
     assert len(result.table()) == 3 and result.plot(1) is not None
+
+
+# --- tokens as text -------------------------------------------------------------------------------
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level tokenizer of words ``t0 … t{V-2}`` and ``[UNK]``, split on whitespace."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    vocab = {f"t{i}": i for i in range(vocab_size - 1)} | {"[UNK]": vocab_size - 1}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_tokens_may_be_given_as_text_through_the_models_tokenizer(tmp_path):
+    """``logit``/``logit_diff``/``to_single_token`` take one token's text: through ``tokenizer=``,
+    a TransformerLens model's own, or the tokenizer saved beside a Hugging Face model's weights;
+    the readout is the one of its id. Text of two tokens, or none, and a model without a tokenizer
+    are refused by name."""
+    transformers = pytest.importorskip("transformers")
+    model = gpt2()
+    tokenizer = word_tokenizer(model.config.vocab_size)
+    assert pk.to_single_token(model, "t5", tokenizer=tokenizer) == 5
+    by_text = pk.logit_diff(model, "t5", " t7", tokenizer=tokenizer)
+    by_id = pk.logit_diff(model, 5, 7)
+    torch.testing.assert_close(by_text.directions, by_id.directions, rtol=0, atol=0)
+    assert by_text.labels == by_id.labels and pk.logit(model, "t9", tokenizer=tokenizer).labels == ("logit[9]",)
+    with pytest.raises(
+        ValueError, match=r"pathkernels.logit_diff: GPT2LMHeadModel has no tokenizer .* pass tokenizer="
+    ):
+        pk.logit_diff(model, "t5", 7)
+    with pytest.raises(
+        ValueError, match=r"expected b='t5 t6' to be one token of the model's tokenizer; it is 2: \[5, 6\]"
+    ):
+        pk.logit_diff(model, 1, "t5 t6", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"expected text='' to be one token of the model's tokenizer; it is 0: \[\]"):
+        pk.to_single_token(model, "", tokenizer=tokenizer)
+    with pytest.raises(TypeError, match=r"pathkernels.to_single_token: expected text to be a str, got int"):
+        pk.to_single_token(model, 5, tokenizer=tokenizer)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    saved = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)  # its tokenizer lies beside it
+    assert pk.to_single_token(saved, "t11") == 11
+    torch.testing.assert_close(pk.logit(saved, "t3").directions, pk.logit(model, 3).directions)
+    pytest.importorskip("transformer_lens")
+    from test_real_models_transformer_lens import tl_model
+
+    hooked = tl_model()
+    hooked.tokenizer = tokenizer
+    assert pk.logit_diff(hooked, "t2", "t4").labels == pk.logit_diff(hooked, 2, 4).labels

@@ -18,7 +18,14 @@ The layer above the adapters (which read models) and below the applications (com
 demo): it imports the core and the adapters, and neither imports it (docs/DESIGN.md, "Layers").
 """
 
-from pathkernels.analysis.attribution import PathAttribution, Readout, logit, logit_diff, path_attribution
+from pathkernels.analysis.attribution import (
+    PathAttribution,
+    Readout,
+    logit,
+    logit_diff,
+    path_attribution,
+    to_single_token,
+)
 from pathkernels.analysis.causal import CausalCheck, causal_check
 from pathkernels.analysis.real_paths import ModelPathDecomposition, decompose_model, path_terms
 from pathkernels.analysis.score_search import TopScorePairs, top_score_pairs
@@ -53,6 +60,7 @@ __all__ = [
     "score_decompositions",
     "score_pairs",
     "score_top_paths",
+    "to_single_token",
     "top_paths",
     "top_score_pairs",
 ]

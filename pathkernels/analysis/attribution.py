@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -202,31 +203,88 @@ def _logit_label(model, *tokens: int) -> str:
     return text if logit_soft_cap(model) is None else f"{text} (before the logit soft cap)"
 
 
-def _token(value, vocab: int, name: str, where: str) -> int:
+def model_tokenizer(model, tokenizer=None, where: str = "pathkernels.to_single_token"):
+    """The tokenizer that turns a token's text into its id: ``tokenizer`` where given, else a
+    TransformerLens model's own (``model.tokenizer``), else the one saved beside a Hugging Face
+    model's weights (the local folder its config names, read with ``local_files_only``: nothing is
+    downloaded). Refuses, saying to pass ``tokenizer=``, where there is none."""
+    if tokenizer is not None:
+        return tokenizer
+    own = getattr(model, "tokenizer", None)
+    if own is not None:
+        return own
+    folder = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
+    if folder and Path(folder).is_dir():
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        except Exception:  # noqa: BLE001 (no tokenizer files there, or none a class reads)
+            pass
+    raise ValueError(
+        f"{where}: {type(model).__name__} has no tokenizer to read token text with (a Hugging Face model does not "
+        "carry one): pass tokenizer=AutoTokenizer.from_pretrained(...), or token ids"
+    )
+
+
+def to_single_token(model, text: str, *, tokenizer=None) -> int:
+    """The id of ``text`` as one token of the model's tokenizer (:func:`model_tokenizer`), without
+    special tokens: ``to_single_token(model, " the")``. Refuses text that is not exactly one token,
+    listing the ids it is.
+
+    Args:
+        model: a Hugging Face or TransformerLens model (its tokenizer, unless ``tokenizer`` is given).
+        text: the token's text, with its leading space where the tokenizer marks one (GPT-2's).
+        tokenizer: a tokenizer to use instead of the model's.
+    """
+    where = "pathkernels.to_single_token"
+    if not isinstance(text, str):
+        raise TypeError(f"{where}: expected text to be a str, got {type(text).__name__}")
+    return _single_token(text, model_tokenizer(model, tokenizer, where), "text", where)
+
+
+def _single_token(text: str, tokenizer, name: str, where: str) -> int:
+    """``text``'s id as one token of ``tokenizer`` (no special tokens), or ValueError naming ``name``."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    ids = ids[0] if ids and isinstance(ids[0], list) else ids
+    if len(ids) != 1:
+        raise ValueError(
+            f"{where}: expected {name}={text!r} to be one token of the model's tokenizer; it is {len(ids)}: {ids}"
+            + (" (a leading space is part of a token in many tokenizers)" if ids else "")
+        )
+    return int(ids[0])
+
+
+def _token(value, vocab: int, name: str, where: str, model=None, tokenizer=None) -> int:
+    """A token id from an int, or from one token's text through the model's tokenizer."""
+    if isinstance(value, str):
+        value = _single_token(value, model_tokenizer(model, tokenizer, where), name, where)
     token = check_int(value, name, where)
     if not 0 <= token < vocab:
         raise ValueError(f"{where}: expected {name} to be a token id in [0, {vocab}), got {token}")
     return token
 
 
-def logit(model, token: int) -> Readout:
-    """The logit of ``token``: direction ``W_U[:, token]`` (``[d]``), bias ``b_U[token]``. For a model
-    whose logits are soft-capped (:func:`logit_soft_cap`) it is the logit before the cap, and its
-    label says so."""
+def logit(model, token: int | str, *, tokenizer=None) -> Readout:
+    """The logit of ``token`` (an id, or one token's text: :func:`to_single_token`): direction
+    ``W_U[:, token]`` (``[d]``), bias ``b_U[token]``. For a model whose logits are soft-capped
+    (:func:`logit_soft_cap`) it is the logit before the cap, and its label says so."""
     where = "pathkernels.logit"
     weight, bias, vocab = unembedding(model, where)
-    a = _token(token, vocab, "token", where)
+    a = _token(token, vocab, "token", where, model, tokenizer)
     constant = torch.zeros(1, dtype=torch.float64) if bias is None else bias.detach()[a : a + 1].double()
     return Readout(weight[a : a + 1].double(), constant, (_logit_label(model, a),), _is_classifier(model))
 
 
-def logit_diff(model, a: int, b: int) -> Readout:
-    """The logit difference of tokens ``a`` and ``b``: direction ``W_U[:, a] − W_U[:, b]`` (``[d]``),
-    bias ``b_U[a] − b_U[b]``. For a model whose logits are soft-capped (:func:`logit_soft_cap`) it
-    is the difference before the cap, and its label says so."""
+def logit_diff(model, a: int | str, b: int | str, *, tokenizer=None) -> Readout:
+    """The logit difference of tokens ``a`` and ``b`` (ids, or each one token's text:
+    :func:`to_single_token`, ``logit_diff(model, " Mary", " John")``): direction ``W_U[:, a] −
+    W_U[:, b]`` (``[d]``), bias ``b_U[a] − b_U[b]``. For a model whose logits are soft-capped
+    (:func:`logit_soft_cap`) it is the difference before the cap, and its label says so."""
     where = "pathkernels.logit_diff"
     weight, bias, vocab = unembedding(model, where)
-    a, b = _token(a, vocab, "a", where), _token(b, vocab, "b", where)
+    a, b = _token(a, vocab, "a", where, model, tokenizer), _token(b, vocab, "b", where, model, tokenizer)
     direction = (weight[a].double() - weight[b].double())[None]
     constant = torch.zeros(1, dtype=torch.float64) if bias is None else (bias[a].double() - bias[b].double()).reshape(1)
     return Readout(direction, constant.detach(), (_logit_label(model, a, b),), _is_classifier(model))
