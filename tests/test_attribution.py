@@ -302,7 +302,7 @@ def test_tokens_may_be_given_as_text_through_the_models_tokenizer(tmp_path):
     torch.testing.assert_close(by_text.directions, by_id.directions, rtol=0, atol=0)
     assert by_text.labels == by_id.labels and pk.logit(model, "t9", tokenizer=tokenizer).labels == ("logit[9]",)
     with pytest.raises(
-        ValueError, match=r"pathkernels.logit_diff: GPT2LMHeadModel has no tokenizer .* pass tokenizer="
+        ValueError, match=r"pathkernels.logit_diff: a is text, and GPT2LMHeadModel has no tokenizer .* pass tokenizer="
     ):
         pk.logit_diff(model, "t5", 7)
     with pytest.raises(
@@ -324,3 +324,94 @@ def test_tokens_may_be_given_as_text_through_the_models_tokenizer(tmp_path):
     hooked = tl_model()
     hooked.tokenizer = tokenizer
     assert pk.logit_diff(hooked, "t2", "t4").labels == pk.logit_diff(hooked, 2, 4).labels
+
+
+# --- per-head totals, shares and the results' faces ----------------------------------------------
+
+
+def literal_head_totals(result, heads: int) -> torch.Tensor:
+    """``[L, H, L, P, R]`` from every kept path, written out: each path's attribution added at each
+    of its heads, at the head's place in the path counted from its source (the lowest layer)."""
+    layers = result.paths.shape[1]
+    totals = torch.zeros(layers, heads, layers, *result.attribution.shape[1:], dtype=torch.float64)
+    for path, value in zip(result.paths.tolist(), result.attribution):
+        place = 0
+        for layer, head in enumerate(path):
+            if head >= 0:
+                totals[layer, head, place] += value
+                place += 1
+    return totals
+
+
+def test_head_totals_and_shares_are_those_of_every_path():
+    """``by_head`` is each path's attribution added at each head it takes, by place (a literal
+    loop over every kept path), streamed or not and with a tree; ``absolute`` is the sum of their
+    absolute values and each row's ``share`` its attribution over it, for a negative readout too;
+    ``head_table`` lists the totals largest first."""
+    model = gpt2().eval()
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 8)))
+    readout = pk.logit_diff(model, 4, 5)
+    result = pk.path_attribution(stack, readout, positions=[3, 7], top_k=4)
+    heads = stack.num_heads
+    expected = literal_head_totals(result, heads)
+    torch.testing.assert_close(result.by_head, expected, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(result.through_head, expected.sum(2), rtol=1e-12, atol=1e-13)
+    absolute = result.attribution.abs().sum(0)
+    torch.testing.assert_close(result.absolute, absolute, rtol=1e-12, atol=0)
+    streamed = pk.path_attribution(stack, readout, positions=[3, 7], top_k=4, memory_budget=20_000)
+    torch.testing.assert_close(streamed.by_head, result.by_head, rtol=1e-12, atol=1e-13)
+    for position in (0, 1):
+        rows = result.table(position=position)
+        assert [row["share"] for row in rows] == pytest.approx(
+            [row["attribution"] / float(absolute[position, 0]) for row in rows], rel=1e-12
+        )
+        table = result.head_table(position=position)
+        assert len(table) == stack.num_layers * heads
+        assert [abs(row["total"]) for row in table] == sorted((abs(row["total"]) for row in table), reverse=True)
+        first = table[0]
+        layer, head = int(first["head"][1]), int(first["head"].split("H")[1])
+        assert first["total"] == pytest.approx(float(expected[layer, head, :, position, 0].sum()), rel=1e-12)
+        assert first["as head 1"] == pytest.approx(float(expected[layer, head, 0, position, 0]), rel=1e-12, abs=1e-14)
+    negative = pk.path_attribution(stack, pk.logit_diff(model, 5, 4), top_k=3)
+    assert float(negative.absolute[0, 0]) == pytest.approx(float(result.absolute[1, 0]), rel=1e-12)
+    assert [row["share"] for row in negative.table()] == pytest.approx(
+        [row["attribution"] / float(result.absolute[1, 0]) for row in negative.table()], rel=1e-10
+    )
+    tree = pk.PathTree.from_paths(torch.tensor([[0, -1, 2], [1, 2, -1], [-1, -1, 3]]), num_heads=heads)
+    restricted = pk.path_attribution(stack, readout, tree=tree, top_k=2)
+    torch.testing.assert_close(restricted.by_head, literal_head_totals(restricted, heads), rtol=1e-12, atol=1e-13)
+
+
+def test_every_result_prints_in_one_short_line_and_frames_every_cell(tmp_path):
+    """``repr`` of the capture, its score side, a readout, an attribution and top paths: one line
+    of shapes and a headline, no tensor's contents. ``to_frame`` holds every position and readout;
+    ``plot(k)`` beyond the paths kept is refused; TopPaths frames and plots."""
+    pytest.importorskip("pandas")
+    pytest.importorskip("matplotlib")
+    model = gpt2().eval()
+    stack, capture = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 8)), query_key=True)
+    readout = pk.Readout.of(torch.randn(stack.d_model, 2), stack.d_model)
+    result = pk.path_attribution(stack, readout, positions=[2, 7], top_k=3)
+    top = pk.top_paths(stack, pk.logit_diff(model, 4, 5), k=4)
+    for thing, name in (
+        (capture, "ResidualStreamCapture(pre-norm layernorm, B = 1, L = 3, n = 8, d = 32"),
+        (capture.query_key, "QueryKeyCapture(B = 1, L = 3, H = 4, n = 8"),
+        (readout, "Readout(u0, u1; d = 32"),
+        (result, "PathAttribution(2 position(s) × 2 readout(s), "),
+        (top, "TopPaths(the 4 largest paths of logit[4] − logit[5] at token 7: "),
+    ):
+        text = repr(thing)
+        assert text.startswith(name) and "\n" not in text and len(text) < 700 and "tensor(" not in text, text
+    frame = result.to_frame()
+    assert list(frame.columns[:3]) == ["position", "readout", "rank"] and len(frame) == 2 * 2 * 3
+    assert sorted(set(zip(frame["position"], frame["readout"]))) == [(2, "u0"), (2, "u1"), (7, "u0"), (7, "u1")]
+    one = result.to_frame(position=1, readout=0)
+    assert one["attribution"].tolist() == [row["attribution"] for row in result.table(position=1, readout=0)]
+    with pytest.raises(ValueError, match=r"PathAttribution.plot: expected k <= 3, the paths this result kept"):
+        result.plot(10)
+    assert len(result.plot().axes[0].patches) == 6  # the 3 largest and the 3 smallest
+    assert top.to_frame()["attribution"].tolist() == top.values.tolist()
+    figure = top.plot(path=tmp_path / "top.png")
+    assert len(figure.axes[0].patches) == 4 and "certified" in figure.axes[0].get_title()
+    with pytest.raises(ValueError, match=r"TopPaths.plot: expected k <= 4"):
+        top.plot(5)

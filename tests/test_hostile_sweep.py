@@ -1390,6 +1390,9 @@ def adapter_cases():
             args = {"a": 1, "b": 2, name: value}
             refused(where, name, kind, name, lambda a=args: pk.logit_diff(model, **a))
     refused(where, "model", "str", "model", lambda: pk.logit_diff("gpt2", 1, 2))
+    where = "pathkernels.to_single_token"
+    refused(where, "text", "str", "text", lambda: pk.to_single_token(model, " the"))  # no tokenizer
+    refused(where, "text", "int", "text", lambda: pk.to_single_token(model, 5))
     where = "pathkernels.logit"
     for kind, value in (("negative", -1), ("huge", 20), ("float", 1.0), ("str", "1")):
         refused(where, "token", kind, "token", lambda v=value: pk.logit(model, v))
@@ -1690,6 +1693,7 @@ def test_the_sweep_covers_every_public_function_and_every_class():
     public |= {f"pathkernels {command}" for command in ("attribute", "paths", "collapse", "scores", "bench")}
     if transformers is None:  # their cases need a captured model
         captured = ("path_attribution", "top_paths", "logit", "logit_diff", "path_terms", "causal_check")
+        captured += ("to_single_token",)
         captured += ("score_attribution", "score_decomposition", "score_decompositions", "score_pairs")
         captured += ("score_top_paths", "top_score_pairs")
         public -= {f"pathkernels.{name}" for name in captured}

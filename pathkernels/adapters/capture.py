@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from pathkernels.core._repr import short_repr
+
 
 @dataclass
 class ResidualStreamCapture:
@@ -73,6 +75,11 @@ class ResidualStreamCapture:
     pooled_token: Tensor | None = None
     check: object | None = None  # the self-check's CaptureCheck (pathkernels.adapters.self_check), or None
     query_key: object | None = None  # the score side's QueryKeyCapture (pathkernels.adapters.query_key), or None
+
+    def __repr__(self) -> str:
+        batch, tokens, width = self.embedding.shape
+        layers = self.norm_scale.shape[1]
+        return short_repr(self, f"{self.layout}-norm {self.norm}, B = {batch}, L = {layers}, n = {tokens}, d = {width}")
 
     @property
     def centred(self) -> bool:

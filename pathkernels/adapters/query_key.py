@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from pathkernels.adapters.precision import SCORE_OBSERVERS, norm_eps, rms_gain
+from pathkernels.core._repr import short_repr
 
 # Families whose queries and keys are read, each a projection per side (or one fused: GPT-2, GPT-NeoX),
 # an optional RMSNorm on each (per head, or over every head: OLMo 2) and rotary positions handed to
@@ -92,6 +93,10 @@ class QueryKeyCapture:
     centred: bool = False
     query_shift: Tensor | None = None
     key_shift: Tensor | None = None
+
+    def __repr__(self) -> str:
+        batch, layers, heads, tokens, _ = self.queries.shape
+        return short_repr(self, f"B = {batch}, L = {layers}, H = {heads}, n = {tokens}")
 
     def on(self, device) -> QueryKeyCapture:
         """A copy on ``device``."""

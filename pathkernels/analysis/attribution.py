@@ -46,6 +46,7 @@ from pathkernels.analysis.readout_trie import (
 )
 from pathkernels.core._figures import check_save_path, saved
 from pathkernels.core._progress import progress_bar
+from pathkernels.core._repr import short_repr
 from pathkernels.core.checks import check_tree_shape
 from pathkernels.core.paths import PathTree, check_flag, check_int, count_attribution_paths
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
@@ -68,6 +69,10 @@ class Readout:
     bias: Tensor
     labels: tuple[str, ...]
     pooled: bool = False
+
+    def __repr__(self) -> str:
+        labels = ", ".join(self.labels[:3]) + (f", … ({len(self.labels)} in all)" if len(self.labels) > 3 else "")
+        return short_repr(self, f"{labels}; d = {self.directions.shape[1]}")
 
     @staticmethod
     def of(value: Readout | Tensor, d_model: int, where: str = _WHERE) -> Readout:
@@ -203,7 +208,7 @@ def _logit_label(model, *tokens: int) -> str:
     return text if logit_soft_cap(model) is None else f"{text} (before the logit soft cap)"
 
 
-def model_tokenizer(model, tokenizer=None, where: str = "pathkernels.to_single_token"):
+def model_tokenizer(model, tokenizer=None, where: str = "pathkernels.to_single_token", name: str = "text"):
     """The tokenizer that turns a token's text into its id: ``tokenizer`` where given, else a
     TransformerLens model's own (``model.tokenizer``), else the one saved beside a Hugging Face
     model's weights (the local folder its config names, read with ``local_files_only``: nothing is
@@ -222,8 +227,8 @@ def model_tokenizer(model, tokenizer=None, where: str = "pathkernels.to_single_t
         except Exception:  # noqa: BLE001 (no tokenizer files there, or none a class reads)
             pass
     raise ValueError(
-        f"{where}: {type(model).__name__} has no tokenizer to read token text with (a Hugging Face model does not "
-        "carry one): pass tokenizer=AutoTokenizer.from_pretrained(...), or token ids"
+        f"{where}: {name} is text, and {type(model).__name__} has no tokenizer to read it with (a Hugging Face "
+        "model does not carry one): pass tokenizer=AutoTokenizer.from_pretrained(...), or token ids"
     )
 
 
@@ -259,7 +264,7 @@ def _single_token(text: str, tokenizer, name: str, where: str) -> int:
 def _token(value, vocab: int, name: str, where: str, model=None, tokenizer=None) -> int:
     """A token id from an int, or from one token's text through the model's tokenizer."""
     if isinstance(value, str):
-        value = _single_token(value, model_tokenizer(model, tokenizer, where), name, where)
+        value = _single_token(value, model_tokenizer(model, tokenizer, where, name), name, where)
     token = check_int(value, name, where)
     if not 0 <= token < vocab:
         raise ValueError(f"{where}: expected {name} to be a token id in [0, {vocab}), got {token}")
@@ -288,6 +293,16 @@ def logit_diff(model, a: int | str, b: int | str, *, tokenizer=None) -> Readout:
     direction = (weight[a].double() - weight[b].double())[None]
     constant = torch.zeros(1, dtype=torch.float64) if bias is None else (bias[a].double() - bias[b].double()).reshape(1)
     return Readout(direction, constant.detach(), (_logit_label(model, a, b),), _is_classifier(model))
+
+
+def check_kept(k: int, kept: int, paths, where: str) -> None:
+    """Refuse a plot of ``k`` bars per side beyond the ``kept`` paths a result holds (its ``top_k``),
+    where the tree had more: it would silently draw fewer."""
+    if k > kept and int(paths) > kept:
+        raise ValueError(
+            f"{where}: expected k <= {kept}, the paths this result kept (its top_k); got k = {k}: attribute "
+            f"again with top_k={k} to plot {k}"
+        )
 
 
 def path_bars(top: list[dict], bottom: list[dict], label: str, title: str, ax=None):
@@ -345,6 +360,12 @@ class PathAttribution:
             ``sources [k, P, R]``.
         paths, path_sources, attribution: every enumerated path (``[M, L]``, ``[M]``) and its
             attribution ``[M, P, R]``, when they fit the memory budget (else None).
+        absolute: ``[P, R]`` the sum of the absolute attributions of the enumerated paths: what a
+            path's ``share`` is of (``attribution / absolute``), defined whatever the readout's sign or
+            size; the shares' absolute values sum to 1 over the enumerated paths.
+        by_head: ``[L, H, L, P, R]``: at ``[l, h, i]`` the sum of the attributions of every enumerated
+            path whose ``i``-th head from its source is head h of layer l (exact; ``through_head``
+            sums over ``i``).
     """
 
     batch: int
@@ -364,6 +385,26 @@ class PathAttribution:
     paths: Tensor | None = None
     path_sources: Tensor | None = None
     attribution: Tensor | None = None
+    absolute: Tensor | None = None
+    by_head: Tensor | None = None
+
+    def __repr__(self) -> str:
+        paths = int(self.counts.sum())
+        if self.value.numel() == 1:
+            headline = (
+                f"{self.labels[0]} at token {int(self.positions[0])}: {float(self.value[0, 0]):.6g} "
+                f"(constant {float(self.constant[0, 0]):.4g}), {paths:,} paths"
+            )
+        else:
+            headline = f"{self.value.shape[0]} position(s) × {self.value.shape[1]} readout(s), {paths:,} paths"
+        return short_repr(self, headline)
+
+    @property
+    def through_head(self) -> Tensor:
+        """``[L, H, P, R]``: the sum over every enumerated path through head h of layer l."""
+        if self.by_head is None:
+            raise ValueError("pathkernels.PathAttribution.through_head: this result holds no per-head totals")
+        return self.by_head.sum(2)
 
     @property
     def by_length(self) -> Tensor:
@@ -386,7 +427,8 @@ class PathAttribution:
     def table(self, *, position: int = 0, readout: int = 0, which: str = "top") -> list[dict]:
         """The top (or ``which="bottom"``) paths of one position and readout (indices into
         ``positions`` and ``labels``) as rows: rank, path, source, length, attribution and its
-        share of ``value − constant``."""
+        ``share``: the attribution over the sum of the enumerated paths' absolute attributions
+        (``absolute``), so that it means the same whatever the readout's sign or size."""
         where = "pathkernels.PathAttribution.table"
         if not isinstance(which, str) or which not in ("top", "bottom"):
             raise ValueError(f"{where}: expected which='top' or 'bottom', got {which!r}")
@@ -396,7 +438,7 @@ class PathAttribution:
             if which == "top"
             else (self.bottom_values, self.bottom_paths, self.bottom_sources)
         )
-        whole = float(self.value[position, readout] - self.constant[position, readout])
+        whole = math.nan if self.absolute is None else float(self.absolute[position, readout])
         rows = []
         for rank in range(values.shape[0]):
             value = float(values[rank, position, readout])
@@ -408,10 +450,30 @@ class PathAttribution:
                     "source": self.source_names[int(sources[rank, position, readout])],
                     "length": int((path != NO_HEAD).sum()),
                     "attribution": value,
-                    "share": value / whole if whole != 0 else math.nan,
+                    "share": value / whole if whole > 0 else math.nan,
                 }
             )
         return rows
+
+    def head_table(self, *, position: int = 0, readout: int = 0) -> list[dict]:
+        """Every head's total (:attr:`by_head`) at one position and readout as rows, largest
+        magnitude first: the head (``"L1H3"``), the sum over every enumerated path through it
+        (``total``), its ``share`` of ``absolute``, and the sums by the head's place in the path
+        (``as head 1``: paths that take it first from their source, …)."""
+        where = "pathkernels.PathAttribution.head_table"
+        position, readout = self._check_cell(position, readout, where)
+        by_head = self.through_head  # refuses a result without per-head totals
+        places = self.by_head[..., position, readout]  # [L, H, L]
+        whole = math.nan if self.absolute is None else float(self.absolute[position, readout])
+        rows = []
+        for layer in range(places.shape[0]):
+            for head in range(places.shape[1]):
+                total = float(by_head[layer, head, position, readout])
+                row = {"head": f"L{layer}H{head}", "total": total, "share": total / whole if whole > 0 else math.nan}
+                for place in range(layer + 1):  # a head of layer l is at most the (l+1)-th of its path
+                    row[f"as head {place + 1}"] = float(places[layer, head, place])
+                rows.append(row)
+        return sorted(rows, key=lambda row: -abs(row["total"]))
 
     def _check_cell(self, position, readout, where: str) -> tuple[int, int]:
         """``position`` and ``readout`` as indices into ``positions`` and ``labels`` (ints in range)."""
@@ -419,14 +481,17 @@ class PathAttribution:
         readout = check_int(readout, "readout", where, minimum=0, maximum=self.value.shape[1] - 1)
         return position, readout
 
-    def plot(self, k: int = 10, *, position: int = 0, readout: int = 0, ax=None, path=None):
+    def plot(self, k: int | None = None, *, position: int = 0, readout: int = 0, ax=None, path=None):
         """The ``k`` largest and ``k`` smallest attributions of one position and readout as
-        horizontal bars, labelled by path (``k >= 1``; fewer where there are fewer paths). Returns
-        the matplotlib Figure; with ``path`` it is also saved there (the format from the suffix)."""
+        horizontal bars, labelled by path (default: every path kept, ``top_k``; a ``k`` beyond them
+        is refused where the tree has more). Returns the matplotlib Figure; with ``path`` it is
+        also saved there (the format from the suffix)."""
         where = "pathkernels.PathAttribution.plot"
         check_save_path(path, where)
-        k = check_int(k, "k", where, minimum=1)
         position, readout = self._check_cell(position, readout, where)
+        kept = self.top_values.shape[0]
+        k = max(kept, 1) if k is None else check_int(k, "k", where, minimum=1)
+        check_kept(k, kept, self.counts.sum(), where)
         top = self.table(position=position, readout=readout)[:k]
         bottom = self.table(position=position, readout=readout, which="bottom")[:k]
         token = int(self.positions[position])
@@ -434,15 +499,27 @@ class PathAttribution:
         title = f"top and bottom paths (the readout: {float(self.value[position, readout]):.4g})"
         return saved(path_bars(top, bottom, label, title, ax), path)
 
-    def to_frame(self, *, position: int = 0, readout: int = 0, which: str = "top"):
-        """:meth:`table` as a pandas DataFrame (pandas is optional)."""
+    def to_frame(self, *, position: int | None = None, readout: int | None = None, which: str = "top"):
+        """:meth:`table` as a pandas DataFrame (pandas is optional): every position and readout
+        (``position``: the token read, ``readout``: its label, as the first columns), or the one of
+        ``position`` and ``readout`` (indices into ``positions`` and ``labels``) where given."""
         import pandas as pd
 
         where = "pathkernels.PathAttribution.to_frame"
-        position, readout = self._check_cell(position, readout, where)
         if not isinstance(which, str) or which not in ("top", "bottom"):
             raise ValueError(f"{where}: expected which='top' or 'bottom', got {which!r}")
-        return pd.DataFrame(self.table(position=position, readout=readout, which=which))
+        cells = [
+            self._check_cell(p, r, where)
+            for p in (range(self.value.shape[0]) if position is None else [position])
+            for r in (range(self.value.shape[1]) if readout is None else [readout])
+        ]
+        rows = [
+            {"position": int(self.positions[p]), "readout": self.labels[r], **row}
+            for p, r in cells
+            for row in self.table(position=p, readout=r, which=which)
+        ]
+        columns = ["position", "readout", "rank", "path", "source", "length", "attribution", "share"]
+        return pd.DataFrame(rows, columns=columns)
 
 
 @dataclass
@@ -592,7 +669,7 @@ def attribute(
     node_bytes = 8 * (rho.shape[1] * rho.shape[2] + phi.shape[1] * d)
     chunk = max(1, memory_budget // (4 * (heads + 1) * node_bytes))
     keep = total * (8 * len(positions) * len(read.labels) + 8 * (layers + 1)) <= memory_budget // 4
-    fold = Fold(len(model.sources), layers, len(positions), len(read.labels), top_k, keep, only=only)
+    fold = Fold(len(model.sources), layers, len(positions), len(read.labels), top_k, keep, only=only, heads=heads)
     bar = progress_bar(total, enabled=progress, unit="path", desc=_WHERE)
     walker = Walker(model, steps, low_rank=low_rank, max_length=max_length, cache_bytes=memory_budget // 2)
     walker.walk(rho, phi, max_length, chunk, fold, bar)
@@ -617,5 +694,7 @@ def attribute(
         bottom_values=fold.worst[0],
         bottom_paths=fold.worst[1],
         bottom_sources=fold.worst[2],
+        absolute=fold.absolute,
+        by_head=fold.by_head,
         **kept,
     )

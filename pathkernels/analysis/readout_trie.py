@@ -212,8 +212,10 @@ class PathSet:
 
 
 class Fold:
-    """Accumulates emitted attributions: sums by source and length, counts, the top k (and with
-    ``bottom`` the bottom k), and (when ``keep``) every path."""
+    """Accumulates emitted attributions: sums by source and length, counts, the sum of their
+    absolute values, the top k (and with ``bottom`` the bottom k), (when ``keep``) every path, and
+    (given ``heads``) per-head totals: ``by_head [L, H, L, P, R]``, at ``[l, h, i]`` the sum over
+    every path whose ``i``-th head from its source is head h of layer l."""
 
     def __init__(
         self,
@@ -225,10 +227,16 @@ class Fold:
         keep: bool,
         bottom: bool = True,
         only: PathSet | None = None,
+        heads: int | None = None,
     ):
         self.only = only  # fold only these paths' attributions (a tree's), when given
         self.sums = torch.zeros(sources, layers + 1, positions, readouts, dtype=torch.float64)
         self.counts = torch.zeros(sources, layers + 1, dtype=torch.long)
+        self.absolute = torch.zeros(positions, readouts, dtype=torch.float64)
+        self.heads = heads
+        self.by_head = (
+            None if heads is None else torch.zeros(layers, heads, layers, positions, readouts, dtype=torch.float64)
+        )
         self.k = top_k
         self.best = [
             torch.zeros(0, positions, readouts, dtype=torch.float64),  # values
@@ -248,6 +256,15 @@ class Fold:
             values, choices, lengths = values[inside], choices[inside], lengths[inside]
         self.sums[source].index_add_(0, lengths, values)
         self.counts[source].index_add_(0, lengths, torch.ones_like(lengths))
+        self.absolute += values.abs().sum(0)
+        if self.by_head is not None:
+            taken = choices != NO_HEAD  # [N, L]
+            order = taken.long().cumsum(1) - 1  # each head's place in its path, from the source
+            layers = choices.shape[1]
+            layer = torch.arange(layers).expand_as(choices)
+            cell = ((layer * self.heads + choices) * layers + order)[taken]  # into by_head's [L, H, L]
+            rows = taken.nonzero()[:, 0]
+            self.by_head.view(-1, *values.shape[1:]).index_add_(0, cell, values[rows])
         if self.kept is not None:
             self.kept.append((choices, torch.full_like(lengths, source), values))
         if self.k > 0:

@@ -35,9 +35,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pathkernels.analysis.attribution import Readout, read_out
+from pathkernels.analysis.attribution import Readout, check_kept, path_bars, read_out
 from pathkernels.analysis.readout_trie import NO_HEAD, Fold, FrozenModel, Sublayer, TensorCache, Walker, describe_path
+from pathkernels.core._figures import check_save_path, saved
 from pathkernels.core._progress import progress_bar
+from pathkernels.core._repr import short_repr
 from pathkernels.core._scaling import leading_exponent, power_of_two, times_power_of_two
 from pathkernels.core.paths import check_flag, check_int, count_attribution_paths
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
@@ -94,6 +96,37 @@ class TopPaths:
             }
             for rank in range(self.values.shape[0])
         ]
+
+    def __repr__(self) -> str:
+        which = "largest" if self.largest else "smallest"
+        values = ", ".join(f"{float(v):.4g}" for v in self.values[:3]) + (", …" if self.values.shape[0] > 3 else "")
+        how = "certified" if self.certified else f"not certified, gap {self.gap:.3g} ({self.stopped})"
+        headline = (
+            f"the {self.values.shape[0]} {which} paths of {self.label} at token {self.position}: {values}; {how}; "
+            f"{self.visited:,} of {self.total:,} paths visited in {self.seconds:.3g} s"
+        )
+        return short_repr(self, headline)
+
+    def to_frame(self):
+        """:meth:`table` as a pandas DataFrame (pandas is optional)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.table(), columns=["rank", "path", "source", "length", "attribution"])
+
+    def plot(self, k: int | None = None, *, ax=None, path=None):
+        """The ``k`` paths found (default: all) as horizontal bars, labelled by path; the title says
+        whether the list is certified. ``k`` beyond the paths found is refused. Returns the
+        matplotlib Figure; with ``path`` it is also saved there (the format from the suffix)."""
+        where = "pathkernels.TopPaths.plot"
+        check_save_path(path, where)
+        found = self.values.shape[0]
+        k = found if k is None else check_int(k, "k", where, minimum=1)
+        check_kept(k, found, self.total, where)
+        rows = self.table()[:k]
+        which = "largest" if self.largest else "smallest"
+        how = "certified" if self.certified else f"not certified: gap {self.gap:.3g}"
+        label = f"attribution to {self.label} at token {self.position}"
+        return saved(path_bars(rows, [], label, f"the {len(rows)} {which} paths ({how})", ax), path)
 
 
 def _unit(x: Tensor, dims) -> Tensor:
