@@ -39,6 +39,8 @@ _LIBRARY_NAMES = {
     "ScorePairs": "pathkernels.analysis.scores",
     "TopPaths": "pathkernels.analysis.top_paths",
     "TopScorePairs": "pathkernels.analysis.score_search",
+    "BatchAttribution": "pathkernels.analysis.attribution",
+    "batch_attribution": "pathkernels.analysis.attribution",
     "build_info": "pathkernels.core._extension",
     "causal_check": "pathkernels.analysis.causal",
     "composite_norm": "pathkernels.core.ops",
@@ -112,6 +114,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "BatchAttribution",
     "CausalCheck",
     "DEFAULT_MEMORY_BUDGET",
     "MatrixNorms",
@@ -126,6 +129,7 @@ __all__ = [
     "TopPaths",
     "TopScorePairs",
     "adapters",
+    "batch_attribution",
     "build_info",
     "causal_check",
     "compat",

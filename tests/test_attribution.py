@@ -415,3 +415,75 @@ def test_every_result_prints_in_one_short_line_and_frames_every_cell(tmp_path):
     assert len(figure.axes[0].patches) == 4 and "certified" in figure.axes[0].get_title()
     with pytest.raises(ValueError, match=r"TopPaths.plot: expected k <= 4"):
         top.plot(5)
+
+
+# --- a batch of prompts ------------------------------------------------------------------------------
+
+
+def test_a_batch_mean_is_the_mean_of_its_elements_path_by_path():
+    """Three prompts of a right-padded batch, each with its own readout at its own last real token:
+    every element is its own path_attribution; the mean's value is the mean of the model's own
+    logit differences, its sums, totals and constant the means of the elements', and its top and
+    bottom paths those of the path-by-path mean of the elements' attributions, written out."""
+    model = gpt2().eval()
+    ids = torch.randint(0, 50, (3, 9))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    mask[2, 8:] = 0
+    stack, _ = capture_huggingface_residual(model, input_ids=ids, attention_mask=mask)
+    pairs = [(1, 2), (4, 7), (3, 0)]
+    readouts = [pk.logit_diff(model, a, b) for a, b in pairs]
+    result = pk.batch_attribution(stack, readouts, top_k=4)
+    logits = model(input_ids=ids, attention_mask=mask).logits.detach().double()
+    last = [8, 5, 7]
+    own = [float(logits[b, last[b], a] - logits[b, last[b], c]) for b, (a, c) in enumerate(pairs)]
+    alone = [pk.path_attribution(stack, readouts[b], batch=b, top_k=4) for b in range(3)]
+    for element, single in zip(result.elements, alone):
+        torch.testing.assert_close(element.attribution, single.attribution, rtol=0, atol=0)
+    mean = result.mean
+    assert mean.positions.tolist() == [[8], [5], [7]] and mean.batch is None
+    assert mean.labels == ("each element's own logit difference",)
+    assert float(mean.value[0, 0]) == pytest.approx(sum(own) / 3, rel=1e-6)
+    for name in ("by_source_length", "constant", "by_head", "value"):
+        expected = torch.stack([getattr(r, name) for r in alone]).mean(0)
+        torch.testing.assert_close(getattr(mean, name), expected, rtol=1e-14, atol=1e-15)
+    by_path = torch.stack([r.attribution for r in alone]).mean(0)[:, 0, 0]
+    ordered = torch.sort(by_path, descending=True)
+    torch.testing.assert_close(mean.top_values[:, 0, 0], ordered.values[:4], rtol=0, atol=0)
+    torch.testing.assert_close(mean.bottom_values[:, 0, 0], ordered.values.flip(0)[:4], rtol=0, atol=0)
+    assert torch.equal(mean.top_paths[:, 0, 0], alone[0].paths[ordered.indices[:4]])
+    torch.testing.assert_close(mean.absolute[0, 0], by_path.abs().sum(), rtol=1e-14, atol=0)
+    row = mean.to_frame().iloc[0]
+    assert row["position"] == "each element's own token (8, 5, 7)" and row["share"] == pytest.approx(
+        float(ordered.values[0] / by_path.abs().sum()), rel=1e-12
+    )
+    assert repr(result).startswith("BatchAttribution(3 elements; mean: PathAttribution(the mean of 3 elements")
+    assert len(mean.plot(2).axes[0].patches) == 4
+    same = pk.batch_attribution(stack, pk.logit_diff(model, 1, 2), batch=[0, 2], positions=[[3, 4], [6, 7]], top_k=2)
+    assert same.mean.labels == ("logit[1] − logit[2]",) and same.mean.positions.tolist() == [[3, 4], [6, 7]]
+    torch.testing.assert_close(
+        same.mean.value, (same.elements[0].value + same.elements[1].value) / 2, rtol=1e-15, atol=1e-15
+    )
+
+
+def test_a_batch_refuses_what_does_not_line_up_by_name():
+    model = gpt2().eval()
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (2, 6)))
+    readout = pk.logit_diff(model, 1, 2)
+    where = r"^pathkernels\.batch_attribution: "
+    with pytest.raises(ValueError, match=where + r"expected one readout, or a list of 2 \(one per element\), got 3"):
+        pk.batch_attribution(stack, [readout] * 3)
+    with pytest.raises(ValueError, match=where + r"expected positions for every element \(2 lists\)"):
+        pk.batch_attribution(stack, readout, positions=[[1], [2], [3]])
+    with pytest.raises(ValueError, match=where + r"expected every element to read the same number of positions"):
+        pk.batch_attribution(stack, readout, positions=[[1], [2, 3]])
+    with pytest.raises(ValueError, match=where + r"expected batch to be a non-empty list"):
+        pk.batch_attribution(stack, readout, batch=[])
+    with pytest.raises(ValueError, match=where + r"expected batch in \[0, 1\], got 2"):
+        pk.batch_attribution(stack, readout, batch=[0, 2])
+    with pytest.raises(ValueError, match=where + r"the mean's top and bottom paths need every path's attribution"):
+        pk.batch_attribution(stack, readout, memory_budget=20_000)
+    sums = pk.batch_attribution(stack, readout, memory_budget=20_000, top_k=0)
+    whole = pk.batch_attribution(stack, readout, top_k=0)
+    torch.testing.assert_close(sums.mean.by_source_length, whole.mean.by_source_length, rtol=1e-12, atol=1e-14)
+    assert sums.mean.absolute is None and sums.mean.top_values.shape[0] == 0

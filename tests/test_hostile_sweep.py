@@ -1409,6 +1409,29 @@ def adapter_cases():
                 "position",
                 lambda m=method, v=value: getattr(attribution, m)(position=v),
             )
+    where = "pathkernels.batch_attribution"
+    gives(
+        where,
+        "readout",
+        "list",
+        "one readout per element",
+        lambda: pk.batch_attribution(stack, [readout], top_k=2).mean.value[0, 0],
+        lambda: logits[-1, 1] - logits[-1, 2],
+    )
+    for name, values in {
+        "readout": (("list", [readout, readout]), ("str", "logit"), ("None", None)),
+        "batch": (("huge", [1]), ("negative", [-1]), ("empty", []), ("int", 0), ("str", "all")),
+        "positions": (("huge", [[4]]), ("list", [[1], [2]]), ("str", "1")),
+        "top_k": (("negative", -1), ("float", 2.0)),
+        "memory_budget": (("zero", 0), ("float", 1e9)),
+    }.items():
+        for kind, bad in values:
+            call = (
+                (lambda b=bad: pk.batch_attribution(stack, b))
+                if name == "readout"
+                else (lambda n=name, b=bad: pk.batch_attribution(stack, readout, **{n: b}))
+            )
+            refused(where, name, kind, name, call)
     where = "pathkernels.path_attribution"
     value = lambda r: r.value[0, 0]
     own = lambda: logits[-1, 1] - logits[-1, 2]
@@ -1693,7 +1716,7 @@ def test_the_sweep_covers_every_public_function_and_every_class():
     public |= {f"pathkernels {command}" for command in ("attribute", "paths", "collapse", "scores", "bench")}
     if transformers is None:  # their cases need a captured model
         captured = ("path_attribution", "top_paths", "logit", "logit_diff", "path_terms", "causal_check")
-        captured += ("to_single_token",)
+        captured += ("to_single_token", "batch_attribution")
         captured += ("score_attribution", "score_decomposition", "score_decompositions", "score_pairs")
         captured += ("score_top_paths", "top_score_pairs")
         public -= {f"pathkernels.{name}" for name in captured}

@@ -115,3 +115,43 @@ def test_a_transformer_bridge_over_a_hugging_face_model_captures_what_the_model_
         rtol=1e-10,
         atol=1e-10,
     )
+
+
+@pytest.mark.parametrize("case", ["LN", "RMSPre with GQA and rotary"])
+def test_a_transformer_lens_cache_is_captured_without_running_the_model_again(case, monkeypatch):
+    """A user's ``ActivationCache`` (``model.run_with_cache(tokens)``, every hook) is read as it is,
+    in either order, with its score side: the same capture, bit for bit, as one from the tokens,
+    and the model is not run again (a forward pass is refused here). A cache that lacks a hook the
+    capture reads is refused naming it; a cache first and something else second names the order."""
+    model = tl_model(**CASES[case]).eval()
+    tokens = torch.randint(0, 50, (2, 7))
+    stack, capture = pk.adapters.capture_transformer_lens_residual(model, tokens, query_key=True)
+    _, cache = model.run_with_cache(tokens)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the model ran again")
+
+    monkeypatch.setattr(type(model), "forward", refused)
+    monkeypatch.setattr(type(model), "run_with_cache", refused)
+    for args in ((model, cache), (cache, model), (cache,)):
+        cached_stack, cached = pk.adapters.capture_transformer_lens_residual(*args, query_key=True)
+        torch.testing.assert_close(cached_stack.attn, stack.attn, rtol=0, atol=0)
+        torch.testing.assert_close(cached.residual, capture.residual, rtol=0, atol=0)
+        torch.testing.assert_close(cached.norm_scale, capture.norm_scale, rtol=0, atol=0)
+        torch.testing.assert_close(cached.query_key.queries, capture.query_key.queries, rtol=0, atol=0)
+        assert cached.check.stream_error < 1e-12 and cached.check.logits_error is None
+        from_cache = pk.adapters.from_transformer_lens(model, cache)
+        torch.testing.assert_close(from_cache.attn, stack.attn, rtol=0, atol=0)
+    readout = pk.logit_diff(model, 1, 2)
+    torch.testing.assert_close(
+        pk.path_attribution(cached_stack, readout).value, pk.path_attribution(stack, readout).value, rtol=0, atol=0
+    )
+    partial = transformer_lens.ActivationCache(
+        {name: value for name, value in cache.items() if "hook_mlp_out" not in name}, model
+    )
+    where = r"pathkernels\.adapters\.capture_transformer_lens_residual: "
+    lacks = r"the ActivationCache lacks 3 of the \d+ hooks .*blocks\.0\.hook_mlp_out"
+    with pytest.raises(ValueError, match=where + lacks):
+        pk.adapters.capture_transformer_lens_residual(model, partial)
+    with pytest.raises(TypeError, match=where + r"with an ActivationCache first, expected the model .* got Tensor"):
+        pk.adapters.capture_transformer_lens_residual(cache, tokens)

@@ -24,6 +24,7 @@ from pathkernels.adapters.huggingface import _attention_layers, _blocks, _prepar
 from pathkernels.adapters.precision import norm_eps, rms_gain
 from pathkernels.adapters.query_key import QUERY_KEY_FAMILIES, QueryKeyCapture, query_key_capture, recording
 from pathkernels.adapters.self_check import (
+    check_cached_capture,
     check_huggingface_capture,
     check_tolerance,
     check_transformer_lens_capture,
@@ -35,6 +36,7 @@ from pathkernels.adapters.transformer_lens import (
     _per_query_head,
     check_tokens,
     from_transformer_lens,
+    model_and_cache,
     require_patterns,
     run_cached,
 )
@@ -473,7 +475,7 @@ _TL_NORMS = {
 
 
 def capture_transformer_lens_residual(
-    model, tokens, *, attention_mask=None, check: bool = True, query_key: bool = False
+    model, tokens=None, *, attention_mask=None, check: bool = True, query_key: bool = False
 ) -> tuple[AttentionStack, ResidualStreamCapture]:
     """:func:`capture_huggingface_residual` for a TransformerLens ``HookedTransformer`` (3.x) or
     ``TransformerBridge`` (4.x: over its native models or a Hugging Face one; the same hooks).
@@ -504,6 +506,7 @@ def capture_transformer_lens_residual(
     not read is refused by name.
     """
     where = "pathkernels.adapters.capture_transformer_lens_residual"
+    model, tokens, given_cache = model_and_cache(model, tokens, where)
     check = check_flag(check, "check", where)
     query_key = check_flag(query_key, "query_key", where)
     if query_key:
@@ -524,7 +527,10 @@ def capture_transformer_lens_residual(
             "and the paths would not sum to the model's stream; not captured"
         )
     inputs, outputs = _tl_sublayer_norms(model, cfg, where)
-    tokens = check_tokens(model, tokens, where)
+    if given_cache is None:
+        if tokens is None:
+            raise ValueError(f"{where}: expected tokens to run the model on, or the ActivationCache of a run")
+        tokens = check_tokens(model, tokens, where)
     norm, has_weight, has_bias = _TL_NORMS[cfg.normalization_type]
     # TransformerLens's final_rms: an RMSNorm (with γ unless the weights are folded) before the
     # unembedding of a LayerNorm model.
@@ -544,7 +550,17 @@ def capture_transformer_lens_residual(
         names |= {f"blocks.{layer}.attn.{name}" for layer in range(layers) for name in _score_hooks(model)}
         if _query_key_norms(model):
             names |= {f"blocks.{layer}.attn.{n}_norm.hook_scale" for layer in range(layers) for n in ("q", "k")}
-    cache = run_cached(model, tokens, names, attention_mask)
+    if given_cache is None:
+        cache = run_cached(model, tokens, names, attention_mask)
+    else:
+        cache = given_cache
+        missing = sorted(names - set(cache.keys()))
+        if missing:
+            raise ValueError(
+                f"{where}: the ActivationCache lacks {len(missing)} of the {len(names)} hooks the capture reads "
+                f"(e.g. {missing[0]}); make it with model.run_with_cache(tokens) and no names_filter, or pass the "
+                "tokens instead"
+            )
     require_patterns(model, cache, where)
     stack = from_transformer_lens(cache, attention_mask=attention_mask)
     batch, tokens_n, d = stack.attn.shape[0], stack.attn.shape[-1], stack.d_model
@@ -633,7 +649,11 @@ def capture_transformer_lens_residual(
     if query_key:
         _check_query_key(capture, stack, where)
     if check:
-        capture.check = check_transformer_lens_capture(model, tokens, attention_mask, stack, capture, where)
+        capture.check = (
+            check_transformer_lens_capture(model, tokens, attention_mask, stack, capture, where)
+            if given_cache is None
+            else check_cached_capture(model, cache, stack, capture, where)
+        )
     return stack, capture
 
 

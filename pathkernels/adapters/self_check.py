@@ -214,6 +214,22 @@ def _huggingface_logits_error(model, output, capture, reconstruction: Tensor, re
     return _relative(ours, logits.reshape(ours.shape), real)
 
 
+def check_cached_capture(model, cache, stack, capture, where: str) -> CaptureCheck:
+    """Compare a TransformerLens capture read from a user's ActivationCache with the stream its last
+    block left in that cache (``hook_resid_post``): the paths, built from the cache's patterns,
+    MLP outputs and norm scales and the model's weights, must sum to it; refuse it by name beyond
+    :func:`check_tolerance`. (No logits: the cache holds none, and the model is not run again.)"""
+    start = time.monotonic()
+    stream = cache[f"blocks.{model.cfg.n_layers - 1}.hook_resid_post"]
+    real = torch.ones(stream.shape[:2], dtype=torch.bool) if stack.token_mask is None else stack.token_mask.bool().cpu()
+    family = getattr(model.cfg, "original_architecture", None) or type(model).__name__
+    _refuse_if_not_finite(family, stream, real, where)
+    stream_error = _relative(stack.path_sum(), stream, real)
+    tolerance = check_tolerance(next(model.parameters()).dtype)
+    _refuse_if_beyond(family, stream_error, None, tolerance, where)
+    return CaptureCheck(stream_error, None, tolerance, time.monotonic() - start)
+
+
 def check_transformer_lens_capture(model, tokens: Tensor, attention_mask, stack, capture, where: str) -> CaptureCheck:
     """Compare a TransformerLens capture with the model's own forward pass on the same tokens: its
     logits (``model(tokens)``, soft-capped as it caps them) and the stream its last block leaves

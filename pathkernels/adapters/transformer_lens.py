@@ -24,6 +24,22 @@ def _is_cache(obj) -> bool:
     return type(obj).__name__ == "ActivationCache" and hasattr(obj, "model")
 
 
+def model_and_cache(first, second, where: str):
+    """``(model, tokens, cache)`` from arguments given as ``(model, tokens)``, ``(model, cache)`` or
+    ``(cache, model or None)``: a cache made by ``model.run_with_cache`` holds the activations, so
+    the model need not run again (its ``model`` is the model where none is given)."""
+    if _is_cache(first):
+        if second is not None and not (hasattr(second, "run_with_cache") and hasattr(second, "cfg")):
+            raise TypeError(
+                f"{where}: with an ActivationCache first, expected the model (or nothing) second, got "
+                f"{type(second).__name__}: pass (model, cache), or (model, tokens) to run it"
+            )
+        return (first.model if second is None else second), None, first
+    if _is_cache(second):
+        return first, None, second
+    return first, second, None
+
+
 def _hook_names(num_layers: int) -> list[str]:
     names = [f"blocks.{layer}.attn.hook_pattern" for layer in range(num_layers)]
     names += [f"blocks.{layer}.hook_resid_pre" for layer in range(num_layers)]
@@ -159,6 +175,8 @@ def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -
         ValueError: if an attention row does not sum to 1 (padding, or a cache made in training mode),
             or tokens hold no batch element or no token.
     """
+    if _is_cache(tokens) and not _is_cache(model_or_cache):  # (model, cache): the cache's own model is the one
+        model_or_cache, tokens = tokens, None
     from_model = not _is_cache(model_or_cache)
     if not from_model:
         if tokens is not None:

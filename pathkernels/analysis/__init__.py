@@ -19,8 +19,10 @@ demo): it imports the core and the adapters, and neither imports it (docs/DESIGN
 """
 
 from pathkernels.analysis.attribution import (
+    BatchAttribution,
     PathAttribution,
     Readout,
+    batch_attribution,
     logit,
     logit_diff,
     path_attribution,
@@ -41,6 +43,7 @@ from pathkernels.analysis.scores import (
 from pathkernels.analysis.top_paths import TopPaths, top_paths
 
 __all__ = [
+    "BatchAttribution",
     "CausalCheck",
     "ModelPathDecomposition",
     "PathAttribution",
@@ -49,6 +52,7 @@ __all__ = [
     "ScorePairs",
     "TopPaths",
     "TopScorePairs",
+    "batch_attribution",
     "causal_check",
     "decompose_model",
     "logit",

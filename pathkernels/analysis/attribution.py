@@ -368,7 +368,7 @@ class PathAttribution:
             sums over ``i``).
     """
 
-    batch: int
+    batch: int | None
     positions: Tensor
     labels: tuple[str, ...]
     source_names: list[str]
@@ -388,15 +388,29 @@ class PathAttribution:
     absolute: Tensor | None = None
     by_head: Tensor | None = None
 
+    def read_at(self, position: int) -> int | str:
+        """Where the ``position``-th readout is read: its token, or for a batch's mean (``positions
+        [B, P]``) "each element's own token" with the tokens."""
+        if self.positions.dim() == 1:
+            return int(self.positions[position])
+        tokens = self.positions[:, position].tolist()
+        shown = ", ".join(map(str, tokens[:4])) + (", …" if len(tokens) > 4 else "")
+        return f"each element's own token ({shown})"
+
+    def _at(self, position: int) -> str:
+        read = self.read_at(position)
+        return f"token {read}" if isinstance(read, int) else read
+
     def __repr__(self) -> str:
         paths = int(self.counts.sum())
+        mean = "" if self.batch is not None else f"the mean of {self.positions.shape[0]} elements: "
         if self.value.numel() == 1:
             headline = (
-                f"{self.labels[0]} at token {int(self.positions[0])}: {float(self.value[0, 0]):.6g} "
+                f"{mean}{self.labels[0]} at {self._at(0)}: {float(self.value[0, 0]):.6g} "
                 f"(constant {float(self.constant[0, 0]):.4g}), {paths:,} paths"
             )
         else:
-            headline = f"{self.value.shape[0]} position(s) × {self.value.shape[1]} readout(s), {paths:,} paths"
+            headline = f"{mean}{self.value.shape[0]} position(s) × {self.value.shape[1]} readout(s), {paths:,} paths"
         return short_repr(self, headline)
 
     @property
@@ -494,8 +508,7 @@ class PathAttribution:
         check_kept(k, kept, self.counts.sum(), where)
         top = self.table(position=position, readout=readout)[:k]
         bottom = self.table(position=position, readout=readout, which="bottom")[:k]
-        token = int(self.positions[position])
-        label = f"attribution to {self.labels[readout]} at token {token}"
+        label = f"attribution to {self.labels[readout]} at {self._at(position)}"
         title = f"top and bottom paths (the readout: {float(self.value[position, readout]):.4g})"
         return saved(path_bars(top, bottom, label, title, ax), path)
 
@@ -514,7 +527,7 @@ class PathAttribution:
             for r in (range(self.value.shape[1]) if readout is None else [readout])
         ]
         rows = [
-            {"position": int(self.positions[p]), "readout": self.labels[r], **row}
+            {"position": self.read_at(p), "readout": self.labels[r], **row}
             for p, r in cells
             for row in self.table(position=p, readout=r, which=which)
         ]
@@ -648,6 +661,179 @@ def path_attribution(
         only = PathSet(paths, stack.num_heads)
     setup = read_out(stack, readout, positions, batch, max_length, _WHERE)
     return attribute(setup, top_k, memory_budget, progress, only=only)
+
+
+@dataclass
+class BatchAttribution:
+    """Path attributions over a batch of prompts (:func:`batch_attribution`): ``elements``, each
+    element's own :class:`PathAttribution` (its readout at its own positions), and ``mean``, their
+    exact average: a :class:`PathAttribution` whose every sum, total and value is the mean of the
+    elements' (the mean of their attributions path by path, its top and bottom paths those of that
+    mean), with ``positions`` ``[B, P]`` (each element's own) and ``batch`` None."""
+
+    elements: list[PathAttribution]
+    mean: PathAttribution
+
+    def __repr__(self) -> str:
+        return f"BatchAttribution({len(self.elements)} elements; mean: {self.mean!r})"
+
+
+def batch_attribution(
+    stack: AttentionStack,
+    readout: Readout | Tensor | list,
+    *,
+    batch: list[int] | None = None,
+    positions: list | None = None,
+    max_length: int | None = None,
+    tree: PathTree | None = None,
+    top_k: int = 20,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    progress: bool = False,
+) -> BatchAttribution:
+    """:func:`path_attribution` of every element of a batch of prompts, and their exact mean: the
+    everyday measurement over a prompt set (the average logit difference of IOI prompts, each read
+    at its own final token).
+
+    For elements ``b`` with readouts ``u_b`` at positions ``t_b``, the mean attribution of a path is
+    ``(1/B) Σ_b attr_b(p)``, each from element b's own frozen patterns and norms; the sums by
+    source, length and head are the means of the elements' sums, so they add up, with the mean
+    constant, to the mean of the model's own values.
+
+    Args:
+        stack: a stack with a ``residual_capture`` of the batch (padded sequences read their real
+            tokens only).
+        readout: one readout for every element, or a list of one per element (each element's own
+            target: ``[pk.logit_diff(model, io, s) for io, s in names]``), each with the same number
+            of directions R.
+        batch: the elements (default: every one).
+        positions: each element's positions: None (each its last real token), one int or list for
+            every element, or a list of one per element; every element reads the same number P.
+        max_length, tree, top_k, memory_budget, progress: as in :func:`path_attribution`; the
+            budget is shared by the elements.
+
+    Returns:
+        :class:`BatchAttribution`. The mean's top and bottom paths need every path's attribution of
+        every element within ``memory_budget``; beyond it they are refused (pass ``max_length``, a
+        ``tree``, a larger budget, or ``top_k=0`` for the exact sums alone).
+    """
+    where = "pathkernels.batch_attribution"
+    elements = list(range(stack.batch_size)) if batch is None else batch
+    if not isinstance(elements, (list, tuple)) or not elements:
+        raise ValueError(f"{where}: expected batch to be a non-empty list of batch elements, got {batch!r}")
+    elements = [check_int(b, "batch", where, minimum=0, maximum=stack.batch_size - 1) for b in elements]
+    count = len(elements)
+    readouts = list(readout) if isinstance(readout, (list, tuple)) else [readout] * count
+    if len(readouts) != count:
+        raise ValueError(f"{where}: expected one readout, or a list of {count} (one per element), got {len(readouts)}")
+    if (
+        positions is None
+        or not isinstance(positions, (list, tuple))
+        or not any(isinstance(p, (list, tuple)) for p in positions)
+    ):
+        per_element = [positions] * count
+    else:
+        per_element = list(positions)
+    if len(per_element) != count:
+        raise ValueError(
+            f"{where}: expected positions for every element ({count} lists), or one position list for all; "
+            f"got {len(per_element)}"
+        )
+    top_k = check_int(top_k, "top_k", where, minimum=0)
+    memory_budget = check_int(memory_budget, "memory_budget", where, minimum=1)
+    results = []
+    for b, read, at in zip(elements, readouts, per_element):
+        try:
+            result = path_attribution(
+                stack,
+                read,
+                positions=at,
+                batch=b,
+                max_length=max_length,
+                tree=tree,
+                top_k=top_k,
+                memory_budget=max(1, memory_budget // count),
+                progress=progress,
+            )
+        except (ValueError, TypeError) as error:  # in this function's name
+            raise type(error)(str(error).replace(f"{_WHERE}:", f"{where}:", 1)) from None
+        if results and result.value.shape != results[0].value.shape:
+            raise ValueError(
+                f"{where}: expected every element to read the same number of positions and readouts; element {b} "
+                f"reads {list(result.value.shape)}, element {elements[0]} {list(results[0].value.shape)}"
+            )
+        results.append(result)
+    return BatchAttribution(results, _mean_attribution(results, top_k, where))
+
+
+def _mean_attribution(results: list[PathAttribution], top_k: int, where: str) -> PathAttribution:
+    """The exact mean of ``results`` (one batch element each): sums, totals and values averaged, and
+    the top and bottom paths of the path-by-path mean where every path's attribution was kept."""
+    first = results[0]
+
+    def mean(name: str) -> Tensor | None:
+        values = [getattr(r, name) for r in results]
+        return None if any(v is None for v in values) else torch.stack(values).mean(0)
+
+    labels = tuple(_common_label([r.labels[i] for r in results], i) for i in range(len(first.labels)))
+    kept = {"paths": None, "path_sources": None, "attribution": None}
+    absolute = None
+    best = worst = None
+    every = all(r.attribution is not None for r in results)
+    if every:
+        for r in results[1:]:
+            if not (torch.equal(r.paths, first.paths) and torch.equal(r.path_sources, first.path_sources)):
+                raise RuntimeError(f"{where}: the elements' paths came in different orders (a bug: please report)")
+        attribution = torch.stack([r.attribution for r in results]).mean(0)  # [M, P, R]
+        kept = {"paths": first.paths, "path_sources": first.path_sources, "attribution": attribution}
+        absolute = attribution.abs().sum(0)
+        k = min(top_k, attribution.shape[0])
+
+        def ranked(largest: bool) -> tuple[Tensor, Tensor, Tensor]:
+            chosen = torch.topk(attribution, k, dim=0, largest=largest)
+            return chosen.values, first.paths[chosen.indices], first.path_sources[chosen.indices]
+
+        best, worst = ranked(True), ranked(False)
+    elif top_k > 0:
+        paths = int(first.counts.sum())
+        raise ValueError(
+            f"{where}: the mean's top and bottom paths need every path's attribution of every element "
+            f"({paths:,} paths × {len(results)} elements), beyond the memory_budget; pass max_length, a tree, "
+            "a larger memory_budget, or top_k=0 for the exact sums alone"
+        )
+    else:
+        empty = (first.top_values[:0], first.top_paths[:0], first.top_sources[:0])
+        best = worst = empty
+    return PathAttribution(
+        batch=None,
+        positions=torch.stack([r.positions for r in results]),
+        labels=labels,
+        source_names=first.source_names,
+        value=mean("value"),
+        constant=mean("constant"),
+        by_source_length=mean("by_source_length"),
+        counts=first.counts,
+        top_values=best[0],
+        top_paths=best[1],
+        top_sources=best[2],
+        bottom_values=worst[0],
+        bottom_paths=worst[1],
+        bottom_sources=worst[2],
+        absolute=absolute,
+        by_head=mean("by_head"),
+        **kept,
+    )
+
+
+def _common_label(labels: list[str], index: int) -> str:
+    """One label for the ``index``-th readout of every element: theirs where they agree, else what
+    kind of readout each element's own is (its logit, its logit difference)."""
+    if all(label == labels[0] for label in labels):
+        return labels[0]
+    if all(" − " in label for label in labels):
+        return "each element's own logit difference"
+    if all(label.startswith(("logit[", "class logit[")) for label in labels):
+        return "each element's own logit"
+    return f"each element's own readout {index}"
 
 
 def attribute(
