@@ -80,3 +80,21 @@ def test_the_package_carries_its_license_and_type_marker():
     assert 'license = { text = "BSD-3-Clause" }' in (root / "pyproject.toml").read_text()
     assert (root / "LICENSE").read_text().startswith("BSD 3-Clause License")
     assert importlib.resources.files("pathkernels").joinpath("py.typed").is_file()
+
+
+def test_the_build_installs_its_info_and_the_docs_the_messages_name():
+    """Beside the extension: ``_build_info.json`` (what ``pathkernels --version`` reads without torch,
+    the same as build_info()) and the docs (``pathkernels/docs``), so that a message's pointer to
+    docs/FIXTURES.md or docs/BENCHMARKS.md names a file on this machine, installed or not."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from pathkernels.core._docs import doc_path
+
+    installed = Path(importlib.util.find_spec("pathkernels._C").origin).parent
+    info = json.loads((installed / "_build_info.json").read_text())
+    assert info == {key: pk.build_info()[key] for key in info} and set(info) == set(pk.build_info())
+    for name in ("DESIGN.md", "FIXTURES.md", "BENCHMARKS.md", "USAGE.md"):
+        assert (installed / "docs" / name).is_file(), name
+        assert Path(doc_path(name)).is_file() and doc_path(name).endswith(f"docs/{name}")

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pathkernels.core._docs import doc_path
 from pathkernels.core._memory import available_memory, check_fits, format_bytes, format_count, shown
 
 SKIP = -1
@@ -49,7 +50,8 @@ def check_max_paths(num_paths: int, max_paths, where: str, ways_round: str) -> i
         raise ValueError(
             f"{where}: the call would evaluate {format_count(num_paths)} paths, more than max_paths="
             f"{format_count(max_paths)}: {fastest} to "
-            f"{slowest} at the 6·10^6 to 10^5 paths/s measured on an H200 and on 2 CPU cores (docs/BENCHMARKS.md). "
+            f"{slowest} at the 6·10^6 to 10^5 paths/s measured on an H200 and on 2 CPU cores "
+            f"({doc_path('BENCHMARKS.md')}). "
             f"{ways_round}; or pass max_paths={shown(num_paths)} to run them all"
         )
     return max_paths

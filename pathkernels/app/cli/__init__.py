@@ -299,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="pathkernels",
         description="Path decompositions of attention networks: rank collapse, "
-        "per-path residuals and benchmarks (docs/DESIGN.md has the math).",
+        "per-path residuals and benchmarks (docs/DESIGN.md has the math; `pip install` puts the docs in "
+        "pathkernels/docs).",
         formatter_class=formatter,
     )
     parser.add_argument("--version", action=_Version)

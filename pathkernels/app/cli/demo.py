@@ -15,6 +15,7 @@ from pathkernels.app.cli.bench import bench_tables
 from pathkernels.app.cli.collapse import collapse_table
 from pathkernels.app.cli.common import heading, resolve_device, save
 from pathkernels.app.cli.paths import paths_table
+from pathkernels.core._docs import doc_path
 from pathkernels.core._extension import build_info
 from pathkernels.core.ops import matrix_norms, residual_norm
 from pathkernels.testing import random_attention
@@ -67,7 +68,8 @@ def trained_section(out) -> None:
     print(example.by_length.to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     print(
         "Every head of layer 1 is an induction head: the embedding of the token after the first occurrence,\n"
-        "read by one of them and written straight to the logit, is the largest single path (docs/FIXTURES.md)."
+        "read by one of them and written straight to the logit, is the largest single path "
+        f"({doc_path('FIXTURES.md')})."
     )
     save(out, "induction_paths", top, result.plot(8))
     collapse = experiments.trained_collapse("gpt2_4l")
