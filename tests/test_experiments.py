@@ -58,6 +58,24 @@ def test_collapse_plot_with_exact_zeros_spans_the_measured_values():
     assert list(markers[0].get_ydata()) == [pytest.approx(floor / 10)]
 
 
+def test_collapse_plot_of_a_model_that_keeps_its_rank_spans_its_data(tmp_path, capsys):
+    """A trained model's ratios (0.6–0.97): the axis spans them, not 1e-16 … 1, without the
+    round-off line; the command line's legend, table and CSV name the model by its folder's name,
+    and the title fits the figure."""
+    from pathkernels.app.cli import main
+
+    assert main(["collapse", "--model", "pathkernels/fixtures/gpt2_4l", "--batch", "2", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    table = __import__("pandas").read_csv(tmp_path / "collapse.csv")
+    assert set(table["variant"]) == {"gpt2_4l"} and "variant  gpt2_4l" in out
+    fig = experiments.plot_collapse(table, title="Rank collapse: gpt2_4l, pretrained weights")
+    ax = fig.axes[0]
+    assert ax.get_ylim()[0] >= 0.1 * float(table["q10"].min())
+    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert labels == ["gpt2_4l"]
+    assert all(len(line) <= 72 for line in ax.get_title().splitlines())
+
+
 def test_path_length_distribution_is_binomial():
     table = experiments.path_length_distribution({"tiny": (2, 2), "BERT": (12, 12)})
     tiny = table[table["architecture"] == "tiny"]

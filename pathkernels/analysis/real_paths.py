@@ -83,6 +83,19 @@ class ModelPathDecomposition(PathDecomposition):
             }
         )
 
+    def plot(self, ax=None, *, path=None, title: str | None = None):
+        """:meth:`PathDecomposition.plot`, the paths from an attention-bias source drawn apart (grey)
+        and left out of the median and the band: their rows are the same at every token where the
+        patterns' rows sum to 1, so their ratio is round-off (~1e-15) and would set the band's
+        scale. ``title`` defaults to the model the stack was captured from, with L and H."""
+        apart = torch.tensor([name.endswith("attention bias") for name in self.source_names], dtype=torch.bool)
+        apart = apart[self.sources.cpu()]
+        if title is None:
+            source = getattr(self.stack, "source", None) or "a captured model"
+            title = f"{self.method} path decomposition of {source}: L = {self.num_layers}, H = {self.num_heads}"
+        label = "bias-source paths (round-off: not in the band; at the edge if below)"
+        return super().plot(ax, path=path, title=title, apart=apart, apart_label=label)
+
     def terms(self, index=None, *, batch: int = 0, tokens=None, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> Tensor:
         """The term vectors ``[M', T, d]`` of the decomposed paths ``index`` (an int, a slice, a list
         or a bool mask over the M paths; default: all) on tokens ``tokens`` of sequence ``batch``:

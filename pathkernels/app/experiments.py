@@ -121,7 +121,11 @@ def plot_collapse(table, ax=None, *, title: str = "Rank collapse at initialisati
     # round-off line, marked apart, so that the axis spans the values that were measured.
     values = table[["median", "q10", "q90"]].to_numpy(dtype=float)
     positive = values[values > 0]
-    bottom = min(float(positive.min()) if positive.size else floor, floor) / 10
+    lowest = float(positive.min()) if positive.size else floor
+    # The axis spans the data: down to the round-off line only where the data come near it (an
+    # exact 0 is below it).
+    near = lowest <= 1e3 * floor or bool((values == 0).any())
+    bottom = min(lowest, floor) / 10 if near else lowest / 2
     for i, (variant, rows) in enumerate(table.groupby("variant", sort=False)):
         ax.plot(rows["depth"], rows["median"].clip(lower=bottom), "o-", ms=3, color=f"C{i}", label=variant)
         ax.fill_between(
@@ -138,9 +142,16 @@ def plot_collapse(table, ax=None, *, title: str = "Rank collapse at initialisati
     ax.xaxis.set_major_locator(_integer_ticks())
     ax.set_xlabel("depth (layers applied)")
     ax.set_ylabel("residual ratio ‖X − 1μᵀ‖ / ‖X‖ (ℓ1,∞)")
-    ax.set_title(f"{title} (median, 10–90 % band)", fontsize="medium")
+    ax.set_title(fitted_title(f"{title} (median, 10–90 % band)"), fontsize="medium")
     ax.legend(fontsize="small", ncol=2 if table["variant"].nunique() > 2 else 1)
     return fig
+
+
+def fitted_title(text: str, width: int = 72) -> str:
+    """``text`` wrapped at about ``width`` characters, so that a figure's title fits its width."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width)) or text
 
 
 def _integer_ticks():

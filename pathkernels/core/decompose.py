@@ -235,12 +235,14 @@ class PathDecomposition:
         variance = sum((weight / total) ** 2 * term for weight, _, term in strata)
         return mean, math.sqrt(variance)
 
-    def plot(self, ax=None, *, path=None, title: str | None = None):
+    def plot(self, ax=None, *, path=None, title: str | None = None, apart: Tensor | None = None, apart_label=""):
         """Residual ratio against path length (log scale): every (batch element, evaluated path)
         pair as a point (a random 20,000 of them when there are more), the per-length median and
         the 10–90 % band. Exact zeros have no place on a log scale: they are left out, and the
         legend says how many. ``title``: what the figure shows (say which network; default: the
-        method, L and H). Returns the matplotlib Figure; with ``path`` it is also saved there (the
+        method, L and H). ``apart`` ``[M]`` bool: paths drawn apart, in grey under ``apart_label``,
+        and left out of the median and the band (a captured model's bias paths, whose ratio is
+        round-off). Returns the matplotlib Figure; with ``path`` it is also saved there (the
         format from the suffix: .png, .pdf, .svg, …)."""
         check_save_path(path, "pathkernels.PathDecomposition.plot")
         require("matplotlib")
@@ -251,7 +253,32 @@ class PathDecomposition:
         else:
             fig = ax.figure
         ratio = self._ratios().cpu()
-        lengths = self.lengths.cpu().expand_as(ratio).flatten()
+        band = self._band(ratio, apart) if apart is not None else None
+        floor = None
+        if apart is not None and bool((ratio[:, apart.cpu()] > 0).any()):
+            aside = ratio[:, apart.cpu()]
+            kept = ratio[:, ~apart.cpu()]
+            kept = kept[kept > 0]
+            # The axis spans the paths in the band; those apart below it sit on its bottom edge.
+            floor = float(kept.min()) / 3 if kept.numel() else None
+            shown_aside = aside > 0
+            values = aside[shown_aside]
+            if floor is not None:
+                values = values.clamp(min=floor)
+            ax.scatter(  # (none where the bias rows are 0: zero paths)
+                (self.lengths.cpu()[apart.cpu()].expand_as(aside)[shown_aside]).numpy() + 0.2,
+                values.numpy(),
+                s=8,
+                marker="v",
+                color="0.5",
+                alpha=0.6,
+                label=apart_label,
+                clip_on=False,
+            )
+        if apart is not None:
+            ratio = ratio[:, ~apart.cpu()]
+        lengths = self.lengths.cpu()[~apart.cpu()] if apart is not None else self.lengths.cpu()
+        lengths = lengths.expand_as(ratio).flatten()
         ratio = ratio.flatten()
         zeros = int((ratio == 0).sum())
         zero_paths = int(ratio.isnan().sum())
@@ -269,20 +296,41 @@ class PathDecomposition:
             label += f" ({zero_paths:,} zero paths, without a ratio, not shown)"
         jitter = (torch.rand(ratio.shape, generator=generator) - 0.5) * 0.3
         ax.scatter((lengths + jitter).numpy(), ratio.numpy(), s=4, alpha=0.3, label=label)
-        table = self.by_length()
+        table = self.by_length() if band is None else band
         table = table[table["evaluated"] > 0]
         positive = table[["median", "q10", "q90"]].where(table[["median", "q10", "q90"]] > 0)  # 0: not on a log axis
         ax.plot(table["length"], positive["median"], "o-", color="C3", label="median")
         ax.fill_between(table["length"], positive["q10"], positive["q90"], color="C3", alpha=0.2, label="10–90 %")
         ax.set_yscale("log")
+        if floor is not None:
+            ax.set_ylim(bottom=floor)
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("path length (heads taken)")
         ax.set_ylabel("residual ratio ‖res‖ / ‖·‖ (ℓ1,∞)")
         if title is None:
             ax.set_title(f"{self.method} decomposition: L = {self.num_layers}, H = {self.num_heads}")
         else:
             ax.set_title(textwrap.fill(title, 70), fontsize="small")
-        ax.legend()
+        ax.legend(fontsize="small")
         return saved(fig, path)
+
+    def _band(self, ratio: Tensor, apart: Tensor):
+        """Per length, the median and the 10–90 % quantiles of the ratios ``[B, M]`` of the paths not
+        ``apart`` (zero paths, NaN, left out), as by_length's columns ``length``, ``evaluated``,
+        ``median``, ``q10``, ``q90``."""
+        pd = require("pandas")
+        rows = []
+        lengths = self.lengths.cpu()
+        for k in sorted(set(lengths.tolist())):
+            pairs = ratio[:, (lengths == k) & ~apart.cpu()].flatten()
+            pairs = pairs[~pairs.isnan()]
+            if pairs.numel() == 0:
+                continue
+            q10, median, q90 = torch.quantile(pairs, torch.tensor([0.1, 0.5, 0.9], dtype=pairs.dtype)).tolist()
+            rows.append({"length": k, "evaluated": pairs.numel(), "median": median, "q10": q10, "q90": q90})
+        return pd.DataFrame(rows, columns=["length", "evaluated", "median", "q10", "q90"])
 
 
 def decompose(

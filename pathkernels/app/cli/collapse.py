@@ -19,7 +19,7 @@ from pathkernels.app.cli.common import (
     save,
     sequence_length,
 )
-from pathkernels.app.cli.sizes import collapse_bytes, network_parameters
+from pathkernels.app.cli.sizes import collapse_bytes, model_name, network_parameters
 from pathkernels.core._memory import check_fits
 
 
@@ -63,9 +63,10 @@ def collapse_table(
         ratios = residual_ratio(stack.hidden_states.double())  # [L+1, B]
         import pandas as pd
 
-        table = pd.DataFrame(experiments.collapse_rows(model, ratios))
+        name = model_name(model)
+        table = pd.DataFrame(experiments.collapse_rows(name, ratios))
         title = f"{model}, {local.weights}; inputs: {what}"
-        plot_title = f"Rank collapse: {model}, {local.weights}"
+        plot_title = f"Rank collapse: {name}, {local.weights}"
     else:
         tokens = DEFAULT_TOKENS["collapse"] if tokens is None else tokens
         check_attention_fits(

@@ -146,6 +146,13 @@ def model_folder(spec: str) -> Path:
     return path.parent if path.name == "config.json" and path.is_file() else path
 
 
+def model_name(spec: str) -> str:
+    """A ``--model``'s short name for tables, legends and titles: its folder's name (a config file's
+    own name where it is not a folder's ``config.json``)."""
+    folder = model_folder(spec)
+    return folder.resolve().name if folder.is_dir() else folder.name
+
+
 def has_tokenizer(folder: Path) -> bool:
     return folder.is_dir() and any((folder / name).exists() for name in TOKENIZER_FILES)
 
