@@ -700,3 +700,17 @@ def test_paths_states_its_seed_and_gives_the_demos_numbers(capsys):
         medians = [float(line.split()[6]) for line in out.splitlines()[2:6]]
         expected = experiments.ratio_by_length(num_layers=3, seed=seed).by_length()["median"].tolist()
         assert medians == pytest.approx(expected, rel=5e-3), (medians, expected)
+
+
+def test_attributions_by_length_add_up_to_the_readout_when_not_every_path_is_enumerated(tmp_path, capsys):
+    """``--max-length 1``: the by-length table and its CSV carry what the longer paths hold together
+    as a row of its own, so that they add up, with the constant, to the readout."""
+    import pandas as pd
+
+    code, out, errors = run(["attribute", "--max-length", "1", "--out", str(tmp_path)], capsys)
+    assert code == 0, errors
+    value = float(re.search(r"at token \d+ = (\S+) \(the model's own", out).group(1))
+    constant = float(re.search(r"; (\S+) of it is constant", out).group(1))
+    table = pd.read_csv(tmp_path / "attribution_by_length.csv")
+    assert table["length"].astype(str).tolist() == ["0", "1", "2–4 (together)"]
+    assert table["attribution"].sum() + constant == pytest.approx(value, rel=1e-5, abs=1e-5)

@@ -23,6 +23,7 @@ from pathkernels.analysis.top_paths import top_paths
 from pathkernels.app.cli.base import DIRECTION_FORMS, MAX_ATTRIBUTION_PATHS, CommandLineError, within
 from pathkernels.app.cli.common import float_format, heading, local_model, model_to_run, number, save
 from pathkernels.app.cli.sizes import model_shape
+from pathkernels.app.experiments import fitted_title
 from pathkernels.core._progress import TimeLimitReached, time_limit
 from pathkernels.core.paths import count_attribution_paths
 
@@ -297,11 +298,20 @@ def attribute_table(
         )
     lengths = pd.DataFrame(
         {
-            "length": range(max_length + 1),
+            "length": [str(k) for k in range(max_length + 1)],
             "paths": result.counts.sum(0)[: max_length + 1].tolist(),
             "attribution": result.by_length[: max_length + 1, 0, 0].tolist(),
         }
     )
+    if max_length < layers_:  # what the longer paths carry together, so that the rows add up to the readout
+        longer = pd.DataFrame(
+            {
+                "length": [f"{max_length + 1}–{layers_} (together)"],
+                "paths": [everything - paths],
+                "attribution": [float(result.unenumerated[0, 0])],
+            }
+        )
+        lengths = pd.concat([lengths, longer], ignore_index=True)
     sources = pd.DataFrame(
         {
             "source": result.source_names,
@@ -373,7 +383,7 @@ def attribute_table(
             save(out, name, table)
         plotted = name if probe is not None else f"{kind}[{a}] − {kind}[{b}]"
         plotted += f" at token {position}"
-        title = f"top and bottom paths{ranked} (the readout: {number(value, '.4g')})"
+        title = fitted_title(f"top and bottom paths{ranked} (the readout: {number(value, '.4g')})", 48)
         save(out, "attribution", figure=path_bars(best_rows, worst_rows, f"attribution to {plotted}", title))
     return result
 
