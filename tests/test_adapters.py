@@ -651,3 +651,13 @@ def test_stack_repr_is_a_few_lines():
     text = repr(adapters.from_huggingface(model, **inputs))
     assert len(text) < 400 and text.count("\n") <= 3, text
     assert "attn=[2, 2, 4, 7, 7]" in text and "huggingface:gpt2" in text and "float32" in text
+
+
+def test_a_hugging_face_output_given_as_input_is_refused_saying_why_the_model_runs():
+    """A user holding ``model(..., output_hidden_states=True)`` passes it: refused naming the
+    argument, saying that the hidden states do not hold the norm scales and MLP outputs."""
+    model, inputs = hf_case("gpt2")
+    output = model(**inputs, output_hidden_states=True)
+    for call in (pk.adapters.from_huggingface, pk.adapters.capture_huggingface_residual):
+        with pytest.raises(ValueError, match=r"output is a model output; expected the model's inputs .* norm's scale"):
+            call(model, output=output)

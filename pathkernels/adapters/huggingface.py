@@ -260,7 +260,15 @@ def _position_limit(model) -> int | None:
 
 def _check_inputs(model, inputs: dict, where: str) -> None:
     """Refuse, in the caller's name, inputs that the model would fail on with its own errors (an
-    embedding's IndexError, a stack error) or run on to a wrong shape."""
+    embedding's IndexError, a stack error) or run on to a wrong shape; and a model's output given
+    as an input, saying why the model runs."""
+    for name, value in inputs.items():
+        if any(kind.__name__ == "ModelOutput" for kind in type(value).__mro__):
+            raise ValueError(
+                f"{where}: {name} is a model output; expected the model's inputs (input_ids=..., attention_mask=...). "
+                "An output's hidden states do not hold what the capture reads (each norm's scale, each MLP's output, "
+                "the patterns computed in float64), so the model runs once, in the capture"
+            )
     if not any(isinstance(inputs.get(name), Tensor) for name in ("input_ids", "inputs_embeds", "pixel_values")):
         raise ValueError(
             f"{where}: expected input_ids [B, n] (or inputs_embeds [B, n, d], or pixel_values for ViT) as a "
