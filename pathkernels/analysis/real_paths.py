@@ -93,7 +93,7 @@ class ModelPathDecomposition(PathDecomposition):
         if title is None:
             source = getattr(self.stack, "source", None) or "a captured model"
             title = f"{self.method} path decomposition of {source}: L = {self.num_layers}, H = {self.num_heads}"
-        label = "bias-source paths (round-off: not in the band; at the edge if below)"
+        label = "bias-source paths (round-off; not in the band)"
         return super().plot(ax, path=path, title=title, apart=apart, apart_label=label)
 
     def terms(self, index=None, *, batch: int = 0, tokens=None, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> Tensor:
