@@ -714,3 +714,17 @@ def test_attributions_by_length_add_up_to_the_readout_when_not_every_path_is_enu
     table = pd.read_csv(tmp_path / "attribution_by_length.csv")
     assert table["length"].astype(str).tolist() == ["0", "1", "2–4 (together)"]
     assert table["attribution"].sum() + constant == pytest.approx(value, rel=1e-5, abs=1e-5)
+
+
+def test_sources_that_are_exactly_zero_are_named_apart_from_the_by_source_table(capsys):
+    """The Llama fixture has no attention biases, the attention-only one MLPs frozen at 0: those
+    sources are named once, as exactly 0, not listed as rows of 0; GPT-2's are all listed."""
+    for fixture, empty in (("llama_2l", "L0 attention bias, L1 attention bias"), ("attn_only_2l", "L0 MLP, L1 MLP")):
+        code, out, errors = run(["attribute", "--model", f"pathkernels/fixtures/{fixture}", "--example"], capsys)
+        assert code == 0, errors
+        assert f"Attribution by source (exactly 0, left out: {empty})" in out
+        table = out.split("Attribution by source")[1].split("The ")[0]
+        assert all(name not in table.split(")", 1)[1] for name in empty.split(", "))
+    argv = ["attribute", "--model", "pathkernels/fixtures/gpt2_4l", "--example", "--max-length", "1"]
+    code, out, _ = run(argv, capsys)
+    assert "Attribution by source\n" in out and "L3 attention bias" in out.split("Attribution by source")[1]

@@ -19,6 +19,7 @@ from pathkernels.analysis.attribution import (
     path_bars,
     unembedding,
 )
+from pathkernels.analysis.readout_trie import frozen_model
 from pathkernels.analysis.top_paths import top_paths
 from pathkernels.app.cli.base import DIRECTION_FORMS, MAX_ATTRIBUTION_PATHS, CommandLineError, within
 from pathkernels.app.cli.common import float_format, heading, local_model, model_to_run, number, save
@@ -319,6 +320,10 @@ def attribute_table(
             "attribution": result.by_source[:, 0, 0].tolist(),
         }
     )
+    # A source that is exactly 0 (attention biases a model does not have, MLPs frozen at 0) carries
+    # exactly 0 along every path: listed apart, not as rows of the table.
+    empty = [name for name, source in zip(result.source_names, stack_sources_zero(stack)) if source]
+    sources = sources[~sources["source"].isin(empty)]
     rows = {"largest": result.table(), "smallest": result.table(which="bottom")}
     # The tables' reach: every path, the enumerated ones, or (after a search) all of them.
     reach = "" if paths == everything else f" among the {paths:,} enumerated paths"
@@ -367,7 +372,7 @@ def attribute_table(
 
     for title, table in (
         ("Attribution by number of heads", lengths),
-        ("Attribution by source", sources),
+        ("Attribution by source" + (f" (exactly 0, left out: {', '.join(empty)})" if empty else ""), sources),
         (extremes(len(best), "largest") + of_all["largest"], best),
         (extremes(len(worst), "smallest") + of_all["smallest"], worst),
     ):
@@ -386,6 +391,20 @@ def attribute_table(
         title = fitted_title(f"top and bottom paths{ranked} (the readout: {number(value, '.4g')})", 48)
         save(out, "attribution", figure=path_bars(best_rows, worst_rows, f"attribution to {plotted}", title))
     return result
+
+
+def stack_sources_zero(stack) -> list[bool]:
+    """Per source of a captured stack (the embedding, then each layer's attention bias and MLP, as
+    the attribution's frozen model holds them): whether it is exactly 0 in every batch element (so
+    is every path from it)."""
+    capture = stack.residual_capture
+    zero = None
+    for batch in range(stack.batch_size):
+        real = torch.ones(stack.num_tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch]
+        sources = frozen_model(stack, capture, batch, real.cpu().bool()).sources
+        here = [bool((source == 0).all()) for source in sources]
+        zero = here if zero is None else [a and b for a, b in zip(zero, here)]
+    return zero
 
 
 def _stopped(clock: _Clock, stage: str) -> None:
