@@ -373,12 +373,17 @@ def _check_query_key(capture: ResidualStreamCapture, stack: AttentionStack, wher
     if stack.token_mask is not None:
         real = stack.token_mask.to(inputs.device).bool()
     error = capture.query_key.reconstruction_error(inputs, capture.norm_bias[:, 0], real)
+    _refuse_score_side(error, stack, "the frozen query and key maps rebuild the model's own queries and keys", where)
+
+
+def _refuse_score_side(error: float, stack: AttentionStack, what: str, where: str) -> None:
+    """Refuse a score capture where ``what`` (a check of it) holds only to ``error``, beyond
+    :func:`check_tolerance` of the model's dtype (a NaN refuses too)."""
     tolerance = check_tolerance(stack.attn.dtype)
-    if not error <= tolerance:  # a NaN refuses too
+    if not error <= tolerance:
         raise ValueError(
-            f"{where}: the frozen query and key maps rebuild the model's own queries and keys only to "
-            f"{error:.2g} (relative), beyond the tolerance {tolerance:g}; this family's score side is not read "
-            "correctly, so it is refused rather than decomposed"
+            f"{where}: {what} only to {error:.2g} (relative), beyond the tolerance {tolerance:g}; this family's score "
+            "side is not read correctly, so it is refused rather than decomposed"
         )
 
 
@@ -692,14 +697,8 @@ def _check_transformer_lens_scores(query_key: QueryKeyCapture, cache, stack: Att
     the model's ``hook_attn_scores`` report (to :func:`check_tolerance` of its dtype)."""
     layers = query_key.w_q.shape[0]
     scores = torch.stack([cache[f"blocks.{layer}.attn.hook_attn_scores"] for layer in range(layers)], 1)
-    error = query_key.score_error(scores)
-    tolerance = check_tolerance(stack.attn.dtype)
-    if not error <= tolerance:  # a NaN refuses too
-        raise ValueError(
-            f"{where}: the captured queries and keys give the model's own scores (hook_attn_scores) only to "
-            f"{error:.2g} (relative), beyond the tolerance {tolerance:g}; its scaling or position terms are not "
-            "read correctly, so the score side is refused rather than decomposed"
-        )
+    what = "the captured queries and keys, scaling and position terms give the model's own scores (hook_attn_scores)"
+    _refuse_score_side(query_key.score_error(scores), stack, what, where)
 
 
 def _check_hugging_face_bridge_query_key(model, where: str) -> None:
