@@ -487,3 +487,71 @@ def test_a_batch_refuses_what_does_not_line_up_by_name():
     whole = pk.batch_attribution(stack, readout, top_k=0)
     torch.testing.assert_close(sums.mean.by_source_length, whole.mean.by_source_length, rtol=1e-12, atol=1e-14)
     assert sums.mean.absolute is None and sums.mean.top_values.shape[0] == 0
+
+
+# --- token and position embeddings apart ----------------------------------------------------------
+
+
+def _with_embedding(stack, embedding):
+    """A copy of a captured ``stack`` whose stream starts with ``embedding`` instead."""
+    import copy
+    import dataclasses
+
+    other = copy.copy(stack)
+    other.residual_capture = dataclasses.replace(stack.residual_capture, embedding=embedding, token_embedding=None)
+    return other
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_embedding_splits_into_its_token_and_position_parts(dtype, family):
+    """``split_embedding=True`` on a left-padded GPT-2 (or OPT) batch: every path from the embedding
+    splits into a token part and a position part, each equal to the attribution of the same path
+    on a copy whose stream starts with that part alone (``W_E[ids]``, and the rest), written from
+    the model's weights; the other sources, the value and the unenumerated rest are unchanged."""
+    if family == "opt":
+        from test_model_families import family_model
+
+        model = family_model("opt", dtype).eval()
+        embedding_weight = model.model.decoder.embed_tokens.weight
+    else:
+        model = gpt2().to(dtype).eval()
+        embedding_weight = model.transformer.wte.weight
+    ids = torch.randint(0, 50, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    stack, capture = capture_huggingface_residual(model, input_ids=ids, attention_mask=mask)
+    readout = pk.logit_diff(model, 4, 5)
+    for batch in (0, 1):
+        whole = pk.path_attribution(stack, readout, batch=batch, top_k=3)
+        split = pk.path_attribution(stack, readout, batch=batch, top_k=3, split_embedding=True)
+        assert split.source_names == ["token embedding", *whole.source_names[1:], "position embedding"]
+        token = embedding_weight.detach().double()[ids] * mask[..., None]
+        alone = pk.path_attribution(_with_embedding(stack, token), readout, batch=batch, top_k=3)
+        rest = pk.path_attribution(_with_embedding(stack, capture.embedding - token), readout, batch=batch, top_k=3)
+        scale = float(whole.absolute.max())
+        torch.testing.assert_close(split.by_source_length[0], alone.by_source_length[0], rtol=0, atol=1e-12 * scale)
+        torch.testing.assert_close(split.by_source_length[-1], rest.by_source_length[0], rtol=0, atol=1e-12 * scale)
+        torch.testing.assert_close(
+            split.by_source_length[0] + split.by_source_length[-1],
+            whole.by_source_length[0],
+            rtol=0,
+            atol=1e-12 * scale,
+        )
+        torch.testing.assert_close(split.by_source_length[1:-1], whole.by_source_length[1:], rtol=0, atol=0)
+        torch.testing.assert_close(split.value, whole.value, rtol=0, atol=0)
+        torch.testing.assert_close(split.unenumerated, whole.unenumerated, rtol=0, atol=1e-12 * scale)
+        from_token = split.path_sources == 0
+        assert torch.equal(split.paths[from_token], alone.paths[alone.path_sources == 0])
+        torch.testing.assert_close(
+            split.attribution[from_token], alone.attribution[alone.path_sources == 0], rtol=0, atol=1e-12 * scale
+        )
+
+
+def test_a_model_without_position_embeddings_apart_refuses_the_split():
+    model = llama().eval()
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 6)))
+    with pytest.raises(ValueError, match=r"^pathkernels\.path_attribution: split_embedding=True needs a model whose"):
+        pk.path_attribution(stack, pk.logit_diff(model, 1, 2), split_embedding=True)
+    with pytest.raises(TypeError, match=r"^pathkernels\.path_attribution: expected split_embedding to be"):
+        pk.path_attribution(stack, pk.logit_diff(model, 1, 2), split_embedding="yes")

@@ -155,3 +155,29 @@ def test_a_transformer_lens_cache_is_captured_without_running_the_model_again(ca
         pk.adapters.capture_transformer_lens_residual(model, partial)
     with pytest.raises(TypeError, match=where + r"with an ActivationCache first, expected the model .* got Tensor"):
         pk.adapters.capture_transformer_lens_residual(cache, tokens)
+
+
+def test_a_transformer_lens_models_embedding_splits_into_tokens_and_positions():
+    """Standard positions: ``hook_embed`` is the token part; each path from the embedding splits
+    into it and the position part (``hook_pos_embed``), each equal to the path's attribution on a
+    copy whose stream starts with ``W_E[tokens]`` alone (and the rest); rotary models refuse."""
+    import copy
+    import dataclasses
+
+    model = tl_model().eval()
+    tokens = torch.randint(0, 50, (1, 7))
+    stack, capture = pk.adapters.capture_transformer_lens_residual(model, tokens)
+    readout = pk.logit_diff(model, 1, 2)
+    split = pk.path_attribution(stack, readout, split_embedding=True)
+    token = model.W_E.detach().double()[tokens]
+    other = copy.copy(stack)
+    other.residual_capture = dataclasses.replace(capture, embedding=token, token_embedding=None)
+    alone = pk.path_attribution(other, readout)
+    scale = float(split.absolute.max())
+    torch.testing.assert_close(split.by_source_length[0], alone.by_source_length[0], rtol=0, atol=1e-12 * scale)
+    assert split.source_names[-1] == "position embedding" and float(split.by_source[-1].abs().max()) > 0
+    rotary, _ = pk.adapters.capture_transformer_lens_residual(
+        tl_model(**CASES["RMSPre with GQA and rotary"]).eval(), tokens
+    )
+    with pytest.raises(ValueError, match=r"split_embedding=True needs a model whose stream starts as a token"):
+        pk.path_attribution(rotary, readout, split_embedding=True)

@@ -39,6 +39,9 @@ class ResidualStreamCapture:
     ``final_weight`` and ``final_bias`` ``[d]`` are kept for readouts; post: the last hidden state,
     and no final norm). ``unembedding`` ``[vocab, d]`` and ``unembedding_bias`` ``[vocab]``: the
     model's output embedding (its weight as the model holds it, not copied), None without an LM head.
+    ``token_embedding`` ``[B, n, d]``: where ``embedding`` is a token embedding plus a learned position
+    embedding (GPT-2, OPT, a TransformerLens model with standard positions), the token part; the
+    position part is ``embedding − token_embedding``; None elsewhere.
     ``final_norm``: the final norm's kind where it differs from the blocks' ``norm`` (else None).
     ``attention_output_scale`` ``[B, L, n]`` and ``attention_output_weight`` ``[L, d]``: ``1/σ'_t``
     and γ' of an RMSNorm on each attention sublayer's output (Gemma-2 and -3, OLMo 2), which
@@ -73,6 +76,7 @@ class ResidualStreamCapture:
     attention_output_scale: Tensor | None = None
     attention_output_weight: Tensor | None = None
     pooled_token: Tensor | None = None
+    token_embedding: Tensor | None = None  # [B, n, d]: the token part of ``embedding`` (below), or None
     check: object | None = None  # the self-check's CaptureCheck (pathkernels.adapters.self_check), or None
     query_key: object | None = None  # the score side's QueryKeyCapture (pathkernels.adapters.query_key), or None
 

@@ -286,6 +286,11 @@ def capture_huggingface_residual(
     handles += [out[0].register_forward_pre_hook(keep("output_in", i, output=False)) for i, out in enumerate(outputs)]
     if final_norm is not None:
         handles.append(final_norm.register_forward_pre_hook(keep("final_in", 0, output=False)))
+    # The token embedding, where the stream entering block 0 is it plus a learned position
+    # embedding (GPT-2's wte + wpe, OPT's embed_tokens + embed_positions): the two are apart.
+    seen["token_embedding"] = [None]
+    if model.config.model_type in _ADDED_POSITION_FAMILIES and _adds_positions_to_tokens(model):
+        handles.append(model.get_input_embeddings().register_forward_hook(keep("token_embedding", 0, output=True)))
     attention = _attention_layers(model)
     try:
         with ExitStack() as scope:
@@ -339,6 +344,7 @@ def capture_huggingface_residual(
             unembedding=unembedding,
             unembedding_bias=unembedding_bias,
             pooled_token=pooled_tokens(model, inputs.get("input_ids"), batch, tokens),
+            token_embedding=None if seen["token_embedding"][0] is None else seen["token_embedding"][0].double(),
             **extra,
         )
         if scores_seen is not None:
@@ -359,6 +365,20 @@ def capture_huggingface_residual(
         final_input = final_norm if final_norm is not None else projection
         capture.check = check_huggingface_capture(model, inputs, stack, capture, final_input, _WHERE)
     return stack, capture
+
+
+# Families whose stream entering block 0 is the token embedding plus a learned position embedding
+# (BERT's and RoBERTa's pass a LayerNorm after the sum, ViT's embeds patches: not split).
+_ADDED_POSITION_FAMILIES = ("gpt2", "opt")
+
+
+def _adds_positions_to_tokens(model: nn.Module) -> bool:
+    """Whether the input embedding's output is added to the positions as it is: not through
+    OPT-350m's ``project_in``, and not scaled (an ``embed_scale`` other than 1)."""
+    decoder = getattr(model.base_model, "decoder", None)
+    if getattr(decoder, "project_in", None) is not None:
+        return False
+    return float(getattr(decoder, "embed_scale", 1.0) or 1.0) == 1.0
 
 
 def _check_query_key(capture: ResidualStreamCapture, stack: AttentionStack, where: str = _WHERE) -> None:
@@ -454,6 +474,7 @@ def _zero_padded_tokens(capture: ResidualStreamCapture, token_mask: Tensor) -> R
     padded = ~token_mask
     where = {  # each field's padded entries, broadcast to its shape
         "embedding": padded[:, :, None],  # [B, n, d]
+        "token_embedding": padded[:, :, None],
         "residual": padded[:, :, None],
         "norm_scale": padded[:, None, None, :],  # [B, L, 2, n]
         "final_scale": padded,  # [B, n]
@@ -551,6 +572,9 @@ def capture_transformer_lens_residual(
         names |= {"ln_final.hook_scale"}
     if not attn_only:
         names |= {f"blocks.{layer}.hook_mlp_out" for layer in range(layers)}
+    split = cfg.positional_embedding_type == "standard"  # resid_pre of block 0 = hook_embed + hook_pos_embed
+    if split:
+        names |= {"hook_embed"}
     if query_key:
         names |= {f"blocks.{layer}.attn.{name}" for layer in range(layers) for name in _score_hooks(model)}
         if _query_key_norms(model):
@@ -644,6 +668,7 @@ def capture_transformer_lens_residual(
             unembedding=model.W_U.detach().T,
             unembedding_bias=None if getattr(model, "b_U", None) is None else model.b_U.detach(),
             final_norm=final_norm,
+            token_embedding=cache["hook_embed"].double() if split and "hook_embed" in cache else None,
             **extra,
         )
         if query_key:

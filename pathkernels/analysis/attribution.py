@@ -552,9 +552,10 @@ class CheckedReadout:
     max_length: int
 
 
-def read_out(stack, readout, positions, batch, max_length, where: str) -> CheckedReadout:
+def read_out(stack, readout, positions, batch, max_length, where: str, split_embedding: bool = False) -> CheckedReadout:
     """The arguments :func:`path_attribution` and :func:`pathkernels.top_paths` share, checked in
-    the caller's name, and the frozen model and readout they start from."""
+    the caller's name, and the frozen model and readout they start from (``split_embedding``: its
+    embedding as token and position sources, :func:`frozen_model`)."""
     capture = getattr(stack, "residual_capture", None)
     if capture is None:
         raise ValueError(
@@ -595,7 +596,13 @@ def read_out(stack, readout, positions, batch, max_length, where: str) -> Checke
     positions = [p % tokens for p in positions]
     where_real = torch.cumsum(real.long(), 0) - 1  # a real token's index among the real ones
 
-    model = frozen_model(stack, capture, batch, real)
+    if split_embedding and capture.token_embedding is None:
+        raise ValueError(
+            f"{where}: split_embedding=True needs a model whose stream starts as a token embedding plus a learned "
+            "position embedding (GPT-2, OPT, a TransformerLens model with standard positions); this capture's has no "
+            "position embedding apart (rotary positions act inside the attention, and BERT normalises the sum)"
+        )
+    model = frozen_model(stack, capture, batch, real, split_embedding)
     device = model.sources[0].device
     directions, bias = read.directions.to(device), read.bias.to(device)
     rows = where_real[positions].to(device)
@@ -624,6 +631,7 @@ def path_attribution(
     top_k: int = 20,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     progress: bool = False,
+    split_embedding: bool = False,
 ) -> PathAttribution:
     """Each path's attribution to a readout of a captured model, exact per-source and per-length
     sums, and the ``top_k`` largest and smallest paths (module docstring for the formula).
@@ -644,6 +652,10 @@ def path_attribution(
         memory_budget: bytes for the walk's chunks; every path's attribution is kept
             (``attribution``) only when it fits a quarter of it.
         progress: a progress bar over the paths.
+        split_embedding: the embedding as two sources, "token embedding" and "position embedding"
+            (last in ``source_names``), each path from it split in two that add up to it; for
+            models that add learned positions to their tokens (GPT-2, OPT, TransformerLens with
+            standard positions), refused elsewhere.
 
     Returns:
         :class:`PathAttribution`, float64. ``value`` is the readout of the capture's stream,
@@ -652,6 +664,7 @@ def path_attribution(
     top_k = check_int(top_k, "top_k", _WHERE, minimum=0)
     memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
     progress = check_flag(progress, "progress", _WHERE)
+    split_embedding = check_flag(split_embedding, "split_embedding", _WHERE)
     only = None
     if tree is not None:
         check_tree_shape(tree, stack.num_layers, stack.num_heads, _WHERE)
@@ -659,7 +672,7 @@ def path_attribution(
         longest = int((paths != NO_HEAD).sum(1).max()) if paths.shape[0] else 0
         max_length = longest if max_length is None else min(check_int(max_length, "max_length", _WHERE), longest)
         only = PathSet(paths, stack.num_heads)
-    setup = read_out(stack, readout, positions, batch, max_length, _WHERE)
+    setup = read_out(stack, readout, positions, batch, max_length, _WHERE, split_embedding)
     return attribute(setup, top_k, memory_budget, progress, only=only)
 
 
@@ -689,6 +702,7 @@ def batch_attribution(
     top_k: int = 20,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     progress: bool = False,
+    split_embedding: bool = False,
 ) -> BatchAttribution:
     """:func:`path_attribution` of every element of a batch of prompts, and their exact mean: the
     everyday measurement over a prompt set (the average logit difference of IOI prompts, each read
@@ -708,8 +722,8 @@ def batch_attribution(
         batch: the elements (default: every one).
         positions: each element's positions: None (each its last real token), one int or list for
             every element, or a list of one per element; every element reads the same number P.
-        max_length, tree, top_k, memory_budget, progress: as in :func:`path_attribution`; the
-            budget is shared by the elements.
+        max_length, tree, top_k, memory_budget, progress, split_embedding: as in
+            :func:`path_attribution`; the budget is shared by the elements.
 
     Returns:
         :class:`BatchAttribution`. The mean's top and bottom paths need every path's attribution of
@@ -753,6 +767,7 @@ def batch_attribution(
                 top_k=top_k,
                 memory_budget=max(1, memory_budget // count),
                 progress=progress,
+                split_embedding=split_embedding,
             )
         except (ValueError, TypeError) as error:  # in this function's name
             raise type(error)(str(error).replace(f"{_WHERE}:", f"{where}:", 1)) from None
@@ -855,7 +870,7 @@ def attribute(
     node_bytes = 8 * (rho.shape[1] * rho.shape[2] + phi.shape[1] * d)
     chunk = max(1, memory_budget // (4 * (heads + 1) * node_bytes))
     keep = total * (8 * len(positions) * len(read.labels) + 8 * (layers + 1)) <= memory_budget // 4
-    fold = Fold(len(model.sources), layers, len(positions), len(read.labels), top_k, keep, only=only, heads=heads)
+    fold = Fold(len(model.source_names), layers, len(positions), len(read.labels), top_k, keep, only=only, heads=heads)
     bar = progress_bar(total, enabled=progress, unit="path", desc=_WHERE)
     walker = Walker(model, steps, low_rank=low_rank, max_length=max_length, cache_bytes=memory_budget // 2)
     walker.walk(rho, phi, max_length, chunk, fold, bar)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -139,10 +139,17 @@ class FrozenModel:
     source_names: list[str]
     layers: int
     num_heads: int
+    # A source folded as parts: level → [(index into source_names, part [n, d])], parts summing to it.
+    splits: dict = field(default_factory=dict)
 
 
-def frozen_model(stack: AttentionStack, capture: ResidualStreamCapture, batch: int, real: Tensor) -> FrozenModel:
-    """The sublayers and sources of batch element ``batch`` restricted to its ``real`` tokens."""
+def frozen_model(
+    stack: AttentionStack, capture: ResidualStreamCapture, batch: int, real: Tensor, split_embedding: bool = False
+) -> FrozenModel:
+    """The sublayers and sources of batch element ``batch`` restricted to its ``real`` tokens; with
+    ``split_embedding`` (a capture with a ``token_embedding``) the embedding folded as two sources,
+    "token embedding" (its index, 0) and "position embedding" (the last index): the embedding less
+    its token part, so that the two sum to it exactly."""
     device = capture.embedding.device
     pick = real.to(device)
     attn = capture.patterns(stack.attn, batch)[..., pick, :][..., pick]  # as computed, [L, H, n, n]
@@ -181,7 +188,13 @@ def frozen_model(stack: AttentionStack, capture: ResidualStreamCapture, batch: i
         )
         sources.append(mlp if pre else normalised(mlp, layer, 1))
         names.append(f"L{layer} MLP")
-    return FrozenModel(sublayers, sources, names, stack.num_layers, stack.num_heads)
+    splits = {}
+    if split_embedding:
+        token = capture.token_embedding[batch][pick]
+        splits[0] = [(0, token), (len(names), sources[0] - token)]
+        names[0] = "token embedding"
+        names.append("position embedding")
+    return FrozenModel(sublayers, sources, names, stack.num_layers, stack.num_heads, splits)
 
 
 def describe_path(path: Tensor, source_name: str) -> str:
@@ -359,10 +372,11 @@ class Walker:
         sublayer, head = basis
         return self.model.sublayers[sublayer].feature_factors[1][head]
 
-    def _run_values(self, level: int, rho: Tensor, phi: Tensor, basis) -> Tensor:
-        source = self.model.sources[level]
+    def _run_values(self, level: int, rho: Tensor, phi: Tensor, basis, part: int | None = None) -> Tensor:
+        source = self.model.sources[level] if part is None else dict(self.model.splits[level])[part]
         if basis is not None:  # φ = z F_out[basis], which enough nodes share (_low)
-            source = self._cache.get(("source", level, basis), lambda: source @ self._output_factor(basis).T)
+            key = ("source", level, part, basis)
+            source = self._cache.get(key, lambda: source @ self._output_factor(basis).T)
         return self.steps.values(rho, phi, source)
 
     def _low(self, at: int) -> bool:
@@ -391,10 +405,10 @@ class Walker:
             start += count
         return results
 
-    def values(self, level: int, rho: Tensor, phi: Tensor, runs: list[tuple]) -> Tensor:
-        """``ρ K φᵀ`` at source ``level`` for every node: ``[N, P, R]``, the attributions of the
-        paths that end there."""
-        step = functools.partial(self._run_values, level)
+    def values(self, level: int, rho: Tensor, phi: Tensor, runs: list[tuple], part: int | None = None) -> Tensor:
+        """``ρ K φᵀ`` at source ``level`` (or its ``part``, an index of :attr:`FrozenModel.splits`)
+        for every node: ``[N, P, R]``, the attributions of the paths that end there."""
+        step = functools.partial(self._run_values, level, part=part)
         return step(rho, phi, runs[0][1]) if len(runs) == 1 else torch.cat(self._by_runs(step, rho, phi, runs))
 
     def _heads(self, at: int, rho: Tensor, phi: Tensor, runs: list[tuple]) -> tuple[Tensor, Tensor]:
@@ -436,8 +450,9 @@ class Walker:
         pending = [(len(self.model.sublayers), rho, phi, choices, lengths, [(1, None)])]
         while pending:
             level, rho, phi, choices, lengths, runs = pending.pop()
-            values = self.values(level, rho, phi, runs)
-            fold.add(level, values, choices, lengths)
+            for index in [index for index, _ in self.model.splits.get(level, [])] or [None]:
+                values = self.values(level, rho, phi, runs, part=index)
+                fold.add(level if index is None else index, values, choices, lengths)
             if bar is not None:
                 bar.update(values.shape[0])
             if level == 0:
