@@ -464,6 +464,12 @@ def test_a_batch_mean_is_the_mean_of_its_elements_path_by_path():
     torch.testing.assert_close(
         same.mean.value, (same.elements[0].value + same.elements[1].value) / 2, rtol=1e-15, atol=1e-15
     )
+    tree = pk.PathTree.from_paths(torch.tensor([[0, -1, 2], [1, 2, -1]]), num_heads=stack.num_heads)
+    restricted = pk.batch_attribution(stack, readouts, tree=tree, top_k=2)
+    alone = [pk.path_attribution(stack, readouts[b], batch=b, tree=tree, top_k=2) for b in range(3)]
+    for name in ("by_source_length", "by_head"):
+        expected = torch.stack([getattr(r, name) for r in alone]).mean(0)
+        torch.testing.assert_close(getattr(restricted.mean, name), expected, rtol=1e-14, atol=1e-15)
 
 
 def test_a_batch_refuses_what_does_not_line_up_by_name():
@@ -481,12 +487,15 @@ def test_a_batch_refuses_what_does_not_line_up_by_name():
         pk.batch_attribution(stack, readout, batch=[])
     with pytest.raises(ValueError, match=where + r"expected batch in \[0, 1\], got 2"):
         pk.batch_attribution(stack, readout, batch=[0, 2])
-    with pytest.raises(ValueError, match=where + r"the mean's top and bottom paths need every path's attribution"):
-        pk.batch_attribution(stack, readout, memory_budget=20_000)
-    sums = pk.batch_attribution(stack, readout, memory_budget=20_000, top_k=0)
-    whole = pk.batch_attribution(stack, readout, top_k=0)
-    torch.testing.assert_close(sums.mean.by_source_length, whole.mean.by_source_length, rtol=1e-12, atol=1e-14)
-    assert sums.mean.absolute is None and sums.mean.top_values.shape[0] == 0
+    # A budget too small to keep any path's attribution: the elements walk in step, streamed, and
+    # the mean's top paths and sums are those of the whole budget's.
+    streamed = pk.batch_attribution(stack, readout, memory_budget=20_000, top_k=3)
+    whole = pk.batch_attribution(stack, readout, top_k=3)
+    assert streamed.mean.attribution is None and whole.mean.attribution is not None
+    torch.testing.assert_close(streamed.mean.by_source_length, whole.mean.by_source_length, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(streamed.mean.top_values, whole.mean.top_values, rtol=0, atol=0)
+    assert torch.equal(streamed.mean.top_paths, whole.mean.top_paths)
+    torch.testing.assert_close(streamed.mean.absolute, whole.mean.absolute, rtol=1e-12, atol=0)
 
 
 # --- token and position embeddings apart ----------------------------------------------------------

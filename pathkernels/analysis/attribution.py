@@ -665,15 +665,21 @@ def path_attribution(
     memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
     progress = check_flag(progress, "progress", _WHERE)
     split_embedding = check_flag(split_embedding, "split_embedding", _WHERE)
-    only = None
-    if tree is not None:
-        check_tree_shape(tree, stack.num_layers, stack.num_heads, _WHERE)
-        paths = tree.paths()
-        longest = int((paths != NO_HEAD).sum(1).max()) if paths.shape[0] else 0
-        max_length = longest if max_length is None else min(check_int(max_length, "max_length", _WHERE), longest)
-        only = PathSet(paths, stack.num_heads)
+    max_length, only = _tree_paths(stack, tree, max_length, _WHERE)
     setup = read_out(stack, readout, positions, batch, max_length, _WHERE, split_embedding)
     return attribute(setup, top_k, memory_budget, progress, only=only)
+
+
+def _tree_paths(stack, tree: PathTree | None, max_length, where: str) -> tuple[int | None, PathSet | None]:
+    """``(max_length, only)``: a tree's head choices as the paths to fold and the longest of them as
+    the walk's depth (within ``max_length``), or ``(max_length, None)`` without a tree."""
+    if tree is None:
+        return max_length, None
+    check_tree_shape(tree, stack.num_layers, stack.num_heads, where)
+    paths = tree.paths()
+    longest = int((paths != NO_HEAD).sum(1).max()) if paths.shape[0] else 0
+    max_length = longest if max_length is None else min(check_int(max_length, "max_length", where), longest)
+    return max_length, PathSet(paths, stack.num_heads)
 
 
 @dataclass
@@ -754,89 +760,70 @@ def batch_attribution(
         )
     top_k = check_int(top_k, "top_k", where, minimum=0)
     memory_budget = check_int(memory_budget, "memory_budget", where, minimum=1)
-    results = []
+    progress = check_flag(progress, "progress", where)
+    split_embedding = check_flag(split_embedding, "split_embedding", where)
+    max_length, only = _tree_paths(stack, tree, max_length, where)
+    setups = []
     for b, read, at in zip(elements, readouts, per_element):
-        try:
-            result = path_attribution(
-                stack,
-                read,
-                positions=at,
-                batch=b,
-                max_length=max_length,
-                tree=tree,
-                top_k=top_k,
-                memory_budget=max(1, memory_budget // count),
-                progress=progress,
-                split_embedding=split_embedding,
-            )
-        except (ValueError, TypeError) as error:  # in this function's name
-            raise type(error)(str(error).replace(f"{_WHERE}:", f"{where}:", 1)) from None
-        if results and result.value.shape != results[0].value.shape:
+        setup = read_out(stack, read, at, b, max_length, where, split_embedding)
+        if setups and setup.value.shape != setups[0].value.shape:
             raise ValueError(
                 f"{where}: expected every element to read the same number of positions and readouts; element {b} "
-                f"reads {list(result.value.shape)}, element {elements[0]} {list(results[0].value.shape)}"
+                f"reads {list(setup.value.shape)}, element {elements[0]} {list(setups[0].value.shape)}"
             )
-        results.append(result)
-    return BatchAttribution(results, _mean_attribution(results, top_k, where))
+        setups.append(setup)
+    results, mean = attribute_in_step(setups, top_k, memory_budget, progress, only)
+    return BatchAttribution(results, mean)
 
 
-def _mean_attribution(results: list[PathAttribution], top_k: int, where: str) -> PathAttribution:
-    """The exact mean of ``results`` (one batch element each): sums, totals and values averaged, and
-    the top and bottom paths of the path-by-path mean where every path's attribution was kept."""
-    first = results[0]
+def attribute_in_step(
+    setups: list[CheckedReadout], top_k: int, memory_budget: int, progress: bool = False, only: PathSet | None = None
+) -> tuple[list[PathAttribution], PathAttribution]:
+    """:func:`attribute` of several batch elements' checked readouts (the same paths, positions and
+    readout count), their walks in step (:meth:`Walker.emissions`, one chunk size), and of their
+    mean: each chunk's values averaged over the elements and folded, so that the mean's top and
+    bottom paths, sums and totals are exact whatever the number of paths, within ``memory_budget``
+    (shared by the elements' walks and folds)."""
+    first = setups[0]
+    model = first.model
+    layers, heads, max_length = model.layers, model.num_heads, first.max_length
+    positions, readouts = len(first.positions), len(first.readout.labels)
+    total = count_attribution_paths(layers, heads, max_length)
+    share = max(1, memory_budget // (len(setups) + 1))
+    chunk = min(_chunk(setup, share) for setup in setups)
+    keep = total * (8 * positions * readouts + 8 * (layers + 1)) <= share // 4
 
-    def mean(name: str) -> Tensor | None:
-        values = [getattr(r, name) for r in results]
-        return None if any(v is None for v in values) else torch.stack(values).mean(0)
+    def fold() -> Fold:
+        return Fold(len(model.source_names), layers, positions, readouts, top_k, keep, only=only, heads=heads)
 
-    labels = tuple(_common_label([r.labels[i] for r in results], i) for i in range(len(first.labels)))
-    kept = {"paths": None, "path_sources": None, "attribution": None}
-    absolute = None
-    best = worst = None
-    every = all(r.attribution is not None for r in results)
-    if every:
-        for r in results[1:]:
-            if not (torch.equal(r.paths, first.paths) and torch.equal(r.path_sources, first.path_sources)):
-                raise RuntimeError(f"{where}: the elements' paths came in different orders (a bug: please report)")
-        attribution = torch.stack([r.attribution for r in results]).mean(0)  # [M, P, R]
-        kept = {"paths": first.paths, "path_sources": first.path_sources, "attribution": attribution}
-        absolute = attribution.abs().sum(0)
-        k = min(top_k, attribution.shape[0])
-
-        def ranked(largest: bool) -> tuple[Tensor, Tensor, Tensor]:
-            chosen = torch.topk(attribution, k, dim=0, largest=largest)
-            return chosen.values, first.paths[chosen.indices], first.path_sources[chosen.indices]
-
-        best, worst = ranked(True), ranked(False)
-    elif top_k > 0:
-        paths = int(first.counts.sum())
-        raise ValueError(
-            f"{where}: the mean's top and bottom paths need every path's attribution of every element "
-            f"({paths:,} paths × {len(results)} elements), beyond the memory_budget; pass max_length, a tree, "
-            "a larger memory_budget, or top_k=0 for the exact sums alone"
+    folds, together = [fold() for _ in setups], fold()
+    walks = [
+        Walker(setup.model, ENGINE, low_rank=True, max_length=max_length, cache_bytes=share // 2).emissions(
+            setup.rho, setup.phi, max_length, chunk
         )
-    else:
-        empty = (first.top_values[:0], first.top_paths[:0], first.top_sources[:0])
-        best = worst = empty
-    return PathAttribution(
-        batch=None,
-        positions=torch.stack([r.positions for r in results]),
-        labels=labels,
-        source_names=first.source_names,
-        value=mean("value"),
-        constant=mean("constant"),
-        by_source_length=mean("by_source_length"),
-        counts=first.counts,
-        top_values=best[0],
-        top_paths=best[1],
-        top_sources=best[2],
-        bottom_values=worst[0],
-        bottom_paths=worst[1],
-        bottom_sources=worst[2],
-        absolute=absolute,
-        by_head=mean("by_head"),
-        **kept,
-    )
+        for setup in setups
+    ]
+    bar = progress_bar(total, enabled=progress, unit="path", desc="pathkernels.batch_attribution")
+    for steps in zip(*walks):
+        choices, lengths = steps[0][1], steps[0][2]
+        if not all(torch.equal(step[1], choices) for step in steps[1:]):
+            raise RuntimeError("pathkernels.batch_attribution: the elements' walks went out of step (a bug)")
+        for element, (parts, _, _) in zip(folds, steps):
+            for source, values in parts:
+                element.add(source, values, choices, lengths)
+        for index, (source, _) in enumerate(steps[0][0]):
+            together.add(source, torch.stack([step[0][index][1] for step in steps]).mean(0), choices, lengths)
+        if bar is not None:
+            bar.update(choices.shape[0])
+    if bar is not None:
+        bar.close()
+    results = [_result(setup, element) for setup, element in zip(setups, folds)]
+    mean = _result(first, together)
+    mean.batch, mean.positions = None, torch.stack([r.positions for r in results])
+    mean.labels = tuple(_common_label([r.labels[i] for r in results], i) for i in range(readouts))
+    mean.value = torch.stack([r.value for r in results]).mean(0)
+    mean.constant = torch.stack([r.constant for r in results]).mean(0)
+    return results, mean
 
 
 def _common_label(labels: list[str], index: int) -> str:
@@ -864,27 +851,36 @@ def attribute(
     (the engine, or for comparisons ``pathkernels.reference``'s plain-PyTorch form); ``low_rank``
     as in :class:`~pathkernels.analysis.readout_trie.Walker` (pre-norm models only)."""
     model, rho, phi, read, positions = setup.model, setup.rho, setup.phi, setup.readout, setup.positions
-    layers, max_length = model.layers, setup.max_length
-    heads, d = model.num_heads, phi.shape[-1]
+    layers, max_length, heads = model.layers, setup.max_length, model.num_heads
     total = count_attribution_paths(layers, heads, max_length)
-    node_bytes = 8 * (rho.shape[1] * rho.shape[2] + phi.shape[1] * d)
-    chunk = max(1, memory_budget // (4 * (heads + 1) * node_bytes))
     keep = total * (8 * len(positions) * len(read.labels) + 8 * (layers + 1)) <= memory_budget // 4
     fold = Fold(len(model.source_names), layers, len(positions), len(read.labels), top_k, keep, only=only, heads=heads)
     bar = progress_bar(total, enabled=progress, unit="path", desc=_WHERE)
     walker = Walker(model, steps, low_rank=low_rank, max_length=max_length, cache_bytes=memory_budget // 2)
-    walker.walk(rho, phi, max_length, chunk, fold, bar)
+    walker.walk(rho, phi, max_length, _chunk(setup, memory_budget), fold, bar)
     if bar is not None:
         bar.close()
+    return _result(setup, fold)
+
+
+def _chunk(setup: CheckedReadout, memory_budget: int) -> int:
+    """Nodes per chunk of a walk within ``memory_budget``: a quarter of it for a chunk's nodes and
+    their children (``ρ [P, n]`` and ``φ [R, d]`` each)."""
+    node_bytes = 8 * (setup.rho.shape[1] * setup.rho.shape[2] + setup.phi.shape[1] * setup.phi.shape[-1])
+    return max(1, memory_budget // (4 * (setup.model.num_heads + 1) * node_bytes))
+
+
+def _result(setup: CheckedReadout, fold: Fold) -> PathAttribution:
+    """The :class:`PathAttribution` of a checked readout from its walk's ``fold``."""
     kept = {}
     if fold.kept is not None:
         choices, sources, values = (torch.cat(parts) for parts in zip(*fold.kept))  # the root's at least
         kept = {"paths": choices, "path_sources": sources, "attribution": values}
     return PathAttribution(
         batch=setup.batch,
-        positions=torch.tensor(positions),
-        labels=read.labels,
-        source_names=model.source_names,
+        positions=torch.tensor(setup.positions),
+        labels=setup.readout.labels,
+        source_names=setup.model.source_names,
         value=setup.value.cpu(),
         constant=setup.constant.cpu(),
         by_source_length=fold.sums,

@@ -443,18 +443,30 @@ class Walker:
         return parts + [(rho_h.flatten(0, 1), phi_h.flatten(0, 1), head_choices.flatten(0, 1), lengths_h, runs_h)]
 
     def walk(self, rho: Tensor, phi: Tensor, max_length: int, chunk: int, fold: Fold, bar) -> None:
-        """Depth first from the top: a node at level j has chosen the branches of sublayers j, j+1, …;
-        it meets source j (entering below sublayer j), then branches through sublayer j − 1."""
+        """Every path's attribution folded into ``fold`` (:meth:`emissions`), ``bar`` counting them."""
+        for parts, choices, lengths in self.emissions(rho, phi, max_length, chunk):
+            for source, values in parts:
+                fold.add(source, values, choices, lengths)
+            if bar is not None:
+                bar.update(choices.shape[0])
+
+    def emissions(self, rho: Tensor, phi: Tensor, max_length: int, chunk: int):
+        """The walk, depth first from the top: a node at level j has chosen the branches of
+        sublayers j, j+1, …; it meets source j (entering below sublayer j), then branches through
+        sublayer j − 1. Yields, chunk by chunk, ``(parts, choices [N, L], lengths [N])``: ``parts``
+        the ``(source index, values [N, P, R])`` of the paths that end there (one part per source,
+        two where the source is split). The order depends on the tree and ``chunk`` alone, not on
+        the values: walks of several batch elements with one ``chunk`` go in step."""
         choices = torch.full((1, self.model.layers), NO_HEAD, dtype=torch.long, device=rho.device)
         lengths = torch.zeros(1, dtype=torch.long, device=rho.device)
         pending = [(len(self.model.sublayers), rho, phi, choices, lengths, [(1, None)])]
         while pending:
             level, rho, phi, choices, lengths, runs = pending.pop()
-            for index in [index for index, _ in self.model.splits.get(level, [])] or [None]:
-                values = self.values(level, rho, phi, runs, part=index)
-                fold.add(level if index is None else index, values, choices, lengths)
-            if bar is not None:
-                bar.update(values.shape[0])
+            indices = [index for index, _ in self.model.splits.get(level, [])] or [None]
+            parts = [
+                (level if index is None else index, self.values(level, rho, phi, runs, part=index)) for index in indices
+            ]
+            yield parts, choices, lengths
             if level == 0:
                 continue
             for *part, part_runs in self.children(level, rho, phi, choices, lengths, runs, max_length):
