@@ -732,9 +732,9 @@ def batch_attribution(
             :func:`path_attribution`; the budget is shared by the elements.
 
     Returns:
-        :class:`BatchAttribution`. The mean's top and bottom paths need every path's attribution of
-        every element within ``memory_budget``; beyond it they are refused (pass ``max_length``, a
-        ``tree``, a larger budget, or ``top_k=0`` for the exact sums alone).
+        :class:`BatchAttribution`. The elements' walks go in step, and each chunk's values are
+        averaged and folded as they come: the mean's top and bottom paths are exact whatever the
+        number of paths (its every path's attribution is kept where it fits the budget).
     """
     where = "pathkernels.batch_attribution"
     elements = list(range(stack.batch_size)) if batch is None else batch
