@@ -334,7 +334,7 @@ def test_attribute_headings_read_as_english(capsys):
     headings = [lines[i - 1] for i, line in enumerate(lines) if line and set(line) == {"="}]
     assert headings == [
         "Attribution by number of heads",
-        "Attribution by source",
+        "Attribution by source (exactly 0, left out: L0 attention bias, L1 attention bias)",  # GPT-2 at init
         "The 3 largest attributions",
         "The 3 smallest attributions",
     ]
