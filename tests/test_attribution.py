@@ -564,3 +564,25 @@ def test_a_model_without_position_embeddings_apart_refuses_the_split():
         pk.path_attribution(stack, pk.logit_diff(model, 1, 2), split_embedding=True)
     with pytest.raises(TypeError, match=r"^pathkernels\.path_attribution: expected split_embedding to be"):
         pk.path_attribution(stack, pk.logit_diff(model, 1, 2), split_embedding="yes")
+
+
+def test_walks_that_go_out_of_step_are_refused(monkeypatch):
+    """The mean folds chunk by chunk: an element's walk one chunk short or out of order would pair
+    the wrong paths, so it is refused, never averaged (a guard against a bug in the walk's order)."""
+    from pathkernels.analysis import readout_trie
+
+    model = gpt2().eval()
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (2, 6)))
+    original = readout_trie.Walker.emissions
+    calls = []
+
+    def shortened(self, *args):
+        calls.append(1)
+        walk = original(self, *args)
+        if len(calls) == 2:  # the second element's walk loses its last chunk
+            return iter(list(walk)[:-1])
+        return walk
+
+    monkeypatch.setattr(readout_trie.Walker, "emissions", shortened)
+    with pytest.raises(RuntimeError, match=r"the elements' walks went out of step"):
+        pk.batch_attribution(stack, pk.logit_diff(model, 1, 2), memory_budget=20_000)

@@ -23,6 +23,7 @@ bottom paths, so that trees too large to store stream through.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -804,10 +805,10 @@ def attribute_in_step(
         for setup in setups
     ]
     bar = progress_bar(total, enabled=progress, unit="path", desc="pathkernels.batch_attribution")
-    for steps in zip(*walks):
-        choices, lengths = steps[0][1], steps[0][2]
-        if not all(torch.equal(step[1], choices) for step in steps[1:]):
+    for steps in itertools.zip_longest(*walks):  # (zip would stop silently at the shortest)
+        if any(step is None for step in steps) or not all(torch.equal(s[1], steps[0][1]) for s in steps[1:]):
             raise RuntimeError("pathkernels.batch_attribution: the elements' walks went out of step (a bug)")
+        choices, lengths = steps[0][1], steps[0][2]
         for element, (parts, _, _) in zip(folds, steps):
             for source, values in parts:
                 element.add(source, values, choices, lengths)
