@@ -159,9 +159,10 @@ _NETWORK_DEFAULTS = {"layers": None, "heads": 4, "width": 64, "seeds": 3}
 def _check_paths(args) -> None:
     """--model and --direction, from the folder's listing and the small files alone (CommandLineError
     before anything is imported, in a fraction of a second): a path that is not there, a folder
-    without ``config.json``, a config that is not JSON or names no ``model_type``, ``--text`` for a
-    folder without a tokenizer, and a text or ``.npy`` direction whose length is not the config's
-    hidden size."""
+    without ``config.json``, a config that is not JSON or names no ``model_type``, ``--example`` for
+    a folder that is not one of the fixtures, ``--ids`` beyond the config's vocabulary, ``--text``
+    for a folder without a tokenizer, and a text or ``.npy`` direction whose length is not the
+    config's hidden size."""
     missing = {"model": "no such file or directory (models are never downloaded)", "direction": "no such file"}
     for name, reason in missing.items():
         path = getattr(args, name, None)
