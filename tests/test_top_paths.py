@@ -671,3 +671,41 @@ def test_exact_ties_at_the_kth_value_give_a_valid_certified_list():
             assert own[tuple(path.tolist()), int(source)] == pytest.approx(float(value), rel=1e-12, abs=1e-14)
         tied += int(k < ordered.numel() and bool((ordered[k] - ordered[k - 1]).abs() <= 1e-14 * ordered.abs().max()))
     assert tied >= 5  # the premise: many k-th values tie with the next one
+
+
+def test_the_top_paths_of_a_batch_mean_are_those_of_every_path_averaged():
+    """``top_paths(batch=[…])`` searches the mean over a padded batch, each element read at its own
+    last real token: certified, and equal (largest and smallest) to the top of the path-by-path mean
+    of separate path_attribution calls. Its model (the elements' tokens side by side, the token maps
+    block-diagonal) walked whole gives the mean batch_attribution folds in step. Per-element
+    readouts are refused: batch_attribution has their mean."""
+    from test_real_models import gpt2
+
+    import pathkernels.analysis.attribution as attribution
+
+    model = gpt2().eval()
+    ids = torch.randint(0, 50, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    mask[2, :2] = 0
+    stack, _ = capture_huggingface_residual(model, input_ids=ids, attention_mask=mask)
+    readout = pk.logit_diff(model, 1, 2)
+    alone = [pk.path_attribution(stack, readout, batch=b, top_k=0) for b in range(3)]
+    mean = torch.stack([r.attribution[:, 0, 0] for r in alone]).mean(0)
+    for largest in (True, False):
+        found = pk.top_paths(stack, readout, k=6, batch=[0, 1, 2], largest=largest)
+        assert found.certified and found.position == "each element's own token (8, 5, 8)"
+        ordered = torch.sort(mean, descending=largest)
+        torch.testing.assert_close(found.values, ordered.values[:6], rtol=1e-12, atol=1e-14)
+        assert torch.equal(found.paths, alone[0].paths[ordered.indices[:6]])
+    setups = [attribution.read_out(stack, readout, None, b, None, "test") for b in range(3)]
+    whole = attribution.attribute(attribution.mean_read_out(setups, "test"), 3, 1 << 30)
+    in_step = pk.batch_attribution(stack, readout, top_k=3).mean
+    torch.testing.assert_close(whole.by_source_length, in_step.by_source_length, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(whole.by_head, in_step.by_head, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(whole.value, in_step.value, rtol=1e-14, atol=1e-14)
+    other = attribution.read_out(stack, pk.logit_diff(model, 3, 4), None, 1, None, "test")
+    with pytest.raises(ValueError, match=r"^test: the mean over a batch reads one readout"):
+        attribution.mean_read_out([setups[0], other], "test")
+    with pytest.raises(ValueError, match=r"^pathkernels\.top_paths: expected batch to be an element or a non-empty"):
+        pk.top_paths(stack, readout, batch=[])

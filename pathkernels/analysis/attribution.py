@@ -42,6 +42,7 @@ from pathkernels.analysis.readout_trie import (
     PathSet,
     ReadoutSteps,
     Walker,
+    block_diagonal_model,
     describe_path,
     frozen_model,
 )
@@ -549,8 +550,9 @@ class CheckedReadout:
     value: Tensor
     readout: Readout
     positions: list[int]
-    batch: int
+    batch: int | None
     max_length: int
+    read_at: str | None = None  # where a batch's mean is read (its elements' own tokens), else None
 
 
 def read_out(stack, readout, positions, batch, max_length, where: str, split_embedding: bool = False) -> CheckedReadout:
@@ -619,6 +621,34 @@ def read_out(stack, readout, positions, batch, max_length, where: str, split_emb
         constant = constant + (directions @ capture.final_bias)[None]
     value = (rho[0] @ capture.residual[batch][real.to(device)]) @ phi[0].T + constant
     return CheckedReadout(model, rho, phi, constant, value, read, positions, batch, max_length)
+
+
+def mean_read_out(setups: list[CheckedReadout], where: str) -> CheckedReadout:
+    """The checked readout of several batch elements' mean (each element's own from
+    :func:`read_out`, one readout for all): the :func:`block_diagonal_model` of their frozen models,
+    read at each element's positions with weight 1/B, so that every path's value is the mean of
+    the elements' values of it. Refuses per-element readouts: a path's mean is then no longer one
+    readout of one model."""
+    first = setups[0]
+    for setup in setups[1:]:
+        if not torch.equal(setup.phi, first.phi) or setup.rho.shape[1] != first.rho.shape[1]:
+            raise ValueError(
+                f"{where}: the mean over a batch reads one readout at the same number of positions in every "
+                "element; pass one readout (per-element readouts: batch_attribution gives their mean's paths)"
+            )
+    tokens = ", ".join(str(setup.positions[0]) for setup in setups[:4]) + (", …" if len(setups) > 4 else "")
+    return CheckedReadout(
+        model=block_diagonal_model([setup.model for setup in setups]),
+        rho=torch.cat([setup.rho for setup in setups], -1) / len(setups),
+        phi=first.phi,
+        constant=torch.stack([setup.constant for setup in setups]).mean(0),
+        value=torch.stack([setup.value for setup in setups]).mean(0),
+        readout=first.readout,
+        positions=first.positions,
+        batch=None,
+        max_length=first.max_length,
+        read_at=f"each element's own token ({tokens})",
+    )
 
 
 def path_attribution(

@@ -197,6 +197,38 @@ def frozen_model(
     return FrozenModel(sublayers, sources, names, stack.num_layers, stack.num_heads, splits)
 
 
+def block_diagonal_model(models: list[FrozenModel]) -> FrozenModel:
+    """One frozen model of several batch elements' (the same weights, each on its own real tokens):
+    their tokens one after the other, every head's token map block-diagonal, the norm scales and
+    the sources stacked along the tokens. A path's value read from ``ρ`` with each element's top
+    row ``ρ_b / B`` in its block is then the mean over the elements of its values: the model the
+    certified search of a batch's mean walks."""
+    first = models[0]
+    sizes = [model.sources[0].shape[0] for model in models]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    total = sum(sizes)
+    sublayers = []
+    for index, sublayer in enumerate(first.sublayers):
+        parts = [model.sublayers[index] for model in models]
+        attn = None
+        if sublayer.attn is not None:
+            attn = sublayer.attn.new_zeros(sublayer.attn.shape[0], total, total)
+            for part, start, size in zip(parts, offsets, sizes):
+                attn[:, start : start + size, start : start + size] = part.attn
+        scale = torch.cat([part.scale for part in parts])
+        sublayers.append(
+            Sublayer(
+                sublayer.layer, attn, scale, sublayer.gamma, sublayer.w_v, sublayer.w_o, sublayer.pre, sublayer.centred
+            )
+        )
+    sources = [torch.cat([model.sources[j] for model in models]) for j in range(len(first.sources))]
+    splits = {
+        level: [(i, torch.cat([dict(model.splits[level])[i] for model in models])) for i, _ in parts]
+        for level, parts in first.splits.items()
+    }
+    return FrozenModel(sublayers, sources, first.source_names, first.layers, first.num_heads, splits)
+
+
 def describe_path(path: Tensor, source_name: str) -> str:
     """``path [L]`` (the head at each layer, −1 where none) from the source named ``source_name`` as
     text: ``"L3H5 → L7H1 from L2 MLP"``, or ``"L2 MLP (direct)"``."""

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pathkernels.analysis.attribution import Readout, check_kept, path_bars, read_out
+from pathkernels.analysis.attribution import Readout, check_kept, mean_read_out, path_bars, read_out
 from pathkernels.analysis.readout_trie import NO_HEAD, Fold, FrozenModel, Sublayer, TensorCache, Walker, describe_path
 from pathkernels.core._figures import check_save_path, saved
 from pathkernels.core._progress import progress_bar
@@ -72,7 +72,7 @@ class TopPaths:
     sources: Tensor
     source_names: list[str]
     label: str
-    position: int
+    position: int | str  # the token read, or where a batch's mean is read
     largest: bool
     bound: float
     certified: bool
@@ -102,10 +102,13 @@ class TopPaths:
         values = ", ".join(f"{float(v):.4g}" for v in self.values[:3]) + (", …" if self.values.shape[0] > 3 else "")
         how = "certified" if self.certified else f"not certified, gap {self.gap:.3g} ({self.stopped})"
         headline = (
-            f"the {self.values.shape[0]} {which} paths of {self.label} at token {self.position}: {values}; {how}; "
+            f"the {self.values.shape[0]} {which} paths of {self.label} at {self._at()}: {values}; {how}; "
             f"{self.visited:,} of {self.total:,} paths visited in {self.seconds:.3g} s"
         )
         return short_repr(self, headline)
+
+    def _at(self) -> str:
+        return f"token {self.position}" if isinstance(self.position, int) else self.position
 
     def to_frame(self):
         """:meth:`table` as a pandas DataFrame (pandas is optional)."""
@@ -125,7 +128,7 @@ class TopPaths:
         rows = self.table()[:k]
         which = "largest" if self.largest else "smallest"
         how = "certified" if self.certified else f"not certified: gap {self.gap:.3g}"
-        label = f"attribution to {self.label} at token {self.position}"
+        label = f"attribution to {self.label} at {self._at()}"
         return saved(path_bars(rows, [], label, f"the {len(rows)} {which} paths ({how})", ax), path)
 
 
@@ -427,7 +430,7 @@ def top_paths(
     k: int = 20,
     *,
     position: int | None = None,
-    batch: int = 0,
+    batch: int | list[int] = 0,
     largest: bool = True,
     max_length: int | None = None,
     time_limit: float | None = None,
@@ -446,7 +449,9 @@ def top_paths(
             :class:`Readout` of one row or a vector ``[d]``.
         k: how many paths.
         position: the token read out (default: the last real token; for a classifier's class logits,
-            the token its score head reads); ``batch``: the element.
+            the token its score head reads); ``batch``: the element, or a list of elements: then the
+            paths of their mean (each element read at ``position``, or at its own last real token),
+            searched over :func:`~pathkernels.analysis.readout_trie.block_diagonal_model`.
         largest: the largest attributions, or the smallest (the largest of the negated readout).
         max_length: only paths through at most this many heads.
         time_limit: seconds; at the limit the best list so far comes back with its gap.
@@ -476,7 +481,12 @@ def top_paths(
             f"{_WHERE}: expected position to be one token position (an int) or None, got {type(position).__name__} "
             f"{position!r}; for several positions call top_paths once per position"
         )
-    setup = read_out(stack, readout, position, batch, max_length, _WHERE)
+    if isinstance(batch, (list, tuple)):  # the mean of these elements, each read at its own token
+        if not batch:
+            raise ValueError(f"{_WHERE}: expected batch to be an element or a non-empty list of them, got []")
+        setup = mean_read_out([read_out(stack, readout, position, b, max_length, _WHERE) for b in batch], _WHERE)
+    else:
+        setup = read_out(stack, readout, position, batch, max_length, _WHERE)
     if len(setup.readout.labels) != 1:
         raise ValueError(f"{_WHERE}: expected one readout direction, got {len(setup.readout.labels)}")
     return search_top_paths(setup, options)
@@ -566,7 +576,7 @@ def search_top_paths(setup, options: SearchOptions) -> TopPaths:
         sources=fold.best[2][:, 0, 0],
         source_names=model.source_names,
         label=("" if largest else "−") + setup.readout.labels[0],
-        position=setup.positions[0],
+        position=setup.read_at or setup.positions[0],
         largest=largest,
         bound=_times_power_of_two(max(remaining, 0.0), shift),  # −inf: no path was left; inf: no bound in time
         certified=bool(certified),
