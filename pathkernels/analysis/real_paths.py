@@ -83,13 +83,19 @@ class ModelPathDecomposition(PathDecomposition):
             }
         )
 
+    @property
+    def bias_paths(self) -> Tensor:
+        """``[M]`` bool: the paths from an attention-bias source (their rows are the same at every
+        token where the patterns' rows sum to 1, so their residual ratio is round-off)."""
+        bias = torch.tensor([name.endswith("attention bias") for name in self.source_names], dtype=torch.bool)
+        return bias[self.sources.cpu()]
+
     def plot(self, ax=None, *, path=None, title: str | None = None):
         """:meth:`PathDecomposition.plot`, the paths from an attention-bias source drawn apart (grey)
         and left out of the median and the band: their rows are the same at every token where the
         patterns' rows sum to 1, so their ratio is round-off (~1e-15) and would set the band's
         scale. ``title`` defaults to the model the stack was captured from, with L and H."""
-        apart = torch.tensor([name.endswith("attention bias") for name in self.source_names], dtype=torch.bool)
-        apart = apart[self.sources.cpu()]
+        apart = self.bias_paths
         if title is None:
             source = getattr(self.stack, "source", None) or "a captured model"
             title = f"{self.method} path decomposition of {source}: L = {self.num_layers}, H = {self.num_heads}"

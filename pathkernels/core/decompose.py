@@ -253,7 +253,7 @@ class PathDecomposition:
         else:
             fig = ax.figure
         ratio = self._ratios().cpu()
-        band = self._band(ratio, apart) if apart is not None else None
+        band = self.quantiles_by_length(apart) if apart is not None else None
         floor = None
         if apart is not None and bool((ratio[:, apart.cpu()] > 0).any()):
             aside = ratio[:, apart.cpu()]
@@ -316,11 +316,13 @@ class PathDecomposition:
         ax.legend(fontsize="small")
         return saved(fig, path)
 
-    def _band(self, ratio: Tensor, apart: Tensor):
-        """Per length, the median and the 10–90 % quantiles of the ratios ``[B, M]`` of the paths not
-        ``apart`` (zero paths, NaN, left out), as by_length's columns ``length``, ``evaluated``,
-        ``median``, ``q10``, ``q90``."""
+    def quantiles_by_length(self, apart: Tensor):
+        """Per length, the median and the 10–90 % quantiles of the residual ratio over every (batch
+        element, path) pair of the paths not ``apart`` (``[M]`` bool; zero paths left out), as a
+        DataFrame with :meth:`by_length`'s columns ``length``, ``evaluated`` (pairs), ``median``,
+        ``q10`` and ``q90``: the band of :meth:`plot` when it draws paths apart."""
         pd = require("pandas")
+        ratio = self._ratios().cpu()
         rows = []
         lengths = self.lengths.cpu()
         for k in sorted(set(lengths.tolist())):
