@@ -796,3 +796,33 @@ def test_alibi_is_a_term_of_its_own_in_every_result():
         share = pk.score_attribution(stack, layer, head, query=query, key=key, side=side)
         closed = float(share.by_source_length.sum() + share.constant)
         assert closed == pytest.approx(float(share.value), rel=1e-12)
+
+
+def test_every_score_result_plots_and_refuses_a_k_beyond_what_it_kept(tmp_path):
+    """ScorePairs, TopScorePairs and CausalCheck plot (bars of the pairs, or the prediction beside
+    the measured change), save where asked, and refuse a ``k`` beyond the pairs kept; a batch's
+    attribution frames every element and the mean, and plots the mean."""
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("pandas")
+    ids = torch.randint(0, 50, (2, 6))
+    model = build("gpt2")
+    stack, _ = capture_huggingface_residual(model, input_ids=ids, query_key=True)
+    pairs = pk.score_pairs(stack, 2, 1, query=5, key=3, top_k=4)
+    figure = pairs.plot(path=tmp_path / "pairs.png")
+    assert len(figure.axes[0].patches) == 8 and (tmp_path / "pairs.png").stat().st_size > 0
+    assert " · " in figure.axes[0].get_yticklabels()[0].get_text()
+    with pytest.raises(ValueError, match=r"ScorePairs\.plot: expected k <= 4"):
+        pairs.plot(5)
+    found = pk.top_score_pairs(stack, 2, 1, query=5, key=3, k=3)
+    assert len(found.plot().axes[0].patches) == 3 and "certified" in found.plot().axes[0].get_title()
+    with pytest.raises(ValueError, match=r"TopScorePairs\.plot: expected k <= 3"):
+        found.plot(4)
+    inputs = {"input_ids": ids}
+    path = torch.cat([pairs.paths[1:2], torch.full((1, 1), -1)], 1)  # below layer 2, then no head there
+    check = pk.causal_check(model, stack, inputs, path, pairs.sources[1:2], layer=2, head=1, query=5, key=3)
+    bars = check.plot(path=tmp_path / "check.png").axes[0].patches
+    assert len(bars) == 2 and float(bars[0].get_width()) == pytest.approx(float(check.predicted[0]))
+    batch = pk.batch_attribution(stack, pk.logit_diff(model, 1, 2), top_k=2)
+    frame = batch.to_frame()
+    assert frame.columns[0] == "element" and sorted(set(frame["element"].astype(str))) == ["0", "1", "mean"]
+    assert len(batch.plot().axes[0].patches) == 4

@@ -46,7 +46,7 @@ from pathkernels.analysis.readout_trie import (
     describe_path,
     frozen_model,
 )
-from pathkernels.core._figures import check_save_path, saved
+from pathkernels.core._figures import check_save_path, require, saved
 from pathkernels.core._progress import progress_bar
 from pathkernels.core._repr import short_repr
 from pathkernels.core.checks import check_tree_shape
@@ -305,6 +305,32 @@ def check_kept(k: int, kept: int, paths, where: str) -> None:
             f"{where}: expected k <= {kept}, the paths this result kept (its top_k); got k = {k}: attribute "
             f"again with top_k={k} to plot {k}"
         )
+
+
+def pair_bars(
+    top: list[dict],
+    bottom: list[dict],
+    k: int | None,
+    kept_total: tuple[int, int],
+    title: str,
+    where,
+    *,
+    ax=None,
+    path=None,
+):
+    """:func:`path_bars` of score pairs (rows of ``"query path"``, ``"key path"``, ``"value"``), the
+    ``k`` largest and smallest (default: every one kept; beyond them refused where there were more,
+    ``kept_total``: how many were kept and how many pairs there are). Returns the Figure, saved to
+    ``path`` where given."""
+    check_save_path(path, where)
+    kept, total = kept_total
+    k = max(kept, 1) if k is None else check_int(k, "k", where, minimum=1)
+    check_kept(k, kept, total, where)
+
+    def bars(rows):
+        return [{"path": f"{row['query path']} · {row['key path']}", "attribution": row["value"]} for row in rows[:k]]
+
+    return saved(path_bars(bars(top), bars(bottom), "pair term (query side · key side)", title, ax), path)
 
 
 def path_bars(top: list[dict], bottom: list[dict], label: str, title: str, ax=None):
@@ -726,6 +752,19 @@ class BatchAttribution:
 
     def __repr__(self) -> str:
         return f"BatchAttribution({len(self.elements)} elements; mean: {self.mean!r})"
+
+    def to_frame(self, *, which: str = "top"):
+        """Every element's :meth:`PathAttribution.to_frame` and the mean's, one frame, the first
+        column ``element`` (its batch index, or "mean")."""
+        pd = require("pandas")
+        frames = [r.to_frame(which=which).assign(element=r.batch) for r in self.elements]
+        frames.append(self.mean.to_frame(which=which).assign(element="mean"))
+        frame = pd.concat(frames, ignore_index=True)
+        return frame[["element", *[c for c in frame.columns if c != "element"]]]
+
+    def plot(self, k: int | None = None, **options):
+        """The mean's :meth:`PathAttribution.plot` (options as there)."""
+        return self.mean.plot(k, **options)
 
 
 def batch_attribution(

@@ -33,7 +33,7 @@ from pathkernels.analysis.attribution import Readout
 from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, describe_path, frozen_model
 from pathkernels.analysis.real_paths import _checked_paths, terms_of
 from pathkernels.analysis.scores import checked_head, query_and_keys
-from pathkernels.core._figures import require
+from pathkernels.core._figures import check_save_path, require, saved
 from pathkernels.core.paths import check_flag, check_int
 
 if TYPE_CHECKING:
@@ -89,6 +89,32 @@ class CausalCheck:
             if values is not None:
                 columns[name] = values.tolist()
         return pd.DataFrame(columns)
+
+    def plot(self, *, ax=None, path=None):
+        """Each removed path's frozen prediction beside the change measured (of the score, else of
+        the readout) as paired horizontal bars. Returns the matplotlib Figure, saved to ``path``."""
+        check_save_path(path, "pathkernels.CausalCheck.plot")
+        require("matplotlib")
+        import matplotlib.pyplot as plt
+
+        measured, what = self.score_change, "score change"
+        if measured is None:
+            measured, what = self.readout_change, "readout change"
+        count = len(self.paths)
+        if ax is None:
+            fig, ax = plt.subplots(figsize=(7, 0.45 * count + 1.4))
+        else:
+            fig = ax.figure
+        rows = torch.arange(count, dtype=torch.float64)
+        ax.barh((rows - 0.2).tolist(), self.predicted.tolist(), height=0.4, color="C0", label="frozen prediction")
+        ax.barh((rows + 0.2).tolist(), measured.tolist(), height=0.4, color="C1", label=f"measured {what}")
+        ax.set_yticks(rows.tolist(), self.paths, fontsize=8)
+        ax.invert_yaxis()
+        ax.axvline(0, color="black", linewidth=0.5)
+        ax.set_xlabel(what)
+        ax.set_title(repr(self).removeprefix("CausalCheck(").removesuffix(")"), fontsize="small")
+        ax.legend(fontsize="small")
+        return saved(fig, path)
 
 
 def _single_row(inputs: dict, batch: int, size: int) -> dict:

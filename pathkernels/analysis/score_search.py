@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from pathkernels.analysis.attribution import pair_bars
 from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, describe_path
 from pathkernels.analysis.scores import CONSTANT, CheckedHead, checked_head, query_and_keys
 from pathkernels.analysis.top_paths import (
@@ -108,7 +109,18 @@ class TopScorePairs:
         ]
 
     def to_frame(self):
+        """:meth:`table` as a pandas DataFrame (pandas is optional)."""
         return require("pandas").DataFrame(self.table())
+
+    def plot(self, k: int | None = None, *, ax=None, path=None):
+        """The pairs found as horizontal bars (default: all; ``k`` beyond them refused); the title
+        says whether the list is certified. Returns the matplotlib Figure, saved to ``path``."""
+        how = "certified" if self.certified else f"not certified: gap {self.gap:.3g}"
+        which = "largest" if self.largest else "smallest"
+        title = f"L{self.layer}H{self.head}, query {self.query}, key {self.key}: the {which} pairs ({how})"
+        rows = self.table()
+        where = "pathkernels.TopScorePairs.plot"
+        return pair_bars(rows, [], k, (len(rows), self.total**2), title, where, ax=ax, path=path)
 
 
 class _Side:

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from pathkernels.adapters.query_key import SIDES
-from pathkernels.analysis.attribution import CheckedReadout, PathAttribution, Readout, attribute
+from pathkernels.analysis.attribution import CheckedReadout, PathAttribution, Readout, attribute, pair_bars
 from pathkernels.analysis.readout_trie import FrozenModel, describe_path, frozen_model
 from pathkernels.analysis.real_paths import _every_term, _heads, _skip
 from pathkernels.analysis.top_paths import SearchOptions, TopPaths, search_top_paths
@@ -444,6 +444,14 @@ class ScorePairs:
     def to_frame(self, which: str = "top"):
         """The top (or ``which="bottom"``) pairs as a pandas DataFrame."""
         return require("pandas").DataFrame(self.top if which == "top" else self.bottom)
+
+    def plot(self, k: int | None = None, *, ax=None, path=None):
+        """The ``k`` largest and smallest pair terms as horizontal bars (default: every pair kept;
+        ``k`` beyond them refused). Returns the matplotlib Figure, saved to ``path`` where given."""
+        pairs = (self.paths.shape[0] + 1) ** 2
+        title = f"L{self.layer}H{self.head}'s score, query {self.query}, key {self.key}: {self.score:.4g}"
+        where = "pathkernels.ScorePairs.plot"
+        return pair_bars(self.top, self.bottom, k, (len(self.top), pairs), title, where, ax=ax, path=path)
 
 
 def score_pairs(
