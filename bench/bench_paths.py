@@ -7,7 +7,11 @@ Each case runs in its own process, so that its peak memory is its own. Reported 
 - speed-up over (b) the best pure-PyTorch level-wise implementation (stacked GEMMs per level,
   materialised, then the norms; one top-level branch at a time to bound its memory) and over (a)
   the per-path loop (timed on a sample of paths, extrapolated to the tree);
-- peak memory growth of the engine and of (b).
+- peak memory growth of the engine and of (b);
+- on the CPU, the bare products the engine's work is made of, at each n and dtype, in the same run:
+  ``torch.bmm`` of two batches and ``torch.matmul`` with a shared left factor, on operands in cache
+  (1 MiB) and streamed from memory (256 MiB), with their fraction of the floor.
+The machine is named by its CPU model and vector instruction sets (``/proc/cpuinfo``).
 
     python bench/bench_paths.py                       # the full grid, about 10 minutes on 2 cores
     python bench/bench_paths.py --quick               # three small cases
@@ -32,9 +36,11 @@ from pathlib import Path
 import torch
 
 from pathkernels.app.benchmarks import (
+    bare_product_rates,
     format_table,
     gemm_rate,
     head_node_flops,
+    machine_description,
     peak_rss,
     reset_peak_rss,
     seconds_per_call,
@@ -137,6 +143,18 @@ def bench_case(layers, heads, n, dtype_name, skip, gemm, with_levelwise=True, de
     return row
 
 
+BARE_COLUMNS = [
+    ("n", "n", ""),
+    ("dtype", "dtype", "<"),
+    ("bmm cache", "bmm_cached", ".1f"),
+    ("of floor", "bmm_cached_of_floor", ".0%"),
+    ("bmm stream", "bmm_streamed", ".1f"),
+    ("shared cache", "shared_cached", ".1f"),
+    ("of floor", "shared_cached_of_floor", ".0%"),
+    ("shared stream", "shared_streamed", ".1f"),
+]
+
+
 def engine_seconds(layers, heads, n, dtype_name, calls=3) -> float:
     """Best of ``calls`` timed ``path_residuals`` calls on a complete tree without skip (after a warm-up)."""
     import pathkernels as pk
@@ -224,12 +242,21 @@ def main(argv=None) -> int:
         gemm[name] = max(gemm[name], gemm_rate(getattr(torch, name), device))
     for r in rows:
         r["fraction_of_gemm_floor"] = r["gflops"] * 1e9 / gemm[r["dtype"]]
-    machine = torch.cuda.get_device_name() if device == "cuda" else f"CPU {torch.get_num_threads()} threads"
+    machine = machine_description(device)
     print(
         f"pathkernels {pk.__version__} path engine, {machine}, torch {torch.__version__}; "
         f"GEMM floor float32 {gemm['float32'] / 1e9:.1f} GFLOP/s, float64 {gemm['float64'] / 1e9:.1f} GFLOP/s"
     )
     print(format_table(rows, COLUMNS))
+    bare = []
+    if device == "cpu":  # the bare products the engine's GEMM work is made of, in the same run
+        for dtype_name in dtypes:
+            for n in sorted({n for _, _, n in cases}):
+                rates = bare_product_rates(n, getattr(torch, dtype_name))
+                bare.append({"n": n, "dtype": dtype_name, **{k: v / 1e9 for k, v in rates.items()}})
+                bare[-1] |= {f"{k}_of_floor": v / gemm[dtype_name] for k, v in rates.items()}
+        print("Bare products, GFLOP/s (of the floor): bmm and a shared left factor, in cache and streamed")
+        print(format_table(bare, BARE_COLUMNS))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         payload = {
@@ -238,6 +265,7 @@ def main(argv=None) -> int:
             "threads": torch.get_num_threads(),
             "build": pk.build_info(),
             "gemm_gflops": {k: v / 1e9 for k, v in gemm.items()},
+            "bare_products_gflops": bare,
             "results": rows,
         }
         args.out.write_text(json.dumps(payload, indent=2) + "\n")

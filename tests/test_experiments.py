@@ -617,3 +617,21 @@ def test_trained_collapse_trained_terms_keep_their_rank():
     # The bias paths (ratio round-off) are left out of the band: its lower edge stays with the
     # paths that carry the stream, far above round-off.
     assert float(table["q10"].min()) > 0.1
+
+
+def test_the_machine_is_named_by_its_cpu_model_and_instruction_sets():
+    """Benchmarks name the CPU by ``/proc/cpuinfo``'s model and its vector instruction sets (where
+    the file exists), with torch's threads: what a reader needs to compare figures across CPUs."""
+    from pathlib import Path
+
+    from pathkernels.app.benchmarks import cpu_description, machine_description
+
+    text = cpu_description()
+    assert text and machine_description("cpu") == f"{text}, {torch.get_num_threads()} threads"
+    info = Path("/proc/cpuinfo")
+    if info.exists():
+        content = info.read_text()
+        model = next(line.split(":", 1)[1].strip() for line in content.splitlines() if line.startswith("model name"))
+        flags = next(line.split(":", 1)[1].split() for line in content.splitlines() if line.startswith("flags"))
+        assert text.startswith(model)
+        assert ("AVX-512" in text) == ("avx512f" in flags) and ("AVX2" in text) == ("avx2" in flags)

@@ -9,6 +9,7 @@ and (a) the per-path loop (docs/DESIGN.md §5), both in :mod:`pathkernels.refere
 
 from __future__ import annotations
 
+import functools
 import platform
 import statistics
 import time
@@ -151,10 +152,59 @@ def busy_note(rows: list[dict]) -> str | None:
     )
 
 
+# Instruction sets named in a CPU's description, widest first (their /proc/cpuinfo flags).
+_ISA_FLAGS = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"), ("fma", "FMA"))
+
+
+def cpu_description() -> str:
+    """The CPU's model and vector instruction sets, as ``/proc/cpuinfo`` names them (``"AMD EPYC
+    (AVX-512, AVX2, FMA)"``), or ``platform``'s word for it where there is no such file."""
+    model, flags = None, set()
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model is None:
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    model = model or platform.processor() or platform.machine()
+    isa = [name for flag, name in _ISA_FLAGS if flag in flags]
+    return f"{model} ({', '.join(isa)})" if isa else model
+
+
 def machine_description(device: str) -> str:
+    """The GPU's name, or the CPU's model, instruction sets and the threads torch uses."""
     if device == "cuda":
         return torch.cuda.get_device_name()
-    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+    return f"{cpu_description()}, {torch.get_num_threads()} threads"
+
+
+def bare_product_rates(n: int, dtype: torch.dtype, *, cached_bytes: int = 1 << 20, streamed_bytes: int = 256 << 20):
+    """FLOP/s of the bare products the path engine's GEMM work is made of, ``[n, n]`` matrices in
+    batches: ``torch.bmm`` of two batches, and ``torch.matmul`` of one shared left factor with a
+    batch (a level's ``C(A_h)`` times its parents), each on operands that fit in cache
+    (``cached_bytes`` per operand batch) and on operands streamed from memory (``streamed_bytes``).
+    Returns ``{"bmm_cached", "bmm_streamed", "shared_cached", "shared_streamed"}`` in FLOP/s, each
+    the best of its timed calls."""
+    size = torch.finfo(dtype).bits // 8 * n * n
+    rates = {}
+    for where, budget in (("cached", cached_bytes), ("streamed", streamed_bytes)):
+        batch = max(1, budget // size)
+        left = torch.randn(batch, n, n, dtype=dtype)
+        right = torch.randn(batch, n, n, dtype=dtype)
+        shared = left[0]
+        out = torch.empty(batch, n, n, dtype=dtype)
+        flops = 2 * batch * n**3
+        calls = {
+            "bmm": functools.partial(torch.bmm, left, right, out=out),
+            "shared": functools.partial(torch.matmul, shared, right, out=out),
+        }
+        for name, call in calls.items():
+            rates[f"{name}_{where}"] = flops / seconds_per_call(call, min_runs=5, min_seconds=0.3, statistic="min")
+    return rates
 
 
 def norm_benchmark(shape, dtype=torch.float32, device="cpu", min_run_time=1.0) -> list[dict]:
