@@ -120,3 +120,25 @@ def test_empty_operands_and_opcheck():
 def test_bad_input(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_every_size_from_1_to_130_and_its_tails(dtype):
+    """Every n from 1 to 130, the engine's shapes (``[n, n] @ [n, n]``, and a batch of parents
+    ``[3n, n] @ [n, n + 5]``, whose rows and columns leave tails past any register block): each
+    kernel within the float64 bound, and (with FMA) the same bits as the portable one, so that a
+    change to a kernel's blocking or tail handling cannot pass unseen at any size."""
+    g = torch.Generator().manual_seed(130)
+    unit = torch.finfo(dtype).eps / 2
+    for n in range(1, 131):
+        for rows, cols in ((n, n), (3 * n, n + 5)):
+            a = torch.randn(rows, n, generator=g, dtype=torch.float64).to(dtype)
+            b = torch.randn(n, cols, generator=g, dtype=torch.float64).to(dtype)
+            reference = a.double() @ b.double()
+            bound = 1.01 * n * unit * (a.double().abs() @ b.double().abs()) + torch.finfo(dtype).tiny
+            portable = mm(a, b, "portable")
+            for isa in ISAS:
+                result = mm(a, b, isa)
+                assert bool(((result.double() - reference).abs() <= bound).all()), (isa, n, rows, cols)
+                if HAS_FMA:
+                    assert torch.equal(result, portable), (isa, n, rows, cols)
