@@ -291,10 +291,19 @@ def logit_diff(model, a: int | str, b: int | str, *, tokenizer=None) -> Readout:
     (:func:`logit_soft_cap`) it is the difference before the cap, and its label says so."""
     where = "pathkernels.logit_diff"
     weight, bias, vocab = unembedding(model, where)
+    text = [name for name, value in (("a", a), ("b", b)) if isinstance(value, str)]
+    if text:  # one tokenizer for both (read from disk where it is the one saved beside the model)
+        tokenizer = model_tokenizer(model, tokenizer, where, text[0])
     a, b = _token(a, vocab, "a", where, model, tokenizer), _token(b, vocab, "b", where, model, tokenizer)
     direction = (weight[a].double() - weight[b].double())[None]
     constant = torch.zeros(1, dtype=torch.float64) if bias is None else (bias[a].double() - bias[b].double()).reshape(1)
     return Readout(direction, constant.detach(), (_logit_label(model, a, b),), _is_classifier(model))
+
+
+def own_tokens(tokens: list[int]) -> str:
+    """Where a batch's mean is read: "each element's own token (8, 5, 8)" (the first four shown)."""
+    shown = ", ".join(map(str, tokens[:4])) + (", …" if len(tokens) > 4 else "")
+    return f"each element's own token ({shown})"
 
 
 def check_kept(k: int, kept: int, paths, where: str) -> None:
@@ -421,9 +430,7 @@ class PathAttribution:
         [B, P]``) "each element's own token" with the tokens."""
         if self.positions.dim() == 1:
             return int(self.positions[position])
-        tokens = self.positions[:, position].tolist()
-        shown = ", ".join(map(str, tokens[:4])) + (", …" if len(tokens) > 4 else "")
-        return f"each element's own token ({shown})"
+        return own_tokens(self.positions[:, position].tolist())
 
     def _at(self, position: int) -> str:
         read = self.read_at(position)
@@ -662,7 +669,6 @@ def mean_read_out(setups: list[CheckedReadout], where: str) -> CheckedReadout:
                 f"{where}: the mean over a batch reads one readout at the same number of positions in every "
                 "element; pass one readout (per-element readouts: batch_attribution gives their mean's paths)"
             )
-    tokens = ", ".join(str(setup.positions[0]) for setup in setups[:4]) + (", …" if len(setups) > 4 else "")
     return CheckedReadout(
         model=block_diagonal_model([setup.model for setup in setups]),
         rho=torch.cat([setup.rho for setup in setups], -1) / len(setups),
@@ -673,7 +679,7 @@ def mean_read_out(setups: list[CheckedReadout], where: str) -> CheckedReadout:
         positions=first.positions,
         batch=None,
         max_length=first.max_length,
-        read_at=f"each element's own token ({tokens})",
+        read_at=own_tokens([setup.positions[0] for setup in setups]),
     )
 
 
@@ -857,16 +863,11 @@ def attribute_in_step(
     first = setups[0]
     model = first.model
     layers, heads, max_length = model.layers, model.num_heads, first.max_length
-    positions, readouts = len(first.positions), len(first.readout.labels)
+    readouts = len(first.readout.labels)
     total = count_attribution_paths(layers, heads, max_length)
     share = max(1, memory_budget // (len(setups) + 1))
     chunk = min(_chunk(setup, share) for setup in setups)
-    keep = total * (8 * positions * readouts + 8 * (layers + 1)) <= share // 4
-
-    def fold() -> Fold:
-        return Fold(len(model.source_names), layers, positions, readouts, top_k, keep, only=only, heads=heads)
-
-    folds, together = [fold() for _ in setups], fold()
+    folds, together = [_fold(first, top_k, share, only) for _ in setups], _fold(first, top_k, share, only)
     walks = [
         Walker(setup.model, ENGINE, low_rank=True, max_length=max_length, cache_bytes=share // 2).emissions(
             setup.rho, setup.phi, max_length, chunk
@@ -920,17 +921,26 @@ def attribute(
     """:func:`path_attribution` of a checked readout (:func:`read_out`), its trie steps by ``steps``
     (the engine, or for comparisons ``pathkernels.reference``'s plain-PyTorch form); ``low_rank``
     as in :class:`~pathkernels.analysis.readout_trie.Walker` (pre-norm models only)."""
-    model, rho, phi, read, positions = setup.model, setup.rho, setup.phi, setup.readout, setup.positions
-    layers, max_length, heads = model.layers, setup.max_length, model.num_heads
-    total = count_attribution_paths(layers, heads, max_length)
-    keep = total * (8 * len(positions) * len(read.labels) + 8 * (layers + 1)) <= memory_budget // 4
-    fold = Fold(len(model.source_names), layers, len(positions), len(read.labels), top_k, keep, only=only, heads=heads)
+    model, max_length = setup.model, setup.max_length
+    fold = _fold(setup, top_k, memory_budget, only)
+    total = count_attribution_paths(model.layers, model.num_heads, max_length)
     bar = progress_bar(total, enabled=progress, unit="path", desc=_WHERE)
     walker = Walker(model, steps, low_rank=low_rank, max_length=max_length, cache_bytes=memory_budget // 2)
-    walker.walk(rho, phi, max_length, _chunk(setup, memory_budget), fold, bar)
+    walker.walk(setup.rho, setup.phi, max_length, _chunk(setup, memory_budget), fold, bar)
     if bar is not None:
         bar.close()
     return _result(setup, fold)
+
+
+def _fold(setup: CheckedReadout, top_k: int, memory_budget: int, only: PathSet | None) -> Fold:
+    """A fold of a walk of ``setup``'s paths, with per-head totals; it keeps every path's
+    attribution where they fit a quarter of ``memory_budget``."""
+    model, positions, readouts = setup.model, len(setup.positions), len(setup.readout.labels)
+    total = count_attribution_paths(model.layers, model.num_heads, setup.max_length)
+    keep = total * (8 * positions * readouts + 8 * (model.layers + 1)) <= memory_budget // 4
+    return Fold(
+        len(model.source_names), model.layers, positions, readouts, top_k, keep, only=only, heads=model.num_heads
+    )
 
 
 def _chunk(setup: CheckedReadout, memory_budget: int) -> int:
