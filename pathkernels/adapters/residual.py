@@ -707,6 +707,8 @@ def _check_transformer_lens_query_key(model, where: str) -> None:
         "use_attention_sinks": "attention sinks",
         "use_dynamic_ntk_rope": "dynamic NTK rotary positions",
     }
+    if _hugging_face_bridge(model):
+        unread |= _BRIDGE_UNREAD
     for flag, what in unread.items():
         if getattr(cfg, flag, False):
             raise ValueError(f"{where}: query_key=True does not read {what} ({flag}) yet")
@@ -726,26 +728,26 @@ def _check_transformer_lens_scores(query_key: QueryKeyCapture, cache, stack: Att
     _refuse_score_side(query_key.score_error(scores), stack, what, where)
 
 
+# A TransformerBridge's options that change the queries or keys beside its hooks: not read.
+_BRIDGE_UNREAD = {
+    "qk_norm_after_rope": "query/key norms after the rotation",
+    "gated_q_proj": "gated query projections",
+    "use_split_qkv_input": "split query/key/value inputs",
+    "use_attn_in": "per-head attention inputs",
+}
+
+
 def _check_hugging_face_bridge_query_key(model, where: str) -> None:
-    """Refuse, by name, what ``query_key=True`` does not read of a TransformerBridge over a Hugging
-    Face model: families whose score side is not read, and the bridge options that change the
-    queries or keys beside its hooks. (TransformerLens itself refuses a model whose query/key norms
-    its bridge does not apply, Phi's ``qk_layernorm`` among them.)"""
+    """Refuse, by name, a TransformerBridge over a Hugging Face family whose score side is not read
+    (its options are refused with the others: :data:`_BRIDGE_UNREAD`). TransformerLens itself
+    refuses a model whose query/key norms its bridge does not apply, Phi's ``qk_layernorm`` among
+    them."""
     family = model.original_model.config.model_type
     if family not in QUERY_KEY_FAMILIES:
         raise ValueError(
             f"{where}: query_key=True reads bridges over Hugging Face {', '.join(QUERY_KEY_FAMILIES)} models; "
             f"not over {family!r}"
         )
-    unread = {
-        "qk_norm_after_rope": "query/key norms after the rotation",
-        "gated_q_proj": "gated query projections",
-        "use_split_qkv_input": "split query/key/value inputs",
-        "use_attn_in": "per-head attention inputs",
-    }
-    for flag, what in unread.items():
-        if getattr(model.cfg, flag, False):
-            raise ValueError(f"{where}: query_key=True does not read {what} ({flag}) yet")
 
 
 def _rotary_bridge(model) -> bool:
