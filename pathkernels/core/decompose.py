@@ -253,11 +253,12 @@ class PathDecomposition:
         else:
             fig = ax.figure
         ratio = self._ratios().cpu()
+        apart = None if apart is None else apart.cpu()
         band = self.quantiles_by_length(apart) if apart is not None else None
         floor = None
-        if apart is not None and bool((ratio[:, apart.cpu()] > 0).any()):
-            aside = ratio[:, apart.cpu()]
-            kept = ratio[:, ~apart.cpu()]
+        if apart is not None and bool((ratio[:, apart] > 0).any()):
+            aside = ratio[:, apart]
+            kept = ratio[:, ~apart]
             kept = kept[kept > 0]
             # The axis spans the paths in the band; those apart below it sit on its bottom edge.
             floor = float(kept.min()) / 3 if kept.numel() else None
@@ -266,7 +267,7 @@ class PathDecomposition:
             if floor is not None:
                 values = values.clamp(min=floor)
             ax.scatter(  # (none where the bias rows are 0: zero paths)
-                (self.lengths.cpu()[apart.cpu()].expand_as(aside)[shown_aside]).numpy() + 0.2,
+                (self.lengths.cpu()[apart].expand_as(aside)[shown_aside]).numpy() + 0.2,
                 values.numpy(),
                 s=8,
                 marker="v",
@@ -275,9 +276,9 @@ class PathDecomposition:
                 label=apart_label,
                 clip_on=False,
             )
+        lengths = self.lengths.cpu()
         if apart is not None:
-            ratio = ratio[:, ~apart.cpu()]
-        lengths = self.lengths.cpu()[~apart.cpu()] if apart is not None else self.lengths.cpu()
+            ratio, lengths = ratio[:, ~apart], lengths[~apart]
         lengths = lengths.expand_as(ratio).flatten()
         ratio = ratio.flatten()
         zeros = int((ratio == 0).sum())
