@@ -171,7 +171,14 @@ def _check_paths(args) -> None:
     model = getattr(args, "model", None)
     if not model:
         return
-    from pathkernels.app.cli.sizes import direction_length, example_task, has_tokenizer, model_folder, model_shape
+    from pathkernels.app.cli.sizes import (
+        check_ids,
+        direction_length,
+        example_task,
+        has_tokenizer,
+        model_folder,
+        model_shape,
+    )
 
     folder = model_folder(model)
     config_file = folder / "config.json" if folder.is_dir() else folder
@@ -193,15 +200,12 @@ def _check_paths(args) -> None:
         )
     if getattr(args, "example", False):
         example_task(folder)  # refuses a folder that is not a fixture
-    ids = getattr(args, "ids", None)
-    vocab = config.get("vocab_size")
-    if ids is not None and isinstance(vocab, int) and max(ids) >= vocab:
-        raise CommandLineError(f"--ids: expected token ids in [0, {vocab}) (the model's vocabulary), got {max(ids)}")
+    check_ids(getattr(args, "ids", None), config.get("vocab_size"))
     if getattr(args, "text", None) is not None and not has_tokenizer(folder):
         raise CommandLineError(f"--text needs a tokenizer, and {folder} has none; pass --tokens N for random token ids")
     direction = getattr(args, "direction", None)
-    shape = model_shape(model)
-    if direction is not None and shape is not None:
+    shape = model_shape(model) if direction is not None else None
+    if shape is not None:
         length = direction_length(Path(direction))
         if length is not None and length != shape["width"]:
             raise CommandLineError(

@@ -11,7 +11,7 @@ import torch
 
 from pathkernels.adapters.huggingface import LocalModel, load_local_model, local_model_inputs
 from pathkernels.app.cli.base import BUILT_IN_VOCAB, DEFAULT_TOKENS, CommandLineError
-from pathkernels.app.cli.sizes import example_task, gpt2_bytes, model_folder
+from pathkernels.app.cli.sizes import check_ids, example_task, gpt2_bytes, model_folder
 from pathkernels.core._extension import build_info
 from pathkernels.core._figures import saved
 from pathkernels.core._memory import check_fits
@@ -140,9 +140,7 @@ def _given_inputs(local: LocalModel, ids: list[int] | None, example: bool, batch
             f"seed {task['example_seed']}: pathkernels.fixtures.load_fixture)"
         )
         return {"input_ids": input_ids}, what
-    vocab = local.model.config.vocab_size
-    if max(ids) >= vocab:
-        raise CommandLineError(f"--ids: expected token ids in [0, {vocab}) (the model's vocabulary), got {max(ids)}")
+    check_ids(ids, local.model.config.vocab_size)
     return {"input_ids": torch.tensor([ids] * batch)}, f"the given {len(ids)} token ids"
 
 

@@ -173,6 +173,12 @@ def example_task(folder) -> dict:
         ) from None
 
 
+def check_ids(ids: list[int] | None, vocab) -> None:
+    """Refuse ``--ids`` beyond a vocabulary of ``vocab`` tokens (nothing to check without one)."""
+    if ids is not None and isinstance(vocab, int) and max(ids) >= vocab:
+        raise CommandLineError(f"--ids: expected token ids in [0, {vocab}) (the model's vocabulary), got {max(ids)}")
+
+
 def direction_length(path: Path) -> int | None:
     """How many numbers a ``--direction`` file holds, read without torch: a text file's words, a
     ``.npy`` array's length from its header (None for a torch file, or one that is not a vector:
