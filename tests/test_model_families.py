@@ -339,7 +339,12 @@ def family_model(name: str, dtype=torch.float64):
     """A tiny model of family ``name``: weights ×5 so that heads attend sharply and matter, every
     bias ~ N(0, 0.3²), every norm's γ = 1 + N(0, 0.3²) (Gemma's stored ``γ − 1`` ~ N(0, 0.3²))."""
     torch.manual_seed(0)
-    model = family_configs()[name]().to(torch.float64).eval()
+    return sharpened(family_configs()[name]()).to(dtype)
+
+
+def sharpened(model):
+    """``model`` in float64 and eval mode, randomised in place as :func:`family_model` describes."""
+    model = model.to(torch.float64).eval()
     gemma_style = type(model).__name__.startswith("Gemma")
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
@@ -350,7 +355,7 @@ def family_model(name: str, dtype=torch.float64):
                 parameter.normal_(0, 0.3).add_(0 if gemma_style else 1)
             elif parameter.dim() == 2:
                 parameter.mul_(5)
-    return model.to(dtype)
+    return model
 
 
 def uncapped(model):

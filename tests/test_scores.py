@@ -28,7 +28,7 @@ from pathkernels.core.paths import count_attribution_paths
 
 transformers = pytest.importorskip("transformers")
 
-from test_model_families import family_model, literal_pre_norm_terms  # noqa: E402
+from test_model_families import family_model, literal_pre_norm_terms, sharpened  # noqa: E402
 from test_real_models import gpt2, llama  # noqa: E402
 
 FAMILIES = [
@@ -68,15 +68,7 @@ def build(name: str, dtype=torch.float64):
             partial_rotary_factor=0.5,
             qk_layernorm=True,
         )
-        model = transformers.PhiForCausalLM(config).double().eval()
-        with torch.no_grad():
-            for parameter_name, parameter in model.named_parameters():
-                if parameter_name.endswith("bias"):
-                    parameter.normal_(0, 0.3)
-                elif "layernorm" in parameter_name and parameter_name.endswith("weight"):
-                    parameter.normal_(0, 0.3).add_(1)
-                elif parameter.dim() == 2:
-                    parameter.mul_(5)
+        model = sharpened(transformers.PhiForCausalLM(config))  # as family_model randomises its families
         return model.to(dtype)
     return family_model(name, dtype)
 
