@@ -427,16 +427,24 @@ def test_the_certificate_is_the_formula_over_both_frontiers():
     from pathkernels.analysis import score_search
     from pathkernels.analysis.scores import checked_head
 
-    model = gpt2(layers=4).eval()
-    with torch.no_grad():  # heads that amplify: the frontier's bounds exceed the visited paths' norms
-        for block in model.transformer.h:
-            block.attn.c_proj.weight.mul_(8.0)
-    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 6)), query_key=True)
-    head = checked_head(stack, 3, 2, 0, "test")
-    bounds, with_head = score_search.head_sequence_bounds(head.model, "chain")
-    query, key = (score_search._Side(head, side, row, bounds, with_head) for side, row in (("query", 5), ("key", 1)))
-    f_q, f_k, v_q, v_k = query.frontier, key.frontier, query.largest_norm, key.largest_norm
-    assert f_q > v_q and f_k > v_k
+    # The formula is tested only where both sides' frontiers exceed their visited norms, so that
+    # neither max(...) can hide a wrong term. Heads that amplify make that the rule; about one draw
+    # in 200 misses it (the frozen norms undo part of the amplification), so draw again then.
+    for _ in range(10):
+        model = gpt2(layers=4).eval()
+        with torch.no_grad():
+            for block in model.transformer.h:
+                block.attn.c_proj.weight.mul_(8.0)
+        stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 6)), query_key=True)
+        head = checked_head(stack, 3, 2, 0, "test")
+        bounds, with_head = score_search.head_sequence_bounds(head.model, "chain")
+        sides = (score_search._Side(head, side, row, bounds, with_head) for side, row in (("query", 5), ("key", 1)))
+        query, key = sides
+        f_q, f_k, v_q, v_k = query.frontier, key.frontier, query.largest_norm, key.largest_norm
+        if f_q > v_q and f_k > v_k:
+            break
+    else:
+        pytest.fail("ten draws in a row had a frontier below its visited norms")
     expected = float(head.maps.scaling[3]) * max(f_q * max(v_k, f_k), f_k * max(v_q, f_q))
     found = pk.top_score_pairs(stack, 3, 2, 5, query=5, key=1, time_limit=1e-9)
     assert not found.certified and found.bound == pytest.approx(expected, rel=1e-12)
