@@ -888,6 +888,80 @@ def test_all_heads_levels_switch_is_checked(monkeypatch):
     pk.path_residuals(attn, pk.PathTree.complete(3, 2))
 
 
+# --- the CPU's leaf levels whose parents every head shares: each parent block read once ----------
+
+
+def leaf_calls(monkeypatch, leaves, call):
+    """``call()`` with PATHKERNELS_ENGINE_LEAVES=``leaves``, and the tensors the engine allocated
+    (aten::empty): the per-head leaf blocks allocate their operands, block by block; the shared
+    parents' path allocates none."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.setenv("PATHKERNELS_ENGINE_LEAVES", leaves)
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            result = call()
+    finally:
+        monkeypatch.delenv("PATHKERNELS_ENGINE_LEAVES")
+    return result, sum(event.name == "aten::empty" for event in prof.events())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "tree_kind", [*TREES, "factored W", "small chunks", "float32 range", "odd sizes", "one parent, three threads"]
+)
+def test_shared_parent_leaves_change_no_bit_on_the_cpu(monkeypatch, dtype, tree_kind):
+    """Every head's leaves of a parent block from one read of it (complete and pruned trees) give
+    the bits of the leaf blocks head by head: the same products, means and reductions, only
+    grouped by parent. Factored W and explicit trees keep the per-head blocks."""
+    layers, heads, n = 4, 3, 6
+    tree = TREES.get(tree_kind, TREES["complete_skip"])(layers, heads)
+    attn, x, w_v, w_o = network(2, layers, heads, n, dtype=dtype)
+    budget, threads = 2**22, 2
+    if tree_kind == "factored W":
+        attn, x, w_v, w_o = network(2, layers, heads, n, 5, 2, dtype=dtype)
+    elif tree_kind == "small chunks":
+        budget = 20_000
+    elif tree_kind == "float32 range":
+        layers, heads, n = 9, 2, 8
+        attn = dyadic_attention(zero_sum_integers(2, layers, heads, n, spread=4), 2.0**-20).to(dtype)
+        tree = pk.PathTree.complete(layers, heads, skip=True)
+    elif tree_kind == "odd sizes":  # tails of every register tile, more heads than rows
+        layers, heads, n = 3, 7, 5
+        attn, x, w_v, w_o = network(1, layers, heads, n, dtype=dtype)
+        tree = pk.PathTree.complete(layers, heads)
+    elif tree_kind == "one parent, three threads":
+        layers, heads, n, threads = 1, 4, 33, 3
+        attn, x, w_v, w_o = network(1, layers, heads, n, dtype=dtype)
+        tree = pk.PathTree.complete(layers, heads)
+    # Magnitudes over many binades, so that any change in the order of rounding would show.
+    attn = torch.softmax(attn.double().log() * 3, -1).to(dtype) if tree_kind != "float32 range" else attn
+
+    def call():
+        with num_threads(threads), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a small budget's warning
+            return pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, memory_budget=budget)
+
+    call()  # a first call's one-time allocations, out of the counts
+    expected, per_head_allocations = leaf_calls(monkeypatch, "per_head", call)
+    got, allocations = leaf_calls(monkeypatch, "all_heads", call)
+    assert torch.equal(got.residual, expected.residual) and torch.equal(got.norm, expected.norm)
+    if tree_kind != "explicit":  # (whose leaf level may, rarely, branch fully)
+        assert (allocations < per_head_allocations) == (tree_kind != "factored W"), (allocations, per_head_allocations)
+    if tree_kind == "float32 range":
+        assert float(expected.residual.min()) < 1e-40  # renormalised: below float32's smallest normal
+
+
+def test_shared_parent_leaves_switch_is_checked(monkeypatch):
+    attn = random_attention(1, 3, 2, 4, 4)
+    monkeypatch.setenv("PATHKERNELS_ENGINE_LEAVES", "fused")
+    with pytest.raises(
+        ValueError,
+        match=r"expected PATHKERNELS_ENGINE_LEAVES in \['auto', 'all_heads', 'per_head'\] or unset, got 'fused'",
+    ):
+        pk.path_residuals(attn, pk.PathTree.complete(3, 2))
+
+
 @pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_cuda_all_heads_levels_agree_with_the_cpu(monkeypatch, dtype):

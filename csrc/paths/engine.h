@@ -267,6 +267,29 @@ bool every_head_leaves(Backend& backend, const Network& net, int64_t layer, cons
   return true;
 }
 
+// The leaves of a level at which every head of the layer takes the same parents, on a backend that
+// takes them block of parents by block of parents (Backend::shared_parent_leaves, the CPU's): each
+// parent block is read once for all H heads, which keeps it in cache, and the children's column
+// means of every head come from one product of the layer's a [H, n] with it (the centring
+// identity). The same arithmetic as the blocks head by head, so the same bits. False, having done
+// nothing, where the level is not so or W is factored.
+template <typename T, typename Backend>
+bool every_head_leaf_blocks(Backend& backend, const Network& net, int64_t layer, const Nodes& level,
+                            const at::Tensor& positions, const at::Tensor& heads, int64_t leaf_block, double* residual,
+                            double* norm) {
+  if (net.w_v.has_value()) {
+    return false;
+  }
+  const auto shared = shared_parents(level, net.attn.size(1), positions, heads);
+  if (!shared.has_value()) {
+    return false;
+  }
+  // Leaf (parent k, head h) is begin + h·count + k: the runs tile the level in head order.
+  backend.template shared_parent_leaves<T>(net.attn[layer], net.attn_mean[layer], shared->parents, leaf_block,
+                                           net.renormalises, residual + shared->begin, norm + shared->begin);
+  return true;
+}
+
 // The children through every head of an internal level whose heads share their parents
 // (shared_parents), in a fixed number of launches whatever H: the residuals C(A_h) R' of every
 // head in one batched product (Backend::head_products) written into the level's head runs, the
@@ -320,7 +343,10 @@ bool every_head_children(Backend& backend, const Network& net, int64_t layer, co
 //   head_products(out [H, n, c·m], attn [H, n, n], right [n, c·m]): out[h] = attn[h] @ right for
 //   every head (out a view into a level, rows of unit column stride),
 // and, where kFusedLeaves, fuses_leaves(n) and fused_leaf_norms<T>(attn [n, n], operands, residual,
-// norm): the norms of the leaves C(A) · operands.right, computed without storing them.
+// norm): the norms of the leaves C(A) · operands.right, computed without storing them; where
+// kSharedParentLeaves and shared_parent_leaves_enabled(), shared_parent_leaves<T>(attn [H, n, n],
+// attn_mean [H, n], parents, leaf_block, renormalises, residual, norm): the leaves of every head of
+// parents that all heads share (every_head_leaf_blocks), leaf (k, h) at h·count + k.
 // `every_head`: the heads leaf kernel (its variant, or the Triton kernel's precision) for leaf levels
 // it can take whole (every_head_leaves; float32 only), or none. `all_heads_levels`: internal levels
 // whose heads share their parents go through every_head_children, otherwise head run by head run.
@@ -350,6 +376,12 @@ void evaluate_chunk(const Network& net, const at::Tensor& root, const at::Tensor
     if constexpr (std::is_same_v<T, float>) {
       if (leaves && every_head.has_value() &&
           every_head_leaves(backend, net, l, *every_head, level, positions, chunk.heads[l], residual, norm)) {
+        std::erase_if(blocks, [](const NodeBlock& blk) { return blk.head >= 0; });  // done: the skip leaves remain
+      }
+    }
+    if constexpr (Backend::kSharedParentLeaves) {
+      if (leaves && !every_head.has_value() && backend.shared_parent_leaves_enabled() &&
+          every_head_leaf_blocks<T>(backend, net, l, level, positions, chunk.heads[l], leaf_block, residual, norm)) {
         std::erase_if(blocks, [](const NodeBlock& blk) { return blk.head >= 0; });  // done: the skip leaves remain
       }
     }

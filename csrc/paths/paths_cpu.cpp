@@ -9,8 +9,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "norms/norm_passes_cpu.h"
 #include "paths/engine.h"
@@ -43,8 +45,8 @@ PATHKERNELS_MULTIVERSION void reduce_leaves(const T* leaves, int64_t n, int64_t 
       paired_matrix_pass<true>(leaves + k * m, n, m, row_stride, shift.data(), scale[k], w.col_abs, w.row_abs,
                                w.col_res, row_norm.data());
     }
-    residual[k] = scale[k] * maxima(w.col_abs, m, w.row_abs, n).composite();
-    norm[k] = maxima(w.col_res, m, row_norm.data(), n).composite();
+    residual[k] = scale[k] * composite_from_parts(largest(w.col_abs, m), largest(w.row_abs, n));
+    norm[k] = composite_from_parts(largest(w.col_res, m), largest(row_norm.data(), n));
   }
 }
 
@@ -73,10 +75,43 @@ PATHKERNELS_MULTIVERSION double renormalise_node(T* x, int64_t n, int64_t m, int
   return std::ldexp(1.0, e);
 }
 
+// How the engine takes a leaf level whose parents every head shares: PATHKERNELS_ENGINE_LEAVES
+// unset, "auto" or "all_heads" block of parents by block of parents, every head's leaves from one
+// read of each block (engine.h, every_head_leaf_blocks); "per_head", head run by head run, as other
+// leaf levels (for tests and measurements: the two give the same bits).
+bool shared_parent_leaves_from_env() {
+  const char* value = std::getenv("PATHKERNELS_ENGINE_LEAVES");
+  const std::string name = value == nullptr ? "auto" : value;
+  TORCH_CHECK_VALUE(name == "auto" || name == "all_heads" || name == "per_head",
+                    "pathkernels.path_chunk_norms: expected PATHKERNELS_ENGINE_LEAVES in ['auto', 'all_heads', "
+                    "'per_head'] or unset, got '",
+                    name, "'");
+  return name != "per_head";
+}
+
+// The parents one task of shared_parent_leaves takes: at most leaf_block, fewer where every head's
+// column means would push the task's scratch (a head's leaves and every head's means, (n + H)·m per
+// parent) past the leaf block's n·m per leaf, and as many tasks as make the workers' shares equal.
+int64_t parents_per_task(int64_t count, int64_t n, int64_t heads, int64_t leaf_block, int64_t workers) {
+  const int64_t most = std::max<int64_t>(1, std::min(leaf_block, leaf_block * n / (n + heads)));
+  int64_t tasks = (count + most - 1) / most;
+  if (count >= workers) {
+    tasks = (tasks + workers - 1) / workers * workers;
+  }
+  return (count + tasks - 1) / tasks;
+}
+
 struct CpuBackend {
   static constexpr bool kFusedLeaves = false;  // a leaf block is reduced while in cache instead
+  static constexpr bool kSharedParentLeaves = true;
 
   explicit CpuBackend(LeafKernel /*a CUDA option*/) {}
+
+  const bool shared_parent_leaves_ = shared_parent_leaves_from_env();
+
+  bool shared_parent_leaves_enabled() const {
+    return shared_parent_leaves_;
+  }
 
   // PATHKERNELS_ENGINE_GEMM=aten: the products through ATen's BLAS instead of gemm_cpu.h, for
   // measuring what the reproducible GEMM costs (bench/bench_paths.py --gemm-cost). Its results
@@ -158,6 +193,64 @@ struct CpuBackend {
   // engine's "heads_*" leaf kernels (slow; the Python layer sends the CPU "simt").
   std::tuple<at::Tensor, at::Tensor> heads_leaf_norms(const HeadsLeafOperands& ops) {
     return heads_leaf_norms_on_host(ops);
+  }
+
+  // Every head's leaves of parents R' [n, count, m] (row stride of their level, unit column stride)
+  // that all H heads share, task by task on the threads: a task of p parents computes the column
+  // means of all H·p children with one GEMM, μ_h = μ + s·R'ᵀa_h ([H, n] @ [n, p·m]; float64: the
+  // product accumulated onto μ, as child_operands does), then per head the leaves C(A_h) R' and their
+  // norms while they are in cache. Leaf (k, h) reports at h·count + k. Each element is computed as
+  // the per-head blocks compute it (gemm_cpu.h's rule, add_scaled's and reduce's), so the bits are
+  // theirs.
+  template <typename T>
+  void shared_parent_leaves(const at::Tensor& attn, const at::Tensor& attn_mean, const engine::Nodes& parents,
+                            int64_t leaf_block, bool renormalises, double* residual, double* norm) {
+    const at::Tensor& r = parents.residual;
+    TORCH_INTERNAL_ASSERT(attn.is_contiguous() && attn_mean.is_contiguous() && r.stride(2) == 1 &&
+                          r.stride(1) == r.size(2) && parents.mean.stride(1) == 1 && parents.scale.is_contiguous());
+    const int64_t heads = attn.size(0), n = r.size(0), count = r.size(1), m = r.size(2), ldr = r.stride(0);
+    const int64_t per_task = parents_per_task(count, n, heads, leaf_block, workers());
+    const T* a = attn.const_data_ptr<T>();
+    const T* a_mean = attn_mean.const_data_ptr<T>();
+    const T* right = r.const_data_ptr<T>();
+    const T* parent_mean = parents.mean.const_data_ptr<T>();
+    const int64_t mean_stride = parents.mean.stride(0);
+    const double* scale = parents.scale.const_data_ptr<double>();
+    at::parallel_for(0, (count + per_task - 1) / per_task, 1, [&](int64_t first, int64_t last) {
+      // Scratch written before it is read: not zero-filled, as a std::vector would.
+      const std::unique_ptr<T[]> leaves(new T[n * per_task * m]);
+      const std::unique_ptr<T[]> means_storage(new T[heads * per_task * m]);
+      T* means = means_storage.get();
+      for (int64_t task = first; task < last; ++task) {
+        const int64_t k0 = task * per_task, p = std::min(per_task, count - k0), width = p * m;
+        const T* block = right + k0 * m;
+        if (renormalises) {  // add_scaled: μ + s·(R'ᵀa_h)
+          gemm(heads, width, n, a_mean, n, block, ldr, means, width, false);
+          for (int64_t h = 0; h < heads; ++h) {
+            for (int64_t k = 0; k < p; ++k) {
+              const T factor = static_cast<T>(scale[k0 + k]);
+              const T* mu = parent_mean + (k0 + k) * mean_stride;
+              T* out = means + h * width + k * m;
+              for (int64_t j = 0; j < m; ++j) {
+                out[j] = mu[j] + factor * out[j];
+              }
+            }
+          }
+        } else {  // s = 1: R'ᵀa_h accumulated onto a copy of μ
+          for (int64_t h = 0; h < heads; ++h) {
+            for (int64_t k = 0; k < p; ++k) {
+              std::copy_n(parent_mean + (k0 + k) * mean_stride, m, means + h * width + k * m);
+            }
+          }
+          gemm(heads, width, n, a_mean, n, block, ldr, means, width, true);
+        }
+        for (int64_t h = 0; h < heads; ++h) {
+          gemm(n, width, n, a + h * n * n, n, block, ldr, leaves.get(), width, false);
+          reduce_leaves(leaves.get(), n, p, m, width, means + h * width, m, scale + k0,
+                        residual + h * count + k0, norm + h * count + k0);
+        }
+      }
+    });
   }
 
   // leaves [n, c, m] (any row stride, unit column stride), means [c, m], scales [c] (double).

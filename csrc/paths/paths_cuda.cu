@@ -287,6 +287,7 @@ __global__ void carry_scales_kernel(T* nodes, int64_t n, int64_t m, int64_t row_
 
 struct CudaBackend {
   static constexpr bool kFusedLeaves = true;
+  static constexpr bool kSharedParentLeaves = false;  // the heads leaf kernel takes such levels whole
 
   explicit CudaBackend(LeafKernel kernel) : kernel_(kernel) {}
 
