@@ -89,16 +89,13 @@ bool shared_parent_leaves_from_env() {
   return name != "per_head";
 }
 
-// The parents one task of shared_parent_leaves takes: at most leaf_block, fewer where every head's
-// column means would push the task's scratch (a head's leaves and every head's means, (n + H)·m per
-// parent) past the leaf block's n·m per leaf, and as many tasks as make the workers' shares equal.
-int64_t parents_per_task(int64_t count, int64_t n, int64_t heads, int64_t leaf_block, int64_t workers) {
+// The parents one block of shared_parent_leaves holds: at most leaf_block, fewer where every head's
+// column means would push its scratch (a head's leaves and every head's means, (n + H)·m per
+// parent) past the leaf block's n·m per leaf, and the level split into blocks of equal size.
+int64_t parents_per_block(int64_t count, int64_t n, int64_t heads, int64_t leaf_block) {
   const int64_t most = std::max<int64_t>(1, std::min(leaf_block, leaf_block * n / (n + heads)));
-  int64_t tasks = (count + most - 1) / most;
-  if (count >= workers) {
-    tasks = (tasks + workers - 1) / workers * workers;
-  }
-  return (count + tasks - 1) / tasks;
+  const int64_t blocks = (count + most - 1) / most;
+  return (count + blocks - 1) / blocks;
 }
 
 struct CpuBackend {
@@ -196,12 +193,13 @@ struct CpuBackend {
   }
 
   // Every head's leaves of parents R' [n, count, m] (row stride of their level, unit column stride)
-  // that all H heads share, task by task on the threads: a task of p parents computes the column
-  // means of all H·p children with one GEMM, μ_h = μ + s·R'ᵀa_h ([H, n] @ [n, p·m]; float64: the
-  // product accumulated onto μ, as child_operands does), then per head the leaves C(A_h) R' and their
-  // norms while they are in cache. Leaf (k, h) reports at h·count + k. Each element is computed as
-  // the per-head blocks compute it (gemm_cpu.h's rule, add_scaled's and reduce's), so the bits are
-  // theirs.
+  // that all H heads share, by blocks of p parents: the column means of the block's H·p children
+  // from one GEMM, μ_h = μ + s·R'ᵀa_h ([H, n] @ [n, p·m]; float64: the product accumulated onto μ,
+  // as child_operands does), then head by head the leaves C(A_h) R' and their norms while they are
+  // in cache. The threads share the (block, head) items in equal contiguous ranges, so a block
+  // split between two threads has its means computed by both. Leaf (k, h) reports at h·count + k.
+  // Each element is computed as the per-head blocks compute it (gemm_cpu.h's rule, add_scaled's and
+  // reduce's), so the bits are theirs.
   template <typename T>
   void shared_parent_leaves(const at::Tensor& attn, const at::Tensor& attn_mean, const engine::Nodes& parents,
                             int64_t leaf_block, bool renormalises, double* residual, double* norm) {
@@ -209,48 +207,62 @@ struct CpuBackend {
     TORCH_INTERNAL_ASSERT(attn.is_contiguous() && attn_mean.is_contiguous() && r.stride(2) == 1 &&
                           r.stride(1) == r.size(2) && parents.mean.stride(1) == 1 && parents.scale.is_contiguous());
     const int64_t heads = attn.size(0), n = r.size(0), count = r.size(1), m = r.size(2), ldr = r.stride(0);
-    const int64_t per_task = parents_per_task(count, n, heads, leaf_block, workers());
+    const int64_t per_block = parents_per_block(count, n, heads, leaf_block);
+    const int64_t blocks = (count + per_block - 1) / per_block;
     const T* a = attn.const_data_ptr<T>();
     const T* a_mean = attn_mean.const_data_ptr<T>();
     const T* right = r.const_data_ptr<T>();
     const T* parent_mean = parents.mean.const_data_ptr<T>();
     const int64_t mean_stride = parents.mean.stride(0);
     const double* scale = parents.scale.const_data_ptr<double>();
-    at::parallel_for(0, (count + per_task - 1) / per_task, 1, [&](int64_t first, int64_t last) {
+    at::parallel_for(0, blocks * heads, 1, [&](int64_t first, int64_t last) {
       // Scratch written before it is read: not zero-filled, as a std::vector would.
-      const std::unique_ptr<T[]> leaves(new T[n * per_task * m]);
-      const std::unique_ptr<T[]> means_storage(new T[heads * per_task * m]);
-      T* means = means_storage.get();
-      for (int64_t task = first; task < last; ++task) {
-        const int64_t k0 = task * per_task, p = std::min(per_task, count - k0), width = p * m;
+      const std::unique_ptr<T[]> leaves(new T[n * per_block * m]);
+      const std::unique_ptr<T[]> means(new T[heads * per_block * m]);
+      int64_t means_of = -1;  // the block whose means `means` holds
+      for (int64_t item = first; item < last; ++item) {
+        const int64_t b = item / heads, h = item % heads;
+        const int64_t k0 = b * per_block, p = std::min(per_block, count - k0), width = p * m;
         const T* block = right + k0 * m;
-        if (renormalises) {  // add_scaled: μ + s·(R'ᵀa_h)
-          gemm(heads, width, n, a_mean, n, block, ldr, means, width, false);
-          for (int64_t h = 0; h < heads; ++h) {
-            for (int64_t k = 0; k < p; ++k) {
-              const T factor = static_cast<T>(scale[k0 + k]);
-              const T* mu = parent_mean + (k0 + k) * mean_stride;
-              T* out = means + h * width + k * m;
-              for (int64_t j = 0; j < m; ++j) {
-                out[j] = mu[j] + factor * out[j];
-              }
-            }
-          }
-        } else {  // s = 1: R'ᵀa_h accumulated onto a copy of μ
-          for (int64_t h = 0; h < heads; ++h) {
-            for (int64_t k = 0; k < p; ++k) {
-              std::copy_n(parent_mean + (k0 + k) * mean_stride, m, means + h * width + k * m);
-            }
-          }
-          gemm(heads, width, n, a_mean, n, block, ldr, means, width, true);
+        if (means_of != b) {
+          block_means(a_mean, heads, n, block, ldr, parent_mean + k0 * mean_stride, mean_stride, scale + k0, p, m,
+                      renormalises, means.get());
+          means_of = b;
         }
-        for (int64_t h = 0; h < heads; ++h) {
-          gemm(n, width, n, a + h * n * n, n, block, ldr, leaves.get(), width, false);
-          reduce_leaves(leaves.get(), n, p, m, width, means + h * width, m, scale + k0,
-                        residual + h * count + k0, norm + h * count + k0);
-        }
+        gemm(n, width, n, a + h * n * n, n, block, ldr, leaves.get(), width, false);
+        reduce_leaves(leaves.get(), n, p, m, width, means.get() + h * width, m, scale + k0, residual + h * count + k0,
+                      norm + h * count + k0);
       }
     });
+  }
+
+  // The children's column means of every head for p parents (shared_parent_leaves): means [H, p·m]
+  // = μ + s·(a_h R'), as add_scaled computes it, or, unscaled, a_h R' accumulated onto μ.
+  template <typename T>
+  static void block_means(const T* a_mean, int64_t heads, int64_t n, const T* block, int64_t ldr,
+                          const T* parent_mean, int64_t mean_stride, const double* scale, int64_t p, int64_t m,
+                          bool renormalises, T* means) {
+    const int64_t width = p * m;
+    if (!renormalises) {
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t k = 0; k < p; ++k) {
+          std::copy_n(parent_mean + k * mean_stride, m, means + h * width + k * m);
+        }
+      }
+    }
+    gemm(heads, width, n, a_mean, n, block, ldr, means, width, !renormalises);
+    if (renormalises) {
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t k = 0; k < p; ++k) {
+          const T factor = static_cast<T>(scale[k]);
+          const T* mu = parent_mean + k * mean_stride;
+          T* out = means + h * width + k * m;
+          for (int64_t j = 0; j < m; ++j) {
+            out[j] = mu[j] + factor * out[j];
+          }
+        }
+      }
+    }
   }
 
   // leaves [n, c, m] (any row stride, unit column stride), means [c, m], scales [c] (double).
