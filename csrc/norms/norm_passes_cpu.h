@@ -165,29 +165,12 @@ PATHKERNELS_INLINE double horizontal_sum(double_lanes v) {
   return (v[0] + v[1]) + (v[2] + v[3]);
 }
 
-// 1.0 where the compiler cannot see it (add_on_fma_pipes): read once per block of rows.
-inline volatile double opaque_one_value = 1.0;
-PATHKERNELS_INLINE double_lanes opaque_one() {
-  const double one = opaque_one_value;
-  return double_lanes{one, one, one, one};
-}
-
-// sum + a, written a·1 + sum so that targets with FMA contract it into one fused multiply-add:
-// a·1 is exact, so the FMA's single rounding gives sum + a bit for bit, but it runs on the two
-// multiply pipes instead of the two add pipes, which the float → double conversions of the loads
-// and the other sums keep busy (Zen 3: 15–30 % less time per pass in cache). `one` must come from
-// opaque_one(), else the compiler folds a·1 into a; without FMA it stays a multiply and an add.
-PATHKERNELS_INLINE double_lanes add_on_fma_pipes(double_lanes sum, double_lanes a, double_lanes one) {
-  return a * one + sum;
-}
-
 // prefetch, when not null, brings in the next matrix as the block is read (PrefetchCursor).
 template <bool kCentred, bool kWithSum, bool kWithAbs, typename S>
 PATHKERNELS_INLINE void row_block_sums(const S* x, int64_t row_stride, int64_t m, const double* mean,
                                        double* col_sum, double* col_abs, double* row_abs,
                                        PrefetchCursor<S>* prefetch) {
   constexpr int64_t kLineElements = PrefetchCursor<S>::kLineElements;
-  const double_lanes one = opaque_one();
   double_lanes row_part[kBlockRows];
 #pragma GCC unroll 4
   for (int64_t r = 0; r < kBlockRows; ++r) {
@@ -208,12 +191,12 @@ PATHKERNELS_INLINE void row_block_sums(const S* x, int64_t row_stride, int64_t m
         value -= mu;
       }
       if constexpr (kWithSum) {
-        sum = add_on_fma_pipes(sum, value, one);
+        sum += value;
       }
       if constexpr (kWithAbs) {
         const double_lanes a = abs_lanes(value);
         abs_sum += a;
-        row_part[r] = add_on_fma_pipes(row_part[r], a, one);
+        row_part[r] += a;
       }
     }
     if constexpr (kWithSum) {
@@ -239,7 +222,6 @@ template <bool kScaled, typename S>
 PATHKERNELS_INLINE void paired_row_block_sums(const S* x, int64_t row_stride, int64_t m, const double* shift,
                                               double scale, double* col_abs, double* col_abs_shifted,
                                               double* row_abs, double* row_abs_shifted) {
-  const double_lanes one = opaque_one();
   const double_lanes scale_lanes = double_lanes{scale, scale, scale, scale};
   double_lanes row_part[kBlockRows];
   double_lanes row_part_shifted[kBlockRows];
@@ -260,8 +242,8 @@ PATHKERNELS_INLINE void paired_row_block_sums(const S* x, int64_t row_stride, in
       const double_lanes c = abs_lanes((kScaled ? value * scale_lanes : value) - mu);
       abs_sum += a;
       abs_sum_shifted += c;
-      row_part[r] = add_on_fma_pipes(row_part[r], a, one);
-      row_part_shifted[r] = add_on_fma_pipes(row_part_shifted[r], c, one);
+      row_part[r] += a;
+      row_part_shifted[r] += c;
     }
     store_lanes(col_abs + j, abs_sum);
     store_lanes(col_abs_shifted + j, abs_sum_shifted);
