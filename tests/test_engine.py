@@ -159,6 +159,33 @@ def test_chunks_cover_a_range_with_whole_subtrees_between_built_ends():
     torch.testing.assert_close(norm[0], full.norm[0, first:last], rtol=1e-13, atol=0)
 
 
+@pytest.mark.parametrize(
+    "layers, heads, n, dtype, depth",
+    [
+        (8, 4, 32, torch.float32, 6),  # (5^5 + 5^4) nodes of 4 KiB: 15 MiB; one layer deeper, 75 MiB
+        (6, 6, 64, torch.float32, 4),  # (7^3 + 7^2) × 16 KiB: 6 MiB; deeper, 43 MiB
+        (5, 8, 128, torch.float64, 3),  # (9^2 + 9) × 128 KiB: 11 MiB; deeper, 101 MiB
+    ],
+)
+def test_cpu_subtrees_hold_their_two_largest_levels_within_the_cache_cap(layers, heads, n, dtype, depth):
+    """On the CPU a complete tree's subtree chunks are as deep as keeps their last two internal
+    levels and the two workers' leaf blocks (3 MiB here) within 32 MiB, and a smaller memory budget
+    still bounds every chunk's whole trie."""
+    from pathkernels.core import checks, planner
+
+    attn = random_attention(1, layers, heads, n, n, dtype=dtype)
+    tree = pk.PathTree.complete(layers, heads, skip=True)
+    net = checks.check_network(attn, None, None, None, "test")
+    with num_threads(2), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # 16 MiB is a small budget at n = 128
+        sizes = {stop - start for start, stop, *_ in planner.chunks(tree, net, 1 << 30, 0, tree.num_paths)}
+        assert sizes == {(heads + 1) ** depth}
+        budget = 16 << 20
+        fixed = planner.leaf_blocks(net, budget)[2]
+        for start, stop, chunk, _ in itertools.islice(planner.chunks(tree, net, budget, 0, tree.num_paths), 20):
+            assert planner.trie_bytes(chunk.internal_nodes(), stop - start, net) + fixed <= budget
+
+
 @pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
 @pytest.mark.parametrize("leaf_kernel", ["fused", "tensor", "gemm", "heads"])
 def test_fast_mode_error_is_bounded(leaf_kernel):

@@ -7,6 +7,11 @@ the attention's dtype, ``m = n`` for attention products, ``m = d`` for path outp
     blocks   = BUFFERS_PER_LEAF · workers · leaf_block · node
     chunk    = trie + blocks  ≤  the chunk budget (the memory budget; on CPU also a cache-sized cap)
 
+On the CPU a complete tree's subtree chunks are held to the cap by what a level's work touches at
+once instead: its two largest consecutive levels (the last two internal ones) and the blocks.
+The trie formula counts every level three times over, which kept trees of few choices per layer
+(H = 4 with skip) in chunks a fifth of what the cache holds, and their per-chunk overhead showed.
+
 ``LIVE_LEVELS``: two consecutive levels of the trie plus a gathered copy of parents; ``workers``:
 CPU threads (one on CUDA), each reducing a block of ``leaf_block`` leaves with its own leaf,
 gathered-parent and W-temporary buffers (``BUFFERS_PER_LEAF``). The smallest budget that runs is
@@ -98,9 +103,10 @@ def chunks(
     the range, and other trees, are built from their paths."""
     node = node_bytes(net)
     _, leaf_block, fixed = leaf_blocks(net, memory_budget)
-    chunk_budget = memory_budget
-    if net.attn.device.type == "cpu":  # never below what one chunk needs, so that a budget that works still works
-        chunk_budget = min(memory_budget, max(CPU_CHUNK_BYTES, 4 * (fixed + 2 * node)))
+    cpu_cap = None  # never below what one chunk needs, so that a budget that works still works
+    if net.attn.device.type == "cpu":
+        cpu_cap = max(CPU_CHUNK_BYTES, 4 * (fixed + 2 * node))
+    chunk_budget = memory_budget if cpu_cap is None else min(memory_budget, cpu_cap)
 
     def chunk_bytes(chunk) -> int:
         return trie_bytes(chunk.internal_nodes(), chunk.leaf_position.numel(), net) + fixed
@@ -134,13 +140,17 @@ def chunks(
     choices = tree.num_heads + int(tree.skip)
     depth = 0
     if tree.is_complete and tree.max_length is None and choices > 1:
-        # Subtree chunks are sized by their exact trie: L − depth prefix nodes, C^j at depth j.
-        def subtree_bytes(depth: int) -> int:
+        # Subtree chunks are sized by their exact trie: L − depth prefix nodes, C^j at depth j; on the
+        # CPU, the cap holds the two largest consecutive levels (the module docstring).
+        def subtree_fits(depth: int) -> bool:
             internal = tree.num_layers - depth + sum(choices**j for j in range(1, depth))
-            return trie_bytes(internal, choices**depth, net) + fixed
+            if trie_bytes(internal, choices**depth, net) + fixed > memory_budget:
+                return False
+            largest_levels = choices ** (depth - 1) + choices ** max(depth - 2, 0)
+            return cpu_cap is None or largest_levels * node + fixed <= cpu_cap
 
         depth = tree.num_layers
-        while depth > 0 and subtree_bytes(depth) > chunk_budget:
+        while depth > 0 and not subtree_fits(depth):
             depth -= 1
     if depth < 2:  # subtrees too small to pay off
         yield from from_paths(first, last)
