@@ -851,96 +851,28 @@ def test_path_chunk_norms_passes_opcheck(device, outputs):
     assert residual.shape == norm.shape == (1, 27)
 
 
-# --- PATHKERNELS_ENGINE_LEVELS=all_heads: every head's children of an internal level at once ------
+# --- every head at once where the heads share their parents: PATHKERNELS_ENGINE_LEVELS and _LEAVES --
 
 
-def all_heads_call(monkeypatch, call):
-    """``call()`` with the engine's internal levels taken all heads at once, and how many times the
-    engine repeated its parents' means or scales for the heads (aten::repeat: only that path does)."""
+def switched_call(monkeypatch, variable, value, call, counted):
+    """``call()`` with the environment variable ``variable`` set to ``value``, and how many ATen
+    events named ``counted`` it ran (the engine switches' paths tell themselves apart by them)."""
     from torch.profiler import ProfilerActivity, profile
 
-    monkeypatch.setenv("PATHKERNELS_ENGINE_LEVELS", "all_heads")
+    monkeypatch.setenv(variable, value)
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             result = call()
     finally:
-        monkeypatch.delenv("PATHKERNELS_ENGINE_LEVELS")
-    return result, sum(event.name == "aten::repeat" for event in prof.events())
+        monkeypatch.delenv(variable)
+    return result, sum(event.name == counted for event in prof.events())
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("tree_kind", [*TREES, "factored W", "small chunks", "float32 range"])
-def test_all_heads_levels_change_no_bit_on_the_cpu(monkeypatch, dtype, tree_kind):
-    """The internal levels whose heads share their parents (complete trees, pruned ones, the upper
-    levels of an explicit tree) in a fixed number of products whatever H give the bits of the
-    per-head path; factored W keeps the per-head path; a float32 tree whose products fall below
-    float32's range renormalises the same."""
-    layers, heads, n = 4, 3, 6
-    tree = TREES.get(tree_kind, TREES["complete_skip"])(layers, heads)
-    attn, x, w_v, w_o = network(2, layers, heads, n, dtype=dtype)
-    budget = 2**22
-    if tree_kind == "factored W":
-        attn, x, w_v, w_o = network(2, layers, heads, n, 5, 2, dtype=dtype)
-    elif tree_kind == "small chunks":
-        budget = 20_000
-    elif tree_kind == "float32 range":
-        layers, heads, n = 9, 2, 8
-        attn = dyadic_attention(zero_sum_integers(2, layers, heads, n, spread=4), 2.0**-20).to(dtype)
-        tree = pk.PathTree.complete(layers, heads, skip=True)
-
-    def call():
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a small budget's warning
-            return pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, memory_budget=budget)
-
-    expected = call()
-    got, repeats = all_heads_call(monkeypatch, call)
-    assert torch.equal(got.residual, expected.residual) and torch.equal(got.norm, expected.norm)
-    if tree_kind != "explicit":  # (whose upper levels may branch fully)
-        assert (repeats > 0) == (tree_kind != "factored W"), repeats
-    if tree_kind == "float32 range":
-        assert float(expected.residual.min()) < 1e-40  # renormalised: below float32's smallest normal
-
-
-def test_all_heads_levels_switch_is_checked(monkeypatch):
-    attn = random_attention(1, 3, 2, 4, 4)
-    monkeypatch.setenv("PATHKERNELS_ENGINE_LEVELS", "batched")
-    with pytest.raises(
-        ValueError,
-        match=r"path_residuals: expected PATHKERNELS_ENGINE_LEVELS in \['auto', 'per_head', 'all_heads'\] or unset, "
-        "got 'batched'",
-    ):
-        pk.path_residuals(attn, pk.PathTree.complete(3, 2))
-    monkeypatch.setenv("PATHKERNELS_ENGINE_LEVELS", "per_head")
-    pk.path_residuals(attn, pk.PathTree.complete(3, 2))
-
-
-# --- the CPU's leaf levels whose parents every head shares: each parent block read once ----------
-
-
-def leaf_calls(monkeypatch, leaves, call):
-    """``call()`` with PATHKERNELS_ENGINE_LEAVES=``leaves``, and the tensors the engine allocated
-    (aten::empty): the per-head leaf blocks allocate their operands, block by block; the shared
-    parents' path allocates none."""
-    from torch.profiler import ProfilerActivity, profile
-
-    monkeypatch.setenv("PATHKERNELS_ENGINE_LEAVES", leaves)
-    try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            result = call()
-    finally:
-        monkeypatch.delenv("PATHKERNELS_ENGINE_LEAVES")
-    return result, sum(event.name == "aten::empty" for event in prof.events())
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize(
-    "tree_kind", [*TREES, "factored W", "small chunks", "float32 range", "odd sizes", "one parent, three threads"]
-)
-def test_shared_parent_leaves_change_no_bit_on_the_cpu(monkeypatch, dtype, tree_kind):
-    """Every head's leaves of a parent block from one read of it (complete and pruned trees) give
-    the bits of the leaf blocks head by head: the same products, means and reductions, only
-    grouped by parent. Factored W and explicit trees keep the per-head blocks."""
+def switch_case(tree_kind, dtype):
+    """``call()``: ``pk.path_residuals`` on a case for the engine's switches, which must change no
+    bit: the trees of TREES (complete_skip for the others), factored W, a small budget's many
+    chunks, a float32 tree renormalised below float32's range, odd sizes (tails of every register
+    tile, more heads than rows) and one parent on three threads."""
     layers, heads, n = 4, 3, 6
     tree = TREES.get(tree_kind, TREES["complete_skip"])(layers, heads)
     attn, x, w_v, w_o = network(2, layers, heads, n, dtype=dtype)
@@ -949,11 +881,7 @@ def test_shared_parent_leaves_change_no_bit_on_the_cpu(monkeypatch, dtype, tree_
         attn, x, w_v, w_o = network(2, layers, heads, n, 5, 2, dtype=dtype)
     elif tree_kind == "small chunks":
         budget = 20_000
-    elif tree_kind == "float32 range":
-        layers, heads, n = 9, 2, 8
-        attn = dyadic_attention(zero_sum_integers(2, layers, heads, n, spread=4), 2.0**-20).to(dtype)
-        tree = pk.PathTree.complete(layers, heads, skip=True)
-    elif tree_kind == "odd sizes":  # tails of every register tile, more heads than rows
+    elif tree_kind == "odd sizes":
         layers, heads, n = 3, 7, 5
         attn, x, w_v, w_o = network(1, layers, heads, n, dtype=dtype)
         tree = pk.PathTree.complete(layers, heads)
@@ -962,31 +890,62 @@ def test_shared_parent_leaves_change_no_bit_on_the_cpu(monkeypatch, dtype, tree_
         attn, x, w_v, w_o = network(1, layers, heads, n, dtype=dtype)
         tree = pk.PathTree.complete(layers, heads)
     # Magnitudes over many binades, so that any change in the order of rounding would show.
-    attn = torch.softmax(attn.double().log() * 3, -1).to(dtype) if tree_kind != "float32 range" else attn
+    attn = torch.softmax(attn.double().log() * 3, -1).to(dtype)
+    if tree_kind == "float32 range":
+        layers, heads, n = 9, 2, 8
+        attn = dyadic_attention(zero_sum_integers(2, layers, heads, n, spread=4), 2.0**-20).to(dtype)
+        tree = pk.PathTree.complete(layers, heads, skip=True)
 
     def call():
         with num_threads(threads), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a small budget's warning
             return pk.path_residuals(attn, tree, x=x, w_v=w_v, w_o=w_o, memory_budget=budget)
 
+    return call
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize(
+    "tree_kind", [*TREES, "factored W", "small chunks", "float32 range", "odd sizes", "one parent, three threads"]
+)
+@pytest.mark.parametrize(
+    "variable, counted", [("PATHKERNELS_ENGINE_LEVELS", "aten::repeat"), ("PATHKERNELS_ENGINE_LEAVES", "aten::empty")]
+)
+def test_engine_switches_change_no_bit_on_the_cpu(monkeypatch, dtype, tree_kind, variable, counted):
+    """The levels whose heads share their parents, taken all heads at once, give the bits of the
+    per-head path. PATHKERNELS_ENGINE_LEVELS: the internal levels in a fixed number of products
+    whatever H (only that path repeats its parents' means or scales for the heads: aten::repeat).
+    PATHKERNELS_ENGINE_LEAVES: every head's leaves of a parent block from one read of it, the CPU's
+    default (the per-head leaf blocks allocate their operands block by block, that path none:
+    aten::empty). Factored W keeps the per-head path; a float32 tree whose products fall below
+    float32's range renormalises the same."""
+    call = switch_case(tree_kind, dtype)
     call()  # a first call's one-time allocations, out of the counts
-    expected, per_head_allocations = leaf_calls(monkeypatch, "per_head", call)
-    got, allocations = leaf_calls(monkeypatch, "all_heads", call)
+    expected, per_head = switched_call(monkeypatch, variable, "per_head", call, counted)
+    got, all_heads = switched_call(monkeypatch, variable, "all_heads", call, counted)
     assert torch.equal(got.residual, expected.residual) and torch.equal(got.norm, expected.norm)
-    if tree_kind != "explicit":  # (whose leaf level may, rarely, branch fully)
-        assert (allocations < per_head_allocations) == (tree_kind != "factored W"), (allocations, per_head_allocations)
+    one_layer = tree_kind == "one parent, three threads"  # no internal level
+    if tree_kind != "explicit":  # (whose levels may, rarely, branch fully)
+        taken = tree_kind != "factored W" and not (one_layer and variable == "PATHKERNELS_ENGINE_LEVELS")
+        assert (all_heads != per_head) == taken, (all_heads, per_head)
     if tree_kind == "float32 range":
         assert float(expected.residual.min()) < 1e-40  # renormalised: below float32's smallest normal
 
 
-def test_shared_parent_leaves_switch_is_checked(monkeypatch):
+@pytest.mark.parametrize(
+    "variable, choices",
+    [
+        ("PATHKERNELS_ENGINE_LEVELS", "'auto', 'per_head', 'all_heads'"),
+        ("PATHKERNELS_ENGINE_LEAVES", "'auto', 'all_heads', 'per_head'"),
+    ],
+)
+def test_engine_switches_are_checked(monkeypatch, variable, choices):
     attn = random_attention(1, 3, 2, 4, 4)
-    monkeypatch.setenv("PATHKERNELS_ENGINE_LEAVES", "fused")
-    with pytest.raises(
-        ValueError,
-        match=r"expected PATHKERNELS_ENGINE_LEAVES in \['auto', 'all_heads', 'per_head'\] or unset, got 'fused'",
-    ):
+    monkeypatch.setenv(variable, "batched")
+    with pytest.raises(ValueError, match=rf"expected {variable} in \[{choices}\] or unset, got 'batched'"):
         pk.path_residuals(attn, pk.PathTree.complete(3, 2))
+    monkeypatch.setenv(variable, "per_head")
+    pk.path_residuals(attn, pk.PathTree.complete(3, 2))
 
 
 @pytest.mark.skipif("cuda" not in devices(), reason="needs a GPU and the CUDA kernels")
@@ -1005,7 +964,13 @@ def test_cuda_all_heads_levels_agree_with_the_cpu(monkeypatch, dtype):
     for network_attn, tree in cases:
         cpu = pk.path_residuals(network_attn, tree)
         on_gpu = network_attn.cuda()
-        gpu, repeats = all_heads_call(monkeypatch, lambda a=on_gpu, t=tree: pk.path_residuals(a, t))
+        gpu, repeats = switched_call(
+            monkeypatch,
+            "PATHKERNELS_ENGINE_LEVELS",
+            "all_heads",
+            lambda a=on_gpu, t=tree: pk.path_residuals(a, t),
+            "aten::repeat",
+        )
         assert repeats > 0
         tol = tolerance(dtype) if dtype == torch.float64 else {"rtol": 1e-4, "atol": 0}
         torch.testing.assert_close(gpu.residual.cpu(), cpu.residual, **tol)
