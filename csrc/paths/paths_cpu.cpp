@@ -1,7 +1,9 @@
 // CPU backend of the path-tree engine (engine.h): blocks of nodes run in parallel, one thread
 // per block with its own GEMMs (gemm_cpu.h: every element computed alike, whatever the block, the
 // thread or the budget), and each leaf block is reduced in the same thread while it is still in
-// cache, with the vectorised paired pass of norm_passes_cpu.h.
+// cache, with the vectorised paired pass of norm_passes_cpu.h. A leaf level whose parents every
+// head shares goes by blocks of parents instead, each read once for all heads
+// (shared_parent_leaves).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
