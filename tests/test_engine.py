@@ -434,6 +434,31 @@ def test_float32_range_in_a_padded_batch():
         assert result.residual[b].item() == alone[b].residual.double().item()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_cpu_range_shortcut_answers_as_the_full_checks_do(dtype):
+    """The CPU's one-pass range check (the extremes of a chunk's reports) against the full checks,
+    with every pair of edge values placed among plain reports: where it answers "in range", no full
+    check flags anything, and it says so wherever they flag nothing but for a float32 residual of
+    exactly 0 (in range, but below the normal numbers the extremes test)."""
+    from pathkernels.core import engine
+
+    float32, float64 = torch.finfo(torch.float32), torch.finfo(torch.float64)
+    edges = [0.0, 5e-324, float32.tiny / 2, float32.tiny, 1e-31, engine.SMALLEST_ACCURATE_FLOAT32_NORM, 1.0]
+    edges += [float32.max, float32.max * (1 + 2**-20), 1e300, float64.max, math.inf, math.nan]
+    plain = torch.rand(2, 5, dtype=torch.float64) + 0.5
+    answers = set()
+    for residual_edge, norm_edge in itertools.product(edges, repeat=2):
+        residual, norm = plain.clone(), plain.clone() * 3
+        residual[1, 2], norm[0, 4] = residual_edge, norm_edge
+        flagged = bool(engine._full_range_flags(residual, norm, dtype).any())
+        shortcut = engine._plainly_in_range(residual, norm, dtype)
+        expected = not flagged and not (dtype == torch.float32 and residual_edge == 0.0)
+        assert shortcut == expected, (residual_edge, norm_edge, flagged)
+        answers.add(shortcut)
+    assert answers == {True, False}
+    assert not engine._plainly_in_range(plain[:, :0], plain[:, :0], dtype)
+
+
 def test_float32_products_with_tiny_norms_come_from_float64():
     """The column means carry no scale: a float32 product below 1e-30 (here a tiny X) had a μ near
     underflow and a norm that lost digits (it was only warned about). Such leaves are now computed

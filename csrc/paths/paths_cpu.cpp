@@ -180,12 +180,17 @@ struct CpuBackend {
     const double* parent = parent_scale.const_data_ptr<double>();
     double* scale = out.scale.mutable_data_ptr<double>();
     T* nodes = r.mutable_data_ptr<T>();
-    for (int64_t k = 0; k < r.size(1); ++k) {
-      scale[k] = parent[k];
-      if (renormalise) {
-        scale[k] *= renormalise_node(nodes + k * r.size(2), r.size(0), r.size(2), r.stride(0));
-      }
+    if (!renormalise) {
+      std::copy(parent, parent + r.size(1), scale);
+      return;
     }
+    // Each node is read (and maybe scaled) on its own: nodes split over the threads, a few at a time.
+    const int64_t n = r.size(0), m = r.size(2), nodes_per_task = std::max<int64_t>(1, 16384 / (n * m));
+    at::parallel_for(0, r.size(1), nodes_per_task, [&](int64_t first, int64_t last) {
+      for (int64_t k = first; k < last; ++k) {
+        scale[k] = parent[k] * renormalise_node(nodes + k * m, n, m, r.stride(0));
+      }
+    });
   }
 
   // The heads leaf kernel's CPU harness: the GPU's program thread by thread, for the tests of the

@@ -563,15 +563,12 @@ def _range_flags(net: Network, residual: Tensor, norm: Tensor) -> tuple[Tensor |
     whether some leaf needs the float64 engine (:func:`out_of_range_in_float64`), and whether some
     residual, or some norm, lies outside float32's range (:func:`engine_reports`); float64 networks:
     whether some leaf lies beyond float64's range (inf or NaN reports), then two unused flags."""
-    if net.attn.dtype == torch.float32:
-        flags = torch.stack(
-            [_needs_float64(residual, norm).any(), _outside_float32(residual).any(), _outside_float32(norm).any()]
-        )
-    elif net.attn.dtype == torch.float64:
-        beyond = _not_finite(residual, norm).any()
-        flags = torch.stack([beyond, torch.zeros_like(beyond), torch.zeros_like(beyond)])
-    else:
+    dtype = net.attn.dtype
+    if dtype not in (torch.float32, torch.float64):
         return None, None
+    if residual.device.type == "cpu" and _plainly_in_range(residual, norm, dtype):
+        return torch.zeros(3, dtype=torch.bool), None
+    flags = _full_range_flags(residual, norm, dtype)
     if flags.device.type != "cuda":
         return flags, None
     host = torch.empty(3, dtype=torch.bool, pin_memory=True)
@@ -579,6 +576,34 @@ def _range_flags(net: Network, residual: Tensor, norm: Tensor) -> tuple[Tensor |
     event = torch.cuda.Event()
     event.record()
     return host, event
+
+
+def _full_range_flags(residual: Tensor, norm: Tensor, dtype: torch.dtype) -> Tensor:
+    """:func:`_range_flags`' ``[3]`` bools, on the reports' device, each from its own checks."""
+    if dtype == torch.float32:
+        return torch.stack(
+            [_needs_float64(residual, norm).any(), _outside_float32(residual).any(), _outside_float32(norm).any()]
+        )
+    beyond = _not_finite(residual, norm).any()
+    return torch.stack([beyond, torch.zeros_like(beyond), torch.zeros_like(beyond)])
+
+
+def _plainly_in_range(residual: Tensor, norm: Tensor, dtype: torch.dtype) -> bool:
+    """Whether no flag of :func:`_range_flags` can be set, read from the extremes of the reports
+    ``[B, leaves]`` (norms, so never negative) in one pass over each: the usual case on the CPU,
+    where the many passes of the full checks cost more than the chunk's reduction. float32 networks:
+    every residual a normal float32 number, every norm one of at least
+    ``SMALLEST_ACCURATE_FLOAT32_NORM``; float64: every report finite. A residual of exactly 0, a NaN
+    (which the extremes carry) or anything else answers False, and the full checks decide."""
+    if residual.numel() == 0:
+        return False
+    (residual_low, residual_high), (norm_low, norm_high) = torch.aminmax(residual), torch.aminmax(norm)
+    if dtype == torch.float32:
+        lowest_residual, lowest_norm, highest = _FLOAT32.tiny, SMALLEST_ACCURATE_FLOAT32_NORM, _FLOAT32.max
+    else:
+        lowest_residual, lowest_norm, highest = 0.0, 0.0, torch.finfo(torch.float64).max
+    lows = float(residual_low) >= lowest_residual and float(norm_low) >= lowest_norm
+    return lows and float(residual_high) <= highest and float(norm_high) <= highest
 
 
 def _settled(net: Network, tree: PathTree, chunk: _ChunkInFlight, memory_budget: int):
