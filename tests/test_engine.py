@@ -957,19 +957,58 @@ def test_engine_switches_change_no_bit_on_the_cpu(monkeypatch, dtype, tree_kind,
         assert float(expected.residual.min()) < 1e-40  # renormalised: below float32's smallest normal
 
 
+def reduction_entries() -> list[str]:
+    """The leaf reduction's entries this CPU runs (PATHKERNELS_ENGINE_REDUCTION_ISA): those of the
+    engine's GEMM, which share its instruction-set check."""
+    entries = []
+    for isa in ("avx512", "avx2", "portable"):
+        try:
+            torch.ops.pathkernels._engine_mm(torch.ones(1, 1), torch.ones(1, 1), isa)
+        except (ValueError, RuntimeError):
+            continue
+        entries.append(isa)
+    return entries
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("tree_kind", ["complete_skip", "small chunks", "float32 range", "odd sizes"])
+def test_every_leaf_reduction_entry_gives_the_same_bits(monkeypatch, dtype, tree_kind):
+    """The leaves' norms through each entry of the reduction (its row sums as FMAs of 1 on AVX-512
+    and AVX2, as adds in the portable code) have the bits of the default: unscaled and scaled
+    (renormalised float32) leaves, and tails of rows and columns (n = 5)."""
+    call = switch_case(tree_kind, dtype)
+    expected = call()
+    entries = reduction_entries()
+    assert "portable" in entries
+    for isa in entries:
+        monkeypatch.setenv("PATHKERNELS_ENGINE_REDUCTION_ISA", isa)
+        got = call()
+        assert torch.equal(got.residual, expected.residual) and torch.equal(got.norm, expected.norm), isa
+
+
 @pytest.mark.parametrize(
-    "variable, choices",
+    "variable, message",
     [
-        ("PATHKERNELS_ENGINE_LEVELS", "'auto', 'per_head', 'all_heads'"),
-        ("PATHKERNELS_ENGINE_LEAVES", "'auto', 'all_heads', 'per_head'"),
+        (
+            "PATHKERNELS_ENGINE_LEVELS",
+            r"expected PATHKERNELS_ENGINE_LEVELS in \['auto', 'per_head', 'all_heads'\] or unset",
+        ),
+        (
+            "PATHKERNELS_ENGINE_LEAVES",
+            r"expected PATHKERNELS_ENGINE_LEAVES in \['auto', 'all_heads', 'per_head'\] or unset",
+        ),
+        (
+            "PATHKERNELS_ENGINE_REDUCTION_ISA",
+            r"\(PATHKERNELS_ENGINE_REDUCTION_ISA\): expected isa in \('auto', 'avx512'",
+        ),
     ],
 )
-def test_engine_switches_are_checked(monkeypatch, variable, choices):
+def test_engine_switches_are_checked(monkeypatch, variable, message):
     attn = random_attention(1, 3, 2, 4, 4)
     monkeypatch.setenv(variable, "batched")
-    with pytest.raises(ValueError, match=rf"expected {variable} in \[{choices}\] or unset, got 'batched'"):
+    with pytest.raises(ValueError, match=rf"{message}.*, got 'batched'"):
         pk.path_residuals(attn, pk.PathTree.complete(3, 2))
-    monkeypatch.setenv(variable, "per_head")
+    monkeypatch.setenv(variable, "portable" if variable.endswith("ISA") else "per_head")
     pk.path_residuals(attn, pk.PathTree.complete(3, 2))
 
 

@@ -433,14 +433,14 @@ bool cpu_has_fma() {
 
 #endif
 
+}  // namespace
+
 GemmIsa widest_isa() {
   static const GemmIsa isa = cpu_has(GemmIsa::kAvx512) ? GemmIsa::kAvx512
                              : cpu_has(GemmIsa::kAvx2) ? GemmIsa::kAvx2
                                                        : GemmIsa::kPortable;
   return isa;
 }
-
-}  // namespace
 
 GemmIsa parse_gemm_isa(c10::string_view name, const char* op) {
   GemmIsa isa;

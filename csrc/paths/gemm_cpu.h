@@ -30,6 +30,9 @@ enum class GemmIsa { kAuto, kAvx512, kAvx2, kPortable };
 // cannot run, naming `op` in the error.
 GemmIsa parse_gemm_isa(c10::string_view name, const char* op);
 
+// The widest kernel this CPU and build run (what kAuto picks): kAvx512, kAvx2 or kPortable.
+GemmIsa widest_isa();
+
 // C = A·B, or C = A·B + C with accumulate, by the rule above. A [rows, depth], B [depth, cols] and
 // C [rows, cols] are row-major with unit column stride and the given row strides; C must not
 // overlap A or B. Runs on the calling thread.

@@ -27,11 +27,12 @@ using namespace cpu;
 
 // Norms of `count` leaves stored as [n, count, m] with the given row stride (elements between
 // rows of one leaf), leaf k holding R'_k = R_k / scale[k]: residual[k] = ‖R_k‖_{1,∞} and
-// norm[k] = ‖1μ_kᵀ + R_k‖_{1,∞}, in double.
-template <typename T>
-PATHKERNELS_MULTIVERSION void reduce_leaves(const T* leaves, int64_t n, int64_t count, int64_t m, int64_t row_stride,
-                                             const T* means, int64_t mean_stride, const double* scale,
-                                             double* residual, double* norm) {
+// norm[k] = ‖1μ_kᵀ + R_k‖_{1,∞}, in double. kFma: the row sums as FMAs (norm_passes_cpu.h,
+// add_lanes), for the entries compiled for FMA below; every entry gives the same bits.
+template <typename T, bool kFma>
+PATHKERNELS_INLINE void reduce_leaves_on(const T* leaves, int64_t n, int64_t count, int64_t m, int64_t row_stride,
+                                         const T* means, int64_t mean_stride, const double* scale, double* residual,
+                                         double* norm) {
   NormWork<double> w(n, m);
   std::vector<double> shift(m);
   std::vector<double> row_norm(n);
@@ -41,16 +42,53 @@ PATHKERNELS_MULTIVERSION void reduce_leaves(const T* leaves, int64_t n, int64_t 
     }
     std::fill(w.col_abs, w.col_abs + 2 * m, 0.0);
     if (scale[k] == 1.0) {  // unscaled nodes (all of float64's, most of float32's) skip a multiply
-      paired_matrix_pass<false>(leaves + k * m, n, m, row_stride, shift.data(), 1.0, w.col_abs, w.row_abs, w.col_res,
-                                row_norm.data());
+      paired_matrix_pass<false, kFma>(leaves + k * m, n, m, row_stride, shift.data(), 1.0, w.col_abs, w.row_abs,
+                                      w.col_res, row_norm.data());
     } else {
-      paired_matrix_pass<true>(leaves + k * m, n, m, row_stride, shift.data(), scale[k], w.col_abs, w.row_abs,
-                               w.col_res, row_norm.data());
+      paired_matrix_pass<true, kFma>(leaves + k * m, n, m, row_stride, shift.data(), scale[k], w.col_abs, w.row_abs,
+                                     w.col_res, row_norm.data());
     }
     residual[k] = scale[k] * composite_from_parts(largest(w.col_abs, m), largest(w.row_abs, n));
     norm[k] = composite_from_parts(largest(w.col_res, m), largest(row_norm.data(), n));
   }
 }
+
+#define PATHKERNELS_REDUCE_LEAVES_ARGS                                                                          \
+  const T *leaves, int64_t n, int64_t count, int64_t m, int64_t row_stride, const T *means, int64_t mean_stride, \
+      const double *scale, double *residual, double *norm
+#define PATHKERNELS_REDUCE_LEAVES_CALL leaves, n, count, m, row_stride, means, mean_stride, scale, residual, norm
+
+#ifdef PATHKERNELS_HAVE_FMA_ENTRIES
+template <typename T>
+__attribute__((target("avx512f,fma"), flatten)) void reduce_leaves_avx512(PATHKERNELS_REDUCE_LEAVES_ARGS) {
+  reduce_leaves_on<T, true>(PATHKERNELS_REDUCE_LEAVES_CALL);
+}
+template <typename T>
+__attribute__((target("avx2,fma"), flatten)) void reduce_leaves_avx2(PATHKERNELS_REDUCE_LEAVES_ARGS) {
+  reduce_leaves_on<T, true>(PATHKERNELS_REDUCE_LEAVES_CALL);
+}
+#endif
+template <typename T>
+void reduce_leaves_portable(PATHKERNELS_REDUCE_LEAVES_ARGS) {
+  reduce_leaves_on<T, false>(PATHKERNELS_REDUCE_LEAVES_CALL);
+}
+
+// reduce_leaves_on by the entry for `isa` (kAuto: the widest this CPU runs).
+template <typename T>
+void reduce_leaves(GemmIsa isa, PATHKERNELS_REDUCE_LEAVES_ARGS) {
+  switch (isa == GemmIsa::kAuto ? widest_isa() : isa) {
+#ifdef PATHKERNELS_HAVE_FMA_ENTRIES
+    case GemmIsa::kAvx512:
+      return reduce_leaves_avx512<T>(PATHKERNELS_REDUCE_LEAVES_CALL);
+    case GemmIsa::kAvx2:
+      return reduce_leaves_avx2<T>(PATHKERNELS_REDUCE_LEAVES_CALL);
+#endif
+    default:
+      return reduce_leaves_portable<T>(PATHKERNELS_REDUCE_LEAVES_CALL);
+  }
+}
+#undef PATHKERNELS_REDUCE_LEAVES_ARGS
+#undef PATHKERNELS_REDUCE_LEAVES_CALL
 
 // scales.h's renormalisation rule for one node R' ([n, m], row stride given), in place; returns
 // the factor 2^e its scale takes (1 when the node is left alone).
@@ -91,6 +129,14 @@ bool shared_parent_leaves_from_env() {
   return name != "per_head";
 }
 
+// Which entry reduces the leaves: PATHKERNELS_ENGINE_REDUCTION_ISA unset or "auto", the widest the
+// CPU runs; "avx512", "avx2" or "portable" for the tests, which hold every entry to the same bits.
+GemmIsa reduction_isa_from_env() {
+  const char* value = std::getenv("PATHKERNELS_ENGINE_REDUCTION_ISA");
+  return parse_gemm_isa(value == nullptr ? "auto" : value,
+                        "pathkernels.path_chunk_norms (PATHKERNELS_ENGINE_REDUCTION_ISA)");
+}
+
 // The parents one block of shared_parent_leaves holds: at most leaf_block, fewer where every head's
 // column means would push its scratch (a head's leaves and every head's means, (n + H)·m per
 // parent) past the leaf block's n·m per leaf, and the level split into blocks of equal size.
@@ -107,6 +153,7 @@ struct CpuBackend {
   explicit CpuBackend(LeafKernel /*a CUDA option*/) {}
 
   const bool shared_parent_leaves_ = shared_parent_leaves_from_env();
+  const GemmIsa reduction_isa_ = reduction_isa_from_env();
 
   bool shared_parent_leaves_enabled() const {
     return shared_parent_leaves_;
@@ -237,8 +284,8 @@ struct CpuBackend {
           means_of = b;
         }
         gemm(n, width, n, a + h * n * n, n, block, ldr, leaves.get(), width, false);
-        reduce_leaves(leaves.get(), n, p, m, width, means.get() + h * width, m, scale + k0, residual + h * count + k0,
-                      norm + h * count + k0);
+        reduce_leaves(reduction_isa_, leaves.get(), n, p, m, width, means.get() + h * width, m, scale + k0,
+                      residual + h * count + k0, norm + h * count + k0);
       }
     });
   }
@@ -275,7 +322,7 @@ struct CpuBackend {
   // leaves [n, c, m] (any row stride, unit column stride), means [c, m], scales [c] (double).
   template <typename T>
   void reduce(const engine::Nodes& leaves, double* residual, double* norm) {
-    reduce_leaves(leaves.residual.const_data_ptr<T>(), leaves.residual.size(0), leaves.residual.size(1),
+    reduce_leaves(reduction_isa_, leaves.residual.const_data_ptr<T>(), leaves.residual.size(0), leaves.residual.size(1),
                   leaves.residual.size(2), leaves.residual.stride(0), leaves.mean.const_data_ptr<T>(),
                   leaves.mean.stride(0), leaves.scale.const_data_ptr<double>(), residual, norm);
   }
