@@ -3,7 +3,9 @@
 Each case runs in its own process, so that its peak memory is its own. Reported per case:
 - time (best of several runs: this VM's timings vary by ±30 %), paths per second;
 - GFLOP/s over the GEMM work of the head nodes (2·n³ each, docs/DESIGN.md §5) and its fraction of the
-  GEMM floor, a 4096² float32/float64 matmul measured in the same run;
+  GEMM floor, a 4096² float32/float64 matmul measured in the same run, and of the engine's own GEMM
+  on a 512² product (one thread, times the threads: ``own_gemm_rate``), which on CPUs where the
+  BLAS does not take its widest kernels (MKL on AMD's AVX-512) lies far above that floor;
 - speed-up over (b) the best pure-PyTorch level-wise implementation (stacked GEMMs per level,
   materialised, then the norms; one top-level branch at a time to bound its memory) and over (a)
   the per-path loop (timed on a sample of paths, extrapolated to the tree);
@@ -41,6 +43,7 @@ from pathkernels.app.benchmarks import (
     gemm_rate,
     head_node_flops,
     machine_description,
+    own_gemm_rate,
     peak_rss,
     reset_peak_rss,
     seconds_per_call,
@@ -62,6 +65,7 @@ COLUMNS = [
     ("paths/s", "paths_per_s", ".3g"),
     ("GFLOP/s", "gflops", ".1f"),
     ("of floor", "fraction_of_gemm_floor", ".0%"),
+    ("of own", "fraction_of_own_gemm", ".0%"),
     ("vs level", "speedup_vs_levelwise", ".1f", "x"),
     ("vs loop", "speedup_vs_loop", ".0f", "x"),
     ("peak MiB", "engine_peak_mib", ".1f"),
@@ -240,12 +244,21 @@ def main(argv=None) -> int:
     # The floor is the best rate seen in the run.
     for name in gemm:
         gemm[name] = max(gemm[name], gemm_rate(getattr(torch, name), device))
+    own = {name: own_gemm_rate(getattr(torch, name)) for name in gemm} if device == "cpu" else {}
     for r in rows:
         r["fraction_of_gemm_floor"] = r["gflops"] * 1e9 / gemm[r["dtype"]]
+        if own:
+            r["fraction_of_own_gemm"] = r["gflops"] * 1e9 / own[r["dtype"]]
     machine = machine_description(device)
     print(
         f"pathkernels {pk.__version__} path engine, {machine}, torch {torch.__version__}; "
         f"GEMM floor float32 {gemm['float32'] / 1e9:.1f} GFLOP/s, float64 {gemm['float64'] / 1e9:.1f} GFLOP/s"
+        + (
+            f"; the engine's own GEMM (512², one thread, × threads) {own['float32'] / 1e9:.1f} and "
+            f"{own['float64'] / 1e9:.1f} GFLOP/s"
+            if own
+            else ""
+        )
     )
     print(format_table(rows, COLUMNS))
     bare = []
@@ -265,6 +278,7 @@ def main(argv=None) -> int:
             "threads": torch.get_num_threads(),
             "build": pk.build_info(),
             "gemm_gflops": {k: v / 1e9 for k, v in gemm.items()},
+            "own_gemm_gflops": {k: v / 1e9 for k, v in own.items()},
             "bare_products_gflops": bare,
             "results": rows,
         }

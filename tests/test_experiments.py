@@ -619,6 +619,16 @@ def test_trained_collapse_trained_terms_keep_their_rank():
     assert float(table["q10"].min()) > 0.1
 
 
+def test_the_engines_own_gemm_rate_counts_every_thread(monkeypatch):
+    """bench_paths' second floor: the engine's own GEMM on one thread, times torch's threads."""
+    from pathkernels.app import benchmarks
+
+    monkeypatch.setattr(benchmarks, "seconds_per_call", lambda call, **_: (call(), 0.5)[1])
+    for threads in (1, 3):
+        monkeypatch.setattr(torch, "get_num_threads", lambda count=threads: count)
+        assert benchmarks.own_gemm_rate(torch.float64, size=10) == 2 * 10**3 / 0.5 * threads
+
+
 def test_the_machine_is_named_by_its_cpu_model_and_instruction_sets():
     """Benchmarks name the CPU by ``/proc/cpuinfo``'s model and its vector instruction sets (where
     the file exists), with torch's threads: what a reader needs to compare figures across CPUs."""
@@ -635,3 +645,7 @@ def test_the_machine_is_named_by_its_cpu_model_and_instruction_sets():
         flags = next(line.split(":", 1)[1].split() for line in content.splitlines() if line.startswith("flags"))
         assert text.startswith(model)
         assert ("AVX-512" in text) == ("avx512f" in flags) and ("AVX2" in text) == ("avx2" in flags)
+        family = re.search(r"^cpu family\s*:\s*(\S+)", content, re.MULTILINE)
+        number = re.search(r"^model\s*:\s*(\S+)", content, re.MULTILINE)
+        if family and number:
+            assert f"(family {family[1]} model {number[1]}; " in text

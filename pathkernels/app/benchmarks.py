@@ -63,6 +63,19 @@ def gemm_rate(dtype: torch.dtype, device: str = "cpu", size: int = 4096) -> floa
     return 2 * size**3 / seconds_per_call(lambda: a @ a, device, min_runs=5, statistic="min")
 
 
+def own_gemm_rate(dtype: torch.dtype, size: int = 512) -> float:
+    """FLOP/s of the engine's own CPU GEMM (``csrc/paths/gemm_cpu.h``, the op ``_engine_mm``: one
+    thread) on a ``size²`` product in cache, times torch's threads: what its micro-kernels could
+    give the engine with every thread busy and nothing else to do. Beside :func:`gemm_rate` because
+    that floor is the BLAS's: MKL takes its AVX2 kernels on AMD CPUs, so on a Zen 5, whose AVX-512
+    units are as wide as their registers, the engine's own kernels run about twice its rate."""
+    from pathkernels.core import ops  # noqa: F401  (loads the extension's ops)
+
+    a = torch.randn(size, size, dtype=dtype)
+    seconds = seconds_per_call(lambda: torch.ops.pathkernels._engine_mm(a, a), min_runs=5, statistic="min")
+    return 2 * size**3 / seconds * torch.get_num_threads()
+
+
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -157,22 +170,29 @@ _ISA_FLAGS = (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"), ("f
 
 
 def cpu_description() -> str:
-    """The CPU's model and vector instruction sets, as ``/proc/cpuinfo`` names them (``"AMD EPYC
-    (AVX-512, AVX2, FMA)"``), or ``platform``'s word for it where there is no such file."""
-    model, flags = None, set()
+    """The CPU's model, family and vector instruction sets, as ``/proc/cpuinfo`` names them
+    (``"AMD EPYC (family 26 model 2; AVX-512, AVX2, FMA)"``), or ``platform``'s word for it where
+    there is no such file. The family tells apart CPUs whose model name is masked, as cloud VMs'
+    often is: AMD's family 25 is Zen 3 and Zen 4 (with AVX-512), 26 is Zen 5, whose AVX-512
+    units are twice as wide."""
+    fields, flags = {}, set()
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name" and model is None:
-                    model = value.strip()
-                elif key.strip() == "flags" and not flags:
+                key = key.strip()
+                if key == "flags" and not flags:
                     flags = set(value.split())
+                elif key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
     except OSError:
         pass
-    model = model or platform.processor() or platform.machine()
-    isa = [name for flag, name in _ISA_FLAGS if flag in flags]
-    return f"{model} ({', '.join(isa)})" if isa else model
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    known = {"cpu family", "model"} <= fields.keys()
+    family = f"family {fields['cpu family']} model {fields['model']}" if known else ""
+    isa = ", ".join(name for flag, name in _ISA_FLAGS if flag in flags)
+    details = "; ".join(part for part in (family, isa) if part)
+    return f"{model} ({details})" if details else model
 
 
 def machine_description(device: str) -> str:
