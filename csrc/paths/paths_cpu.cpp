@@ -146,6 +146,20 @@ int64_t parents_per_block(int64_t count, int64_t n, int64_t heads, int64_t leaf_
   return (count + blocks - 1) / blocks;
 }
 
+// out[k] = mean[k] + scale[k]·shift[k] for `count` rows of m (mean's rows mean_stride apart, shift's
+// and out's m apart; out may be shift): add_scaled's arithmetic, which block_means shares, so that
+// the shared parents' leaves have the bits of the per-head blocks.
+template <typename T>
+void add_scaled_rows(const T* mean, int64_t mean_stride, const T* shift, const double* scale, int64_t count, int64_t m,
+                     T* out) {
+  for (int64_t k = 0; k < count; ++k) {
+    const T factor = static_cast<T>(scale[k]);
+    for (int64_t j = 0; j < m; ++j) {
+      out[k * m + j] = mean[k * mean_stride + j] + factor * shift[k * m + j];
+    }
+  }
+}
+
 struct CpuBackend {
   static constexpr bool kFusedLeaves = false;  // a leaf block is reduced while in cache instead
   static constexpr bool kSharedParentLeaves = true;
@@ -206,16 +220,8 @@ struct CpuBackend {
     TORCH_INTERNAL_ASSERT(mean.stride(1) == 1 && shift.is_contiguous() && scale.is_contiguous());
     const int64_t c = shift.size(0), m = shift.size(1);
     at::Tensor out = at::empty_like(shift);
-    const T* mu = mean.const_data_ptr<T>();
-    const T* sh = shift.const_data_ptr<T>();
-    const double* s = scale.const_data_ptr<double>();
-    T* o = out.mutable_data_ptr<T>();
-    for (int64_t k = 0; k < c; ++k) {
-      const T factor = static_cast<T>(s[k]);
-      for (int64_t j = 0; j < m; ++j) {
-        o[k * m + j] = mu[k * mean.stride(0) + j] + factor * sh[k * m + j];
-      }
-    }
+    add_scaled_rows(mean.const_data_ptr<T>(), mean.stride(0), shift.const_data_ptr<T>(), scale.const_data_ptr<double>(),
+                    c, m, out.mutable_data_ptr<T>());
     return out;
   }
 
@@ -307,14 +313,7 @@ struct CpuBackend {
     gemm(heads, width, n, a_mean, n, block, ldr, means, width, !renormalises);
     if (renormalises) {
       for (int64_t h = 0; h < heads; ++h) {
-        for (int64_t k = 0; k < p; ++k) {
-          const T factor = static_cast<T>(scale[k]);
-          const T* mu = parent_mean + k * mean_stride;
-          T* out = means + h * width + k * m;
-          for (int64_t j = 0; j < m; ++j) {
-            out[j] = mu[j] + factor * out[j];
-          }
-        }
+        add_scaled_rows(parent_mean, mean_stride, means + h * width, scale, p, m, means + h * width);
       }
     }
   }
