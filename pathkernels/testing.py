@@ -52,6 +52,22 @@ def num_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+def cpu_kernel_isas() -> list[str]:
+    """The CPU kernels' instruction sets this CPU and build run, widest first, of "avx512", "avx2" and
+    "portable": those the engine's GEMM (``_engine_mm``'s ``isa``) and its leaf reduction
+    (``PATHKERNELS_ENGINE_REDUCTION_ISA``) accept, which share one check."""
+    from pathkernels.core import ops  # noqa: F401  (registers the ops)
+
+    found = []
+    for isa in ("avx512", "avx2", "portable"):
+        try:
+            torch.ops.pathkernels._engine_mm(torch.ones(1, 1), torch.ones(1, 1), isa)
+        except ValueError:
+            continue
+        found.append(isa)
+    return found
+
+
 def has_tensor_cores(device) -> bool:
     """Whether the tensor-core leaf kernels (``leaf_kernel="tensor"``) can run on ``device``: a CUDA
     device of compute capability 8.0 or later. On the CPU the engine ignores the choice (True)."""

@@ -20,6 +20,7 @@ from pathkernels.reference import (
     residual_norm_ref,
 )
 from pathkernels.testing import (
+    cpu_kernel_isas,
     devices,
     float32_error_bound,
     has_tensor_cores,
@@ -957,19 +958,6 @@ def test_engine_switches_change_no_bit_on_the_cpu(monkeypatch, dtype, tree_kind,
         assert float(expected.residual.min()) < 1e-40  # renormalised: below float32's smallest normal
 
 
-def reduction_entries() -> list[str]:
-    """The leaf reduction's entries this CPU runs (PATHKERNELS_ENGINE_REDUCTION_ISA): those of the
-    engine's GEMM, which share its instruction-set check."""
-    entries = []
-    for isa in ("avx512", "avx2", "portable"):
-        try:
-            torch.ops.pathkernels._engine_mm(torch.ones(1, 1), torch.ones(1, 1), isa)
-        except (ValueError, RuntimeError):
-            continue
-        entries.append(isa)
-    return entries
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("tree_kind", ["complete_skip", "small chunks", "float32 range", "odd sizes"])
 def test_every_leaf_reduction_entry_gives_the_same_bits(monkeypatch, dtype, tree_kind):
@@ -978,7 +966,7 @@ def test_every_leaf_reduction_entry_gives_the_same_bits(monkeypatch, dtype, tree
     (renormalised float32) leaves, and tails of rows and columns (n = 5)."""
     call = switch_case(tree_kind, dtype)
     expected = call()
-    entries = reduction_entries()
+    entries = cpu_kernel_isas()
     assert "portable" in entries
     for isa in entries:
         monkeypatch.setenv("PATHKERNELS_ENGINE_REDUCTION_ISA", isa)

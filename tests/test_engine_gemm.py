@@ -15,19 +15,10 @@ from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import pathkernels  # noqa: E402, F401  (registers the ops)
+from pathkernels.testing import cpu_kernel_isas  # noqa: E402
 
 mm = torch.ops.pathkernels._engine_mm
-
-
-def _available(isa: str) -> bool:
-    try:
-        mm(torch.ones(1, 1), torch.ones(1, 1), isa)
-    except ValueError:
-        return False
-    return True
-
-
-ISAS = [isa for isa in ("avx512", "avx2", "portable") if _available(isa)]
+ISAS = cpu_kernel_isas()
 # The vector kernels contract each term into an FMA; the portable kernel uses std::fma where the
 # CPU has one. Every x86-64 CPU with AVX2 has FMA, and the other architectures we build for do.
 HAS_FMA = platform.machine() not in ("x86_64", "AMD64") or torch.backends.cpu.get_cpu_capability() != "DEFAULT"

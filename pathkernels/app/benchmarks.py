@@ -69,8 +69,6 @@ def own_gemm_rate(dtype: torch.dtype, size: int = 512) -> float:
     give the engine with every thread busy and nothing else to do. Beside :func:`gemm_rate` because
     that floor is the BLAS's: MKL takes its AVX2 kernels on AMD CPUs, so on a Zen 5, whose AVX-512
     units are as wide as their registers, the engine's own kernels run about twice its rate."""
-    from pathkernels.core import ops  # noqa: F401  (loads the extension's ops)
-
     a = torch.randn(size, size, dtype=dtype)
     seconds = seconds_per_call(lambda: torch.ops.pathkernels._engine_mm(a, a), min_runs=5, statistic="min")
     return 2 * size**3 / seconds * torch.get_num_threads()
