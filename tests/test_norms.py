@@ -119,6 +119,26 @@ def test_non_contiguous(device, layout):
     assert torch.equal(pk.residual_norm(x), residual)
 
 
+def test_expanded_leading_dims_that_do_not_merge_are_not_copied(device):
+    """x [2, 2^31, 4, 4] expanded from [2, 1, 4, 4]: its leading dims cannot merge into one batch
+    dimension, so a reshape would copy 2^35 entries (256 GiB). Each distinct matrix is reduced once,
+    the results expanded back; the gradient reaches the base as the reference's does."""
+    base = random_matrices(2, 1, 4, 4, dtype=torch.float64, device=device)
+    x = base.expand(2, 2**31, 4, 4)
+    residual, norm = pk.residual_norm(x, return_norm=True)
+    assert residual.shape == norm.shape == (2, 2**31)
+    torch.testing.assert_close(residual[:, :3], residual_norm_ref(base).expand(2, 3), **tolerance(torch.float64))
+    torch.testing.assert_close(norm[:, -1], composite_norm_ref(base)[:, 0], **tolerance(torch.float64))
+    assert pk.composite_norm(x).shape == pk.matrix_norms(x).l1.shape == (2, 2**31)
+    small = base.expand(2, 3, 4, 4).permute(1, 0, 2, 3)  # [3, 2, 4, 4]: strides (0, 16, ...) do not merge
+    mine, ref = base.clone().requires_grad_(), base.clone().requires_grad_()
+    weights = torch.rand(3, 2, dtype=torch.float64, device=device)
+    (pk.residual_norm(mine.expand(2, 3, 4, 4).permute(1, 0, 2, 3)) * weights).sum().backward()
+    (residual_norm_ref(ref.expand(2, 3, 4, 4).permute(1, 0, 2, 3)) * weights).sum().backward()
+    torch.testing.assert_close(mine.grad, ref.grad, **tolerance(torch.float64))
+    assert torch.equal(pk.residual_norm(small), pk.residual_norm(small.contiguous()))
+
+
 @pytest.mark.parametrize("shape", [(0, 4, 5), (3, 0, 2, 2), (2, 6, 0)])
 def test_empty(device, shape):
     x = torch.zeros(shape, device=device)
@@ -216,6 +236,58 @@ def test_gradient_matches_reference_autograd(device, residual):
     torch.testing.assert_close(mine.grad, ref.grad, **tolerance(torch.float64))
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_second_derivatives_match_reference_autograd(device, residual):
+    """A backward with create_graph=True (Hessian-vector products, gradient penalties) is itself
+    differentiable: the Hessian-vector product of every part equals that of the float64 reference,
+    and the first derivative it builds equals the kernel's (it was silently 0 before)."""
+    x = random_matrices(4, 9, 7, dtype=torch.float64, device=device)
+    weights = torch.rand(4, 3, dtype=torch.float64, device=device)
+    direction = torch.randn_like(x)
+
+    def norms(t):
+        return torch.stack(tuple(pk.matrix_norms(t, residual=residual)), -1)
+
+    def reference(t):
+        return torch.stack(matrix_norms_ref(residual_ref(t) if residual else t), -1)
+
+    products = []
+    for function in (norms, reference):
+        t = x.clone().requires_grad_()
+        (gradient,) = torch.autograd.grad((function(t) * weights).sum(), t, create_graph=True)
+        (product,) = torch.autograd.grad((gradient * direction).sum(), t)
+        products.append((gradient.detach(), product))
+    torch.testing.assert_close(products[0][0], products[1][0], **tolerance(torch.float64))
+    torch.testing.assert_close(products[0][1], products[1][1], **tolerance(torch.float64))
+    assert bool((products[0][1] != 0).any())
+    t = x.clone().requires_grad_()
+    (plain,) = torch.autograd.grad((norms(t) * weights).sum(), t)
+    torch.testing.assert_close(products[0][0], plain, rtol=1e-14, atol=0)
+
+
+def test_gradgradcheck(device):
+    x = random_matrices(3, 6, 5, dtype=torch.float64, device=device).requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda t: pk.residual_norm(t, return_norm=True), (x,))
+    assert torch.autograd.gradgradcheck(pk.composite_norm, (x,))
+    assert torch.autograd.gradgradcheck(lambda t: tuple(pk.matrix_norms(t, residual=True)), (x,))
+    # A Jacobian-vector product by the double-backward trick differentiates the backward by its
+    # incoming gradient, at 0.
+    direction = torch.randn_like(x)
+    torch.testing.assert_close(
+        torch.autograd.functional.jvp(pk.residual_norm, x.detach(), direction)[1],
+        torch.autograd.functional.jvp(residual_norm_ref, x.detach(), direction)[1],
+        **tolerance(torch.float64),
+    )
+
+
+def test_second_derivatives_are_finite_at_a_zero_residual(device):
+    x = torch.full((3, 4, 4), 0.25, dtype=torch.float64, device=device, requires_grad=True)
+    (gradient,) = torch.autograd.grad(pk.residual_norm(x).sum(), x, create_graph=True)
+    (second,) = torch.autograd.grad(gradient.sum(), x, allow_unused=True)
+    assert torch.equal(gradient, torch.zeros_like(x))
+    assert second is None or torch.equal(second, torch.zeros_like(x))
+
+
 def test_gradient_is_zero_not_nan_at_a_zero_residual(device):
     x = torch.full((3, 4, 4), 0.25, dtype=torch.float64, device=device, requires_grad=True)
     pk.residual_norm(x).sum().backward()
@@ -305,6 +377,26 @@ def test_torch_compile_fullgraph(device):
     x = random_matrices(4, 12, 10, dtype=torch.float64, device=device)
     residual, norm = pk.residual_norm(x, return_norm=True)
     torch.testing.assert_close(collapse_ratio(x), residual / norm + pk.composite_norm(x))
+
+
+def test_torch_compile_rescues_sums_that_overflow(device):
+    """Inside a compiled graph the rescue of overflowed sums is a torch.cond: the compiled norms
+    and their gradient equal eager mode's (they were inf)."""
+    torch._dynamo.reset()
+    x = 1e306 * (1 + 0.01 * random_matrices(3, 300, 2, dtype=torch.float64, device=device))
+    x[0] = random_matrices(300, 2, dtype=torch.float64, device=device)  # a matrix that needs no rescue
+
+    def loss(t):
+        residual, norm = pk.residual_norm(t, return_norm=True)
+        return residual + pk.composite_norm(t)
+
+    compiled = torch.compile(loss, fullgraph=True, dynamic=False, backend="aot_eager")
+    eager_x, compiled_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want, got = loss(eager_x), compiled(compiled_x)
+    assert bool(torch.isfinite(want).all()) and torch.equal(got, want)
+    want.sum().backward()
+    got.sum().backward()
+    assert bool(torch.isfinite(eager_x.grad).all()) and torch.equal(compiled_x.grad, eager_x.grad)
 
 
 def test_torch_compile_fullgraph_backward(device):

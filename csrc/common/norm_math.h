@@ -80,9 +80,11 @@ C10_HOST_DEVICE inline A composite_from_parts(A l1, A linf) {
 
 // Gradient of c = sqrt(l1 · linf) pushed back onto (l1, linf). At c = 0 (a zero matrix, or the
 // residual of an exactly rank-1 one) the subgradient 0 is used, so a regulariser never sees NaN.
+// A zero grad_c adds nothing, also where c overflowed (0 · inf / inf would be NaN): parts that
+// were computed again by the rescue (core/ops.py) get zeros there inside compiled graphs.
 template <typename A>
 C10_HOST_DEVICE inline void composite_backward(A l1, A linf, A c, A grad_c, A& grad_l1, A& grad_linf) {
-  if (c > A(0)) {
+  if (c > A(0) && grad_c != A(0)) {
     grad_l1 += grad_c * linf / (A(2) * c);
     grad_linf += grad_c * l1 / (A(2) * c);
   }

@@ -189,42 +189,90 @@ def _norm_parts(x: Tensor, centered: bool, with_norm: bool, op: str | None = Non
     when centered and with_norm, is x itself (skipping it spares the CPU kernel a third of its
     arithmetic). with_norm is ignored when not centered. ``op`` names the caller in errors."""
     check_norm_input(x, centered, op)
+    x, leading = _without_expanded_copies(x)
     parts = torch.ops.pathkernels.norm_parts(x, centered, with_norm)[0]
-    # Rare: sums that overflowed (or inputs that are not finite). A data-dependent branch, so not
-    # taken inside torch.compile's graphs or on meta tensors, which then keep the kernel's parts.
-    if x.numel() and x.device.type != "meta" and not torch.compiler.is_compiling():
-        if not bool(parts.isfinite().all()):
+    # Rare: sums that overflowed (or inputs that are not finite). A data-dependent branch: inside
+    # torch.compile's graphs a torch.cond, so that compiled norms rescue them too.
+    if x.numel() and x.device.type != "meta":
+        if torch.compiler.is_compiling():
+            parts = torch.cond(
+                parts.isfinite().all(),
+                lambda x, parts: parts.clone(),
+                lambda x, parts: _rescaled_parts_in_graph(x, parts, centered, with_norm),
+                (x, parts),
+            )
+        elif not bool(parts.isfinite().all()):
             parts = _rescaled_parts(x, parts, centered, with_norm)
-    return parts
+    return parts if leading is None else parts.expand(*leading, *parts.shape[-2:])
+
+
+def _without_expanded_copies(x: Tensor) -> tuple[Tensor, torch.Size | None]:
+    """``(x', leading)``: where x's leading dimensions do not merge into one batch dimension (the
+    kernels' ``[batch, n, m]``, which would then be a copy of every repeat) because some are
+    expanded (stride 0), x narrowed to one slice along each of those, and x's leading shape, which
+    the parts are expanded back to: the same numbers without the copy. Otherwise ``(x, None)``; so
+    too for a leaf that requires grad, whose gradient has x's full shape anyway."""
+    sizes, strides = x.shape[:-2], x.stride()[:-2]
+    kept = [d for d in range(len(sizes)) if sizes[d] != 1]
+    if all(strides[a] == strides[b] * sizes[b] for a, b in zip(kept, kept[1:])):
+        return x, None
+    expanded = [d for d in kept if strides[d] == 0]
+    if not expanded or (x.requires_grad and x.is_leaf):
+        return x, None
+    for d in expanded:
+        x = x.narrow(d, 0, 1)
+    return x, sizes
 
 
 def _rescaled_parts(x: Tensor, parts: Tensor, centered: bool, with_norm: bool) -> Tensor:
-    """``parts`` with those of the finite matrices whose parts came out inf or NaN computed again:
-    in float64, on the matrix divided by a power of two that brings its largest entry into [1, 2)
-    (exactly), the parts multiplied back and cast to x's dtype. Sums of finite entries (column sums,
-    the column mean) can overflow where the norm itself does not: a matrix of 1e308 has residual 0,
-    and the kernel's float32 accumulation of bfloat16 overflows at 3.4e38. What stays inf is beyond
-    the dtype. The other matrices are computed again as they were (the same bits), apart, so that
-    no gradient passes through the overflowed parts (0 · inf would make it NaN); matrices with an
-    inf or NaN entry keep their parts."""
+    """``parts`` with those of the finite matrices whose parts came out inf or NaN computed again
+    (:func:`_scaled_norm_parts`). Sums of finite entries (column sums, the column mean) can
+    overflow where the norm itself does not: a matrix of 1e308 has residual 0, and the kernel's
+    float32 accumulation of bfloat16 overflows at 3.4e38. What stays inf is beyond the dtype. The
+    other matrices are computed again as they were (the same bits), apart, so that no gradient
+    passes through the overflowed parts (0 · inf would make it NaN); matrices with an inf or NaN
+    entry keep their parts."""
     n, m = x.shape[-2:]
     flat_x, flat_parts = x.reshape(-1, n, m), parts.detach().reshape(-1, *parts.shape[-2:])
-    redo = (~flat_parts.isfinite().flatten(1).all(1)) & flat_x.detach().isfinite().flatten(1).all(1)
+    redo = _to_rescue(flat_x, flat_parts)
     rows, others = redo.nonzero().flatten(), (~redo).nonzero().flatten()
     if rows.numel() == 0:
         return parts
-    matrices = flat_x[rows].double()
+    again = _scaled_norm_parts(flat_x[rows].double(), centered, with_norm).to(parts.dtype)
+    out = flat_parts.new_zeros(flat_parts.shape).index_put((rows,), again)
+    if others.numel():
+        out = out.index_put((others,), torch.ops.pathkernels.norm_parts(flat_x[others], centered, with_norm)[0])
+    return out.reshape(parts.shape)
+
+
+def _rescaled_parts_in_graph(x: Tensor, parts: Tensor, centered: bool, with_norm: bool) -> Tensor:
+    """:func:`_rescaled_parts` by shapes that do not depend on the values, for torch.cond's branch
+    in compiled graphs: every matrix is computed twice more, as it was with the rescued ones
+    zeroed, and scaled with the others zeroed (zeros keep every gradient finite), and each keeps
+    the one that applies."""
+    n, m = x.shape[-2:]
+    flat_x, flat_parts = x.reshape(-1, n, m), parts.detach().reshape(-1, *parts.shape[-2:])
+    redo = _to_rescue(flat_x, flat_parts).view(-1, 1, 1)
+    kept = torch.ops.pathkernels.norm_parts(torch.where(redo, 0, flat_x), centered, with_norm)[0]
+    again = _scaled_norm_parts(torch.where(redo, flat_x.double(), 0), centered, with_norm).to(parts.dtype)
+    return torch.where(redo, again, kept).reshape(parts.shape)
+
+
+def _to_rescue(flat_x: Tensor, flat_parts: Tensor) -> Tensor:
+    """``[N]`` bool: the finite matrices ``flat_x [N, n, m]`` whose parts ``[N, T, 3]`` are not."""
+    return (~flat_parts.isfinite().flatten(1).all(1)) & flat_x.detach().isfinite().flatten(1).all(1)
+
+
+def _scaled_norm_parts(matrices: Tensor, centered: bool, with_norm: bool) -> Tensor:
+    """The parts of float64 ``matrices [N, n, m]``, computed on each matrix divided by a power of
+    two that brings its largest entry into [1, 2) (exactly), and multiplied back."""
     exponent = leading_exponent(matrices.detach(), (-2, -1))
     # The norms are homogeneous of degree 1, so their gradient at x is the gradient at x / 2^e: the
     # scalings pass values only (their gradient is the identity), else the gradient would be scaled
     # up by 2^e before it is scaled down, and overflow in between (inf where it is about 1).
     scaled = times_power_of_two(matrices.detach(), -exponent) + (matrices - matrices.detach())
     again = torch.ops.pathkernels.norm_parts(scaled, centered, with_norm)[0]
-    again = (times_power_of_two(again.detach(), exponent) + (again - again.detach())).to(parts.dtype)
-    out = flat_parts.new_zeros(flat_parts.shape).index_put((rows,), again)
-    if others.numel():
-        out = out.index_put((others,), torch.ops.pathkernels.norm_parts(flat_x[others], centered, with_norm)[0])
-    return out.reshape(parts.shape)
+    return times_power_of_two(again.detach(), exponent) + (again - again.detach())
 
 
 def matrix_norms(x: Tensor, *, residual: bool = False) -> MatrixNorms:
