@@ -39,7 +39,7 @@ shapes = st.tuples(
     st.integers(1, 20),  # tokens
     st.integers(1, 80),  # features
     st.integers(1, 4),  # heads
-    st.integers(1, 12),  # head_dim
+    st.integers(0, 12),  # head_dim (0: heads that write nothing)
     st.integers(0, 2**31 - 1),  # seed
 )
 
@@ -59,6 +59,18 @@ def test_the_ops_compute_their_formulas(shape):
     rho_alone, narrow = heads_op(rho, phi, maps, f_in)  # without feature_out: phi F_in[h]
     assert torch.equal(rho_alone, rho_heads)
     torch.testing.assert_close(narrow, torch.einsum("nrd,hde->hnre", phi, f_in), rtol=1e-12, atol=1e-12)
+
+
+def test_heads_without_dimensions_write_zeros():
+    """head_dim = 0 with feature_out: phi F_in[h] F_out[h] is an empty sum, 0. An empty feature_out
+    has a null data pointer, which the kernel took for "no feature_out" and left the output
+    unwritten (whatever memory held). Many calls, so that reused memory shows."""
+    for seed in range(20):
+        rho, phi, _, maps, f_in, f_out = random_step(5, 2, 3, 4, 6, 3, 0, seed)
+        torch.randn(3 * 5 * 3 * 6, dtype=torch.float64).exp()  # leave non-zero memory behind
+        rho_heads, phi_heads = heads_op(rho, phi, maps, f_in, f_out)
+        assert phi_heads.shape == (3, 5, 3, 6) and torch.equal(phi_heads, torch.zeros_like(phi_heads))
+        torch.testing.assert_close(rho_heads, torch.einsum("npi,hij->hnpj", rho, maps), rtol=1e-12, atol=1e-12)
 
 
 @settings(max_examples=20, deadline=None)

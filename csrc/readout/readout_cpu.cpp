@@ -81,7 +81,7 @@ std::tuple<at::Tensor, at::Tensor> heads_cpu(const at::Tensor& rho_in, const at:
       cpu::gemm<double>(count * P, n, n, rho_data + begin * P * n, n, maps + head * n * n, n, rho_out + child * P * n,
                         n, false);
       const double* phi_block = phi_data + begin * R * d;
-      if (f_out == nullptr) {
+      if (!feature_out.defined()) {  // (an empty feature_out, e = 0, has a null data pointer too)
         cpu::gemm<double>(count * R, e, d, phi_block, d, f_in + head * d * e, e, phi_out + child * R * e, e, false);
         continue;
       }
