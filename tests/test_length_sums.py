@@ -76,6 +76,23 @@ def test_bias_paths_are_paths_of_their_own(skip):
         pk.length_sums(attn, x, w_v, w_o, b_o=torch.zeros(3, 4, dtype=torch.float64))
 
 
+def test_heads_without_dimensions_add_nothing():
+    """d_head = 0: every head writes 0, so the sums of the paths through heads are 0 (only the
+    bias paths remain), as path_residuals has it; the scaling of the empty maps failed."""
+    attn, x, _, _ = network(2, 3, 2, 4, 3, 2)
+    w_v, w_o = torch.zeros(3, 2, 3, 0, dtype=torch.float64), torch.zeros(3, 2, 0, 3, dtype=torch.float64)
+    b_o = torch.randn(3, 3, dtype=torch.float64)
+    for skip in (True, False):
+        sums = pk.length_sums(attn, x, w_v, w_o, skip=skip)
+        assert sums.shape == (4, 2, 4, 3)
+        assert torch.equal(sums[0], x if skip else torch.zeros_like(x))
+        assert torch.equal(sums[1:], torch.zeros_like(sums[1:]))
+        with_bias = pk.length_sums(attn, x, w_v, w_o, b_o=b_o, skip=skip)
+        torch.testing.assert_close(
+            with_bias.sum(0), attention_network_ref(attn, x, w_v, w_o, b_o, skip=skip), **tolerance(torch.float64)
+        )
+
+
 def test_truncated_output_and_unbatched_inputs():
     attn, x, w_v, w_o = network(1, 5, 2, 4, 3, 2)
     sums = pk.length_sums(attn[0], x[0], w_v, w_o)

@@ -176,7 +176,10 @@ def _normalized(t: Tensor, dims: int) -> tuple[Tensor, Tensor]:
     |entry| in [0.5, 1) (a slice of zeros stays 0, with exponent ``_ZERO_EXPONENT``). The exponent
     (int64, ``t``'s leading shape) comes from detached values: a constant to autograd."""
     reduced = tuple(range(t.dim() - dims, t.dim()))
-    largest = t.detach().abs().amax(dim=reduced)
+    if any(t.shape[d] == 0 for d in reduced):  # empty slices (d_head = 0): all zero
+        largest = t.new_zeros(t.shape[: t.dim() - dims])
+    else:
+        largest = t.detach().abs().amax(dim=reduced)
     exponent = torch.frexp(largest).exponent.long()
     exponent = torch.where(largest > 0, exponent, _ZERO_EXPONENT)
     return _times_power_of_two(t, -exponent), exponent
