@@ -46,6 +46,25 @@ def test_batched_fusions_match_a_plain_loop(device, fusion, dtype):
     )
 
 
+@pytest.mark.parametrize(
+    "dtype, level", [(torch.float64, 1e308), (torch.float32, 3e38), (torch.float16, 3e4), (torch.bfloat16, 3e38)]
+)
+def test_rows_whose_sums_overflow_are_normalised(dtype, level):
+    """Entries near the top of the dtype's range: a row sum overflows, and dividing by it gave 0
+    everywhere. Each row is scaled by a power of two first, so the rollout is the one of the same
+    attention scaled down (uniform rows: 1/n everywhere)."""
+    attn = torch.full((1, 2, 1, 3, 3), level, dtype=dtype)
+    for residual in (True, False):  # the identity is below the entries' last digit
+        got = pk.rollout(attn, residual=residual)
+        torch.testing.assert_close(got.double(), torch.full((1, 3, 3), 1 / 3, dtype=torch.float64), **tolerance(dtype))
+    mixed = random_attention(1, 3, 2, 5, 5, dtype=torch.float64) * torch.tensor(
+        [1e307, 1.0, 1e-300], dtype=torch.float64
+    ).view(1, 3, 1, 1, 1)
+    torch.testing.assert_close(
+        pk.rollout(mixed, residual=False), pk.rollout(mixed / mixed.sum(-1, keepdim=True), residual=False)
+    )
+
+
 def test_discard_ratio_zeroes_the_smallest_off_diagonal_entries():
     a = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], [0.25, 0.25, 0.4, 0.1], [0.7, 0.1, 0.1, 0.1]])
     out = pk.rollout(a[None, None], residual=False, discard_ratio=0.34)  # one of three off-diagonal entries

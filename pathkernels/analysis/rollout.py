@@ -9,6 +9,7 @@ from torch import Tensor
 
 from pathkernels.core import masking
 from pathkernels.core._memory import check_fits
+from pathkernels.core._scaling import leading_exponent, power_of_two
 from pathkernels.core.checks import check_finite, check_nonempty_batch, distinct_view, unpack_stack
 from pathkernels.core.paths import check_flag
 
@@ -118,6 +119,9 @@ def _rollout(attn: Tensor, head_fusion: str, residual: bool, discard_ratio: floa
         fused = fused.scatter(-1, smallest, 0.0)
     if residual:
         fused = fused + eye
+    # Each row scaled by a power of two (exactly) to a largest entry in [1, 2), so that its sum
+    # cannot overflow however large the entries (1e308 in float64, 3e4 in float16).
+    fused = fused * power_of_two(-leading_exponent(fused, -1, keepdim=True)).to(fused.dtype)
     sums = fused.sum(dim=-1, keepdim=True)
     if bool((sums <= 0).any()):
         raise ValueError(f"{where}: a fused attention row sums to 0; use residual=True or a smaller discard_ratio")
