@@ -31,10 +31,13 @@ def trees():
         pk.PathTree.complete(4, 3),
         pk.PathTree.complete(4, 3, skip=True, max_length=2),
         pk.PathTree.from_paths(torch.unique(sampled, dim=0)),
+        # Listed more than once, a path counts as often as listed, as in path_residuals and
+        # count_by_length (the statistics counted it once).
+        pk.PathTree.from_paths(torch.cat([sampled, sampled[:7], sampled[2:3]])),
     ]
 
 
-@pytest.mark.parametrize("tree", trees(), ids=["complete", "no-skip", "max_length", "explicit"])
+@pytest.mark.parametrize("tree", trees(), ids=["complete", "no-skip", "max_length", "explicit", "repeats"])
 @pytest.mark.parametrize("budget", [1 << 30, 1 << 14])
 def test_statistics_equal_those_of_the_per_path_results(device, tree, budget):
     """Bit for bit on the CPU, whose engine computes each path alike at any budget; on CUDA cuBLAS
@@ -162,6 +165,24 @@ def test_quantiles_from_the_histogram_are_within_one_bin():
         )
     decomposition = pk.decompose(attn, skip=True).by_length()
     torch.testing.assert_close(torch.tensor(table["mean"].tolist()), torch.tensor(decomposition["mean"].tolist()))
+
+
+def test_quantiles_lie_between_the_extremes():
+    """A bin is wider than the values in it, so a quantile read from the histogram is clamped to
+    the smallest and largest values counted: length 0 is the identity in every batch element, whose
+    ratio 2(n − 1)/n = 1.6 (n = 5) was read as a median of 1.78 and a 95th percentile of 1.97."""
+    pytest.importorskip("pandas")  # the by_length() table
+    attn = random_attention(3, 3, 2, 5, 5, dtype=torch.float64)
+    stats = pk.path_statistics(attn, pk.PathTree.complete(3, 2, skip=True), bins_per_decade=4)
+    quantiles, _ = stats.quantiles("residual")
+    assert torch.equal(quantiles[:, 0], torch.full_like(quantiles[:, 0], float(stats.minima["residual"][0, 0])))
+    quantiles, _ = stats.quantiles("ratio")
+    assert bool((quantiles >= stats.minima["ratio"][..., None]).all())
+    assert bool((quantiles <= stats.maxima["ratio"][..., None]).all())
+    row = stats.by_length().iloc[0]
+    assert row["median"] == row["q05"] == row["q95"] == row["min"] == pytest.approx(1.6, rel=1e-15)
+    table = stats.by_length()
+    assert bool((table["q95"] <= table["max"]).all()) and bool((table["q05"] >= table["min"]).all())
 
 
 def test_merge_of_disjoint_trees_equals_the_whole(tmp_path):

@@ -168,7 +168,7 @@ class PathDecomposition:
                 row.update(
                     mean=values.mean().item() if some else 0.0,
                     stderr=0.0 if exact else stderr,
-                    median=values.median().item() if some else 0.0,
+                    median=values.quantile(0.5).item() if some else 0.0,  # interpolated, as the others
                     q10=values.quantile(0.1).item() if some else 0.0,
                     q90=values.quantile(0.9).item() if some else 0.0,
                     min=numbers.min().item() if numbers.numel() else 0.0,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 import numbers
 from dataclasses import dataclass
@@ -370,6 +371,7 @@ class PathTree:
         self._paths = paths  # [M, L] in result order, or None for a complete tree
         self._short: _ShortPaths | None = None  # a complete tree with max_length < L: its heads alone
         self._unique: tuple[Tensor, Tensor] | None = None
+        self._multiplicities: Tensor | None = None  # of the leaves, for explicit trees with repeats
         self._subtrees: dict[int, tuple[list[Tensor], list[Tensor], Tensor]] = {}
 
     # --- construction ----------------------------------------------------------------------------
@@ -626,6 +628,19 @@ class PathTree:
         root = torch.zeros(1, dtype=torch.long)
         return TrieChunk([root] * prefix.numel() + parents, list(prefix.reshape(-1, 1)) + heads, position)
 
+    def leaf_multiplicities(self, start: int, stop: int) -> Tensor | None:
+        """``[stop - start]`` int64: how many times each of leaves ``start..stop-1`` is listed among
+        the tree's paths; None when every path is listed once (complete trees, and explicit ones
+        without repeats)."""
+        start, stop = self._check_range(
+            start, stop, self.num_leaves, "pathkernels.PathTree.leaf_multiplicities", "leaves"
+        )
+        if self._paths is None or self.num_leaves == self.num_paths:
+            return None
+        if self._multiplicities is None:
+            self._multiplicities = torch.bincount(self._unique_paths()[1], minlength=self.num_leaves)
+        return self._multiplicities[start:stop]
+
     def leaf_of_path(self) -> Tensor | None:
         """For each path in result order, its leaf; None when paths and leaves coincide."""
         if self._paths is None:
@@ -743,6 +758,19 @@ def _enumerate_short_paths(num_layers: int, num_heads: int, max_length: int) -> 
     return short.table(0, short.num_paths)
 
 
+def _enumerate_paths_of_length(num_layers: int, num_heads: int, length: int) -> Tensor:
+    """All ``C(L, k) H^k`` paths with exactly ``k = length`` heads, ``[M, L]`` in lexicographic
+    order (skip first): the order of :func:`_enumerate_short_paths`, whose rows of length k these
+    are, built from the k-subsets of layers so that shorter paths are never listed."""
+    layer_sets = torch.tensor(list(itertools.combinations(range(num_layers), length)), dtype=torch.long)
+    layer_sets = layer_sets.reshape(math.comb(num_layers, length), length)  # one empty row for k = 0
+    heads = torch.cartesian_prod(*[torch.arange(num_heads)] * length) if length else torch.empty(1, 0)
+    heads = heads.long().reshape(num_heads**length, length)
+    every = torch.full((layer_sets.shape[0] * heads.shape[0], num_layers), SKIP, dtype=torch.long)
+    every.scatter_(1, layer_sets.repeat_interleave(heads.shape[0], 0), heads.repeat(layer_sets.shape[0], 1))
+    return torch.unique(every, dim=0, sorted=True)
+
+
 def sample_paths(
     num_layers: int,
     num_heads: int,
@@ -808,8 +836,7 @@ def sample_paths(
             with named_errors(where, "pathkernels.PathTree.complete", "pathkernels.PathTree.paths"):
                 every = PathTree.complete(num_layers, num_heads, skip=skip).paths()
         else:
-            every = _enumerate_short_paths(num_layers, num_heads, length)
-            every = every[(every != SKIP).sum(1) == length]
+            every = _enumerate_paths_of_length(num_layers, num_heads, length)
         return every[torch.randperm(every.shape[0], generator=generator)[:num_samples]]
     # Fewer than half of the set: draw with replacement and drop repeats (in draw order) until there
     # are enough. Each round keeps over half of its draws in expectation, so few rounds are needed.

@@ -106,12 +106,18 @@ def _edges_on(bins_per_decade: int, device: torch.device) -> Tensor:
     return histogram_edges(bins_per_decade).to(device)
 
 
-def histogram_quantiles(histogram: Tensor, edges: Tensor, q=QUANTILES) -> Tensor:
+def histogram_quantiles(
+    histogram: Tensor, edges: Tensor, q=QUANTILES, lowest: Tensor | None = None, highest: Tensor | None = None
+) -> Tensor:
     """Quantiles ``[..., len(q)]`` of counts ``histogram [..., E+1]`` over ``edges [E]`` (bin 0
     below the first edge, bin E from the last one up), log-interpolated within the bin that holds
     each: exact to within one bin. 0 for bin 0 (exact zeros, with :func:`histogram_edges`), inf for
-    the overflow bin, NaN where there are no counts."""
+    the overflow bin, NaN where there are no counts. With ``lowest`` and ``highest`` ``[...]``,
+    the smallest and largest values counted, each quantile is clamped to them (a bin is wider than
+    the values in it: every value 1.6 read as a median of 1.78)."""
     histogram = histogram.double().cpu()
+    if lowest is not None and highest is not None:
+        lowest, highest = lowest.double().cpu().unsqueeze(-1), highest.double().cpu().unsqueeze(-1)
     cumulative = histogram.cumsum(-1)
     total = cumulative[..., -1:]
     logs = edges.log10()
@@ -126,6 +132,8 @@ def histogram_quantiles(histogram: Tensor, edges: Tensor, q=QUANTILES) -> Tensor
         low, high = logs[(index - 1).clamp(0, last - 1)], logs[index.clamp(max=last - 1)]
         value = 10 ** (low + fraction * (high - low))
         value = torch.where(index == 0, 0.0, torch.where(index == last, math.inf, value))
+        if lowest is not None and highest is not None:
+            value = torch.minimum(torch.maximum(value, lowest), highest)
         out[..., i] = torch.where(total > 0, value, math.nan)[..., 0]
     return out
 
@@ -417,7 +425,10 @@ class PathStatistics:
         where = "pathkernels.PathStatistics.quantiles"
         measure = _check_measure(measure, _HISTOGRAMS, where, " (the measures with histograms)")
         q = _check_levels(q, where)
-        return histogram_quantiles(self.histograms[measure], self.edges, q), 10 ** (1 / self.bins_per_decade) - 1
+        quantiles = histogram_quantiles(
+            self.histograms[measure], self.edges, q, self.minima[measure], self.maxima[measure]
+        )
+        return quantiles, 10 ** (1 / self.bins_per_decade) - 1
 
     def path_counts(self) -> list[int]:
         """Exact number of leaves of each length in the tree (Python ints), from batch element 0."""
@@ -450,7 +461,8 @@ class PathStatistics:
         zeros = self.histograms["ratio"][pick].sum(0)[:, 0].cpu()  # bin 0 holds the exact zeros
         minima = self.minima["ratio"][pick].amin(0).cpu()
         maxima = self.maxima["ratio"][pick].amax(0).cpu()
-        quantiles = histogram_quantiles(self.histograms["ratio"][pick].sum(0, keepdim=True), self.edges)[0]
+        histogram = self.histograms["ratio"][pick].sum(0, keepdim=True)
+        quantiles = histogram_quantiles(histogram, self.edges, lowest=minima[None], highest=maxima[None])[0]
         named = {f"q{round(level * 100):02d}": i for i, level in enumerate(QUANTILES)}
         error = 10 ** (1 / self.bins_per_decade) - 1
         per_element = self.counts.shape[0] if batch_element is None else 1
@@ -1119,7 +1131,10 @@ def path_statistics(
     occurs; log-binned histograms of the ratio and the residual (``bins_per_decade`` bins per
     decade from float64's smallest positive number to 10, plus a bin of exact zeros and an
     overflow bin); the sum of log10 ratio over the ratios that are not 0; and, with
-    ``top_k > 0``, the ``top_k`` largest ratios and their paths.
+    ``top_k > 0``, the ``top_k`` largest ratios and their paths. A path that an explicit tree
+    (:meth:`PathTree.from_paths`) lists more than once counts as often as it is listed, as in
+    :func:`pathkernels.path_residuals` and ``tree.count_by_length()`` (and may fill several of the
+    top places).
 
     Args:
         attn, tree, x, w_v, w_o, memory_budget, progress, leaf_kernel: as in
@@ -1420,12 +1435,15 @@ def _stream_from(
                     )
                 # The values path_residuals would report (float32-rounded where float32 holds them).
                 lengths = to_device(tree.leaf_lengths(start, stop), residual.device)
-                stats.add(
-                    residual,
-                    norm,
-                    lengths,
-                    lambda leaves, start=start: tree.leaf_paths(leaves + start),
-                )
+                paths_of = lambda reports, start=start: tree.leaf_paths(reports + start)  # noqa: E731
+                repeats = tree.leaf_multiplicities(start, stop)
+                if repeats is not None:  # a path listed several times counts as often as listed
+                    leaf = torch.arange(start, stop).repeat_interleave(repeats)  # each report's leaf
+                    paths_of = lambda reports, leaf=leaf: tree.leaf_paths(leaf[reports.cpu()])  # noqa: E731
+                    repeats = to_device(repeats, residual.device)
+                    residual, norm = residual.repeat_interleave(repeats, 1), norm.repeat_interleave(repeats, 1)
+                    lengths = lengths.repeat_interleave(repeats)
+                stats.add(residual, norm, lengths, paths_of)
                 reached = stop
                 if bar is not None:
                     bar.update(stop - start)
