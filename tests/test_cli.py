@@ -392,18 +392,19 @@ def test_a_bert_with_its_masked_lm_head_is_attributed_through_a_direction(tmp_pa
         assert result.labels == (f"the direction from {path}",)
     capsys.readouterr()
     out_dir = tmp_path / "out"
-    code, out, _ = run(
-        ["attribute", "--model", str(folder), "--tokens", "5", "--direction", str(files["txt"]), "--out", str(out_dir)],
-        capsys,
-    )
-    assert code == 0
-    readout = re.search(
-        rf"readout: the direction from {re.escape(str(files['txt']))} · the last hidden state at token 4 = (\S+) "
-        r"\(the model's own: (\S+)\)",
-        out,
-    )
-    assert readout is not None and float(readout[1]) == pytest.approx(float(readout[2]), rel=1e-5), out
-    assert float(readout[1]) == pytest.approx(float(model_last_hidden(folder, 5, 4) @ direction), rel=1e-5)
+    for kind, path in files.items():  # the command line reads an .npy's length from its header first
+        code, out, errors = run(
+            ["attribute", "--model", str(folder), "--tokens", "5", "--direction", str(path), "--out", str(out_dir)],
+            capsys,
+        )
+        assert code == 0, (kind, errors)
+        readout = re.search(
+            rf"readout: the direction from {re.escape(str(path))} · the last hidden state at token 4 = (\S+) "
+            r"\(the model's own: (\S+)\)",
+            out,
+        )
+        assert readout is not None and float(readout[1]) == pytest.approx(float(readout[2]), rel=1e-5), out
+        assert float(readout[1]) == pytest.approx(float(model_last_hidden(folder, 5, 4) @ direction), rel=1e-5)
     assert (out_dir / "attribution.png").stat().st_size > 0
 
 
