@@ -227,6 +227,8 @@ def test_cli_feeds_text_through_the_model_directorys_tokenizer(tmp_path, capsys)
         (["paths", "--samples-per-length", "0"], "argument --samples-per-length: expected an integer >= 1, got 0"),
         (["collapse", "--seeds", "x"], "argument --seeds: expected an integer >= 1, got 'x'"),
         (["paths", "--width", "2", "--heads", "4"], "argument --width: expected at least --heads = 4"),
+        (["attribute", "--width", "16", "--heads", "3"], "argument --width: expected a multiple of --heads = 3"),
+        (["scores", "--width", "10", "--heads", "4"], "argument --width: expected a multiple of --heads = 4"),
         (["paths", "--text", "hello"], "--text needs --model"),
         (
             ["paths", "--model", "some-dir", "--layers", "3", "--heads", "2"],

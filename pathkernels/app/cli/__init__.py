@@ -262,6 +262,11 @@ def _check_options(args, parser: argparse.ArgumentParser) -> None:
             f"argument --width: expected at least --heads = {args.heads} (each head gets width // heads "
             f"columns), got {args.width}"
         )
+    if args.command in ("attribute", "scores") and args.width % args.heads:
+        parser.error(
+            f"argument --width: expected a multiple of --heads = {args.heads} (the built-in GPT-2 splits its "
+            f"width evenly among its heads), got {args.width}"
+        )
     if args.command == "scores":  # the built-in network: its layers, heads and tokens are known now
         _check_head_and_tokens(args, args.layers, args.heads, args.tokens)
     if args.command == "attribute":  # the built-in network: its tokens and vocabulary are known now
