@@ -317,23 +317,25 @@ def test_one_side_fixed_is_a_readout_whose_paths_are_the_pair_rows(name, side):
     assert abs(float(short.unenumerated) - (float(result.value) - float(result.constant) - direct)) < 1e-12 * scale
 
 
+@pytest.mark.parametrize("layer", [2, 0])
 @pytest.mark.parametrize("bound", ["node", "chain", "plain"])
 @pytest.mark.parametrize("side", ["query", "key"])
-def test_the_certified_top_paths_of_one_side_are_brute_forces(side, bound):
+def test_the_certified_top_paths_of_one_side_are_brute_forces(side, bound, layer):
     """score_top_paths, largest and smallest, on every bound: certified, and the k values the k
     largest (smallest) of every path's share from score_attribution's full walk; stopped at once
-    (a time limit passed before the search), the bound it reports is above every path not listed."""
+    (a time limit passed before the search), the bound it reports is above every path not listed.
+    At layer 0 the model below the head has no sublayer (its one path is the embedding)."""
     model = build("gpt2")
     stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 6)), query_key=True)
-    every = pk.score_attribution(stack, 2, 3, query=5, key=1, side=side).attribution[:, 0, 0]
+    every = pk.score_attribution(stack, layer, 3, query=5, key=1, side=side).attribution[:, 0, 0]
     scale = float(every.abs().max())
     for largest in (True, False):
-        found = pk.score_top_paths(stack, 2, 3, 6, query=5, key=1, side=side, largest=largest, bound=bound)
+        found = pk.score_top_paths(stack, layer, 3, 6, query=5, key=1, side=side, largest=largest, bound=bound)
         assert found.certified and found.total == every.numel()
         expected = torch.sort(every, descending=largest).values[:6]
         torch.testing.assert_close(found.values, expected, rtol=0, atol=1e-12 * scale)
         limit = 1e-9  # seconds: out of time before the first expansion
-        stopped = pk.score_top_paths(stack, 2, 3, 6, query=5, key=1, side=side, largest=largest, time_limit=limit)
+        stopped = pk.score_top_paths(stack, layer, 3, 6, query=5, key=1, side=side, largest=largest, time_limit=limit)
         signed = torch.sort(every * (1 if largest else -1), descending=True).values
         listed = stopped.values * (1 if largest else -1)
         ceiling = max(stopped.bound, float(listed.min())) if listed.numel() else stopped.bound

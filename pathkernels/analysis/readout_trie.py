@@ -142,6 +142,12 @@ class FrozenModel:
     # A source folded as parts: level → [(index into source_names, part [n, d])], parts summing to it.
     splits: dict = field(default_factory=dict)
 
+    @property
+    def pre_norm(self) -> bool:
+        """Whether the sublayers read a normed stream through a skip that is the identity (False
+        with no sublayer: the model below a head of the first layer is its embedding alone)."""
+        return bool(self.sublayers) and self.sublayers[0].pre
+
 
 def frozen_model(
     stack: AttentionStack, capture: ResidualStreamCapture, batch: int, real: Tensor, split_embedding: bool = False
@@ -382,7 +388,7 @@ class Walker:
         cache_bytes: int = 1 << 28,
     ):
         self.model, self.steps = model, steps
-        self.low_rank = low_rank and bool(model.sublayers) and model.sublayers[0].pre
+        self.low_rank = low_rank and model.pre_norm
         self.max_length = model.layers if max_length is None else max_length
         self._cache = TensorCache(cache_bytes)
         self._shared_by: dict[tuple[int, bool], bool] = {}

@@ -232,7 +232,7 @@ def _reach_bounds(model: FrozenModel, bound: str = "chain") -> Tensor:
     post-norm form for every model."""
     kappa = [float(_norm(source).max()) for source in model.sources]
     growth = _branch_bounds(model).tolist()
-    if not model.sublayers[0].pre or bound == "plain":
+    if not model.pre_norm or bound == "plain":
         reach = [kappa[0]]
         for level in range(1, len(model.sources)):
             reach.append(max(kappa[level], growth[level - 1] * reach[-1]))
@@ -551,7 +551,7 @@ def search_top_paths(setup, options: SearchOptions) -> TopPaths:
     search = _Search(
         setup, sign, fold, k, options.start, options.time_limit, options.memory_budget, options.batch_nodes, bar
     )
-    if bound == "node" and model.sublayers[0].pre:
+    if bound == "node" and model.pre_norm:
         pruned, frontier, visited, expanded, stopped = _search_heads(search)
     else:  # post-norm models take "plain" for "node"
         pruned, frontier, visited, expanded, stopped = _search_levels(search, _reach_bounds(model, bound))
