@@ -217,6 +217,7 @@ def test_bad_arguments_are_refused_by_name():
         ((stack, readout), {"batch": 1}, r"expected batch in \[0, 1\), got 1"),
         ((stack, readout), {"top_k": -1}, r"expected top_k >= 0"),
         ((stack, readout), {"positions": 5}, r"expected positions of real tokens"),
+        ((stack, readout), {"positions": []}, r"expected at least one position in positions, got an empty list"),
     ]
     for args, kwargs, message in cases:
         with pytest.raises(ValueError, match=r"^pathkernels\.path_attribution: " + message):
@@ -485,6 +486,9 @@ def test_a_batch_refuses_what_does_not_line_up_by_name():
         pk.batch_attribution(stack, readout, positions=[[1], [2, 3]])
     with pytest.raises(ValueError, match=where + r"expected batch to be a non-empty list"):
         pk.batch_attribution(stack, readout, batch=[])
+    for empty in ([], [[], []]):
+        with pytest.raises(ValueError, match=where + r"expected at least one position in positions"):
+            pk.batch_attribution(stack, readout, positions=empty)
     with pytest.raises(ValueError, match=where + r"expected batch in \[0, 1\], got 2"):
         pk.batch_attribution(stack, readout, batch=[0, 2])
     # A budget too small to keep any path's attribution: the elements walk in step, streamed, and

@@ -623,6 +623,8 @@ def read_out(stack, readout, positions, batch, max_length, where: str, split_emb
         positions = [int(real.nonzero().flatten()[-1])]
     elif not isinstance(positions, (list, tuple)):
         positions = [positions]
+    if len(positions) == 0:
+        raise ValueError(f"{where}: expected at least one position in positions, got an empty list")
     positions = [check_int(p, "positions", where) for p in positions]
     for p in positions:
         if not -tokens <= p < tokens or not bool(real[p]):
