@@ -398,6 +398,27 @@ def test_tokens_beyond_the_learned_positions_are_refused_by_name(family):
         adapters.from_huggingface(model, input_ids=too_many)
 
 
+@pytest.mark.parametrize("family", sorted(POSITIONED))
+def test_position_ids_beyond_the_learned_positions_are_refused_by_name(family):
+    """position_ids index a learned table of 16 rows (OPT adds its offset itself): its last row
+    runs, one beyond or a negative one fails in the model (an IndexError), and the adapter refuses
+    it in its own words first; so too position_ids of another shape or dtype."""
+    build, _ = POSITIONED[family]
+    model = build().eval()
+    ids = torch.randint(2, 50, (1, 3))
+    edge = torch.tensor([[0, 1, 15]])
+    model(input_ids=ids, position_ids=edge)
+    adapters.from_huggingface(model, input_ids=ids, position_ids=edge)
+    for bad in ([[0, 1, 16]], [[-1, 0, 1]]):
+        with pytest.raises(
+            ValueError, match=r"from_huggingface: expected position_ids in \[0, 16\) \(the model's learned positions\)"
+        ):
+            adapters.from_huggingface(model, input_ids=ids, position_ids=torch.tensor(bad))
+    for bad in (torch.zeros(1, 3), torch.zeros(1, 4, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long)):
+        with pytest.raises(ValueError, match=r"from_huggingface: expected position_ids of an integer dtype and shape"):
+            adapters.from_huggingface(model, input_ids=ids, position_ids=bad)
+
+
 @pytest.mark.parametrize(
     "inputs, message",
     [

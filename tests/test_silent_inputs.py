@@ -109,6 +109,10 @@ def test_negative_token_ids_are_refused_through_transformer_lens():
             call(model, torch.tensor([[1, vocab]]))
         with pytest.raises(TypeError, match=rf"{where}: expected integer token ids, got torch.float32"):
             call(model, torch.ones(1, 3))
+        if type(model).__name__ == "HookedTransformer":  # its causal mask and positions end at n_ctx = 16
+            call(model, torch.ones(1, 16, dtype=torch.long))
+            with pytest.raises(ValueError, match=rf"{where}: 17 tokens, but the model's context is n_ctx = 16$"):
+                call(model, torch.ones(1, 17, dtype=torch.long))
     assert transformer_lens is not None
 
 

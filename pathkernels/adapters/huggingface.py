@@ -245,16 +245,22 @@ def _attention_layers(model) -> list[_AttentionLayer]:
 
 def _position_limit(model) -> int | None:
     """The most tokens a model with learned absolute positions embeds (None: rotary, or no limit
-    known). RoBERTa's positions start after its padding index; OPT's table holds two more rows than
-    its limit (its positions start at 2)."""
+    known): its position table's rows, but for RoBERTa, whose positions start after its padding
+    index."""
+    table = _position_table(model)
+    if table is not None and model.config.model_type == "roberta":
+        return table - (getattr(model.config, "pad_token_id", 1) or 0) - 1
+    return table
+
+
+def _position_table(model) -> int | None:
+    """The rows of a model's learned position embedding that ``position_ids`` index (OPT adds its
+    offset of 2 itself); None where positions are not looked up in a table (rotary, ALiBi, ViT)."""
     config = model.config
     if config.model_type == "gpt2":
         return getattr(config, "n_positions", None)
-    limit = getattr(config, "max_position_embeddings", None)
-    if config.model_type in ("bert", "opt") or limit is None:
-        return limit
-    if config.model_type == "roberta":
-        return limit - (getattr(config, "pad_token_id", 1) or 0) - 1
+    if config.model_type in ("bert", "roberta", "opt"):
+        return getattr(config, "max_position_embeddings", None)
     return None
 
 
@@ -305,6 +311,26 @@ def _check_inputs(model, inputs: dict, where: str) -> None:
     limit = _position_limit(model)
     if limit is not None and tokens > limit:
         raise ValueError(f"{where}: {tokens} tokens, but the model embeds positions for at most {limit}")
+    positions = inputs.get("position_ids")
+    if isinstance(positions, Tensor):
+        if (
+            positions.is_floating_point()
+            or positions.is_complex()
+            or positions.dtype == torch.bool
+            or positions.dim() not in (1, 2)
+            or positions.shape[-1] != tokens
+            or (positions.dim() == 2 and positions.shape[0] not in (1, batch))
+        ):
+            raise ValueError(
+                f"{where}: expected position_ids of an integer dtype and shape [B, n] = [{batch}, {tokens}] (or "
+                f"[1, n], [n]), got {_described(positions)}"
+            )
+        table = _position_table(model)
+        if table is not None and not (0 <= int(positions.min()) and int(positions.max()) < table):
+            raise ValueError(
+                f"{where}: expected position_ids in [0, {table}) (the model's learned positions), got values from "
+                f"{int(positions.min())} to {int(positions.max())}"
+            )
     mask = inputs.get("attention_mask")
     if isinstance(mask, Tensor):
         check_token_mask(mask, batch, tokens, mask.device, f"{where} (attention_mask, the stack's token_mask)")

@@ -121,6 +121,9 @@ def check_tokens(model, tokens, where: str):
         raise ValueError(
             f"{where}: expected token ids in [0, {vocab}) (the model's d_vocab), got values from {low} to {high}"
         )
+    context = getattr(model.cfg, "n_ctx", None)  # a HookedTransformer's masks and positions stop there
+    if type(model).__name__ == "HookedTransformer" and isinstance(context, int) and tokens.shape[-1] > context:
+        raise ValueError(f"{where}: {tokens.shape[-1]} tokens, but the model's context is n_ctx = {context}")
     return tokens
 
 
