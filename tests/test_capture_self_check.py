@@ -262,3 +262,35 @@ def test_a_difference_that_is_not_a_number_is_refused():
             _refuse_if_beyond("gpt2", stream, logits, 2e-4, "where")
     _refuse_if_beyond("gpt2", 1e-5, None, 2e-4, "where")
     _refuse_if_beyond("gpt2", 1e-5, 1e-6, 2e-4, "where")
+
+
+def test_weights_that_are_not_finite_are_named_whether_or_not_the_capture_is_checked():
+    """A NaN in an MLP's weight (no padding) was blamed on a padded query, and check=False, the
+    advice given, kept a capture whose every attribution was NaN. Now the capture is refused
+    either way, naming the fields that hold NaN and the parameters; a finite model passes."""
+    from pathkernels.adapters.self_check import _refuse_if_not_finite
+
+    model = gpt2().double().eval()
+    ids = torch.randint(0, 50, (1, 6))
+    capture_huggingface_residual(model, input_ids=ids)
+    with torch.no_grad():
+        model.transformer.h[-1].mlp.c_fc.weight[0, 0] = float("nan")  # the last layer: no attention reads it
+    last = len(model.transformer.h) - 1
+    for check in (True, False):
+        with pytest.raises(
+            ValueError,
+            match=r"^pathkernels\.adapters\.capture_huggingface_residual: the capture holds NaN or inf in mlp_out.*"
+            rf"the model's parameters hold NaN or inf \(transformer\.h\.{last}\.mlp\.c_fc\.weight\)",
+        ):
+            capture_huggingface_residual(model, input_ids=ids, check=check)
+    # Read by a later layer's attention, the NaN is found there, and not blamed on padding.
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"attention must be finite, .* \(NaN or inf in the model's weights or inputs"):
+        capture_huggingface_residual(model, input_ids=ids, check=False)
+    # A forward pass that is not finite without padding is not blamed on padding.
+    stream, real = torch.full((1, 3, 4), float("inf")), torch.ones(1, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"overflows, where the capture's float64 does not\), so there is nothing"):
+        _refuse_if_not_finite("gpt2", stream, real, "where")
+    with pytest.raises(ValueError, match=r"a padded query with no key to attend.*without padding$"):
+        _refuse_if_not_finite("gpt2", stream, torch.tensor([[True, True, False]]), "where")

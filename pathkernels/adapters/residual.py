@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor, nn
@@ -359,7 +359,7 @@ def capture_huggingface_residual(
                 scaled_queries=model.config.model_type == "opt",
             )
             _check_query_key(capture, stack)
-    stack, capture = _attached(stack, capture)
+    stack, capture = _attached(stack, capture, model, _WHERE)
     if check:
         projection = getattr(getattr(model.base_model, "decoder", None), "project_out", None)
         final_input = final_norm if final_norm is not None else projection
@@ -458,11 +458,35 @@ def _shift(norm: nn.Module | None, kind: str, d: int, device) -> Tensor:
     return bias.detach().double()
 
 
-def _attached(stack: AttentionStack, capture: ResidualStreamCapture) -> tuple[AttentionStack, ResidualStreamCapture]:
+def _attached(
+    stack: AttentionStack, capture: ResidualStreamCapture, model: nn.Module, where: str
+) -> tuple[AttentionStack, ResidualStreamCapture]:
     """``(stack, capture)`` with the capture's padded tokens zeroed and the capture attached to the
-    stack as its ``residual_capture``."""
+    stack as its ``residual_capture``; refused, in the caller's name, where a value the paths are
+    made of is still NaN or inf (a model whose weights hold them): every path through it would be
+    NaN, whether or not the capture is checked against the model."""
     if stack.token_mask is not None:
         capture = _zero_padded_tokens(capture, stack.token_mask)
+    values = {field.name: getattr(capture, field.name) for field in fields(capture)}
+    values |= {"w_v": stack.w_v, "w_o": stack.w_o}
+    bad = [
+        name
+        for name, value in values.items()
+        if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all())
+    ]
+    if bad:
+        parameters = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+        raise ValueError(
+            f"{where}: the capture holds NaN or inf in {', '.join(bad)} (at real tokens), so every path through "
+            "them would be NaN; "
+            + (
+                f"the model's parameters hold NaN or inf ({', '.join(parameters[:3])}"
+                + (f" and {len(parameters) - 3} more" if len(parameters) > 3 else "")
+                + ")"
+                if parameters
+                else "the model's forward pass is not finite there"
+            )
+        )
     stack.residual_capture = capture
     return stack, capture
 
@@ -675,7 +699,7 @@ def capture_transformer_lens_residual(
             capture.query_key = _transformer_lens_query_key(model, cfg, cache, stack, attention_mask)
             if not _native_bridge(model):  # (a native bridge's hook_attn_scores holds its pattern)
                 _check_transformer_lens_scores(capture.query_key, cache, stack, where)
-    stack, capture = _attached(stack, capture)
+    stack, capture = _attached(stack, capture, model, where)
     if query_key:
         _check_query_key(capture, stack, where)
     if check:

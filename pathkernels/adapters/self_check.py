@@ -135,12 +135,18 @@ def _refuse_if_not_finite(family: str, stream: Tensor, real: Tensor, where: str)
     bad = ~torch.isfinite(stream.detach()).all(-1).cpu() & real.cpu()
     if bool(bad.any()):
         rows = sorted({int(b) for b in bad.nonzero()[:, 0]})
+        padded = not bool(real.cpu()[rows].all())
+        cause = (
+            "a padded query with no key to attend, whose softmax the model takes in float32, gives a NaN row "
+            "that reaches the real tokens"
+            if padded
+            else "a step it takes in float32 or lower overflows, where the capture's float64 does not"
+        )
+        advice = ", or run those sequences without padding" if padded else ""
         raise ValueError(
             f"{where}: this {family} model's own forward pass gives NaN or inf at real tokens of sequence(s) {rows} "
-            "(a padded query with no key to attend, whose softmax the model takes in float32, gives a NaN row "
-            "that reaches the real tokens), so there is nothing to check the capture against. Pass check=False "
-            "to keep it (its paths sum to the stream computed with that softmax in float64), or run those "
-            "sequences without padding"
+            f"({cause}), so there is nothing to check the capture against. Pass check=False to keep it (its paths "
+            f"sum to the stream computed in float64){advice}"
         )
 
 

@@ -89,9 +89,13 @@ def check_row_stochastic(
         row_sum = row_sums[b, layer, h, i].item()
         if not math.isfinite(row_sum):
             element = f"{'real token' if padded else 'row'} {i} of batch element {b_full}"
+            cause = (
+                "a model's NaN in a fully masked row reaches the real tokens through the next layers' values"
+                if padded
+                else "NaN or inf in the model's weights or inputs, or a step of its forward pass that overflows"
+            )
             raise ValueError(
-                f"{where}: attention must be finite, but {element}, layer {layer}, head {h} holds {row_sum} (a "
-                "model's NaN in a fully masked row reaches the real tokens through the next layers' values)"
+                f"{where}: attention must be finite, but {element}, layer {layer}, head {h} holds {row_sum} ({cause})"
             )
         error = deviation.max().item()
         if padded:
