@@ -161,6 +161,30 @@ def test_arguments_are_refused_by_name():
         pk.causal_check(model, stack, ids, [[-1, -1, -1]], ["embedding"], layer=2, head=0, key=1)
 
 
+def test_a_model_or_inputs_other_than_the_stacks_are_refused():
+    """Other inputs of the same length, another model of the same shape, or inputs of another
+    length: the measured changes would belong to another forward pass than the predicted ones
+    (they were returned: predicted 0.00199, measured 0.00036, with frozen=True), or a raw error."""
+    model = build("gpt2")
+    ids = torch.randint(0, 50, (1, 6))
+    stack, _ = capture_huggingface_residual(model, input_ids=ids, query_key=True)
+    path = ([[-1, -1, -1]], ["embedding"])
+    options = {"layer": 2, "head": 0, "key": 1, "frozen": True}
+    check = pk.causal_check(model, stack, {"input_ids": ids}, *path, **options)
+    torch.testing.assert_close(check.score_change, check.predicted, rtol=1e-12, atol=1e-15)
+    other_ids = (ids + 1) % 50
+    other_model = build("gpt2")
+    with torch.no_grad():
+        for parameter in other_model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    where = r"^pathkernels\.causal_check: "
+    for model_, inputs in ((model, {"input_ids": other_ids}), (other_model, {"input_ids": ids})):
+        with pytest.raises(ValueError, match=where + r"the model on these inputs scores query 5 against key 1 at"):
+            pk.causal_check(model_, stack, inputs, *path, **options)
+    with pytest.raises(ValueError, match=where + r"expected inputs of the stack's 1 sequence\(s\) of 6 tokens"):
+        pk.causal_check(model, stack, {"input_ids": ids[:, :5]}, *path, **options)
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_a_transformer_lens_model_is_refused_by_name():
     transformer_lens = pytest.importorskip("transformer_lens")

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from pathkernels.adapters.ablation import final_norm, run_without_terms
 from pathkernels.adapters.precision import in_float64
+from pathkernels.adapters.self_check import check_tolerance
 from pathkernels.analysis.attribution import Readout
 from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, describe_path, frozen_model
 from pathkernels.analysis.real_paths import _checked_paths, terms_of
@@ -259,9 +260,17 @@ def _score_paths(
         return scale[None, :, None] * t * gamma
 
     single = _single_row(inputs, batch, stack.batch_size)
+    sequence = next((single[k] for k in ("input_ids", "inputs_embeds") if isinstance(single.get(k), Tensor)), None)
+    if sequence is None or sequence.dim() < 2 or tuple(sequence.shape[:2]) != (1, stack.attn.shape[-1]):
+        got = "no input_ids" if sequence is None else f"a sequence of shape {list(sequence.shape)}"
+        raise ValueError(
+            f"{_WHERE}: expected inputs of the stack's {stack.batch_size} sequence(s) of {stack.attn.shape[-1]} "
+            f"tokens (those it was captured from), got {got}"
+        )
     run = run_without_terms(model, single, checked.layer, checked.head, side, terms, held if frozen else None, _WHERE)
     group = checked.head // (run.queries.shape[1] // run.keys.shape[1])
     scores = run.scaling * (run.queries[:, checked.head, i] * run.keys[:, group, j]).sum(-1)  # [1+M]
+    _check_clean_score(model, float(scores[0]), maps, batch, checked, i, j)
     attention = run.patterns[:, checked.head, i, j]
     position = i if position is None else _position(position, positions, batch)
     clean = {"score": float(scores[0])}
@@ -287,6 +296,26 @@ def _score_paths(
         clean=clean,
         readout_label=None if read is None else read.labels[0],
     )
+
+
+def _check_clean_score(model, clean: float, maps, batch: int, checked, i: int, j: int) -> None:
+    """Refuse a model or inputs that are not the stack's: the clean run's score of query i and key
+    j must be the capture's, to the capture's own tolerance against its model (relative to
+    ``scaling · |q_i| |k_j|``, the most the score can be); else the changes measured would belong to
+    another forward pass than the paths predicted from."""
+    query = maps.queries[batch, checked.layer, checked.head][i]
+    key = maps.keys[batch, checked.layer, checked.head][j].to(query.device)
+    scaling = float(maps.scaling[checked.layer])
+    captured = scaling * float(query @ key)
+    bound = abs(scaling) * float(query.norm() * key.norm())
+    parameter = next(model.parameters(), None)
+    tolerance = check_tolerance(parameter.dtype if parameter is not None else torch.float64)
+    if not abs(clean - captured) <= tolerance * bound:  # NaN fails too
+        raise ValueError(
+            f"{_WHERE}: the model on these inputs scores query {i} against key {j} at {clean:.6g}, but the stack's "
+            f"capture at {captured:.6g} (beyond {tolerance:g} of its largest possible size, {bound:.3g}): expected "
+            "the model and the inputs the stack was captured from"
+        )
 
 
 def _position(position, positions: Tensor, batch: int) -> int:
