@@ -117,6 +117,11 @@ def test_the_final_norm_is_recomputed_for_a_value_path():
     torch.testing.assert_close(result.readout_change, expected, rtol=1e-10, atol=1e-12)
     attribution = pk.path_attribution(stack, readout)
     assert abs(result.clean["readout"] - float(attribution.value)) < 1e-10
+    # Positions count from the end when negative, as in path_attribution.
+    last = pk.causal_check(
+        model, stack, {"input_ids": ids}, PATHS, SOURCES, side="readout", readout=readout, position=-1
+    )
+    assert torch.equal(last.readout_change, result.readout_change) and last.position == 5
     with pytest.raises(ValueError, match=r"frozen=True with side='readout' is each path's attribution itself"):
         pk.causal_check(model, stack, {"input_ids": ids}, PATHS, SOURCES, side="readout", readout=readout, frozen=True)
 

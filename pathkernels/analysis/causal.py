@@ -272,7 +272,7 @@ def _score_paths(
     scores = run.scaling * (run.queries[:, checked.head, i] * run.keys[:, group, j]).sum(-1)  # [1+M]
     _check_clean_score(model, float(scores[0]), maps, batch, checked, i, j)
     attention = run.patterns[:, checked.head, i, j]
-    position = i if position is None else _position(position, positions, batch)
+    position = i if position is None else _position(position, positions, batch, stack.attn.shape[-1])
     clean = {"score": float(scores[0])}
     pattern_change = readout_change = None
     if not frozen:
@@ -318,9 +318,13 @@ def _check_clean_score(model, clean: float, maps, batch: int, checked, i: int, j
         )
 
 
-def _position(position, positions: Tensor, batch: int) -> int:
+def _position(position, positions: Tensor, batch: int, tokens: int) -> int:
+    """``position`` among the real tokens ``positions`` of a sequence of ``tokens``; negative counts
+    from the end, as in pk.path_attribution."""
     tokens_real = positions.tolist()
     position = check_int(position, "position", _WHERE)
+    if -tokens <= position < 0:
+        position += tokens
     if position not in tokens_real:
         raise ValueError(f"{_WHERE}: expected position to be a real token of batch element {batch}, got {position}")
     return position
@@ -338,7 +342,7 @@ def _value_paths(model, stack, terms, names, read, position, batch, real):
         raise ValueError(f"{_WHERE}: side='readout' needs a readout (pk.logit_diff, pk.logit or a direction)")
     capture = stack.residual_capture
     positions = real.nonzero().flatten()
-    position = int(positions[-1]) if position is None else _position(position, positions.to(terms.device), batch)
+    position = int(positions[-1]) if position is None else _position(position, positions, batch, stack.attn.shape[-1])
     residual = capture.residual[batch, position].to(terms.device)  # the stream entering the final norm
     removed = terms[:, position]  # [M, d]
     direction = read.directions[0].to(terms.device)
