@@ -212,6 +212,8 @@ def _without_expanded_copies(x: Tensor) -> tuple[Tensor, torch.Size | None]:
     expanded (stride 0), x narrowed to one slice along each of those, and x's leading shape, which
     the parts are expanded back to: the same numbers without the copy. Otherwise ``(x, None)``; so
     too for a leaf that requires grad, whose gradient has x's full shape anyway."""
+    if x.dim() <= 3:  # one leading dimension or none: always a view
+        return x, None
     sizes, strides = x.shape[:-2], x.stride()[:-2]
     kept = [d for d in range(len(sizes)) if sizes[d] != 1]
     if all(strides[a] == strides[b] * sizes[b] for a, b in zip(kept, kept[1:])):
