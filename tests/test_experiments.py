@@ -25,6 +25,9 @@ def test_collapse_table_and_plot():
     assert list(table["variant"].unique()) == list(experiments.VARIANTS) and len(table) == 4 * 4
     depth0 = table[table["depth"] == 0]["median"]
     assert depth0.nunique() == 1  # every variant starts from the same inputs
+    # The median is interpolated, as q10 and q90 are (the lower middle value lay below q10).
+    assert bool(((table["q10"] <= table["median"]) & (table["median"] <= table["q90"])).all())
+    assert experiments.collapse_rows("v", torch.tensor([[1.0, 3.0]]))[0]["median"] == 2.0
     fig = experiments.plot_collapse(table)
     ax = fig.axes[0]
     assert ax.get_yscale() == "log" and ax.get_xlabel() and ax.get_ylabel() and ax.get_legend()
