@@ -266,6 +266,18 @@ def test_the_in_memory_and_streamed_tables_mean_the_same(with_x):
             assert pooled[0].item() <= table.loc[k, column] <= pooled[-1].item()
 
 
+def test_paths_apart_of_the_wrong_kind_are_refused_by_name():
+    pytest.importorskip("pandas")
+    dec = pk.decompose(attention())
+    count = dec.lengths.shape[0]
+    for apart in (torch.zeros(3, dtype=torch.bool), torch.zeros(count), [False] * count):
+        for call, name in ((dec.quantiles_by_length, "quantiles_by_length"), (lambda a: dec.plot(apart=a), "plot")):
+            with pytest.raises(
+                ValueError, match=rf"^pathkernels\.PathDecomposition\.{name}: expected apart to be a bool tensor \[M\]"
+            ):
+                call(apart)
+
+
 def test_exact_zeros_are_counted_apart():
     """Paths through a head whose rows are all equal have a residual of exactly 0: the tables count
     them in ``zeros`` and leave them out of log10_mean, and the plots leave them out and say so."""

@@ -245,6 +245,8 @@ class PathDecomposition:
         round-off). Returns the matplotlib Figure; with ``path`` it is also saved there (the
         format from the suffix: .png, .pdf, .svg, …)."""
         check_save_path(path, "pathkernels.PathDecomposition.plot")
+        if apart is not None:
+            apart = self._checked_apart(apart, "pathkernels.PathDecomposition.plot")
         require("matplotlib")
         import matplotlib.pyplot as plt
 
@@ -317,17 +319,26 @@ class PathDecomposition:
         ax.legend(fontsize="small")
         return saved(fig, path)
 
+    def _checked_apart(self, apart, where: str) -> Tensor:
+        """``apart`` as a CPU bool tensor ``[M]``, one flag per evaluated path, or refused by name."""
+        count = self.lengths.shape[0]
+        if not isinstance(apart, Tensor) or apart.dtype != torch.bool or tuple(apart.shape) != (count,):
+            got = f"{list(apart.shape)} {apart.dtype}" if isinstance(apart, Tensor) else type(apart).__name__
+            raise ValueError(f"{where}: expected apart to be a bool tensor [M] = [{count}] (one per path), got {got}")
+        return apart.cpu()
+
     def quantiles_by_length(self, apart: Tensor):
         """Per length, the median and the 10–90 % quantiles of the residual ratio over every (batch
         element, path) pair of the paths not ``apart`` (``[M]`` bool; zero paths left out), as a
         DataFrame with :meth:`by_length`'s columns ``length``, ``evaluated`` (pairs), ``median``,
         ``q10`` and ``q90``: the band of :meth:`plot` when it draws paths apart."""
+        apart = self._checked_apart(apart, "pathkernels.PathDecomposition.quantiles_by_length")
         pd = require("pandas")
         ratio = self._ratios().cpu()
         rows = []
         lengths = self.lengths.cpu()
         for k in sorted(set(lengths.tolist())):
-            pairs = ratio[:, (lengths == k) & ~apart.cpu()].flatten()
+            pairs = ratio[:, (lengths == k) & ~apart].flatten()
             pairs = pairs[~pairs.isnan()]
             if pairs.numel() == 0:
                 continue
