@@ -97,7 +97,10 @@ def test_a_mask_with_a_hole_keeps_the_models_own_positions(make):
     logits = model_logits(model, input_ids=ids, attention_mask=mask)
     result = pk.path_attribution(stack, pk.logit_diff(model, 3, 7), positions=[7, 5])
     expected = (logits[0, [7, 5], 3] - logits[0, [7, 5], 7])[:, None]
-    torch.testing.assert_close(result.value, expected, rtol=1e-6, atol=1e-6)  # Llama's float32 rotary angles
+    # Within Llama's float32 rotary angles: up to 3.7e-7 of the logits' scale over 40 seeds (1.5e-6
+    # absolute, beyond the 1e-6 once allowed); positions rebuilt were 21–32 % off.
+    scale = float(logits[0].abs().max())
+    torch.testing.assert_close(result.value, expected, rtol=0, atol=1e-5 * scale)
 
 
 def test_left_padding_rebuilds_the_positions_and_says_so():
