@@ -329,6 +329,12 @@ def test_result_methods_refuse_hostile_arguments_in_their_own_name():
     for result, name in ((stats, "PathStatistics"), (decomposition, "PathDecomposition")):
         with pytest.raises(TypeError, match=rf"^pathkernels\.{name}\.plot: expected path to be a str or os\.PathLike"):
             result.plot(path=3)
+        # A folder that does not exist, refused before the figure is drawn (matplotlib's
+        # FileNotFoundError came after it), as PathStatistics.save refuses it.
+        with pytest.raises(
+            ValueError, match=rf"^pathkernels\.{name}\.plot: cannot write .*its folder .* does not exist"
+        ):
+            result.plot(path="/nonexistent-folder/figure.png")
 
 
 @pytest.mark.parametrize("deviation", [1e-5, 1e-7, -1e-6])

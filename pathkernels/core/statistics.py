@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from pathkernels.core import distributed
-from pathkernels.core._figures import check_save_path, require, saved
+from pathkernels.core._figures import check_file_path, check_save_path, require, saved
 from pathkernels.core._files import read_sealed, tensor_digest, write_sealed
 from pathkernels.core._memory import check_fits, shown
 from pathkernels.core._progress import progress_bar
@@ -699,7 +699,7 @@ class PathStatistics:
         numbers, written atomically. ``path`` is a file in a folder that exists; an empty path, a
         folder, or a file that cannot be written is refused (ValueError) before anything is written."""
         where = "pathkernels.PathStatistics.save"
-        target = _check_file_path(path, where)
+        target = check_file_path(path, where)
         try:
             write_sealed(target, {"pathkernels.PathStatistics": 1, **self.state()})
         except OSError as error:
@@ -728,7 +728,7 @@ class PathStatistics:
         :meth:`verify` once the inputs are at hand."""
         where = "pathkernels.PathStatistics.load"
         advice = "Save the statistics again."
-        state = read_sealed(_check_file_path(path, where, write=False), where, "the file", advice)
+        state = read_sealed(check_file_path(path, where, write=False), where, "the file", advice)
         if not isinstance(state, dict) or state.pop("pathkernels.PathStatistics", None) != 1:
             raise ValueError(f"{where}: {path} was not written by PathStatistics.save")
         stats = cls.from_state(checked_state(state, where, f"the file {path}", advice))
@@ -808,23 +808,6 @@ class PathStatistics:
 
 
 _RECOMPUTE_ADVICE = "They were computed from other inputs, or edited: compute them again with pk.path_statistics"
-
-
-def _check_file_path(path, where: str, *, write: bool = True) -> Path:
-    """``path`` (a str or os.PathLike naming a file) as a Path; to write, not an existing folder and
-    in a folder that exists."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"{where}: expected path to be a file's path (a str or os.PathLike), got {type(path).__name__}")
-    text = os.fspath(path)
-    if isinstance(text, bytes) or not text.strip():
-        raise ValueError(f"{where}: expected path to be a file's path, got {path!r}")
-    target = Path(text)
-    if write:
-        if target.is_dir():
-            raise ValueError(f"{where}: expected path to be a file, got {text!r}, an existing folder")
-        if not target.parent.is_dir():
-            raise ValueError(f"{where}: cannot write {text!r}: its folder {str(target.parent)!r} does not exist")
-    return target
 
 
 def _check_measure(measure, allowed: tuple[str, ...], where: str, which: str = "") -> str:
