@@ -326,11 +326,13 @@ def _check_inputs(model, inputs: dict, where: str) -> None:
                 f"[1, n], [n]), got {_described(positions)}"
             )
         table = _position_table(model)
-        if table is not None and not (0 <= int(positions.min()) and int(positions.max()) < table):
-            raise ValueError(
-                f"{where}: expected position_ids in [0, {table}) (the model's learned positions), got values from "
-                f"{int(positions.min())} to {int(positions.max())}"
-            )
+        if table is not None:
+            low, high = (int(value) for value in torch.aminmax(positions))
+            if not (0 <= low and high < table):
+                raise ValueError(
+                    f"{where}: expected position_ids in [0, {table}) (the model's learned positions), got values "
+                    f"from {low} to {high}"
+                )
     mask = inputs.get("attention_mask")
     if isinstance(mask, Tensor):
         check_token_mask(mask, batch, tokens, mask.device, f"{where} (attention_mask, the stack's token_mask)")

@@ -21,12 +21,13 @@ def require(module: str):
 def check_save_path(path, where: str) -> None:
     """Refuse a ``path=`` that is neither None, a str nor an os.PathLike, or that names an existing
     folder or a file in a folder that does not exist, before any work (the figure is drawn first)."""
-    if path is not None and not isinstance(path, (str, os.PathLike)):
+    if path is None:
+        return
+    if not isinstance(path, (str, os.PathLike)):
         raise TypeError(
             f"{where}: expected path to be a str or os.PathLike (a file to save to), got {type(path).__name__}"
         )
-    if path is not None:
-        check_file_path(path, where)
+    check_file_path(path, where)
 
 
 def check_file_path(path, where: str, *, write: bool = True) -> Path:
