@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import pathkernels as pk
-from pathkernels.adapters import huggingface
 from pathkernels.adapters.residual import capture_huggingface_residual, capture_transformer_lens_residual
 from pathkernels.adapters.self_check import check_tolerance
 
@@ -60,12 +59,22 @@ def falcon_with_alibi(**extra):
     return model
 
 
+def _alibi_added_twice(module, args, kwargs):
+    """A pre-hook that adds the position bias a Falcon folds into its mask a second time in its
+    eager path (the one that gives the patterns), as that path did before transformers 5.25; the
+    masked entries are kept."""
+    mask = kwargs["attention_mask"]
+    if module.config._attn_implementation != "eager":
+        return None
+    return args, {**kwargs, "attention_mask": torch.where(mask > torch.finfo(mask.dtype).min / 2, 2 * mask, mask)}
+
+
 @pytest.mark.parametrize("extra", [{}, {"parallel_attn": False, "multi_query": False}])
-def test_falcon_with_alibi_is_captured_as_its_normal_forward_computes_it(extra, monkeypatch):
+def test_falcon_with_alibi_is_captured_as_its_normal_forward_computes_it(extra):
     """Falcon folds ALiBi into the attention mask, and its eager path (the one that gives the
-    patterns) added it again: the paths summed exactly to logits 4e-2 off the model's. Now the
-    attribution is the model's own logit, padded batches included; with the bias added twice again
-    the check refuses the capture."""
+    patterns) added it again before transformers 5.25: the paths summed exactly to logits 4e-2 off
+    the model's. Now the attribution is the model's own logit, padded batches included; with the
+    bias added twice (by hand, in every release) the check refuses the capture."""
     model = falcon_with_alibi(**extra)
     ids = torch.randint(0, 50, (2, 7))
     mask = torch.ones_like(ids)
@@ -77,9 +86,15 @@ def test_falcon_with_alibi_is_captured_as_its_normal_forward_computes_it(extra, 
         expected = logits[batch, position, 3] - logits[batch, position, 7]
         torch.testing.assert_close(result.value, expected.reshape(1, 1), rtol=1e-10, atol=1e-10)
     assert capture.check.logits_error < 1e-12
-    monkeypatch.setattr(huggingface, "_alibi_once", lambda module, args, kwargs: None)
-    with pytest.raises(ValueError, match=r"capture_huggingface_residual: the capture of this falcon model " + _REFUSED):
-        capture_huggingface_residual(model, input_ids=ids)
+    attention = [block.self_attention for block in model.transformer.h]
+    hooks = [module.register_forward_pre_hook(_alibi_added_twice, with_kwargs=True) for module in attention]
+    refused = r"capture_huggingface_residual: the capture of this falcon model " + _REFUSED
+    try:
+        with pytest.raises(ValueError, match=refused):
+            capture_huggingface_residual(model, input_ids=ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @pytest.mark.parametrize("make", [gpt2, llama], ids=["gpt2", "llama"])

@@ -17,6 +17,7 @@ run against 3.x here and against 4.x in tests/test_transformer_lens_versions.py 
 import copy
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -627,3 +628,22 @@ def test_the_term_vectors_of_chosen_paths(name):
         pk.path_terms(stack, heads, "embedding", batch=1, tokens=[0])
     with pytest.raises(ValueError, match=r"^pathkernels\.path_terms: the terms of 1 paths on 5 tokens take"):
         pk.path_terms(stack, heads, "embedding", memory_budget=100)
+
+
+@pytest.mark.parametrize("missing", ["multi_query", "query_key_value"])
+def test_a_family_whose_modules_changed_is_refused_by_name_with_the_release(missing):
+    """A module that lacks what the adapters read (as Falcon's ``_split_heads`` went in transformers
+    5.25) is refused by name, with the installed and the tested releases: never a raw AttributeError."""
+    from pathkernels.adapters.huggingface import TESTED_TRANSFORMERS
+
+    model = family_model("falcon")
+    delattr(model.transformer.h[1].self_attention, missing)
+    message = (
+        r"(from_huggingface|capture_huggingface_residual): this 'falcon' model's modules lack what pathkernels "
+        rf"reads \(.*{missing}.*\); "
+        rf"transformers {re.escape(transformers.__version__)} is installed and pathkernels is tested with "
+        rf"transformers {TESTED_TRANSFORMERS}"
+    )
+    for capture in (pk.adapters.from_huggingface, capture_huggingface_residual):
+        with pytest.raises(ValueError, match=message):
+            capture(model, input_ids=torch.randint(0, 50, (1, 5)))

@@ -153,7 +153,22 @@ def _gpt_neox_layers(model, config) -> list[_AttentionLayer]:
     ]
 
 
+# What the adapters read of a Falcon attention module, in every transformers release they accept.
+_FALCON_ATTRIBUTES = (
+    "query_key_value",
+    "dense",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "new_decoder_architecture",
+    "multi_query",
+)
+
+
 def _falcon_layers(model, config) -> list[_AttentionLayer]:
+    for block in _blocks(model, "h"):
+        for name in _FALCON_ATTRIBUTES:
+            getattr(block.self_attention, name)  # an AttributeError names what a release changed
     heads = config.num_attention_heads
     head_dim = config.hidden_size // heads
     if config.new_decoder_architecture:
@@ -195,14 +210,22 @@ def _opt_layers(model, config) -> list[_AttentionLayer]:
     )
 
 
+def _standard_attention(model: nn.Module) -> bool:
+    """Whether a model's modeling module has transformers' shared ``eager_attention_forward``, which
+    takes the softmax in float32 (Falcon's from transformers 5.25 on; before, its attention computed
+    the softmax inline in the model's dtype)."""
+    return hasattr(sys.modules[type(model).__module__], "eager_attention_forward")
+
+
 @dataclass(frozen=True)
 class _Family:
     """What the adapter needs to know of one model family."""
 
     layers: Callable  # (model, config) -> list[_AttentionLayer]
     # Its eager attention takes the softmax in float32 whatever the model's dtype (the adapters
-    # compute it in float64 for a float64 model: softmax_in_input_precision).
-    softmax_in_float32: bool
+    # compute it in float64 for a float64 model: softmax_in_input_precision); a callable of the
+    # model where that depends on the installed transformers.
+    softmax_in_float32: bool | Callable[[nn.Module], bool]
     zero_based_positions: bool  # position_ids default to 0..n-1 (a left-padded sequence's must start at 0)
 
 
@@ -223,7 +246,7 @@ _FAMILIES: dict[str, _Family] = {
     "gpt_neox": _Family(_gpt_neox_layers, softmax_in_float32=True, zero_based_positions=True),
     "gptj": _Family(_gptj_layers, softmax_in_float32=False, zero_based_positions=True),
     "phi": _Family(_phi_layers, softmax_in_float32=True, zero_based_positions=True),
-    "falcon": _Family(_falcon_layers, softmax_in_float32=False, zero_based_positions=True),
+    "falcon": _Family(_falcon_layers, softmax_in_float32=_standard_attention, zero_based_positions=True),
     "opt": _Family(_opt_layers, softmax_in_float32=True, zero_based_positions=False),  # from attention_mask
 }
 
@@ -239,8 +262,29 @@ def _family(model) -> _Family:
     return _FAMILIES[model_type]
 
 
-def _attention_layers(model) -> list[_AttentionLayer]:
-    return _family(model).layers(model, model.config)
+# The transformers releases whose modules the adapters are tested against (Makefile's constraints
+# file pins the newest; `make test-newest` tries whatever is newer).
+TESTED_TRANSFORMERS = "5.9 to 5.25"
+
+
+def _attention_layers(model, where: str = _WHERE) -> list[_AttentionLayer]:
+    family = _family(model)
+    try:
+        return family.layers(model, model.config)
+    except AttributeError as error:  # a module renamed or restructured by another transformers release
+        raise ValueError(changed_modules(model, error, where)) from error
+
+
+def changed_modules(model, error: Exception, where: str = _WHERE) -> str:
+    """The message for a model whose modules lack what the adapters read (``error``): the family,
+    the installed transformers release and the tested ones."""
+    import transformers
+
+    return (
+        f"{where}: this {model.config.model_type!r} model's modules lack what pathkernels reads ({error}); "
+        f"transformers {transformers.__version__} is installed and pathkernels is tested with transformers "
+        f"{TESTED_TRANSFORMERS} (docs/BUILD.md)"
+    )
 
 
 def _position_limit(model) -> int | None:
@@ -475,7 +519,8 @@ def finite_masks(model: nn.Module, layers: list[_AttentionLayer] | None = None):
     it a float64 model's padded queries give NaN rows, which reach the real tokens of the next
     layer as ``0 · NaN``."""
     handles = []
-    if _family(model).softmax_in_float32:
+    in_float32 = _family(model).softmax_in_float32
+    if in_float32(model) if callable(in_float32) else in_float32:
         layers = _attention_layers(model) if layers is None else layers
         handles = [layer.attention.register_forward_pre_hook(_finite_in_float32, with_kwargs=True) for layer in layers]
     try:
@@ -578,8 +623,7 @@ def _read_stack(model: nn.Module, inputs: dict, where: str = _WHERE) -> tuple[At
     """:func:`from_huggingface`'s stack, and its patterns ``[B, L, H, n, n]`` exactly as the model
     computed them (the stack's own are renormalised where the softmax was coarser than the model);
     the inputs' errors name ``where``, the caller."""
-    family = _family(model)
-    layers = family.layers(model, model.config)
+    layers = _attention_layers(model, where)
     patterns: list[Tensor | None] = [None] * len(layers)
 
     def keep(index: int, attn: Tensor) -> None:

@@ -225,7 +225,7 @@ def recording(attention_modules: list[nn.Module], where: str) -> Iterator[list[_
 
     def before(module, args, kwargs):
         rotation = kwargs.get("position_embeddings")
-        if isinstance(rotation, tuple) and len(rotation) == 2 and kwargs.get("alibi") is None:
+        if isinstance(rotation, tuple) and len(rotation) == 2 and not _alibi(module, kwargs):
             seen[index[id(module)]].rotation = tuple(t.detach() for t in rotation)
         if _replayed(module):  # its scores are computed inline: replayed here
             rotary = sys.modules[type(module).__module__].apply_rotary_pos_emb
@@ -280,9 +280,19 @@ def recording(attention_modules: list[nn.Module], where: str) -> Iterator[list[_
 
 
 def _replayed(module: nn.Module) -> bool:
-    """Whether a module's queries and keys are replayed from its inputs (Falcon's, whose attention
-    computes its scores inline) rather than read from its eager attention function."""
-    return type(module).__name__.startswith("Falcon")
+    """Whether a module's queries and keys are replayed from its inputs rather than read from its
+    eager attention function: Falcon's before transformers 5.25, whose attention computes its scores
+    inline (from 5.25 on it calls ``eager_attention_forward`` like the other families)."""
+    return type(module).__name__.startswith("Falcon") and not hasattr(
+        sys.modules[type(module).__module__], "eager_attention_forward"
+    )
+
+
+def _alibi(module: nn.Module, kwargs: dict) -> bool:
+    """Whether an attention module adds ALiBi rather than rotating its queries and keys: Falcon's
+    with ``config.alibi``, which before transformers 5.25 was handed the bias as ``alibi`` and from
+    5.25 on finds it in its mask (and is handed rotary tables it does not use)."""
+    return kwargs.get("alibi") is not None or bool(getattr(getattr(module, "config", None), "alibi", False))
 
 
 def _projection(module: nn.Module) -> tuple[Tensor, Tensor | None]:
@@ -329,38 +339,41 @@ def _query_key_weights(
     return out
 
 
-def _falcon_query_key(module, weight: Tensor, bias: Tensor | None, heads: int, kv_heads: int, head_dim: int):
-    """Falcon's query and key columns of its fused projection ``[(W_Q [d, H·e], b), (W_K [d, H_kv·e], b)]``:
-    per group of query heads ``[q_1 … q_g | k | v]`` (the new decoder architecture), all queries
-    then one key and one value (multi-query), or per head ``[q | k | v]``."""
-    d = weight.shape[0]
+def _falcon_split(module, fused: Tensor, heads: int, kv_heads: int, head_dim: int) -> tuple[Tensor, Tensor]:
+    """The query and key parts ``([..., H, e], [..., H_kv, e])`` of the last dimension of Falcon's
+    fused projection ``[..., (H + 2·H_kv)·e]`` (its output, or its weight's columns): per group of
+    query heads ``[q_1 … q_g | k | v]`` (the new decoder architecture), all queries then one key and
+    one value (multi-query), or per head ``[q | k | v]``."""
+    lead = fused.shape[:-1]
     if module.new_decoder_architecture:
-        grouped = weight.reshape(d, kv_heads, heads // kv_heads + 2, head_dim)
-        split = lambda t: (t[:, :, :-2].reshape(t.shape[0], -1), t[:, :, -2].reshape(t.shape[0], -1))  # noqa: E731
-    elif module.multi_query:
-        grouped = weight.reshape(d, 1, heads + 2, head_dim)
-        split = lambda t: (t[:, :, :-2].reshape(t.shape[0], -1), t[:, :, -2].reshape(t.shape[0], -1))  # noqa: E731
-    else:
-        grouped = weight.reshape(d, heads, 3, head_dim)
-        split = lambda t: (t[:, :, 0].reshape(t.shape[0], -1), t[:, :, 1].reshape(t.shape[0], -1))  # noqa: E731
-    w_q, w_k = split(grouped)
+        grouped = fused.reshape(*lead, kv_heads, heads // kv_heads + 2, head_dim)
+        return grouped[..., :-2, :].flatten(-3, -2), grouped[..., -2, :]
+    if module.multi_query:
+        grouped = fused.reshape(*lead, heads + 2, head_dim)
+        return grouped[..., :-2, :], grouped[..., -2:-1, :]
+    grouped = fused.reshape(*lead, heads, 3, head_dim)
+    return grouped[..., 0, :], grouped[..., 1, :]
+
+
+def _falcon_query_key(module, weight: Tensor, bias: Tensor | None, heads: int, kv_heads: int, head_dim: int):
+    """Falcon's query and key columns of its fused projection ``[(W_Q [d, H·e], b), (W_K [d, H_kv·e], b)]``
+    (:func:`_falcon_split`'s layouts)."""
+    w_q, w_k = (w.flatten(-2) for w in _falcon_split(module, weight, heads, kv_heads, head_dim))
     if bias is None:
         return [(w_q, None), (w_k, None)]
-    b_q, b_k = split(bias.reshape(1, *grouped.shape[1:]))
-    return [(w_q, b_q[0]), (w_k, b_k[0])]
+    b_q, b_k = (b.flatten(-2) for b in _falcon_split(module, bias, heads, kv_heads, head_dim))
+    return [(w_q, b_q), (w_k, b_k)]
 
 
 def _falcon_replay(module: nn.Module, args: tuple, kwargs: dict, apply_rotary) -> tuple[Tensor, Tensor]:
     """Falcon's queries ``[B, H, n, e]`` and keys ``[B, H_kv, n, e]`` as its attention computes them
-    inline (no eager function to read them from): its own fused projection, head split and rotary
-    function on the same inputs."""
+    inline before transformers 5.25 (no eager function to read them from): its own fused projection,
+    split by :func:`_falcon_split`, and its rotary function on the same inputs."""
     hidden = args[0] if args else kwargs["hidden_states"]
-    query, key, _ = module._split_heads(module.query_key_value(hidden))
-    batch, tokens = query.shape[0], query.shape[1]
-    kv_heads = module.num_heads if module.new_decoder_architecture else module.num_kv_heads
-    query = query.transpose(1, 2).reshape(batch, module.num_heads, tokens, module.head_dim)
-    key = key.transpose(1, 2).reshape(batch, kv_heads, tokens, module.head_dim)
-    if kwargs.get("alibi") is None:
+    heads, kv_heads, head_dim = module.num_heads, module.num_kv_heads, module.head_dim
+    query, key = _falcon_split(module, module.query_key_value(hidden), heads, kv_heads, head_dim)
+    query, key = query.transpose(1, 2), key.transpose(1, 2)
+    if not _alibi(module, kwargs):
         cos, sin = kwargs["position_embeddings"]
         query, key = apply_rotary(query, key, cos, sin)
     return query, key
