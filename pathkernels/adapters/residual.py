@@ -40,7 +40,7 @@ from pathkernels.adapters.transformer_lens import (
     require_patterns,
     run_cached,
 )
-from pathkernels.core.paths import check_flag
+from pathkernels.core.checks import check_flag
 
 _WHERE = "pathkernels.adapters.capture_huggingface_residual"
 

@@ -13,6 +13,7 @@ from pathkernels.adapters.capture import ResidualStreamCapture
 from pathkernels.core import masking
 from pathkernels.core.checks import (
     ROW_SUM_TOLERANCE,
+    check_flag,
     check_nonempty_batch,
     check_row_stochastic,
     renormalise_rows,
@@ -20,7 +21,7 @@ from pathkernels.core.checks import (
 )
 from pathkernels.core.engine import PathResiduals, path_residuals
 from pathkernels.core.length_sums import length_sums
-from pathkernels.core.paths import SKIP, PathTree, check_flag
+from pathkernels.core.paths import SKIP, PathTree
 from pathkernels.reference import post_ln_length_sums_ref, pre_ln_length_sums_ref
 
 
@@ -60,6 +61,8 @@ class AttentionStack:
         residual_capture: what the model's residual stream needs beyond the attention (frozen
             norm scales, γ, β, MLP outputs: :func:`pathkernels.adapters.capture_huggingface_residual`),
             or None. With it, :meth:`length_sums` sums the model's own stream by path length.
+        name: the model's name for people, which figure titles use (the folder a model was read
+            from, e.g. ``"gpt2_4l"``; :func:`pathkernels.adapters.naming.model_name`), or "".
 
     Raises:
         ValueError: at construction, if an attention row of a real token, restricted to the real
@@ -77,6 +80,7 @@ class AttentionStack:
     attn_precision: torch.dtype | None = None
     attention_only: bool | None = None
     residual_capture: ResidualStreamCapture | None = None
+    name: str = ""
 
     def __post_init__(self):
         where = f"pathkernels.AttentionStack from {self.source or 'the caller'}"

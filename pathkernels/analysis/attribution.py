@@ -49,8 +49,8 @@ from pathkernels.analysis.readout_trie import (
 from pathkernels.core._figures import check_save_path, require, saved
 from pathkernels.core._progress import progress_bar
 from pathkernels.core._repr import short_repr
-from pathkernels.core.checks import check_tree_shape
-from pathkernels.core.paths import PathTree, check_flag, check_int, count_attribution_paths
+from pathkernels.core.checks import check_flag, check_int
+from pathkernels.core.paths import PathTree, check_tree_shape, count_attribution_paths
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 if TYPE_CHECKING:

@@ -34,8 +34,8 @@ from pathkernels.analysis.attribution import Readout
 from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, describe_path, frozen_model
 from pathkernels.analysis.real_paths import _checked_paths, terms_of
 from pathkernels.analysis.scores import checked_head, query_and_keys
-from pathkernels.core._figures import check_save_path, require, saved
-from pathkernels.core.paths import check_flag, check_int
+from pathkernels.core._figures import check_save_path, new_figure, require, saved, titled, wrapped
+from pathkernels.core.checks import check_flag, check_int
 
 if TYPE_CHECKING:
     from pathkernels.adapters.stack import AttentionStack
@@ -69,6 +69,7 @@ class CausalCheck:
     readout_change: Tensor | None
     clean: dict
     readout_label: str | None = None
+    model_name: str = ""  # the model's name for figure titles (AttentionStack.name)
 
     def __repr__(self) -> str:
         where = "the readout" if self.side == "readout" else f"L{self.layer}H{self.head}'s {self.side}"
@@ -91,30 +92,65 @@ class CausalCheck:
                 columns[name] = values.tolist()
         return pd.DataFrame(columns)
 
+    def panels(self) -> list[tuple[str, Tensor, Tensor | None, str]]:
+        """What :meth:`plot` draws, one entry per change measured: ``(what, measured [M], frozen
+        prediction [M] or None, what the prediction is)``. The score's prediction is ``−`` the path's
+        share; the attention's follows from it with the other keys' scores held (``a e^δ / (1 − a +
+        a e^δ) − a``, ``a`` the clean attention); a score path's readout change has none (the frozen
+        model holds the patterns, so it predicts 0), a value path's is ``−`` its attribution."""
+        panels = []
+        if self.score_change is not None:
+            panels.append(("score change", self.score_change, self.predicted, "frozen prediction"))
+        if self.pattern_change is not None:
+            clean = torch.tensor(self.clean["attention"], dtype=torch.float64)
+            moved = clean * self.predicted.double().exp()
+            predicted = moved / (1 - clean + moved) - clean
+            panels.append(("attention change", self.pattern_change, predicted, "from the predicted score"))
+        if self.readout_change is not None:
+            score_path = self.side != "readout"
+            predicted = None if score_path else self.predicted
+            what = "readout change" if self.readout_label is None else f"change of {self.readout_label}"
+            panels.append((what, self.readout_change, predicted, "frozen prediction"))
+        return panels
+
     def plot(self, *, ax=None, path=None):
-        """Each removed path's frozen prediction beside the change measured (of the score, else of
-        the readout) as paired horizontal bars. Returns the matplotlib Figure, saved to ``path``."""
+        """Each removed path's measured changes, one panel each, side by side: the score's, the
+        attention's and the readout's (those measured), each beside its frozen prediction as paired
+        horizontal bars (:meth:`panels`). ``ax``: an Axes (the first panel alone) or one per panel.
+        Returns the matplotlib Figure, saved to ``path``."""
         check_save_path(path, "pathkernels.CausalCheck.plot")
         require("matplotlib")
-        import matplotlib.pyplot as plt
-
-        measured, what = self.score_change, "score change"
-        if measured is None:
-            measured, what = self.readout_change, "readout change"
+        panels = self.panels()
         count = len(self.paths)
         if ax is None:
-            fig, ax = plt.subplots(figsize=(7, 0.45 * count + 1.4))
+            longest = max((len(name) for name in self.paths), default=10)
+            fig, axes = new_figure(1.5 + 0.055 * longest + 3.0 * len(panels), 0.45 * count + 1.9, len(panels), sharey=True)
+            axes = list(axes) if len(panels) > 1 else [axes]
         else:
-            fig = ax.figure
+            axes = list(ax) if isinstance(ax, (list, tuple)) else [ax]
+            fig = axes[0].figure
         rows = torch.arange(count, dtype=torch.float64)
-        ax.barh((rows - 0.2).tolist(), self.predicted.tolist(), height=0.4, color="C0", label="frozen prediction")
-        ax.barh((rows + 0.2).tolist(), measured.tolist(), height=0.4, color="C1", label=f"measured {what}")
-        ax.set_yticks(rows.tolist(), self.paths, fontsize=8)
-        ax.invert_yaxis()
-        ax.axvline(0, color="black", linewidth=0.5)
-        ax.set_xlabel(what)
-        ax.set_title(repr(self).removeprefix("CausalCheck(").removesuffix(")"), fontsize="small")
-        ax.legend(fontsize="small")
+        for index, (one, (what, measured, predicted, told)) in enumerate(zip(axes, panels)):
+            if predicted is not None:
+                one.barh((rows - 0.2).tolist(), predicted.tolist(), height=0.4, color="C0", label=told)
+            one.barh((rows + 0.2).tolist(), measured.tolist(), height=0.4, color="C1", label="measured")
+            one.axvline(0, color="black", linewidth=0.5)
+            one.set_xlabel(what)
+            if index == 0 or len(axes) == 1 or not one.get_shared_y_axes().joined(one, axes[0]):
+                one.set_yticks(rows.tolist(), self.paths, fontsize=8)
+            if predicted is None:
+                one.set_title("no frozen prediction\n(the frozen model holds the patterns)", fontsize="small")
+            one.legend(fontsize="small", loc="best")
+        axes[0].invert_yaxis() if axes[0].get_ylim()[0] < axes[0].get_ylim()[1] else None
+        where = "the readout" if self.side == "readout" else f"L{self.layer}H{self.head}'s {self.side}"
+        at = f" at ({self.query}, {self.key})" if self.side != "readout" else f" at token {self.position}"
+        how = "norms held" if self.frozen else "norms and patterns recomputed"
+        text = f"{count} path(s) removed from {where}{at}, {how}"
+        title = titled(self.model_name, text)
+        if len(axes) > 1:
+            fig.suptitle(title, fontsize="medium")
+        else:
+            axes[0].set_title(wrapped(title, 70), fontsize="small")
         return saved(fig, path)
 
 
@@ -295,6 +331,7 @@ def _score_paths(
         readout_change=readout_change,
         clean=clean,
         readout_label=None if read is None else read.labels[0],
+        model_name=getattr(stack, "name", ""),
     )
 
 
@@ -372,6 +409,7 @@ def _value_paths(model, stack, terms, names, read, position, batch, real):
         readout_change=change.cpu(),
         clean={"readout": clean_value},
         readout_label=read.labels[0],
+        model_name=getattr(stack, "name", ""),
     )
 
 

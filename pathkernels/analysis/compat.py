@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from pathkernels.core import ops
-from pathkernels.core.paths import check_int
+from pathkernels.core.checks import check_int
 
 __all__ = ["composite_norm", "l1_matrix_norm", "linf_matrix_norm", "sample_P_matrix", "sample_path"]
 

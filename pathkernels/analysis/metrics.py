@@ -41,10 +41,9 @@ import torch
 from torch import Tensor
 
 from pathkernels.core._memory import check_fits
-from pathkernels.core.checks import check_finite
+from pathkernels.core.checks import check_finite, check_flag
 from pathkernels.core.masking import per_matrix
 from pathkernels.core.ops import composite_norm
-from pathkernels.core.paths import check_flag
 
 # Computed in float32: LAPACK has no half SVD, and half squares overflow at 256.
 _UPCAST = {torch.float16: torch.float32, torch.bfloat16: torch.float32}

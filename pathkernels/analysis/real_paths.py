@@ -34,6 +34,7 @@ from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, Sublayer, de
 from pathkernels.core._figures import require
 from pathkernels.core._memory import format_bytes
 from pathkernels.core._progress import progress_bar
+from pathkernels.core.checks import check_flag, check_int
 from pathkernels.core.decompose import (
     DEFAULT_MAX_RESULT_BYTES,
     PathDecomposition,
@@ -42,13 +43,7 @@ from pathkernels.core.decompose import (
 )
 from pathkernels.core.engine import PathResiduals
 from pathkernels.core.ops import residual_norm
-from pathkernels.core.paths import (
-    MAX_ENUMERATED_PATHS,
-    PathTree,
-    check_flag,
-    check_int,
-    count_attribution_paths_by_length,
-)
+from pathkernels.core.paths import MAX_ENUMERATED_PATHS, PathTree, count_attribution_paths_by_length
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 _WHERE = "pathkernels.decompose"

@@ -10,8 +10,7 @@ from torch import Tensor
 from pathkernels.core import masking
 from pathkernels.core._memory import check_fits
 from pathkernels.core._scaling import leading_exponent, power_of_two
-from pathkernels.core.checks import check_finite, check_nonempty_batch, distinct_view, unpack_stack
-from pathkernels.core.paths import check_flag
+from pathkernels.core.checks import check_finite, check_flag, check_nonempty_batch, distinct_view, unpack_stack
 
 _FUSIONS = ("mean", "max", "min")
 

@@ -38,7 +38,7 @@ from pathkernels.analysis.real_paths import _every_term, _heads, _skip
 from pathkernels.analysis.top_paths import SearchOptions, TopPaths, search_top_paths
 from pathkernels.core._figures import check_save_path, require, saved
 from pathkernels.core._memory import format_bytes
-from pathkernels.core.paths import check_flag, check_int
+from pathkernels.core.checks import check_flag, check_int
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 if TYPE_CHECKING:

@@ -41,7 +41,8 @@ from pathkernels.core._figures import check_save_path, saved
 from pathkernels.core._progress import progress_bar
 from pathkernels.core._repr import short_repr
 from pathkernels.core._scaling import leading_exponent, power_of_two, times_power_of_two
-from pathkernels.core.paths import check_flag, check_int, count_attribution_paths
+from pathkernels.core.checks import check_flag, check_int
+from pathkernels.core.paths import count_attribution_paths
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 _WHERE = "pathkernels.top_paths"

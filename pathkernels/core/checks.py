@@ -1,21 +1,24 @@
-"""Input checks shared by the engine, length sums and the adapters.
+"""Input checks shared by every layer: the arguments every public function takes (ints, flags), and
+the engine's, length sums' and the adapters' tensors.
 
 Every message names the function called, the argument, what was expected and what was got.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import numbers
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from pathkernels.core import masking
 from pathkernels.core._extension import has_cuda_kernels
-from pathkernels.core._memory import check_fits
-from pathkernels.core.paths import PathTree
+from pathkernels.core._memory import check_fits, shown
 
 # Largest |row sum − 1| accepted as row-stochastic, by the precision the attention was computed in.
 # Beyond it the centring identity the engine relies on does not hold, and the inputs are refused.
@@ -53,6 +56,39 @@ def distinct_view(t: Tensor) -> Tensor:
     if all(stride != 0 or size <= 1 for size, stride in zip(t.shape, t.stride())):
         return t
     return t[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in t.stride())]
+
+
+def check_int(value, name: str, where: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as a Python int: any integer type (numpy's too), not bool, within the bounds."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{where}: expected {name} to be an int, got {type(value).__name__} {shown(value)}")
+    value = int(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{where}: expected {name} {bounds}, got {shown(value)}")  # str() refuses 4,300 digits
+    return value
+
+
+@contextlib.contextmanager
+def named_errors(where: str, *inner: str):
+    """Refusals (ValueError, TypeError) of the functions named ``inner`` (``"pathkernels.sample_paths"``)
+    raised inside the block, renamed to ``where``: the public function the user called, which built
+    the counts, tree or sample on its own account. Other errors pass unchanged."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        for name in inner:
+            if message.startswith(f"{name}:"):
+                raise type(error)(f"{where}:{message[len(name) + 1 :]}") from error
+        raise
+
+
+def check_flag(value, name: str, where: str) -> bool:
+    """``value`` as a bool: True/False (numpy's too), nothing else (a string such as "no" is truthy)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{where}: expected {name} to be True or False, got {type(value).__name__} {shown(value)}")
+    return bool(value)
 
 
 def check_finite(t: Tensor, name: str, where: str) -> None:
@@ -271,22 +307,6 @@ def check_nonempty_batch(attn: Tensor, where: str) -> None:
         raise ValueError(
             f"{where}: expected at least one batch element, layer and head in attn [B, L, H, n, n], got "
             f"{list(attn.shape)}"
-        )
-
-
-def check_tree(tree, net: Network, where: str) -> None:
-    """Raise unless ``tree`` is a PathTree of the network's L layers and at most its H heads."""
-    check_tree_shape(tree, *net.attn.shape[1:3], where)
-
-
-def check_tree_shape(tree, layers: int, heads: int, where: str) -> None:
-    """:func:`check_tree` for a network of ``layers`` layers and ``heads`` heads."""
-    if not isinstance(tree, PathTree):
-        raise TypeError(f"{where}: expected tree to be a pathkernels.PathTree, got {type(tree).__name__}")
-    if tree.num_layers != layers or tree.num_heads > heads or (tree.is_complete and tree.num_heads != heads):
-        raise ValueError(
-            f"{where}: the tree has {tree.num_layers} layers and {tree.num_heads} heads, attn has "
-            f"L = {layers} and H = {heads}"
         )
 
 

@@ -11,19 +11,17 @@ from torch import Tensor
 
 from pathkernels.core._figures import check_save_path, require, saved
 from pathkernels.core._memory import format_count
-from pathkernels.core.checks import check_tree_shape, unpack_stack, validate_inputs
+from pathkernels.core.checks import check_flag, check_int, named_errors, unpack_stack, validate_inputs
 from pathkernels.core.engine import PathResiduals, evaluate_paths
 from pathkernels.core.paths import (
     DEFAULT_MAX_PATHS,
     MAX_ENUMERATED_PATHS,
     MAX_LEAVES,
     PathTree,
-    check_flag,
-    check_int,
     check_max_paths,
+    check_tree_shape,
     count_attribution_paths_by_length,
     count_by_length,
-    named_errors,
     sample_paths,
 )
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET

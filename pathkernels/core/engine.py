@@ -24,14 +24,14 @@ from pathkernels.core._progress import progress_bar
 from pathkernels.core.checks import (
     Network,
     check_engine_device,
+    check_flag,
     check_masked_network,
     check_network,
-    check_tree,
     mask_group_inputs,
     unpack_stack,
 )
 from pathkernels.core.engine_defaults import engine_choice, engine_settings
-from pathkernels.core.paths import SKIP, PathTree, check_flag
+from pathkernels.core.paths import SKIP, PathTree, check_tree_shape
 from pathkernels.core.planner import (
     DEFAULT_MEMORY_BUDGET,
     check_budget,
@@ -380,7 +380,7 @@ def check_inputs(attn, tree, x, w_v, w_o, memory_budget, where: str, *, results:
     device and (with ``results``: per-path results are kept) the size of the results. Returns the
     checked inputs and the budget as an int."""
     net = check_network(attn, x, w_v, w_o, where)
-    check_tree(tree, net, where)
+    check_tree_shape(tree, *net.attn.shape[1:3], where)
     memory_budget = check_budget(memory_budget, net, where)
     check_engine_device(net.attn.device, where)
     if results:

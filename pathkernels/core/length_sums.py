@@ -19,8 +19,15 @@ from torch import Tensor
 from pathkernels.core._memory import check_fits
 from pathkernels.core._scaling import power_of_two as _power_of_two  # noqa: F401 (tests reach it here)
 from pathkernels.core._scaling import times_power_of_two as _times_power_of_two
-from pathkernels.core.checks import check_bias, check_finite, check_masked_network, check_network, mask_group_inputs
-from pathkernels.core.paths import check_flag, check_int
+from pathkernels.core.checks import (
+    check_bias,
+    check_finite,
+    check_flag,
+    check_int,
+    check_masked_network,
+    check_network,
+    mask_group_inputs,
+)
 
 # The exponent of a mantissa of zeros: below every real one by far, so it never sets a scale, and
 # sums with it stay within int64.

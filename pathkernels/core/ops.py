@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from pathkernels.core._scaling import leading_exponent, times_power_of_two
-from pathkernels.core.paths import check_flag
+from pathkernels.core.checks import check_flag
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 

@@ -7,11 +7,9 @@ Python ints: ``(H+1)^L`` exceeds 2^63 for real models.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import math
-import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +18,7 @@ from torch import Tensor
 
 from pathkernels.core._docs import doc_path
 from pathkernels.core._memory import available_memory, check_fits, format_bytes, format_count, shown
+from pathkernels.core.checks import check_flag, check_int, named_errors
 
 SKIP = -1
 
@@ -202,37 +201,16 @@ def count_attribution_paths_by_length(layers: int, heads: int, max_length: int) 
     return counts
 
 
-def check_int(value, name: str, where: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` as a Python int: any integer type (numpy's too), not bool, within the bounds."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{where}: expected {name} to be an int, got {type(value).__name__} {shown(value)}")
-    value = int(value)
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise ValueError(f"{where}: expected {name} {bounds}, got {shown(value)}")  # str() refuses 4,300 digits
-    return value
-
-
-@contextlib.contextmanager
-def named_errors(where: str, *inner: str):
-    """Refusals (ValueError, TypeError) of the functions named ``inner`` (``"pathkernels.sample_paths"``)
-    raised inside the block, renamed to ``where``: the public function the user called, which built
-    the counts, tree or sample on its own account. Other errors pass unchanged."""
-    try:
-        yield
-    except (ValueError, TypeError) as error:
-        message = str(error)
-        for name in inner:
-            if message.startswith(f"{name}:"):
-                raise type(error)(f"{where}:{message[len(name) + 1 :]}") from error
-        raise
-
-
-def check_flag(value, name: str, where: str) -> bool:
-    """``value`` as a bool: True/False (numpy's too), nothing else (a string such as "no" is truthy)."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{where}: expected {name} to be True or False, got {type(value).__name__} {shown(value)}")
-    return bool(value)
+def check_tree_shape(tree, layers: int, heads: int, where: str) -> None:
+    """Raise unless ``tree`` is a PathTree of ``layers`` layers and at most ``heads`` heads (all of them
+    where it is complete)."""
+    if not isinstance(tree, PathTree):
+        raise TypeError(f"{where}: expected tree to be a pathkernels.PathTree, got {type(tree).__name__}")
+    if tree.num_layers != layers or tree.num_heads > heads or (tree.is_complete and tree.num_heads != heads):
+        raise ValueError(
+            f"{where}: the tree has {tree.num_layers} layers and {tree.num_heads} heads, attn has "
+            f"L = {layers} and H = {heads}"
+        )
 
 
 def check_paths(

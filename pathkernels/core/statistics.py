@@ -33,19 +33,17 @@ from pathkernels.core._figures import check_file_path, check_save_path, require,
 from pathkernels.core._files import read_sealed, tensor_digest, write_sealed
 from pathkernels.core._memory import check_fits, shown
 from pathkernels.core._progress import progress_bar
-from pathkernels.core.checks import check_masked_network, first_index, mask_group_inputs, unpack_stack
-from pathkernels.core.engine import check_inputs, chunk_reports, evaluate_paths, op_leaf_kernel, to_device
-from pathkernels.core.engine_defaults import engine_settings
-from pathkernels.core.paths import (
-    DEFAULT_MAX_PATHS,
-    MAX_SIZE,
-    SKIP,
-    PathTree,
-    _count_by_length,
+from pathkernels.core.checks import (
     check_flag,
     check_int,
-    check_max_paths,
+    check_masked_network,
+    first_index,
+    mask_group_inputs,
+    unpack_stack,
 )
+from pathkernels.core.engine import check_inputs, chunk_reports, evaluate_paths, op_leaf_kernel, to_device
+from pathkernels.core.engine_defaults import engine_settings
+from pathkernels.core.paths import DEFAULT_MAX_PATHS, MAX_SIZE, SKIP, PathTree, _count_by_length, check_max_paths
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET, chunks
 
 QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)

@@ -64,8 +64,8 @@ from torch import Tensor
 from pathkernels.core._triton import config_space as _config_space
 from pathkernels.core._triton import describe_choice, interpreting, on_device, registered_op, require, tl, triton
 from pathkernels.core._triton import jit as _jit
+from pathkernels.core.checks import check_flag
 from pathkernels.core.ops import check_norm_input
-from pathkernels.core.paths import check_flag
 
 OPS = {False: "pathkernels.triton_composite_norm", True: "pathkernels.triton_residual_norm"}
 OP_NAMES = {False: "pathkernels::triton_composite_norm", True: "pathkernels::triton_residual_norm"}
