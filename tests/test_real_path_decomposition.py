@@ -212,8 +212,8 @@ def test_results_beyond_the_budget_are_refused_before_any_work():
 
 
 def test_a_captured_models_plot_keeps_its_bias_paths_out_of_the_band():
-    """A trained GPT-2's decomposition: its attention-bias paths (rows equal at every token: ratio
-    round-off) are drawn apart, in grey at the axis' edge where below it, and left out of the
+    """A trained GPT-2's decomposition: its attention-bias paths (the direct ones' rows equal at
+    every token: ratio round-off) are drawn apart, in grey at the axis' edge where below it, and left out of the
     median and the 10–90 % band, which then spans the paths that carry the stream (not 1e-15); the
     title names the model."""
     pytest.importorskip("matplotlib")
@@ -225,7 +225,7 @@ def test_a_captured_models_plot_keeps_its_bias_paths_out_of_the_band():
     ax = dec.plot().axes[0]
     assert "huggingface:gpt2" in ax.get_title() and "L = 4, H = 4" in ax.get_title()
     labels = [text.get_text() for text in ax.get_legend().get_texts()]
-    assert labels[0].startswith("bias-source paths")
+    assert labels[0].startswith("attention-bias paths")
     band = ax.collections[-1].get_paths()[0].vertices[:, 1]
     ratios = dec.path_ratio()
     bias = torch.tensor([dec.source_names[int(s)].endswith("attention bias") for s in dec.sources])

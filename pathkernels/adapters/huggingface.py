@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from pathkernels.adapters.naming import model_name
 from pathkernels.adapters.precision import in_float64
 from pathkernels.adapters.stack import AttentionStack, fold_value_bias
 from pathkernels.core._progress import quiet_model_loading
@@ -666,6 +667,7 @@ def _read_stack(model: nn.Module, inputs: dict, where: str = _WHERE) -> tuple[At
         b_o=b_o,
         hidden_states=hidden,
         source=f"huggingface:{model.config.model_type}",
+        name=model_name(model),
         token_mask=token_mask,
         attention_only=False,  # every family read has norms and MLPs
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from pathkernels.adapters.naming import model_name
 from pathkernels.adapters.precision import in_float64
 from pathkernels.adapters.stack import AttentionStack, fold_value_bias
 
@@ -235,6 +236,7 @@ def from_transformer_lens(model_or_cache, tokens=None, *, attention_mask=None) -
         b_o=b_o,
         hidden_states=None if hidden is None else hidden.detach(),
         source=f"transformer_lens:{type(model).__name__}",
+        name=model_name(model),
         token_mask=attention_mask,
         attn_precision=_softmax_precision(model, attn),
         attention_only=_attention_only(model),

@@ -46,7 +46,7 @@ from pathkernels.analysis.readout_trie import (
     describe_path,
     frozen_model,
 )
-from pathkernels.core._figures import check_save_path, require, saved
+from pathkernels.core._figures import bar_side_labels, check_save_path, new_figure, require, saved, titled, wrapped
 from pathkernels.core._progress import progress_bar
 from pathkernels.core._repr import short_repr
 from pathkernels.core.checks import check_flag, check_int
@@ -345,12 +345,11 @@ def pair_bars(
 def path_bars(top: list[dict], bottom: list[dict], label: str, title: str, ax=None):
     """Horizontal bars of the ``top`` rows then the ``bottom`` ones (rows of ``"path"`` and
     ``"attribution"``, each path once), labelled by path; returns the Figure."""
-    import matplotlib.pyplot as plt
-
     seen = {row["path"] for row in top}
     rows = top + [row for row in reversed(bottom) if row["path"] not in seen]
     if ax is None:
-        fig, ax = plt.subplots(figsize=(7, 0.3 * len(rows) + 1.2))
+        longest = max((len(row["path"]) for row in rows), default=10)
+        fig, ax = new_figure(min(5.5 + 0.055 * longest, 10), 0.3 * len(rows) + 1.4)
     else:
         fig = ax.figure
     values = [row["attribution"] for row in rows]
@@ -359,20 +358,9 @@ def path_bars(top: list[dict], bottom: list[dict], label: str, title: str, ax=No
     ax.invert_yaxis()
     ax.axvline(0, color="black", linewidth=0.5)
     if 0 < len(top) < len(rows):  # a rule between the largest and the smallest, each group named
-        ax.axhline(len(top) - 0.5, color="0.4", linewidth=0.8, linestyle="--")
-        for y, text in ((-0.6, "largest"), (len(top) - 0.4, "smallest")):
-            ax.annotate(  # inside the frame, on a white ground over the bars and the rule
-                text,
-                (0.985, y),
-                xycoords=("axes fraction", "data"),
-                ha="right",
-                va="bottom",
-                fontsize=7,
-                color="0.3",
-                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1},
-            )
-    ax.set_xlabel(label)
-    ax.set_title(title)
+        bar_side_labels(ax, len(top))
+    ax.set_xlabel(wrapped(label, 70))
+    ax.set_title(wrapped(title, 70), fontsize="medium")
     return fig
 
 
@@ -424,6 +412,7 @@ class PathAttribution:
     attribution: Tensor | None = None
     absolute: Tensor | None = None
     by_head: Tensor | None = None
+    model_name: str = ""  # the model's name for figure titles (AttentionStack.name)
 
     def read_at(self, position: int) -> int | str:
         """Where the ``position``-th readout is read: its token, or for a batch's mean (``positions
@@ -544,7 +533,9 @@ class PathAttribution:
         top = self.table(position=position, readout=readout)[:k]
         bottom = self.table(position=position, readout=readout, which="bottom")[:k]
         label = f"attribution to {self.labels[readout]} at {self._at(position)}"
-        title = f"top and bottom paths (the readout: {float(self.value[position, readout]):.4g})"
+        title = titled(
+            self.model_name, f"top and bottom paths (the readout: {float(self.value[position, readout]):.4g})"
+        )
         return saved(path_bars(top, bottom, label, title, ax), path)
 
     def to_frame(self, *, position: int | None = None, readout: int | None = None, which: str = "top"):
@@ -732,7 +723,9 @@ def path_attribution(
     split_embedding = check_flag(split_embedding, "split_embedding", _WHERE)
     max_length, only = _tree_paths(stack, tree, max_length, _WHERE)
     setup = read_out(stack, readout, positions, batch, max_length, _WHERE, split_embedding)
-    return attribute(setup, top_k, memory_budget, progress, only=only)
+    result = attribute(setup, top_k, memory_budget, progress, only=only)
+    result.model_name = getattr(stack, "name", "")
+    return result
 
 
 def _tree_paths(stack, tree: PathTree | None, max_length, where: str) -> tuple[int | None, PathSet | None]:
@@ -851,6 +844,8 @@ def batch_attribution(
             )
         setups.append(setup)
     results, mean = attribute_in_step(setups, top_k, memory_budget, progress, only)
+    for result in (*results, mean):
+        result.model_name = getattr(stack, "name", "")
     return BatchAttribution(results, mean)
 
 

@@ -124,7 +124,9 @@ class CausalCheck:
         count = len(self.paths)
         if ax is None:
             longest = max((len(name) for name in self.paths), default=10)
-            fig, axes = new_figure(1.5 + 0.055 * longest + 3.0 * len(panels), 0.45 * count + 1.9, len(panels), sharey=True)
+            fig, axes = new_figure(
+                1.5 + 0.055 * longest + 3.0 * len(panels), 0.45 * count + 1.9, len(panels), sharey=True
+            )
             axes = list(axes) if len(panels) > 1 else [axes]
         else:
             axes = list(ax) if isinstance(ax, (list, tuple)) else [ax]
@@ -136,15 +138,18 @@ class CausalCheck:
             one.barh((rows + 0.2).tolist(), measured.tolist(), height=0.4, color="C1", label="measured")
             one.axvline(0, color="black", linewidth=0.5)
             one.set_xlabel(what)
-            if index == 0 or len(axes) == 1 or not one.get_shared_y_axes().joined(one, axes[0]):
-                one.set_yticks(rows.tolist(), self.paths, fontsize=8)
+            one.set_yticks(rows.tolist(), self.paths, fontsize=8)
+            one.tick_params(labelleft=index == 0)
             if predicted is None:
                 one.set_title("no frozen prediction\n(the frozen model holds the patterns)", fontsize="small")
             one.legend(fontsize="small", loc="best")
-        axes[0].invert_yaxis() if axes[0].get_ylim()[0] < axes[0].get_ylim()[1] else None
+        for one in axes[: len(panels)]:  # the first path on top (shared axes turn together)
+            if not one.yaxis_inverted():
+                one.invert_yaxis()
         where = "the readout" if self.side == "readout" else f"L{self.layer}H{self.head}'s {self.side}"
         at = f" at ({self.query}, {self.key})" if self.side != "readout" else f" at token {self.position}"
-        how = "norms held" if self.frozen else "norms and patterns recomputed"
+        how = "norms held" if self.frozen else "final norm recomputed"
+        how = how if self.side == "readout" or self.frozen else "norms and patterns recomputed"
         text = f"{count} path(s) removed from {where}{at}, {how}"
         title = titled(self.model_name, text)
         if len(axes) > 1:

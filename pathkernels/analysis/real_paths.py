@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, Sublayer, describe_path, frozen_model
-from pathkernels.core._figures import require
+from pathkernels.core._figures import require, wrapped
 from pathkernels.core._memory import format_bytes
 from pathkernels.core._progress import progress_bar
 from pathkernels.core.checks import check_flag, check_int
@@ -47,6 +47,7 @@ from pathkernels.core.paths import MAX_ENUMERATED_PATHS, PathTree, count_attribu
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 _WHERE = "pathkernels.decompose"
+_ROUND_OFF = 1e-6  # a residual ratio below this is round-off (float32's unit round-off is 6e-8)
 
 
 @dataclass
@@ -80,22 +81,40 @@ class ModelPathDecomposition(PathDecomposition):
 
     @property
     def bias_paths(self) -> Tensor:
-        """``[M]`` bool: the paths from an attention-bias source (their rows are the same at every
-        token where the patterns' rows sum to 1, so their residual ratio is round-off)."""
+        """``[M]`` bool: the paths from an attention-bias source (the direct ones' rows are the same
+        at every token, so their residual ratio is round-off)."""
         bias = torch.tensor([name.endswith("attention bias") for name in self.source_names], dtype=torch.bool)
         return bias[self.sources.cpu()]
 
     def plot(self, ax=None, *, path=None, title: str | None = None):
         """:meth:`PathDecomposition.plot`, the paths from an attention-bias source drawn apart (grey)
-        and left out of the median and the band: their rows are the same at every token where the
-        patterns' rows sum to 1, so their ratio is round-off (~1e-15) and would set the band's
-        scale. ``title`` defaults to the model the stack was captured from, with L and H."""
+        and left out of the median and the band: the direct ones' rows are the same at every token,
+        so their ratio is round-off (~1e-15) and would set the band's scale; those through heads
+        mix rows scaled by the frozen norms, and the legend gives the range of their ratios.
+        ``title`` defaults to the model the stack was captured from (its name), with L and H."""
         apart = self.bias_paths
         if title is None:
-            source = getattr(self.stack, "source", None) or "a captured model"
-            title = f"{self.method} path decomposition of {source}: L = {self.num_layers}, H = {self.num_heads}"
-        label = "bias-source paths (round-off; not in the band)"
-        return super().plot(ax, path=path, title=title, apart=apart, apart_label=label)
+            stack = self.stack
+            name, source = getattr(stack, "name", ""), getattr(stack, "source", "")
+            model = f"{name} ({source})" if name and source else name or source or "a captured model"
+            title = f"{self.method} path decomposition of {model}: L = {self.num_layers}, H = {self.num_heads}"
+        return super().plot(ax, path=path, title=title, apart=apart, apart_label=wrapped(self._bias_label(apart), 34))
+
+    def _bias_label(self, apart: Tensor) -> str:
+        """The legend's words for the bias paths, from their ratios: how many are round-off and the
+        range of the others."""
+        ratio = self._ratios().cpu()[:, apart]
+        ratio = ratio[~ratio.isnan() & (ratio > 0)]
+        roundoff = ratio[ratio < _ROUND_OFF]
+        measured = ratio[ratio >= _ROUND_OFF]
+        parts = []
+        if measured.numel():
+            parts.append(f"ratio {float(measured.min()):.2g}–{float(measured.max()):.2g}")
+        if roundoff.numel():
+            parts.append(
+                "round-off" if not measured.numel() else f"{roundoff.numel()} at round-off, at the bottom edge"
+            )
+        return "attention-bias paths, not in the band" + (f" ({'; '.join(parts)})" if parts else "")
 
     def terms(self, index=None, *, batch: int = 0, tokens=None, memory_budget: int = DEFAULT_MEMORY_BUDGET) -> Tensor:
         """The term vectors ``[M', T, d]`` of the decomposed paths ``index`` (an int, a slice, a list

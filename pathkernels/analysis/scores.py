@@ -36,7 +36,7 @@ from pathkernels.analysis.attribution import CheckedReadout, PathAttribution, Re
 from pathkernels.analysis.readout_trie import FrozenModel, describe_path, frozen_model
 from pathkernels.analysis.real_paths import _every_term, _heads, _skip
 from pathkernels.analysis.top_paths import SearchOptions, TopPaths, search_top_paths
-from pathkernels.core._figures import check_save_path, require, saved
+from pathkernels.core._figures import check_save_path, heatmap, new_figure, require, saved, titled, wrapped
 from pathkernels.core._memory import format_bytes
 from pathkernels.core.checks import check_flag, check_int
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 _WHERE = "pathkernels.score_decomposition"
 CONSTANT = "constant"  # the label of a side's constant: its norm's β and its bias through the frozen maps
 POSITION = "position bias"  # the label of what the model adds to a score whatever the stream (ALiBi)
+FEW_PATHS = 12  # score_decomposition also splits the score path by path where the stream has at most this many
 
 
 @dataclass
@@ -221,6 +222,11 @@ class ScoreDecomposition:
         model_scores: ``[K]`` the model's own, from its queries and keys as it computed them.
         allowed: ``[K]`` whether the mask lets the query attend each key.
         soft_cap: the cap of a soft-capped model (the scores here are before it), else None.
+        paths, path_table: where the stream below the layer has at most :data:`FEW_PATHS` paths
+            (the first layers of a small model), the same split path by path, so that the heads
+            the groups merge stand apart: ``paths`` their labels (``"L0H1 from embedding"``, …,
+            :data:`CONSTANT` last) and ``path_table [P+1, P+1, K]``; else None.
+        model_name: the model's name for figure titles (the stack's ``name``).
     """
 
     layer: int
@@ -235,6 +241,9 @@ class ScoreDecomposition:
     allowed: Tensor
     soft_cap: float | None = None
     position: Tensor | None = None
+    paths: tuple[str, ...] | None = None
+    path_table: Tensor | None = None
+    model_name: str = ""
 
     def __repr__(self) -> str:
         error = float((self.scores - self.model_scores).abs().max()) if self.scores.numel() else 0.0
@@ -291,28 +300,33 @@ class ScoreDecomposition:
         return frame.reindex(frame["value"].abs().sort_values(ascending=False).index).reset_index(drop=True)
 
     def plot(self, key: int | None = None, other: int | None = None, *, ax=None, path=None):
-        """A heatmap of :meth:`pair_table` (query groups down, key groups across), symmetric
-        colours around 0; saved to ``path`` when given. Returns the figure."""
+        """A heatmap of :meth:`pair_table` (query side down, key side across), colours symmetric
+        around 0 with a labelled colour bar, each cell's value written in it where the grid is
+        small; path by path (:attr:`path_table`: the heads apart) where the stream below the layer
+        has few paths, else by group. Rows and columns that are 0 throughout (an MLP that is
+        zero) are left out. Saved to ``path`` when given. Returns the figure."""
         check_save_path(path, "pathkernels.ScoreDecomposition.plot")
         require("matplotlib")
-        import matplotlib.pyplot as plt
-
-        table = self.pair_table(key, other).cpu()
+        if self.path_table is not None:
+            index = self._key(key)
+            table = self.path_table[..., index]
+            if other is not None:
+                table = table - self.path_table[..., self._key(other)]
+            names = self.paths
+        else:
+            table, names = self.pair_table(key, other), self.groups
+        table = table.cpu()
         used = (table.abs().sum(1) > 0) | (table.abs().sum(0) > 0)
-        labels = [g for g, u in zip(self.groups, used.tolist()) if u]
+        labels = [g for g, u in zip(names, used.tolist()) if u]
         table = table[used][:, used]
         if ax is None:
-            size = 2.5 + 0.45 * len(labels)
-            _, ax = plt.subplots(figsize=(size + 1.5, size))
-        limit = float(table.abs().max()) or 1.0
-        image = ax.imshow(table.numpy(), cmap="RdBu_r", vmin=-limit, vmax=limit)
-        ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=8)
-        ax.set_yticks(range(len(labels)), labels, fontsize=8)
-        ax.set_xlabel("key side")
-        ax.set_ylabel("query side")
+            side = max(4.5, 0.6 * len(labels))
+            _, ax = new_figure(side + 2.4, side + 1.3)
         what = f"key {int(self.keys[self._key(key)])}" + ("" if other is None else f" − key {int(other)}")
-        ax.set_title(f"L{self.layer}H{self.head} score, query {self.query}, {what}", fontsize=9)
-        ax.figure.colorbar(image, ax=ax, shrink=0.8)
+        label = "score term" if other is None else f"score term, {what}"
+        heatmap(ax, table, labels, labels, label, row_label="query side", column_label="key side")
+        title = f"L{self.layer}H{self.head} score, query {self.query}, {what}"
+        ax.set_title(wrapped(titled(self.model_name, title), 60), fontsize=9)
         return saved(ax.figure, path)
 
 
@@ -376,11 +390,17 @@ def _decompositions(stack, layer, heads, query, keys, batch, where: str) -> list
     positions = first.positions
     allowed = first.maps.allowed[first.batch, first.layer, positions[query], positions[keys]].cpu()
     cap = float(first.maps.soft_cap[first.layer])
+    few = _few_paths(first.model)
     results = []
     for one in checked:
         queries = torch.cat([one.side("query", parts, rows)[:, 0], one.constant("query", rows)])  # [G+1, e]
         key_vectors = torch.cat([one.side("key", parts, keys), one.constant("key", keys)[None]])  # [G+1, K, e]
         table = one.maps.scaling[one.layer] * torch.einsum("ae,bke->abk", queries, key_vectors)
+        path_table = None
+        if few is not None:  # the same split path by path: the heads the groups merge, apart
+            queries = torch.cat([one.side("query", few[1], rows)[:, 0], one.constant("query", rows)])
+            key_vectors = torch.cat([one.side("key", few[1], keys), one.constant("key", keys)[None]])
+            path_table = (one.maps.scaling[one.layer] * torch.einsum("ae,bke->abk", queries, key_vectors)).cpu()
         position = one.position_bias(query, keys)
         results.append(
             ScoreDecomposition(
@@ -396,9 +416,26 @@ def _decompositions(stack, layer, heads, query, keys, batch, where: str) -> list
                 allowed=allowed,
                 soft_cap=cap or None,
                 position=position.cpu(),
+                paths=None if few is None else few[0],
+                path_table=path_table,
+                model_name=getattr(stack, "name", ""),
             )
         )
     return results
+
+
+def _few_paths(model: FrozenModel) -> tuple[tuple[str, ...], Tensor] | None:
+    """``(labels, terms [P, n, d])`` of every path of the stream entering the layer above ``model``
+    (the constant's label last), where they number at most :data:`FEW_PATHS`; else None."""
+    heads = model.num_heads
+    attention_above = [sum(1 for s in model.sublayers[j:] if s.attn is not None) for j in range(len(model.sources))]
+    if sum((heads + 1) ** a for a in attention_above) > FEW_PATHS:
+        return None
+    labels, terms = [], []
+    for chunk, choices, source in _every_term(model, model.layers, FEW_PATHS):
+        terms.append(chunk)
+        labels += [describe_path(c, model.source_names[source]) for c in choices.cpu()]
+    return (*labels, CONSTANT), torch.cat(terms)
 
 
 @dataclass
@@ -426,6 +463,7 @@ class ScorePairs:
     top: list[dict]
     bottom: list[dict]
     position: float = 0.0
+    model_name: str = ""  # the model's name for figure titles (AttentionStack.name)
 
     def describe(self, index: int) -> str:
         """Path ``index`` (or the constant, index P) as text."""
@@ -449,7 +487,9 @@ class ScorePairs:
         """The ``k`` largest and smallest pair terms as horizontal bars (default: every pair kept;
         ``k`` beyond them refused). Returns the matplotlib Figure, saved to ``path`` where given."""
         pairs = (self.paths.shape[0] + 1) ** 2
-        title = f"L{self.layer}H{self.head}'s score, query {self.query}, key {self.key}: {self.score:.4g}"
+        title = titled(
+            self.model_name, f"L{self.layer}H{self.head}'s score, query {self.query}, key {self.key}: {self.score:.4g}"
+        )
         where = "pathkernels.ScorePairs.plot"
         return pair_bars(self.top, self.bottom, k, (len(self.top), pairs), title, where, ax=ax, path=path)
 
@@ -522,6 +562,7 @@ def score_pairs(
         top=[],
         bottom=[],
         position=float(checked.position_bias(query, keys)[0]),
+        model_name=getattr(stack, "name", ""),
     )
     flat = result.values.flatten()
     width = result.values.shape[1]

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from pathkernels.core._figures import check_save_path, require, saved
+from pathkernels.core._figures import check_save_path, new_figure, require, saved
 from pathkernels.core._memory import format_count
 from pathkernels.core.checks import check_flag, check_int, named_errors, unpack_stack, validate_inputs
 from pathkernels.core.engine import PathResiduals, evaluate_paths
@@ -239,17 +239,15 @@ class PathDecomposition:
         the 10–90 % band. Exact zeros have no place on a log scale: they are left out, and the
         legend says how many. ``title``: what the figure shows (say which network; default: the
         method, L and H). ``apart`` ``[M]`` bool: paths drawn apart, in grey under ``apart_label``,
-        and left out of the median and the band (a captured model's bias paths, whose ratio is
-        round-off). Returns the matplotlib Figure; with ``path`` it is also saved there (the
-        format from the suffix: .png, .pdf, .svg, …)."""
+        and left out of the median and the band (a captured model's bias paths). The legend
+        stands right of the axes, off the points. Returns the matplotlib Figure; with ``path`` it
+        is also saved there (the format from the suffix: .png, .pdf, .svg, …)."""
         check_save_path(path, "pathkernels.PathDecomposition.plot")
         if apart is not None:
             apart = self._checked_apart(apart, "pathkernels.PathDecomposition.plot")
         require("matplotlib")
-        import matplotlib.pyplot as plt
-
         if ax is None:
-            fig, ax = plt.subplots(figsize=(6, 4))
+            fig, ax = new_figure(9, 4)
         else:
             fig = ax.figure
         ratio = self._ratios().cpu()
@@ -314,7 +312,7 @@ class PathDecomposition:
             ax.set_title(f"{self.method} decomposition: L = {self.num_layers}, H = {self.num_heads}")
         else:
             ax.set_title(textwrap.fill(title, 70), fontsize="small")
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
         return saved(fig, path)
 
     def _checked_apart(self, apart, where: str) -> Tensor:
