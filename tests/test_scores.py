@@ -549,7 +549,7 @@ def test_arguments_are_checked_in_the_callers_name():
         (lambda: pk.score_decompositions(stack, 1, [0, 9]), r"^pathkernels\.score_decompositions: expected head"),
         (lambda: pk.score_pairs(stack, 2, 0, key=1, memory_budget=1000), r"use score_decomposition"),
         (lambda: pk.score_attribution(stack, 2, 0, key=1, side="value"), r"expected side to be 'query' or 'key'"),
-        (lambda: pk.score_pairs(stack, 2, 0, key=1.0), r"^pathkernels\.score_pairs: expected keys to be an int"),
+        (lambda: pk.score_pairs(stack, 2, 0, key=1.0), r"^pathkernels\.score_pairs: expected key to be an int"),
     ):
         with pytest.raises((ValueError, TypeError), match=match):
             call()

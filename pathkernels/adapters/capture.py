@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from pathkernels.core._repr import short_repr
 
@@ -79,6 +79,7 @@ class ResidualStreamCapture:
     token_embedding: Tensor | None = None  # [B, n, d]: the token part of ``embedding`` (below), or None
     check: object | None = None  # the self-check's CaptureCheck (pathkernels.adapters.self_check), or None
     query_key: object | None = None  # the score side's QueryKeyCapture (pathkernels.adapters.query_key), or None
+    model_fingerprint: dict | None = None  # weights_fingerprint() of the model read, or None
 
     def __repr__(self) -> str:
         batch, tokens, width = self.embedding.shape
@@ -114,3 +115,38 @@ class ResidualStreamCapture:
         if self.query_key is not None:
             moved["query_key"] = self.query_key.on(device)
         return ResidualStreamCapture(**moved)
+
+
+def weights_fingerprint(model: nn.Module) -> dict[str, tuple]:
+    """What identifies a model's weights, cheaply: for each parameter (by name), its shape and the
+    float64 sums ``Σ w`` and ``Σ w²`` (one pass over the weights, less than a forward pass).
+    Another model, or these weights changed, gives another fingerprint."""
+    prints = {}
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            values = parameter.detach()
+            prints[name] = (
+                tuple(values.shape),
+                float(values.sum(dtype=torch.float64)),
+                float(values.double().pow(2).sum()),
+            )
+    return prints
+
+
+def fingerprint_mismatch(model: nn.Module, expected: dict[str, tuple] | None) -> str | None:
+    """None where ``model``'s weights are those fingerprinted as ``expected`` (or no fingerprint was
+    taken), else what differs: the parameters' names, or the first parameter whose shape or sums
+    differ (beyond 1e-6 relative, so that a change of dtype is the same weights)."""
+    if expected is None:
+        return None
+    found = weights_fingerprint(model)
+    if found.keys() != expected.keys():
+        return f"other parameters ({len(found)} where the capture read {len(expected)}, or other names)"
+    for name, (shape, total, squares) in expected.items():
+        other_shape, other_total, other_squares = found[name]
+        if other_shape != shape:
+            return f"{name} has shape {list(other_shape)}, the capture read {list(shape)}"
+        scale = max(squares, 1e-300) ** 0.5 * max(1.0, float(torch.tensor(shape).prod()) ** 0.5)
+        if abs(other_total - total) > 1e-6 * scale or abs(other_squares - squares) > 1e-6 * max(squares, 1e-300):
+            return f"{name} holds other values (Σw {other_total:.6g} where the capture read {total:.6g})"
+    return None

@@ -11,6 +11,7 @@ attention for the call (SDPA and flash kernels return no weights) and restored a
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 import warnings
@@ -309,6 +310,13 @@ def _position_table(model) -> int | None:
     return None
 
 
+def _forward_parameters(model) -> set[str]:
+    """The names ``model.forward`` takes as named parameters (not those its ``**kwargs`` would
+    swallow unread)."""
+    parameters = inspect.signature(model.forward).parameters.values()
+    return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
 def _check_inputs(model, inputs: dict, where: str) -> None:
     """Refuse, in the caller's name, inputs that the model would fail on with its own errors (an
     embedding's IndexError, a stack error) or run on to a wrong shape; and a model's output given
@@ -381,6 +389,13 @@ def _check_inputs(model, inputs: dict, where: str) -> None:
     mask = inputs.get("attention_mask")
     if isinstance(mask, Tensor):
         check_token_mask(mask, batch, tokens, mask.device, f"{where} (attention_mask, the stack's token_mask)")
+    unknown = sorted(set(inputs) - _forward_parameters(model))
+    if unknown:
+        raise TypeError(
+            f"{where}: got unexpected keyword argument(s) {unknown}: neither the capture's nor among "
+            f"{type(model).__name__}.forward's named parameters (its **kwargs would ignore them); the capture takes "
+            "check, query_key and the model's inputs (input_ids, attention_mask, position_ids, …)"
+        )
 
 
 def _described(t: Tensor) -> str:

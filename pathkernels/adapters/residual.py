@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor, nn
 
-from pathkernels.adapters.capture import ResidualStreamCapture
+from pathkernels.adapters.capture import ResidualStreamCapture, weights_fingerprint
 from pathkernels.adapters.huggingface import _attention_layers, _blocks, _prepared_inputs, _read_stack, _value_output
 from pathkernels.adapters.precision import norm_eps, rms_gain
 from pathkernels.adapters.query_key import QUERY_KEY_FAMILIES, QueryKeyCapture, query_key_capture, recording
@@ -487,6 +487,7 @@ def _attached(
                 else "the model's forward pass is not finite there"
             )
         )
+    capture.model_fingerprint = weights_fingerprint(model)
     stack.residual_capture = capture
     return stack, capture
 

@@ -49,7 +49,7 @@ from pathkernels.analysis.readout_trie import (
 from pathkernels.core._figures import bar_side_labels, check_save_path, new_figure, require, saved, titled, wrapped
 from pathkernels.core._progress import progress_bar
 from pathkernels.core._repr import short_repr
-from pathkernels.core.checks import check_flag, check_int
+from pathkernels.core.checks import check_flag, check_int, listed
 from pathkernels.core.paths import PathTree, check_tree_shape, count_attribution_paths
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
@@ -612,8 +612,10 @@ def read_out(stack, readout, positions, batch, max_length, where: str, split_emb
             )
     elif positions is None:
         positions = [int(real.nonzero().flatten()[-1])]
-    elif not isinstance(positions, (list, tuple)):
-        positions = [positions]
+    elif not isinstance(listed(positions), (list, tuple)):
+        positions = [listed(positions)]
+    else:
+        positions = listed(positions)
     if len(positions) == 0:
         raise ValueError(f"{where}: expected at least one position in positions, got an empty list")
     positions = [check_int(p, "positions", where) for p in positions]
@@ -798,7 +800,9 @@ def batch_attribution(
             of directions R.
         batch: the elements (default: every one).
         positions: each element's positions: None (each its last real token), one int or list for
-            every element, or a list of one per element; every element reads the same number P.
+            every element, or a list of one list per element (``[[21], [25], [24], [16]]``: one
+            position each); every element reads the same number P. A flat list with one int per
+            element (``[21, 25, 24, 16]`` for a batch of 4) is refused as ambiguous.
         max_length, tree, top_k, memory_budget, progress, split_embedding: as in
             :func:`path_attribution`; the budget is shared by the elements.
 
@@ -808,7 +812,7 @@ def batch_attribution(
         number of paths (its every path's attribution is kept where it fits the budget).
     """
     where = "pathkernels.batch_attribution"
-    elements = list(range(stack.batch_size)) if batch is None else batch
+    elements = list(range(stack.batch_size)) if batch is None else listed(batch)
     if not isinstance(elements, (list, tuple)) or not elements:
         raise ValueError(f"{where}: expected batch to be a non-empty list of batch elements, got {batch!r}")
     elements = [check_int(b, "batch", where, minimum=0, maximum=stack.batch_size - 1) for b in elements]
@@ -816,19 +820,7 @@ def batch_attribution(
     readouts = list(readout) if isinstance(readout, (list, tuple)) else [readout] * count
     if len(readouts) != count:
         raise ValueError(f"{where}: expected one readout, or a list of {count} (one per element), got {len(readouts)}")
-    if (
-        positions is None
-        or not isinstance(positions, (list, tuple))
-        or not any(isinstance(p, (list, tuple)) for p in positions)
-    ):
-        per_element = [positions] * count
-    else:
-        per_element = list(positions)
-    if len(per_element) != count:
-        raise ValueError(
-            f"{where}: expected positions for every element ({count} lists), or one position list for all; "
-            f"got {len(per_element)}"
-        )
+    per_element = _positions_per_element(positions, count, where)
     top_k = check_int(top_k, "top_k", where, minimum=0)
     memory_budget = check_int(memory_budget, "memory_budget", where, minimum=1)
     progress = check_flag(progress, "progress", where)
@@ -847,6 +839,32 @@ def batch_attribution(
     for result in (*results, mean):
         result.model_name = getattr(stack, "name", "")
     return BatchAttribution(results, mean)
+
+
+def _positions_per_element(positions, count: int, where: str) -> list:
+    """:func:`batch_attribution`'s ``positions`` as one entry per element (None: its last real
+    token). A flat list of ``count`` ints (``count`` > 1) is refused as ambiguous: it could mean
+    one position per element or every position in every element."""
+    positions = listed(positions)
+    if positions is None or not isinstance(positions, (list, tuple)):
+        return [positions] * count
+    positions = [listed(p) for p in positions]
+    nested = [isinstance(p, (list, tuple)) for p in positions]
+    if not any(nested):
+        if len(positions) == count and count > 1:
+            shown, more = list(positions)[:4], "…" if count > 4 else ""
+            raise ValueError(
+                f"{where}: positions={shown}{more} has one int per element of the batch of {count}, which could "
+                f"mean one position per element or each of them in every element: pass {[[p] for p in shown]}{more} "
+                f"(one list per element) for the first, [{shown}{more}] * {count} for the second"
+            )
+        return [list(positions)] * count
+    if not all(nested) or len(positions) != count:
+        raise ValueError(
+            f"{where}: expected positions as None, one int or list for every element, or a list of {count} lists "
+            f"(one per element); got {len(positions)} entries, {sum(nested)} of them lists"
+        )
+    return [list(p) for p in positions]
 
 
 def attribute_in_step(

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from pathkernels.adapters.ablation import final_norm, run_without_terms
+from pathkernels.adapters.capture import fingerprint_mismatch
 from pathkernels.adapters.precision import in_float64
 from pathkernels.adapters.self_check import check_tolerance
 from pathkernels.analysis.attribution import Readout
@@ -187,6 +188,7 @@ def causal_check(
     position: int | None = None,
     frozen: bool = False,
     batch: int = 0,
+    allow_masked: bool = False,
 ) -> CausalCheck:
     """Remove each path's term from the one input where it enters and measure the change (module
     docstring), all paths in one batched forward pass.
@@ -208,6 +210,8 @@ def causal_check(
             frozen prediction, exactly: a check of the hooks); score paths then report the score
             change alone.
         batch: the sequence.
+        allow_masked: also a key the mask forbids the query (refused by default: the model never
+            uses that score, and its attention there is 0 whatever the path).
 
     Returns:
         :class:`CausalCheck`.
@@ -224,6 +228,12 @@ def causal_check(
     capture = stack.residual_capture
     if capture is None:
         raise ValueError(f"{_WHERE}: expected a captured stack (pk.adapters.capture_huggingface_residual)")
+    mismatch = fingerprint_mismatch(model, capture.model_fingerprint)
+    if mismatch is not None:
+        raise ValueError(
+            f"{_WHERE}: expected model to be the model the stack was captured from; its weights are not the ones "
+            f"the capture read: {mismatch}"
+        )
     frozen_paths, names, chosen = _described(stack, paths, sources, batch)  # checked in this function's name
     choices = torch.stack([c for c, _ in chosen])
     terms = terms_of(frozen_paths, choices, torch.tensor([s for _, s in chosen]))  # [M, n_real, d]
@@ -242,7 +252,22 @@ def causal_check(
             )
         return _value_paths(model, stack, full, names, read, position, batch, real)
     return _score_paths(
-        model, stack, inputs, full, names, chosen, side, layer, head, query, key, read, position, frozen, batch
+        model,
+        stack,
+        inputs,
+        full,
+        names,
+        chosen,
+        side,
+        layer,
+        head,
+        query,
+        key,
+        read,
+        position,
+        frozen,
+        batch,
+        allow_masked,
     )
 
 
@@ -265,12 +290,27 @@ def _above(choices: Tensor, source: int, layer: int) -> bool:
 
 
 def _score_paths(
-    model, stack, inputs, terms, names, chosen, side, layer, head, query, key, read, position, frozen, batch
+    model,
+    stack,
+    inputs,
+    terms,
+    names,
+    chosen,
+    side,
+    layer,
+    head,
+    query,
+    key,
+    read,
+    position,
+    frozen,
+    batch,
+    allow_masked,
 ):
     if layer is None or head is None or key is None:
         raise ValueError(f"{_WHERE}: a score path needs layer, head and key (the head's input it is removed from)")
     checked = checked_head(stack, layer, head, batch, _WHERE)
-    query, keys = query_and_keys(checked, query, [key], _WHERE)
+    query, keys = query_and_keys(checked, query, key, _WHERE, allow_masked, "key")
     maps, capture = checked.maps, stack.residual_capture
     above = [name for name, (choices, source) in zip(names, chosen) if _above(choices, source, checked.layer)]
     if above:

@@ -283,6 +283,7 @@ def top_score_pairs(
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     batch_nodes: int = 256,
     progress: bool = False,
+    allow_masked: bool = False,
 ) -> TopScorePairs:
     """The exact ``k`` largest (or smallest) pairs (query path, key path) of head ``(layer, head)``'s
     score at (query, key), by a best-first search over both sides' tries with a certificate
@@ -299,6 +300,7 @@ def top_score_pairs(
         memory_budget: bytes for both frontiers and the visited vectors; reaching it also stops.
         batch_nodes: nodes expanded per step.
         progress: report the paths visited, the bound and the k-th value.
+        allow_masked: also a key the mask forbids the query (refused by default).
 
     Returns:
         :class:`TopScorePairs`; the tests hold it to the full list of :func:`pathkernels.score_pairs`.
@@ -310,7 +312,7 @@ def top_score_pairs(
     )
     k, largest, time_limit, memory_budget = options.k, options.largest, options.time_limit, options.memory_budget
     checked = checked_head(stack, layer, head, batch, _WHERE)
-    query, keys = query_and_keys(checked, query, [key], _WHERE)
+    query, keys = query_and_keys(checked, query, key, _WHERE, allow_masked, "key")
     key = int(keys[0])
     model = checked.model
     node_bounds, with_head = head_sequence_bounds(model, bound)

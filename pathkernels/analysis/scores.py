@@ -38,7 +38,7 @@ from pathkernels.analysis.real_paths import _every_term, _heads, _skip
 from pathkernels.analysis.top_paths import SearchOptions, TopPaths, search_top_paths
 from pathkernels.core._figures import check_save_path, heatmap, new_figure, require, saved, titled, wrapped
 from pathkernels.core._memory import format_bytes
-from pathkernels.core.checks import check_flag, check_int
+from pathkernels.core.checks import check_flag, check_int, listed
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 if TYPE_CHECKING:
@@ -156,18 +156,30 @@ def _position(value, name: str, head: CheckedHead, where: str) -> int:
     return int(index[0])
 
 
-def query_and_keys(head: CheckedHead, query, keys, where: str) -> tuple[int, Tensor]:
+def query_and_keys(
+    head: CheckedHead, query, keys, where: str, allow_masked: bool = False, name: str = "keys"
+) -> tuple[int, Tensor]:
     """``(query index, key indices [K])`` among the real tokens: the last real token and every key
-    it may attend by default."""
+    it may attend by default. A key the mask forbids the query (a later token under causal
+    attention) is refused unless ``allow_masked``: the model never uses its score."""
     query = head.positions.numel() - 1 if query is None else _position(query, "query", head, where)
     allowed = head.maps.allowed[head.batch, head.layer, head.positions[query], head.positions]  # [n]
     if keys is None:
         return query, allowed.nonzero().flatten()
-    keys = [keys] if not isinstance(keys, (list, tuple, Tensor)) else keys
-    keys = keys.tolist() if isinstance(keys, Tensor) else list(keys)
+    keys = listed(keys)
+    keys = list(keys) if isinstance(keys, (list, tuple)) else [keys]
     if not keys:
-        raise ValueError(f"{where}: expected keys to hold at least one position, got {keys!r}")
-    return query, torch.tensor([_position(k, "keys", head, where) for k in keys], device=head.positions.device)
+        raise ValueError(f"{where}: expected {name} to hold at least one position, got {keys!r}")
+    indices = [_position(k, name, head, where) for k in keys]
+    if not check_flag(allow_masked, "allow_masked", where):
+        forbidden = [k for k, i in zip(keys, indices) if not bool(allowed[i])]
+        if forbidden:
+            raise ValueError(
+                f"{where}: the mask forbids query {int(head.positions[query])} to attend {name} {forbidden} (a later "
+                "token under causal attention), so the model never uses that score; pass allow_masked=True to "
+                "decompose it anyway"
+            )
+    return query, torch.tensor(indices, device=head.positions.device)
 
 
 def _stream_groups(model: FrozenModel) -> tuple[list[tuple[int, int]], Tensor]:
@@ -338,6 +350,7 @@ def score_decomposition(
     query: int | None = None,
     keys=None,
     batch: int = 0,
+    allow_masked: bool = False,
 ) -> ScoreDecomposition:
     """Head ``(layer, head)``'s pre-softmax scores at one query, split exactly by pairs of path
     groups (source, number of heads) on the query and the key side (module docstring).
@@ -349,12 +362,14 @@ def score_decomposition(
         query: the query token's position (default: the last real token).
         keys: a key position or positions (default: every key the query may attend).
         batch: the sequence.
+        allow_masked: also decompose keys the mask forbids the query (refused by default: the
+            model never uses their scores).
 
     Returns:
         :class:`ScoreDecomposition`; its ``table [G, G, K]`` sums to the scores, which the tests
         hold to the model's own to 1e-12 relative (float64).
     """
-    return _decompositions(stack, layer, [head], query, keys, batch, _WHERE)[0]
+    return _decompositions(stack, layer, [head], query, keys, batch, _WHERE, allow_masked)[0]
 
 
 def score_decompositions(
@@ -365,14 +380,17 @@ def score_decompositions(
     query: int | None = None,
     keys=None,
     batch: int = 0,
+    allow_masked: bool = False,
 ) -> list[ScoreDecomposition]:
     """:func:`score_decomposition` of several heads of one layer (``heads``: a list of head indices;
     default every head), the stream's groups computed once for all of them (at GPT-2-small's shape,
     every head of the top layer at one query and every key takes about as long as one head)."""
-    return _decompositions(stack, layer, heads, query, keys, batch, "pathkernels.score_decompositions")
+    return _decompositions(stack, layer, heads, query, keys, batch, "pathkernels.score_decompositions", allow_masked)
 
 
-def _decompositions(stack, layer, heads, query, keys, batch, where: str) -> list[ScoreDecomposition]:
+def _decompositions(
+    stack, layer, heads, query, keys, batch, where: str, allow_masked: bool = False
+) -> list[ScoreDecomposition]:
     heads = list(range(stack.num_heads)) if heads is None and hasattr(stack, "num_heads") else heads
     if isinstance(heads, (int, Tensor)) or not hasattr(heads, "__iter__"):
         heads = [heads]
@@ -383,7 +401,7 @@ def _decompositions(stack, layer, heads, query, keys, batch, where: str) -> list
         replace(first, head=check_int(head, "head", where, minimum=0, maximum=stack.num_heads - 1))
         for head in heads[1:]
     ]
-    query, keys = query_and_keys(first, query, keys, where)
+    query, keys = query_and_keys(first, query, keys, where, allow_masked)
     groups, parts = _stream_groups(first.model)
     labels = (*(_group_label(first.model.source_names, g) for g in groups), CONSTANT)
     rows = torch.tensor([query], device=parts.device)
@@ -504,6 +522,7 @@ def score_pairs(
     batch: int = 0,
     top_k: int = 20,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    allow_masked: bool = False,
 ) -> ScorePairs:
     """Every pair (query path, key path)'s term of head ``(layer, head)``'s score at one query and
     key, by listing every path of the stream below the layer (module docstring), and the ``top_k``
@@ -522,7 +541,7 @@ def score_pairs(
     checked = checked_head(stack, layer, head, batch, where)
     top_k = check_int(top_k, "top_k", where, minimum=0)
     memory_budget = check_int(memory_budget, "memory_budget", where, minimum=1)
-    query, keys = query_and_keys(checked, query, [key], where)
+    query, keys = query_and_keys(checked, query, key, where, allow_masked, "key")
     model = checked.model
     heads = model.num_heads
     attention_below = [sum(1 for s in model.sublayers[j:] if s.attn is not None) for j in range(len(model.sources))]
@@ -596,6 +615,7 @@ def score_attribution(
     top_k: int = 20,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     progress: bool = False,
+    allow_masked: bool = False,
 ) -> PathAttribution:
     """Every path's exact share of head ``(layer, head)``'s score at (query, key), one side at a time.
 
@@ -613,6 +633,7 @@ def score_attribution(
         max_length: only paths through at most this many heads (clamped to the layers below);
             what the longer ones carry is ``unenumerated``, exactly.
         top_k, memory_budget, progress: as in :func:`pathkernels.path_attribution`.
+        allow_masked: also a key the mask forbids the query (refused by default).
 
     Returns:
         :class:`~pathkernels.PathAttribution` over the paths below the layer (their ``paths`` have one
@@ -621,7 +642,7 @@ def score_attribution(
         :func:`score_pairs`' table.
     """
     where = "pathkernels.score_attribution"
-    setup = _one_side(stack, layer, head, query, key, side, batch, max_length, where)
+    setup = _one_side(stack, layer, head, query, key, side, batch, max_length, where, allow_masked)
     top_k = check_int(top_k, "top_k", where, minimum=0)
     memory_budget = check_int(memory_budget, "memory_budget", where, minimum=1)
     return attribute(setup, top_k, memory_budget, check_flag(progress, "progress", where))
@@ -644,6 +665,7 @@ def score_top_paths(
     batch_nodes: int = 4096,
     bound: str = "node",
     progress: bool = False,
+    allow_masked: bool = False,
 ) -> TopPaths:
     """The exact ``k`` largest (or smallest) paths of one side of head ``(layer, head)``'s score at
     (query, key), the other side held at the model's own vector: :func:`score_attribution`'s readout
@@ -657,16 +679,19 @@ def score_top_paths(
     options = SearchOptions.checked(
         where, k, largest, time_limit, memory_budget, batch_nodes, False, bound, progress, time.monotonic()
     )
-    return search_top_paths(_one_side(stack, layer, head, query, key, side, batch, max_length, where), options)
+    setup = _one_side(stack, layer, head, query, key, side, batch, max_length, where, allow_masked)
+    return search_top_paths(setup, options)
 
 
-def _one_side(stack, layer, head, query, key, side, batch, max_length, where: str) -> CheckedReadout:
+def _one_side(
+    stack, layer, head, query, key, side, batch, max_length, where: str, allow_masked: bool = False
+) -> CheckedReadout:
     """One side of a head's score at (query, key) as a readout of the stream below its layer, the
     other side fixed to the model's own vector (:func:`score_attribution`)."""
     if side not in SIDES:
         raise ValueError(f"{where}: expected side to be 'query' or 'key', got {side!r}")
     checked = checked_head(stack, layer, head, batch, where)
-    query, keys = query_and_keys(checked, query, [key], where)
+    query, keys = query_and_keys(checked, query, key, where, allow_masked, "key")
     key = int(keys[0])
     read, other = (query, key) if side == "query" else (key, query)
     maps, device = checked.maps, checked.positions.device

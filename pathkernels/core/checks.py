@@ -84,6 +84,17 @@ def named_errors(where: str, *inner: str):
         raise
 
 
+def listed(value):
+    """``value`` with a numpy array or a tensor turned into (nested) Python lists, a 0-d one into its
+    number, so that every argument that takes ints and lists takes numpy's and torch's too; other
+    values unchanged."""
+    if isinstance(value, (np.ndarray, Tensor)):
+        return value.tolist()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
 def check_flag(value, name: str, where: str) -> bool:
     """``value`` as a bool: True/False (numpy's too), nothing else (a string such as "no" is truthy)."""
     if not isinstance(value, (bool, np.bool_)):

@@ -1,0 +1,142 @@
+"""Misuse that looked right and gave a silently wrong number is now refused by
+name or made right: each test fails with its fix undone. Every case is checked against what the
+user meant, computed by calls that were already right (separate calls per element, the model's
+own forward)."""
+
+import numpy as np
+import pytest
+import torch
+
+import pathkernels as pk
+from pathkernels.adapters.residual import capture_huggingface_residual
+
+transformers = pytest.importorskip("transformers")
+
+from test_real_models import gpt2  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def batch_of_four():
+    model = gpt2().double().eval()
+    ids = torch.randint(0, 50, (4, 12))
+    stack, _ = capture_huggingface_residual(model, input_ids=ids)
+    return model, stack
+
+
+def test_a_flat_list_of_one_position_per_element_is_refused_as_ambiguous(batch_of_four):
+    """``positions=[9, 11, 10, 6]`` on a batch of 4 read all four positions in every element (a
+    result of 4 blocks, none the intended mean); now refused, naming both unambiguous forms."""
+    model, stack = batch_of_four
+    readout = pk.logit_diff(model, 3, 7)
+    with pytest.raises(ValueError, match=r"batch_attribution: positions=\[9, 11, 10, 6\] has one int per element"):
+        pk.batch_attribution(stack, readout, positions=[9, 11, 10, 6])
+    with pytest.raises(ValueError, match=r"one int per element .* \[\[9\], \[11\], \[10\], \[6\]\]"):
+        pk.batch_attribution(stack, readout, positions=np.array([9, 11, 10, 6]))
+
+
+@pytest.mark.parametrize("form", ["lists", "numpy", "tensor"])
+def test_one_position_per_element_is_the_mean_of_separate_calls(batch_of_four, form):
+    model, stack = batch_of_four
+    readout = pk.logit_diff(model, 3, 7)
+    chosen = [9, 11, 10, 6]
+    positions = {
+        "lists": [[p] for p in chosen],
+        "numpy": np.array(chosen)[:, None],
+        "tensor": torch.tensor(chosen)[:, None],
+    }[form]
+    result = pk.batch_attribution(stack, readout, positions=positions, batch=np.arange(4))
+    separate = [pk.path_attribution(stack, readout, batch=b, positions=p).value for b, p in enumerate(chosen)]
+    torch.testing.assert_close(result.mean.value, torch.stack(separate).mean(0), rtol=1e-12, atol=1e-12)
+
+
+def test_the_same_positions_in_every_element_are_still_read(batch_of_four):
+    """A flat list whose length is not the batch's stays the positions of every element."""
+    model, stack = batch_of_four
+    readout = pk.logit_diff(model, 3, 7)
+    result = pk.batch_attribution(stack, readout, positions=[5, 8, 11])
+    for b in range(4):
+        alone = pk.path_attribution(stack, readout, batch=b, positions=[5, 8, 11]).value
+        torch.testing.assert_close(result.elements[b].value, alone, rtol=1e-12, atol=1e-12)
+
+
+@pytest.fixture(scope="module")
+def scored():
+    model = gpt2().double().eval()
+    ids = torch.randint(0, 50, (1, 12))
+    stack, _ = capture_huggingface_residual(model, input_ids=ids, query_key=True)
+    return model, ids, stack
+
+
+@pytest.mark.parametrize("key", [9, -1])
+@pytest.mark.parametrize(
+    "function", ["score_pairs", "score_attribution", "score_top_paths", "top_score_pairs", "score_decomposition"]
+)
+def test_a_key_the_mask_forbids_is_refused_unless_asked_for(scored, function, key):
+    """A key after the query (``key=-1`` included: the last token, after query 5) got a score the
+    model never uses; now refused in every score function, and decomposed with allow_masked=True
+    (the sum still the model's q·k there)."""
+    _, _, stack = scored
+    call = getattr(pk, function)
+    named = {"keys": key} if function == "score_decomposition" else {"key": key}
+    forbidden = rf"pathkernels\.{function}: the mask forbids query 5 to attend keys? \[{key}\] \(a later token"
+    with pytest.raises(ValueError, match=forbidden):
+        call(stack, 1, 0, query=5, **named)
+    result = call(stack, 1, 0, query=5, allow_masked=True, **named)
+    assert result is not None
+
+
+def test_an_allowed_key_is_decomposed_as_before(scored):
+    _, _, stack = scored
+    pairs = pk.score_pairs(stack, 1, 0, query=9, key=5)
+    assert pairs.score == pytest.approx(pairs.model_score, rel=1e-10)
+
+
+def test_the_causal_check_refuses_a_forbidden_key(scored):
+    model, ids, stack = scored
+    with pytest.raises(ValueError, match=r"pathkernels\.causal_check: the mask forbids query 5 to attend key \[9\]"):
+        pk.causal_check(
+            model, stack, {"input_ids": ids}, [[-1, -1, -1]], ["embedding"], side="key", layer=1, head=0, query=5, key=9
+        )
+
+
+@pytest.mark.parametrize("capture", [capture_huggingface_residual, pk.adapters.from_huggingface])
+def test_a_keyword_neither_the_capture_nor_the_model_takes_is_refused(capture):
+    """``split_embedding=True`` handed to a capture went to the model's forward, whose **kwargs
+    ignored it: no split, no error. Now refused by name; the model's own inputs still pass."""
+    model = gpt2().double().eval()
+    ids = torch.randint(0, 50, (1, 6))
+    with pytest.raises(TypeError, match=r"got unexpected keyword argument\(s\) \['split_embedding'\]"):
+        capture(model, input_ids=ids, split_embedding=True)
+    capture(model, input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(6)[None])
+
+
+def test_positions_taken_from_a_left_padded_mask_are_announced():
+    """A left-padded GPT-2 batch without position_ids: the capture counts positions from each row's
+    first real token, so its value differs from model(ids, mask); it says so at run time."""
+    model = gpt2().double().eval()
+    ids = torch.randint(0, 50, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with pytest.warns(UserWarning, match=r"left-padded row\(s\) 1 get positions counted from their first real token"):
+        capture_huggingface_residual(model, input_ids=ids, attention_mask=mask)
+
+
+@pytest.mark.parametrize("side", ["readout", "key"])
+def test_the_causal_check_refuses_a_model_other_than_the_stacks(scored, side):
+    """The readout side ran with another model's final norm (123 % off); now every side refuses a
+    model whose weights are not the capture's, naming the first parameter that differs. The same
+    weights in another dtype are the same model."""
+    model, ids, stack = scored
+    other = gpt2().double().eval()
+    request = dict(side=side, readout=pk.logit_diff(model, 3, 7), position=9, layer=1, head=0, query=9, key=5)
+    with pytest.raises(ValueError, match=r"causal_check: expected model to be the model the stack was captured from"):
+        pk.causal_check(other, stack, {"input_ids": ids}, [[-1, -1, -1]], ["embedding"], **request)
+    changed = gpt2().double().eval()
+    changed.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        changed.transformer.ln_f.bias[0] += 0.5
+    with pytest.raises(ValueError, match=r"transformer\.ln_f\.bias holds other values"):
+        pk.causal_check(changed, stack, {"input_ids": ids}, [[-1, -1, -1]], ["embedding"], **request)
+    same = gpt2().float().eval()
+    same.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    assert pk.adapters.capture.fingerprint_mismatch(same, stack.residual_capture.model_fingerprint) is None
