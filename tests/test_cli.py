@@ -729,3 +729,159 @@ def test_sources_that_are_exactly_zero_are_named_apart_from_the_by_source_table(
     argv = ["attribute", "--model", "pathkernels/fixtures/gpt2_4l", "--example", "--max-length", "1"]
     code, out, _ = run(argv, capsys)
     assert "Attribution by source\n" in out and "L3 attention bias" in out.split("Attribution by source")[1]
+
+
+# --- fixtures by name, refusals before the model loads, tables that list every row once -------------
+
+
+def test_a_fixtures_name_reads_the_fixture_from_any_folder(tmp_path, monkeypatch, capsys):
+    """``--model attn_only_2l`` away from the checkout reads the fixture (its example and the
+    README's result); a folder of that name where the command runs is read instead; a name that is
+    neither is refused, listing the fixtures."""
+    from pathkernels.fixtures import FIXTURES
+
+    assert sizes.fixture_names() == sorted(FIXTURES)  # found from the listing, without importing torch
+    monkeypatch.chdir(tmp_path)
+    code, out, errors = run(["scores", "--model", "attn_only_2l", "--example", "--layer", "1", "--query", "20"], capsys)
+    assert code == 0, errors
+    assert out.startswith("Attention scores of attn_only_2l, pretrained weights") and re.search(r"key 5\b", out)
+    assert sizes.model_folder("gpt2_4l") == sizes.FIXTURE_ROOT / "gpt2_4l"
+    tiny_gpt2(tmp_path / "gpt2_4l")  # a folder of a fixture's name, here: read as the path it is
+    assert sizes.model_folder("gpt2_4l").resolve() == (tmp_path / "gpt2_4l").resolve()
+    assert sizes.model_shape("gpt2_4l")["width"] == 16
+    code, _, errors = run(["attribute", "--model", "gpt2_5l"], capsys)
+    assert code == 2 and errors == [
+        "pathkernels attribute: --model gpt2_5l: no such file or directory (models are never downloaded); expected "
+        "a model folder, a config file or the name of one of pathkernels' fixtures (attn_only_2l, gpt2_4l, llama_2l)"
+    ]
+
+
+def _early_refusals(tmp_path) -> list[tuple[list[str], str]]:
+    """What the options and a model's config show to be wrong, each with its error line."""
+    prompted = tmp_path / "prompted"  # learned positions and a tokenizer: a prompt's length is not known yet
+    prompted.mkdir()
+    config = {"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 16, "vocab_size": 30, "n_positions": 20}
+    (prompted / "config.json").write_text(json.dumps(config))
+    (prompted / "tokenizer.json").write_text("{}")
+    fifty = ",".join(str(i) for i in range(1, 51))
+    return [
+        (
+            ["scores", "--model", "attn_only_2l", "--example", "--query", "5", "--key", "20"],
+            "--key: expected a key that token 5 may attend (0…5), got 20 (the attention is causal)",
+        ),
+        (
+            ["scores", "--model", "gpt2_4l", "--query", "-13", "--versus", "-2"],
+            "--versus: expected a key that token 3 may attend (0…3), got 14 (the attention is causal)",
+        ),
+        (
+            ["scores", "--model", "llama_2l", "--tokens", "10", "--key", "10"],
+            "--key: expected a token position in [-10, 10), got 10 (the input has 10 tokens)",
+        ),
+        (
+            ["scores", "--model", "gpt2_4l", "--key", "3", "--versus", "-13"],
+            "--versus: expected a key other than --key (3)",
+        ),
+        (
+            ["scores", "--model", str(prompted), "--text", "a prompt", "--query", "25"],
+            f"--query: expected a token position in [-20, 20), got 25 (the model {prompted} embeds positions for at "
+            "most 20 tokens)",
+        ),
+        (
+            ["scores", "--model", str(prompted), "--query", "3", "--key", "5"],
+            "--key: expected a key at or before 3, got 5 (the attention is causal)",
+        ),
+        (
+            ["attribute", "--model", "attn_only_2l", "--example", "--position", "40"],
+            "--position: expected a token position in [-33, 33), got 40 (the input has 33 tokens)",
+        ),
+        (
+            ["attribute", "--model", "llama_2l", "--ids", "1,2,3", "--position", "-4"],
+            "--position: expected a token position in [-3, 3), got -4 (the input has 3 tokens)",
+        ),
+        (["attribute", "--model", "llama_2l", "--target", "64"], "--target: expected a token id in [0, 64), got 64"),
+        (
+            ["attribute", "--model", "llama_2l", "--versus", "the"],
+            "--versus: expected a token id (an integer), got 'the' (llama_2l has no tokenizer to read token text)",
+        ),
+        (
+            ["attribute", "--model", "attn_only_2l", "--target", "3", "--versus", "3"],
+            "--versus: expected a token other than --target (3)",
+        ),
+        (
+            ["attribute", "--model", "gpt2_4l", "--max-length", "5"],
+            "--max-length: expected at most the model's 4 layers, got 5",
+        ),
+        (
+            ["collapse", "--model", "attn_only_2l", "--ids", fifty],
+            "--ids: 50 token ids; expected at most 48, the positions the model attn_only_2l embeds",
+        ),
+        (["attribute", "--max-length", "5"], "--max-length: expected at most the model's 4 layers, got 5"),
+    ]
+
+
+def test_what_the_config_shows_to_be_wrong_is_refused_before_the_model_loads(tmp_path):
+    """Positions beyond the input (or, for a prompt, beyond the positions the model embeds), a key
+    after its query under causal attention, token ids beyond the vocabulary, a --max-length beyond
+    the layers: each refused by the whole program, from any folder, with exit code 2 and one line
+    naming the option, before torch is imported (so before any model is read; they took 8–9 s
+    after loading it)."""
+    for argv, message in _early_refusals(tmp_path):
+        script = (
+            "import sys; from pathkernels.app.cli import main; code = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(code)"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=60, cwd=tmp_path
+        )
+        assert done.returncode == 2, (argv, done.stderr)
+        assert done.stderr == f"pathkernels {argv[0]}: {message}\n", argv
+
+
+def test_the_early_checks_let_through_what_the_model_accepts(capsys):
+    """The checks before the model loads refuse nothing the model takes: the last key a query may
+    attend, negative positions, the versus key before the key (the built-in network and a fixture)."""
+    argv = ["scores", "--layers", "2", "--heads", "2", "--width", "16", "--tokens", "6", "--top", "2"]
+    for options in (["--query", "3", "--key", "3", "--versus", "0"], ["--query", "-1", "--key", "-6"]):
+        code, out, errors = run([*argv, *options], capsys)
+        assert code == 0, (options, errors)
+    code, out, errors = run(
+        ["attribute", "--model", "gpt2_4l", "--position", "-16", "--target", "63", "--top", "1"], capsys
+    )
+    assert code == 0 and "readout: logit[63] − logit[" in out and "at token 0 =" in out, errors
+
+
+def test_a_layer_0_head_lists_its_pairs_once_in_one_table(capsys):
+    """Layer 0 has one path per side (the embedding) and each side's constant: 4 pairs, listed once
+    (not as a largest and a smallest table of the same pairs), "1 path", and the 4 groups as all of
+    them. Where the pairs outnumber twice --top, the two tables."""
+    argv = ["scores", "--model", "attn_only_2l", "--example", "--layer", "0", "--head", "1"]
+    code, out, errors = run([*argv, "--top", "5"], capsys)
+    assert code == 0, errors
+    lines = out.splitlines()
+    headings = [lines[i - 1] for i, line in enumerate(lines) if line and set(line) == {"="}]
+    key = re.search(r"The score at key (\d+),", out).group(1)
+    assert headings[1:] == [
+        f"The score at key {key}, by (query group, key group): all 4, largest in size first",
+        f"All 4 pairs (query path · key path) of the score at key {key}, largest first",
+    ]
+    assert "every pair of the 1 path per side below layer 0, listed (with each side's constant: 4 pairs)" in out
+    assert "1 paths" not in out
+    table = out.split(headings[-1])[1].strip().splitlines()[2:]
+    assert [int(row.split()[0]) for row in table] == [1, 2, 3, 4]
+    values = [float(row.split()[-2]) for row in table]
+    assert values == sorted(values, reverse=True)
+    code, out, errors = run([*argv, "--top", "1"], capsys)
+    assert code == 0 and "The 1 largest pairs" in out and "The 1 smallest pairs" in out, errors
+
+
+def test_attribute_lists_few_paths_once_in_one_table(capsys):
+    """Where the enumerated paths are at most twice --top, one table lists them all, largest first."""
+    argv = ["attribute", "--model", "llama_2l", "--ids", "1,2", "--max-length", "0"]
+    code, out, errors = run([*argv, "--top", "3"], capsys)
+    assert code == 0, errors
+    assert "smallest" not in out and "The 3 largest" not in out
+    table = out.split("The attributions of the 5 enumerated paths, largest first\n")[1].strip().splitlines()[2:]
+    assert [int(row.split()[0]) for row in table] == [1, 2, 3, 4, 5]
+    code, out, errors = run([*argv, "--top", "2"], capsys)
+    assert "The 2 largest attributions among the 5 enumerated paths" in out
+    assert "The 2 smallest attributions among the 5 enumerated paths" in out

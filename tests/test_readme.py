@@ -1,6 +1,7 @@
 """The documentation's Python blocks run as written: pasted line by line into an interactive
 interpreter, as a reader would, the README's on their own and docs/USAGE.md's in order."""
 
+import math
 import os
 import re
 import subprocess
@@ -103,3 +104,76 @@ def paste(blocks: list[str], tmp_path) -> str:
     )
     assert run.returncode == 0, f"a documentation block failed, pasted into the REPL:\n{run.stderr[-4000:]}"
     return run.stdout
+
+
+def demo_excerpt() -> list[str]:
+    """docs/USAGE.md's excerpt of the demo's output: section 2's table, a blank line, section 5's."""
+    text = USAGE.read_text()
+    return re.search(r"^```\n(Median residual ratio .*?)^```", text, flags=re.S | re.M).group(1).splitlines()
+
+
+ROUND_OFF = 1e-12  # the collapse table's values below this are float64's round-off: machine-dependent
+
+
+def test_usage_shows_the_demos_collapse_table_to_every_printed_digit(monkeypatch, capsys):
+    """Section 2 of the demo run again as ``pathkernels demo`` runs it (its networks and inputs from
+    fixed seeds): every line docs/USAGE.md shows of it, as printed, but for values at float64's
+    round-off, which stay below 1e-12 (docs/USAGE.md says so)."""
+    pytest.importorskip("pandas")
+    import argparse
+
+    from pathkernels.app.cli import demo
+
+    class SectionTwoDone(Exception):
+        pass
+
+    section_two = demo.collapse_table
+
+    def collapse_then_stop(**options):
+        section_two(**options)
+        raise SectionTwoDone
+
+    monkeypatch.setattr(demo, "collapse_table", collapse_then_stop)
+    with pytest.raises(SectionTwoDone):
+        demo.run_demo(argparse.Namespace(quick=False, device="cpu", out=None))
+    printed = capsys.readouterr().out
+    printed = [line.rstrip() for line in printed[printed.index("Median residual ratio") :].splitlines()]
+    excerpt = demo_excerpt()
+    shown = excerpt[: excerpt.index("")]
+    assert len(shown) == 16 and len(printed) >= len(shown), printed  # the heading, two header lines, depths 0-12
+    for shown_line, printed_line in zip(shown, printed):
+        if shown_line == printed_line:
+            continue
+        assert len(shown_line.split()) == len(printed_line.split()), (shown_line, printed_line)
+        for a, b in zip(shown_line.split(), printed_line.split()):
+            assert a == b or max(abs(float(a)), abs(float(b))) < ROUND_OFF, (shown_line, printed_line)
+
+
+def test_usage_gives_the_sorting_models_numbers_within_the_spread_it_states():
+    """Section 5's numbers, which a training run on another machine may change, lie within the
+    spread docs/USAGE.md states for them (and the prose's percentage is the table's); its path counts
+    are exact: C(3, k) 4^k summed, the paths of a 3-layer, 4-head network of length ≤ k."""
+    excerpt = demo_excerpt()
+    section = excerpt[excerpt.index("") + 1 :]
+    assert re.fullmatch(
+        r"trained in \d+ s \(final loss \d\.\d{4}\); exact truncations by pk\.length_sums; k = L is the model itself",
+        section[0],
+    ), section[0]
+    assert section[1].split() == ["max_length", "token_accuracy", "sequence_accuracy", "path_count"]
+    rows = [[float(value) for value in line.split()] for line in section[2:]]
+    assert [row[0] for row in rows] == [0, 1, 2, 3]
+    assert [row[3] for row in rows] == [sum(math.comb(3, j) * 4**j for j in range(k + 1)) for k in range(4)]
+    text = " ".join(USAGE.read_text().split())
+    spread = re.search(
+        r"seen on that VM: (\S+)–(\S+) at k = 0, (\S+)–(\S+) at k = 1, (\S+)–(\S+) for whole sequences at k = 1", text
+    )
+    low0, high0, low1, high1, low_sequence, high_sequence = spread.groups()
+    for value, low, high in (
+        (rows[0][1], low0, high0),
+        (rows[1][1], low1, high1),
+        (rows[1][2], low_sequence, high_sequence),
+    ):
+        digits = len(low.split(".")[1])
+        assert float(low) <= round(value, digits) <= float(high), (value, low, high)
+    share = re.search(r"the 13 paths of length ≤ 1 already give (\S+) % token accuracy", text).group(1)
+    assert float(share) == round(100 * rows[1][1], 1)

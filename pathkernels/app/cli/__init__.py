@@ -9,15 +9,19 @@
 
 ``--model`` takes a local Hugging Face model directory (its weights are loaded, nothing is
 downloaded; a directory without weights, or its ``config.json``, gives a model at initialisation
-from the config, with the directory's tokenizer either way), or a config file of another name
-(random weights, no tokenizer). Without it the commands use :mod:`pathkernels.app.models`.
+from the config, with the directory's tokenizer either way), a config file of another name
+(random weights, no tokenizer), or from any folder the name of one of pathkernels' fixtures
+(``attn_only_2l``: :mod:`pathkernels.fixtures`). Without it the commands use
+:mod:`pathkernels.app.models`.
 
 Every error is one line on stderr, ``pathkernels COMMAND: message``: exit code 2 for a bad option
 or input (refused before any work where it can be), 1 for an unexpected failure while running;
 ``--debug`` shows the traceback instead. Before any work, ``--out`` is checked for writability, and
 the memory the command needs (its network or model, the attention maps, the paths) is estimated
 from the options alone and checked against what the machine has (:mod:`.sizes`, before torch is
-imported, so that oversized work is refused at once). Progress shows as bars on a terminal, and as
+imported, so that oversized work is refused at once); so are the token positions, layers, heads and
+token ids the options name, against a ``--model``'s config and the input's length where the options
+give it. Progress shows as bars on a terminal, and as
 a plain line about every 10 s elsewhere (a log).
 
 This module is the parser and ``main``: it imports neither torch nor the library, so that
@@ -46,6 +50,7 @@ from pathkernels.app.cli.base import (
     check_writable,
     error_line,
 )
+from pathkernels.app.cli.sizes import fixture_names
 
 DEFAULT_OUT = "demo_output"
 
@@ -162,15 +167,7 @@ def _check_paths(args) -> None:
     without ``config.json``, a config that is not JSON or names no ``model_type``, ``--example`` for
     a folder that is not one of the fixtures, ``--ids`` beyond the config's vocabulary, ``--text``
     for a folder without a tokenizer, and a text or ``.npy`` direction whose length is not the
-    config's hidden size."""
-    missing = {"model": "no such file or directory (models are never downloaded)", "direction": "no such file"}
-    for name, reason in missing.items():
-        path = getattr(args, name, None)
-        if path and not Path(path).exists():
-            raise CommandLineError(f"--{name} {path}: {reason}")
-    model = getattr(args, "model", None)
-    if not model:
-        return
+    config's hidden size. A fixture's name stands for its folder (:func:`.sizes.model_folder`)."""
     from pathkernels.app.cli.sizes import (
         check_ids,
         direction_length,
@@ -180,7 +177,17 @@ def _check_paths(args) -> None:
         model_shape,
     )
 
-    folder = model_folder(model)
+    model, direction = getattr(args, "model", None), getattr(args, "direction", None)
+    folder = model_folder(model) if model else None  # a fixture's name too, from any folder
+    if folder is not None and not folder.exists():
+        raise CommandLineError(
+            f"--model {model}: no such file or directory (models are never downloaded); expected a model folder, "
+            f"a config file or the name of one of pathkernels' fixtures ({', '.join(fixture_names())})"
+        )
+    if direction and not Path(direction).exists():
+        raise CommandLineError(f"--direction {direction}: no such file")
+    if not model:
+        return
     config_file = folder / "config.json" if folder.is_dir() else folder
     if not config_file.is_file():
         raise CommandLineError(
@@ -203,7 +210,6 @@ def _check_paths(args) -> None:
     check_ids(getattr(args, "ids", None), config.get("vocab_size"))
     if getattr(args, "text", None) is not None and not has_tokenizer(folder):
         raise CommandLineError(f"--text needs a tokenizer, and {folder} has none; pass --tokens N for random token ids")
-    direction = getattr(args, "direction", None)
     shape = model_shape(model) if direction is not None else None
     if shape is not None:
         length = direction_length(Path(direction))
@@ -243,12 +249,7 @@ def _check_options(args, parser: argparse.ArgumentParser) -> None:
             )
     _check_paths(args)
     if getattr(args, "model", None):
-        if args.command == "scores":  # the model's shape from its config, before its weights are read
-            from pathkernels.app.cli.sizes import model_shape
-
-            shape = model_shape(args.model)
-            if shape is not None:
-                _check_head_and_tokens(args, shape["layers"], shape["heads"], args.tokens)
+        _check_model_inputs(args)  # from its config and folder, before its weights are read
         return
     if getattr(args, "text", None) is not None:
         parser.error("--text needs --model (a model directory with a tokenizer)")
@@ -269,39 +270,131 @@ def _check_options(args, parser: argparse.ArgumentParser) -> None:
         )
     if args.command == "scores":  # the built-in network: its layers, heads and tokens are known now
         _check_head_and_tokens(args, args.layers, args.heads, args.tokens)
-    if args.command == "attribute":  # the built-in network: its tokens and vocabulary are known now
-        if args.position is not None and not -args.tokens <= args.position < args.tokens:
+    if args.command == "attribute":  # the built-in network: its tokens, layers and vocabulary are known now
+        no_text = "token text needs a --model with a tokenizer"
+        _check_attribute(args, args.layers, args.tokens, None, BUILT_IN_VOCAB, no_text)
+
+
+# Families the adapters read whose attention is not causal: a key may follow its query.
+_BIDIRECTIONAL = {"vit", "bert", "roberta"}
+
+
+def _check_model_inputs(args) -> None:
+    """What a ``--model``'s config and folder show to be wrong in the options, before its weights are
+    read (CommandLineError): ``--ids`` longer than the positions it embeds; for ``scores`` the layer,
+    the head and the token positions (a key after the query of a causal model among them), for
+    ``attribute`` the position, ``--max-length`` and the token ids of ``--target`` and ``--versus``.
+    Positions are checked against the input's length where the options give it (``--tokens``,
+    ``--ids``, ``--example``, a vision model's patches, the default random tokens), else (a prompt still
+    to be tokenized) against the positions the model embeds, where it has learned ones."""
+    from pathkernels.app.cli.sizes import example_task, model_folder, model_shape
+
+    shape = model_shape(args.model)
+    if shape is None:
+        return  # the loader says what is wrong with the config
+    model, folder, limit = args.model, model_folder(args.model), shape["positions"]
+    if args.ids is not None and limit is not None and len(args.ids) > limit:
+        raise CommandLineError(
+            f"--ids: {len(args.ids)} token ids; expected at most {limit}, the positions the model {model} embeds"
+        )
+    if shape["tokens"] is not None:  # a vision model: its image patches and the class token
+        tokens = shape["tokens"]
+    elif args.example:
+        tokens = 2 * int(example_task(folder)["length"]) + 1  # pathkernels.fixtures.induction_batch's length
+    elif args.ids is not None:
+        tokens = len(args.ids)
+    elif args.tokens is not None or args.text is not None or shape["tokenizer"]:
+        tokens = args.tokens  # None: a prompt, its length known once tokenized
+    else:
+        tokens = DEFAULT_TOKENS[args.command]
+    if args.command == "scores":
+        causal = shape["type"] not in _BIDIRECTIONAL
+        _check_head_and_tokens(args, shape["layers"], shape["heads"], tokens, limit=limit, model=model, causal=causal)
+    elif args.command == "attribute":
+        config = json.loads((folder / "config.json" if folder.is_dir() else folder).read_text())
+        classifier = any(str(name).endswith("ForSequenceClassification") for name in config.get("architectures") or [])
+        vocab = config.get("vocab_size")
+        vocab = vocab if isinstance(vocab, int) and not classifier else None  # a classifier's ids are its classes
+        no_text = None if shape["tokenizer"] else f"{model} has no tokenizer to read token text"
+        _check_attribute(args, shape["layers"], tokens, limit, vocab, no_text, model=model)
+
+
+def _check_position(name: str, value: int, tokens: int | None, limit: int | None, model: str | None) -> None:
+    """``--name value``, a token position: within the ``tokens`` of the input where known, else
+    within the ``limit`` positions the model embeds where it has one."""
+    if tokens is not None:
+        if not -tokens <= value < tokens:
             raise CommandLineError(
-                f"--position: expected a token position in [-{args.tokens}, {args.tokens}), got {args.position}"
+                f"--{name}: expected a token position in [-{tokens}, {tokens}), got {value} (the input has "
+                f"{tokens} tokens)"
             )
-        for name in ("target", "versus"):
-            value = getattr(args, name)
-            if value is None:
-                continue
-            try:
-                token = int(value)
-            except ValueError:
+    elif limit is not None and not -limit <= value < limit:
+        raise CommandLineError(
+            f"--{name}: expected a token position in [-{limit}, {limit}), got {value} (the model {model} embeds "
+            f"positions for at most {limit} tokens)"
+        )
+
+
+def _check_attribute(
+    args, layers: int, tokens: int | None, limit: int | None, vocab: int | None, no_text: str | None, model=None
+) -> None:
+    """``attribute``'s --position, --max-length, --target and --versus against the network: its
+    ``layers``, the input's ``tokens`` (or the ``limit`` of positions it embeds) and its ``vocab``
+    (None: unknown, a classifier's classes); ``no_text``: why token text cannot be read, if it cannot."""
+    if args.position is not None:
+        _check_position("position", args.position, tokens, limit, model)
+    if args.max_length is not None and args.max_length > layers:
+        raise CommandLineError(f"--max-length: expected at most the model's {layers} layers, got {args.max_length}")
+    given = {}
+    for name in ("target", "versus"):
+        value = getattr(args, name)
+        if value is None:
+            continue
+        try:
+            token = int(value)
+        except ValueError:
+            if no_text is not None:
                 raise CommandLineError(
-                    f"--{name}: expected a token id (an integer), got {value!r} "
-                    "(token text needs a --model with a tokenizer)"
+                    f"--{name}: expected a token id (an integer), got {value!r} ({no_text})"
                 ) from None
-            if not 0 <= token < BUILT_IN_VOCAB:
-                raise CommandLineError(f"--{name}: expected a token id in [0, {BUILT_IN_VOCAB}), got {token}")
+            continue  # one token's text, read by the tokenizer once it is loaded
+        if token < 0 or (vocab is not None and token >= vocab):
+            expected = f"a token id in [0, {vocab})" if vocab is not None else "a token id >= 0"
+            raise CommandLineError(f"--{name}: expected {expected}, got {token}")
+        given[name] = token
+    if len(given) == 2 and given["target"] == given["versus"]:
+        raise CommandLineError(f"--versus: expected a token other than --target ({given['target']})")
 
 
-def _check_head_and_tokens(args, layers: int, heads: int, tokens: int | None) -> None:
+def _check_head_and_tokens(
+    args, layers: int, heads: int, tokens: int | None, *, limit=None, model=None, causal: bool = True
+) -> None:
     """``scores``' --layer and --head against the network's shape, and its token positions against
-    the tokens (where known before the model is loaded): CommandLineError otherwise."""
+    the input's ``tokens`` where known before the model is loaded (else against the ``limit`` of
+    positions it embeds, where it has one): CommandLineError otherwise. Under ``causal`` attention a
+    --key or --versus after the --query is refused too, and a --versus equal to --key."""
     if args.layer is not None and args.layer >= layers:
         raise CommandLineError(f"--layer: expected a layer in [0, {layers}), got {args.layer}")
     if args.head >= heads:
         raise CommandLineError(f"--head: expected a head in [0, {heads}), got {args.head}")
-    if tokens is None:
-        return
+    positions = {}
     for name in ("query", "key", "versus"):
         value = getattr(args, name)
-        if value is not None and not -tokens <= value < tokens:
-            raise CommandLineError(f"--{name}: expected a token position in [-{tokens}, {tokens}), got {value}")
+        if value is not None:
+            _check_position(name, value, tokens, limit, model)
+            positions[name] = value if tokens is None else value % tokens
+    query = positions.get("query", None if tokens is None else tokens - 1)  # default: the last token
+    for name in ("key", "versus"):
+        key = positions.get(name)
+        # Without the input's length, positions compare only where both count from the same end.
+        if key is None or query is None or (tokens is None and (key < 0) != (query < 0)):
+            continue
+        if causal and key > query:
+            allowed = f"that token {query} may attend (0…{query})" if tokens is not None else f"at or before {query}"
+            raise CommandLineError(f"--{name}: expected a key {allowed}, got {key} (the attention is causal)")
+    key, versus = positions.get("key"), positions.get("versus")
+    if key is not None and versus == key and (tokens is not None or (key < 0) == (versus < 0)):
+        raise CommandLineError(f"--versus: expected a key other than --key ({key})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -339,13 +432,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help=device_help)
     demo.set_defaults(run=_run_demo)
 
+    fixtures = ", ".join(fixture_names())
+
     def model_options(sub, layers: int, tokens: int):
         sub.set_defaults(default_layers=layers)
         sub.add_argument(
             "--model",
             help="a local Hugging Face model directory: its weights, or random weights from its config.json "
-            "when it has none (its config.json names the same directory); or a config file of another name "
-            "(random weights). Nothing is downloaded",
+            "when it has none (its config.json names the same directory); a config file of another name "
+            f"(random weights); or, from any folder, the name of one of pathkernels' fixtures ({fixtures}). "
+            "Nothing is downloaded",
         )
         sub.add_argument(
             "--text",

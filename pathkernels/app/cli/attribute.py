@@ -269,7 +269,8 @@ def attribute_table(
     wanted = max_length
     # The searches get half of what is left after the walk; the walk the rest (all of it without them).
     walk_end = time.monotonic() + (clock.left() / 2 if search else clock.left())
-    result, max_length = _attribution_walk(stack, readout, position, top, wanted, walk_end)
+    # Twice the top: where the paths are that few, one table lists them all (no pair of tables of the same paths).
+    result, max_length = _attribution_walk(stack, readout, position, 2 * top, wanted, walk_end)
     paths = count_attribution_paths(layers_, heads_, max_length)
 
     value, constant = float(result.value[0, 0]), float(result.constant[0, 0])
@@ -324,7 +325,8 @@ def attribute_table(
     # exactly 0 along every path: listed apart, not as rows of the table.
     empty = [name for name, source in zip(result.source_names, stack_sources_zero(stack)) if source]
     sources = sources[~sources["source"].isin(empty)]
-    rows = {"largest": result.table(), "smallest": result.table(which="bottom")}
+    rows = {"largest": result.table()[:top], "smallest": result.table(which="bottom")[:top]}
+    every = not search and paths <= 2 * top  # every enumerated path fits in one table: shown once, not twice
     # The tables' reach: every path, the enumerated ones, or (after a search) all of them.
     reach = "" if paths == everything else f" among the {paths:,} enumerated paths"
     of_all = {"largest": reach, "smallest": reach}
@@ -370,12 +372,17 @@ def attribute_table(
     def extremes(count: int, which: str) -> str:
         return f"The {which} attribution" if count == 1 else f"The {count} {which} attributions"
 
-    for title, table in (
+    tables = [
         ("Attribution by number of heads", lengths),
         ("Attribution by source" + (f" (exactly 0, left out: {', '.join(empty)})" if empty else ""), sources),
         (extremes(len(best), "largest") + of_all["largest"], best),
         (extremes(len(worst), "smallest") + of_all["smallest"], worst),
-    ):
+    ]
+    if every:
+        which = f"all {paths:,} paths" if paths == everything else f"the {paths:,} enumerated paths"
+        title = f"The attribution{'' if paths == 1 else 's'} of {which}, largest first"
+        tables[2:] = [(title, pd.DataFrame(result.table()))]
+    for title, table in tables:
         heading(title)
         print(table.to_string(index=False, float_format=float_format))
     if out is not None:

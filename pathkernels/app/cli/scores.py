@@ -123,14 +123,22 @@ def scores_table(
 
     what = f"key {key}" if versus is None else f"key {key} − key {versus}"
     groups = looks.to_frame(key, versus)
-    heading(f"The score at {what}, by (query group, key group): the {top} largest in size")
+    shown = f"the {top} largest in size" if len(groups) > top else f"all {len(groups)}, largest in size first"
+    heading(f"The score at {what}, by (query group, key group): {shown}")
     print(groups.head(top).to_string(index=False, float_format=float_format))
 
     counted = count_attribution_paths(layer, stack.num_heads, layer)
+    every = False  # every pair in one table: the largest and the smallest would list the same pairs
     if counted <= MAX_LISTED_PATHS:
-        listed = score_pairs(stack, layer, head, query=query, key=key, top_k=top)
-        tables = {"largest": pd.DataFrame(listed.top), "smallest": pd.DataFrame(listed.bottom)}
-        print(f"\npairs of paths: every pair of the {counted:,} paths per side below layer {layer}, listed")
+        # Twice the top: where the pairs are that few, one table lists them all.
+        listed = score_pairs(stack, layer, head, query=query, key=key, top_k=2 * top)
+        tables = {"largest": pd.DataFrame(listed.top[:top]), "smallest": pd.DataFrame(listed.bottom[:top])}
+        pairs = listed.values.numel()  # each side's paths and its constant
+        every = pairs <= 2 * top
+        print(
+            f"\npairs of paths: every pair of the {counted:,} path{'' if counted == 1 else 's'} per side below "
+            f"layer {layer}, listed (with each side's constant: {pairs:,} pairs)"
+        )
     else:
         tables = {}
         for which in ("largest", "smallest"):
@@ -155,8 +163,10 @@ def scores_table(
                 f"{found.visited[0]:,} + {found.visited[1]:,} paths in {found.seconds:.1f} s, {verdict}"
             )
             tables[which] = found.to_frame()
-    for which, table in tables.items():
-        heading(f"The {top} {which} pairs (query path · key path) of the score at key {key}")
+    shown = {"all": pd.DataFrame(listed.top)} if every else tables  # all: no two tables of the same pairs
+    for which, table in shown.items():
+        title = f"All {len(table)} pairs" if which == "all" else f"The {top} {which} pairs"
+        heading(f"{title} (query path · key path) of the score at key {key}" + (", largest first" if every else ""))
         print(table.to_string(index=False, float_format=float_format))
     if out is not None:
         save(out, "scores_by_key", row)

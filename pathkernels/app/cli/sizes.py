@@ -138,11 +138,27 @@ def _paths_bytes(command: str, layers: int, heads: int, samples_per_length: int 
 # --- models given with --model -----------------------------------------------------------------
 
 
+# pathkernels' fixtures (pathkernels.fixtures.FIXTURES): the folders beside that module that hold a
+# fixture.json, found by their listing so that neither pathkernels.fixtures nor torch is imported.
+FIXTURE_ROOT = Path(__file__).resolve().parents[2] / "fixtures"
+
+
+def fixture_names() -> list[str]:
+    """The names of pathkernels' fixtures, which ``--model`` takes from any folder."""
+    try:
+        return sorted(path.name for path in FIXTURE_ROOT.iterdir() if (path / "fixture.json").is_file())
+    except OSError:
+        return []
+
+
 def model_folder(spec: str) -> Path:
     """What ``--model`` reads: a folder, or a ``config.json`` standing for the folder that holds it
-    (its weights and tokenizer with it); any other path as given (a config file of another name:
-    random weights, no tokenizer)."""
+    (its weights and tokenizer with it); a fixture's name (``attn_only_2l``, …) where no such path
+    exists here, its folder; any other path as given (a config file of another name: random
+    weights, no tokenizer)."""
     path = Path(spec)
+    if not path.exists() and path.as_posix() in fixture_names():
+        return FIXTURE_ROOT / path.as_posix()
     return path.parent if path.name == "config.json" and path.is_file() else path
 
 
