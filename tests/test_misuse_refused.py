@@ -140,3 +140,54 @@ def test_the_causal_check_refuses_a_model_other_than_the_stacks(scored, side):
     same = gpt2().float().eval()
     same.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
     assert pk.adapters.capture.fingerprint_mismatch(same, stack.residual_capture.model_fingerprint) is None
+
+
+# --- errors that named nothing, now named -----------------------------------------------------
+
+
+def test_numpy_and_torch_integers_and_arrays_are_taken_where_ints_and_lists_are(scored):
+    _, _, stack = scored
+    by_list = pk.score_decompositions(stack, 1, [0, 2], query=9, keys=[3, 5])
+    by_numpy = pk.score_decompositions(stack, 1, np.array([0, 2]), query=np.int64(9), keys=np.array([3, 5]))
+    by_torch = pk.score_decompositions(stack, 1, torch.tensor([0, 2]), query=9, keys=torch.tensor([3, 5]))
+    for a, b, c in zip(by_list, by_numpy, by_torch):
+        torch.testing.assert_close(a.table, b.table, rtol=0, atol=0)
+        torch.testing.assert_close(a.table, c.table, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        (torch.tensor(2.0), r"score_decomposition: expected keys to be an int, got float 2\.0"),
+        (np.array([1.5]), r"score_decomposition: expected keys to be an int, got float 1\.5"),
+        ("3", r"score_decomposition: expected keys to be an int, got str '3'"),
+    ],
+)
+def test_keys_that_are_not_positions_are_refused_by_name(scored, keys, message):
+    _, _, stack = scored
+    with pytest.raises(TypeError, match=message):
+        pk.score_decomposition(stack, 1, 0, query=9, keys=keys)
+
+
+def test_result_tables_refuse_a_key_or_a_side_they_do_not_hold(scored):
+    pytest.importorskip("pandas")
+    _, _, stack = scored
+    decomposition = pk.score_decomposition(stack, 1, 0, query=9, keys=[3, 5])
+    with pytest.raises(TypeError, match=r"ScoreDecomposition: expected key to be an int, got str 'a'"):
+        decomposition.to_frame("a")
+    with pytest.raises(TypeError, match=r"ScoreDecomposition: expected key to be an int, got float 3\.5"):
+        decomposition.to_frame(3.5)
+    assert decomposition.to_frame(np.int64(5))["value"].sum() == pytest.approx(float(decomposition.scores[1]))
+    pairs = pk.score_pairs(stack, 1, 0, query=9, key=5)
+    with pytest.raises(ValueError, match=r"ScorePairs.to_frame: expected which to be 'top' or 'bottom', got 'x'"):
+        pairs.to_frame("x")
+
+
+def test_text_for_a_model_without_a_tokenizer_says_so():
+    """A model saved without tokenizer files (the fixtures) was read with a tokenizer that encodes
+    nothing: "it is 0: []"; now the error says there is no tokenizer and what to pass."""
+    from pathkernels.fixtures import load_fixture
+
+    model, _ = load_fixture("attn_only_2l")
+    with pytest.raises(ValueError, match=r"pathkernels\.logit: token is text, and GPT2LMHeadModel has no tokenizer"):
+        pk.logit(model, " the")

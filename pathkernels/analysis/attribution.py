@@ -210,6 +210,11 @@ def _logit_label(model, *tokens: int) -> str:
     return text if logit_soft_cap(model) is None else f"{text} (before the logit soft cap)"
 
 
+# The files a saved tokenizer leaves in its folder (transformers reads one of them); a folder with
+# none has no tokenizer, whatever AutoTokenizer would make of its config.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+
+
 def model_tokenizer(model, tokenizer=None, where: str = "pathkernels.to_single_token", name: str = "text"):
     """The tokenizer that turns a token's text into its id: ``tokenizer`` where given, else a
     TransformerLens model's own (``model.tokenizer``), else the one saved beside a Hugging Face
@@ -221,7 +226,7 @@ def model_tokenizer(model, tokenizer=None, where: str = "pathkernels.to_single_t
     if own is not None:
         return own
     folder = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
-    if folder and Path(folder).is_dir():
+    if folder and Path(folder).is_dir() and any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES):
         try:
             from transformers import AutoTokenizer
 
@@ -255,6 +260,8 @@ def _single_token(text: str, tokenizer, name: str, where: str) -> int:
     ids = tokenizer.encode(text, add_special_tokens=False)
     ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
     ids = ids[0] if ids and isinstance(ids[0], list) else ids
+    if not ids:
+        raise ValueError(f"{where}: {name}={text!r} is no token of the model's tokenizer (it encodes to nothing)")
     if len(ids) != 1:
         raise ValueError(
             f"{where}: expected {name}={text!r} to be one token of the model's tokenizer; it is {len(ids)}: {ids}"

@@ -274,7 +274,8 @@ class ScoreDecomposition:
                     f"{self.keys.tolist()[:8]}…"
                 )
             return 0
-        where = (self.keys == int(key)).nonzero().flatten()
+        key = check_int(key, "key", "pathkernels.ScoreDecomposition")
+        where = (self.keys == key).nonzero().flatten()
         if where.numel() == 0:
             raise ValueError(f"pathkernels.ScoreDecomposition: key {key} is not among the keys {self.keys.tolist()}")
         return int(where[0])
@@ -391,7 +392,7 @@ def score_decompositions(
 def _decompositions(
     stack, layer, heads, query, keys, batch, where: str, allow_masked: bool = False
 ) -> list[ScoreDecomposition]:
-    heads = list(range(stack.num_heads)) if heads is None and hasattr(stack, "num_heads") else heads
+    heads = list(range(stack.num_heads)) if heads is None and hasattr(stack, "num_heads") else listed(heads)
     if isinstance(heads, (int, Tensor)) or not hasattr(heads, "__iter__"):
         heads = [heads]
     if not heads:
@@ -499,6 +500,8 @@ class ScorePairs:
 
     def to_frame(self, which: str = "top"):
         """The top (or ``which="bottom"``) pairs as a pandas DataFrame."""
+        if which not in ("top", "bottom"):
+            raise ValueError(f"pathkernels.ScorePairs.to_frame: expected which to be 'top' or 'bottom', got {which!r}")
         return require("pandas").DataFrame(self.top if which == "top" else self.bottom)
 
     def plot(self, k: int | None = None, *, ax=None, path=None):

@@ -41,7 +41,7 @@ from pathkernels.core._figures import check_save_path, saved
 from pathkernels.core._progress import progress_bar
 from pathkernels.core._repr import short_repr
 from pathkernels.core._scaling import leading_exponent, power_of_two, times_power_of_two
-from pathkernels.core.checks import check_flag, check_int
+from pathkernels.core.checks import check_flag, check_int, listed
 from pathkernels.core.paths import count_attribution_paths
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
@@ -482,6 +482,7 @@ def top_paths(
             f"{_WHERE}: expected position to be one token position (an int) or None, got {type(position).__name__} "
             f"{position!r}; for several positions call top_paths once per position"
         )
+    batch = listed(batch)
     if isinstance(batch, (list, tuple)):  # the mean of these elements, each read at its own token
         if not batch:
             raise ValueError(f"{_WHERE}: expected batch to be an element or a non-empty list of them, got []")
