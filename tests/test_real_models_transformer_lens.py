@@ -181,3 +181,23 @@ def test_a_transformer_lens_models_embedding_splits_into_tokens_and_positions():
     )
     with pytest.raises(ValueError, match=r"split_embedding=True needs a model whose stream starts as a token"):
         pk.path_attribution(rotary, readout, split_embedding=True)
+
+
+def test_a_cache_of_another_model_is_refused_by_name():
+    """``capture_transformer_lens_residual(model_b, cache_of_model_a)`` read the heads from the
+    cache's model and the norms and unembedding from model_b: its self-check passed (3e-16) while
+    every attribution matched neither model. Now refused, naming a parameter that differs; a copy of
+    the cache's own model is the same model."""
+    import copy
+
+    model = tl_model().eval()
+    _, cache = model.run_with_cache(torch.randint(0, 50, (1, 7)))
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.unembed.W_U.mul_(2)
+    with pytest.raises(
+        ValueError, match=r"the ActivationCache was made by another model than the one given \(\S+ holds other values"
+    ):
+        pk.adapters.capture_transformer_lens_residual(other, cache)
+    stack, _ = pk.adapters.capture_transformer_lens_residual(copy.deepcopy(model), cache)
+    assert stack.num_layers == 3

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from pathkernels.adapters.capture import fingerprint_mismatch, weights_fingerprint
 from pathkernels.adapters.naming import model_name
 from pathkernels.adapters.precision import in_float64
 from pathkernels.adapters.stack import AttentionStack, fold_value_bias
@@ -37,6 +38,12 @@ def model_and_cache(first, second, where: str):
             )
         return (first.model if second is None else second), None, first
     if _is_cache(second):
+        mismatch = None if second.model is first else fingerprint_mismatch(first, weights_fingerprint(second.model))
+        if mismatch is not None:
+            raise ValueError(
+                f"{where}: the ActivationCache was made by another model than the one given ({mismatch}); pass the "
+                "model that ran it, or the tokens to run this one"
+            )
         return first, None, second
     return first, second, None
 
