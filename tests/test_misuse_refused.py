@@ -191,3 +191,30 @@ def test_text_for_a_model_without_a_tokenizer_says_so():
     model, _ = load_fixture("attn_only_2l")
     with pytest.raises(ValueError, match=r"pathkernels\.logit: token is text, and GPT2LMHeadModel has no tokenizer"):
         pk.logit(model, " the")
+
+
+# --- the causal check's two removals ------------------------------------------------------------
+
+
+def test_a_key_path_removed_at_the_key_alone_moves_that_score_alone(scored):
+    """``at="one"`` takes the term out of the head's key input at the scored key only: no other key's
+    score moves, so the attention there is exactly the softmax of the clean row with that one score
+    moved (``a e^δ / (1 − a + a e^δ)``, δ the measured change). ``at="every"`` (the default) takes it
+    out at every key: the other scores move too and the attention differs. The frozen predictions
+    are the same."""
+    model, ids, stack = scored
+    paths, sources = [[-1, -1, -1], [0, -1, -1], [2, -1, -1]], ["embedding", "embedding", "embedding"]
+    request = dict(side="key", layer=2, head=1, query=10, key=6)
+    one = pk.causal_check(model, stack, {"input_ids": ids}, paths, sources, at="one", **request)
+    every = pk.causal_check(model, stack, {"input_ids": ids}, paths, sources, **request)
+    assert every.at == "every" and "at every token" in repr(every) and "at token 6 only" in repr(one)
+    torch.testing.assert_close(one.predicted, every.predicted, rtol=0, atol=0)
+    clean = torch.tensor(one.clean["attention"], dtype=torch.float64)
+    moved = clean * one.score_change.double().exp()
+    torch.testing.assert_close(one.pattern_change.double(), moved / (1 - clean + moved) - clean, rtol=1e-9, atol=1e-12)
+    moved = clean * every.score_change.double().exp()
+    assert (every.pattern_change.double() - (moved / (1 - clean + moved) - clean)).abs().max() > 1e-6
+    frozen = pk.causal_check(model, stack, {"input_ids": ids}, paths, sources, at="one", frozen=True, **request)
+    torch.testing.assert_close(frozen.score_change, frozen.predicted, rtol=1e-9, atol=1e-12)
+    with pytest.raises(ValueError, match=r"causal_check: expected at to be one of \('every', 'one'\), got 'all'"):
+        pk.causal_check(model, stack, {"input_ids": ids}, paths, sources, at="all", **request)

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 _WHERE = "pathkernels.causal_check"
 _SIDES = ("query", "key", "readout")
+_AT = ("every", "one")  # a score path removed from the head's input at every token, or at the scored one
 
 
 @dataclass
@@ -71,10 +72,17 @@ class CausalCheck:
     clean: dict
     readout_label: str | None = None
     model_name: str = ""  # the model's name for figure titles (AttentionStack.name)
+    at: str = "every"  # a score path removed from the head's input at every token, or at the scored one ("one")
 
     def __repr__(self) -> str:
         where = "the readout" if self.side == "readout" else f"L{self.layer}H{self.head}'s {self.side}"
         at = f" at ({self.query}, {self.key})" if self.side != "readout" else f" at {self.position}"
+        if self.side != "readout":
+            at += (
+                ", at every token"
+                if self.at == "every"
+                else f", at token {self.key if self.side == 'key' else self.query} only"
+            )
         return (
             f"CausalCheck({len(self.paths)} path(s) removed from {where}{at}, "
             f"{'norms held' if self.frozen else 'norms and patterns recomputed'})"
@@ -189,6 +197,7 @@ def causal_check(
     frozen: bool = False,
     batch: int = 0,
     allow_masked: bool = False,
+    at: str = "every",
 ) -> CausalCheck:
     """Remove each path's term from the one input where it enters and measure the change (module
     docstring), all paths in one batched forward pass.
@@ -212,12 +221,22 @@ def causal_check(
         batch: the sequence.
         allow_masked: also a key the mask forbids the query (refused by default: the model never
             uses that score, and its attention there is 0 whatever the path).
+        at: where a score path's term leaves the head's input: ``"every"`` (the default) at every
+            token, so that every key's score (``side="key"``) or every query's row moves: the
+            path's whole effect on the head; ``"one"`` at the scored token alone (key ``key`` for
+            ``side="key"``, query ``query`` for ``side="query"``), so that only the score at
+            (query, key) moves and the attention there follows from it alone. The frozen
+            prediction is the same for both; the attention and readout changes differ.
 
     Returns:
         :class:`CausalCheck`.
     """
     if side not in _SIDES:
         raise ValueError(f"{_WHERE}: expected side to be one of {_SIDES}, got {side!r}")
+    if at not in _AT:
+        raise ValueError(f"{_WHERE}: expected at to be one of {_AT}, got {at!r}")
+    if at != "every" and side == "readout":
+        raise ValueError(f"{_WHERE}: at={at!r} is for score paths; a value path leaves the stream at every token")
     if getattr(getattr(model, "config", None), "model_type", None) is None:
         raise TypeError(
             f"{_WHERE}: expected model to be the Hugging Face model the stack was captured from, got "
@@ -268,6 +287,7 @@ def causal_check(
         frozen,
         batch,
         allow_masked,
+        at,
     )
 
 
@@ -306,6 +326,7 @@ def _score_paths(
     frozen,
     batch,
     allow_masked,
+    at,
 ):
     if layer is None or head is None or key is None:
         raise ValueError(f"{_WHERE}: a score path needs layer, head and key (the head's input it is removed from)")
@@ -325,6 +346,10 @@ def _score_paths(
         )
     positions, key = checked.positions, int(keys[0])
     i, j = int(positions[query]), int(positions[key])
+    if at == "one":  # the term leaves the head's input at the scored token alone
+        kept = torch.zeros(terms.shape[1], 1, dtype=terms.dtype, device=terms.device)
+        kept[i if side == "query" else j] = 1
+        terms = terms * kept
     # The frozen prediction: each path's share of the score with the other side as the model computed it.
     rows = torch.tensor([query if side == "query" else key], device=positions.device)
     real_terms = terms[:, positions]
@@ -377,6 +402,7 @@ def _score_paths(
         clean=clean,
         readout_label=None if read is None else read.labels[0],
         model_name=getattr(stack, "name", ""),
+        at=at,
     )
 
 
