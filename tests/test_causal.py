@@ -183,9 +183,10 @@ def test_a_model_or_inputs_other_than_the_stacks_are_refused():
         for parameter in other_model.parameters():
             parameter.add_(0.05 * torch.randn_like(parameter))
     where = r"^pathkernels\.causal_check: "
-    for model_, inputs in ((model, {"input_ids": other_ids}), (other_model, {"input_ids": ids})):
-        with pytest.raises(ValueError, match=where + r"the model on these inputs scores query 5 against key 1 at"):
-            pk.causal_check(model_, stack, inputs, *path, **options)
+    with pytest.raises(ValueError, match=where + r"the model on these inputs scores query 5 against key 1 at"):
+        pk.causal_check(model, stack, {"input_ids": other_ids}, *path, **options)
+    with pytest.raises(ValueError, match=where + r"expected model to be the model the stack was captured from"):
+        pk.causal_check(other_model, stack, {"input_ids": ids}, *path, **options)
     with pytest.raises(ValueError, match=where + r"expected inputs of the stack's 1 sequence\(s\) of 6 tokens"):
         pk.causal_check(model, stack, {"input_ids": ids[:, :5]}, *path, **options)
 

@@ -320,7 +320,7 @@ def test_result_methods_refuse_hostile_arguments_in_their_own_name():
     w = torch.randn(3, 2, 3, 3, dtype=torch.float64)
     stats = pk.path_statistics(attn, tree, top_k=2)
     decomposition = pk.decompose(attn, x=x, w_v=w, w_o=w)
-    with pytest.raises(TypeError, match=r"^pathkernels\.PathStatistics\.top: expected k to be an int, got str '2'"):
+    with pytest.raises(TypeError, match=r"^pathkernels\.PathStatistics\.top: expected top_k to be an int, got str '2'"):
         stats.top("2")
     with pytest.raises(TypeError, match=r"^pathkernels\.PathTree\.leaf_paths: expected leaves as a 1-D integer"):
         tree.leaf_paths(slice(0, 2))

@@ -218,3 +218,39 @@ def test_a_key_path_removed_at_the_key_alone_moves_that_score_alone(scored):
     torch.testing.assert_close(frozen.score_change, frozen.predicted, rtol=1e-9, atol=1e-12)
     with pytest.raises(ValueError, match=r"causal_check: expected at to be one of \('every', 'one'\), got 'all'"):
         pk.causal_check(model, stack, {"input_ids": ids}, paths, sources, at="all", **request)
+
+
+# --- one vocabulary ---------------------------------------------------------------------------
+
+
+def test_top_k_is_the_one_name_and_k_still_works_with_a_warning(scored):
+    model, _, stack = scored
+    readout = pk.logit_diff(model, 3, 7)
+    new = pk.top_paths(stack, readout, top_k=3, position=9)
+    with pytest.warns(FutureWarning, match=r"top_paths: k= is now called top_k="):
+        old = pk.top_paths(stack, readout, k=3, position=9)
+    torch.testing.assert_close(new.values, old.values, rtol=0, atol=0)
+    assert pk.top_paths(stack, readout, 3, position=9).values.shape[0] == 3  # positional as before
+    with pytest.raises(TypeError, match=r"top_paths: got both k= and top_k="):
+        pk.top_paths(stack, readout, k=3, top_k=3)
+    with pytest.warns(FutureWarning, match=r"top_score_pairs: k= is now called top_k="):
+        pk.top_score_pairs(stack, 1, 0, query=9, key=5, k=2)
+    with pytest.warns(FutureWarning, match=r"score_top_paths: k= is now called top_k="):
+        pk.score_top_paths(stack, 1, 0, query=9, key=5, k=2)
+
+
+def test_a_share_is_of_the_absolute_sum_and_a_fraction_of_the_score(scored):
+    """Attribution tables' ``share`` is value / Σ|values| (a layer-0 pair showed a "share" of 12.34
+    where score tables divided by the score); score tables now call theirs ``fraction``, which sums
+    to 1."""
+    pd = pytest.importorskip("pandas")
+    model, _, stack = scored
+    frame = pk.score_decomposition(stack, 2, 1, query=9, keys=5).to_frame()
+    assert "share" not in frame and frame["fraction"].sum() == pytest.approx(1.0, rel=1e-10)
+    pairs = pk.score_pairs(stack, 1, 0, query=9, key=5, top_k=1000)
+    assert pd.DataFrame(pairs.top)["fraction"].sum() == pytest.approx(1.0, rel=1e-10)
+    attribution = pk.path_attribution(stack, pk.logit_diff(model, 3, 7), positions=9, top_k=1000)
+    shares = attribution.to_frame()["share"]
+    assert shares.abs().sum() == pytest.approx(1.0, rel=1e-10)
+    heads = attribution.head_table()
+    assert isinstance(heads, pd.DataFrame) and list(heads.columns[:3]) == ["head", "total", "share"]

@@ -507,7 +507,7 @@ def test_the_induction_heads_look_by_k_composition_through_the_previous_token_he
             listed = [(row["query path"], row["key path"]) for row in pairs.top]
             assert induction in listed, (token, head, pairs.top)
             ranks.append(listed.index(induction) + 1)
-            shares.append(pairs.top[ranks[-1] - 1]["share"])
+            shares.append(pairs.top[ranks[-1] - 1]["fraction"])
             if ranks[-1] == 2:
                 assert token in (30, 31) and listed[0] == ("embedding (direct)", "embedding (direct)")
     assert len(ranks) == 60 and ranks.count(1) == 55
@@ -813,11 +813,11 @@ def test_every_score_result_plots_and_refuses_a_k_beyond_what_it_kept(tmp_path):
     figure = pairs.plot(path=tmp_path / "pairs.png")
     assert len(figure.axes[0].patches) == 8 and (tmp_path / "pairs.png").stat().st_size > 0
     assert " · " in figure.axes[0].get_yticklabels()[0].get_text()
-    with pytest.raises(ValueError, match=r"ScorePairs\.plot: expected k <= 4"):
+    with pytest.raises(ValueError, match=r"ScorePairs\.plot: expected top_k <= 4"):
         pairs.plot(5)
-    found = pk.top_score_pairs(stack, 2, 1, query=5, key=3, k=3)
+    found = pk.top_score_pairs(stack, 2, 1, query=5, key=3, top_k=3)
     assert len(found.plot().axes[0].patches) == 3 and "certified" in found.plot().axes[0].get_title()
-    with pytest.raises(ValueError, match=r"TopScorePairs\.plot: expected k <= 3"):
+    with pytest.raises(ValueError, match=r"TopScorePairs\.plot: expected top_k <= 3"):
         found.plot(4)
     inputs = {"input_ids": ids}
     path = torch.cat([pairs.paths[1:2], torch.full((1, 1), -1)], 1)  # below layer 2, then no head there

@@ -240,7 +240,7 @@ def test_bad_arguments():
         pk.path_statistics(attn, tree, top_k=-1)
     with pytest.raises(ValueError, match=r"path_statistics: expected bins_per_decade in \[1, 1000\], got 0"):
         pk.path_statistics(attn, tree, bins_per_decade=0)
-    with pytest.raises(ValueError, match="top: expected k in"):
+    with pytest.raises(ValueError, match="top: expected top_k in"):
         pk.path_statistics(attn, tree, top_k=1).top(2)
     with pytest.raises(
         ValueError,

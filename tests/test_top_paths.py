@@ -107,7 +107,7 @@ def test_a_stopped_search_bounds_every_path_it_did_not_visit(seed, bound):
 def test_bad_arguments_are_refused_by_name():
     model, stack, readout = captured("gpt2")
     cases = [
-        ((stack, readout, 0), {}, r"expected k"),
+        ((stack, readout, 0), {}, r"expected top_k"),
         ((stack, torch.randn(32, 2, dtype=torch.float64)), {}, r"expected one readout direction, got 2"),
         ((stack, readout), {"time_limit": -1}, r"expected time_limit to be a positive number"),
         ((stack, readout), {"position": 9}, r"expected positions of real tokens"),
@@ -693,7 +693,7 @@ def test_the_top_paths_of_a_batch_mean_are_those_of_every_path_averaged():
     alone = [pk.path_attribution(stack, readout, batch=b, top_k=0) for b in range(3)]
     mean = torch.stack([r.attribution[:, 0, 0] for r in alone]).mean(0)
     for largest in (True, False):
-        found = pk.top_paths(stack, readout, k=6, batch=[0, 1, 2], largest=largest)
+        found = pk.top_paths(stack, readout, top_k=6, batch=[0, 1, 2], largest=largest)
         assert found.certified and found.position == "each element's own token (8, 5, 8)"
         ordered = torch.sort(mean, descending=largest)
         torch.testing.assert_close(found.values, ordered.values[:6], rtol=1e-12, atol=1e-14)

@@ -49,7 +49,7 @@ from pathkernels.analysis.readout_trie import (
 from pathkernels.core._figures import bar_side_labels, check_save_path, new_figure, require, saved, titled, wrapped
 from pathkernels.core._progress import progress_bar
 from pathkernels.core._repr import short_repr
-from pathkernels.core.checks import check_flag, check_int, listed
+from pathkernels.core.checks import check_flag, check_int, listed, renamed
 from pathkernels.core.paths import PathTree, check_tree_shape, count_attribution_paths
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
@@ -318,8 +318,8 @@ def check_kept(k: int, kept: int, paths, where: str) -> None:
     where the tree had more: it would silently draw fewer."""
     if k > kept and int(paths) > kept:
         raise ValueError(
-            f"{where}: expected k <= {kept}, the paths this result kept (its top_k); got k = {k}: attribute "
-            f"again with top_k={k} to plot {k}"
+            f"{where}: expected top_k <= {kept}, the paths this result kept (its top_k); got top_k = {k}: "
+            f"attribute again with top_k={k} to plot {k}"
         )
 
 
@@ -340,7 +340,7 @@ def pair_bars(
     ``path`` where given."""
     check_save_path(path, where)
     kept, total = kept_total
-    k = max(kept, 1) if k is None else check_int(k, "k", where, minimum=1)
+    k = max(kept, 1) if k is None else check_int(k, "top_k", where, minimum=1)
     check_kept(k, kept, total, where)
 
     def bars(rows):
@@ -500,11 +500,12 @@ class PathAttribution:
             )
         return rows
 
-    def head_table(self, *, position: int = 0, readout: int = 0) -> list[dict]:
-        """Every head's total (:attr:`by_head`) at one position and readout as rows, largest
-        magnitude first: the head (``"L1H3"``), the sum over every enumerated path through it
-        (``total``), its ``share`` of ``absolute``, and the sums by the head's place in the path
-        (``as head 1``: paths that take it first from their source, …)."""
+    def head_table(self, *, position: int = 0, readout: int = 0):
+        """Every head's total (:attr:`by_head`) at one position and readout as a pandas DataFrame,
+        largest magnitude first: the head (``"L1H3"``), the sum over every enumerated path through
+        it (``total``), its ``share`` of ``absolute``, and the sums by the head's place in the path
+        (``as head 1``: paths that take it first from their source, …; NaN where a head's layer
+        puts it no later)."""
         where = "pathkernels.PathAttribution.head_table"
         position, readout = self._check_cell(position, readout, where)
         by_head = self.through_head  # refuses a result without per-head totals
@@ -518,7 +519,7 @@ class PathAttribution:
                 for place in range(layer + 1):  # a head of layer l is at most the (l+1)-th of its path
                     row[f"as head {place + 1}"] = float(places[layer, head, place])
                 rows.append(row)
-        return sorted(rows, key=lambda row: -abs(row["total"]))
+        return require("pandas").DataFrame(sorted(rows, key=lambda row: -abs(row["total"])))
 
     def _check_cell(self, position, readout, where: str) -> tuple[int, int]:
         """``position`` and ``readout`` as indices into ``positions`` and ``labels`` (ints in range)."""
@@ -526,16 +527,17 @@ class PathAttribution:
         readout = check_int(readout, "readout", where, minimum=0, maximum=self.value.shape[1] - 1)
         return position, readout
 
-    def plot(self, k: int | None = None, *, position: int = 0, readout: int = 0, ax=None, path=None):
-        """The ``k`` largest and ``k`` smallest attributions of one position and readout as
-        horizontal bars, labelled by path (default: every path kept, ``top_k``; a ``k`` beyond them
-        is refused where the tree has more). Returns the matplotlib Figure; with ``path`` it is
-        also saved there (the format from the suffix)."""
+    @renamed("pathkernels.PathAttribution.plot", k="top_k")
+    def plot(self, top_k: int | None = None, *, position: int = 0, readout: int = 0, ax=None, path=None):
+        """The ``top_k`` largest and ``top_k`` smallest attributions of one position and readout as
+        horizontal bars, labelled by path (default: every path kept; more than were kept is refused
+        where the tree has more). Returns the matplotlib Figure; with ``path`` it is also saved
+        there (the format from the suffix)."""
         where = "pathkernels.PathAttribution.plot"
         check_save_path(path, where)
         position, readout = self._check_cell(position, readout, where)
         kept = self.top_values.shape[0]
-        k = max(kept, 1) if k is None else check_int(k, "k", where, minimum=1)
+        k = max(kept, 1) if top_k is None else check_int(top_k, "top_k", where, minimum=1)
         check_kept(k, kept, self.counts.sum(), where)
         top = self.table(position=position, readout=readout)[:k]
         bottom = self.table(position=position, readout=readout, which="bottom")[:k]
@@ -772,9 +774,10 @@ class BatchAttribution:
         frame = pd.concat(frames, ignore_index=True)
         return frame[["element", *[c for c in frame.columns if c != "element"]]]
 
-    def plot(self, k: int | None = None, **options):
+    @renamed("pathkernels.BatchAttribution.plot", k="top_k")
+    def plot(self, top_k: int | None = None, **options):
         """The mean's :meth:`PathAttribution.plot` (options as there)."""
-        return self.mean.plot(k, **options)
+        return self.mean.plot(top_k, **options)
 
 
 def batch_attribution(

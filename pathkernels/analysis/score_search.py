@@ -45,6 +45,7 @@ from pathkernels.analysis.top_paths import (
 )
 from pathkernels.core._figures import require
 from pathkernels.core._progress import progress_bar
+from pathkernels.core.checks import renamed
 from pathkernels.core.paths import count_attribution_paths
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
@@ -96,14 +97,14 @@ class TopScorePairs:
         )
 
     def table(self) -> list[dict]:
-        """Rows: rank, query path, key path, value, share of the score."""
+        """Rows: rank, query path, key path, value, and its ``fraction`` of the score."""
         return [
             {
                 "rank": rank + 1,
                 "query path": q,
                 "key path": k,
                 "value": float(v),
-                "share": float(v) / self.score if self.score else math.nan,
+                "fraction": float(v) / self.score if self.score else math.nan,
             }
             for rank, (q, k, v) in enumerate(zip(self.query_paths, self.key_paths, self.values))
         ]
@@ -112,15 +113,16 @@ class TopScorePairs:
         """:meth:`table` as a pandas DataFrame (pandas is optional)."""
         return require("pandas").DataFrame(self.table())
 
-    def plot(self, k: int | None = None, *, ax=None, path=None):
-        """The pairs found as horizontal bars (default: all; ``k`` beyond them refused); the title
+    @renamed("pathkernels.TopScorePairs.plot", k="top_k")
+    def plot(self, top_k: int | None = None, *, ax=None, path=None):
+        """The ``top_k`` pairs found as horizontal bars (default: all; more refused); the title
         says whether the list is certified. Returns the matplotlib Figure, saved to ``path``."""
         how = "certified" if self.certified else f"not certified: gap {self.gap:.3g}"
         which = "largest" if self.largest else "smallest"
         title = f"L{self.layer}H{self.head}, query {self.query}, key {self.key}: the {which} pairs ({how})"
         rows = self.table()
         where = "pathkernels.TopScorePairs.plot"
-        return pair_bars(rows, [], k, (len(rows), self.total**2), title, where, ax=ax, path=path)
+        return pair_bars(rows, [], top_k, (len(rows), self.total**2), title, where, ax=ax, path=path)
 
 
 class _Side:
@@ -268,11 +270,12 @@ def head_sequence_bounds(model: FrozenModel, bound: str) -> tuple[_NodeBounds | 
     return node_bounds, [min(first[index], chains[index]) for index in node_bounds.index]
 
 
+@renamed(_WHERE, k="top_k")
 def top_score_pairs(
     stack: AttentionStack,
     layer: int,
     head: int,
-    k: int = 20,
+    top_k: int = 20,
     *,
     query: int | None = None,
     key: int,
@@ -285,7 +288,7 @@ def top_score_pairs(
     progress: bool = False,
     allow_masked: bool = False,
 ) -> TopScorePairs:
-    """The exact ``k`` largest (or smallest) pairs (query path, key path) of head ``(layer, head)``'s
+    """The exact ``top_k`` largest (or smallest) pairs (query path, key path) of head ``(layer, head)``'s
     score at (query, key), by a best-first search over both sides' tries with a certificate
     (module docstring): for layers whose paths are too many to list (:func:`pathkernels.score_pairs`
     lists them where they are few).
@@ -293,7 +296,8 @@ def top_score_pairs(
     Args:
         stack: a stack captured with its queries and keys (``query_key=True``).
         layer, head, query (default: the last real token), key, batch: the score.
-        k: how many pairs; largest: the largest terms, or the smallest.
+        top_k: how many pairs (``k=``, its old name, is taken with a FutureWarning); largest: the
+            largest terms, or the smallest.
         bound: the node bound's reach (``"chain"``, ``"first_head"`` or ``"plain"``:
             :func:`pathkernels.top_paths`' bounds per level).
         time_limit: seconds; at the limit the best list so far comes back with its gap.
@@ -308,7 +312,7 @@ def top_score_pairs(
     if bound not in _BOUNDS or bound == "node":  # before the shared checks, whose message lists "node"
         raise ValueError(f"{_WHERE}: expected bound in ('chain', 'first_head', 'plain'), got {bound!r}")
     options = SearchOptions.checked(
-        _WHERE, k, largest, time_limit, memory_budget, batch_nodes, False, bound, progress, time.monotonic()
+        _WHERE, top_k, largest, time_limit, memory_budget, batch_nodes, False, bound, progress, time.monotonic()
     )
     k, largest, time_limit, memory_budget = options.k, options.largest, options.time_limit, options.memory_budget
     checked = checked_head(stack, layer, head, batch, _WHERE)

@@ -38,7 +38,7 @@ from pathkernels.analysis.real_paths import _every_term, _heads, _skip
 from pathkernels.analysis.top_paths import SearchOptions, TopPaths, search_top_paths
 from pathkernels.core._figures import check_save_path, heatmap, new_figure, require, saved, titled, wrapped
 from pathkernels.core._memory import format_bytes
-from pathkernels.core.checks import check_flag, check_int, listed
+from pathkernels.core.checks import check_flag, check_int, listed, renamed
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ def query_and_keys(
     attention) is refused unless ``allow_masked``: the model never uses its score."""
     query = head.positions.numel() - 1 if query is None else _position(query, "query", head, where)
     allowed = head.maps.allowed[head.batch, head.layer, head.positions[query], head.positions]  # [n]
-    if keys is None:
+    if keys is None and name == "keys":
         return query, allowed.nonzero().flatten()
     keys = listed(keys)
     keys = list(keys) if isinstance(keys, (list, tuple)) else [keys]
@@ -296,7 +296,8 @@ class ScoreDecomposition:
 
     def to_frame(self, key: int | None = None, other: int | None = None):
         """A pandas DataFrame of :meth:`pair_table`: one row per (query group, key group), largest
-        magnitude first, with its share of the total (the score, or the difference)."""
+        magnitude first, with its ``fraction`` of the total (the score, or the difference: the
+        fractions sum to 1; an attribution table's ``share`` is of the absolute values' sum)."""
         pd = require("pandas")
         table = self.pair_table(key, other)
         rows = [
@@ -309,7 +310,7 @@ class ScoreDecomposition:
             rows.append({"query group": POSITION, "key group": POSITION, "value": float(bias)})
         total = sum(row["value"] for row in rows)
         frame = pd.DataFrame(rows)
-        frame["share"] = frame["value"] / total if total != 0 else float("nan")
+        frame["fraction"] = frame["value"] / total if total != 0 else float("nan")
         return frame.reindex(frame["value"].abs().sort_values(ascending=False).index).reset_index(drop=True)
 
     def plot(self, key: int | None = None, other: int | None = None, *, ax=None, path=None):
@@ -504,15 +505,16 @@ class ScorePairs:
             raise ValueError(f"pathkernels.ScorePairs.to_frame: expected which to be 'top' or 'bottom', got {which!r}")
         return require("pandas").DataFrame(self.top if which == "top" else self.bottom)
 
-    def plot(self, k: int | None = None, *, ax=None, path=None):
-        """The ``k`` largest and smallest pair terms as horizontal bars (default: every pair kept;
-        ``k`` beyond them refused). Returns the matplotlib Figure, saved to ``path`` where given."""
+    @renamed("pathkernels.ScorePairs.plot", k="top_k")
+    def plot(self, top_k: int | None = None, *, ax=None, path=None):
+        """The ``top_k`` largest and smallest pair terms as horizontal bars (default: every pair
+        kept; more refused). Returns the matplotlib Figure, saved to ``path`` where given."""
         pairs = (self.paths.shape[0] + 1) ** 2
         title = titled(
             self.model_name, f"L{self.layer}H{self.head}'s score, query {self.query}, key {self.key}: {self.score:.4g}"
         )
         where = "pathkernels.ScorePairs.plot"
-        return pair_bars(self.top, self.bottom, k, (len(self.top), pairs), title, where, ax=ax, path=path)
+        return pair_bars(self.top, self.bottom, top_k, (len(self.top), pairs), title, where, ax=ax, path=path)
 
 
 def score_pairs(
@@ -599,7 +601,7 @@ def score_pairs(
                     "query path": result.describe(a),
                     "key path": result.describe(b),
                     "value": value,
-                    "share": value / total if total != 0 else float("nan"),
+                    "fraction": value / total if total != 0 else float("nan"),
                 }
             )
     return result
@@ -651,11 +653,12 @@ def score_attribution(
     return attribute(setup, top_k, memory_budget, check_flag(progress, "progress", where))
 
 
+@renamed("pathkernels.score_top_paths", k="top_k")
 def score_top_paths(
     stack: AttentionStack,
     layer: int,
     head: int,
-    k: int = 20,
+    top_k: int = 20,
     *,
     query: int | None = None,
     key: int,
@@ -670,7 +673,7 @@ def score_top_paths(
     progress: bool = False,
     allow_masked: bool = False,
 ) -> TopPaths:
-    """The exact ``k`` largest (or smallest) paths of one side of head ``(layer, head)``'s score at
+    """The exact ``top_k`` largest (or smallest) paths of one side of head ``(layer, head)``'s score at
     (query, key), the other side held at the model's own vector: :func:`score_attribution`'s readout
     searched best first with a certificate, as :func:`pathkernels.top_paths` searches a logit's
     (its arguments of the same names), for layers too deep to walk whole.
@@ -680,7 +683,7 @@ def score_top_paths(
     """
     where = "pathkernels.score_top_paths"
     options = SearchOptions.checked(
-        where, k, largest, time_limit, memory_budget, batch_nodes, False, bound, progress, time.monotonic()
+        where, top_k, largest, time_limit, memory_budget, batch_nodes, False, bound, progress, time.monotonic()
     )
     setup = _one_side(stack, layer, head, query, key, side, batch, max_length, where, allow_masked)
     return search_top_paths(setup, options)

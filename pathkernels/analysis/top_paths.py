@@ -41,7 +41,7 @@ from pathkernels.core._figures import check_save_path, saved
 from pathkernels.core._progress import progress_bar
 from pathkernels.core._repr import short_repr
 from pathkernels.core._scaling import leading_exponent, power_of_two, times_power_of_two
-from pathkernels.core.checks import check_flag, check_int, listed
+from pathkernels.core.checks import check_flag, check_int, listed, renamed
 from pathkernels.core.paths import count_attribution_paths
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
@@ -117,14 +117,15 @@ class TopPaths:
 
         return pd.DataFrame(self.table(), columns=["rank", "path", "source", "length", "attribution"])
 
-    def plot(self, k: int | None = None, *, ax=None, path=None):
-        """The ``k`` paths found (default: all) as horizontal bars, labelled by path; the title says
-        whether the list is certified. ``k`` beyond the paths found is refused. Returns the
+    @renamed("pathkernels.TopPaths.plot", k="top_k")
+    def plot(self, top_k: int | None = None, *, ax=None, path=None):
+        """The ``top_k`` paths found (default: all) as horizontal bars, labelled by path; the title
+        says whether the list is certified. More than the paths found is refused. Returns the
         matplotlib Figure; with ``path`` it is also saved there (the format from the suffix)."""
         where = "pathkernels.TopPaths.plot"
         check_save_path(path, where)
         found = self.values.shape[0]
-        k = found if k is None else check_int(k, "k", where, minimum=1)
+        k = found if top_k is None else check_int(top_k, "top_k", where, minimum=1)
         check_kept(k, found, self.total, where)
         rows = self.table()[:k]
         which = "largest" if self.largest else "smallest"
@@ -425,10 +426,11 @@ class _NodeBounds:
         )  # fmin: a NaN side is no bound
 
 
+@renamed(_WHERE, k="top_k")
 def top_paths(
     stack,
     readout: Readout | Tensor,
-    k: int = 20,
+    top_k: int = 20,
     *,
     position: int | None = None,
     batch: int | list[int] = 0,
@@ -441,14 +443,14 @@ def top_paths(
     bound: str = "node",
     progress: bool = False,
 ) -> TopPaths:
-    """The exact ``k`` largest (or smallest) path attributions of one readout at one token, found
+    """The exact ``top_k`` largest (or smallest) path attributions of one readout at one token, found
     by a best-first search over the readout trie with a certificate (module docstring).
 
     Args:
         stack: a captured stack (:func:`pathkernels.adapters.capture_huggingface_residual`).
         readout: one direction: :func:`pathkernels.logit_diff`, :func:`pathkernels.logit`, a
             :class:`Readout` of one row or a vector ``[d]``.
-        k: how many paths.
+        top_k: how many paths (``k=``, its old name, is taken with a FutureWarning).
         position: the token read out (default: the last real token; for a classifier's class logits,
             the token its score head reads); ``batch``: the element, or a list of elements: then the
             paths of their mean (each element read at ``position``, or at its own last real token),
@@ -475,7 +477,7 @@ def top_paths(
     """
     start = time.monotonic()
     options = SearchOptions.checked(
-        _WHERE, k, largest, time_limit, memory_budget, batch_nodes, record, bound, progress, start
+        _WHERE, top_k, largest, time_limit, memory_budget, batch_nodes, record, bound, progress, start
     )
     if position is not None and (isinstance(position, bool) or not isinstance(position, numbers.Integral)):
         raise TypeError(
@@ -511,7 +513,7 @@ class SearchOptions:
     @staticmethod
     def checked(where, k, largest, time_limit, memory_budget, batch_nodes, record, bound, progress, start):
         """The options, each refused in ``where``'s name where it is not what the search takes."""
-        k = check_int(k, "k", where, minimum=1)
+        k = check_int(k, "top_k", where, minimum=1)
         batch_nodes = check_int(batch_nodes, "batch_nodes", where, minimum=1)
         memory_budget = check_int(memory_budget, "memory_budget", where, minimum=1)
         if time_limit is not None and (

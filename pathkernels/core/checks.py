@@ -7,6 +7,7 @@ Every message names the function called, the argument, what was expected and wha
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import numbers
 import warnings
@@ -93,6 +94,30 @@ def listed(value):
     if isinstance(value, np.generic):
         return value.item()
     return value
+
+
+def renamed(where: str, **new_names: str):
+    """A decorator: the function takes each old keyword of ``new_names`` (``k="top_k"``) as its new
+    name, with a FutureWarning that names both (the API's one vocabulary); both at once are refused."""
+
+    def decorate(function):
+        @functools.wraps(function)
+        def call(*args, **kwargs):
+            for old, new in new_names.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(f"{where}: got both {old}= and {new}=; {old} is the old name of {new}")
+                    warnings.warn(
+                        f"{where}: {old}= is now called {new}= (one name across pathkernels); {old}= will go",
+                        FutureWarning,
+                        stacklevel=2,
+                    )
+                    kwargs[new] = kwargs.pop(old)
+            return function(*args, **kwargs)
+
+        return call
+
+    return decorate
 
 
 def check_flag(value, name: str, where: str) -> bool:

@@ -39,6 +39,7 @@ from pathkernels.core.checks import (
     check_masked_network,
     first_index,
     mask_group_inputs,
+    renamed,
     unpack_stack,
 )
 from pathkernels.core.engine import check_inputs, chunk_reports, evaluate_paths, op_leaf_kernel, to_device
@@ -515,13 +516,14 @@ class PathStatistics:
         measured = int(self.measured("ratio").sum())
         return (float(self.sums["ratio"].sum()) / measured if measured else 0.0), 0.0
 
-    def top(self, k: int | None = None, *, length: int | None = None, batch_element: int = 0):
-        """The ``k`` paths with the largest ratio (of one ``length``, or overall) for one batch
+    @renamed("pathkernels.PathStatistics.top", k="top_k")
+    def top(self, top_k: int | None = None, *, length: int | None = None, batch_element: int = 0):
+        """The ``top_k`` paths with the largest ratio (of one ``length``, or overall) for one batch
         element: a list of ``(ratio, path)``, largest first; a path is a list of L heads, -1 = skip."""
         where = "pathkernels.PathStatistics.top"
-        k = self.top_k if k is None else check_int(k, "k", where)
+        k = self.top_k if top_k is None else check_int(top_k, "top_k", where)
         if not 0 <= k <= self.top_k:
-            raise ValueError(f"{where}: expected k in [0, {self.top_k}] (the top_k collected), got {k}")
+            raise ValueError(f"{where}: expected top_k in [0, {self.top_k}] (the top_k collected), got {k}")
         batch_element = check_int(batch_element, "batch_element", where, minimum=0, maximum=self.counts.shape[0] - 1)
         values, paths = self.top_values[batch_element].cpu(), self.top_paths[batch_element].cpu()
         if length is not None:
