@@ -270,25 +270,24 @@ def causal_check(
                 "the check recomputes the final norm"
             )
         return _value_paths(model, stack, full, names, read, position, batch, real)
-    return _score_paths(
-        model,
-        stack,
-        inputs,
-        full,
-        names,
-        chosen,
-        side,
-        layer,
-        head,
-        query,
-        key,
-        read,
-        position,
-        frozen,
-        batch,
-        allow_masked,
-        at,
-    )
+    removal = _ScoreRemoval(side, layer, head, query, key, position, frozen, batch, allow_masked, at)
+    return _score_paths(model, stack, inputs, full, names, chosen, read, removal)
+
+
+@dataclass(frozen=True)
+class _ScoreRemoval:
+    """What :func:`causal_check` was asked of score paths (its arguments of the same names)."""
+
+    side: str
+    layer: int | None
+    head: int | None
+    query: int | None
+    key: int | None
+    position: int | None
+    frozen: bool
+    batch: int
+    allow_masked: bool
+    at: str
 
 
 def _described(stack, paths, sources, batch) -> tuple[FrozenModel, list[str], list[tuple[Tensor, int]]]:
@@ -309,25 +308,17 @@ def _above(choices: Tensor, source: int, layer: int) -> bool:
     return bool((choices[layer:] != NO_HEAD).any()) or source > 2 * layer
 
 
-def _score_paths(
-    model,
-    stack,
-    inputs,
-    terms,
-    names,
-    chosen,
-    side,
-    layer,
-    head,
-    query,
-    key,
-    read,
-    position,
-    frozen,
-    batch,
-    allow_masked,
-    at,
-):
+def _score_paths(model, stack, inputs, terms, names, chosen, read, removal: _ScoreRemoval) -> CausalCheck:
+    """:func:`causal_check` of score paths: ``terms [M, n, d]`` taken out of one head's query or
+    key input as ``removal`` says, beside their frozen predictions."""
+    side, layer, head, query, key = removal.side, removal.layer, removal.head, removal.query, removal.key
+    position, frozen, batch, allow_masked, at = (
+        removal.position,
+        removal.frozen,
+        removal.batch,
+        removal.allow_masked,
+        removal.at,
+    )
     if layer is None or head is None or key is None:
         raise ValueError(f"{_WHERE}: a score path needs layer, head and key (the head's input it is removed from)")
     checked = checked_head(stack, layer, head, batch, _WHERE)
