@@ -9,6 +9,8 @@
   inputs for it (its tokenizer's, or random ids or pixels);
 - :func:`from_transformer_lens`: a ``HookedTransformer`` (or ``TransformerBridge``) with tokens,
   or an ``ActivationCache``.
+- :func:`load_transcoders`: a folder of transcoders (circuit-tracer, SAELens or sparsify files:
+  per-layer, skip and cross-layer) into a :class:`TranscoderSet`, checked against the model first.
 
 transformers and transformer-lens are optional; each adapter imports only what it reads.
 
@@ -30,17 +32,20 @@ from pathkernels.adapters.huggingface import (
 )
 from pathkernels.adapters.residual import capture_huggingface_residual, capture_transformer_lens_residual
 from pathkernels.adapters.stack import AttentionStack
+from pathkernels.adapters.transcoders import TranscoderSet, load_transcoders
 from pathkernels.adapters.transformer_lens import from_transformer_lens
 
 __all__ = [
     "AttentionStack",
     "LocalModel",
     "ResidualStreamCapture",
+    "TranscoderSet",
     "capture_huggingface_residual",
     "capture_transformer_lens_residual",
     "from_huggingface",
     "from_transformer_lens",
     "load_local_model",
+    "load_transcoders",
     "local_model_inputs",
     "stream_huggingface_attention",
 ]
