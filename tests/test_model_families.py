@@ -647,3 +647,17 @@ def test_a_family_whose_modules_changed_is_refused_by_name_with_the_release(miss
     for capture in (pk.adapters.from_huggingface, capture_huggingface_residual):
         with pytest.raises(ValueError, match=message):
             capture(model, input_ids=torch.randint(0, 50, (1, 5)))
+
+
+def test_a_modeling_module_without_its_eager_attention_is_refused_with_the_release(monkeypatch):
+    """The score side reads queries and keys from a family's ``eager_attention_forward``; a release
+    without it is refused by name, with the installed transformers."""
+    modeling = pytest.importorskip("transformers.models.qwen3.modeling_qwen3")
+    model = family_model("qwen3")
+    monkeypatch.delattr(modeling, "eager_attention_forward")
+    message = (
+        r"modeling_qwen3 has no eager_attention_forward to read the queries and keys from \(transformers "
+        + re.escape(transformers.__version__)
+    )
+    with pytest.raises(ValueError, match=message):
+        capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 5)), query_key=True)

@@ -265,7 +265,11 @@ def recording(attention_modules: list[nn.Module], where: str) -> Iterator[list[_
         modeling = sys.modules.get(name)
         original = getattr(modeling, "eager_attention_forward", None)
         if original is None:
-            raise ValueError(f"{where}: {name} has no eager_attention_forward to read the queries and keys from")
+            version = getattr(sys.modules.get("transformers"), "__version__", "unknown")
+            raise ValueError(
+                f"{where}: {name} has no eager_attention_forward to read the queries and keys from (transformers "
+                f"{version} is installed; docs/BUILD.md gives the tested releases)"
+            )
         modeling.eager_attention_forward = recorder(original)
         swapped.append((modeling, original))
     SCORE_OBSERVERS.append(observe)  # a float64 pass that computes the scores itself (GPT-J's) reports here
