@@ -254,3 +254,12 @@ def test_a_share_is_of_the_absolute_sum_and_a_fraction_of_the_score(scored):
     assert shares.abs().sum() == pytest.approx(1.0, rel=1e-10)
     heads = attribution.head_table()
     assert isinstance(heads, pd.DataFrame) and list(heads.columns[:3]) == ["head", "total", "share"]
+
+
+def test_a_negative_head_is_refused_in_every_place_of_a_list(scored):
+    """``score_decompositions(stack, layer, [0, -1])``: a head index from the end would silently read
+    the last head; every entry is held to [0, H)."""
+    _, _, stack = scored
+    for heads in ([0, -1], [-1, 0], np.array([1, -2])):
+        with pytest.raises(ValueError, match=r"score_decompositions: expected head in \[0, 3\], got -"):
+            pk.score_decompositions(stack, 1, heads, query=9)
