@@ -105,7 +105,8 @@ class CausalCheck:
         """What :meth:`plot` draws, one entry per change measured: ``(what, measured [M], frozen
         prediction [M] or None, what the prediction is)``. The score's prediction is ``−`` the path's
         share; the attention's follows from it with the other keys' scores held (``a e^δ / (1 − a +
-        a e^δ) − a``, ``a`` the clean attention); a score path's readout change has none (the frozen
+        a e^δ) − a``, ``a`` the clean attention: what ``at="one"`` does; with ``at="every"`` the other
+        keys' scores move too, and the label says it holds them); a score path's readout change has none (the frozen
         model holds the patterns, so it predicts 0), a value path's is ``−`` its attribution."""
         panels = []
         if self.score_change is not None:
@@ -114,7 +115,8 @@ class CausalCheck:
             clean = torch.tensor(self.clean["attention"], dtype=torch.float64)
             moved = clean * self.predicted.double().exp()
             predicted = moved / (1 - clean + moved) - clean
-            panels.append(("attention change", self.pattern_change, predicted, "from the predicted score"))
+            how = "from the predicted score" + (", other keys held" if self.at == "every" else "")
+            panels.append(("attention change", self.pattern_change, predicted, how))
         if self.readout_change is not None:
             score_path = self.side != "readout"
             predicted = None if score_path else self.predicted
