@@ -263,3 +263,19 @@ def test_a_negative_head_is_refused_in_every_place_of_a_list(scored):
     for heads in ([0, -1], [-1, 0], np.array([1, -2])):
         with pytest.raises(ValueError, match=r"score_decompositions: expected head in \[0, 3\], got -"):
             pk.score_decompositions(stack, 1, heads, query=9)
+
+
+def test_the_weights_fingerprint_is_each_parameters_sums_in_float64(monkeypatch):
+    """Σw and Σw² of every parameter, taken block by block (the block shrunk here so that a weight
+    spans several), equal the literal float64 sums."""
+    from pathkernels.adapters import capture
+
+    monkeypatch.setattr(capture, "_FINGERPRINT_BLOCK", 7)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.LayerNorm(6)).float()
+    prints = capture.weights_fingerprint(model)
+    for name, parameter in model.named_parameters():
+        values = parameter.detach().double()
+        shape, total, squares = prints[name]
+        assert shape == tuple(parameter.shape)
+        assert total == pytest.approx(float(values.sum()), rel=1e-12, abs=1e-12)
+        assert squares == pytest.approx(float(values.square().sum()), rel=1e-12)

@@ -119,18 +119,22 @@ class ResidualStreamCapture:
 
 def weights_fingerprint(model: nn.Module) -> dict[str, tuple]:
     """What identifies a model's weights, cheaply: for each parameter (by name), its shape and the
-    float64 sums ``Σ w`` and ``Σ w²`` (one pass over the weights, less than a forward pass).
-    Another model, or these weights changed, gives another fingerprint."""
+    float64 sums ``Σ w`` and ``Σ w²``, over blocks of ``_FINGERPRINT_BLOCK`` entries, so that at
+    most a block is ever held in float64 (about 0.7·10⁹ entries a second on 2 cores: seconds for a
+    2B-parameter model, about its forward pass on a short prompt). Another model, or these weights
+    changed, gives another fingerprint."""
     prints = {}
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            values = parameter.detach()
-            prints[name] = (
-                tuple(values.shape),
-                float(values.sum(dtype=torch.float64)),
-                float(values.double().pow(2).sum()),
-            )
+            total = squares = 0.0
+            for block in parameter.detach().reshape(-1).split(_FINGERPRINT_BLOCK):
+                total += float(block.sum(dtype=torch.float64))
+                squares += float(torch.linalg.vector_norm(block, dtype=torch.float64)) ** 2
+            prints[name] = (tuple(parameter.shape), total, squares)
     return prints
+
+
+_FINGERPRINT_BLOCK = 1 << 20  # entries of a weight summed at once (8 MiB in float64)
 
 
 def fingerprint_mismatch(model: nn.Module, expected: dict[str, tuple] | None) -> str | None:
