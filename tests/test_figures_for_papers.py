@@ -128,3 +128,23 @@ def test_the_causal_check_shows_score_attention_and_readout_beside_their_predict
     assert len(readout.patches) == 2 and "no frozen prediction" in readout.get_title()
     assert "attn_only_2l" in figure.get_suptitle()
     assert inside(figure, [*score.get_yticklabels(), *(ax.xaxis.label for ax in panels)])
+
+
+def test_the_searches_figures_name_the_model_too(induction):
+    """TopPaths, TopScorePairs and score_attribution's result carry the stack's name into their
+    titles, as every other result does."""
+    import matplotlib.pyplot as plt
+
+    model, _, stack = induction
+    readout = pk.logit_diff(model, 3, 7)
+    results = (
+        pk.top_paths(stack, readout, top_k=3, position=POSITION),
+        pk.score_top_paths(stack, 1, 0, top_k=3, query=POSITION, key=KEY),
+        pk.top_score_pairs(stack, 1, 0, top_k=3, query=POSITION, key=KEY),
+        pk.score_attribution(stack, 1, 0, query=POSITION, key=KEY),
+    )
+    for result in results:
+        figure = result.plot()
+        titles = [axis.get_title() for axis in figure.axes] + [figure.get_suptitle()]
+        assert any(title.startswith("attn_only_2l: ") for title in titles), titles
+        plt.close(figure)

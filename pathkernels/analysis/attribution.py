@@ -313,6 +313,12 @@ def own_tokens(tokens: list[int]) -> str:
     return f"each element's own token ({shown})"
 
 
+def named(result, stack):
+    """``result`` with the stack's model name (``AttentionStack.name``) for its figure titles."""
+    result.model_name = getattr(stack, "name", "")
+    return result
+
+
 def check_kept(k: int, kept: int, paths, where: str) -> None:
     """Refuse a plot of ``k`` bars per side beyond the ``kept`` paths a result holds (its ``top_k``),
     where the tree had more: it would silently draw fewer."""
@@ -734,9 +740,7 @@ def path_attribution(
     split_embedding = check_flag(split_embedding, "split_embedding", _WHERE)
     max_length, only = _tree_paths(stack, tree, max_length, _WHERE)
     setup = read_out(stack, readout, positions, batch, max_length, _WHERE, split_embedding)
-    result = attribute(setup, top_k, memory_budget, progress, only=only)
-    result.model_name = getattr(stack, "name", "")
-    return result
+    return named(attribute(setup, top_k, memory_budget, progress, only=only), stack)
 
 
 def _tree_paths(stack, tree: PathTree | None, max_length, where: str) -> tuple[int | None, PathSet | None]:
@@ -846,9 +850,7 @@ def batch_attribution(
             )
         setups.append(setup)
     results, mean = attribute_in_step(setups, top_k, memory_budget, progress, only)
-    for result in (*results, mean):
-        result.model_name = getattr(stack, "name", "")
-    return BatchAttribution(results, mean)
+    return BatchAttribution([named(result, stack) for result in results], named(mean, stack))
 
 
 def _positions_per_element(positions, count: int, where: str) -> list:

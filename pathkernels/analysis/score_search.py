@@ -43,7 +43,7 @@ from pathkernels.analysis.top_paths import (
     _NodeBounds,
     _safe_bounds,
 )
-from pathkernels.core._figures import require
+from pathkernels.core._figures import require, titled
 from pathkernels.core._progress import progress_bar
 from pathkernels.core.checks import renamed
 from pathkernels.core.paths import count_attribution_paths
@@ -87,6 +87,7 @@ class TopScorePairs:
     total: int
     seconds: float
     stopped: str
+    model_name: str = ""  # the model's name for figure titles (AttentionStack.name)
 
     def __repr__(self) -> str:
         state = "certified" if self.certified else f"not certified, gap {self.gap:.3g}"
@@ -119,7 +120,9 @@ class TopScorePairs:
         says whether the list is certified. Returns the matplotlib Figure, saved to ``path``."""
         how = "certified" if self.certified else f"not certified: gap {self.gap:.3g}"
         which = "largest" if self.largest else "smallest"
-        title = f"L{self.layer}H{self.head}, query {self.query}, key {self.key}: the {which} pairs ({how})"
+        title = titled(
+            self.model_name, f"L{self.layer}H{self.head}, query {self.query}, key {self.key}: the {which} pairs ({how})"
+        )
         rows = self.table()
         where = "pathkernels.TopScorePairs.plot"
         return pair_bars(rows, [], top_k, (len(rows), self.total**2), title, where, ax=ax, path=path)
@@ -395,6 +398,7 @@ def top_score_pairs(
         certified=certified,
         gap=0.0 if certified else max(0.0, remaining - kth),
         score=float(checked.model_scores(query, keys)[0]),
+        model_name=getattr(stack, "name", ""),
         visited=(len(sides[0].labels) - 1, len(sides[1].labels) - 1),  # the constant is not a path
         total=total,
         seconds=time.monotonic() - options.start,

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from pathkernels.adapters.query_key import SIDES
-from pathkernels.analysis.attribution import CheckedReadout, PathAttribution, Readout, attribute, pair_bars
+from pathkernels.analysis.attribution import CheckedReadout, PathAttribution, Readout, attribute, named, pair_bars
 from pathkernels.analysis.readout_trie import FrozenModel, describe_path, frozen_model
 from pathkernels.analysis.real_paths import _every_term, _heads, _skip
 from pathkernels.analysis.top_paths import SearchOptions, TopPaths, search_top_paths
@@ -650,7 +650,7 @@ def score_attribution(
     setup = _one_side(stack, layer, head, query, key, side, batch, max_length, where, allow_masked)
     top_k = check_int(top_k, "top_k", where, minimum=0)
     memory_budget = check_int(memory_budget, "memory_budget", where, minimum=1)
-    return attribute(setup, top_k, memory_budget, check_flag(progress, "progress", where))
+    return named(attribute(setup, top_k, memory_budget, check_flag(progress, "progress", where)), stack)
 
 
 @renamed("pathkernels.score_top_paths", k="top_k")
@@ -686,7 +686,7 @@ def score_top_paths(
         where, top_k, largest, time_limit, memory_budget, batch_nodes, False, bound, progress, time.monotonic()
     )
     setup = _one_side(stack, layer, head, query, key, side, batch, max_length, where, allow_masked)
-    return search_top_paths(setup, options)
+    return named(search_top_paths(setup, options), stack)
 
 
 def _one_side(

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from pathkernels.analysis.attribution import Readout, check_kept, mean_read_out, path_bars, read_out
+from pathkernels.analysis.attribution import Readout, check_kept, mean_read_out, named, path_bars, read_out
 from pathkernels.analysis.readout_trie import NO_HEAD, Fold, FrozenModel, Sublayer, TensorCache, Walker, describe_path
-from pathkernels.core._figures import check_save_path, saved
+from pathkernels.core._figures import check_save_path, saved, titled
 from pathkernels.core._progress import progress_bar
 from pathkernels.core._repr import short_repr
 from pathkernels.core._scaling import leading_exponent, power_of_two, times_power_of_two
@@ -84,6 +84,7 @@ class TopPaths:
     seconds: float
     stopped: str
     recorded: tuple[Tensor, Tensor, Tensor] | None = None
+    model_name: str = ""  # the model's name for figure titles (AttentionStack.name)
 
     def table(self) -> list[dict]:
         """Rows: rank, path (text), source, length, attribution."""
@@ -131,7 +132,8 @@ class TopPaths:
         which = "largest" if self.largest else "smallest"
         how = "certified" if self.certified else f"not certified: gap {self.gap:.3g}"
         label = f"attribution to {self.label} at {self._at()}"
-        return saved(path_bars(rows, [], label, f"the {len(rows)} {which} paths ({how})", ax), path)
+        title = titled(self.model_name, f"the {len(rows)} {which} paths ({how})")
+        return saved(path_bars(rows, [], label, title, ax), path)
 
 
 def _unit(x: Tensor, dims) -> Tensor:
@@ -493,7 +495,7 @@ def top_paths(
         setup = read_out(stack, readout, position, batch, max_length, _WHERE)
     if len(setup.readout.labels) != 1:
         raise ValueError(f"{_WHERE}: expected one readout direction, got {len(setup.readout.labels)}")
-    return search_top_paths(setup, options)
+    return named(search_top_paths(setup, options), stack)
 
 
 @dataclass(frozen=True)
