@@ -9,6 +9,7 @@ readers that build it import it in one direction.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -150,7 +151,7 @@ def fingerprint_mismatch(model: nn.Module, expected: dict[str, tuple] | None) ->
         other_shape, other_total, other_squares = found[name]
         if other_shape != shape:
             return f"{name} has shape {list(other_shape)}, the capture read {list(shape)}"
-        scale = max(squares, 1e-300) ** 0.5 * max(1.0, float(torch.tensor(shape).prod()) ** 0.5)
+        scale = max(squares, 1e-300) ** 0.5 * max(1.0, math.prod(shape) ** 0.5)
         if abs(other_total - total) > 1e-6 * scale or abs(other_squares - squares) > 1e-6 * max(squares, 1e-300):
             return f"{name} holds other values (Σw {other_total:.6g} where the capture read {total:.6g})"
     return None

@@ -212,11 +212,12 @@ def _opt_layers(model, config) -> list[_AttentionLayer]:
     )
 
 
-def _standard_attention(model: nn.Module) -> bool:
-    """Whether a model's modeling module has transformers' shared ``eager_attention_forward``, which
-    takes the softmax in float32 (Falcon's from transformers 5.25 on; before, its attention computed
-    the softmax inline in the model's dtype)."""
-    return hasattr(sys.modules[type(model).__module__], "eager_attention_forward")
+def has_eager_attention_function(module: nn.Module) -> bool:
+    """Whether the modeling module that defines ``module``'s class (a model or an attention layer)
+    has transformers' shared ``eager_attention_forward``: every family's but Falcon's before
+    transformers 5.25, whose attention computed its scores and softmax inline (in the model's
+    dtype; the shared function takes the softmax in float32)."""
+    return hasattr(sys.modules[type(module).__module__], "eager_attention_forward")
 
 
 @dataclass(frozen=True)
@@ -248,7 +249,7 @@ _FAMILIES: dict[str, _Family] = {
     "gpt_neox": _Family(_gpt_neox_layers, softmax_in_float32=True, zero_based_positions=True),
     "gptj": _Family(_gptj_layers, softmax_in_float32=False, zero_based_positions=True),
     "phi": _Family(_phi_layers, softmax_in_float32=True, zero_based_positions=True),
-    "falcon": _Family(_falcon_layers, softmax_in_float32=_standard_attention, zero_based_positions=True),
+    "falcon": _Family(_falcon_layers, softmax_in_float32=has_eager_attention_function, zero_based_positions=True),
     "opt": _Family(_opt_layers, softmax_in_float32=True, zero_based_positions=False),  # from attention_mask
 }
 
@@ -266,7 +267,7 @@ def _family(model) -> _Family:
 
 # The transformers releases whose modules the adapters are tested against (Makefile's constraints
 # file pins the newest; `make test-newest` tries whatever is newer).
-TESTED_TRANSFORMERS = "5.9 to 5.25"
+TESTED_TRANSFORMERS = "5.24 to 5.25"
 
 
 def _attention_layers(model, where: str = _WHERE) -> list[_AttentionLayer]:
@@ -280,10 +281,17 @@ def _attention_layers(model, where: str = _WHERE) -> list[_AttentionLayer]:
 def changed_modules(model, error: Exception, where: str = _WHERE) -> str:
     """The message for a model whose modules lack what the adapters read (``error``): the family,
     the installed transformers release and the tested ones."""
+    return (
+        f"{where}: this {model.config.model_type!r} model's modules lack what pathkernels reads ({error}); {releases()}"
+    )
+
+
+def releases() -> str:
+    """The installed transformers release beside the tested ones, for refusals that a release's
+    changed modules explain."""
     import transformers
 
     return (
-        f"{where}: this {model.config.model_type!r} model's modules lack what pathkernels reads ({error}); "
         f"transformers {transformers.__version__} is installed and pathkernels is tested with transformers "
         f"{TESTED_TRANSFORMERS} (docs/BUILD.md)"
     )

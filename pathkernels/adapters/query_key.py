@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields
 import torch
 from torch import Tensor, nn
 
+from pathkernels.adapters.huggingface import has_eager_attention_function, releases
 from pathkernels.adapters.precision import SCORE_OBSERVERS, norm_eps, rms_gain
 from pathkernels.core._repr import short_repr
 
@@ -265,10 +266,8 @@ def recording(attention_modules: list[nn.Module], where: str) -> Iterator[list[_
         modeling = sys.modules.get(name)
         original = getattr(modeling, "eager_attention_forward", None)
         if original is None:
-            version = getattr(sys.modules.get("transformers"), "__version__", "unknown")
             raise ValueError(
-                f"{where}: {name} has no eager_attention_forward to read the queries and keys from (transformers "
-                f"{version} is installed; docs/BUILD.md gives the tested releases)"
+                f"{where}: {name} has no eager_attention_forward to read the queries and keys from ({releases()})"
             )
         modeling.eager_attention_forward = recorder(original)
         swapped.append((modeling, original))
@@ -287,9 +286,7 @@ def _replayed(module: nn.Module) -> bool:
     """Whether a module's queries and keys are replayed from its inputs rather than read from its
     eager attention function: Falcon's before transformers 5.25, whose attention computes its scores
     inline (from 5.25 on it calls ``eager_attention_forward`` like the other families)."""
-    return type(module).__name__.startswith("Falcon") and not hasattr(
-        sys.modules[type(module).__module__], "eager_attention_forward"
-    )
+    return type(module).__name__.startswith("Falcon") and not has_eager_attention_function(module)
 
 
 def _alibi(module: nn.Module, kwargs: dict) -> bool:

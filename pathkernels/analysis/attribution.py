@@ -627,10 +627,9 @@ def read_out(stack, readout, positions, batch, max_length, where: str, split_emb
             )
     elif positions is None:
         positions = [int(real.nonzero().flatten()[-1])]
-    elif not isinstance(listed(positions), (list, tuple)):
-        positions = [listed(positions)]
     else:
         positions = listed(positions)
+        positions = list(positions) if isinstance(positions, (list, tuple)) else [positions]
     if len(positions) == 0:
         raise ValueError(f"{where}: expected at least one position in positions, got an empty list")
     positions = [check_int(p, "positions", where) for p in positions]

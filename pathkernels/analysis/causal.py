@@ -75,18 +75,20 @@ class CausalCheck:
     at: str = "every"  # a score path removed from the head's input at every token, or at the scored one ("one")
 
     def __repr__(self) -> str:
-        where = "the readout" if self.side == "readout" else f"L{self.layer}H{self.head}'s {self.side}"
-        at = f" at ({self.query}, {self.key})" if self.side != "readout" else f" at {self.position}"
-        if self.side != "readout":
-            at += (
-                ", at every token"
-                if self.at == "every"
-                else f", at token {self.key if self.side == 'key' else self.query} only"
+        return f"CausalCheck({self._summary()})"
+
+    def _summary(self) -> str:
+        """What was removed, where, and what the model recomputed: the repr's text and the figure's
+        title."""
+        if self.side == "readout":
+            where, how = f"the readout at token {self.position}", "final norm recomputed"
+        else:
+            token = (
+                "every token" if self.at == "every" else f"token {self.key if self.side == 'key' else self.query} only"
             )
-        return (
-            f"CausalCheck({len(self.paths)} path(s) removed from {where}{at}, "
-            f"{'norms held' if self.frozen else 'norms and patterns recomputed'})"
-        )
+            where = f"L{self.layer}H{self.head}'s {self.side} at ({self.query}, {self.key}), at {token}"
+            how = "norms and patterns recomputed"
+        return f"{len(self.paths)} path(s) removed from {where}, {'norms held' if self.frozen else how}"
 
     def to_frame(self):
         """One row per path: its prediction and what was measured."""
@@ -157,12 +159,7 @@ class CausalCheck:
         for one in axes[: len(panels)]:  # the first path on top (shared axes turn together)
             if not one.yaxis_inverted():
                 one.invert_yaxis()
-        where = "the readout" if self.side == "readout" else f"L{self.layer}H{self.head}'s {self.side}"
-        at = f" at ({self.query}, {self.key})" if self.side != "readout" else f" at token {self.position}"
-        how = "norms held" if self.frozen else "final norm recomputed"
-        how = how if self.side == "readout" or self.frozen else "norms and patterns recomputed"
-        text = f"{count} path(s) removed from {where}{at}, {how}"
-        title = titled(self.model_name, text)
+        title = titled(self.model_name, self._summary())
         if len(axes) > 1:
             fig.suptitle(title, fontsize="medium")
         else:

@@ -444,12 +444,17 @@ def _decompositions(
     return results
 
 
+def _stream_path_count(model: FrozenModel) -> int:
+    """The paths of the stream entering the layer above ``model``: ``Σ_j (H + 1)^(attention
+    sublayers above source j)``."""
+    above = [sum(1 for s in model.sublayers[j:] if s.attn is not None) for j in range(len(model.sources))]
+    return sum((model.num_heads + 1) ** a for a in above)
+
+
 def _few_paths(model: FrozenModel) -> tuple[tuple[str, ...], Tensor] | None:
     """``(labels, terms [P, n, d])`` of every path of the stream entering the layer above ``model``
     (the constant's label last), where they number at most :data:`FEW_PATHS`; else None."""
-    heads = model.num_heads
-    attention_above = [sum(1 for s in model.sublayers[j:] if s.attn is not None) for j in range(len(model.sources))]
-    if sum((heads + 1) ** a for a in attention_above) > FEW_PATHS:
+    if _stream_path_count(model) > FEW_PATHS:
         return None
     labels, terms = [], []
     for chunk, choices, source in _every_term(model, model.layers, FEW_PATHS):
@@ -548,9 +553,7 @@ def score_pairs(
     memory_budget = check_int(memory_budget, "memory_budget", where, minimum=1)
     query, keys = query_and_keys(checked, query, key, where, allow_masked, "key")
     model = checked.model
-    heads = model.num_heads
-    attention_below = [sum(1 for s in model.sublayers[j:] if s.attn is not None) for j in range(len(model.sources))]
-    count = sum((heads + 1) ** a for a in attention_below)
+    count = _stream_path_count(model)
     need = 8 * (count + 1) ** 2 + 8 * count * (model.layers + 2 * checked.maps.w_q.shape[-1])
     if need > memory_budget:
         raise ValueError(
@@ -560,7 +563,7 @@ def score_pairs(
         )
     rows = torch.tensor([query, int(keys[0])], device=checked.positions.device)
     sides, paths, sources = [], [], []
-    chunk = max(1, memory_budget // (8 * 4 * model.sources[0].numel() * (heads + 1)))
+    chunk = max(1, memory_budget // (8 * 4 * model.sources[0].numel() * (model.num_heads + 1)))
     for terms, choices, source in _every_term(model, model.layers, chunk):
         sides.append(
             torch.stack([checked.side("query", terms, rows[:1])[:, 0], checked.side("key", terms, rows[1:])[:, 0]])
