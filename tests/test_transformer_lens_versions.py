@@ -23,6 +23,7 @@ SELECTED = [
     "tests/test_readme.py",
     "tests/test_real_models_transformer_lens.py",
     "tests/test_scores.py",
+    "tests/test_transcoder_paths.py",
 ]
 
 

@@ -32,7 +32,7 @@ from pathkernels.adapters.huggingface import (
 )
 from pathkernels.adapters.residual import capture_huggingface_residual, capture_transformer_lens_residual
 from pathkernels.adapters.stack import AttentionStack
-from pathkernels.adapters.transcoders import TranscoderSet, load_transcoders
+from pathkernels.adapters.transcoders import TranscoderSet, load_transcoders, random_transcoders
 from pathkernels.adapters.transformer_lens import from_transformer_lens
 
 __all__ = [
@@ -46,6 +46,7 @@ __all__ = [
     "from_transformer_lens",
     "load_local_model",
     "load_transcoders",
+    "random_transcoders",
     "local_model_inputs",
     "stream_huggingface_attention",
 ]

@@ -55,6 +55,9 @@ class ResidualStreamCapture:
     CaptureCheck`), None where the check was turned off. ``query_key``: the frozen query and key maps
     of every head and the model's own queries and keys (:class:`~pathkernels.adapters.query_key.
     QueryKeyCapture`), read when the capture is asked for them (``query_key=True``), else None.
+    ``transcoders``: the MLPs replaced by a transcoder set, frozen (:class:`~pathkernels.adapters.
+    replacement.TranscoderCapture`), when the capture is given one, else None; ``mlp_out`` is then
+    still each MLP's own output, which its features' paths, its constant rows and its error sum to.
     """
 
     layout: str
@@ -81,6 +84,7 @@ class ResidualStreamCapture:
     check: object | None = None  # the self-check's CaptureCheck (pathkernels.adapters.self_check), or None
     query_key: object | None = None  # the score side's QueryKeyCapture (pathkernels.adapters.query_key), or None
     model_fingerprint: dict | None = None  # weights_fingerprint() of the model read, or None
+    transcoders: object | None = None  # the MLPs replaced (adapters.replacement.TranscoderCapture), or None
 
     def __repr__(self) -> str:
         batch, tokens, width = self.embedding.shape
@@ -113,8 +117,9 @@ class ResidualStreamCapture:
     def on(self, device) -> ResidualStreamCapture:
         """A copy on ``device`` (float64 throughout, whatever the stack's dtype)."""
         moved = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()}
-        if self.query_key is not None:
-            moved["query_key"] = self.query_key.on(device)
+        for name in ("query_key", "transcoders"):
+            if getattr(self, name) is not None:
+                moved[name] = getattr(self, name).on(device)
         return ResidualStreamCapture(**moved)
 
 

@@ -23,6 +23,7 @@ from pathkernels.adapters.capture import ResidualStreamCapture, weights_fingerpr
 from pathkernels.adapters.huggingface import _attention_layers, _blocks, _prepared_inputs, _read_stack, _value_output
 from pathkernels.adapters.precision import norm_eps, rms_gain
 from pathkernels.adapters.query_key import QUERY_KEY_FAMILIES, QueryKeyCapture, query_key_capture, recording
+from pathkernels.adapters.replacement import MlpInputs, check_input_hook, check_replaceable, replace_mlps
 from pathkernels.adapters.self_check import (
     check_cached_capture,
     check_huggingface_capture,
@@ -208,7 +209,7 @@ def _inverse_scale(x: Tensor, norm: nn.Module | None, kind: str) -> Tensor:
 
 
 def capture_huggingface_residual(
-    model: nn.Module, *, check: bool = True, query_key: bool = False, **inputs
+    model: nn.Module, *, check: bool = True, query_key: bool = False, transcoders=None, **inputs
 ) -> tuple[AttentionStack, ResidualStreamCapture]:
     """The attention stack of :func:`from_huggingface` and, from the same forward pass, what the
     real model's residual stream needs beyond it (:class:`ResidualStreamCapture`), in float64.
@@ -238,6 +239,14 @@ def capture_huggingface_residual(
     :func:`pathkernels.score_decomposition` decomposes into pairs of paths; families:
     :data:`~pathkernels.adapters.query_key.QUERY_KEY_FAMILIES` (others refused by name).
 
+    With ``transcoders`` (a per-layer or skip :class:`~pathkernels.adapters.TranscoderSet`, from
+    :func:`~pathkernels.adapters.load_transcoders`), each MLP of its layers is replaced by its
+    transcoder, frozen at this pass (``capture.transcoders``, :mod:`pathkernels.adapters.replacement`):
+    its active features become path steps, and its constant rows and its error (the MLP's output less
+    the reconstruction) sources, so that the paths still sum to the model's stream. Sequential
+    pre-norm families; a parallel block (GPT-J, Phi, parallel GPT-NeoX and Falcon) and post-norm
+    models are refused by name.
+
     Returns:
         ``(stack, capture)``; the capture is also ``stack.residual_capture``, which
         :meth:`AttentionStack.length_sums` decomposes.
@@ -259,6 +268,8 @@ def capture_huggingface_residual(
     inputs = _prepared_inputs(model, inputs, _WHERE)
     blocks = _blocks(model, *spec.blocks)
     count = len(blocks)
+    if transcoders is not None:
+        _check_replaceable_family(model, spec, transcoders, count)
     norms = [norm for block in blocks for norm in spec.norms(block)]
     outputs = [] if spec.output_norms is None else [spec.output_norms(block) for block in blocks]
     final_norm = None if spec.final_norm is None else _module_at(model.base_model, spec.final_norm)
@@ -284,6 +295,16 @@ def capture_huggingface_residual(
     mlp_branches = [spec.mlp(block) if not outputs else outputs[i][1] for i, block in enumerate(blocks)]
     handles += [module.register_forward_hook(keep("mlp_out", i, output=True)) for i, module in enumerate(mlp_branches)]
     handles += [out[0].register_forward_pre_hook(keep("output_in", i, output=False)) for i, out in enumerate(outputs)]
+    if transcoders is not None:  # the MLP's argument as the model computed it, and what a norm after it reads
+        seen |= {"mlp_in": [None] * count, "module_out": [None] * count}
+        for i, block in enumerate(blocks):
+            mlp_norm = norms[2 * i + 1]
+            if mlp_norm is not None:
+                handles.append(mlp_norm.register_forward_hook(keep("mlp_in", i, output=True)))
+            else:  # no norm before the MLP (OLMo 2): it reads the stream itself
+                handles.append(spec.mlp(block).register_forward_pre_hook(keep("mlp_in", i, output=False)))
+            if outputs:
+                handles.append(outputs[i][1].register_forward_pre_hook(keep("module_out", i, output=False)))
     if final_norm is not None:
         handles.append(final_norm.register_forward_pre_hook(keep("final_in", 0, output=False)))
     # The token embedding, where the stream entering block 0 is it plus a learned position
@@ -359,12 +380,77 @@ def capture_huggingface_residual(
                 scaled_queries=model.config.model_type == "opt",
             )
             _check_query_key(capture, stack)
+        if transcoders is not None:
+            capture.transcoders = _replaced_mlps(transcoders, capture, stack, seen, norms, outputs, spec)
     stack, capture = _attached(stack, capture, model, _WHERE)
     if check:
         projection = getattr(getattr(model.base_model, "decoder", None), "project_out", None)
         final_input = final_norm if final_norm is not None else projection
         capture.check = check_huggingface_capture(model, inputs, stack, capture, final_input, _WHERE)
     return stack, capture
+
+
+def _parallel_blocks(config) -> bool:
+    """Whether a block's MLP reads the block's input, beside its attention (GPT-J, Phi, GPT-NeoX's
+    ``use_parallel_residual``, Falcon's ``parallel_attn`` or new decoder)."""
+    kind = config.model_type
+    if kind in ("gptj", "phi"):
+        return True
+    if kind == "gpt_neox":
+        return bool(config.use_parallel_residual)
+    if kind == "falcon":
+        return bool(getattr(config, "parallel_attn", False) or getattr(config, "new_decoder_architecture", False))
+    return False
+
+
+def _check_replaceable_family(model, spec: _Layout, transcoders, layers: int) -> None:
+    """Refuse, before the forward pass, a model or set whose MLPs the capture cannot replace."""
+    if spec.layout != "pre" or _parallel_blocks(model.config):
+        kind = "normalises after each residual sum (post-norm)" if spec.layout != "pre" else "has parallel blocks"
+        raise ValueError(
+            f"{_WHERE}: transcoders replace the MLPs of sequential pre-norm models; this {model.config.model_type!r} "
+            f"{kind}, where a feature would read below the attention beside it: not yet read"
+        )
+    check_replaceable(transcoders, layers, model.config.get_text_config().hidden_size, _WHERE)
+
+
+def _replaced_mlps(transcoders, capture: ResidualStreamCapture, stack: AttentionStack, seen, norms, outputs, spec):
+    """The capture's MLPs of ``transcoders``' layers replaced (:func:`~pathkernels.adapters.replacement.
+    replace_mlps`) from what the forward pass's hooks kept, the frozen input checked against the
+    model's own MLP input."""
+    batch, tokens, d = capture.embedding.shape
+
+    def stacked(values) -> Tensor:  # [B, L, n, d] float64
+        return torch.stack([v.double().reshape(batch, tokens, d) for v in values], dim=1)
+
+    count = len(seen["mlp_in"])
+    module_input = stacked(seen["mlp_in"])
+    stream = stacked([seen["norm_in"][2 * i + 1] if norms[2 * i + 1] is not None else seen["mlp_in"][i]
+                      for i in range(count)])  # fmt: skip
+    extra = {}
+    if outputs:
+        extra["output_scale"] = torch.stack(
+            [
+                _inverse_scale(x, out[1], "rmsnorm").reshape(batch, tokens)
+                for x, out in zip(seen["module_out"], outputs)
+            ],
+            dim=1,
+        )
+        extra["output_weight"] = torch.stack([_gain(out[1], "rmsnorm", d, stream.device) for out in outputs])
+    inputs = MlpInputs(
+        stream=stream,
+        norm_scale=capture.norm_scale[:, :, 1],
+        norm_weight=capture.norm_weight[:, 1],
+        norm_bias=capture.norm_bias[:, 1],
+        centred=capture.centred,
+        mlp_out=capture.mlp_out,
+        own_inputs={"mlp_input": module_input},
+        **extra,
+    )
+    error = check_input_hook(transcoders, inputs, check_tolerance(stack.attn.dtype), _WHERE)
+    replaced = replace_mlps(transcoders, inputs, stack.token_mask, _WHERE)
+    replaced.input_error = error
+    return replaced
 
 
 # Families whose stream entering block 0 is the token embedding plus a learned position embedding
@@ -526,7 +612,7 @@ _TL_NORMS = {
 
 
 def capture_transformer_lens_residual(
-    model, tokens=None, *, attention_mask=None, check: bool = True, query_key: bool = False
+    model, tokens=None, *, attention_mask=None, check: bool = True, query_key: bool = False, transcoders=None
 ) -> tuple[AttentionStack, ResidualStreamCapture]:
     """:func:`capture_huggingface_residual` for a TransformerLens ``HookedTransformer`` (3.x) or
     ``TransformerBridge`` (4.x: over its native models or a Hugging Face one; the same hooks).
@@ -554,7 +640,10 @@ def capture_transformer_lens_residual(
     its attention was handed), query/key RMSNorms (frozen at their ``hook_scale``), the soft cap and
     ALiBi (its bias, a term per pair of tokens), checked against the queries and keys its hooks
     report and (but for a native bridge) the scores its ``hook_attn_scores`` report; what it does
-    not read is refused by name.
+    not read is refused by name. ``transcoders``: each MLP of the set's layers replaced by its
+    transcoder, as in :func:`capture_huggingface_residual` (the stream entering the MLP's norm from
+    ``hook_resid_mid``; sequential blocks with MLPs; the set's input checked against
+    ``ln2.hook_normalized`` where it reads that).
     """
     where = "pathkernels.adapters.capture_transformer_lens_residual"
     model, tokens, given_cache = model_and_cache(model, tokens, where)
@@ -578,6 +667,11 @@ def capture_transformer_lens_residual(
             "and the paths would not sum to the model's stream; not captured"
         )
     inputs, outputs = _tl_sublayer_norms(model, cfg, where)
+    if transcoders is not None:
+        if cfg.attn_only or getattr(cfg, "parallel_attn_mlp", False):
+            kind = "is attention-only" if cfg.attn_only else "has parallel blocks (parallel_attn_mlp)"
+            raise ValueError(f"{where}: transcoders replace the MLPs of sequential blocks; this model {kind}: not read")
+        check_replaceable(transcoders, cfg.n_layers, cfg.d_model, where)
     if given_cache is None:
         if tokens is None:
             raise ValueError(f"{where}: expected tokens to run the model on, or the ActivationCache of a run")
@@ -597,6 +691,10 @@ def capture_transformer_lens_residual(
         names |= {"ln_final.hook_scale"}
     if not attn_only:
         names |= {f"blocks.{layer}.hook_mlp_out" for layer in range(layers)}
+    if transcoders is not None:
+        names |= {f"blocks.{layer}.hook_resid_mid" for layer in range(layers)}
+        if inputs[1] is not None:
+            names |= {f"blocks.{layer}.{inputs[1]}.hook_normalized" for layer in range(layers)}
     split = cfg.positional_embedding_type == "standard"  # resid_pre of block 0 = hook_embed + hook_pos_embed
     if split:
         names |= {"hook_embed"}
@@ -700,6 +798,30 @@ def capture_transformer_lens_residual(
             capture.query_key = _transformer_lens_query_key(model, cfg, cache, stack, attention_mask)
             if not _native_bridge(model):  # (a native bridge's hook_attn_scores holds its pattern)
                 _check_transformer_lens_scores(capture.query_key, cache, stack, where)
+        if transcoders is not None:
+            mlp_norm, mlp_output_norm = inputs[1], None if outputs is None else outputs[1]
+
+            def stacked(hook: str) -> Tensor:  # [B, L, n, d] of a hook in every block
+                return torch.stack([cache[f"blocks.{layer}.{hook}"].double() for layer in range(layers)], dim=1)
+
+            own = {} if mlp_norm is None else {"mlp_input_before_gain": stacked(f"{mlp_norm}.hook_normalized")}
+            extra = {}
+            if mlp_output_norm is not None:  # an RMSNorm on the MLP's output (ln2_post): hook_mlp_out is after it
+                extra["output_scale"] = per_layer(mlp_output_norm, scale_of).permute(1, 0, 2)
+                extra["output_weight"] = per_layer(mlp_output_norm, lambda name: parameter(name, "w", True, 1.0))
+            mlp_inputs = MlpInputs(
+                stream=stacked("hook_resid_mid"),
+                norm_scale=capture.norm_scale[:, :, 1],
+                norm_weight=capture.norm_weight[:, 1],
+                norm_bias=capture.norm_bias[:, 1],
+                centred=capture.centred,
+                mlp_out=capture.mlp_out,
+                own_inputs=own,
+                **extra,
+            )
+            error = check_input_hook(transcoders, mlp_inputs, check_tolerance(stack.attn.dtype), where)
+            capture.transcoders = replace_mlps(transcoders, mlp_inputs, stack.token_mask, where)
+            capture.transcoders.input_error = error
     stack, capture = _attached(stack, capture, model, where)
     if query_key:
         _check_query_key(capture, stack, where)

@@ -183,7 +183,13 @@ class TranscoderSet:
 
     def encode(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         """``[..., F]``: the features' activations for ``x [..., d_in]`` read at layer ``layer``."""
-        pre = self.pre_activations(layer, x)
+        return self.activate(layer, self.pre_activations(layer, x))
+
+    def activate(self, layer: int, pre: torch.Tensor) -> torch.Tensor:
+        """``[..., F]``: the activations of pre-activations ``pre [..., F]`` at layer ``layer`` (the
+        gate: ReLU, JumpReLU's threshold, TopK's k largest; then the format's clamp at 0). Every
+        active feature passes its pre-activation unchanged: ``a_f = pre_f`` or 0."""
+        layer = self._layer(layer)
         activation = self.activation[layer]
         if activation == "relu":
             return pre.clamp_min(0)
@@ -953,4 +959,65 @@ def load_transcoders(
     )
 
 
-__all__ = ["ACTIVATIONS", "HOOKS", "LAYOUTS", "TranscoderSet", "detect_layout", "load_transcoders", "model_dimensions"]
+def random_transcoders(
+    num_layers: int,
+    d_model: int,
+    num_features: int,
+    *,
+    layers=None,
+    activation: str = "jumprelu",
+    k: int | None = None,
+    skip: bool = False,
+    input_hook: str = "mlp_input",
+    output_hook: str = "mlp_output",
+    input_normalization: str = "none",
+    rectify: bool = False,
+    dtype: torch.dtype = torch.float64,
+    generator: torch.Generator | None = None,
+):
+    """A random per-layer :class:`~pathkernels.adapters.TranscoderSet` for a model of ``num_layers``
+    layers of width ``d_model`` (``layers``: the layers it covers, default all), ``num_features``
+    features each: encoder ``N(0, 1/d)``, biases ``N(−0.2, 0.3²)`` (about a third of the features of a
+    unit-scale input active), thresholds ``U(0, 0.2)`` (JumpReLU), decoder ``N(0, 1/F)``, and with
+    ``skip`` a ``W_skip`` ``N(0, 0.1²/d)``; ``k`` for TopK (default ``num_features // 4``)."""
+    layers = tuple(range(num_layers) if layers is None else layers)
+
+    def draw(*shape, std=1.0, mean=0.0):
+        return (torch.randn(*shape, generator=generator, dtype=torch.float64) * std + mean).to(dtype)
+
+    return TranscoderSet(
+        layout="circuit-tracer",
+        layers=layers,
+        w_enc={layer: draw(d_model, num_features, std=d_model**-0.5) for layer in layers},
+        b_enc={layer: draw(num_features, std=0.3, mean=-0.2) for layer in layers},
+        w_dec={layer: {layer: draw(num_features, d_model, std=num_features**-0.5)} for layer in layers},
+        b_dec={layer: draw(d_model, std=0.3) for layer in layers},
+        threshold={
+            layer: (torch.rand(num_features, generator=generator, dtype=torch.float64) * 0.2).to(dtype)
+            if activation == "jumprelu"
+            else None
+            for layer in layers
+        },
+        w_skip={layer: draw(d_model, d_model, std=0.1 * d_model**-0.5) if skip else None for layer in layers},
+        activation=dict.fromkeys(layers, activation),
+        k=dict.fromkeys(layers, (k or max(1, num_features // 4)) if activation == "topk" else None),
+        rectify=rectify,
+        input_normalization=input_normalization,
+        input_hook=input_hook,
+        output_hook=output_hook,
+        source_hooks=(input_hook, output_hook),
+        cross_layer=False,
+        sources={layer: f"random layer {layer}" for layer in layers},
+    )
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "HOOKS",
+    "LAYOUTS",
+    "TranscoderSet",
+    "detect_layout",
+    "load_transcoders",
+    "model_dimensions",
+    "random_transcoders",
+]

@@ -45,12 +45,13 @@ from pathkernels.analysis.readout_trie import (
     block_diagonal_model,
     describe_path,
     frozen_model,
+    refuse_transcoders,
 )
 from pathkernels.core._figures import bar_side_labels, check_save_path, new_figure, require, saved, titled, wrapped
 from pathkernels.core._progress import progress_bar
 from pathkernels.core._repr import short_repr
 from pathkernels.core.checks import check_flag, check_int, listed, renamed
-from pathkernels.core.paths import PathTree, check_tree_shape, count_attribution_paths
+from pathkernels.core.paths import PathTree, check_tree_shape
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 if TYPE_CHECKING:
@@ -390,7 +391,10 @@ class PathAttribution:
             final norm): ``Σ_p attr(p) + constant`` over every path, exactly.
         constant: ``[P, R]`` the part no path carries: the final norm's ``βᵀ u`` and the readout's bias.
         by_source_length: ``[S, L+1, P, R]`` exact sums of the enumerated paths' attributions by
-            source and number of heads; ``counts [S, L+1]`` how many paths each sums.
+            source and number of heads; ``counts [S, L+1]`` how many paths each sums. With a
+            capture's transcoders (``replaced``), a path's steps are its heads and its MLP steps,
+            and L counts both kinds: the choices ``[…, 2L]`` hold the head of each layer, then each
+            MLP's step (a feature's id; ``num_features + k`` for its skip map's k-th direction).
         unenumerated: ``[P, R]`` what paths longer than ``max_length`` carry (``value − constant −``
             the sums; 0 up to rounding when every path was enumerated).
         top / bottom: the ``top_k`` largest and smallest attributions per (position, readout):
@@ -426,6 +430,7 @@ class PathAttribution:
     absolute: Tensor | None = None
     by_head: Tensor | None = None
     model_name: str = ""  # the model's name for figure titles (AttentionStack.name)
+    replaced: object | None = None  # the MLPs replaced by transcoders (their steps' names), or None
 
     def read_at(self, position: int) -> int | str:
         """Where the ``position``-th readout is read: its token, or for a batch's mean (``positions
@@ -472,8 +477,9 @@ class PathAttribution:
         return self.value - self.constant - self.by_source_length.sum((0, 1))
 
     def describe(self, path: Tensor, source: int) -> str:
-        """A path as text, source first: ``"L3H5 → L7H1 from L2 MLP"``, or ``"L2 MLP (direct)"``."""
-        return describe_path(path, self.source_names[int(source)])
+        """A path as text, its steps from the source up: ``"L3H5 → L7H1 from L2 MLP"``, ``"L0H1 →
+        L1 F812 from embedding"`` (through a transcoder's feature), or ``"L2 MLP (direct)"``."""
+        return describe_path(path, self.source_names[int(source)], self.replaced)
 
     def table(self, *, position: int = 0, readout: int = 0, which: str = "top") -> list[dict]:
         """The top (or ``which="bottom"``) paths of one position and readout (indices into
@@ -607,7 +613,8 @@ def read_out(stack, readout, positions, batch, max_length, where: str, split_emb
     batch = check_int(batch, "batch", where)
     if not 0 <= batch < stack.batch_size:
         raise ValueError(f"{where}: expected batch in [0, {stack.batch_size}), got {batch}")
-    layers = stack.num_layers
+    # A path's steps: a head per layer, and a replaced MLP's step per layer.
+    layers = stack.num_layers * (1 if getattr(capture, "transcoders", None) is None else 2)
     max_length = layers if max_length is None else check_int(max_length, "max_length", where)
     if not 0 <= max_length <= layers:
         raise ValueError(f"{where}: expected max_length in [0, {layers}], got {max_length}")
@@ -747,6 +754,7 @@ def _tree_paths(stack, tree: PathTree | None, max_length, where: str) -> tuple[i
     the walk's depth (within ``max_length``), or ``(max_length, None)`` without a tree."""
     if tree is None:
         return max_length, None
+    refuse_transcoders(getattr(stack, "residual_capture", None), where, "a tree's restriction (tree=)")
     check_tree_shape(tree, stack.num_layers, stack.num_heads, where)
     paths = tree.paths()
     longest = int((paths != NO_HEAD).sum(1).max()) if paths.shape[0] else 0
@@ -888,9 +896,14 @@ def attribute_in_step(
     (shared by the elements' walks and folds)."""
     first = setups[0]
     model = first.model
-    layers, heads, max_length = model.layers, model.num_heads, first.max_length
+    if model.replaced is not None and len(setups) > 1:
+        raise ValueError(
+            "pathkernels.batch_attribution: the elements of a batch whose MLPs are replaced by transcoders have "
+            "features of their own, so their walks cannot go in step: attribute each element (path_attribution)"
+        )
+    max_length = first.max_length
     readouts = len(first.readout.labels)
-    total = count_attribution_paths(layers, heads, max_length)
+    total = sum(model.path_counts(max_length))
     share = max(1, memory_budget // (len(setups) + 1))
     chunk = min(_chunk(setup, share) for setup in setups)
     folds, together = [_fold(first, top_k, share, only) for _ in setups], _fold(first, top_k, share, only)
@@ -949,7 +962,7 @@ def attribute(
     as in :class:`~pathkernels.analysis.readout_trie.Walker` (pre-norm models only)."""
     model, max_length = setup.model, setup.max_length
     fold = _fold(setup, top_k, memory_budget, only)
-    total = count_attribution_paths(model.layers, model.num_heads, max_length)
+    total = sum(model.path_counts(max_length))
     bar = progress_bar(total, enabled=progress, unit="path", desc=_WHERE)
     walker = Walker(model, steps, low_rank=low_rank, max_length=max_length, cache_bytes=memory_budget // 2)
     walker.walk(setup.rho, setup.phi, max_length, _chunk(setup, memory_budget), fold, bar)
@@ -962,10 +975,19 @@ def _fold(setup: CheckedReadout, top_k: int, memory_budget: int, only: PathSet |
     """A fold of a walk of ``setup``'s paths, with per-head totals; it keeps every path's
     attribution where they fit a quarter of ``memory_budget``."""
     model, positions, readouts = setup.model, len(setup.positions), len(setup.readout.labels)
-    total = count_attribution_paths(model.layers, model.num_heads, setup.max_length)
+    total = sum(model.path_counts(setup.max_length))
     keep = total * (8 * positions * readouts + 8 * (model.layers + 1)) <= memory_budget // 4
+    head_columns = model.layers if model.replaced is None else model.replaced.num_layers
     return Fold(
-        len(model.source_names), model.layers, positions, readouts, top_k, keep, only=only, heads=model.num_heads
+        len(model.source_names),
+        model.layers,
+        positions,
+        readouts,
+        top_k,
+        keep,
+        only=only,
+        heads=model.num_heads,
+        head_columns=head_columns,
     )
 
 
@@ -973,7 +995,8 @@ def _chunk(setup: CheckedReadout, memory_budget: int) -> int:
     """Nodes per chunk of a walk within ``memory_budget``: a quarter of it for a chunk's nodes and
     their children (``ρ [P, n]`` and ``φ [R, d]`` each)."""
     node_bytes = 8 * (setup.rho.shape[1] * setup.rho.shape[2] + setup.phi.shape[1] * setup.phi.shape[-1])
-    return max(1, memory_budget // (4 * (setup.model.num_heads + 1) * node_bytes))
+    branches = max((sublayer.branches for sublayer in setup.model.sublayers), default=0)
+    return max(1, memory_budget // (4 * (branches + 1) * node_bytes))
 
 
 def _result(setup: CheckedReadout, fold: Fold) -> PathAttribution:
@@ -999,5 +1022,6 @@ def _result(setup: CheckedReadout, fold: Fold) -> PathAttribution:
         bottom_sources=fold.worst[2],
         absolute=fold.absolute,
         by_head=fold.by_head,
+        replaced=setup.model.replaced,
         **kept,
     )

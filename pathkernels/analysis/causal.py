@@ -32,7 +32,7 @@ from pathkernels.adapters.capture import fingerprint_mismatch
 from pathkernels.adapters.precision import in_float64
 from pathkernels.adapters.self_check import check_tolerance
 from pathkernels.analysis.attribution import Readout
-from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, describe_path, frozen_model
+from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, describe_path, frozen_model, refuse_transcoders
 from pathkernels.analysis.real_paths import _checked_paths, terms_of
 from pathkernels.analysis.scores import checked_head, query_and_keys
 from pathkernels.core._figures import check_save_path, new_figure, require, saved, titled, wrapped
@@ -294,6 +294,7 @@ def _described(stack, paths, sources, batch) -> tuple[FrozenModel, list[str], li
     index)``."""
     tokens = stack.attn.shape[-1]
     real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
+    refuse_transcoders(stack.residual_capture, _WHERE, "causal_check")
     model = frozen_model(stack, stack.residual_capture, batch, real)
     names = model.source_names
     choices, index = _checked_paths(paths, sources, model, names, _WHERE)

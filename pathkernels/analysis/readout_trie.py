@@ -26,7 +26,6 @@ with them, :mod:`~pathkernels.analysis.top_paths` searches the trie best first, 
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -82,6 +81,24 @@ class Sublayer:
     w_o: Tensor | None  # [H, d_head, d]
     pre: bool
     centred: bool
+    slot: int | None = None  # the column of a path's choices its branches go in (None: ``layer``)
+    branch_ids: Tensor | None = None  # what a path's choice holds for each branch (None: its index)
+
+    @property
+    def column(self) -> int:
+        """The column of a path's choices this sublayer's branch goes in."""
+        return self.layer if self.slot is None else self.slot
+
+    @property
+    def branches(self) -> int:
+        """Its branches besides the skip: the heads, or the steps of a replaced MLP (0: skip only)."""
+        return 0 if self.attn is None else self.attn.shape[0]
+
+    def choice_values(self, device) -> Tensor:
+        """``[branches]``: what a path's choice holds for each branch (a head's index, a feature's id)."""
+        if self.branch_ids is None:
+            return torch.arange(self.branches, device=device)
+        return self.branch_ids.to(device)
 
     def _norm_features(self, phi: Tensor) -> Tensor:  # C Γ φ
         phi = phi * self.gamma
@@ -141,6 +158,26 @@ class FrozenModel:
     num_heads: int
     # A source folded as parts: level → [(index into source_names, part [n, d])], parts summing to it.
     splits: dict = field(default_factory=dict)
+    # The MLPs replaced by transcoders (adapters.replacement.TranscoderCapture), whose steps fill
+    # the choices' columns L..2L−1, or None (the choices are the L heads).
+    replaced: object | None = None
+
+    def path_counts(self, max_length: int) -> list[int]:
+        """The paths by length ``0..layers`` (a source, then the skip or a branch of every sublayer
+        above it), up to ``max_length`` branches: from source j, the coefficients of
+        ``Π_{s ≥ j} (1 + b_s x)`` with ``b_s`` the branches of sublayer s."""
+        counts, above = [0] * (self.layers + 1), [1]
+        for level in range(len(self.sources) - 1, -1, -1):
+            for length, count in enumerate(above[: max_length + 1]):
+                counts[length] += count
+            if level:
+                branches = self.sublayers[level - 1].branches
+                above = [a + branches * b for a, b in zip(above + [0], [0] + above)] if branches else above
+        return counts
+
+    def describe(self, path: Tensor, source: int) -> str:
+        """A path's name (:func:`describe_path`), its MLP steps named by the transcoders."""
+        return describe_path(path, self.source_names[int(source)], self.replaced)
 
     @property
     def pre_norm(self) -> bool:
@@ -188,6 +225,10 @@ def frozen_model(
         constant = torch.einsum("hi,he,hed->id", row_sums[layer], head_rows, w_o[layer]) + output_bias[layer]
         sources.append(constant if pre else normalised(constant, layer, 0))
         names.append(f"L{layer} attention bias")
+        replaced = None if capture.transcoders is None else capture.transcoders.layers.get(layer)
+        if replaced is not None:
+            _append_replaced_mlp(sublayers, sources, names, replaced, batch, pick, stack.num_layers)
+            continue
         mlp = capture.mlp_out[batch, layer][pick]
         sublayers.append(
             Sublayer(layer, None, scale[layer, 1], capture.norm_weight[layer, 1], None, None, pre, centred)
@@ -200,7 +241,49 @@ def frozen_model(
         splits[0] = [(0, token), (len(names), sources[0] - token)]
         names[0] = "token embedding"
         names.append("position embedding")
-    return FrozenModel(sublayers, sources, names, stack.num_layers, stack.num_heads, splits)
+    slots = stack.num_layers * (1 if capture.transcoders is None else 2)
+    return FrozenModel(sublayers, sources, names, slots, stack.num_heads, splits, capture.transcoders)
+
+
+def refuse_transcoders(capture, where: str, what: str) -> None:
+    """Refuse, in the caller's name, a capture whose MLPs are replaced by transcoders where ``what``
+    does not yet follow paths through their features."""
+    if getattr(capture, "transcoders", None) is not None:
+        raise ValueError(
+            f"{where}: {what} does not yet follow paths through transcoder features; this capture replaced its MLPs "
+            "(transcoders=): capture the model without transcoders for it"
+        )
+
+
+def _append_replaced_mlp(sublayers, sources, names, replaced, batch: int, pick: Tensor, num_layers: int) -> None:
+    """A replaced MLP (:class:`~pathkernels.adapters.replacement.ReplacedLayer`) of batch element
+    ``batch`` on its tokens ``pick``: a sublayer whose branches are its feature steps active there
+    and its skip map's rank-one steps, each a head of d_head 1 with a diagonal token map (choices
+    column ``L + layer``, holding the feature's id, or ``num_features + k``); then its constant rows,
+    an identity sublayer, and its error, so that each source enters on its own."""
+    layer = replaced.layer
+    gates = replaced.gates[batch][pick]  # [n, F']
+    active = gates.any(0)
+    weights = replaced.token_weights[batch][pick]  # [n]
+    token_weights = [gates[:, active].T * weights]  # [F'', n]
+    inputs, outputs = [replaced.encoder[:, active].T], [replaced.decoder[active]]
+    ids = [replaced.features.to(pick.device)[active.to(replaced.features.device)]]
+    if replaced.skip_in is not None:
+        token_weights.append(replaced.skip_weights[batch][pick].expand(replaced.num_skip, -1))
+        inputs.append(replaced.skip_in)
+        outputs.append(replaced.skip_out)
+        ids.append(replaced.num_features + torch.arange(replaced.num_skip, device=pick.device))
+    token_maps = torch.diag_embed(torch.cat(token_weights))  # [F'', n, n]
+    ones = torch.ones(weights.shape[0], dtype=torch.float64, device=weights.device)
+    gamma = torch.ones(inputs[0].shape[-1], dtype=torch.float64, device=weights.device)
+    w_v, w_o = torch.cat(inputs)[:, :, None], torch.cat(outputs)[:, None, :]  # [F'', d, 1], [F'', 1, d]
+    steps = Sublayer(layer, token_maps, ones, gamma, w_v, w_o, True, False, num_layers + layer, torch.cat(ids))
+    sublayers.append(steps)
+    sources.append(replaced.bias[batch][pick])
+    names.append(f"L{layer} transcoder bias")
+    sublayers.append(Sublayer(layer, None, ones, gamma, None, None, True, False))  # the identity
+    sources.append(replaced.error[batch][pick])
+    names.append(f"L{layer} MLP error")
 
 
 def block_diagonal_model(models: list[FrozenModel]) -> FrozenModel:
@@ -210,6 +293,11 @@ def block_diagonal_model(models: list[FrozenModel]) -> FrozenModel:
     row ``ρ_b / B`` in its block is then the mean over the elements of its values: the model the
     certified search of a batch's mean walks."""
     first = models[0]
+    if first.replaced is not None:
+        raise ValueError(
+            "the mean over a batch is not yet searched through transcoder features (each element has its own "
+            "active features); search each element, or capture without transcoders"
+        )
     sizes = [model.sources[0].shape[0] for model in models]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     total = sum(sizes)
@@ -235,11 +323,21 @@ def block_diagonal_model(models: list[FrozenModel]) -> FrozenModel:
     return FrozenModel(sublayers, sources, first.source_names, first.layers, first.num_heads, splits)
 
 
-def describe_path(path: Tensor, source_name: str) -> str:
+def describe_path(path: Tensor, source_name: str, replaced=None) -> str:
     """``path [L]`` (the head at each layer, −1 where none) from the source named ``source_name`` as
-    text: ``"L3H5 → L7H1 from L2 MLP"``, or ``"L2 MLP (direct)"``."""
-    heads = [f"L{layer}H{int(head)}" for layer, head in enumerate(path.tolist()) if head != NO_HEAD]
-    return f"{' → '.join(heads)} from {source_name}" if heads else f"{source_name} (direct)"
+    text: ``"L3H5 → L7H1 from L2 MLP"``, or ``"L2 MLP (direct)"``. With ``replaced`` (a
+    :class:`~pathkernels.adapters.replacement.TranscoderCapture`), ``path [2L]`` also holds each
+    MLP's step in columns L..2L−1, named in order from the source up: ``"L0H1 → L1 F812 → L3H2
+    from embedding"``."""
+    choices = path.tolist()
+    layers = len(choices) if replaced is None else replaced.num_layers
+    steps = []
+    for layer in range(layers):
+        if choices[layer] != NO_HEAD:
+            steps.append(f"L{layer}H{int(choices[layer])}")
+        if replaced is not None and choices[layers + layer] != NO_HEAD:
+            steps.append(replaced.step_label(layers + layer, int(choices[layers + layer])))
+    return f"{' → '.join(steps)} from {source_name}" if steps else f"{source_name} (direct)"
 
 
 class PathSet:
@@ -279,14 +377,18 @@ class Fold:
         bottom: bool = True,
         only: PathSet | None = None,
         heads: int | None = None,
+        head_columns: int | None = None,
     ):
         self.only = only  # fold only these paths' attributions (a tree's), when given
         self.sums = torch.zeros(sources, layers + 1, positions, readouts, dtype=torch.float64)
         self.counts = torch.zeros(sources, layers + 1, dtype=torch.long)
         self.absolute = torch.zeros(positions, readouts, dtype=torch.float64)
         self.heads = heads
+        # The choices' columns that hold heads (the first L; the rest, a replaced MLP's steps).
+        self.head_columns = layers if head_columns is None else head_columns
+        columns = self.head_columns
         self.by_head = (
-            None if heads is None else torch.zeros(layers, heads, layers, positions, readouts, dtype=torch.float64)
+            None if heads is None else torch.zeros(columns, heads, columns, positions, readouts, dtype=torch.float64)
         )
         self.k = top_k
         self.best = [
@@ -309,11 +411,11 @@ class Fold:
         self.counts[source].index_add_(0, lengths, torch.ones_like(lengths))
         self.absolute += values.abs().sum(0)
         if self.by_head is not None:
-            taken = choices != NO_HEAD  # [N, L]
+            taken = choices[:, : self.head_columns] != NO_HEAD  # [N, L]
             order = taken.long().cumsum(1) - 1  # each head's place in its path, from the source
-            layers = choices.shape[1]
-            layer = torch.arange(layers).expand_as(choices)
-            cell = ((layer * self.heads + choices) * layers + order)[taken]  # into by_head's [L, H, L]
+            layers = self.head_columns
+            layer = torch.arange(layers).expand_as(taken)
+            cell = ((layer * self.heads + choices[:, :layers]) * layers + order)[taken]  # into by_head's [L, H, L]
             rows = taken.nonzero()[:, 0]
             self.by_head.view(-1, *values.shape[1:]).index_add_(0, cell, values[rows])
         if self.kept is not None:
@@ -399,10 +501,9 @@ class Walker:
         and sublayer below): the count of their prefixes above it, ``Σ_k C(A, k) H^k`` over the A
         attention sublayers above, up to ``max_length − 1`` heads (``− 2`` when growing)."""
         if (sublayer, growing) not in self._shared_by:
-            above = sum(1 for s in self.model.sublayers[sublayer + 1 :] if s.attn is not None)
             top = self.max_length - (2 if growing else 1)
-            heads, head_dim = self.model.num_heads, self.model.sublayers[sublayer].w_v.shape[-1]
-            nodes = sum(math.comb(above, k) * heads**k for k in range(min(top, above) + 1))
+            head_dim = self.model.sublayers[sublayer].w_v.shape[-1]
+            nodes = _prefixes(self.model.sublayers[sublayer + 1 :], top)
             self._shared_by[sublayer, growing] = nodes >= head_dim
         return self._shared_by[sublayer, growing]
 
@@ -475,7 +576,7 @@ class Walker:
         rho_h, phi_h = self._heads(level - 1, rho, phi, runs)
         heads, grown = rho_h.shape[0], rho_h.shape[1]
         head_choices = choices[None].repeat(heads, 1, 1)
-        head_choices[:, :, sublayer.layer] = torch.arange(heads, device=rho.device)[:, None]
+        head_choices[:, :, sublayer.column] = sublayer.choice_values(rho.device)[:, None]
         runs_h = [(grown, (level - 1, h)) for h in range(heads)] if self._low(level - 1) else [(heads * grown, None)]
         lengths_h = (lengths + 1).repeat(heads)
         return parts + [(rho_h.flatten(0, 1), phi_h.flatten(0, 1), head_choices.flatten(0, 1), lengths_h, runs_h)]
@@ -511,6 +612,16 @@ class Walker:
                 for start in range(0, part[0].shape[0], chunk):
                     stop = start + chunk
                     pending.append((level - 1, *(t[start:stop] for t in part), _slice_runs(part_runs, start, stop)))
+
+
+def _prefixes(sublayers: list[Sublayer], top: int) -> int:
+    """The branch choices over ``sublayers`` (the skip, or one of each's branches) of at most
+    ``top`` branches: the coefficients of ``Π (1 + b_s x)`` up to ``x^top``."""
+    counts = [1]
+    for sublayer in sublayers:
+        if sublayer.branches:
+            counts = [a + sublayer.branches * b for a, b in zip(counts + [0], [0] + counts)]
+    return sum(counts[: max(top, -1) + 1])
 
 
 def _slice_runs(runs: list[tuple], start: int, stop: int) -> list[tuple]:

@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, Sublayer, describe_path, frozen_model
+from pathkernels.analysis.readout_trie import (
+    NO_HEAD,
+    FrozenModel,
+    Sublayer,
+    describe_path,
+    frozen_model,
+    refuse_transcoders,
+)
 from pathkernels.core._figures import require, wrapped
 from pathkernels.core._memory import format_bytes
 from pathkernels.core._progress import progress_bar
@@ -280,6 +287,7 @@ def path_terms(
     memory_budget = check_int(memory_budget, "memory_budget", where, minimum=1)
     n_all = stack.attn.shape[-1]
     real = torch.ones(n_all, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
+    refuse_transcoders(capture, where, "path_terms")
     model = frozen_model(stack, capture, batch, real)
     names = model.source_names
     choices, source_index = _checked_paths(paths, sources, model, names, where)
@@ -478,6 +486,7 @@ def decompose_model(
         torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[b].cpu()
         for b in range(stack.batch_size)
     ]
+    refuse_transcoders(stack.residual_capture, _WHERE, "decompose")
     models = [frozen_model(stack, stack.residual_capture, b, real) for b, real in enumerate(masks)]
     counts = count_attribution_paths_by_length(layers, heads, max_length)
     per_path = 8 * (layers + 1) + 16 * stack.batch_size  # choices, source, residual and norm per sequence

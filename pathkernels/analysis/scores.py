@@ -33,7 +33,7 @@ from torch import Tensor
 
 from pathkernels.adapters.query_key import SIDES
 from pathkernels.analysis.attribution import CheckedReadout, PathAttribution, Readout, attribute, named, pair_bars
-from pathkernels.analysis.readout_trie import FrozenModel, describe_path, frozen_model
+from pathkernels.analysis.readout_trie import FrozenModel, describe_path, frozen_model, refuse_transcoders
 from pathkernels.analysis.real_paths import _every_term, _heads, _skip
 from pathkernels.analysis.top_paths import SearchOptions, TopPaths, search_top_paths
 from pathkernels.core._figures import check_save_path, heatmap, new_figure, require, saved, titled, wrapped
@@ -125,6 +125,7 @@ def checked_head(stack, layer, head, batch, where: str) -> CheckedHead:
     batch = check_int(batch, "batch", where, minimum=0, maximum=stack.batch_size - 1)
     tokens = stack.attn.shape[-1]
     real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
+    refuse_transcoders(capture, where, "the score side")
     full = frozen_model(stack, capture, batch, real)
     below = 2 * layer  # each layer's attention sublayer, then its MLP's
     model = FrozenModel(

@@ -42,7 +42,6 @@ from pathkernels.core._progress import progress_bar
 from pathkernels.core._repr import short_repr
 from pathkernels.core._scaling import leading_exponent, power_of_two, times_power_of_two
 from pathkernels.core.checks import check_flag, check_int, listed, renamed
-from pathkernels.core.paths import count_attribution_paths
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 _WHERE = "pathkernels.top_paths"
@@ -85,13 +84,14 @@ class TopPaths:
     stopped: str
     recorded: tuple[Tensor, Tensor, Tensor] | None = None
     model_name: str = ""  # the model's name for figure titles (AttentionStack.name)
+    replaced: object | None = None  # the MLPs replaced by transcoders (their steps' names), or None
 
     def table(self) -> list[dict]:
         """Rows: rank, path (text), source, length, attribution."""
         return [
             {
                 "rank": rank + 1,
-                "path": describe_path(self.paths[rank], self.source_names[int(self.sources[rank])]),
+                "path": describe_path(self.paths[rank], self.source_names[int(self.sources[rank])], self.replaced),
                 "source": self.source_names[int(self.sources[rank])],
                 "length": int((self.paths[rank] >= 0).sum()),
                 "attribution": float(self.values[rank]),
@@ -550,16 +550,17 @@ def search_top_paths(setup, options: SearchOptions) -> TopPaths:
     )
     model, layers = setup.model, setup.model.layers
     sign = 1.0 if largest else -1.0
-    total = count_attribution_paths(layers, model.num_heads, setup.max_length)
+    total = sum(model.path_counts(setup.max_length))
     bar = progress_bar(total, enabled=options.progress, unit="path", desc=_WHERE)
     # The k largest of the (signed) attributions found, and with record every visited path.
     fold = Fold(len(model.sources), layers, 1, 1, k, keep=record, bottom=False)
     search = _Search(
         setup, sign, fold, k, options.start, options.time_limit, options.memory_budget, options.batch_nodes, bar
     )
-    if bound == "node" and model.pre_norm:
+    if bound == "node" and model.pre_norm and model.replaced is None:
         pruned, frontier, visited, expanded, stopped = _search_heads(search)
-    else:  # post-norm models take "plain" for "node"
+    else:  # post-norm models take "plain" for "node", a model with transcoders "chain"
+        bound = "chain" if bound == "node" and model.pre_norm else bound
         pruned, frontier, visited, expanded, stopped = _search_levels(search, _reach_bounds(model, bound))
     kth = _kth(fold, k)
     # Pruned nodes were at most the k-th value when dropped, and it only grows.
@@ -593,6 +594,7 @@ def search_top_paths(setup, options: SearchOptions) -> TopPaths:
         seconds=time.monotonic() - options.start,
         stopped=stopped,
         recorded=recorded,
+        replaced=model.replaced,
     )
 
 

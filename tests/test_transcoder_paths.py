@@ -1,0 +1,563 @@
+"""Paths through transcoder features: a capture whose MLPs are replaced by a transcoder set, frozen.
+
+Each claim against a reference that shares no code with the replacement:
+
+- the model run with each MLP replaced by its transcoder (the set's own forward on the MLP's
+  input, as the model computes it) plus the capture's error reproduces the model's logits;
+- the capture's activations are the set's own encoding of the model's MLP input (so its gates and
+  thresholds are the format's);
+- every path's attribution equals its term written literally from the weights (heads, norms,
+  features, the skip map as one matrix), on a model small enough to list every path;
+- the paths sum to the model's own logit in every sequential pre-norm family;
+- the certified search finds the top paths of the enumeration;
+- a padded batch reads as each sequence alone; what is not read yet is refused by name.
+
+Models are built from configs in float64 with random biases and norm parameters; the transcoder
+sets are random (:func:`pathkernels.testing.random_transcoders`), drawn afresh each run.
+"""
+
+import functools
+import itertools
+import re
+
+import pytest
+import torch
+from float64_reference import float64_steps, logits_in_float64
+from test_model_families import family_model, uncapped
+from test_real_models import gpt2, llama
+
+import pathkernels as pk
+from pathkernels.adapters.residual import _blocks, _layout, capture_huggingface_residual
+from pathkernels.adapters.transcoders import random_transcoders
+from pathkernels.testing import transformer_lens_major
+
+transformers = pytest.importorskip("transformers")
+
+
+def width(model) -> int:
+    return model.config.get_text_config().hidden_size
+
+
+def layers_of(model) -> int:
+    return model.config.get_text_config().num_hidden_layers
+
+
+def transcoders_for(model, features: int = 12, **options):
+    return random_transcoders(layers_of(model), width(model), features, **options)
+
+
+def own_mlp_inputs(model, ids):
+    """The MLP's argument and the stream entering its norm, per layer, as the model computes them."""
+    spec = _layout(model)
+    seen = {"argument": {}, "stream": {}}
+    handles = []
+    for layer, block in enumerate(_blocks(model, *spec.blocks)):
+        mlp_norm = spec.norms(block)[1]
+        mlp = spec.mlp(block)
+
+        def argument(module, args, layer=layer):
+            seen["argument"][layer] = args[0].detach()
+
+        def stream(module, args, layer=layer):
+            seen["stream"][layer] = args[0].detach()
+
+        handles.append(mlp.register_forward_pre_hook(argument))
+        handles.append((mlp_norm or mlp).register_forward_pre_hook(stream))
+    try:
+        with torch.no_grad():
+            logits = model(ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen, logits
+
+
+def replaced_logits(model, ids, transcoders, capture, hook: str = "mlp_input"):
+    """The model run with each MLP of the set's layers replaced by the set's own forward on the
+    MLP's input (``hook``: its argument, the stream entering its norm, or its argument before the
+    norm's gain and bias) plus the capture's error."""
+    spec = _layout(model)
+    handles, streams = [], {}
+    for layer, block in enumerate(_blocks(model, *spec.blocks)):
+        if layer not in transcoders.layers:
+            continue
+        mlp_norm, mlp = spec.norms(block)[1], spec.mlp(block)
+        error = capture.transcoders.layers[layer].error
+
+        def keep_stream(module, args, layer=layer):
+            streams[layer] = args[0]
+
+        def replace(module, args, result, layer=layer, error=error, norm=mlp_norm):
+            x = streams[layer] if hook == "stream" else args[0]
+            if hook == "before_gain":
+                x = (x - norm.bias) / norm.weight
+            return (transcoders.forward(layer, x.double()) + error).to(result.dtype)
+
+        handles.append((mlp_norm or mlp).register_forward_pre_hook(keep_stream))
+        handles.append(mlp.register_forward_hook(replace))
+    try:
+        with torch.no_grad():
+            return model(ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def relative(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+# ------------------------------------------------------------------------------------------------
+# The replaced model is the model
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"activation": "jumprelu"},
+        {"activation": "relu", "skip": True},
+        {"activation": "topk", "k": 3, "rectify": True},
+        {"activation": "topk", "k": 9, "input_hook": "resid_mid", "input_normalization": "constant_norm_rescale"},
+        {"activation": "jumprelu", "input_normalization": "constant_norm_rescale", "skip": True},
+        {"activation": "jumprelu", "input_hook": "resid_mid", "input_normalization": "layer_norm", "skip": True},
+        {"activation": "relu", "input_hook": "mlp_input_before_gain", "layers": (1,)},
+    ],
+    ids=[
+        "jumprelu",
+        "relu-skip",
+        "topk-rectified",
+        "topk-signed-rescaled-stream",
+        "rescaled-input-skip",
+        "layer-normed-stream-skip",
+        "before-gain-one-layer",
+    ],
+)
+def test_the_model_with_its_mlps_replaced_plus_the_error_is_the_model(options):
+    """Each replaced MLP, run as the set computes it on the MLP's own input, plus the capture's error,
+    gives the model's logits; and the capture's activations are the set's encoding of that input."""
+    model = gpt2(layers=2, heads=2, width=16).eval()
+    transcoders = transcoders_for(model, **options)
+    ids = torch.randint(0, 50, (2, 7))
+    stack, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    seen, logits = own_mlp_inputs(model, ids)
+    hook = {"resid_mid": "stream", "mlp_input_before_gain": "before_gain"}.get(options.get("input_hook"), "mlp_input")
+    assert relative(replaced_logits(model, ids, transcoders, capture, hook), logits) < 1e-10
+    for batch in range(2):  # and the paths through the features, the constant rows and the error sum to it
+        result = pk.path_attribution(stack, pk.logit(model, 3), batch=batch, top_k=0)
+        total = float(result.by_source_length.sum() + result.constant[0, 0])
+        assert abs(total - float(logits[batch, -1, 3])) < 1e-10 * max(1.0, float(logits[batch, -1].abs().max()))
+    for layer, replaced in capture.transcoders.layers.items():
+        x = seen["argument" if hook != "stream" else "stream"][layer].double()
+        if hook == "before_gain":  # the norm's output less its bias, over its gain
+            ln_2 = model.transformer.h[layer].ln_2
+            x = (x - ln_2.bias.double()) / ln_2.weight.double()
+        own = transcoders.encode(layer, x)
+        assert torch.equal((own != 0).nonzero()[:, 2].unique(), replaced.features)  # every active feature, no other
+        assert torch.allclose(replaced.activations, own[..., replaced.features], rtol=1e-11, atol=1e-12)
+
+
+def test_a_feature_is_a_step_only_where_its_gate_opens():
+    """The gates are the format's: a threshold raised above every pre-activation closes its feature
+    (it is no step), and a feature active at one token has gate 0 at every other."""
+    model = gpt2(layers=2, heads=2, width=16).eval()
+    transcoders = transcoders_for(model, features=16)
+    ids = torch.randint(0, 50, (1, 6))
+    _, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    replaced = capture.transcoders.layers[0]
+    closed = int(replaced.features[0])
+    transcoders.threshold[0][closed] = 1e9
+    _, again = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    assert closed not in again.transcoders.layers[0].features.tolist()
+    assert set(again.transcoders.layers[0].features.tolist()) == set(replaced.features.tolist()) - {closed}
+    pre = replaced.activations  # a = g ⊙ pre: zero exactly where the gate is
+    assert torch.equal(pre != 0, replaced.gates != 0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Every path is its literal term
+
+
+def literal_attributions(model, ids, transcoders, stack, capture, position: int, u: torch.Tensor) -> dict:
+    """Every path's attribution of a pre-LN GPT-2 with its MLPs replaced, written from the weights:
+    ``{label: value}``. A head reads ``D x C Γ₁`` and writes ``A_h (·) W_V,h W_O,h``; a feature f of
+    layer l writes ``diag(g_f D₂) (x C Γ₂) enc_f d_fᵀ`` (g from the set's own encoding of the
+    model's MLP input); the skip map ``diag(D₂) (x C Γ₂) W_skip``; the readout ``e_tᵀ D_f (·) C Γ_f u``.
+    Sources: the embedding, each layer's attention constant rows, transcoder constant rows and error,
+    as the capture names them (their values taken from the capture: the sums test holds them)."""
+    layers, heads = stack.num_layers, stack.num_heads
+    d = stack.d_model
+    centre = torch.eye(d, dtype=torch.float64) - 1.0 / d
+    attn = capture.patterns(stack.attn, 0)
+    seen, _ = own_mlp_inputs(model, ids)
+    blocks = model.transformer.h
+
+    def norm_input(layer: int, which: int, x):
+        gamma = (blocks[layer].ln_1 if which == 0 else blocks[layer].ln_2).weight.double()
+        return capture.norm_scale[0, layer, which][:, None] * (x @ centre) * gamma
+
+    def head_step(layer, h, x):
+        return attn[layer, h] @ norm_input(layer, 0, x) @ stack.w_v[layer, h].double() @ stack.w_o[layer, h].double()
+
+    def feature_step(layer, gate, enc, dec, x):
+        return (gate[:, None] * (norm_input(layer, 1, x) @ enc)[:, None]) * dec[None, :]
+
+    def skip_step(layer, w_skip, x):
+        return norm_input(layer, 1, x) @ w_skip
+
+    steps = []  # (layer, kind, index, function) in the order a path passes them, bottom up
+    for layer in range(layers):
+        steps += [(layer, "attn", h, functools.partial(head_step, layer, h)) for h in range(heads)]
+        gates = (transcoders.encode(layer, seen["argument"][layer][0].double()) != 0).double()  # [n, F]
+        for f in gates.any(0).nonzero().flatten().tolist():
+            enc, dec = transcoders.w_enc[layer][:, f], transcoders.w_dec[layer][layer][f]
+            steps.append((layer, "mlp", f, functools.partial(feature_step, layer, gates[:, f], enc, dec)))
+        if transcoders.w_skip[layer] is not None:
+            steps.append((layer, "mlp", "skip", functools.partial(skip_step, layer, transcoders.w_skip[layer])))
+    final = model.transformer.ln_f.weight.double()
+    readout_vector = centre @ (final * u)
+
+    def read(x):
+        return float(capture.final_scale[0, position] * (x[position] @ readout_vector))
+
+    sources = [("embedding", capture.embedding[0], -1)]
+    for layer in range(layers):
+        replaced = capture.transcoders.layers[layer]
+        sources.append((f"L{layer} attention bias", None, (layer, "attn")))  # its rows: below
+        sources.append((f"L{layer} transcoder bias", replaced.bias[0], (layer, "mlp")))
+        sources.append((f"L{layer} MLP error", replaced.error[0], (layer, "mlp")))
+    values = {}
+    for name, source, entry in sources:
+        if source is None:  # the attention's constant rows: Σ_h (A_h 1)(βᵀ W_V + b_V) W_O + b_O
+            layer = entry[0]
+            block = blocks[layer].attn
+            beta = blocks[layer].ln_1.bias.double()
+            rows = torch.zeros_like(capture.embedding[0])
+            for h in range(heads):
+                b_v = capture.value_bias[layer, h]
+                rows += attn[layer, h].sum(-1)[:, None] * ((beta @ stack.w_v[layer, h].double() + b_v)
+                                                           @ stack.w_o[layer, h].double())[None, :]  # fmt: skip
+            source = rows + block.c_proj.bias.double()
+        # The steps above the source: a source entering at (layer, "attn") passes that layer's MLP on.
+        if entry == -1:
+            above = steps
+        else:
+            layer, kind = entry
+            above = [s for s in steps if s[0] > layer or (kind == "attn" and s[0] == layer and s[1] == "mlp")]
+        slots = sorted({(s[0], s[1]) for s in above})
+        options = {slot: [None] + [s for s in above if (s[0], s[1]) == slot] for slot in slots}
+        for choice in itertools.product(*options.values()):
+            term = source
+            labels = []
+            for step in choice:
+                if step is not None:
+                    term = step[3](term)
+                    layer, kind, index = step[0], step[1], step[2]
+                    labels.append(f"L{layer}H{index}" if kind == "attn" else f"L{layer} F{index}" if index != "skip"
+                                  else f"L{layer} skip")  # fmt: skip
+            label = f"{' → '.join(labels)} from {name}" if labels else f"{name} (direct)"
+            values[label] = values.get(label, 0.0) + read(term)
+    return values
+
+
+def test_every_path_through_heads_and_features_is_its_literal_term():
+    """On a 2-layer GPT-2 with a skip-transcoder on each layer: every path's attribution equals its
+    term written from the weights, the skip map's rank-one steps summing to the literal ``W_skip``
+    step; and the paths sum to the model's own logit."""
+    model = gpt2(layers=2, heads=2, width=8).eval()
+    transcoders = transcoders_for(model, features=5, skip=True)
+    ids = torch.randint(0, 50, (1, 4))
+    stack, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    token = 7
+    result = pk.path_attribution(stack, pk.logit(model, token), top_k=3)
+    mine = {}
+    for path, source, value in zip(result.paths, result.path_sources, result.attribution[:, 0, 0]):
+        label = re.sub(r"skip\[\d+\]", "skip", result.describe(path, source))  # the skip map's steps, summed
+        mine[label] = mine.get(label, 0.0) + float(value)
+    literal = literal_attributions(model, ids, transcoders, stack, capture, 3, model.lm_head.weight[token].double())
+    assert set(mine) == set(literal)
+    scale = max(abs(v) for v in literal.values())
+    assert max(abs(mine[k] - literal[k]) for k in literal) < 1e-11 * scale
+    own = model(ids).logits[0, -1, token].item()
+    assert abs(float(result.value[0, 0]) - own) < 1e-10 * abs(own) + 1e-12
+    assert abs(sum(literal.values()) + float(result.constant[0, 0]) - own) < 1e-10 * max(1.0, abs(own))
+
+
+# ------------------------------------------------------------------------------------------------
+# Every family
+
+
+FAMILY_CASES = {
+    "gpt2": lambda: gpt2(layers=2, heads=2, width=16).eval(),
+    "llama": lambda: llama(layers=2, heads=4, kv_heads=2, width=16).eval(),
+    "gemma2": lambda: uncapped(family_model("gemma2")),
+    "olmo2": lambda: family_model("olmo2"),
+    "gpt_neox-sequential": lambda: family_model("gpt_neox-sequential"),
+    "opt": lambda: family_model("opt"),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CASES))
+@pytest.mark.parametrize("output_hook", ["mlp_output", "mlp_module_output"])
+def test_a_family_with_transcoders_is_the_sum_of_its_paths(name, output_hook):
+    """Σ every path through heads and features, + the constant, = the model's own logit (float64);
+    for Gemma-2 and OLMo 2 a set writing the MLP module's output passes the frozen norm after it."""
+    model = FAMILY_CASES[name]()
+    transcoders = transcoders_for(model, features=8, output_hook=output_hook, skip=name == "llama")
+    ids = torch.randint(0, 50, (1, 5))
+    stack, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    assert capture.transcoders.input_error is None or capture.transcoders.input_error < 1e-12
+    result = pk.path_attribution(stack, pk.logit(model, 11), top_k=2, max_length=3)
+    everything = pk.path_attribution(stack, pk.logit(model, 11), top_k=2)
+    # The capture's stream is the model's computed in float64 (Hugging Face rounds softmax, norms and
+    # rotary angles to float32 even in a float64 model: its own forward is within ~1e-6 of it).
+    value = float(logits_in_float64(model, input_ids=ids)[0, -1, 11])
+    total = float(everything.by_source_length.sum() + everything.constant[0, 0])
+    assert abs(total - value) < 1e-10 * max(1.0, abs(value)), (total, value)
+    assert abs(float(result.value[0, 0]) - value) < 1e-10 * max(1.0, abs(value))
+    own = model(ids).logits[0, -1, 11].item()
+    assert abs(total - own) < 1e-5 * max(1.0, abs(own))
+    assert int(everything.counts.sum()) == int(everything.paths.shape[0])
+    assert everything.paths.shape[1] == 2 * stack.num_layers
+    if output_hook == "mlp_module_output" and name in ("gemma2", "olmo2"):
+        # The error is then what the norm after the module leaves: not the plain set's output.
+        assert any("MLP error" in name for name in everything.source_names)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "olmo2"])
+def test_a_set_writing_the_mlp_modules_output_passes_the_norm_after_it(name):
+    """Where the set writes the MLP module's output and a norm follows the module (Gemma-2, OLMo 2),
+    the error is the sublayer's output less the set's output through that norm, frozen at the
+    model's own module output: ``mlp_out − (set(x) / rms(m)) ⊙ γ``, written here from the model's
+    hooks and the norm's weight."""
+    model = FAMILY_CASES[name]()
+    transcoders = transcoders_for(model, features=8, output_hook="mlp_module_output", skip=True)
+    ids = torch.randint(0, 50, (1, 5))
+    _, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    seen = {}
+    handles = []
+    for layer, block in enumerate(model.model.layers):
+
+        def module(m, args, result, layer=layer):
+            seen[layer] = (args[0].detach().double(), result.detach().double())
+
+        def after(m, args, result, layer=layer):
+            seen[layer] = (*seen[layer], result.detach().double())
+
+        handles.append(block.mlp.register_forward_hook(module))
+        handles.append(block.post_feedforward_layernorm.register_forward_hook(after))
+    with torch.no_grad(), float64_steps(model):  # the model's norms in float64, as the capture runs them
+        model(ids)
+    for handle in handles:
+        handle.remove()
+    for layer, replaced in capture.transcoders.layers.items():
+        argument, output, sublayer = seen[layer]
+        norm = model.model.layers[layer].post_feedforward_layernorm
+        gain = (1 + norm.weight.double()) if name == "gemma2" else norm.weight.double()
+        eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+        inverse_rms = torch.rsqrt(output.pow(2).mean(-1, keepdim=True) + eps)
+        expected = sublayer - inverse_rms * transcoders.forward(layer, argument) * gain
+        assert relative(replaced.error, expected) < 1e-7
+
+
+def test_a_float32_model_with_transcoders_is_decomposed_to_float32s_precision():
+    model = gpt2(layers=2, heads=2, width=16).float().eval()
+    transcoders = transcoders_for(model, features=8, dtype=torch.float32)
+    ids = torch.randint(0, 50, (1, 6))
+    stack, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    result = pk.path_attribution(stack, pk.logit(model, 4), top_k=2)
+    own = model(ids).logits[0, -1, 4].item()
+    total = float(result.by_source_length.sum() + result.constant[0, 0])
+    assert abs(total - own) < 1e-4 * max(1.0, abs(own))
+
+
+def test_a_padded_batch_with_transcoders_reads_as_each_sequence_alone():
+    """Left padding: each element's attribution (its own active features) equals its sequence's alone."""
+    model = gpt2(layers=2, heads=2, width=16).eval()
+    transcoders = transcoders_for(model, features=10)
+    sequences = [torch.randint(1, 50, (length,)) for length in (6, 4)]
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    mask = torch.zeros(2, 6, dtype=torch.long)
+    for b, sequence in enumerate(sequences):
+        ids[b, 6 - len(sequence) :], mask[b, 6 - len(sequence) :] = sequence, 1
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    stack, _ = capture_huggingface_residual(
+        model, input_ids=ids, attention_mask=mask, position_ids=positions, transcoders=transcoders
+    )
+    for b, sequence in enumerate(sequences):
+        alone, _ = capture_huggingface_residual(model, input_ids=sequence[None], transcoders=transcoders)
+        padded = pk.path_attribution(stack, pk.logit(model, 2), batch=b, top_k=5)
+        single = pk.path_attribution(alone, pk.logit(model, 2), top_k=5)
+        assert torch.allclose(padded.value, single.value, rtol=1e-10)
+        assert torch.allclose(padded.top_values, single.top_values, rtol=1e-9, atol=1e-12)
+        assert [padded.describe(p, s) for p, s in zip(padded.top_paths[:, 0, 0], padded.top_sources[:, 0, 0])] == [
+            single.describe(p, s) for p, s in zip(single.top_paths[:, 0, 0], single.top_sources[:, 0, 0])
+        ]
+
+
+# ------------------------------------------------------------------------------------------------
+# The certified search
+
+
+@pytest.mark.parametrize("bound", ["node", "chain", "first_head", "plain"])
+@pytest.mark.parametrize("largest", [True, False])
+def test_the_top_paths_through_features_are_those_of_enumeration(bound, largest):
+    model = llama(layers=2, heads=4, kv_heads=2, width=16).eval()
+    transcoders = transcoders_for(model, features=10, skip=True)
+    ids = torch.randint(0, 50, (1, 6))
+    stack, _ = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    readout = pk.logit(model, 9)
+    every = pk.path_attribution(stack, readout, top_k=0)
+    values = every.attribution[:, 0, 0]
+    top = pk.top_paths(stack, readout, top_k=8, bound=bound, largest=largest)
+    assert top.certified
+    expected = values.topk(8, largest=largest).values
+    assert torch.allclose(top.values, expected, rtol=1e-10, atol=1e-13)
+    assert top.total == values.numel()
+    labels = {every.describe(p, s) for p, s in zip(every.paths, every.path_sources)}
+    assert all(row["path"] in labels for row in top.table())
+
+
+# ------------------------------------------------------------------------------------------------
+# Refused by name
+
+
+def test_what_is_not_read_yet_is_refused_by_name():
+    model = gpt2(layers=2, heads=2, width=16).eval()
+    ids = torch.randint(0, 50, (2, 5))
+    transcoders = transcoders_for(model, features=6)
+    stack, _ = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders, query_key=True)
+    with pytest.raises(ValueError, match="score side does not yet follow paths through transcoder features"):
+        pk.score_decomposition(stack, 1, 0, query=4, keys=1)
+    with pytest.raises(ValueError, match="causal_check does not yet"):
+        pk.causal_check(model, stack, {"input_ids": ids}, torch.full((1, 4), -1), [0], layer=1, head=0, query=4, key=1)
+    with pytest.raises(ValueError, match="path_terms does not yet"):
+        pk.path_terms(stack, torch.full((1, 4), -1), [0])
+    with pytest.raises(ValueError, match="decompose does not yet"):
+        pk.decompose(stack)
+    with pytest.raises(ValueError, match=r"tree's restriction \(tree=\) does not yet"):
+        pk.path_attribution(stack, pk.logit(model, 1), tree=pk.PathTree.complete(2, 2))
+    with pytest.raises(ValueError, match="batch_attribution: the elements of a batch whose MLPs are replaced"):
+        pk.batch_attribution(stack, pk.logit(model, 1))
+    with pytest.raises(ValueError, match="not yet searched through transcoder features"):
+        pk.top_paths(stack, pk.logit(model, 1), batch=[0, 1])
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("cross-layer", "cross-layer set; its features are not yet path steps"),
+        ("resid_pre", "reads 'resid_pre'; a replaced MLP reads one of"),
+        ("resid_post", "writes 'resid_post'; a replaced MLP writes one of"),
+        ("width", "d_in=12 wide vectors; the model's width is 16"),
+        ("layers", "is for layer 5; the model has 2 layers"),
+        ("not a set", "expected transcoders to be a pathkernels.adapters.TranscoderSet"),
+    ],
+)
+def test_a_set_the_capture_cannot_replace_is_refused_before_the_forward_pass(case, match):
+    model = gpt2(layers=2, heads=2, width=16).eval()
+    transcoders = transcoders_for(model, features=4)
+    if case == "cross-layer":
+        transcoders.cross_layer = True
+    elif case in ("resid_pre", "resid_post"):
+        setattr(transcoders, "input_hook" if case == "resid_pre" else "output_hook", case)
+    elif case == "width":
+        transcoders = random_transcoders(2, 12, 4)
+    elif case == "layers":
+        transcoders = random_transcoders(6, 16, 4, layers=(5,))
+    elif case == "not a set":
+        transcoders = {"layer_0": transcoders}
+    with pytest.raises((ValueError, TypeError), match=match):
+        capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 4)), transcoders=transcoders)
+
+
+@pytest.mark.parametrize("name", ["gptj", "phi", "falcon"])
+def test_parallel_blocks_with_transcoders_are_refused_by_name(name):
+    model = family_model(name)
+    transcoders = transcoders_for(model, features=4)
+    with pytest.raises(ValueError, match="has parallel blocks, where a feature would read below the attention"):
+        capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 4)), transcoders=transcoders)
+
+
+def test_a_post_norm_model_with_transcoders_is_refused_by_name():
+    model = transformers.BertForMaskedLM(
+        transformers.BertConfig(
+            num_hidden_layers=2, num_attention_heads=2, hidden_size=16, intermediate_size=32, vocab_size=50
+        )  # fmt: skip
+    ).double()
+    transcoders = random_transcoders(2, 16, 4)
+    with pytest.raises(ValueError, match=r"normalises after each residual sum \(post-norm\)"):
+        capture_huggingface_residual(model.eval(), input_ids=torch.randint(0, 50, (1, 4)), transcoders=transcoders)
+
+
+# ------------------------------------------------------------------------------------------------
+# TransformerLens
+
+
+def tl_model_with_mlps(normalization_type: str = "LN", **extra):
+    from test_real_models_transformer_lens import tl_model
+
+    return tl_model(normalization_type, **extra).eval()
+
+
+def tl_replaced_logits(model, tokens, transcoders, capture, hook_name: str):
+    """The TransformerLens model run with ``hook_mlp_out`` of the set's layers replaced by the set's
+    own forward on the MLP's input as TransformerLens reports it (``hook_resid_mid``, or
+    ``ln2.hook_normalized``) plus the capture's error."""
+    kept = {}
+
+    def keep(value, hook, layer):  # (a bridge names its hooks by their canonical names: keyed by layer)
+        kept[layer] = value
+        return value
+
+    def replace(value, hook, layer):
+        x = kept[layer].double()
+        return (transcoders.forward(layer, x) + capture.transcoders.layers[layer].error).to(value.dtype)
+
+    hooks = [(f"blocks.{layer}.{hook_name}", functools.partial(keep, layer=layer)) for layer in transcoders.layers]
+    hooks += [(f"blocks.{layer}.hook_mlp_out", functools.partial(replace, layer=layer)) for layer in transcoders.layers]
+    with torch.no_grad():
+        return model.run_with_hooks(tokens, fwd_hooks=hooks)
+
+
+@pytest.mark.parametrize(
+    "normalization_type, input_hook",
+    [("LN", "resid_mid"), ("LN", "mlp_input_before_gain"), ("LN", "mlp_input"), ("RMS", "mlp_input_before_gain")],
+)
+def test_a_transformer_lens_model_with_its_mlps_replaced(normalization_type, input_hook):
+    """TransformerLens: the replaced model plus the error is the model, the input hook is checked
+    against ``ln2.hook_normalized``, and the paths through the features sum to the model's logit."""
+    pytest.importorskip("transformer_lens")
+    model = tl_model_with_mlps(normalization_type)
+    transcoders = random_transcoders(3, 32, 10, input_hook=input_hook, skip=True)
+    tokens = torch.randint(0, 50, (1, 6))
+    stack, capture = pk.adapters.capture_transformer_lens_residual(model, tokens, transcoders=transcoders)
+    logits = model(tokens).detach()
+    # (4.x's native RMSNorm rounds to float32 in its own forward, which the capture runs in float64)
+    tolerance = 1e-6 if normalization_type == "RMS" and transformer_lens_major() == 4 else 1e-10
+    if input_hook != "mlp_input":  # (the argument after the gain is no TransformerLens hook)
+        hook = "hook_resid_mid" if input_hook == "resid_mid" else "ln2.hook_normalized"
+        assert relative(tl_replaced_logits(model, tokens, transcoders, capture, hook), logits) < tolerance
+    if input_hook == "mlp_input_before_gain":
+        assert capture.transcoders.input_error < 1e-12
+    result = pk.path_attribution(stack, pk.logit(model, 5), top_k=3, max_length=4)
+    assert abs(float(result.value[0, 0]) - float(logits[0, -1, 5])) < tolerance * float(logits[0, -1].abs().max())
+    everything = pk.top_paths(stack, pk.logit(model, 5), top_k=3)
+    assert everything.certified
+
+
+def test_a_transformer_lens_input_hook_that_the_model_does_not_read_is_refused():
+    """The frozen input of a set reading ``ln2.hook_normalized`` is checked against that hook: a
+    cache whose hook holds something else is refused by name; an attention-only model is refused."""
+    pytest.importorskip("transformer_lens")
+    model = tl_model_with_mlps("LN")
+    transcoders = random_transcoders(3, 32, 10, input_hook="mlp_input_before_gain")
+    tokens = torch.randint(0, 50, (1, 5))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+    cache.cache_dict["blocks.1.ln2.hook_normalized"] = cache["blocks.1.ln2.hook_normalized"] * 1.01
+    with pytest.raises(ValueError, match=r"layer 1's transcoder differs from .* 'mlp_input_before_gain'"):
+        pk.adapters.capture_transformer_lens_residual(model, cache, transcoders=transcoders)
+    with pytest.raises(ValueError, match="transcoders replace the MLPs of sequential blocks; this model is attention"):
+        pk.adapters.capture_transformer_lens_residual(
+            tl_model_with_mlps("LN", attn_only=True), tokens, transcoders=transcoders
+        )
