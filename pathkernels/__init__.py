@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 
 # The public names of the library layers and the modules that define them.
 _LIBRARY_NAMES = {
+    "AttributionGraph": "pathkernels.analysis.graph",
     "CausalCheck": "pathkernels.analysis.causal",
     "DEFAULT_MEMORY_BUDGET": "pathkernels.core.planner",
     "MatrixNorms": "pathkernels.core.ops",
@@ -40,6 +41,7 @@ _LIBRARY_NAMES = {
     "TopPaths": "pathkernels.analysis.top_paths",
     "TopScorePairs": "pathkernels.analysis.score_search",
     "BatchAttribution": "pathkernels.analysis.attribution",
+    "attribution_graph": "pathkernels.analysis.graph",
     "batch_attribution": "pathkernels.analysis.attribution",
     "build_info": "pathkernels.core._extension",
     "causal_check": "pathkernels.analysis.causal",
@@ -114,6 +116,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "AttributionGraph",
     "BatchAttribution",
     "CausalCheck",
     "DEFAULT_MEMORY_BUDGET",
@@ -129,6 +132,7 @@ __all__ = [
     "TopPaths",
     "TopScorePairs",
     "adapters",
+    "attribution_graph",
     "batch_attribution",
     "build_info",
     "causal_check",

@@ -85,6 +85,7 @@ class ResidualStreamCapture:
     query_key: object | None = None  # the score side's QueryKeyCapture (pathkernels.adapters.query_key), or None
     model_fingerprint: dict | None = None  # weights_fingerprint() of the model read, or None
     transcoders: object | None = None  # the MLPs replaced (adapters.replacement.TranscoderCapture), or None
+    input_ids: Tensor | None = None  # [B, n] the token ids the model read, where it read ids, else None
 
     def __repr__(self) -> str:
         batch, tokens, width = self.embedding.shape

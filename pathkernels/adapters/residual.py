@@ -365,6 +365,7 @@ def capture_huggingface_residual(
             unembedding=unembedding,
             unembedding_bias=unembedding_bias,
             pooled_token=pooled_tokens(model, inputs.get("input_ids"), batch, tokens),
+            input_ids=None if inputs.get("input_ids") is None else inputs["input_ids"].detach().cpu(),
             token_embedding=None if seen["token_embedding"][0] is None else seen["token_embedding"][0].double(),
             **extra,
         )
@@ -792,6 +793,7 @@ def capture_transformer_lens_residual(
             unembedding_bias=None if getattr(model, "b_U", None) is None else model.b_U.detach(),
             final_norm=final_norm,
             token_embedding=cache["hook_embed"].double() if split and "hook_embed" in cache else None,
+            input_ids=tokens.detach().cpu() if isinstance(tokens, Tensor) else None,
             **extra,
         )
         if query_key:

@@ -8,7 +8,9 @@
   frozen model as a trie of its paths; :mod:`~pathkernels.analysis.scores`: where heads look, a
   head's attention scores as exact sums over pairs of paths (``pk.score_decomposition``);
   :mod:`~pathkernels.analysis.causal`: the causal check of a path, its term removed where it
-  enters and the model run on (``pk.causal_check``);
+  enters and the model run on (``pk.causal_check``); :mod:`~pathkernels.analysis.graph`: the
+  attribution graph of a prompt through a capture's transcoder features (``pk.attribution_graph``),
+  written by :mod:`~pathkernels.analysis.graph_files` in circuit-tracer's and Neuronpedia's formats;
 - :mod:`~pathkernels.analysis.metrics` (``pk.metrics``: rank collapse and token similarity),
   :mod:`~pathkernels.analysis.rollout` (``pk.rollout``), :mod:`~pathkernels.analysis.nn`
   (``pk.nn.DeEscalation``) and :mod:`~pathkernels.analysis.compat` (``pk.compat``: the paper's
@@ -29,6 +31,7 @@ from pathkernels.analysis.attribution import (
     to_single_token,
 )
 from pathkernels.analysis.causal import CausalCheck, causal_check
+from pathkernels.analysis.graph import AttributionGraph, attribution_graph
 from pathkernels.analysis.real_paths import ModelPathDecomposition, decompose_model, path_terms
 from pathkernels.analysis.score_search import TopScorePairs, top_score_pairs
 from pathkernels.analysis.scores import (
@@ -43,6 +46,7 @@ from pathkernels.analysis.scores import (
 from pathkernels.analysis.top_paths import TopPaths, top_paths
 
 __all__ = [
+    "AttributionGraph",
     "BatchAttribution",
     "CausalCheck",
     "ModelPathDecomposition",
@@ -52,6 +56,7 @@ __all__ = [
     "ScorePairs",
     "TopPaths",
     "TopScorePairs",
+    "attribution_graph",
     "batch_attribution",
     "causal_check",
     "decompose_model",
