@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -88,6 +89,7 @@ class AttributionGraph:
     edge_mask: Tensor | None = None
     influence: Tensor | None = None
     seconds: float = 0.0
+    KINDS: ClassVar[tuple[str, ...]] = KINDS
     _context: dict = field(default_factory=dict, repr=False)  # the frozen model and readouts edge_paths reads
 
     def __repr__(self) -> str:

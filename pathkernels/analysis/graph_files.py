@@ -18,7 +18,9 @@
 
 Both read from circuit-tracer's published code (``circuit_tracer/graph.py``,
 ``circuit_tracer/utils/create_graph_files.py``, ``circuit_tracer/frontend/graph_models.py``,
-``circuit_tracer/frontend/utils.py``); nothing of circuit-tracer is imported.
+``circuit_tracer/frontend/utils.py``); nothing of circuit-tracer is imported. A graph is a
+:class:`pathkernels.analysis.graph.AttributionGraph` (whose ``save_circuit_tracer`` and
+``save_neuronpedia`` call these; this module does not import that one, which imports it).
 """
 
 from __future__ import annotations
@@ -27,10 +29,9 @@ import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
-
-from pathkernels.analysis.graph import KINDS, AttributionGraph
 
 _WHERE = "pathkernels.analysis.graph_files"
 CIRCUIT_TRACER_KEYS = (
@@ -47,12 +48,12 @@ CIRCUIT_TRACER_KEYS = (
 )
 
 
-def _rows(graph: AttributionGraph) -> torch.Tensor:
+def _rows(graph: Any) -> torch.Tensor:
     """Each node's position as an index into the prompt's real tokens (circuit-tracer's ``pos``)."""
     return torch.searchsorted(graph.real_positions, graph.positions)
 
 
-def _tokens(graph: AttributionGraph, input_tokens, where: str) -> torch.Tensor:
+def _tokens(graph: Any, input_tokens, where: str) -> torch.Tensor:
     tokens = graph.input_tokens if input_tokens is None else torch.as_tensor(input_tokens).flatten().long()
     if tokens is None:
         raise ValueError(
@@ -68,7 +69,7 @@ def _tokens(graph: AttributionGraph, input_tokens, where: str) -> torch.Tensor:
 
 
 def save_circuit_tracer(
-    graph: AttributionGraph, path, *, input_string: str = "", input_tokens=None, scan=None, tokenizer_name=None
+    graph: Any, path, *, input_string: str = "", input_tokens=None, scan=None, tokenizer_name=None
 ) -> Path:
     """Write ``graph`` as circuit-tracer's graph file at ``path`` (module docstring); returns the path.
 
@@ -76,7 +77,7 @@ def save_circuit_tracer(
     set (circuit-tracer's identifier; None: the set's description)."""
     where = f"{_WHERE}.save_circuit_tracer"
     tokens = _tokens(graph, input_tokens, where)
-    features = graph.kinds == KINDS.index("feature")
+    features = graph.kinds == graph.KINDS.index("feature")
     active = torch.stack([graph.layers[features], _rows(graph)[features], graph.features[features]], 1)
     config = SimpleNamespace(
         n_layers=graph.num_layers,
@@ -111,7 +112,7 @@ def _token_text(token: int, tokenizer) -> str:
 
 
 def save_neuronpedia(
-    graph: AttributionGraph,
+    graph: Any,
     folder,
     slug: str,
     *,
@@ -138,11 +139,11 @@ def save_neuronpedia(
     tokens = _tokens(graph, input_tokens, where)
     graph.prune(node_threshold, edge_threshold)
     rows = _rows(graph)
-    logit_start = int((graph.kinds != KINDS.index("logit")).sum())
+    logit_start = int((graph.kinds != graph.KINDS.index("logit")).sum())
     offset = 10 ** math.ceil(math.log10(num_features)) if num_features else 0
     nodes = {}
     for index in graph.node_mask.nonzero().flatten().tolist():
-        kind = KINDS[int(graph.kinds[index])]
+        kind = graph.KINDS[int(graph.kinds[index])]
         layer, position, feature = int(graph.layers[index]), int(rows[index]), int(graph.features[index])
         influence = float(graph.influence[index])
         extra = {"pathkernels_value": float(graph.values[index]), "pathkernels_constant": float(graph.constant[index])}
