@@ -116,10 +116,10 @@ def test_the_edges_into_a_layer_0_feature_are_their_terms_written_from_the_weigh
     d = 16
     centre = torch.eye(d, dtype=torch.float64) - 1.0 / d
     block = model.transformer.h[0]
-    gamma1, gamma2 = block.ln_1.weight.double(), block.ln_2.weight.double()
-    w_qkv = block.attn.c_attn.weight.double()  # [d, 3d] (Conv1D: x @ W)
+    gamma1, gamma2 = block.ln_1.weight.detach().double(), block.ln_2.weight.detach().double()
+    w_qkv = block.attn.c_attn.weight.detach().double()  # [d, 3d] (Conv1D: x @ W)
     w_v = w_qkv[:, 2 * d :].reshape(d, 2, d // 2).permute(1, 0, 2)  # [H, d, e]
-    w_o = block.attn.c_proj.weight.double().reshape(2, d // 2, d)  # [H, e, d]
+    w_o = block.attn.c_proj.weight.detach().double().reshape(2, d // 2, d)  # [H, e, d]
     attn = capture.patterns(stack.attn, 0)[0]  # [H, n, n]
     scale1, scale2 = capture.norm_scale[0, 0, 0], capture.norm_scale[0, 0, 1]
     embedding = capture.embedding[0]
@@ -325,3 +325,31 @@ def test_what_the_graph_cannot_do_is_refused_by_name(tmp_path):
         graph.save_neuronpedia(tmp_path, "a/b")
     with pytest.raises(ValueError, match="expected input_tokens of the prompt's 5 real tokens"):
         graph.save_circuit_tracer(tmp_path / "g.pt", input_tokens=[1, 2])
+
+
+def test_a_graph_of_the_most_influential_features_keeps_every_row_exact():
+    """max_feature_nodes: the features chosen in circuit-tracer's order (the first batch, of most
+    influence through the logits' rows alone, includes the largest direct writers into the logits);
+    their edges are the full graph's, and what the features left out write is in the constants."""
+    model = small("gpt2")
+    graph, stack, *_ = graph_of(model, features=10, tokens=6)
+    total = int((graph.kinds == FEATURE).sum())
+    part = pk.attribution_graph(stack, max_feature_nodes=total // 3)
+    assert int((part.kinds == FEATURE).sum()) == total // 3 and part.active_features == total
+    targets = (part.kinds == FEATURE) | (part.kinds == LOGIT)
+    assert float((part.adjacency.sum(1) + part.constant - part.values)[targets].abs().max()) < 1e-12
+    full_index = [
+        graph.find(KINDS[int(k)], layer=int(layer), position=int(p), feature=int(f)) if KINDS[int(k)] != "token"
+        else graph.find("token", position=int(p))
+        for k, layer, p, f in zip(part.kinds, part.layers, part.positions, part.features)
+    ]  # fmt: skip
+    full = graph.adjacency[full_index][:, full_index]
+    assert torch.allclose(part.adjacency[targets], full[targets], rtol=1e-12, atol=1e-14)
+    # The logits' strongest feature source is among those chosen.
+    logit_rows = graph.adjacency[graph.kinds == LOGIT][:, graph.kinds == FEATURE].abs().sum(0)
+    strongest = int((graph.kinds == FEATURE).nonzero()[int(logit_rows.argmax())])
+    assert (int(graph.layers[strongest]), int(graph.positions[strongest]), int(graph.features[strongest])) in {
+        (int(layer), int(p), int(f)) for layer, p, f in zip(part.layers, part.positions, part.features)
+    }
+    with pytest.raises(ValueError, match="pass a smaller max_feature_nodes"):
+        pk.attribution_graph(stack, memory_budget=1000)

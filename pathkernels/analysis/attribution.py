@@ -51,7 +51,7 @@ from pathkernels.core._figures import bar_side_labels, check_save_path, new_figu
 from pathkernels.core._progress import progress_bar
 from pathkernels.core._repr import short_repr
 from pathkernels.core.checks import check_flag, check_int, listed, renamed
-from pathkernels.core.paths import PathTree, check_tree_shape
+from pathkernels.core.paths import PathTree, check_tree_shape, count_attribution_paths_by_length
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 if TYPE_CHECKING:
@@ -747,6 +747,20 @@ def path_attribution(
     max_length, only = _tree_paths(stack, tree, max_length, _WHERE)
     setup = read_out(stack, readout, positions, batch, max_length, _WHERE, split_embedding)
     return named(attribute(setup, top_k, memory_budget, progress, only=only), stack)
+
+
+def stack_path_counts(stack, batch: int = 0) -> list[int]:
+    """The paths of batch element ``batch`` of a captured stack by their number of steps, ``0..S``:
+    a source, then the skip or a branch of every sublayer above it (S = L heads; 2L with a capture's
+    transcoders, whose active features are steps too, so that the counts are the element's own)."""
+    capture = getattr(stack, "residual_capture", None)
+    if getattr(capture, "transcoders", None) is None:
+        layers = stack.num_layers
+        return count_attribution_paths_by_length(layers, stack.num_heads, layers)
+    tokens = stack.attn.shape[-1]
+    real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu()
+    model = frozen_model(stack, capture, batch, real)
+    return model.path_counts(model.layers)
 
 
 def _tree_paths(stack, tree: PathTree | None, max_length, where: str) -> tuple[int | None, PathSet | None]:

@@ -38,6 +38,8 @@ from torch import Tensor
 from pathkernels.analysis.attribution import CheckedReadout, PathAttribution, Readout, attribute, named
 from pathkernels.analysis.readout_trie import FrozenModel, Sublayer, frozen_model
 from pathkernels.analysis.top_paths import SearchOptions, TopPaths, search_top_paths
+from pathkernels.core._figures import check_save_path, new_figure, require, saved, titled
+from pathkernels.core._memory import format_bytes
 from pathkernels.core._progress import progress_bar
 from pathkernels.core._repr import short_repr
 from pathkernels.core.checks import check_flag, check_int
@@ -88,6 +90,7 @@ class AttributionGraph:
     node_mask: Tensor | None = None
     edge_mask: Tensor | None = None
     influence: Tensor | None = None
+    active_features: int = 0  # every active feature of the prompt, nodes or not (max_feature_nodes)
     seconds: float = 0.0
     KINDS: ClassVar[tuple[str, ...]] = KINDS
     _context: dict = field(default_factory=dict, repr=False)  # the frozen model and readouts edge_paths reads
@@ -177,6 +180,56 @@ class AttributionGraph:
                 "target_index": targets.tolist(),
             }
         )
+
+    def plot(self, *, max_edges: int = 200, ax=None, path=None):
+        """The pruned graph (:meth:`prune` with its defaults, where it has not been pruned): nodes at
+        (token position, layer), tokens at the bottom and logits at the top, features as dots sized
+        by their influence and errors as squares; edges as lines whose width is |weight| (the
+        ``max_edges`` largest), blue where positive and red where negative. Returns the matplotlib
+        Figure; with ``path`` it is also saved there (the format from the suffix)."""
+        where = f"{_WHERE}.plot"
+        check_save_path(path, where)
+        max_edges = check_int(max_edges, "max_edges", where, minimum=1)
+        require("matplotlib")
+        if self.node_mask is None:
+            self.prune()
+        figure, ax = new_figure(9, 5.5) if ax is None else (ax.figure, ax)
+        kept = self.node_mask.nonzero().flatten().tolist()
+        # Rows: tokens (−1), each layer's features and errors, the logits (L); a node's x its position,
+        # spread a little within a (layer, position) cell so that several features stay apart.
+        place = {}
+        cells: dict[tuple[int, int], list[int]] = {}
+        for node in kept:
+            cells.setdefault((int(self.layers[node]), int(self.positions[node])), []).append(node)
+        for (layer, position), members in cells.items():
+            for rank, node in enumerate(members):
+                spread = 0.0 if len(members) == 1 else (rank / (len(members) - 1) - 0.5) * 0.6
+                place[node] = (position + spread, layer + 1)
+        targets, sources = self.edge_mask.nonzero(as_tuple=True)
+        weights = self.adjacency[targets, sources]
+        order = weights.abs().argsort(descending=True)[:max_edges]
+        largest = float(weights.abs().max()) if weights.numel() else 1.0
+        for index in order.tolist():
+            target, source = int(targets[index]), int(sources[index])
+            if source in place and target in place:
+                weight = float(weights[index])
+                (x0, y0), (x1, y1) = place[source], place[target]
+                ax.plot([x0, x1], [y0, y1], color="tab:blue" if weight >= 0 else "tab:red",
+                        linewidth=0.3 + 3.0 * abs(weight) / largest, alpha=0.55, zorder=1)  # fmt: skip
+        markers = {"feature": "o", "error": "s", "token": "^", "logit": "D"}
+        for index, kind in enumerate(KINDS):
+            nodes = [node for node in kept if int(self.kinds[node]) == index]
+            if nodes:
+                xs, ys = zip(*(place[node] for node in nodes))
+                ax.scatter(xs, ys, marker=markers[kind], s=36, label=kind, zorder=2, edgecolors="black", linewidths=0.4)
+        top = max((int(self.layers[node]) for node in kept), default=self.num_layers)
+        ax.set_yticks(range(top + 2), ["tokens", *[f"L{layer}" for layer in range(top)], "logits"])
+        ax.set_xlabel("token position")
+        ax.legend(loc="upper left", fontsize="small", frameon=False)
+        kept_features = sum(int(self.kinds[node]) == KINDS.index("feature") for node in kept)
+        ax.set_title(titled(self.model_name, f"attribution graph: {kept_features} features, "
+                            f"{int(self.edge_mask.sum())} edges kept"))  # fmt: skip
+        return saved(figure, path)
 
     def save_circuit_tracer(self, path, **options):
         """Write the graph as circuit-tracer's graph file
@@ -301,14 +354,17 @@ class AttributionGraph:
         source = self._checked_node(source, "source", where)
         if KINDS[int(self.kinds[source])] == "logit":
             raise ValueError(f"{where}: node {source} ({self.label(source)}) is a logit, which writes nothing")
-        rows, level = self._context["nodes"].writes(source)
+        rows, level = self._context["nodes"].writes(int(self._context["original"][source]))
         top = len(setup.model.sources) - 1
         if level > top:
             raise ValueError(
                 f"{where}: {self.label(source)} writes above where {self.label(target)} reads: no edge between them"
             )
         model = _model_between(self._context["model"], level, top)
-        sublayers = [_heads_only(sublayer, model.replaced) for sublayer in model.sublayers]
+        if "heads_only" not in self._context:  # made once: each keeps its token maps and factors, computed once
+            full = self._context["model"]
+            self._context["heads_only"] = [_heads_only(sublayer, full.replaced) for sublayer in full.sublayers]
+        sublayers = self._context["heads_only"][level:top]
         sources = [rows] + [torch.zeros_like(rows) for _ in sublayers]
         names = [self.label(source)] + [f"(nothing at level {level + j})" for j in range(1, len(sources))]
         edge_model = FrozenModel(sublayers, sources, names, model.layers, model.num_heads, {}, model.replaced)
@@ -374,6 +430,26 @@ def _influence(normalised: Tensor, weights: Tensor) -> Tensor:
         total += current
         current = current @ normalised
     raise RuntimeError(f"{_WHERE}: the influence did not converge: the adjacency has a cycle (a bug)")
+
+
+def _partial_influence(rows: dict[int, Tensor], count: int, logits: int, probabilities: Tensor) -> Tensor:
+    """Each node's influence on the logits ``[count + logits]`` through the rows computed so far
+    (``rows``: node → its row over the ``count`` nodes; the logits are nodes ``count..``), rows
+    normalised by their absolute sums: circuit-tracer's ``compute_partial_influences``."""
+    order = list(rows)
+    matrix = _row_normalised(torch.stack([rows[node] for node in order]))  # [r, count]
+    at = torch.tensor(order)
+    current = torch.zeros(count + logits, dtype=torch.float64)
+    current[count:] = probabilities.double()
+    total = torch.zeros_like(current)
+    for _ in range(len(order) + 2):
+        step = torch.zeros_like(current)
+        step[:count] = current[at] @ matrix
+        if not bool(step.any()):
+            return total
+        total += step
+        current = step
+    raise RuntimeError(f"{_WHERE}: the influence did not converge: the rows have a cycle (a bug)")
 
 
 def _threshold(scores: Tensor, fraction: float) -> Tensor:
@@ -598,6 +674,7 @@ def attribution_graph(
     logits=None,
     max_logits: int = 10,
     desired_logit_prob: float = 0.95,
+    max_feature_nodes: int | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     progress: bool = False,
 ) -> AttributionGraph:
@@ -611,7 +688,12 @@ def attribution_graph(
         logits: vocabulary ids of the logits to explain (default: the most probable, up to
             ``max_logits`` and until their probabilities reach ``desired_logit_prob``, as
             circuit-tracer picks them).
-        memory_budget: bytes for a batch of targets' adjoints (``8 n d`` bytes each, four times over).
+        max_feature_nodes: at most this many feature nodes (default: every active feature), chosen
+            as circuit-tracer chooses them: the logits' rows first, then, batch after batch, the
+            unvisited features of most influence on the logits through the rows computed so far. A
+            feature left out is no node: what it writes into a row goes into that row's constant.
+        memory_budget: bytes for the rows and the adjacency (refused, naming ``max_feature_nodes``,
+            where they would not fit) and for a batch of targets' adjoints (``8 n d`` bytes each).
         progress: a progress bar over the targets.
 
     Returns:
@@ -630,6 +712,8 @@ def attribution_graph(
     memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
     progress = check_flag(progress, "progress", _WHERE)
     max_logits = check_int(max_logits, "max_logits", _WHERE, minimum=1)
+    if max_feature_nodes is not None:
+        max_feature_nodes = check_int(max_feature_nodes, "max_feature_nodes", _WHERE, minimum=0)
     if isinstance(desired_logit_prob, bool) or not isinstance(desired_logit_prob, (int, float)):
         raise ValueError(f"{_WHERE}: expected desired_logit_prob to be a number in (0, 1], got {desired_logit_prob!r}")
     if not 0.0 < float(desired_logit_prob) <= 1.0:
@@ -673,41 +757,81 @@ def attribution_graph(
     logit_values = full_logits[logit_ids] - full_logits.mean()
 
     nodes = _Nodes(model, replaced, batch, real, real_positions)
-    count, logit_count = nodes.count + logit_ids.numel(), logit_ids.numel()
-    targets = [nodes.feature_target(node) for node in range(nodes.features_count)]
+    logit_count, features = logit_ids.numel(), nodes.features_count
     top_level = len(model.sources) - 1
     own = constant_of(directions, biases)
+    logit_targets = []
     for k in range(logit_count):
         rho = torch.zeros(nodes.n, dtype=torch.float64, device=device)
         rho[row] = scale
-        targets.append(_Target(nodes.count + k, top_level, rho, read(directions[k]), float(own[k])))
-    by_node = {target.node: target for target in targets}
-    targets.sort(key=lambda target: -target.level)
-
-    adjacency = torch.zeros(count, count, dtype=torch.float64)
-    constant = torch.zeros(count, dtype=torch.float64)
+        logit_targets.append(_Target(nodes.count + k, top_level, rho, read(directions[k]), float(own[k])))
+    chosen = features if max_feature_nodes is None else min(features, max_feature_nodes)
+    others = nodes.count - features  # errors and tokens
+    final = chosen + others + logit_count
+    needed = 8 * ((chosen + logit_count) * nodes.count + final * final)
+    if needed > memory_budget:
+        raise ValueError(
+            f"{_WHERE}: the graph of {chosen:,} of the {features:,} active features needs {format_bytes(needed)} for "
+            f"its rows and adjacency, more than memory_budget = {format_bytes(memory_budget)}; pass a smaller "
+            "max_feature_nodes (the features of most influence on the logits are chosen) or a larger memory_budget"
+        )
+    rows: dict[int, Tensor] = {}  # node → its row over every node (features, errors, tokens), on the CPU
+    constants: dict[int, float] = {}
     chunk = max(1, memory_budget // (4 * 8 * model.sources[0].numel()))
-    bar = progress_bar(len(targets), enabled=progress, unit="target", desc=_WHERE)
-    for first in range(0, len(targets), chunk):
-        part = targets[first : first + chunk]
-        rows, constants = _sweep(model, nodes, part)
-        indices = torch.tensor([target.node for target in part])
-        adjacency[indices, : nodes.count] = rows.cpu()
-        constant[indices] = constants.cpu() + torch.tensor([target.constant for target in part], dtype=torch.float64)
-        if bar is not None:
-            bar.update(len(part))
+    bar = progress_bar(chosen + logit_count, enabled=progress, unit="target", desc=_WHERE)
+
+    def compute(targets: list[_Target]) -> None:
+        targets = sorted(targets, key=lambda target: -target.level)
+        for first in range(0, len(targets), chunk):
+            part = targets[first : first + chunk]
+            part_rows, part_constants = _sweep(model, nodes, part)
+            for target, values_row, value in zip(part, part_rows.cpu(), part_constants.cpu().tolist()):
+                rows[target.node], constants[target.node] = values_row, value + target.constant
+            if bar is not None:
+                bar.update(len(part))
+
+    compute(logit_targets)
+    if chosen == features:
+        selected = torch.arange(features)
+        compute([nodes.feature_target(node) for node in range(features)])
+    else:  # circuit-tracer's order: the unvisited features of most influence on the logits, so far
+        batch_size = max(1, min(chunk, 256))
+        visited = torch.zeros(features, dtype=torch.bool)
+        while int(visited.sum()) < chosen:
+            influence = _partial_influence(rows, nodes.count, logit_ids.numel(), probabilities[logit_ids].cpu())
+            influence = influence[:features].masked_fill(visited, -1.0)
+            take = influence.argsort(descending=True)[: min(batch_size, chosen - int(visited.sum()))]
+            visited[take] = True
+            compute([nodes.feature_target(int(node)) for node in take])
+        selected = visited.nonzero().flatten()
     if bar is not None:
         bar.close()
-    values = torch.zeros(count, dtype=torch.float64)
-    values[: nodes.features_count] = nodes.activations[: nodes.features_count]
-    values[nodes.count :] = logit_values.cpu()
+
+    # The graph's nodes: the selected features, then the errors, tokens and logits; the features left
+    # out write into their targets' constants, so that every row still sums to its node's value.
+    keep = torch.cat([selected, torch.arange(features, nodes.count)])
+    left_out = torch.ones(features, dtype=torch.bool)
+    left_out[selected] = False
+    index = {int(node): position for position, node in enumerate(selected.tolist())}
+    index |= {nodes.count + k: final - logit_count + k for k in range(logit_count)}
+    adjacency = torch.zeros(final, final, dtype=torch.float64)
+    constant = torch.zeros(final, dtype=torch.float64)
+    for node, values_row in rows.items():
+        adjacency[index[node], : chosen + others] = values_row[keep]
+        constant[index[node]] = constants[node] + float(values_row[:features][left_out].sum())
+    values = torch.zeros(final, dtype=torch.float64)
+    values[:chosen] = nodes.activations[selected]
+    values[final - logit_count :] = logit_values.cpu()
+    by_node = {index[target.node]: target for target in logit_targets}
+    by_node |= {position: nodes.feature_target(int(node)) for position, node in enumerate(selected.tolist())}
+    rest = torch.arange(features, nodes.count)
 
     graph = AttributionGraph(
-        kinds=torch.cat([nodes.kinds, torch.full((logit_count,), KINDS.index("logit"))]),
-        layers=torch.cat([nodes.layers_of, torch.full((logit_count,), replaced.num_layers)]),
-        positions=torch.cat([nodes.positions, torch.full((logit_count,), position)]),
-        features=torch.cat([nodes.features, logit_ids.cpu()]),
-        activations=torch.cat([nodes.activations, logit_values.cpu()]),
+        kinds=torch.cat([nodes.kinds[keep], torch.full((logit_count,), KINDS.index("logit"))]),
+        layers=torch.cat([nodes.layers_of[keep], torch.full((logit_count,), replaced.num_layers)]),
+        positions=torch.cat([nodes.positions[keep], torch.full((logit_count,), position)]),
+        features=torch.cat([nodes.features[keep], logit_ids.cpu()]),
+        activations=torch.cat([nodes.activations[keep], logit_values.cpu()]),
         adjacency=adjacency,
         values=values,
         constant=constant,
@@ -718,9 +842,12 @@ def attribution_graph(
         num_layers=replaced.num_layers,
         description=replaced.description,
         batch=batch,
+        active_features=features,
         seconds=time.monotonic() - start,
     )
-    graph._context = {"model": model, "targets": by_node, "nodes": nodes}
+    # (edge_paths reads a node's write by its index among every node: the selected ones keep theirs)
+    original = torch.cat([selected, rest, torch.full((logit_count,), -1)])
+    graph._context = {"model": model, "targets": by_node, "nodes": nodes, "original": original}
     return named(graph, stack)
 
 

@@ -123,15 +123,17 @@ def save_neuronpedia(
     node_threshold: float = 0.8,
     edge_threshold: float = 0.98,
     paths_per_link: int = 3,
+    linked: int = 200,
     num_features: int | None = None,
 ) -> Path:
     """Write ``graph`` as the JSON Neuronpedia's graph viewer loads, ``folder/{slug}.json``, and add
     it to ``folder/graph-metadata.json`` (module docstring). The graph is pruned first
-    (:meth:`AttributionGraph.prune` with the thresholds); each kept link carries its
-    ``paths_per_link`` largest chains of heads (``pathkernels_paths``: ``[{"path", "weight"}]``, by the
-    certified search; 0: none). ``tokenizer`` decodes the prompt's tokens (else their ids are
-    shown); ``num_features``: the transcoders' width, which circuit-tracer's preset scans add as an
-    offset per layer to a feature's index (None: no offset, as for a custom scan). Returns the
+    (:meth:`AttributionGraph.prune` with the thresholds); the ``linked`` kept links of largest
+    |weight| (None: every one) carry their ``paths_per_link`` largest chains of heads
+    (``pathkernels_paths``: ``[{"path", "weight"}]``, by the certified search, with
+    ``pathkernels_certified``; 0: none). ``tokenizer`` decodes the prompt's tokens (else their ids
+    are shown); ``num_features``: the transcoders' width, which circuit-tracer's preset scans add as
+    an offset per layer to a feature's index (None: no offset, as for a custom scan). Returns the
     JSON's path."""
     where = f"{_WHERE}.save_neuronpedia"
     if not isinstance(slug, str) or not slug or "/" in slug:
@@ -202,7 +204,9 @@ def save_neuronpedia(
         nodes[index] = node | extra
     links = []
     targets, sources = graph.edge_mask.nonzero(as_tuple=True)
-    for target, source in zip(targets.tolist(), sources.tolist()):
+    weights = graph.adjacency[targets, sources].abs()
+    chained = set(weights.argsort(descending=True)[: weights.numel() if linked is None else linked].tolist())
+    for rank, (target, source) in enumerate(zip(targets.tolist(), sources.tolist())):
         if source not in nodes or target not in nodes:
             continue
         link = {
@@ -210,7 +214,7 @@ def save_neuronpedia(
             "target": nodes[target]["node_id"],
             "weight": float(graph.adjacency[target, source]),
         }
-        if paths_per_link:
+        if paths_per_link and rank in chained:
             top = graph.edge_top_paths(source, target, top_k=paths_per_link)
             chains = [row for row in top.table() if row["attribution"] != 0]  # (the zero rows above the source)
             link["pathkernels_paths"] = [{"path": row["path"], "weight": row["attribution"]} for row in chains]

@@ -5,6 +5,7 @@
     pathkernels paths [--model PATH] ...        residual ratio of the paths, by length
     pathkernels attribute [--model PATH] ...    each path's share of a logit difference, top paths
     pathkernels scores [--model PATH] ...       where a head looks: its scores by pairs of paths
+    pathkernels graph --model PATH --transcoders DIR ...   a prompt's attribution graph through features
     pathkernels bench [--device cuda] ...       fused ops and the engine against pure PyTorch
 
 ``--model`` takes a local Hugging Face model directory (its weights are loaded, nothing is
@@ -26,8 +27,8 @@ a plain line about every 10 s elsewhere (a log).
 
 This module is the parser and ``main``: it imports neither torch nor the library, so that
 ``--help`` answers at once. Each subcommand is a module of its own (``demo``, ``collapse``,
-``paths``, ``attribute``, ``scores``, ``bench``; ``common`` and ``base`` what they share), imported when it
-runs.
+``paths``, ``attribute``, ``scores``, ``graph``, ``bench``; ``common`` and ``base`` what they share),
+imported when it runs.
 """
 
 from __future__ import annotations
@@ -146,6 +147,17 @@ def _token_ids(text: str) -> list[int]:
 _SEED = _integer(0, 2**64 - 1)  # torch's generators take 64-bit seeds
 
 
+def _fraction(text: str) -> float:
+    """A number in [0, 1] (a share of influence)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text}")
+    return value
+
+
 def _seconds(text: str) -> float:
     """An argparse type: a positive, finite number of seconds."""
     try:
@@ -186,6 +198,11 @@ def _check_paths(args) -> None:
         )
     if direction and not Path(direction).exists():
         raise CommandLineError(f"--direction {direction}: no such file")
+    transcoders = getattr(args, "transcoders", None)
+    if transcoders is not None and not model:
+        raise CommandLineError(f"--transcoders {transcoders} needs --model (the model whose MLPs the set replaces)")
+    if transcoders is not None and not Path(transcoders).is_dir():
+        raise CommandLineError(f"--transcoders {transcoders}: no such folder; expected a folder of transcoder files")
     if not model:
         return
     config_file = folder / "config.json" if folder.is_dir() else folder
@@ -343,8 +360,10 @@ def _check_attribute(
     (None: unknown, a classifier's classes); ``no_text``: why token text cannot be read, if it cannot."""
     if args.position is not None:
         _check_position("position", args.position, tokens, limit, model)
-    if args.max_length is not None and args.max_length > layers:
-        raise CommandLineError(f"--max-length: expected at most the model's {layers} layers, got {args.max_length}")
+    steps = layers * (2 if getattr(args, "transcoders", None) is not None else 1)  # with features: 2 steps a layer
+    if args.max_length is not None and args.max_length > steps:
+        what = f"{steps} steps (a head and an MLP step per layer)" if steps > layers else f"{layers} layers"
+        raise CommandLineError(f"--max-length: expected at most the model's {what}, got {args.max_length}")
     given = {}
     for name in ("target", "versus"):
         value = getattr(args, name)
@@ -536,6 +555,13 @@ def build_parser() -> argparse.ArgumentParser:
         "the model's last hidden state (its final norm's output) at --position",
     )
     attribute.add_argument("--position", type=int, help="the token read out (default: the last)")
+    attribute.add_argument(
+        "--transcoders",
+        type=Path,
+        help="with --model: a folder of transcoders (circuit-tracer, SAELens or sparsify files) that replace "
+        "the model's MLPs, so that paths run through their active features too (docs/USAGE.md, 'Paths through "
+        "MLP features')",
+    )
     attribute.add_argument("--top", type=_integer(1), default=10, help="how many top and bottom paths to show")
     attribute.add_argument(
         "--max-length",
@@ -552,6 +578,40 @@ def build_parser() -> argparse.ArgumentParser:
         "limit it reports what it found and says what was left",
     )
     attribute.set_defaults(run=_run_attribute)
+
+    graph = command(
+        "graph",
+        help="a prompt's attribution graph through a transcoder set, in circuit-tracer's and Neuronpedia's files",
+        description="With the model's MLPs replaced by a transcoder set (its features' gates, the norms and the "
+        "attention frozen at the forward pass), every active feature, error, token and logit is a node and the "
+        "direct effect of each on each an edge, exactly: each edge is the sum of its chains of heads. The graph "
+        "is pruned as circuit-tracer prunes it and written as circuit-tracer's graph file (graph.pt) and the JSON "
+        "Neuronpedia's graph viewer loads, each link with its largest chains of heads.",
+    )
+    model_options(graph, layers=4, tokens=DEFAULT_TOKENS["graph"])
+    graph.add_argument(
+        "--transcoders", type=Path, required=True, help="a folder of transcoders (circuit-tracer, SAELens or sparsify)"
+    )
+    graph.add_argument("--seed", type=_SEED, default=0, help="seed of random token ids (--tokens)")
+    graph.add_argument("--position", type=int, help="the token whose logits are explained (default: the last)")
+    graph.add_argument("--slug", default="graph", help="the graph's name in Neuronpedia's files (default: graph)")
+    graph.add_argument(
+        "--node-threshold", type=_fraction, default=0.8, help="the share of influence the kept nodes hold (0.8)"
+    )
+    graph.add_argument(
+        "--edge-threshold", type=_fraction, default=0.98, help="the share of influence the kept edges hold (0.98)"
+    )
+    graph.add_argument(
+        "--paths-per-link", type=_integer(0), default=3, help="chains of heads written with each link (default 3)"
+    )
+    graph.add_argument(
+        "--max-feature-nodes",
+        type=_integer(1),
+        help="at most this many features as nodes, those of most influence on the logits (default: every one)",
+    )
+    graph.add_argument("--top", type=_integer(1), default=10, help="how many nodes and edges to list")
+    graph.add_argument("--time-limit", type=_seconds, default=600.0, help="seconds for the whole command")
+    graph.set_defaults(run=_run_graph)
 
     scores = command(
         "scores",
@@ -634,7 +694,16 @@ def _run_attribute(args) -> int:
     from pathkernels.app.cli.attribute import attribute_table
 
     names = ("seed", "target", "versus", "direction", "position", "top", "max_length", "time_limit", "started")
-    return _done(attribute_table(**_options(args, *_MODEL_OPTIONS, *names)))
+    return _done(attribute_table(**_options(args, *_MODEL_OPTIONS, *names, "transcoders")))
+
+
+def _run_graph(args) -> int:
+    from pathkernels.app.cli.graph import graph_files
+
+    names = ("model", "transcoders", "text", "ids", "example", "tokens", "seed", "position", "slug")
+    names += ("node_threshold", "edge_threshold", "paths_per_link", "max_feature_nodes", "top", "time_limit", "out")
+    names += ("started",)
+    return _done(graph_files(**_options(args, *names)))
 
 
 def _run_scores(args) -> int:

@@ -17,6 +17,7 @@ from pathkernels.analysis.attribution import (
     logit_soft_cap,
     path_attribution,
     path_bars,
+    stack_path_counts,
     unembedding,
 )
 from pathkernels.analysis.readout_trie import frozen_model
@@ -26,7 +27,6 @@ from pathkernels.app.cli.common import float_format, heading, local_model, model
 from pathkernels.app.cli.sizes import model_shape
 from pathkernels.app.experiments import fitted_title
 from pathkernels.core._progress import TimeLimitReached, time_limit
-from pathkernels.core.paths import count_attribution_paths
 
 
 def _token_id(value: str, tokenizer, vocab: int, option: str) -> int:
@@ -148,6 +148,7 @@ def attribute_table(
     time_limit: float | None = 300.0,
     out: Path | None = None,
     started: float | None = None,
+    transcoders: Path | None = None,
 ):
     """``pathkernels attribute``: each path's attribution to a logit difference at one token of a
     model built from a config (or a local model), or with ``direction`` (a file: :func:`read_direction`)
@@ -165,7 +166,9 @@ def attribute_table(
     the machine's memory is refused before any is done. ``started``: when the command began
     (``time.monotonic()``, before torch and transformers were imported, which cannot be cut short),
     the time the limit counts from; default the call. Returns the PathAttribution, or None when
-    the limit came before any path was attributed."""
+    the limit came before any path was attributed. ``transcoders``: a folder of transcoders replacing
+    the model's MLPs (:func:`pathkernels.adapters.load_transcoders`), whose active features are then
+    steps of the paths too."""
     import pandas as pd
 
     clock = _Clock(time_limit, started)
@@ -205,8 +208,13 @@ def attribute_table(
     if not done:
         return _stopped(clock, "building the model")
     inputs = run.drawn_inputs() if inputs is None else inputs
+    options = {}
+    if transcoders is not None:
+        from pathkernels.app.cli.graph import read_transcoders
+
+        options["transcoders"] = read_transcoders(Path(transcoders), network)
     try:
-        done, captured = within(clock.left(), capture_huggingface_residual, network, **inputs)
+        done, captured = within(clock.left(), capture_huggingface_residual, network, **options, **inputs)
     except ValueError as error:
         raise CommandLineError(str(error).split(": ", 1)[-1]) from None
     if not done:
@@ -256,22 +264,26 @@ def attribute_table(
             " (before the logit soft cap)" if capped else ""
         )
         constant_parts = "the final norm's β and the " + ("score head's bias" if classifier else "unembedding bias")
-    layers_, heads_ = stack.num_layers, stack.num_heads
-    everything = count_attribution_paths(layers_, heads_, layers_)
+    by_length = stack_path_counts(stack)  # by steps: heads, and with --transcoders the MLPs' steps too
+    layers_ = len(by_length) - 1
+    step = "head" if transcoders is None else "step"
+
+    def count(k: int) -> int:  # the paths through at most k steps
+        return sum(by_length[: k + 1])
+
+    everything = count(layers_)
     search = max_length is None and everything > MAX_ATTRIBUTION_PATHS  # top paths by the certified search
     if max_length is None:
-        max_length = max(
-            (k for k in range(layers_ + 1) if count_attribution_paths(layers_, heads_, k) <= MAX_ATTRIBUTION_PATHS),
-            default=0,
-        )
+        max_length = max((k for k in range(layers_ + 1) if count(k) <= MAX_ATTRIBUTION_PATHS), default=0)
     elif max_length > layers_:
-        raise CommandLineError(f"--max-length: expected at most the model's {layers_} layers, got {max_length}")
+        raise CommandLineError(f"--max-length: expected at most the model's {layers_} steps, got {max_length}")
     wanted = max_length
     # The searches get half of what is left after the walk; the walk the rest (all of it without them).
     walk_end = time.monotonic() + (clock.left() / 2 if search else clock.left())
     # Twice the top: where the paths are that few, one table lists them all (no pair of tables of the same paths).
-    result, max_length = _attribution_walk(stack, readout, position, 2 * top, wanted, walk_end)
-    paths = count_attribution_paths(layers_, heads_, max_length)
+    counts = [count(k) for k in range(wanted + 1)]
+    result, max_length = _attribution_walk(stack, readout, position, 2 * top, wanted, walk_end, counts)
+    paths = count(max_length)
 
     value, constant = float(result.value[0, 0]), float(result.constant[0, 0])
     print(f"Path attribution of {source}")
@@ -288,15 +300,15 @@ def attribute_table(
         print(f"paths: all {paths:,}, exactly (Σ attributions + constant − readout = {number(-closure, '.2g')})")
     else:
         print(
-            f"paths: the {paths:,} through at most {max_length} head{'' if max_length == 1 else 's'}, of "
+            f"paths: the {paths:,} through at most {max_length} {step}{'' if max_length == 1 else 's'}, of "
             f"{everything:,}; the longer ones carry "
             f"{number(float(result.unenumerated[0, 0]), '.6g')} together (exact)"
         )
     if max_length < wanted:
         print(
             f"time limit: the walk stopped at the --time-limit of {clock.seconds:g} s before the "
-            f"{count_attribution_paths(layers_, heads_, max_length + 1):,} paths through at most {max_length + 1} "
-            f"heads ({clock.elapsed():.1f} s in); a larger --time-limit reaches them"
+            f"{count(max_length + 1):,} paths through at most {max_length + 1} "
+            f"{step}s ({clock.elapsed():.1f} s in); a larger --time-limit reaches them"
         )
     lengths = pd.DataFrame(
         {
@@ -422,16 +434,15 @@ def _stopped(clock: _Clock, stage: str) -> None:
     )
 
 
-def _attribution_walk(stack, readout, position: int, top: int, wanted: int, end: float):
+def _attribution_walk(stack, readout, position: int, top: int, wanted: int, end: float, counts: list[int]):
     """``(result, k)``: :func:`pathkernels.path_attribution` of the paths through at most k heads
     for the largest ``k <= wanted`` whose walk finishes by ``end`` (``time.monotonic()``).
 
     Lengths 0 and up, each walk whole (what the longer paths carry together is exact in each): a
     walk still running at ``end`` is stopped between two chunks and the previous one is kept.
     After each walk the next goes straight to ``wanted`` when the rate just measured says it
-    takes at most half of what is left. Length 0 (a few paths) runs whatever the limit."""
-    layers, heads = stack.num_layers, stack.num_heads
-    counts = [count_attribution_paths(layers, heads, k) for k in range(wanted + 1)]
+    takes at most half of what is left. Length 0 (a few paths) runs whatever the limit. ``counts[k]``:
+    the paths through at most k steps."""
     result, done, k, seconds_per_path = None, -1, 0, math.inf
     while True:
         started = time.monotonic()

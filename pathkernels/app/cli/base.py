@@ -11,7 +11,7 @@ from pathlib import Path
 
 # --tokens by default: the built-in networks', and a --model's random token ids when its directory
 # has no tokenizer (one with a tokenizer reads a fixed sentence unless --tokens or --text is given).
-DEFAULT_TOKENS = {"collapse": 32, "paths": 32, "attribute": 16, "scores": 16}
+DEFAULT_TOKENS = {"collapse": 32, "paths": 32, "attribute": 16, "scores": 16, "graph": 16}
 
 # The vocabulary of attribute's built-in GPT-2 (without --model).
 BUILT_IN_VOCAB = 1000
