@@ -282,6 +282,34 @@ def test_every_path_through_heads_and_features_is_its_literal_term():
     assert abs(sum(literal.values()) + float(result.constant[0, 0]) - own) < 1e-10 * max(1.0, abs(own))
 
 
+def test_the_terms_of_paths_through_features_sum_to_the_stream_and_read_out_as_their_attributions():
+    """pk.path_terms of every path of a 2-layer GPT-2 with skip-transcoders: they sum to the stream
+    entering the final norm, and each read out through the frozen final norm is its attribution."""
+    model = gpt2(layers=2, heads=2, width=8).eval()
+    transcoders = transcoders_for(model, features=5, skip=True)
+    ids = torch.randint(0, 50, (1, 4))
+    stack, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    token = 9
+    result = pk.path_attribution(stack, pk.logit(model, token), top_k=2)
+    terms = pk.path_terms(stack, result.paths, result.path_sources)  # [M, n, d]
+    assert relative(terms.sum(0), capture.residual[0]) < 1e-12
+    d = 8
+    centre = torch.eye(d, dtype=torch.float64) - 1.0 / d
+    u = centre @ (model.transformer.ln_f.weight.detach().double() * model.lm_head.weight[token].detach().double())
+    read = capture.final_scale[0, -1] * (terms[:, -1] @ u)
+    assert relative(read, result.attribution[:, 0, 0]) < 1e-12
+    # A feature that no token of the sequence opens has no term; a column beyond the set is refused.
+    closed = sorted(set(range(5)) - set(capture.transcoders.layers[1].features.tolist()))
+    if closed:
+        path = torch.full((1, 4), -1)
+        path[0, 3] = closed[0]
+        assert float(pk.path_terms(stack, path, [0]).abs().max()) == 0.0
+    path = torch.full((1, 4), -1)
+    path[0, 2] = 5 + 8  # F = 5 features and at most d = 8 skip directions: beyond them
+    with pytest.raises(ValueError, match=r"expected paths\[:, 2\] \(layer 0's MLP step\) in \[-1, "):
+        pk.path_terms(stack, path, [0])
+
+
 # ------------------------------------------------------------------------------------------------
 # Every family
 
@@ -430,8 +458,6 @@ def test_what_is_not_read_yet_is_refused_by_name():
         pk.score_decomposition(stack, 1, 0, query=4, keys=1)
     with pytest.raises(ValueError, match="causal_check does not yet"):
         pk.causal_check(model, stack, {"input_ids": ids}, torch.full((1, 4), -1), [0], layer=1, head=0, query=4, key=1)
-    with pytest.raises(ValueError, match="path_terms does not yet"):
-        pk.path_terms(stack, torch.full((1, 4), -1), [0])
     with pytest.raises(ValueError, match="decompose does not yet"):
         pk.decompose(stack)
     with pytest.raises(ValueError, match=r"tree's restriction \(tree=\) does not yet"):

@@ -202,7 +202,7 @@ def _every_term(model: FrozenModel, max_length: int, chunk: int) -> Iterator[tup
                 grown = _heads(sublayer, terms[grows])  # [H, N', n, d]
                 heads = grown.shape[0]
                 head_choices = choices[grows][None].repeat(heads, 1, 1)
-                head_choices[:, :, sublayer.layer] = torch.arange(heads, device=device)[:, None]
+                head_choices[:, :, sublayer.column] = sublayer.choice_values(device)[:, None]
                 parts.append((grown.flatten(0, 1), head_choices.flatten(0, 1), (lengths[grows] + 1).repeat(heads)))
             for part in reversed(parts):  # the skip's subtree first
                 for start in range(0, part[0].shape[0], chunk):
@@ -236,12 +236,16 @@ def terms_of(model: FrozenModel, choices: Tensor, sources: Tensor) -> Tensor:
         if sublayer is None:
             break
         on = sources <= position
-        taken = choices[:, sublayer.layer] if sublayer.attn is not None else torch.full_like(sources, NO_HEAD)
+        taken = choices[:, sublayer.column] if sublayer.attn is not None else torch.full_like(sources, NO_HEAD)
         skipping = on & (taken == NO_HEAD)
         terms[skipping] = _skip(sublayer, terms[skipping])
-        for head in taken[on & (taken != NO_HEAD)].unique().tolist():
-            chosen = on & (taken == head)
-            terms[chosen] = _head(sublayer, terms[chosen], head)
+        branch_of = {int(value): index for index, value in enumerate(sublayer.choice_values("cpu").tolist())}
+        for value in taken[on & (taken != NO_HEAD)].unique().tolist():
+            chosen = on & (taken == value)
+            if value in branch_of:
+                terms[chosen] = _head(sublayer, terms[chosen], branch_of[value])
+            else:  # a feature closed at every token of this sequence: its step writes nothing
+                terms[chosen] = 0.0
     return terms
 
 
@@ -264,7 +268,9 @@ def path_terms(
             ``capture_transformer_lens_residual``).
         paths: ``[M, L]`` ints, the head each path takes at each layer (−1: none), as
             ``ModelPathDecomposition.paths`` and ``PathAttribution.paths`` hold them. A path takes
-            heads only above its source.
+            heads only above its source. With a capture's transcoders ``[M, 2L]``: then each MLP's
+            step (a feature id, ``F + k`` for its skip map's k-th direction; a feature closed at every
+            token of the sequence writes nothing).
         sources: ``[M]`` source indices into the stack's source names (``"embedding"``, ``"L{l}
             attention bias"``, ``"L{l} MLP"``, as the results' ``source_names``), or those names.
         batch: the sequence.
@@ -287,7 +293,6 @@ def path_terms(
     memory_budget = check_int(memory_budget, "memory_budget", where, minimum=1)
     n_all = stack.attn.shape[-1]
     real = torch.ones(n_all, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
-    refuse_transcoders(capture, where, "path_terms")
     model = frozen_model(stack, capture, batch, real)
     names = model.source_names
     choices, source_index = _checked_paths(paths, sources, model, names, where)
@@ -344,7 +349,8 @@ def _as_index_tensor(value, name: str, expected: str, where: str) -> Tensor:
 
 def _checked_paths(paths, sources, model: FrozenModel, names: list[str], where: str) -> tuple[Tensor, Tensor]:
     """``(choices [M, L], sources [M])`` checked against the frozen model: heads in ``[−1, H)``, a
-    source index or name each, and heads only above the path's source."""
+    source index or name each, and heads only above the path's source. With a capture's transcoders
+    the choices are ``[M, 2L]``: then each MLP's step, a feature id or the skip map's ``F + k``."""
     paths = _as_index_tensor(paths, "paths", f"[M, {model.layers}] ints, the head at each layer (−1: none)", where)
     if paths.dim() == 1:
         paths = paths[None]
@@ -353,8 +359,20 @@ def _checked_paths(paths, sources, model: FrozenModel, names: list[str], where: 
             f"{where}: expected paths [M, {model.layers}] of head indices (−1: none), got "
             f"{list(paths.shape)} {str(paths.dtype).removeprefix('torch.')}"
         )
-    if bool(((paths < NO_HEAD) | (paths >= model.num_heads)).any()):
-        raise ValueError(f"{where}: expected heads in [-1, {model.num_heads}) in paths, got {paths.unique().tolist()}")
+    heads = paths if model.replaced is None else paths[:, : model.replaced.num_layers]
+    if bool(((heads < NO_HEAD) | (heads >= model.num_heads)).any()):
+        raise ValueError(f"{where}: expected heads in [-1, {model.num_heads}) in paths, got {heads.unique().tolist()}")
+    if model.replaced is not None:  # each MLP's column: a feature id or a skip-map direction, where it has a transcoder
+        layers = model.replaced.num_layers
+        for layer in range(layers):
+            column = paths[:, layers + layer]
+            replaced = model.replaced.layers.get(layer)
+            limit = 0 if replaced is None else replaced.num_features + replaced.num_skip
+            if bool(((column < NO_HEAD) | (column >= limit)).any()):
+                raise ValueError(
+                    f"{where}: expected paths[:, {layers + layer}] (layer {layer}'s MLP step) in [-1, {limit}) (its "
+                    f"features, then its skip map's directions), got {column.unique().tolist()}"
+                )
     if isinstance(sources, (str, int)):
         sources = [sources]
     if isinstance(sources, (list, tuple)) and sources and all(isinstance(s, str) for s in sources):
@@ -371,9 +389,12 @@ def _checked_paths(paths, sources, model: FrozenModel, names: list[str], where: 
         raise ValueError(f"{where}: expected one source per path ({paths.shape[0]}), got {sources.numel()}")
     if bool(((sources < 0) | (sources >= len(names))).any()):
         raise ValueError(f"{where}: expected source indices in [0, {len(names)}), got {sources.tolist()}")
-    # Source j enters below sublayer j; layer l's attention is sublayer 2 l.
-    attention_index = torch.tensor([i for i, s in enumerate(model.sublayers) if s.attn is not None])
-    below = attention_index[None, :] < sources[:, None]  # [M, L]: layer l's heads lie below the source
+    # Source j enters below sublayer j: a column's branch lies below the source where its sublayer does.
+    where_column = torch.full((model.layers,), -1, dtype=torch.long)  # each column's sublayer (−1: none)
+    for index, sublayer in enumerate(model.sublayers):
+        if sublayer.attn is not None:
+            where_column[sublayer.column] = index
+    below = (where_column[None, :] < sources[:, None]) & (where_column[None, :] >= 0)  # [M, columns]
     if bool(((paths != NO_HEAD) & below).any()):
         bad = int(((paths != NO_HEAD) & below).any(1).nonzero()[0])
         raise ValueError(
