@@ -972,6 +972,7 @@ def random_transcoders(
     output_hook: str = "mlp_output",
     input_normalization: str = "none",
     rectify: bool = False,
+    density: float | None = None,
     dtype: torch.dtype = torch.float64,
     generator: torch.Generator | None = None,
 ):
@@ -979,23 +980,36 @@ def random_transcoders(
     layers of width ``d_model`` (``layers``: the layers it covers, default all), ``num_features``
     features each: encoder ``N(0, 1/d)``, biases ``N(−0.2, 0.3²)`` (about a third of the features of a
     unit-scale input active), thresholds ``U(0, 0.2)`` (JumpReLU), decoder ``N(0, 1/F)``, and with
-    ``skip`` a ``W_skip`` ``N(0, 0.1²/d)``; ``k`` for TopK (default ``num_features // 4``)."""
+    ``skip`` a ``W_skip`` ``N(0, 0.1²/d)``; ``k`` for TopK (default ``num_features // 4``). With
+    ``density`` (JumpReLU), the encoder biases are 0 and every threshold the ``1 − density`` quantile
+    of a standard normal, so that a fraction ``density`` of the features is active on an input
+    whose entries have unit variance (a LayerNorm's output), e.g. 64 of 24,576 at 0.0026."""
     layers = tuple(range(num_layers) if layers is None else layers)
+    if density is not None and not (activation == "jumprelu" and 0.0 < float(density) < 1.0):
+        raise ValueError(f"density: expected a fraction in (0, 1) of a JumpReLU set, got {density!r} ({activation})")
+    quantile = None if density is None else float(torch.special.ndtri(torch.tensor(1.0 - float(density))))
 
     def draw(*shape, std=1.0, mean=0.0):
         return (torch.randn(*shape, generator=generator, dtype=torch.float64) * std + mean).to(dtype)
+
+    def encoder_bias():  # 0 with a density: the thresholds alone set it
+        if quantile is not None:
+            return torch.zeros(num_features, dtype=dtype)
+        return draw(num_features, std=0.3, mean=-0.2)
 
     return TranscoderSet(
         layout="circuit-tracer",
         layers=layers,
         w_enc={layer: draw(d_model, num_features, std=d_model**-0.5) for layer in layers},
-        b_enc={layer: draw(num_features, std=0.3, mean=-0.2) for layer in layers},
+        b_enc={layer: encoder_bias() for layer in layers},
         w_dec={layer: {layer: draw(num_features, d_model, std=num_features**-0.5)} for layer in layers},
         b_dec={layer: draw(d_model, std=0.3) for layer in layers},
         threshold={
-            layer: (torch.rand(num_features, generator=generator, dtype=torch.float64) * 0.2).to(dtype)
-            if activation == "jumprelu"
-            else None
+            layer: None
+            if activation != "jumprelu"
+            else torch.full((num_features,), quantile, dtype=dtype)
+            if quantile is not None
+            else (torch.rand(num_features, generator=generator, dtype=torch.float64) * 0.2).to(dtype)
             for layer in layers
         },
         w_skip={layer: draw(d_model, d_model, std=0.1 * d_model**-0.5) if skip else None for layer in layers},

@@ -640,6 +640,11 @@ def _search_levels(search: _Search, reach: Tensor) -> tuple[float, float, int, i
     bounds = _bounds(rho, phi, reach, level)
     pruned, visited, expanded = -math.inf, 0, 0
     node_bytes = 8 * (rho.shape[-1] + phi.shape[-1] + layers + 3)
+    # A node's children (one per branch: a replaced MLP's sublayer has hundreds) are made at once,
+    # with their temporaries (about four times their size): as many nodes a batch as fit a quarter
+    # of the budget that way.
+    branches = max((sublayer.branches for sublayer in model.sublayers), default=0) + 1
+    batch_nodes = max(1, min(search.batch_nodes, search.memory_budget // (16 * node_bytes * branches)))
     stopped = "certified"
     while level.numel():
         kth = _kth(fold, k)
@@ -655,7 +660,7 @@ def _search_levels(search: _Search, reach: Tensor) -> tuple[float, float, int, i
         if level.numel() * node_bytes > search.memory_budget:
             stopped = "memory_budget"
             break
-        take = torch.topk(bounds, min(search.batch_nodes, bounds.numel())).indices
+        take = torch.topk(bounds, min(batch_nodes, bounds.numel())).indices
         keep = torch.ones_like(bounds, dtype=torch.bool)
         keep[take] = False
         picked = [t[take] for t in (rho, phi, level, choices, lengths)]
@@ -672,18 +677,59 @@ def _search_levels(search: _Search, reach: Tensor) -> tuple[float, float, int, i
             if at == 0:
                 continue
             runs = [(g_rho.shape[0], None)]
-            for *part, _ in walker.children(at, g_rho, g_phi, g_choices, g_lengths, runs, setup.max_length):
+            sublayer = model.sublayers[at - 1]
+            if sublayer.branch_ids is not None and sublayer.pre:  # a replaced MLP's steps, hundreds of them
+                step = (g_rho, g_phi, g_choices, g_lengths, setup.max_length)
+                children, dropped = _step_children(sublayer, *step, reach[at - 1], _kth(fold, k))
+                pruned = max(pruned, dropped)
+            else:
+                children = walker.children(at, g_rho, g_phi, g_choices, g_lengths, runs, setup.max_length)
+            for *part, _ in children:
                 child_level = torch.full((part[0].shape[0],), at - 1, dtype=torch.long, device=device)
                 new.append((*part[:2], child_level, *part[2:]))
         if new:
             parts = list(zip(*new))
             grown = [torch.cat(p) for p in parts]
             child_bound = _bounds(grown[0], grown[1], reach, grown[2])
+            kth = _kth(fold, k)
+            alive = child_bound > kth  # children whose every path is below the k-th value: pruned at once
+            if not bool(alive.all()):
+                pruned = max(pruned, float(child_bound[~alive].max()))
+                grown, child_bound = [t[alive] for t in grown], child_bound[alive]
             rho, phi, level, choices, lengths = (
                 torch.cat([a, b]) for a, b in zip((rho, phi, level, choices, lengths), grown)
             )
             bounds = torch.cat([bounds, child_bound])
     return pruned, float(bounds.max()) if bounds.numel() else -math.inf, visited, expanded, stopped
+
+
+def _step_children(sublayer: Sublayer, rho, phi, choices, lengths, max_length: int, reach: Tensor, kth: float):
+    """The children of nodes ``rho [N, 1, n]``, ``phi [N, 1, d]`` through a replaced MLP's sublayer of
+    rank-one steps (pre-norm): the skip's, then only the steps whose child can still exceed ``kth``,
+    each bounded before it is made: a step f's child is ``ρ ⊙ w_f`` and ``(φ · v_f) u_f`` (``w_f`` its
+    diagonal token map, ``v_f`` and ``u_f`` its output and input maps), so its bound is
+    ``‖ρ ⊙ w_f‖₁ |φ · v_f| ‖u_f‖ · reach``, ``[N, F]`` at once without an ``[N, F, d]`` tensor.
+    Returns ``(parts, largest bound dropped)`` in :meth:`Walker.children`'s form."""
+    parts = [(rho, phi, choices, lengths, None)]
+    grows = lengths < max_length
+    if not bool(grows.any()):
+        return parts, -math.inf
+    rho, phi, choices, lengths = rho[grows], phi[grows], choices[grows], lengths[grows]
+    weights = sublayer.token_maps.diagonal(dim1=-2, dim2=-1)  # [F, n]
+    outputs = sublayer.w_o[:, 0, :]  # v_f [F, d] (the row form's F_in)
+    inputs = sublayer.norm_values[:, :, 0]  # u_f [F, d] (its F_out)
+    along = phi[:, 0] @ outputs.T  # φ · v_f [N, F]
+    bound = _safe_bounds((rho[:, 0].abs() @ weights.abs().T) * along.abs() * _norm(inputs)[None, :] * reach)
+    keep = bound > kth
+    dropped = float(bound[~keep].max()) if bool((~keep).any()) else -math.inf
+    node, step = keep.nonzero(as_tuple=True)
+    if node.numel():
+        child_rho = rho[node] * weights[step][:, None, :]
+        child_phi = along[node, step][:, None, None] * inputs[step][:, None, :]
+        child_choices = choices[node].clone()
+        child_choices[:, sublayer.column] = sublayer.choice_values(choices.device)[step]
+        parts.append((child_rho, child_phi, child_choices, lengths[node] + 1, None))
+    return parts, dropped
 
 
 def _search_heads(search: _Search) -> tuple[float, float, int, int, str]:
