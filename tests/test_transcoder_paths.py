@@ -445,6 +445,28 @@ def test_the_top_paths_through_features_are_those_of_enumeration(bound, largest)
     assert all(row["path"] in labels for row in top.table())
 
 
+def test_a_batchs_attributions_and_the_search_of_its_mean_go_through_every_elements_features():
+    """batch_attribution: each element over the batch's features (those active in no token of it
+    carry 0) equals its own path_attribution, and the mean is theirs; top_paths(batch=...) finds the
+    top of the mean of every path, as the batch's enumeration lists it."""
+    model = gpt2(layers=2, heads=2, width=16).eval()
+    transcoders = transcoders_for(model, features=8, skip=True)
+    ids = torch.randint(0, 50, (3, 5))
+    stack, _ = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    readout = pk.logit(model, 4)
+    together = pk.batch_attribution(stack, readout, top_k=5)
+    for b, element in enumerate(together.elements):
+        alone = pk.path_attribution(stack, readout, batch=b, top_k=5)
+        assert torch.allclose(element.value, alone.value, rtol=1e-12)
+        assert torch.allclose(element.by_source_length.sum(1), alone.by_source_length.sum(1), rtol=1e-10, atol=1e-13)
+        assert torch.allclose(element.top_values, alone.top_values, rtol=1e-10)
+    values = torch.stack([element.attribution[:, 0, 0] for element in together.elements]).mean(0)
+    assert torch.allclose(together.mean.attribution[:, 0, 0], values, rtol=1e-12, atol=1e-15)
+    top = pk.top_paths(stack, readout, top_k=5, batch=[0, 1, 2])
+    assert top.certified
+    assert torch.allclose(top.values, values.topk(5).values, rtol=1e-10, atol=1e-14)
+
+
 # ------------------------------------------------------------------------------------------------
 # Refused by name
 
@@ -462,10 +484,6 @@ def test_what_is_not_read_yet_is_refused_by_name():
         pk.decompose(stack)
     with pytest.raises(ValueError, match=r"tree's restriction \(tree=\) does not yet"):
         pk.path_attribution(stack, pk.logit(model, 1), tree=pk.PathTree.complete(2, 2))
-    with pytest.raises(ValueError, match="batch_attribution: the elements of a batch whose MLPs are replaced"):
-        pk.batch_attribution(stack, pk.logit(model, 1))
-    with pytest.raises(ValueError, match="not yet searched through transcoder features"):
-        pk.top_paths(stack, pk.logit(model, 1), batch=[0, 1])
 
 
 @pytest.mark.parametrize(

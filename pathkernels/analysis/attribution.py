@@ -600,10 +600,13 @@ class CheckedReadout:
     read_at: str | None = None  # where a batch's mean is read (its elements' own tokens), else None
 
 
-def read_out(stack, readout, positions, batch, max_length, where: str, split_embedding: bool = False) -> CheckedReadout:
+def read_out(
+    stack, readout, positions, batch, max_length, where: str, split_embedding: bool = False, in_batch: bool = False
+) -> CheckedReadout:
     """The arguments :func:`path_attribution` and :func:`pathkernels.top_paths` share, checked in
     the caller's name, and the frozen model and readout they start from (``split_embedding``: its
-    embedding as token and position sources, :func:`frozen_model`)."""
+    embedding as token and position sources; ``in_batch``: read beside the batch's other elements, a
+    replaced MLP's steps those of the whole batch: :func:`frozen_model`)."""
     capture = getattr(stack, "residual_capture", None)
     if capture is None:
         raise ValueError(
@@ -654,7 +657,7 @@ def read_out(stack, readout, positions, batch, max_length, where: str, split_emb
             "position embedding (GPT-2, OPT, a TransformerLens model with standard positions); this capture's has no "
             "position embedding apart (rotary positions act inside the attention, and BERT normalises the sum)"
         )
-    model = frozen_model(stack, capture, batch, real, split_embedding)
+    model = frozen_model(stack, capture, batch, real, split_embedding, batch_features=in_batch)
     device = model.sources[0].device
     directions, bias = read.directions.to(device), read.bias.to(device)
     rows = where_real[positions].to(device)
@@ -863,7 +866,7 @@ def batch_attribution(
     max_length, only = _tree_paths(stack, tree, max_length, where)
     setups = []
     for b, read, at in zip(elements, readouts, per_element):
-        setup = read_out(stack, read, at, b, max_length, where, split_embedding)
+        setup = read_out(stack, read, at, b, max_length, where, split_embedding, in_batch=True)
         if setups and setup.value.shape != setups[0].value.shape:
             raise ValueError(
                 f"{where}: expected every element to read the same number of positions and readouts; element {b} "
@@ -910,11 +913,6 @@ def attribute_in_step(
     (shared by the elements' walks and folds)."""
     first = setups[0]
     model = first.model
-    if model.replaced is not None and len(setups) > 1:
-        raise ValueError(
-            "pathkernels.batch_attribution: the elements of a batch whose MLPs are replaced by transcoders have "
-            "features of their own, so their walks cannot go in step: attribute each element (path_attribution)"
-        )
     max_length = first.max_length
     readouts = len(first.readout.labels)
     total = sum(model.path_counts(max_length))

@@ -187,9 +187,17 @@ class FrozenModel:
 
 
 def frozen_model(
-    stack: AttentionStack, capture: ResidualStreamCapture, batch: int, real: Tensor, split_embedding: bool = False
+    stack: AttentionStack,
+    capture: ResidualStreamCapture,
+    batch: int,
+    real: Tensor,
+    split_embedding: bool = False,
+    batch_features: bool = False,
 ) -> FrozenModel:
-    """The sublayers and sources of batch element ``batch`` restricted to its ``real`` tokens; with
+    """The sublayers and sources of batch element ``batch`` restricted to its ``real`` tokens (a
+    replaced MLP's steps: the features active in this element, or with ``batch_features`` those
+    active in any element of the batch, the same steps for every element, so that their walks go in
+    step); with
     ``split_embedding`` (a capture with a ``token_embedding``) the embedding folded as two sources,
     "token embedding" (its index, 0) and "position embedding" (the last index): the embedding less
     its token part, so that the two sum to it exactly."""
@@ -227,7 +235,7 @@ def frozen_model(
         names.append(f"L{layer} attention bias")
         replaced = None if capture.transcoders is None else capture.transcoders.layers.get(layer)
         if replaced is not None:
-            _append_replaced_mlp(sublayers, sources, names, replaced, batch, pick, stack.num_layers)
+            _append_replaced_mlp(sublayers, sources, names, replaced, batch, pick, stack.num_layers, batch_features)
             continue
         mlp = capture.mlp_out[batch, layer][pick]
         sublayers.append(
@@ -255,7 +263,9 @@ def refuse_transcoders(capture, where: str, what: str) -> None:
         )
 
 
-def _append_replaced_mlp(sublayers, sources, names, replaced, batch: int, pick: Tensor, num_layers: int) -> None:
+def _append_replaced_mlp(
+    sublayers, sources, names, replaced, batch: int, pick: Tensor, num_layers: int, batch_features: bool = False
+) -> None:
     """A replaced MLP (:class:`~pathkernels.adapters.replacement.ReplacedLayer`) of batch element
     ``batch`` on its tokens ``pick``: a sublayer whose branches are its feature steps active there
     and its skip map's rank-one steps, each a head of d_head 1 with a diagonal token map (choices
@@ -263,7 +273,7 @@ def _append_replaced_mlp(sublayers, sources, names, replaced, batch: int, pick: 
     an identity sublayer, and its error, so that each source enters on its own."""
     layer = replaced.layer
     gates = replaced.gates[batch][pick]  # [n, F']
-    active = gates.any(0)
+    active = torch.ones_like(gates[0], dtype=torch.bool) if batch_features else gates.any(0)
     weights = replaced.token_weights[batch][pick]  # [n]
     token_weights = [gates[:, active].T * weights]  # [F'', n]
     inputs, outputs = [replaced.encoder[:, active].T], [replaced.decoder[active]]
@@ -287,17 +297,13 @@ def _append_replaced_mlp(sublayers, sources, names, replaced, batch: int, pick: 
 
 
 def block_diagonal_model(models: list[FrozenModel]) -> FrozenModel:
-    """One frozen model of several batch elements' (the same weights, each on its own real tokens):
+    """One frozen model of several batch elements' (the same weights, each on its own real tokens, and
+    with transcoders the same steps: :func:`frozen_model`'s ``batch_features``):
     their tokens one after the other, every head's token map block-diagonal, the norm scales and
     the sources stacked along the tokens. A path's value read from ``ρ`` with each element's top
     row ``ρ_b / B`` in its block is then the mean over the elements of its values: the model the
     certified search of a batch's mean walks."""
     first = models[0]
-    if first.replaced is not None:
-        raise ValueError(
-            "the mean over a batch is not yet searched through transcoder features (each element has its own "
-            "active features); search each element, or capture without transcoders"
-        )
     sizes = [model.sources[0].shape[0] for model in models]
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     total = sum(sizes)
@@ -312,15 +318,16 @@ def block_diagonal_model(models: list[FrozenModel]) -> FrozenModel:
         scale = torch.cat([part.scale for part in parts])
         sublayers.append(
             Sublayer(
-                sublayer.layer, attn, scale, sublayer.gamma, sublayer.w_v, sublayer.w_o, sublayer.pre, sublayer.centred
+                sublayer.layer, attn, scale, sublayer.gamma, sublayer.w_v, sublayer.w_o, sublayer.pre, sublayer.centred,
+                sublayer.slot, sublayer.branch_ids,
             )
-        )
+        )  # fmt: skip
     sources = [torch.cat([model.sources[j] for model in models]) for j in range(len(first.sources))]
     splits = {
         level: [(i, torch.cat([dict(model.splits[level])[i] for model in models])) for i, _ in parts]
         for level, parts in first.splits.items()
     }
-    return FrozenModel(sublayers, sources, first.source_names, first.layers, first.num_heads, splits)
+    return FrozenModel(sublayers, sources, first.source_names, first.layers, first.num_heads, splits, first.replaced)
 
 
 def describe_path(path: Tensor, source_name: str, replaced=None) -> str:

@@ -490,7 +490,8 @@ def top_paths(
     if isinstance(batch, (list, tuple)):  # the mean of these elements, each read at its own token
         if not batch:
             raise ValueError(f"{_WHERE}: expected batch to be an element or a non-empty list of them, got []")
-        setup = mean_read_out([read_out(stack, readout, position, b, max_length, _WHERE) for b in batch], _WHERE)
+        setups = [read_out(stack, readout, position, b, max_length, _WHERE, in_batch=True) for b in batch]
+        setup = mean_read_out(setups, _WHERE)
     else:
         setup = read_out(stack, readout, position, batch, max_length, _WHERE)
     if len(setup.readout.labels) != 1:
