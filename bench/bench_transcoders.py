@@ -107,8 +107,9 @@ def main() -> None:
     before, started = load(), time.monotonic()
     top = pk.top_paths(stack, pk.logit(model, target), top_k=20, time_limit=args.time_limit)
     step("top_paths", started, load_before=before, certified=top.certified, gap=top.gap, visited=top.visited,
-         total=top.total, bound=top.bound, kth=float(top.values[-1]), stopped=top.stopped,
-         best=top.table()[0]["path"])  # fmt: skip
+         total=top.total, bound=top.bound, found=int(top.values.numel()),
+         kth=float(top.values[-1]) if top.values.numel() else None, stopped=top.stopped,
+         best=top.table()[0]["path"] if top.values.numel() else None)  # fmt: skip
 
     before, started = load(), time.monotonic()
     graph = pk.attribution_graph(stack, max_feature_nodes=args.max_feature_nodes, memory_budget=8 << 30)

@@ -285,6 +285,17 @@ def _first_head_factors(model: FrozenModel) -> list[float]:
     return factors
 
 
+def _pair_norms(outputs: Tensor, inputs: Tensor) -> Tensor:
+    """``σ(V_g U_h)`` ``[H, G]`` for the lower sublayer's output maps ``V [G, e, d]`` and the upper's
+    input maps ``U [H, d, f]``: the spectral norm of each ``e × f`` product, which is the plain norm
+    of a vector where either side has rank one (a transcoder's features: every pair of thousands of
+    steps at the cost of one product)."""
+    product = torch.einsum("ged,hdf->hgef", outputs, inputs)
+    if product.shape[-1] == 1 or product.shape[-2] == 1:
+        return _norm(product.flatten(-2))
+    return _spectral_norm(product)
+
+
 def _chain_factors(model: FrozenModel) -> list[float]:
     """Pre-norm, per level j: a bound on ``|attr| / (‖ρ‖₁ ‖φ‖₂)`` over the paths below a node at
     level j that take at least one more head, from the chain of those heads as a whole.
@@ -304,7 +315,7 @@ def _chain_factors(model: FrozenModel) -> list[float]:
         best = _source_head_factors(model, index)
         into = sublayer.norm_values  # U of this sublayer's heads [H, d, e]
         for lower, q in chain.items():
-            pair = _spectral_norm(torch.einsum("ged,hdf->hgef", model.sublayers[lower].w_o, into))
+            pair = _pair_norms(model.sublayers[lower].w_o, into)
             best = torch.maximum(best, (pair * q[None, :]).amax(1))  # [H upper, H lower] → [H upper]
         chain[index] = _token_norms(sublayer) * best
     starts = {  # σ(V_t) Q_t at the best head t of each sublayer
