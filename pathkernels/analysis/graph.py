@@ -600,10 +600,13 @@ class _Nodes:
         if role[0] == "features" and role[1] in self.feature_nodes:
             nodes, feature_rows, indices = self.feature_nodes[role[1]]
             data, acts, output_scale, _, _ = self.layer_data[role[1]]
-            if nodes.numel():
-                decoded = torch.einsum("bnd,fd->bnf", adjoint, data.decoder)  # [T, n, F']
-                weights = acts * output_scale[:, None]  # a_f(t) o(t)
-                rows[:, nodes] += decoded[:, feature_rows, indices] * weights[feature_rows, indices]
+            # Token by token, the features active there: G[:, t] · (a_f(t) o(t) d_f), without the
+            # [T, n, F'] product of every feature at every token.
+            for row in feature_rows.unique().tolist():
+                here = feature_rows == row
+                features = indices[here]
+                written = (acts[row, features] * output_scale[row])[:, None] * data.decoder[features]  # [m, d]
+                rows[:, nodes[here.cpu()]] += adjoint[:, row] @ written.T
 
 
 def _passed_down(sublayer: Sublayer, adjoint: Tensor) -> Tensor:

@@ -652,11 +652,12 @@ def _search_levels(search: _Search, reach: Tensor) -> tuple[float, float, int, i
     bounds = _bounds(rho, phi, reach, level)
     pruned, visited, expanded = -math.inf, 0, 0
     node_bytes = 8 * (rho.shape[-1] + phi.shape[-1] + layers + 3)
-    # A node's children (one per branch: a replaced MLP's sublayer has hundreds) are made at once,
-    # with their temporaries (about four times their size): as many nodes a batch as fit a quarter
-    # of the budget that way.
-    branches = max((sublayer.branches for sublayer in model.sublayers), default=0) + 1
-    batch_nodes = max(1, min(search.batch_nodes, search.memory_budget // (16 * node_bytes * branches)))
+    # A node's children through its heads are made at once, with their temporaries (about four times
+    # their size): as many nodes a batch as fit a quarter of the budget that way. A replaced MLP's
+    # steps (thousands) are bounded before they are made (_step_children), in sub-batches of nodes
+    # whose bounds and children, were every one to survive, fit the same quarter.
+    heads = max((s.branches for s in model.sublayers if s.branch_ids is None), default=0) + 1
+    batch_nodes = max(1, min(search.batch_nodes, search.memory_budget // (16 * node_bytes * heads)))
     stopped = "certified"
     while level.numel():
         kth = _kth(fold, k)
@@ -690,19 +691,29 @@ def _search_levels(search: _Search, reach: Tensor) -> tuple[float, float, int, i
                 continue
             runs = [(g_rho.shape[0], None)]
             sublayer = model.sublayers[at - 1]
-            if sublayer.branch_ids is not None and sublayer.pre:  # a replaced MLP's steps, hundreds of them
-                step = (g_rho, g_phi, g_choices, g_lengths, setup.max_length)
-                children, dropped = _step_children(sublayer, *step, reach[at - 1], _kth(fold, k))
-                pruned = max(pruned, dropped)
-            else:
-                children = walker.children(at, g_rho, g_phi, g_choices, g_lengths, runs, setup.max_length)
-            for *part, _ in children:
+            if sublayer.branch_ids is not None and sublayer.pre:  # a replaced MLP's steps, thousands of them
+                children = []
+                size = max(1, search.memory_budget // (16 * node_bytes * (sublayer.branches + 1)))
+                for first in range(0, g_rho.shape[0], size):
+                    part = slice(first, first + size)
+                    step = (g_rho[part], g_phi[part], g_choices[part], g_lengths[part], setup.max_length)
+                    made, dropped = _step_children(sublayer, *step, reach[at - 1], _kth(fold, k))
+                    children += made
+                    pruned = max(pruned, dropped)
+            else:  # (Walker.children's last item, the runs, is None here: bounds made below)
+                children = [
+                    (*part, None) for *part, _ in walker.children(at, g_rho, g_phi, g_choices, g_lengths, runs,
+                                                                  setup.max_length)
+                ]  # fmt: skip
+            for *part, made_bound in children:  # (a step's children come with their bounds)
                 child_level = torch.full((part[0].shape[0],), at - 1, dtype=torch.long, device=device)
-                new.append((*part[:2], child_level, *part[2:]))
+                if made_bound is None:
+                    made_bound = _bounds(part[0], part[1], reach, child_level)
+                new.append((*part[:2], child_level, *part[2:], made_bound))
         if new:
             parts = list(zip(*new))
             grown = [torch.cat(p) for p in parts]
-            child_bound = _bounds(grown[0], grown[1], reach, grown[2])
+            grown, child_bound = grown[:-1], grown[-1]
             kth = _kth(fold, k)
             alive = child_bound > kth  # children whose every path is below the k-th value: pruned at once
             if not bool(alive.all()):
@@ -721,7 +732,8 @@ def _step_children(sublayer: Sublayer, rho, phi, choices, lengths, max_length: i
     each bounded before it is made: a step f's child is ``ρ ⊙ w_f`` and ``(φ · v_f) u_f`` (``w_f`` its
     diagonal token map, ``v_f`` and ``u_f`` its output and input maps), so its bound is
     ``‖ρ ⊙ w_f‖₁ |φ · v_f| ‖u_f‖ · reach``, ``[N, F]`` at once without an ``[N, F, d]`` tensor.
-    Returns ``(parts, largest bound dropped)`` in :meth:`Walker.children`'s form."""
+    Returns ``(parts, largest bound dropped)``: each part ``(rho, phi, choices, lengths, bounds)``,
+    the bounds None for the skip's (the caller's to make)."""
     parts = [(rho, phi, choices, lengths, None)]
     grows = lengths < max_length
     if not bool(grows.any()):
@@ -730,8 +742,10 @@ def _step_children(sublayer: Sublayer, rho, phi, choices, lengths, max_length: i
     weights = sublayer.token_maps.diagonal(dim1=-2, dim2=-1)  # [F, n]
     outputs = sublayer.w_o[:, 0, :]  # v_f [F, d] (the row form's F_in)
     inputs = sublayer.norm_values[:, :, 0]  # u_f [F, d] (its F_out)
+    if getattr(sublayer, "_input_norms", None) is None:  # ‖u_f‖, once per sublayer
+        sublayer._input_norms = _norm(inputs)
     along = phi[:, 0] @ outputs.T  # φ · v_f [N, F]
-    bound = _safe_bounds((rho[:, 0].abs() @ weights.abs().T) * along.abs() * _norm(inputs)[None, :] * reach)
+    bound = _safe_bounds((rho[:, 0].abs() @ weights.abs().T) * along.abs() * sublayer._input_norms[None, :] * reach)
     keep = bound > kth
     dropped = float(bound[~keep].max()) if bool((~keep).any()) else -math.inf
     node, step = keep.nonzero(as_tuple=True)
@@ -740,7 +754,7 @@ def _step_children(sublayer: Sublayer, rho, phi, choices, lengths, max_length: i
         child_phi = along[node, step][:, None, None] * inputs[step][:, None, :]
         child_choices = choices[node].clone()
         child_choices[:, sublayer.column] = sublayer.choice_values(choices.device)[step]
-        parts.append((child_rho, child_phi, child_choices, lengths[node] + 1, None))
+        parts.append((child_rho, child_phi, child_choices, lengths[node] + 1, bound[node, step]))
     return parts, dropped
 
 
