@@ -11,8 +11,8 @@ memory after it:
 - the top 20 paths of the top logit at the last token, through heads and features (``pk.top_paths``,
   the chain bound; a time limit of 60 s: certified, or the gap stated);
 - the attribution graph (``pk.attribution_graph``) of the ``--max-feature-nodes`` features of most
-  influence, pruned, and written as Neuronpedia's JSON with the 200 largest links split into their
-  top 3 chains of heads (the certified search per link).
+  influence, pruned, and written as Neuronpedia's JSON with the ``--linked`` largest links split into
+  their top 3 chains of heads (the certified search per link).
 
     python bench/bench_transcoders.py --out bench/results/transcoders-cpu-dev.json
     python bench/bench_transcoders.py --features 4096 --tokens 16   # a quicker shape
@@ -59,6 +59,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--time-limit", type=float, default=60.0, help="the top paths' search")
     parser.add_argument("--max-feature-nodes", type=int, default=2048)
+    parser.add_argument("--linked", type=int, default=20, help="links written with their top 3 chains of heads")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -119,7 +120,7 @@ def main() -> None:
 
     before, started = load(), time.monotonic()
     with tempfile.TemporaryDirectory() as folder:
-        path = graph.save_neuronpedia(folder, "bench", paths_per_link=3, linked=200)
+        path = graph.save_neuronpedia(folder, "bench", paths_per_link=3, linked=args.linked)
         document = json.loads(Path(path).read_text())
     chained = [link for link in document["links"] if "pathkernels_paths" in link]
     step("neuronpedia_with_chains", started, load_before=before, links=len(document["links"]),

@@ -5,10 +5,10 @@ import json
 
 import pytest
 import torch
+from test_cli import run  # main in process: exit code, stdout, stderr lines
 
 from pathkernels.adapters.transcoders import random_transcoders
 from pathkernels.analysis.graph_files import CIRCUIT_TRACER_KEYS
-from pathkernels.app.cli import main
 
 pytest.importorskip("transformers")
 pytest.importorskip("pandas")
@@ -40,15 +40,6 @@ def write_circuit_tracer_set(folder, layers: int = 4, width: int = 64, features:
     }
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
     return folder
-
-
-def run(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as stopped:
-        code = stopped.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_graph_writes_the_files_circuit_tools_read(tmp_path, capsys):
@@ -101,11 +92,12 @@ def test_what_the_graph_commands_refuse(argv, message, tmp_path, capsys):
     argv = [str(write_circuit_tracer_set(tmp_path / "tc")) if arg == "TC" else arg for arg in argv]
     code, printed, errors = run(argv, capsys)
     assert code == 2
-    assert message in errors
+    assert message in "\n".join(errors)
 
 
 def test_a_set_that_does_not_fit_the_model_is_refused_by_name(tmp_path, capsys):
     folder = write_circuit_tracer_set(tmp_path / "transcoders", width=32)
     code, _, errors = run(["graph", "--model", "gpt2_4l", "--example", "--transcoders", str(folder)], capsys)
+    errors = "\n".join(errors)
     assert code == 2
     assert "--transcoders" in errors and "d_in=32" in errors and "width is 64" in errors

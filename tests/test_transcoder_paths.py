@@ -259,14 +259,21 @@ def literal_attributions(model, ids, transcoders, stack, capture, position: int,
     return values
 
 
-def test_every_path_through_heads_and_features_is_its_literal_term():
-    """On a 2-layer GPT-2 with a skip-transcoder on each layer: every path's attribution equals its
-    term written from the weights, the skip map's rank-one steps summing to the literal ``W_skip``
-    step; and the paths sum to the model's own logit."""
+def tiny_skip_transcoded():
+    """A 2-layer GPT-2 of width 8 on 4 random tokens, captured with a skip-transcoder of 5 features on
+    each layer: ``(model, transcoders, ids, stack, capture)``."""
     model = gpt2(layers=2, heads=2, width=8).eval()
     transcoders = transcoders_for(model, features=5, skip=True)
     ids = torch.randint(0, 50, (1, 4))
     stack, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    return model, transcoders, ids, stack, capture
+
+
+def test_every_path_through_heads_and_features_is_its_literal_term():
+    """On a 2-layer GPT-2 with a skip-transcoder on each layer: every path's attribution equals its
+    term written from the weights, the skip map's rank-one steps summing to the literal ``W_skip``
+    step; and the paths sum to the model's own logit."""
+    model, transcoders, ids, stack, capture = tiny_skip_transcoded()
     token = 7
     result = pk.path_attribution(stack, pk.logit(model, token), top_k=3)
     mine = {}
@@ -285,10 +292,7 @@ def test_every_path_through_heads_and_features_is_its_literal_term():
 def test_the_terms_of_paths_through_features_sum_to_the_stream_and_read_out_as_their_attributions():
     """pk.path_terms of every path of a 2-layer GPT-2 with skip-transcoders: they sum to the stream
     entering the final norm, and each read out through the frozen final norm is its attribution."""
-    model = gpt2(layers=2, heads=2, width=8).eval()
-    transcoders = transcoders_for(model, features=5, skip=True)
-    ids = torch.randint(0, 50, (1, 4))
-    stack, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    model, _, _, stack, capture = tiny_skip_transcoded()
     token = 9
     result = pk.path_attribution(stack, pk.logit(model, token), top_k=2)
     terms = pk.path_terms(stack, result.paths, result.path_sources)  # [M, n, d]

@@ -307,20 +307,29 @@ def _chain_factors(model: FrozenModel) -> list[float]:
     ``Q_{s,g} = ‖T_{s,g}‖_∞ max(κ'_{s,g}, max_{s' < s, g'} σ(V_{s',g'} U_{s,g}) Q_{s',g'})``
     (:func:`_source_head_factors` for κ'). Consecutive heads meet through the ``d_head × d_head``
     product of one's output and the next one's input map, which is far below the product of
-    their spectral norms when the heads' subspaces are not aligned."""
+    their spectral norms when the heads' subspaces are not aligned. Where either side is a replaced
+    MLP's sublayer of thousands of rank-one steps, the pair is bounded by ``σ(V_g) σ(U_h)`` instead
+    (Cauchy–Schwarz), so that its maximum over g is one number per lower sublayer, not a product
+    per pair of steps."""
     chain: dict[int, Tensor] = {}  # Q per attention sublayer [H], bottom up
+    output_norms: dict[int, Tensor] = {}  # σ(V_g) per sublayer [H]
     for index, sublayer in enumerate(model.sublayers):
         if sublayer.attn is None:
             continue
         best = _source_head_factors(model, index)
         into = sublayer.norm_values  # U of this sublayer's heads [H, d, e]
+        input_norms = None
         for lower, q in chain.items():
-            pair = _pair_norms(model.sublayers[lower].w_o, into)
-            best = torch.maximum(best, (pair * q[None, :]).amax(1))  # [H upper, H lower] → [H upper]
+            below = model.sublayers[lower]
+            if below.branch_ids is None and sublayer.branch_ids is None:
+                pair = _pair_norms(below.w_o, into)
+                best = torch.maximum(best, (pair * q[None, :]).amax(1))  # [H upper, H lower] → [H upper]
+                continue
+            input_norms = _spectral_norm(into) if input_norms is None else input_norms
+            best = torch.maximum(best, float((output_norms[lower] * q).max()) * input_norms)
         chain[index] = _token_norms(sublayer) * best
-    starts = {  # σ(V_t) Q_t at the best head t of each sublayer
-        index: float((_spectral_norm(model.sublayers[index].w_o) * q).max()) for index, q in chain.items()
-    }
+        output_norms[index] = _spectral_norm(sublayer.w_o)
+    starts = {index: float((output_norms[index] * q).max()) for index, q in chain.items()}  # σ(V_t) Q_t, best t
     levels = range(len(model.sources))
     return [max([start for index, start in starts.items() if index < level], default=0.0) for level in levels]
 

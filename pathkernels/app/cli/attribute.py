@@ -63,6 +63,28 @@ class _Clock:
         return self.end - time.monotonic()
 
 
+def built_and_captured(clock: _Clock, run, *, transcoders: Path | None = None, **options):
+    """``((network, inputs, (stack, capture)), None)``: the command's model built and captured
+    (:func:`~pathkernels.adapters.capture_huggingface_residual` with ``options``; with ``transcoders``
+    the set in that folder replacing its MLPs), each step run aside and left behind at the clock's
+    limit; ``(None, stage)`` where the limit came first. A capture's refusal is one command-line line."""
+    done, network = within(clock.left(), run.build)
+    if not done:
+        return None, "building the model"
+    inputs = run.drawn_inputs() if run.inputs is None else run.inputs
+    if transcoders is not None:
+        from pathkernels.app.cli.graph import read_transcoders
+
+        options["transcoders"] = read_transcoders(Path(transcoders), network)
+    try:
+        done, captured = within(clock.left(), capture_huggingface_residual, network, **options, **inputs)
+    except ValueError as error:
+        raise CommandLineError(str(error).split(": ", 1)[-1]) from None
+    if not done:
+        return None, "capturing the model"
+    return (network, inputs, captured), None
+
+
 def read_direction(path: Path, width: int | None = None) -> torch.Tensor:
     """``--direction``: a probe direction ``[d]`` in float64, from a torch ``.pt`` (or ``.pth``)
     tensor, a NumPy ``.npy`` array or a text file of numbers (separated by spaces, commas or
@@ -200,26 +222,15 @@ def attribute_table(
         ids=ids,
         example=example,
     )
-    build, inputs, tokenizer, source = run.build, run.inputs, run.tokenizer, run.source
+    tokenizer, source = run.tokenizer, run.source
     tokens = run.tokens
     # Building and capturing cannot be stopped part-way (minutes for a large model): they run aside
     # and are left behind at the limit.
-    done, network = within(clock.left(), build)
-    if not done:
-        return _stopped(clock, "building the model")
-    inputs = run.drawn_inputs() if inputs is None else inputs
-    options = {}
-    if transcoders is not None:
-        from pathkernels.app.cli.graph import read_transcoders
-
-        options["transcoders"] = read_transcoders(Path(transcoders), network)
-    try:
-        done, captured = within(clock.left(), capture_huggingface_residual, network, **options, **inputs)
-    except ValueError as error:
-        raise CommandLineError(str(error).split(": ", 1)[-1]) from None
-    if not done:
-        return _stopped(clock, "capturing the model")
-    stack, pooled = captured[0], captured[1].pooled_token
+    built, stage = built_and_captured(clock, run, transcoders=transcoders)
+    if built is None:
+        return _stopped(clock, stage)
+    network, inputs, (stack, capture) = built
+    pooled = capture.pooled_token
     n = stack.attn.shape[-1]
     if position is None:  # a classifier's class logits: the token its score head reads (by its pad id)
         position = int(pooled[0]) if pooled is not None and probe is None else n - 1

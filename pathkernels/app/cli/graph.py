@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pathkernels.adapters.residual import capture_huggingface_residual
 from pathkernels.adapters.transcoders import load_transcoders
 from pathkernels.analysis.graph import KINDS, attribution_graph
-from pathkernels.app.cli.attribute import _Clock
+from pathkernels.app.cli.attribute import _Clock, built_and_captured
 from pathkernels.app.cli.base import CommandLineError, within
 from pathkernels.app.cli.common import float_format, heading, local_model, model_to_run, number, save
 
@@ -58,20 +57,11 @@ def graph_files(
     run = model_to_run(
         "graph", local, model, text, tokens, *built_in, seed, bytes_per_entry=48, ids=ids, example=example
     )
-    done, network = within(clock.left(), run.build)
-    if not done:
-        return _stopped(clock, "building the model")
-    network = network.eval()
-    transcoder_set = read_transcoders(Path(transcoders), network)
-    inputs = run.drawn_inputs() if run.inputs is None else run.inputs
-    try:
-        capture = capture_huggingface_residual
-        done, captured = within(clock.left(), capture, network, transcoders=transcoder_set, **inputs)
-    except ValueError as error:
-        raise CommandLineError(str(error).split(": ", 1)[-1]) from None
-    if not done:
-        return _stopped(clock, "capturing the model")
-    stack = captured[0]
+    built, stage = built_and_captured(clock, run, transcoders=transcoders)
+    if built is None:
+        return _stopped(clock, stage)
+    _, _, (stack, capture) = built
+    transcoder_set = capture.transcoders.description
     n = stack.attn.shape[-1]
     if position is not None and not -n <= position < n:
         raise CommandLineError(f"--position: expected a token position in [-{n}, {n}), got {position}")

@@ -6,11 +6,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from pathkernels.adapters.residual import capture_huggingface_residual
 from pathkernels.analysis.score_search import top_score_pairs
 from pathkernels.analysis.scores import score_decomposition, score_pairs
-from pathkernels.app.cli.attribute import _Clock
-from pathkernels.app.cli.base import CommandLineError, within
+from pathkernels.app.cli.attribute import _Clock, built_and_captured
+from pathkernels.app.cli.base import CommandLineError
 from pathkernels.app.cli.common import float_format, heading, local_model, model_to_run, number, save
 from pathkernels.core.paths import count_attribution_paths
 
@@ -55,17 +54,10 @@ def scores_table(
     run = model_to_run(
         "scores", local, model, text, tokens, layers, heads, width, seed, bytes_per_entry=48, ids=ids, example=example
     )
-    done, network = within(clock.left(), run.build)
-    if not done:
-        return _stopped(clock, "building the model")
-    inputs = run.drawn_inputs() if run.inputs is None else run.inputs
-    try:
-        done, captured = within(clock.left(), capture_huggingface_residual, network, query_key=True, **inputs)
-    except ValueError as error:
-        raise CommandLineError(str(error).split(": ", 1)[-1]) from None
-    if not done:
-        return _stopped(clock, "capturing the model")
-    stack = captured[0]
+    built, stage = built_and_captured(clock, run, query_key=True)
+    if built is None:
+        return _stopped(clock, stage)
+    _, inputs, (stack, _) = built
     n = stack.attn.shape[-1]
     layer = stack.num_layers - 1 if layer is None else layer
     if not 0 <= layer < stack.num_layers:
