@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -202,6 +203,15 @@ def save_neuronpedia(
             }
         node = {"token_prob": 0.0, "is_target_logit": False, "run_idx": 0, "reverse_ctx_idx": 0, "clerp": ""} | node
         nodes[index] = node | extra
+    ids = [node["node_id"] for node in nodes.values()]
+    repeated = sorted({node_id for node_id in ids if ids.count(node_id) > 1})
+    if repeated:  # circuit-tracer's ids: a layer-0 feature f at t is "0_f_t", the error of layer f at t too
+        warnings.warn(
+            f"{where}: {len(repeated)} node ids name two nodes in circuit-tracer's scheme (a layer-0 feature whose "
+            f"index is a layer's number, and that layer's error at the same token: {', '.join(repeated[:3])}); the "
+            "viewer cannot tell their links apart",
+            stacklevel=2,
+        )
     links = []
     targets, sources = graph.edge_mask.nonzero(as_tuple=True)
     weights = graph.adjacency[targets, sources].abs()
