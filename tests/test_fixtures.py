@@ -1,6 +1,7 @@
 """The trained fixtures (pathkernels.fixtures): what they are, that they load as Hugging Face models
 and reproduce their record, and the known answers of induction (Olsson et al. 2022) found by the
-path decomposition, by the certified search and by full enumeration alike."""
+path decomposition, by the certified search and by full enumeration alike; the fixture whose task
+needs its MLPs (permuted_2l) and the fixtures' trained transcoders."""
 
 from __future__ import annotations
 
@@ -19,10 +20,16 @@ from pathkernels.fixtures import (
     FIXTURES,
     fixture_info,
     fixture_path,
+    fixture_permutation,
+    fixture_transcoders,
+    fixture_transcoders_info,
+    fixture_transcoders_path,
     induction_batch,
+    induction_targets,
     load_fixture,
     previous_occurrence,
     repeated_positions,
+    token_permutation,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -91,6 +98,27 @@ def test_induction_batch_refuses_impossible_tasks():
         fixture_path("gpt2-small")
 
 
+def test_the_permuted_task_by_hand():
+    """π is a derangement of the tokens 1 … vocab − 1 that keeps the start token; the targets are the
+    next tokens, but π of them at the repeated positions."""
+    permutation = token_permutation(64, 0)
+    assert torch.equal(permutation, token_permutation(64, 0)) and not torch.equal(permutation, token_permutation(64, 1))
+    assert int(permutation[BOS]) == BOS and sorted(permutation.tolist()) == list(range(64))
+    assert bool((permutation[1:] != torch.arange(1, 64)).all())  # no token is its own image
+    hand = torch.tensor([[BOS, 5, 9, 7, 5, 9, 3]])
+    assert torch.equal(induction_targets(hand), hand[:, 1:])
+    # Position 4 (5 again) is repeated: its target is π(9); every other target is the next token.
+    assert induction_targets(hand, permutation).tolist() == [[5, 9, 7, 5, int(permutation[9]), 3]]
+    ids = induction_batch(vocab=64, length=16, batch=32, seed=4, min_length=8)
+    targets, repeated = induction_targets(ids, permutation), repeated_positions(ids)[:, :-1]
+    assert torch.equal(targets[repeated], permutation[ids[:, 1:][repeated]])
+    assert torch.equal(targets[~repeated], ids[:, 1:][~repeated])
+    with pytest.raises(ValueError, match="token_permutation: expected vocab ≥ 3"):
+        token_permutation(2, 0)
+    assert fixture_permutation("gpt2_4l") is None
+    assert torch.equal(fixture_permutation("permuted_2l"), token_permutation(512, 0))
+
+
 # -- the shipped files -------------------------------------------------------------------------------------------
 
 
@@ -136,17 +164,18 @@ def test_attention_only_fixture_has_zero_mlps():
             assert float(parameter.detach().abs().max()) == 0.0
 
 
-def test_training_is_seeded():
+@pytest.mark.parametrize("name", ["attn_only_2l", "permuted_2l"])
+def test_training_is_seeded(name):
     """The first steps of training again give the recorded curve (to float32 rounding across CPUs)."""
     trainer = _trainer()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the fixtures were trained
     try:
-        _, rows = trainer.train(trainer.SPECS["attn_only_2l"], steps=3)
+        _, rows = trainer.train(trainer.SPECS[name], steps=3)
     finally:
         torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(False)  # train() turns it on
-    with open(fixture_path("attn_only_2l") / "training_curve.csv") as handle:
+    with open(fixture_path(name) / "training_curve.csv") as handle:
         recorded = list(csv.DictReader(handle))[:3]
     for row, want in zip(rows, recorded):
         for key in ("loss", "loss_repeated"):
@@ -260,3 +289,221 @@ def test_top_20_certified_and_equal_to_enumeration(name):
         _same_top(found, every, values[:, 0, 0])
     # The sum of every path and the constant is the model's own logit difference.
     torch.testing.assert_close(every.value[0, 0], logits[target] - logits[runner_up], rtol=1e-6, atol=1e-9)
+
+
+# -- the fixture whose task needs its MLPs -----------------------------------------------------------------------
+
+
+def test_the_permuted_fixture_reads_and_writes_fixed_codes():
+    """Its tokens' codes are fixed: the embedding writes C[A] into dimensions 0-31 and nothing else,
+    the unembedding reads 2/3 C[B] from dimensions 32-63 and nothing else, as the untrained model
+    drew them: no trained weight relabels a token."""
+    model, _ = load_fixture("permuted_2l")
+    info = fixture_info("permuted_2l")
+    width = info["model"]["fixed_codes"]["width"]
+    embedding = model.get_input_embeddings().weight.detach()
+    unembedding = model.get_output_embeddings().weight.detach()
+    assert float(embedding[:, width:].abs().max()) == 0 and float(unembedding[:, :width].abs().max()) == 0
+    assert embedding.shape[1] == 2 * width
+    torch.testing.assert_close(unembedding[:, width : 2 * width], embedding[:, :width] * (2 / 3), rtol=1e-6, atol=0)
+    trainer = _trainer()
+    untrained = trainer.build_model(trainer.SPECS["permuted_2l"])
+    assert torch.equal(untrained.get_input_embeddings().weight.double(), embedding)
+    assert model.config.vocab_size == 512 > 2 * model.config.n_embd  # 511 tokens, 32-dimensional codes
+
+
+def test_the_permuted_fixture_needs_its_mlps():
+    """The trained model answers π(A) at the second copy (98 %); with its MLPs zeroed, or replaced by
+    their mean output, it falls to chance (1/511) and mostly answers A itself, the copied token: the
+    attention copies, the MLPs relabel. The model trained alike with its MLPs zero and frozen stays
+    far below (26 %)."""
+    model, _ = load_fixture("permuted_2l", dtype=torch.float32)
+    trainer = _trainer()
+    found = trainer.mlp_ablations(model, trainer.SPECS["permuted_2l"])
+    final = fixture_info("permuted_2l")["final"]
+    recorded = final["mlp_ablations"]
+    assert found.keys() == recorded.keys()
+    for key, value in recorded.items():
+        assert found[key] == pytest.approx(value, abs=2e-3), key
+    chance = 1 / 511
+    assert found["chance"] == pytest.approx(chance)
+    assert found["accuracy_repeated"] > 0.95 and found["copies"] == 0
+    assert found["accuracy_repeated_zero"] < 2 * chance and found["accuracy_repeated_mean"] < 2 * chance
+    assert found["copies_zero"] > 0.4  # without its MLPs the model copies A
+    assert max(found["accuracy_repeated_zero_layer0"], found["accuracy_repeated_zero_layer1"]) < 0.05  # both needed
+    control = fixture_info("permuted_2l")["attention_only_control"]["final"]
+    assert control["accuracy_repeated"] < 0.3 < final["accuracy_repeated"] - 0.6
+    assert final["linear_map_accuracy"] < 0.25
+
+
+def test_the_permuted_fixtures_linear_map_accuracy_is_reproduced():
+    """The best linear map found from a token's input code to the readout of its image (the record's
+    ``linear_map_accuracy``, 21 %) is found again, to a token or two of 511."""
+    model, _ = load_fixture("permuted_2l", dtype=torch.float32)
+    trainer = _trainer()
+    found = trainer.linear_map_accuracy(model, trainer.SPECS["permuted_2l"])
+    assert found == pytest.approx(fixture_info("permuted_2l")["final"]["linear_map_accuracy"], abs=2.5 / 511)
+
+
+# -- the trained transcoders -------------------------------------------------------------------------------------
+
+WITH_TRANSCODERS = ("gpt2_4l", "llama_2l", "permuted_2l")
+
+
+def _mlps(model) -> list[torch.nn.Module]:
+    blocks = model.transformer.h if hasattr(model, "transformer") else model.model.layers
+    return [block.mlp for block in blocks]
+
+
+def test_which_fixtures_have_transcoders():
+    assert [name for name in FIXTURES if (fixture_path(name) / "transcoders").is_dir()] == list(WITH_TRANSCODERS)
+    with pytest.raises(ValueError, match=r"fixture 'attn_only_2l' has no transcoders \(its MLPs are zero\)"):
+        fixture_transcoders("attn_only_2l")
+    with pytest.raises(ValueError, match="fixtures: expected a fixture name"):
+        fixture_transcoders("gpt2-small")
+    # All the shipped files, the transcoders with them, stay small.
+    shipped = sum(path.stat().st_size for path in fixture_path("gpt2_4l").parent.rglob("*") if path.is_file()
+                  and "__pycache__" not in path.parts)  # fmt: skip
+    assert shipped < 6 * 2**20
+
+
+@pytest.mark.parametrize("name", WITH_TRANSCODERS)
+def test_fixture_transcoders_load_and_fit_their_model(name):
+    """circuit-tracer's layout, one JumpReLU transcoder per MLP, read as writing the MLP's output from
+    its argument, checked against the model by the reader."""
+    model, _ = load_fixture(name)
+    info = fixture_transcoders_info(name)
+    folder = fixture_transcoders_path(name)
+    layers = len(_mlps(model))
+    assert {p.name for p in folder.iterdir()} == {
+        "config.yaml", "transcoders.json", "training_curve.csv", *(f"layer_{i}.safetensors" for i in range(layers))
+    }  # fmt: skip
+    assert sum(p.stat().st_size for p in folder.iterdir()) < 1.2 * 2**20
+    transcoders = fixture_transcoders(name, model=model)
+    assert transcoders.layout == "circuit-tracer" and not transcoders.cross_layer
+    assert (transcoders.input_hook, transcoders.output_hook) == ("mlp_input", "mlp_output")
+    assert transcoders.source_hooks == ("mlp.hook_in", "hook_mlp_out") and transcoders.model_name == name
+    assert transcoders.layers == tuple(range(layers)) and transcoders.dtype == torch.float64
+    assert transcoders.d_in == transcoders.d_out == model.config.get_text_config().hidden_size
+    for layer in transcoders.layers:
+        assert transcoders.activation[layer] == "jumprelu" and transcoders.num_features(layer) == info["features"]
+        assert float(transcoders.threshold[layer].min()) > 0 and transcoders.w_skip[layer] is None
+    assert fixture_transcoders(name, dtype=torch.float32).dtype == torch.float32
+
+
+@pytest.mark.parametrize("name", WITH_TRANSCODERS)
+def test_fixture_transcoders_reproduce_their_record(name):
+    """On the held-out batch, each transcoder (the reader's forward, float32) reconstructs the model's
+    MLP output as recorded: normalised MSE, explained variance, active features per token; and the
+    model with every MLP replaced by its transcoder, no error term, keeps the recorded accuracy.
+    Tolerances: 1e-3 on the variance figures, 0.05 features, 2e-3 on the accuracies (float32 rounding
+    across CPUs)."""
+    model, _ = load_fixture(name, dtype=torch.float32)
+    record = fixture_transcoders_info(name)["held_out"]
+    transcoders = fixture_transcoders(name, model=model, dtype=torch.float32)
+    task = fixture_info(name)["task"]
+    ids = induction_batch(task["vocab"], task["length"], 512, record["eval_seed"], task["min_length"])
+    seen, handles = {}, []
+    for layer, mlp in enumerate(_mlps(model)):
+        hook = lambda module, args, output, layer=layer: seen.__setitem__(layer, (args[0], output))  # noqa: E731
+        handles.append(mlp.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            own = model(input_ids=ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(record["layers"]) == len(seen) and record["tokens"] == ids.numel()
+    for row in record["layers"]:
+        x, y = seen[row["layer"]]
+        with torch.no_grad():
+            error = (transcoders.forward(row["layer"], x) - y).pow(2).sum()
+            active = (transcoders.encode(row["layer"], x) != 0).float().sum(-1)
+        assert float(error / y.pow(2).sum()) == pytest.approx(row["nmse"], abs=1e-3), row
+        assert float(1 - error / (y - y.mean((0, 1))).pow(2).sum()) == pytest.approx(
+            row["explained_variance"], abs=1e-3
+        ), row
+        assert float(active.mean()) == pytest.approx(row["l0"], abs=0.05), row
+        assert row["explained_variance"] > 0.95 and row["l0"] < 80
+    replaced = []
+    for layer, mlp in enumerate(_mlps(model)):
+        hook = lambda module, args, output, layer=layer: transcoders.forward(layer, args[0])  # noqa: E731
+        replaced.append(mlp.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+    finally:
+        for handle in replaced:
+            handle.remove()
+    targets = induction_targets(ids, fixture_permutation(name))
+    repeated = repeated_positions(ids)[:, :-1]
+    accuracy = float((logits[:, :-1].argmax(-1) == targets)[repeated].float().mean())
+    model_accuracy = float((own[:, :-1].argmax(-1) == targets)[repeated].float().mean())
+    assert accuracy == pytest.approx(record["replaced"]["accuracy_repeated"], abs=2e-3)
+    assert model_accuracy == pytest.approx(record["replaced"]["accuracy_repeated_model"], abs=2e-3)
+    assert record["replaced"]["accuracy_kept"] > 0.95
+
+
+CAPTURES = {  # the example's first tokens and the first again: induction predicts the second
+    "gpt2_4l": dict(tokens=5, max_length=2),  # 4 layers: the paths through more than 2 steps in one sum
+    "llama_2l": dict(tokens=5, max_length=None),
+    "permuted_2l": dict(tokens=4, max_length=None),
+}
+
+
+@pytest.mark.parametrize("name", WITH_TRANSCODERS)
+def test_a_capture_with_fixture_transcoders_sums_to_the_logit(name):
+    """Each MLP replaced by its trained transcoder and its error term: the paths through heads and
+    features plus the constant are the model's own logit (float64, to 1e-9), at a second occurrence
+    where the 2-layer fixtures predict what induction copies (π of it for permuted_2l). On gpt2_4l the
+    paths of more than two steps are summed whole (``unenumerated``): listing them one by one would
+    take billions. Llama's float64 forward rounds its RMSNorms to float32: its paths are held to the
+    float64 reference (tests/float64_reference.py) to 1e-9 and to its own forward to 1e-6."""
+    from float64_reference import logits_in_float64
+
+    model, inputs = load_fixture(name)
+    example = inputs["input_ids"][0]
+    setting = CAPTURES[name]
+    ids = torch.cat([example[: setting["tokens"]], example[1:2]])[None]
+    permutation = fixture_permutation(name)
+    target = int(example[2]) if permutation is None else int(permutation[example[2]])
+    transcoders = fixture_transcoders(name, model=model)
+    stack, capture = pk.adapters.capture_huggingface_residual(model, transcoders=transcoders, input_ids=ids)
+    assert sorted(capture.transcoders.layers) == list(transcoders.layers)
+    result = pk.path_attribution(stack, pk.logit(model, target), top_k=5, max_length=setting["max_length"])
+    total = float(result.by_source_length.sum() + result.constant[0, 0])
+    if setting["max_length"] is None:
+        assert float(result.unenumerated.abs().max()) < 1e-12
+    else:
+        total += float(result.unenumerated.sum())
+    with torch.no_grad():
+        own = float(model(input_ids=ids).logits[0, -1, target])
+    if name != "llama_2l":
+        assert abs(total - own) < 1e-9, (total, own)
+    else:
+        assert abs(total - float(logits_in_float64(model, input_ids=ids)[0, -1, target])) < 1e-9
+        assert abs(total - own) < 1e-6
+    if name != "gpt2_4l":  # on 5 tokens gpt2_4l's induction has not started
+        assert int(model(input_ids=ids).logits[0, -1].argmax()) == target
+    assert any("MLP error" in source for source in result.source_names)
+
+
+@pytest.mark.parametrize("name", WITH_TRANSCODERS)
+def test_transcoder_training_is_seeded(name):
+    """The first steps of the transcoders' training again give their recorded curve."""
+    trainer = _trainer()
+    model = trainer.load_trained(name, fixture_path(name))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as they were trained
+    try:
+        _, rows, _ = trainer.train_transcoders(model, trainer.SPECS[name], trainer.TRANSCODERS[name], steps=3)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(False)  # train_transcoders() turns it on
+    with open(fixture_transcoders_path(name) / "training_curve.csv") as handle:
+        recorded = list(csv.DictReader(handle))[:3]
+    for row, want in zip(rows, recorded):
+        assert row["step"] == int(want["step"])
+        for key, value in want.items():
+            if key != "step":
+                assert row[key] == pytest.approx(float(value), rel=1e-4), (row["step"], key)
