@@ -752,7 +752,8 @@ def test_a_fixtures_name_reads_the_fixture_from_any_folder(tmp_path, monkeypatch
     code, _, errors = run(["attribute", "--model", "gpt2_5l"], capsys)
     assert code == 2 and errors == [
         "pathkernels attribute: --model gpt2_5l: no such file or directory (models are never downloaded); expected "
-        "a model folder, a config file or the name of one of pathkernels' fixtures (attn_only_2l, gpt2_4l, llama_2l)"
+        "a model folder, a config file or the name of one of pathkernels' fixtures "
+        "(attn_only_2l, gpt2_4l, llama_2l, permuted_2l)"
     ]
 
 

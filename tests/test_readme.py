@@ -67,6 +67,13 @@ def test_readme_blocks_paste_into_a_python_repl(tmp_path):
         assert shown_row.split()[:-2] == printed_row.split()[:-2]  # rank and path
         assert float(printed_row.split()[-2]) == pytest.approx(float(shown_row.split()[-2]), rel=1e-4, abs=2e-6)
     assert printed[-1] == shown[-1]  # the sums by number of heads
+    # Through the MLPs: the certified top paths through heads and transcoder features, as shown.
+    shown = re.search(r"^```\n(certified: True.*?)^```", text, flags=re.S | re.M).group(1).strip().splitlines()
+    printed = output[output.index("certified: True") :].strip().splitlines()[: len(shown)]
+    assert printed[:2] == shown[:2], printed
+    for shown_row, printed_row in zip(shown[2:], printed[2:]):
+        assert shown_row.rsplit(maxsplit=1)[0] == printed_row.rsplit(maxsplit=1)[0]  # the path
+        assert float(printed_row.split()[-1]) == pytest.approx(float(shown_row.split()[-1]), rel=1e-5)
     # Where the induction head looks: the score line, and the pairs as shown.
     shown = re.search(r"^```\n(L1H0's score, query .*?)^```", text, flags=re.S | re.M).group(1).strip().splitlines()
     printed = output[output.index("L1H0's score, query ") :].strip().splitlines()[: len(shown)]
