@@ -5,6 +5,7 @@ needs its MLPs (permuted_2l) and the fixtures' trained transcoders."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import sys
@@ -35,6 +36,18 @@ from pathkernels.fixtures import (
 transformers = pytest.importorskip("transformers")
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """Torch on one thread within the block: the fixtures were trained so, and a loop of small
+    operations on two threads beside another busy process ran 20 times slower (170 s against 9 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _trainer():
@@ -341,7 +354,8 @@ def test_the_permuted_fixtures_linear_map_accuracy_is_reproduced():
     ``linear_map_accuracy``, 21 %) is found again, to a token or two of 511."""
     model, _ = load_fixture("permuted_2l", dtype=torch.float32)
     trainer = _trainer()
-    found = trainer.linear_map_accuracy(model, trainer.SPECS["permuted_2l"])
+    with _one_thread():
+        found = trainer.linear_map_accuracy(model, trainer.SPECS["permuted_2l"])
     assert found == pytest.approx(fixture_info("permuted_2l")["final"]["linear_map_accuracy"], abs=2.5 / 511)
 
 
@@ -468,9 +482,10 @@ def test_a_capture_with_fixture_transcoders_sums_to_the_logit(name):
     permutation = fixture_permutation(name)
     target = int(example[2]) if permutation is None else int(permutation[example[2]])
     transcoders = fixture_transcoders(name, model=model)
-    stack, capture = pk.adapters.capture_huggingface_residual(model, transcoders=transcoders, input_ids=ids)
+    with _one_thread():  # hundreds of thousands of paths in small chunks
+        stack, capture = pk.adapters.capture_huggingface_residual(model, transcoders=transcoders, input_ids=ids)
+        result = pk.path_attribution(stack, pk.logit(model, target), top_k=5, max_length=setting["max_length"])
     assert sorted(capture.transcoders.layers) == list(transcoders.layers)
-    result = pk.path_attribution(stack, pk.logit(model, target), top_k=5, max_length=setting["max_length"])
     total = float(result.by_source_length.sum() + result.constant[0, 0])
     if setting["max_length"] is None:
         assert float(result.unenumerated.abs().max()) < 1e-12
