@@ -22,7 +22,6 @@ from pathkernels.fixtures import (
     fixture_info,
     fixture_path,
     fixture_permutation,
-    fixture_transcoders,
     fixture_transcoders_info,
     fixture_transcoders_path,
     induction_batch,
@@ -48,6 +47,13 @@ def _one_thread():
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def fixture_transcoders(name: str, model=None, dtype=torch.float64):
+    """A fixture's trained transcoders as a user reads them: load_transcoders of their folder."""
+    from pathkernels.adapters.transcoders import load_transcoders
+
+    return load_transcoders(fixture_transcoders_path(name), model=model, dtype=dtype)
 
 
 def _trainer():

@@ -1488,6 +1488,21 @@ def adapter_cases():
         for kind, bad in values:
             refused(where, name, kind, name, lambda n=name, b=bad: pk.top_paths(stack, readout, **({"k": 3} | {n: b})))
     gives(where, "k", "huge", "k beyond the paths", lambda: len(pk.top_paths(stack, readout, 10**6).values), lambda: 17)
+    where = "pathkernels.attribution_graph"
+    transcoders = pk.adapters.random_transcoders(model.config.n_layer, model.config.n_embd, 6)
+    replaced, _ = pk.adapters.capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    for name, values in {
+        "position": (("huge", 99), ("float", 1.0), ("str", "1")),
+        "batch": (("negative", -1), ("huge", 5)),
+        "max_logits": (("zero", 0), ("float", 2.0)),
+        "desired_logit_prob": (("zero", 0.0), ("nan", NAN), ("huge", 2.0), ("str", "0.9")),
+        "max_feature_nodes": (("negative", -1), ("float", 1.5)),
+        "memory_budget": (("zero", 0), ("negative", -5)),
+        "logits": (("negative", [-1]), ("huge", [10**6]), ("empty", []), ("float", [1.5])),
+    }.items():
+        for kind, bad in values:
+            refused(where, name, kind, name, lambda n=name, b=bad: pk.attribution_graph(replaced, **{n: b}))
+    refused(where, "transcoders", "type", "a stack captured without transcoders", lambda: pk.attribution_graph(stack))
     where = "pathkernels.path_terms"
     embedding = lambda: pk.path_terms(stack, [[-1, -1]], [0])
     gives(
@@ -1661,6 +1676,15 @@ CLI = [
     ("scores", "--head", "negative", ["scores", "--head", "-1"], False),
     ("scores", "--key", "huge", ["scores", *SMALL, "--key", "7"], False),
     ("scores", "--versus", "str", ["scores", *SMALL, "--versus", "first"], False),
+    ("graph", "--transcoders", "file", ["graph", "--model", "gpt2_4l", "--transcoders", "/nonexistent"], False),
+    (
+        "graph",
+        "--node-threshold",
+        "huge",
+        ["graph", "--model", "gpt2_4l", "--transcoders", ".", "--node-threshold", "2"],
+        False,
+    ),
+    ("graph", "--transcoders", "None", ["graph", "--model", "gpt2_4l"], False),
 ]
 
 
@@ -1713,12 +1737,12 @@ def test_the_sweep_covers_every_public_function_and_every_class():
     public |= {f"pathkernels.metrics.{name}" for name in (*METRIC_REFERENCES, "escalation_rate")}
     public |= {f"pathkernels.compat.{name}" for name in pk.compat.__all__}
     public |= {"pathkernels.nn.DeEscalation", "pathkernels.PathTree.complete", "pathkernels.PathTree.from_paths"}
-    public |= {f"pathkernels {command}" for command in ("attribute", "paths", "collapse", "scores", "bench")}
+    public |= {f"pathkernels {command}" for command in ("attribute", "paths", "collapse", "scores", "bench", "graph")}
     if transformers is None:  # their cases need a captured model
         captured = ("path_attribution", "top_paths", "logit", "logit_diff", "path_terms", "causal_check")
         captured += ("to_single_token", "batch_attribution")
         captured += ("score_attribution", "score_decomposition", "score_decompositions", "score_pairs")
-        captured += ("score_top_paths", "top_score_pairs")
+        captured += ("score_top_paths", "top_score_pairs", "attribution_graph")
         public -= {f"pathkernels.{name}" for name in captured}
     else:
         public |= {f"pathkernels.adapters.{name}" for name in ("from_huggingface", "capture_huggingface_residual")}

@@ -453,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     fixtures = ", ".join(fixture_names())
 
-    def model_options(sub, layers: int, tokens: int):
+    def model_options(sub, layers: int, tokens: int, built_in: bool = True):
+        """--model and its inputs; with ``built_in`` the built-in network's shape options too."""
         sub.set_defaults(default_layers=layers)
         sub.add_argument(
             "--model",
@@ -478,9 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
             help="with --model of one of pathkernels' fixtures (pathkernels/fixtures/NAME): its own example "
             "input, as pathkernels.fixtures.load_fixture gives it (the README's)",
         )
-        sub.add_argument("--layers", type=_integer(1), help=f"depth of the built-in network (default {layers})")
-        sub.add_argument("--heads", type=_integer(1), help="heads per layer of the built-in network (default 4)")
-        sub.add_argument("--width", type=_integer(1), help="d_model of the built-in network (default 64)")
+        if built_in:
+            sub.add_argument("--layers", type=_integer(1), help=f"depth of the built-in network (default {layers})")
+            sub.add_argument("--heads", type=_integer(1), help="heads per layer of the built-in network (default 4)")
+            sub.add_argument("--width", type=_integer(1), help="d_model of the built-in network (default 64)")
         sub.add_argument(
             "--tokens",
             type=_integer(2),
@@ -588,7 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
         "is pruned as circuit-tracer prunes it and written as circuit-tracer's graph file (graph.pt) and the JSON "
         "Neuronpedia's graph viewer loads, each link with its largest chains of heads.",
     )
-    model_options(graph, layers=4, tokens=DEFAULT_TOKENS["graph"])
+    model_options(graph, layers=4, tokens=DEFAULT_TOKENS["graph"], built_in=False)  # (a --model only)
     graph.add_argument(
         "--transcoders", type=Path, required=True, help="a folder of transcoders (circuit-tracer, SAELens or sparsify)"
     )

@@ -23,7 +23,15 @@ from pathkernels.analysis.attribution import (
 from pathkernels.analysis.readout_trie import frozen_model
 from pathkernels.analysis.top_paths import top_paths
 from pathkernels.app.cli.base import DIRECTION_FORMS, MAX_ATTRIBUTION_PATHS, CommandLineError, within
-from pathkernels.app.cli.common import float_format, heading, local_model, model_to_run, number, save
+from pathkernels.app.cli.common import (
+    float_format,
+    heading,
+    local_model,
+    model_to_run,
+    number,
+    read_transcoders,
+    save,
+)
 from pathkernels.app.cli.sizes import model_shape
 from pathkernels.app.experiments import fitted_title
 from pathkernels.core._progress import TimeLimitReached, time_limit
@@ -73,8 +81,6 @@ def built_and_captured(clock: _Clock, run, *, transcoders: Path | None = None, *
         return None, "building the model"
     inputs = run.drawn_inputs() if run.inputs is None else run.inputs
     if transcoders is not None:
-        from pathkernels.app.cli.graph import read_transcoders
-
         options["transcoders"] = read_transcoders(Path(transcoders), network)
     try:
         done, captured = within(clock.left(), capture_huggingface_residual, network, **options, **inputs)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from pathkernels.adapters.huggingface import LocalModel, load_local_model, local_model_inputs
+from pathkernels.adapters.transcoders import load_transcoders
 from pathkernels.app.cli.base import BUILT_IN_VOCAB, DEFAULT_TOKENS, CommandLineError
 from pathkernels.app.cli.sizes import check_ids, example_task, gpt2_bytes, model_folder
 from pathkernels.core._extension import build_info
@@ -245,3 +246,11 @@ def model_to_run(
         f"(seed {seed} for both)"
     )
     return ModelToRun(build, None, None, source, tokens)
+
+
+def read_transcoders(folder: Path, network):
+    """``--transcoders``: the set in ``folder`` checked against the model, its refusals as one line."""
+    try:
+        return load_transcoders(folder, model=network, require_all_layers=False)
+    except (FileNotFoundError, ValueError, ImportError) as error:
+        raise CommandLineError(f"--transcoders {folder}: {str(error).split(': ', 1)[-1]}") from None

@@ -6,19 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pathkernels.adapters.transcoders import load_transcoders
 from pathkernels.analysis.graph import KINDS, attribution_graph
 from pathkernels.app.cli.attribute import _Clock, built_and_captured
 from pathkernels.app.cli.base import CommandLineError, within
 from pathkernels.app.cli.common import float_format, heading, local_model, model_to_run, number, save
-
-
-def read_transcoders(folder: Path, network):
-    """``--transcoders``: the set in ``folder`` checked against the model, its refusals as one line."""
-    try:
-        return load_transcoders(folder, model=network, require_all_layers=False)
-    except (FileNotFoundError, ValueError, ImportError) as error:
-        raise CommandLineError(f"--transcoders {folder}: {str(error).split(': ', 1)[-1]}") from None
 
 
 def graph_files(
