@@ -240,12 +240,15 @@ def check_replaceable(transcoders: TranscoderSet, num_layers: int, d_model: int,
 
 
 def replace_mlps(
-    transcoders: TranscoderSet, inputs: MlpInputs, token_mask: Tensor | None, where: str
+    transcoders: TranscoderSet, inputs: MlpInputs, token_mask: Tensor | None, tolerance: float, where: str
 ) -> TranscoderCapture:
     """Each MLP of ``transcoders``' layers replaced by its transcoder, frozen (module docstring),
     from what the capture read (:class:`MlpInputs`); ``token_mask`` ``[B, n]`` marks the real
     tokens (a feature active only at padding is no step). Float64 throughout, whatever the set's
-    dtype: the gates are decided on the float64 pre-activations of the frozen input."""
+    dtype: the gates are decided on the float64 pre-activations of the frozen input. The frozen
+    input is first checked against the model's own (:func:`check_input_hook`, within ``tolerance``;
+    its difference kept as ``input_error``)."""
+    input_error = check_input_hook(transcoders, inputs, tolerance, where)
     batch, num_layers, tokens, d = inputs.stream.shape
     device = inputs.stream.device
     real = torch.ones(batch, tokens, dtype=torch.bool, device=device) if token_mask is None else token_mask.to(device)
@@ -309,7 +312,9 @@ def replace_mlps(
             num_features=transcoders.num_features(layer),
             activations=acts,
         )
-    return TranscoderCapture(layers, num_layers, repr(transcoders), transcoders.input_hook, transcoders.output_hook)
+    return TranscoderCapture(
+        layers, num_layers, repr(transcoders), transcoders.input_hook, transcoders.output_hook, input_error
+    )
 
 
 def _rank_one_steps(skip_map: Tensor) -> tuple[Tensor, Tensor]:

@@ -23,7 +23,7 @@ from pathkernels.adapters.capture import ResidualStreamCapture, weights_fingerpr
 from pathkernels.adapters.huggingface import _attention_layers, _blocks, _prepared_inputs, _read_stack, _value_output
 from pathkernels.adapters.precision import norm_eps, rms_gain
 from pathkernels.adapters.query_key import QUERY_KEY_FAMILIES, QueryKeyCapture, query_key_capture, recording
-from pathkernels.adapters.replacement import MlpInputs, check_input_hook, check_replaceable, replace_mlps
+from pathkernels.adapters.replacement import MlpInputs, check_replaceable, replace_mlps
 from pathkernels.adapters.self_check import (
     check_cached_capture,
     check_huggingface_capture,
@@ -448,10 +448,7 @@ def _replaced_mlps(transcoders, capture: ResidualStreamCapture, stack: Attention
         own_inputs={"mlp_input": module_input},
         **extra,
     )
-    error = check_input_hook(transcoders, inputs, check_tolerance(stack.attn.dtype), _WHERE)
-    replaced = replace_mlps(transcoders, inputs, stack.token_mask, _WHERE)
-    replaced.input_error = error
-    return replaced
+    return replace_mlps(transcoders, inputs, stack.token_mask, check_tolerance(stack.attn.dtype), _WHERE)
 
 
 # Families whose stream entering block 0 is the token embedding plus a learned position embedding
@@ -821,9 +818,8 @@ def capture_transformer_lens_residual(
                 own_inputs=own,
                 **extra,
             )
-            error = check_input_hook(transcoders, mlp_inputs, check_tolerance(stack.attn.dtype), where)
-            capture.transcoders = replace_mlps(transcoders, mlp_inputs, stack.token_mask, where)
-            capture.transcoders.input_error = error
+            tolerance = check_tolerance(stack.attn.dtype)
+            capture.transcoders = replace_mlps(transcoders, mlp_inputs, stack.token_mask, tolerance, where)
     stack, capture = _attached(stack, capture, model, where)
     if query_key:
         _check_query_key(capture, stack, where)

@@ -360,10 +360,7 @@ class AttributionGraph:
             raise ValueError(
                 f"{where}: {self.label(source)} writes above where {self.label(target)} reads: no edge between them"
             )
-        model = _model_between(self._context["model"], level, top)
-        if "heads_only" not in self._context:  # made once: each keeps its token maps and factors, computed once
-            full = self._context["model"]
-            self._context["heads_only"] = [_heads_only(sublayer, full.replaced) for sublayer in full.sublayers]
+        model = self._context["model"]
         sublayers = self._context["heads_only"][level:top]
         sources = [rows] + [torch.zeros_like(rows) for _ in sublayers]
         names = [self.label(source)] + [f"(nothing at level {level + j})" for j in range(1, len(sources))]
@@ -622,15 +619,17 @@ def _passed_down(sublayer: Sublayer, adjoint: Tensor) -> Tensor:
     return adjoint + torch.einsum("bhne,hed->bnd", narrow, feature_out)
 
 
-def _sweep(model: FrozenModel, nodes: _Nodes, targets: list[_Target]) -> tuple[Tensor, Tensor]:
+def _sweep(
+    model: FrozenModel, sublayers: list[Sublayer], nodes: _Nodes, targets: list[_Target]
+) -> tuple[Tensor, Tensor]:
     """The rows ``[T, nodes]`` and constants ``[T]`` of ``targets`` (sorted by level, highest first):
-    one backward pass from the highest level to the embedding, each target joining at its level."""
+    one backward pass from the highest level to the embedding through ``sublayers`` (the model's,
+    :func:`_heads_only`), each target joining at its level."""
     device = model.sources[0].device
     count = len(targets)
     adjoint = torch.zeros(count, *model.sources[0].shape, dtype=torch.float64, device=device)
     rows = torch.zeros(count, nodes.count, dtype=torch.float64, device=device)
     constants = torch.zeros(count, dtype=torch.float64, device=device)
-    sublayers = [_heads_only(sublayer, model.replaced) for sublayer in model.sublayers]
     for level in range(targets[0].level, -1, -1):
         for index, target in enumerate(targets):
             if target.level == level:
@@ -780,6 +779,10 @@ def attribution_graph(
         )
     rows: dict[int, Tensor] = {}  # node → its row over every node (features, errors, tokens), on the CPU
     constants: dict[int, float] = {}
+    made: dict[int, _Target] = {}  # node → what it reads
+    # The sublayers an edge's chains pass (a replaced MLP's features are nodes): made once, so that
+    # their token maps and factors are computed once, for the sweeps and for edge_paths.
+    heads_only = [_heads_only(sublayer, model.replaced) for sublayer in model.sublayers]
     chunk = max(1, memory_budget // (4 * 8 * model.sources[0].numel()))
     bar = progress_bar(chosen + logit_count, enabled=progress, unit="target", desc=_WHERE)
 
@@ -787,9 +790,10 @@ def attribution_graph(
         targets = sorted(targets, key=lambda target: -target.level)
         for first in range(0, len(targets), chunk):
             part = targets[first : first + chunk]
-            part_rows, part_constants = _sweep(model, nodes, part)
+            part_rows, part_constants = _sweep(model, heads_only, nodes, part)
             for target, values_row, value in zip(part, part_rows.cpu(), part_constants.cpu().tolist()):
                 rows[target.node], constants[target.node] = values_row, value + target.constant
+                made[target.node] = target
             if bar is not None:
                 bar.update(len(part))
 
@@ -825,9 +829,7 @@ def attribution_graph(
     values = torch.zeros(final, dtype=torch.float64)
     values[:chosen] = nodes.activations[selected]
     values[final - logit_count :] = logit_values.cpu()
-    by_node = {index[target.node]: target for target in logit_targets}
-    by_node |= {position: nodes.feature_target(int(node)) for position, node in enumerate(selected.tolist())}
-    rest = torch.arange(features, nodes.count)
+    by_node = {index[node]: target for node, target in made.items()}
 
     graph = AttributionGraph(
         kinds=torch.cat([nodes.kinds[keep], torch.full((logit_count,), KINDS.index("logit"))]),
@@ -849,8 +851,9 @@ def attribution_graph(
         seconds=time.monotonic() - start,
     )
     # (edge_paths reads a node's write by its index among every node: the selected ones keep theirs)
-    original = torch.cat([selected, rest, torch.full((logit_count,), -1)])
+    original = torch.cat([keep, torch.full((logit_count,), -1)])
     graph._context = {"model": model, "targets": by_node, "nodes": nodes, "original": original}
+    graph._context["heads_only"] = heads_only
     return named(graph, stack)
 
 

@@ -175,10 +175,6 @@ class FrozenModel:
                 above = [a + branches * b for a, b in zip(above + [0], [0] + above)] if branches else above
         return counts
 
-    def describe(self, path: Tensor, source: int) -> str:
-        """A path's name (:func:`describe_path`), its MLP steps named by the transcoders."""
-        return describe_path(path, self.source_names[int(source)], self.replaced)
-
     @property
     def pre_norm(self) -> bool:
         """Whether the sublayers read a normed stream through a skip that is the identity (False
