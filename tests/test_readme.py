@@ -74,6 +74,14 @@ def test_readme_blocks_paste_into_a_python_repl(tmp_path):
     for shown_row, printed_row in zip(shown[2:], printed[2:]):
         assert shown_row.rsplit(maxsplit=1)[0] == printed_row.rsplit(maxsplit=1)[0]  # the path
         assert float(printed_row.split()[-1]) == pytest.approx(float(shown_row.split()[-1]), rel=1e-5)
+    # The causal check of the paths through features, as shown.
+    shown = re.search(r"^```\n(CausalCheck\(2 path.*?)^```", text, flags=re.S | re.M).group(1).strip().splitlines()
+    printed = output[output.index("CausalCheck(2 path") :].strip().splitlines()[: len(shown)]
+    assert printed[:2] == shown[:2], printed
+    for shown_row, printed_row in zip(shown[2:], printed[2:]):
+        assert shown_row.split("from embedding")[0] == printed_row.split("from embedding")[0]  # the path
+        numbers = [float(v) for v in printed_row.split("from embedding")[1].split()]
+        assert numbers == pytest.approx([float(v) for v in shown_row.split("from embedding")[1].split()], abs=0.011)
     # Where the induction head looks: the score line, and the pairs as shown.
     shown = re.search(r"^```\n(L1H0's score, query .*?)^```", text, flags=re.S | re.M).group(1).strip().splitlines()
     printed = output[output.index("L1H0's score, query ") :].strip().splitlines()[: len(shown)]

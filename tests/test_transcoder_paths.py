@@ -482,7 +482,7 @@ def test_what_is_not_read_yet_is_refused_by_name():
     stack, _ = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders, query_key=True)
     with pytest.raises(ValueError, match="score side does not yet follow paths through transcoder features"):
         pk.score_decomposition(stack, 1, 0, query=4, keys=1)
-    with pytest.raises(ValueError, match="causal_check does not yet"):
+    with pytest.raises(ValueError, match="causal_check: the score side does not yet"):
         pk.causal_check(model, stack, {"input_ids": ids}, torch.full((1, 4), -1), [0], layer=1, head=0, query=4, key=1)
     with pytest.raises(ValueError, match="decompose does not yet"):
         pk.decompose(stack)

@@ -8,7 +8,12 @@ enters and lets the model recompute what that touches:
   (``frozen``: held at the clean run's scale, ``D (Y C) Γ`` removed from its output), and only that
   head's columns of the projection take the result; its scores, its pattern and everything after
   it follow from the model's own forward pass;
-- a value path: the stream entering the final norm, which is recomputed (or held, ``frozen``).
+- a value path: the stream entering the final norm, which is recomputed (or held, ``frozen``);
+- a path into a transcoder feature: the feature's encoder input at one token. The transcoder is
+  not part of the model, so the caller recomputes the feature's activation from the clean stream
+  entering the MLP's norm (:func:`mlp_norm_scale` recomputes that norm), and the model takes the
+  change of what the feature writes, added to the MLP's output at that token: everything above
+  follows from the model's own forward pass (:func:`run_with_mlp_writes`).
 
 Each path is one row of a batch whose first row is the clean run, so that every change is measured
 within one forward pass.
@@ -24,7 +29,7 @@ from torch import Tensor, nn
 
 from pathkernels.adapters.huggingface import _attention_layers, _blocks, stream_huggingface_attention
 from pathkernels.adapters.query_key import _projection, recording
-from pathkernels.adapters.residual import _layout, _module_at
+from pathkernels.adapters.residual import _inverse_scale, _layout, _module_at
 
 
 @dataclass
@@ -77,6 +82,62 @@ def final_norm(model: nn.Module) -> nn.Module | None:
     """The norm before the unembedding (None where there is none)."""
     spec = _layout(model)
     return None if spec.final_norm is None else _module_at(model.base_model, spec.final_norm)
+
+
+def mlp_norm_scale(model: nn.Module, layer: int, stream: Tensor) -> Tensor:
+    """``1/σ`` ``[M]`` of the norm before layer ``layer``'s MLP on streams ``stream`` ``[M, d]``, in
+    float64, as the capture computes it (1 where there is no norm: OLMo 2)."""
+    spec = _layout(model)
+    return _inverse_scale(stream, spec.norms(_blocks(model, *spec.blocks)[layer])[1], spec.norm)
+
+
+@torch.no_grad()
+def run_with_mlp_writes(
+    model: nn.Module,
+    inputs: dict,
+    layer: int,
+    count: int,
+    writes: Callable[[Tensor], Tensor],
+    module_output: bool,
+) -> Tensor | None:
+    """The model on ``inputs`` (one sequence) as ``1 + count`` rows: the clean run, then row m with
+    ``writes(stream)[m]`` ``[n, d]`` added to layer ``layer``'s MLP output. ``writes`` gets the clean
+    run's stream entering the MLP's norm ``[n, d]`` (float64; the MLP's own input where it has no
+    norm), which every row shares up to there. ``module_output``: add to the MLP module's output,
+    before a norm on it (Gemma-2's post-MLP norm, then recomputed); else to what the sublayer adds
+    to the stream. Returns the final norm's output ``[1 + count, n, d]`` float64 (None without one)."""
+    spec = _layout(model)
+    block = _blocks(model, *spec.blocks)[layer]
+    norm = spec.norms(block)[1]
+    mlp = spec.mlp(block)
+    target = mlp if module_output or spec.output_norms is None else spec.output_norms(block)[1]
+    rows = {
+        k: v.expand(count + 1, *v.shape[1:]) if isinstance(v, Tensor) and v.dim() >= 1 else v for k, v in inputs.items()
+    }
+    state: dict = {}
+
+    def keep_stream(module, args):
+        if "stream" not in state:  # rows are alike below the write; OPT's MLP reads [B·n, d]
+            state["stream"] = args[0].reshape(count + 1, -1, args[0].shape[-1])[0].double()
+
+    def add(module, args, output):
+        flat = output.reshape(count + 1, -1, output.shape[-1])
+        added = writes(state["stream"]).to(flat.device, flat.dtype)
+        flat = torch.cat([flat[:1], flat[1:] + added])
+        return flat.reshape(output.shape)
+
+    handles = [(norm if norm is not None else mlp).register_forward_pre_hook(keep_stream)]
+    handles.append(target.register_forward_hook(add))
+    finals: list[Tensor] = []
+    last_norm = final_norm(model)
+    if last_norm is not None:
+        handles.append(last_norm.register_forward_hook(lambda module, args, output: finals.append(output.detach())))
+    try:
+        stream_huggingface_attention(model, lambda index, attn: None, **rows)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return finals[0].double() if finals else None
 
 
 @torch.no_grad()

@@ -112,6 +112,7 @@ class TranscoderCapture:
     input_hook: str
     output_hook: str
     input_error: float | None = None  # the frozen input against the model's own MLP input (check_input_hook)
+    transcoder_set: TranscoderSet | None = None  # the set itself, for what recomputes it (the causal check)
 
     def __repr__(self) -> str:
         active = ", ".join(f"L{layer}: {r.features.numel()}" for layer, r in self.layers.items())
@@ -129,6 +130,7 @@ class TranscoderCapture:
             self.input_hook,
             self.output_hook,
             self.input_error,
+            self.transcoder_set,
         )
 
 
@@ -159,7 +161,7 @@ def _centre_columns(w: Tensor) -> Tensor:
     return w - w.mean(0, keepdim=True)
 
 
-class _InputFrame:
+class InputFrame:
     """``x_in = diag(s) X M + S`` of one layer (module docstring): the per-token ``scale`` ``[B, n]``,
     the constant rows ``shift`` ``[B, n, d]``, and ``M`` applied to columns by :meth:`apply`."""
 
@@ -254,11 +256,11 @@ def replace_mlps(
     real = torch.ones(batch, tokens, dtype=torch.bool, device=device) if token_mask is None else token_mask.to(device)
     layers = {}
     for layer in transcoders.layers:
-        frame = _InputFrame(transcoders.input_hook, transcoders.input_normalization, inputs, layer)
+        frame = InputFrame(transcoders.input_hook, transcoders.input_normalization, inputs, layer)
         x_in = frame(inputs.stream[:, layer])
         # The skip term reads the hook's value itself, before the format's normalisation (SAELens's
         # skip transcoder adds x @ W_skip.T of its raw input).
-        hook_frame = _InputFrame(transcoders.input_hook, "none", inputs, layer)
+        hook_frame = InputFrame(transcoders.input_hook, "none", inputs, layer)
         x_hook = hook_frame(inputs.stream[:, layer])
         w_enc = transcoders.w_enc[layer].to(device, torch.float64)
         b_enc = transcoders.b_enc[layer].to(device, torch.float64)
@@ -313,8 +315,33 @@ def replace_mlps(
             activations=acts,
         )
     return TranscoderCapture(
-        layers, num_layers, repr(transcoders), transcoders.input_hook, transcoders.output_hook, input_error
+        layers, num_layers, repr(transcoders), transcoders.input_hook, transcoders.output_hook, input_error, transcoders
     )
+
+
+def input_frame(
+    transcoders: TranscoderSet,
+    stream: Tensor,
+    norm_scale: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor,
+    centred: bool,
+) -> InputFrame:
+    """The frame ``x_in = diag(s) X M + S`` of the set's input (:class:`InputFrame`, as
+    :func:`replace_mlps` builds it) for streams ``stream`` ``[M, d]`` entering the MLP's norm, that
+    norm at scales ``norm_scale`` ``[M]`` (its ``1/σ``, recomputed or held by the caller) with gain
+    ``norm_weight`` and bias ``norm_bias`` ``[d]``; the format's own normalisation is computed on
+    these streams. Its rows are ``[M, 1, d]``: ``frame(stream[:, None])`` is ``x_in``."""
+    count, d = stream.shape
+    inputs = MlpInputs(
+        stream=stream.double().view(count, 1, 1, d),
+        norm_scale=norm_scale.double().view(count, 1, 1),
+        norm_weight=norm_weight.double().view(1, d),
+        norm_bias=norm_bias.double().view(1, d),
+        centred=centred,
+        mlp_out=stream.new_zeros(count, 1, 1, d),
+    )
+    return InputFrame(transcoders.input_hook, transcoders.input_normalization, inputs, 0)
 
 
 def _rank_one_steps(skip_map: Tensor) -> tuple[Tensor, Tensor]:
@@ -335,7 +362,7 @@ def check_input_hook(transcoders: TranscoderSet, inputs: MlpInputs, tolerance: f
         return None
     worst = 0.0
     for layer in transcoders.layers:
-        frame = _InputFrame(hook, "none", inputs, layer)
+        frame = InputFrame(hook, "none", inputs, layer)
         own = inputs.own_inputs[hook][:, layer]
         difference = float((frame(inputs.stream[:, layer]) - own).abs().max() / own.abs().max().clamp_min(1e-300))
         worst = max(worst, difference)
@@ -348,4 +375,13 @@ def check_input_hook(transcoders: TranscoderSet, inputs: MlpInputs, tolerance: f
     return worst
 
 
-__all__ = ["INPUT_HOOKS", "OUTPUT_HOOKS", "MlpInputs", "ReplacedLayer", "TranscoderCapture", "replace_mlps"]
+__all__ = [
+    "INPUT_HOOKS",
+    "InputFrame",
+    "OUTPUT_HOOKS",
+    "MlpInputs",
+    "ReplacedLayer",
+    "TranscoderCapture",
+    "replace_mlps",
+    "input_frame",
+]

@@ -14,7 +14,18 @@ pattern held. :func:`causal_check` asks what the path does when they are not hel
   tests hold it to 1e-12 relative, which tests the hooks).
 - a value path (``side="readout"``): the stream entering the final norm, which is recomputed (or
   held, ``frozen``); reported: the readout's change, beside ``−`` its attribution
-  (:func:`pathkernels.path_attribution`).
+  (:func:`pathkernels.path_attribution`). Paths through transcoder features too.
+- a path into a transcoder feature (``side="feature"``, a capture with ``transcoders=``): the
+  input of one feature's encoder at one token, where the path passes the feature. Its
+  pre-activation is recomputed from the clean stream less the term (the MLP's norm and the set's
+  own normalisation recomputed, or held, ``frozen``), its activation through the set's own
+  activation (a JumpReLU's threshold, a TopK among the clean pre-activations of the others), and
+  the change of what it writes is added to the MLP's output there: every layer above follows from
+  the model's own forward pass. The other features at that MLP read what they read (the term left
+  this feature's input only), so this is the replaced model (transcoder plus error) with one
+  activation changed. Its frozen predictions: ``−`` the path's share of the pre-activation, that
+  times the gate for the activation, and that times the feature's frozen effect on the readout
+  (every path from it up, norms, patterns and gates held).
 
 All the paths of one call are rows of one batched forward pass, after a clean row.
 """
@@ -27,13 +38,14 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from pathkernels.adapters.ablation import final_norm, run_without_terms
+from pathkernels.adapters.ablation import final_norm, mlp_norm_scale, run_with_mlp_writes, run_without_terms
 from pathkernels.adapters.capture import fingerprint_mismatch
 from pathkernels.adapters.precision import in_float64
+from pathkernels.adapters.replacement import input_frame
 from pathkernels.adapters.self_check import check_tolerance
 from pathkernels.analysis.attribution import Readout
-from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, describe_path, frozen_model, refuse_transcoders
-from pathkernels.analysis.real_paths import _checked_paths, terms_of
+from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, Sublayer, describe_path, frozen_model
+from pathkernels.analysis.real_paths import _checked_paths, _skip, terms_of
 from pathkernels.analysis.scores import checked_head, query_and_keys
 from pathkernels.core._figures import check_save_path, new_figure, require, saved, titled, wrapped
 from pathkernels.core.checks import check_flag, check_int
@@ -42,7 +54,7 @@ if TYPE_CHECKING:
     from pathkernels.adapters.stack import AttentionStack
 
 _WHERE = "pathkernels.causal_check"
-_SIDES = ("query", "key", "readout")
+_SIDES = ("query", "key", "readout", "feature")
 _AT = ("every", "one")  # a score path removed from the head's input at every token, or at the scored one
 
 
@@ -51,11 +63,16 @@ class CausalCheck:
     """What removing each path's term did (:func:`causal_check`); one entry per path.
 
     ``paths``: the paths as text. ``predicted``: the frozen prediction of the change, ``−`` each
-    path's share (of the head's score at (query, key), or of the readout). ``score_change``: the
-    head's measured score change (score paths); ``pattern_change``: its attention at (query, key)
-    (unfrozen score paths); ``readout_change``: the readout at ``position`` (value paths, and score
-    paths given a readout, unfrozen). ``clean``: the clean run's score, attention and readout (those
-    measured). ``frozen``: whether the norm the term leaves was held at its clean scale."""
+    path's share (of the head's score at (query, key), of the readout, or of the feature's
+    pre-activation). ``score_change``: the head's measured score change (score paths);
+    ``pattern_change``: its attention at (query, key) (unfrozen score paths); ``readout_change``: the
+    readout at ``position`` (value paths, and score and feature paths given a readout, unfrozen for
+    score paths). Feature paths (``side="feature"``): ``features`` ``[M]`` the feature each path
+    enters at layer ``layer``, token ``token``; ``preactivation_change`` and ``activation_change``
+    measured; ``predicted_activation`` (``predicted`` times the frozen gate) and
+    ``predicted_readout`` (that times the feature's frozen effect on the readout). ``clean``: the
+    clean run's values (those measured; a feature path's per path). ``frozen``: whether the norm the
+    term leaves was held at its clean scale."""
 
     side: str
     layer: int | None
@@ -73,6 +90,12 @@ class CausalCheck:
     readout_label: str | None = None
     model_name: str = ""  # the model's name for figure titles (AttentionStack.name)
     at: str = "every"  # a score path removed from the head's input at every token, or at the scored one ("one")
+    features: Tensor | None = None
+    token: int | None = None
+    preactivation_change: Tensor | None = None
+    activation_change: Tensor | None = None
+    predicted_activation: Tensor | None = None
+    predicted_readout: Tensor | None = None
 
     def __repr__(self) -> str:
         return f"CausalCheck({self._summary()})"
@@ -82,6 +105,11 @@ class CausalCheck:
         title."""
         if self.side == "readout":
             where, how = f"the readout at token {self.position}", "final norm recomputed"
+        elif self.side == "feature":
+            ids = sorted(set(self.features.tolist()))
+            named = f"L{self.layer} F{ids[0]}'s" if len(ids) == 1 else f"the L{self.layer} features'"
+            where = f"{named} input at token {self.token}"
+            how = "the MLP's norm held" if self.frozen else "norms and patterns recomputed"
         else:
             token = (
                 "every token" if self.at == "every" else f"token {self.key if self.side == 'key' else self.query} only"
@@ -94,9 +122,15 @@ class CausalCheck:
         """One row per path: its prediction and what was measured."""
         pd = require("pandas")
         columns = {"path": self.paths, "predicted": self.predicted.tolist()}
+        if self.features is not None:
+            columns = {"path": self.paths, "feature": self.features.tolist(), "predicted": self.predicted.tolist()}
         for name, values in (
             ("score change", self.score_change),
             ("attention change", self.pattern_change),
+            ("pre-activation change", self.preactivation_change),
+            ("predicted activation change", self.predicted_activation),
+            ("activation change", self.activation_change),
+            ("predicted readout change", self.predicted_readout),
             ("readout change", self.readout_change),
         ):
             if values is not None:
@@ -108,9 +142,15 @@ class CausalCheck:
         prediction [M] or None, what the prediction is)``. The score's prediction is ``−`` the path's
         share; the attention's follows from it with the other keys' scores held (``a e^δ / (1 − a +
         a e^δ) − a``, ``a`` the clean attention: what ``at="one"`` does; with ``at="every"`` the other
-        keys' scores move too, and the label says it holds them); a score path's readout change has none (the frozen
-        model holds the patterns, so it predicts 0), a value path's is ``−`` its attribution."""
+        keys' scores move too, and the label says it holds them); a score path's readout change has
+        none (the frozen model holds the patterns, so it predicts 0), a value path's is ``−`` its
+        attribution. A feature path's panels: its pre-activation's change beside ``−`` its share,
+        its activation's beside that through the frozen gate, its readout's beside the frozen
+        model's (:attr:`predicted_readout`)."""
         panels = []
+        if self.side == "feature":
+            panels.append(("pre-activation change", self.preactivation_change, self.predicted, "frozen prediction"))
+            panels.append(("activation change", self.activation_change, self.predicted_activation, "frozen gate"))
         if self.score_change is not None:
             panels.append(("score change", self.score_change, self.predicted, "frozen prediction"))
         if self.pattern_change is not None:
@@ -120,8 +160,7 @@ class CausalCheck:
             how = "from the predicted score" + (", other keys held" if self.at == "every" else "")
             panels.append(("attention change", self.pattern_change, predicted, how))
         if self.readout_change is not None:
-            score_path = self.side != "readout"
-            predicted = None if score_path else self.predicted
+            predicted = {"readout": self.predicted, "feature": self.predicted_readout}.get(self.side)
             what = "readout change" if self.readout_label is None else f"change of {self.readout_label}"
             panels.append((what, self.readout_change, predicted, "frozen prediction"))
         return panels
@@ -197,6 +236,8 @@ def causal_check(
     batch: int = 0,
     allow_masked: bool = False,
     at: str = "every",
+    feature: int | None = None,
+    token: int | None = None,
 ) -> CausalCheck:
     """Remove each path's term from the one input where it enters and measure the change (module
     docstring), all paths in one batched forward pass.
@@ -209,10 +250,17 @@ def causal_check(
         paths, sources: the paths, as :func:`pathkernels.path_terms` takes them (``[M, L]`` heads,
             −1 where none; sources by index or name). Score paths must lie below ``layer``.
         side: ``"query"`` or ``"key"`` (a score path, removed from head ``head``'s input at
-            ``layer``; a grouped-query model's key head serves its whole group) or ``"readout"``
-            (a value path, removed before the final norm).
+            ``layer``; a grouped-query model's key head serves its whole group), ``"readout"``
+            (a value path, removed before the final norm) or ``"feature"`` (a path into a
+            transcoder feature of layer ``layer``'s MLP, removed from its encoder's input at
+            ``token``; module docstring).
         query, key: the score's tokens (default query: the last real token); position: where the
             readout is read (default: the query, or the last real token).
+        feature, token: ``side="feature"``: the feature id and the token where the paths enter
+            it (default token: the last real one). Without ``feature``, each path's own step at
+            layer ``layer``'s MLP (``paths [M, 2L]``, column ``L + layer``) names the feature it
+            enters, and what lies below that step is removed; with it, the paths end below that
+            MLP. Nothing of a path may lie above the MLP (no head above ``layer``, no later step).
         readout: a readout (:func:`pathkernels.logit_diff`, a direction ``[d]``) to measure too.
         frozen: hold the norm the removal touches at its clean scale (the change is then the
             frozen prediction, exactly: a check of the hooks); score paths then report the score
@@ -234,8 +282,10 @@ def causal_check(
         raise ValueError(f"{_WHERE}: expected side to be one of {_SIDES}, got {side!r}")
     if at not in _AT:
         raise ValueError(f"{_WHERE}: expected at to be one of {_AT}, got {at!r}")
-    if at != "every" and side == "readout":
-        raise ValueError(f"{_WHERE}: at={at!r} is for score paths; a value path leaves the stream at every token")
+    if at != "every" and side in ("readout", "feature"):
+        raise ValueError(f"{_WHERE}: at={at!r} is for score paths; a {side} path leaves its input as side= says")
+    if side != "feature" and (feature is not None or token is not None):
+        raise ValueError(f"{_WHERE}: feature= and token= are for side='feature', got side={side!r}")
     if getattr(getattr(model, "config", None), "model_type", None) is None:
         raise TypeError(
             f"{_WHERE}: expected model to be the Hugging Face model the stack was captured from, got "
@@ -252,16 +302,19 @@ def causal_check(
             f"{_WHERE}: expected model to be the model the stack was captured from; its weights are not the ones "
             f"the capture read: {mismatch}"
         )
+    read = None if readout is None else Readout.of(readout, stack.d_model, _WHERE)
+    if read is not None and len(read.labels) != 1:
+        raise ValueError(f"{_WHERE}: expected one readout direction, got {len(read.labels)}")
     frozen_paths, names, chosen = _described(stack, paths, sources, batch)  # checked in this function's name
+    if side == "feature":
+        removal = _FeatureRemoval(layer, feature, token, position, frozen, batch)
+        return _feature_paths(model, stack, inputs, frozen_paths, names, chosen, read, removal)
     choices = torch.stack([c for c, _ in chosen])
     terms = terms_of(frozen_paths, choices, torch.tensor([s for _, s in chosen]))  # [M, n_real, d]
     tokens = stack.attn.shape[-1]
     real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
     full = terms.new_zeros(terms.shape[0], tokens, terms.shape[-1])
     full[:, real.to(full.device)] = terms
-    read = None if readout is None else Readout.of(readout, stack.d_model, _WHERE)
-    if read is not None and len(read.labels) != 1:
-        raise ValueError(f"{_WHERE}: expected one readout direction, got {len(read.labels)}")
     if side == "readout":
         if frozen:
             raise ValueError(
@@ -289,17 +342,28 @@ class _ScoreRemoval:
     at: str
 
 
+@dataclass(frozen=True)
+class _FeatureRemoval:
+    """What :func:`causal_check` was asked of feature paths (its arguments of the same names)."""
+
+    layer: int | None
+    feature: int | None
+    token: int | None
+    position: int | None
+    frozen: bool
+    batch: int
+
+
 def _described(stack, paths, sources, batch) -> tuple[FrozenModel, list[str], list[tuple[Tensor, int]]]:
     """The frozen model of sequence ``batch``, and the paths as text and as ``(choices [L], source
     index)``."""
     tokens = stack.attn.shape[-1]
     real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
-    refuse_transcoders(stack.residual_capture, _WHERE, "causal_check")
     model = frozen_model(stack, stack.residual_capture, batch, real)
     names = model.source_names
     choices, index = _checked_paths(paths, sources, model, names, _WHERE)
     chosen = [(c, int(i)) for c, i in zip(choices.cpu(), index.cpu())]
-    return model, [describe_path(c, names[i]) for c, i in chosen], chosen
+    return model, [describe_path(c, names[i], model.replaced) for c, i in chosen], chosen
 
 
 def _above(choices: Tensor, source: int, layer: int) -> bool:
@@ -397,6 +461,187 @@ def _score_paths(model, stack, inputs, terms, names, chosen, read, removal: _Sco
     )
 
 
+def _feature_paths(model, stack, inputs, frozen: FrozenModel, names, chosen, read, removal: _FeatureRemoval):
+    """:func:`causal_check` of paths into a transcoder feature (module docstring): each path's part
+    below the feature removed from its encoder's input at one token, beside the frozen predictions."""
+    capture, batch = stack.residual_capture, removal.batch
+    replacement = capture.transcoders
+    if replacement is None:
+        raise ValueError(
+            f"{_WHERE}: side='feature' follows paths into transcoder features; expected a capture with "
+            "transcoders (pk.adapters.capture_huggingface_residual(model, transcoders=…))"
+        )
+    if removal.layer is None:
+        raise ValueError(f"{_WHERE}: side='feature' needs layer, the MLP whose feature the paths enter")
+    layer = check_int(removal.layer, "layer", _WHERE, minimum=0, maximum=stack.num_layers - 1)
+    replaced, transcoders = replacement.layers.get(layer), replacement.transcoder_set
+    if replaced is None:
+        raise ValueError(
+            f"{_WHERE}: expected layer to be one whose MLP the capture replaced ({sorted(replacement.layers)}), "
+            f"got {layer}"
+        )
+    column = replacement.num_layers + layer
+    choices = torch.stack([c for c, _ in chosen])
+    sources = torch.tensor([source for _, source in chosen])
+    steps = choices[:, column]
+    if removal.feature is None:
+        if bool(((steps == NO_HEAD) | (steps >= replaced.num_features)).any()):
+            raise ValueError(
+                f"{_WHERE}: expected each path to pass a feature at layer {layer}'s MLP (paths[:, {column}] a "
+                f"feature id below {replaced.num_features}), or feature= with paths that end below it; got "
+                f"{steps.tolist()}"
+            )
+        features = steps.clone()
+    else:
+        feature = check_int(removal.feature, "feature", _WHERE, minimum=0, maximum=replaced.num_features - 1)
+        if bool((steps != NO_HEAD).any()):
+            raise ValueError(
+                f"{_WHERE}: with feature=, expected paths that end below layer {layer}'s MLP (paths[:, {column}] "
+                f"= -1), got {steps.tolist()}"
+            )
+        features = torch.full_like(steps, feature)
+    below = choices.clone()
+    below[:, column] = NO_HEAD
+    at = next(i for i, sub in enumerate(frozen.sublayers) if sub.attn is not None and sub.column == column)
+    later = [sub.column for sub in frozen.sublayers[at + 1 :] if sub.attn is not None]
+    above = [
+        name
+        for name, path, source in zip(names, below, sources.tolist())
+        if source > at or bool((path[later] != NO_HEAD).any())
+    ]
+    if above:
+        raise ValueError(
+            f"{_WHERE}: expected paths that end at layer {layer}'s MLP (heads and steps below it, a source below "
+            f"it), got {', '.join(above[:3])}"
+        )
+    tokens = stack.attn.shape[-1]
+    real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
+    positions = real.nonzero().flatten()
+    token = int(positions[-1]) if removal.token is None else _position(removal.token, positions, batch, tokens, "token")
+    row = int((positions == token).nonzero())
+    removed = terms_of(frozen, below, sources)[:, row]  # [M, d]: each path's term in the stream entering the MLP
+
+    # The frozen predictions, from the capture: the pre-activation's change −s_t (Y M enc_f), the
+    # activation's through the gate, the readout's through the feature's frozen effect on it.
+    index = {int(f): i for i, f in enumerate(replaced.features.tolist())}
+    known = torch.tensor([int(f) in index for f in features.tolist()])
+    columns = torch.tensor([index.get(int(f), 0) for f in features.tolist()], dtype=torch.long)
+    device = removed.device
+    encoder = replaced.encoder.to(device)[:, columns.to(device)]  # [d, M] M enc_f
+    scale = float(replaced.input_scale[batch, token])
+    predicted = -(scale * (removed * encoder.T).sum(-1)).cpu() * known
+    gates = replaced.gates[batch, token].cpu()[columns] * known
+    predicted_activation = predicted * gates
+    predicted_readout = None
+    position = int(positions[-1]) if removal.position is None else _position(removal.position, positions, batch, tokens)
+    if read is not None:
+        written = float(replaced.output_scale[batch, token]) * replaced.decoder.to(device)[columns.to(device)]  # [M, d]
+        unit = removed.new_zeros(len(names), positions.numel(), removed.shape[-1])
+        unit[:, row] = written
+        pushed = removed.new_zeros(len(names), tokens, removed.shape[-1])
+        pushed[:, real.to(device)] = _through_sublayers(frozen.sublayers[at + 1 :], unit)
+        effect = -_value_predictions(stack, pushed, read, position, batch)  # [M]: a unit activation's
+        predicted_readout = predicted_activation * effect
+
+    # The measured changes: the pre-activation recomputed from the run's clean stream less the term.
+    weight, bias = capture.norm_weight[layer, 1], capture.norm_bias[layer, 1]
+    w_enc = transcoders.w_enc[layer].to(device, torch.float64)
+    b_enc = transcoders.b_enc[layer].to(device, torch.float64)
+    w_dec = transcoders.w_dec[layer][layer].to(device, torch.float64)[features.to(device)]  # [M, d]
+    picked = torch.arange(len(names), device=device)
+    measured: dict = {}
+
+    def frame_of(streams: Tensor):  # the set's input frame on streams [M, d], the MLP's norm recomputed
+        return input_frame(transcoders, streams, mlp_norm_scale(model, layer, streams), weight, bias, capture.centred)
+
+    def writes(stream: Tensor) -> Tensor:  # the clean stream entering the MLP's norm [n, d]
+        x = stream[token].to(device, torch.float64)
+        clean_frame = frame_of(x[None])
+        pre = clean_frame(x[None, None])[0, 0] @ w_enc + b_enc  # [F]
+        acts = transcoders.activate(layer, pre[None])[0]
+        _check_clean_feature(acts, pre, replaced, batch, token, model, layer)
+        less = x[None] - removed  # [M, d]
+        if removal.frozen:  # the norm's scale and the format's normalisation held at the clean stream's
+            x_in = clean_frame(less[:, None])[:, 0]
+        else:
+            x_in = frame_of(less)(less[:, None])[:, 0]
+        moved = (x_in * w_enc[:, features.to(device)].T).sum(-1) + b_enc[features.to(device)]  # [M]
+        everything = pre.expand(len(names), -1).clone()  # the other features as they were
+        everything[picked, features.to(device)] = moved
+        acts_moved = transcoders.activate(layer, everything)[picked, features.to(device)]
+        measured["pre"], measured["act"] = pre[features.to(device)], acts[features.to(device)]
+        measured["pre_change"], measured["act_change"] = moved - measured["pre"], acts_moved - measured["act"]
+        added = stream.new_zeros(len(names), *stream.shape).double()
+        added[:, token] = measured["act_change"][:, None] * w_dec
+        return added
+
+    single = _single_row(inputs, batch, stack.batch_size)
+    final = run_with_mlp_writes(
+        model, single, layer, len(names), writes, replacement.output_hook == "mlp_module_output"
+    )
+    clean = {
+        "preactivation": measured["pre"].cpu().tolist(),
+        "activation": measured["act"].cpu().tolist(),
+    }
+    readout_change = None
+    if read is not None:
+        readout_change, clean["readout"] = _readout_changes(final, read, position, where=_WHERE)
+    return CausalCheck(
+        side="feature",
+        layer=layer,
+        head=None,
+        query=None,
+        key=None,
+        position=position if read is not None else None,
+        frozen=removal.frozen,
+        paths=names,
+        predicted=predicted,
+        score_change=None,
+        pattern_change=None,
+        readout_change=readout_change,
+        clean=clean,
+        readout_label=None if read is None else read.labels[0],
+        model_name=getattr(stack, "name", ""),
+        features=features.cpu(),
+        token=token,
+        preactivation_change=measured["pre_change"].cpu(),
+        activation_change=measured["act_change"].cpu(),
+        predicted_activation=predicted_activation,
+        predicted_readout=predicted_readout,
+    )
+
+
+def _through_sublayers(sublayers: list[Sublayer], terms: Tensor) -> Tensor:
+    """Terms ``[N, n, d]`` carried up through ``sublayers`` by every branch of each: ``Y ↦ skip(Y) +
+    Σ_b T_b Y G_b`` (the sum over every path from where they enter, the frozen model's effect)."""
+    for sublayer in sublayers:
+        moved = _skip(sublayer, terms)
+        if sublayer.attn is not None and sublayer.branches:
+            feature_in, feature_out = sublayer.feature_factors  # [H, d, e], [H, e, d]
+            narrow = torch.matmul(sublayer.token_maps[:, None], torch.einsum("ntd,hed->hnte", terms, feature_out))
+            moved = moved + torch.einsum("hnte,hde->ntd", narrow, feature_in)
+        terms = moved
+    return terms
+
+
+def _check_clean_feature(acts: Tensor, pre: Tensor, replaced, batch: int, token: int, model, layer: int) -> None:
+    """Refuse a model or inputs that are not the stack's: the clean run's activations of the
+    features the capture found active at ``token`` must be the capture's, to the capture's own
+    tolerance against its model (relative to the largest pre-activation there)."""
+    captured = replaced.activations[batch, token].to(acts.device)
+    recomputed = acts[replaced.features.to(acts.device)] * replaced.gates[batch, token].to(acts.device)
+    parameter = next(model.parameters(), None)
+    tolerance = check_tolerance(parameter.dtype if parameter is not None else torch.float64)
+    size = float(pre.abs().max().clamp_min(1e-300))
+    difference = float((recomputed - captured).abs().max()) if captured.numel() else 0.0
+    if not difference <= tolerance * size:
+        raise ValueError(
+            f"{_WHERE}: the model on these inputs gives layer {layer}'s features at token {token} activations "
+            f"{difference:.3g} away from the capture's (beyond {tolerance:g} of the largest pre-activation, "
+            f"{size:.3g}): expected the model and the inputs the stack was captured from"
+        )
+
+
 def _check_clean_score(model, clean: float, maps, batch: int, checked, i: int, j: int) -> None:
     """Refuse a model or inputs that are not the stack's: the clean run's score of query i and key
     j must be the capture's, to the capture's own tolerance against its model (relative to
@@ -417,15 +662,15 @@ def _check_clean_score(model, clean: float, maps, batch: int, checked, i: int, j
         )
 
 
-def _position(position, positions: Tensor, batch: int, tokens: int) -> int:
-    """``position`` among the real tokens ``positions`` of a sequence of ``tokens``; negative counts
-    from the end, as in pk.path_attribution."""
+def _position(position, positions: Tensor, batch: int, tokens: int, name: str = "position") -> int:
+    """``position`` (the argument ``name``) among the real tokens ``positions`` of a sequence of
+    ``tokens``; negative counts from the end, as in pk.path_attribution."""
     tokens_real = positions.tolist()
-    position = check_int(position, "position", _WHERE)
+    position = check_int(position, name, _WHERE)
     if -tokens <= position < 0:
         position += tokens
     if position not in tokens_real:
-        raise ValueError(f"{_WHERE}: expected position to be a real token of batch element {batch}, got {position}")
+        raise ValueError(f"{_WHERE}: expected {name} to be a real token of batch element {batch}, got {position}")
     return position
 
 
