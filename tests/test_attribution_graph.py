@@ -371,3 +371,29 @@ def test_a_graph_of_the_most_influential_features_keeps_every_row_exact():
     }
     with pytest.raises(ValueError, match="pass a smaller max_feature_nodes"):
         pk.attribution_graph(stack, memory_budget=1000)
+
+
+def test_the_sweeps_on_a_causal_models_first_tokens_equal_one_sweep_of_every_token(monkeypatch):
+    """The targets swept in groups on the tokens up to the last each reads (the model's token maps
+    are causal) and joining at their own levels give the rows of one sweep of every target on every
+    token; and the groups split where the work per token makes it worth a sweep."""
+    from pathkernels.analysis import graph as graph_module
+
+    model = small("gpt2")
+    with monkeypatch.context() as patch:
+        patch.setattr(graph_module, "_GROUP_OVERHEAD", 0)  # a group per reach
+        graph, stack, *_ = graph_of(model, features=12, tokens=9)
+    with monkeypatch.context() as patch:
+        patch.setattr(graph_module, "_causal", lambda sublayers: False)
+        whole = pk.attribution_graph(stack)
+    assert graph_module._causal(graph._context["heads_only"])
+    assert torch.equal(whole.kinds, graph.kinds) and torch.equal(whole.features, graph.features)
+    assert torch.allclose(whole.adjacency, graph.adjacency, rtol=1e-13, atol=1e-15)
+    assert torch.allclose(whole.constant, graph.constant, rtol=1e-13, atol=1e-15)
+    targets = [graph_module._Target(node, 0, rho, torch.zeros(3), 0.0) for node, rho in
+               enumerate(torch.eye(8, dtype=torch.float64)[[0, 0, 1, 7, 7, 7]])]  # fmt: skip
+    with monkeypatch.context() as patch:
+        patch.setattr(graph_module, "_GROUP_OVERHEAD", 4)
+        groups = graph_module._reach_groups(targets, True, 8)
+    assert [(reach, [t.node for t in group]) for reach, group in groups] == [(2, [0, 1, 2]), (8, [3, 4, 5])]
+    assert [(reach, len(group)) for reach, group in graph_module._reach_groups(targets, False, 8)] == [(8, 6)]

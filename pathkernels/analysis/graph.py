@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -477,6 +478,29 @@ class _Target:
     constant: float
 
 
+@dataclass
+class _FeatureLayout:
+    """One layer's feature nodes, numbered from ``first`` in (token, feature) order: each one's token
+    ``rows [m]`` and index into the layer's replaced features ``indices [m]``, its place ``slots
+    [m]`` in a ``[n, width]`` table of each token's features (``width`` the most any token has), and
+    ``below [n + 1]``: how many are at the tokens before each."""
+
+    first: int
+    rows: Tensor
+    indices: Tensor
+    slots: Tensor
+    width: int
+    below: list[int]
+
+    @staticmethod
+    def of(first: int, rows: Tensor, indices: Tensor, tokens: int) -> _FeatureLayout:
+        per_token = torch.bincount(rows, minlength=tokens)
+        below = torch.cat([per_token.new_zeros(1), per_token.cumsum(0)])
+        width = int(per_token.max()) if rows.numel() else 0
+        slots = rows * width + torch.arange(rows.numel(), device=rows.device) - below[rows]
+        return _FeatureLayout(first, rows, indices, slots, width, below.tolist())
+
+
 class _Nodes:
     """The graph's nodes over one batch element's frozen model (on its real tokens): features in
     (layer, position, feature) order, then errors (layer-major), then tokens; and for each source
@@ -504,7 +528,7 @@ class _Nodes:
                 self.roles[level] = ("constant",)
         # Features: (layer, real row, global index into the layer's replaced features) with gate 1.
         rows, layer_of, index_of = [], [], []
-        self.feature_nodes: dict[int, tuple[Tensor, Tensor, Tensor]] = {}  # layer → (node ids, rows, indices)
+        self.feature_nodes: dict[int, _FeatureLayout] = {}
         self.layer_data = {}
         count = 0
         feature_ids, activations = [], []
@@ -516,8 +540,7 @@ class _Nodes:
             ids = data.features.to(on.device)[on[:, 1]]
             order = torch.argsort(on[:, 0] * (data.num_features + 1) + ids, stable=True)
             on, ids = on[order], ids[order]
-            nodes = torch.arange(count, count + on.shape[0])
-            self.feature_nodes[layer] = (nodes, on[:, 0], on[:, 1])
+            self.feature_nodes[layer] = _FeatureLayout.of(count, on[:, 0], on[:, 1], n)
             output_scale, encoder_bias = data.output_scale[batch][pick], data.encoder_bias[batch][pick]
             self.layer_data[layer] = (data, acts, output_scale, data.input_scale[batch][pick], encoder_bias)
             # The constant rows less what the feature nodes write of them (their pre-activations'
@@ -582,62 +605,124 @@ class _Nodes:
         return rows, 0
 
     def record(self, level: int, adjoint: Tensor, rows: Tensor, constants: Tensor) -> None:
-        """Add what the sources at ``level`` give the targets whose adjoints are ``adjoint [T, n, d]``:
-        into their node columns ``rows [T, nodes]`` or their ``constants [T]``."""
+        """Add what the sources at ``level`` give the targets whose adjoints are ``adjoint [T, n', d]``
+        (the first ``n' ≤ n`` tokens: the rest are zero, :func:`_sweep`): into their node columns
+        ``rows [T, nodes]`` or their ``constants [T]``."""
         role = self.roles[level]
-        source = self.constant_rows.get(level, self.model.sources[level])
-        per_row = (adjoint * source).sum(-1)  # [T, n]
+        reach = adjoint.shape[1]
+        source = self.constant_rows.get(level, self.model.sources[level])[:reach]
+        per_row = (adjoint * source).sum(-1)  # [T, n']
         if role[0] == "token":
-            rows[:, self.token_start : self.token_start + self.n] += per_row
+            rows[:, self.token_start : self.token_start + reach] += per_row
         elif role[0] == "error":
             start = self.error_start + role[1] * self.n
-            rows[:, start : start + self.n] += per_row
+            rows[:, start : start + reach] += per_row
         else:
             constants += per_row.sum(-1)
         if role[0] == "features" and role[1] in self.feature_nodes:
-            nodes, feature_rows, indices = self.feature_nodes[role[1]]
+            layout = self.feature_nodes[role[1]]
             data, acts, output_scale, _, _ = self.layer_data[role[1]]
             # Token by token, the features active there: G[:, t] · (a_f(t) o(t) d_f), without the
-            # [T, n, F'] product of every feature at every token.
-            for row in feature_rows.unique().tolist():
-                here = feature_rows == row
-                features = indices[here]
-                written = (acts[row, features] * output_scale[row])[:, None] * data.decoder[features]  # [m, d]
-                rows[:, nodes[here.cpu()]] += adjoint[:, row] @ written.T
+            # [T, n, F'] product of every feature at every token: each token's writes padded to the
+            # most any token has, one batched product over the tokens.
+            feature_rows, indices = layout.rows, layout.indices
+            written = (acts[feature_rows, indices] * output_scale[feature_rows])[:, None] * data.decoder[indices]
+            padded = written.new_zeros(self.n * layout.width, written.shape[1])
+            padded[layout.slots] = written
+            padded = padded.view(self.n, layout.width, -1)[:reach]  # [n', width, d]
+            read = torch.bmm(adjoint.transpose(0, 1), padded.transpose(1, 2))  # [n', T, width]
+            below = layout.below[reach]  # the layer's nodes at the first n' tokens: a prefix of them
+            read = read.transpose(0, 1).reshape(adjoint.shape[0], -1)[:, layout.slots[:below]]
+            rows[:, layout.first : layout.first + below] += read
 
 
-def _passed_down(sublayer: Sublayer, adjoint: Tensor) -> Tensor:
-    """The adjoint ``G [T, n, d]`` of the stream leaving a pre-norm sublayer carried to the stream
-    entering it: ``G + Σ_b T_bᵀ G F_in,b F_out,b`` over its branches (a replaced MLP's: its skip map's
-    steps only; its features are nodes)."""
+def _passed_down(sublayer: Sublayer, adjoint: Tensor) -> Tensor | None:
+    """What a pre-norm sublayer adds to the adjoint ``G [T, n', d]`` of the stream leaving it, carried
+    to the stream entering it: ``Σ_b T_bᵀ G F_in,b F_out,b`` over its branches (a replaced MLP's: its
+    skip map's steps only; its features are nodes), on the first ``n'`` tokens; None for a sublayer
+    without branches (the adjoint passes unchanged)."""
     if sublayer.attn is None:
-        return adjoint
-    token_maps = sublayer.token_maps
+        return None
+    reach = adjoint.shape[1]
+    token_maps = sublayer.token_maps[:, :reach, :reach]
     feature_in, feature_out = sublayer.feature_factors  # [H, d, e], [H, e, d]
     narrow = torch.einsum("bnd,hde->bhne", adjoint, feature_in)  # b: the targets
     narrow = torch.einsum("hst,bhse->bhte", token_maps, narrow)  # T_hᵀ on the token axis
-    return adjoint + torch.einsum("bhne,hed->bnd", narrow, feature_out)
+    return torch.einsum("bhne,hed->bnd", narrow, feature_out)
 
 
 def _sweep(
-    model: FrozenModel, sublayers: list[Sublayer], nodes: _Nodes, targets: list[_Target]
+    model: FrozenModel, sublayers: list[Sublayer], nodes: _Nodes, targets: list[_Target], reach: int
 ) -> tuple[Tensor, Tensor]:
     """The rows ``[T, nodes]`` and constants ``[T]`` of ``targets`` (sorted by level, highest first):
     one backward pass from the highest level to the embedding through ``sublayers`` (the model's,
-    :func:`_heads_only`), each target joining at its level."""
+    :func:`_heads_only`), each target joining at its level. Only the targets joined so far (a
+    prefix) are carried, and only the first ``reach`` tokens: every target reads there, and the
+    token maps are causal where ``reach < n`` (:func:`_causal`), so the adjoint is zero below."""
     device = model.sources[0].device
     count = len(targets)
-    adjoint = torch.zeros(count, *model.sources[0].shape, dtype=torch.float64, device=device)
+    adjoint = torch.zeros(count, reach, model.sources[0].shape[1], dtype=torch.float64, device=device)
     rows = torch.zeros(count, nodes.count, dtype=torch.float64, device=device)
     constants = torch.zeros(count, dtype=torch.float64, device=device)
+    rho = torch.stack([target.rho[:reach] for target in targets])  # [T, n']
+    phi = torch.stack([target.phi for target in targets])  # [T, d]
+    joined = 0
     for level in range(targets[0].level, -1, -1):
-        for index, target in enumerate(targets):
-            if target.level == level:
-                adjoint[index] += target.rho[:, None] * target.phi[None, :]
-        nodes.record(level, adjoint, rows, constants)
+        joining = joined
+        while joining < count and targets[joining].level == level:
+            joining += 1
+        if joining > joined:
+            adjoint[joined:joining] += rho[joined:joining, :, None] * phi[joined:joining, None, :]
+            joined = joining
+        nodes.record(level, adjoint[:joined], rows[:joined], constants[:joined])
         if level:
-            adjoint = _passed_down(sublayers[level - 1], adjoint)
+            added = _passed_down(sublayers[level - 1], adjoint[:joined])
+            if added is not None:
+                adjoint[:joined] += added
     return rows, constants
+
+
+def _causal(sublayers: list[Sublayer]) -> bool:
+    """Whether every token map is lower triangular (no token reads a later one): then a target that
+    reads tokens up to t has an adjoint that is zero past t all the way down."""
+    return all(
+        bool(torch.triu(sublayer.token_maps, diagonal=1).eq(0).all())
+        for sublayer in sublayers
+        if sublayer.attn is not None
+    )
+
+
+def _reach_groups(targets: list[_Target], causal: bool, tokens: int) -> list[tuple[int, list[_Target]]]:
+    """The targets in groups ``(reach, targets)`` swept together on their first ``reach`` tokens: one
+    group of every token where the model is not causal; else groups of consecutive reaches (the
+    last token each reads, plus one) chosen to minimise the work, ``Σ (overhead + size · reach)``
+    with a sweep's fixed cost counted as ``_GROUP_OVERHEAD`` target-tokens."""
+    if not causal:
+        return [(tokens, targets)]
+    reaches = [int(target.rho.nonzero().max()) + 1 if bool(target.rho.any()) else 1 for target in targets]
+    sizes = Counter(reaches)
+    values = sorted(sizes)
+    below = [0]  # below[j]: the targets of the j smallest reaches
+    for value in values:
+        below.append(below[-1] + sizes[value])
+    # best[j]: the least work for the targets of the j smallest reaches, cut[j] where its last group starts
+    best, cut = [0.0], [0]
+    for j in range(1, len(values) + 1):
+        costs = [best[i] + _GROUP_OVERHEAD + (below[j] - below[i]) * values[j - 1] for i in range(j)]
+        cut.append(min(range(j), key=costs.__getitem__))
+        best.append(costs[cut[-1]])
+    bounds, j = [], len(values)
+    while j:
+        bounds.append((values[cut[j]], values[j - 1]))
+        j = cut[j]
+    return [
+        (high, [target for target, reach in zip(targets, reaches) if low <= reach <= high])
+        for low, high in reversed(bounds)
+    ]
+
+
+#: A sweep's fixed cost (its Python and small per-level operations), in target-tokens of its work.
+_GROUP_OVERHEAD = 48
 
 
 def _final_readout(capture, batch: int, real: Tensor, row: int, device):
@@ -786,16 +871,22 @@ def attribution_graph(
     chunk = max(1, memory_budget // (4 * 8 * model.sources[0].numel()))
     bar = progress_bar(chosen + logit_count, enabled=progress, unit="target", desc=_WHERE)
 
+    causal = _causal(heads_only)
+
     def compute(targets: list[_Target]) -> None:
         targets = sorted(targets, key=lambda target: -target.level)
-        for first in range(0, len(targets), chunk):
-            part = targets[first : first + chunk]
-            part_rows, part_constants = _sweep(model, heads_only, nodes, part)
-            for target, values_row, value in zip(part, part_rows.cpu(), part_constants.cpu().tolist()):
-                rows[target.node], constants[target.node] = values_row, value + target.constant
-                made[target.node] = target
-            if bar is not None:
-                bar.update(len(part))
+        computed = {}
+        for reach, group in _reach_groups(targets, causal, nodes.n):
+            for first in range(0, len(group), chunk):
+                part = group[first : first + chunk]
+                part_rows, part_constants = _sweep(model, heads_only, nodes, part, reach)
+                for target, values_row, value in zip(part, part_rows.cpu(), part_constants.cpu().tolist()):
+                    computed[target.node] = values_row, value + target.constant
+                if bar is not None:
+                    bar.update(len(part))
+        for target in targets:  # in level order, whatever the groups: _partial_influence sums in this order
+            rows[target.node], constants[target.node] = computed[target.node]
+            made[target.node] = target
 
     compute(logit_targets)
     if chosen == features:
