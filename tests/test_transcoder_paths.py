@@ -480,10 +480,8 @@ def test_what_is_not_read_yet_is_refused_by_name():
     ids = torch.randint(0, 50, (2, 5))
     transcoders = transcoders_for(model, features=6)
     stack, _ = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders, query_key=True)
-    with pytest.raises(ValueError, match="score side does not yet follow paths through transcoder features"):
-        pk.score_decomposition(stack, 1, 0, query=4, keys=1)
-    with pytest.raises(ValueError, match="causal_check: the score side does not yet"):
-        pk.causal_check(model, stack, {"input_ids": ids}, torch.full((1, 4), -1), [0], layer=1, head=0, query=4, key=1)
+    with pytest.raises(ValueError, match="the pair search does not yet follow paths through transcoder features"):
+        pk.top_score_pairs(stack, 1, 0, 3, query=4, key=1)
     with pytest.raises(ValueError, match="decompose does not yet"):
         pk.decompose(stack)
     with pytest.raises(ValueError, match=r"tree's restriction \(tree=\) does not yet"):

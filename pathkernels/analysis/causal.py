@@ -323,7 +323,7 @@ def causal_check(
             )
         return _value_paths(model, stack, full, names, read, position, batch, real)
     removal = _ScoreRemoval(side, layer, head, query, key, position, frozen, batch, allow_masked, at)
-    return _score_paths(model, stack, inputs, full, names, chosen, read, removal)
+    return _score_paths(model, stack, inputs, frozen_paths, full, names, chosen, read, removal)
 
 
 @dataclass(frozen=True)
@@ -366,13 +366,20 @@ def _described(stack, paths, sources, batch) -> tuple[FrozenModel, list[str], li
     return model, [describe_path(c, names[i], model.replaced) for c, i in chosen], chosen
 
 
-def _above(choices: Tensor, source: int, layer: int) -> bool:
-    """Whether a path takes a head at ``layer`` or above, or starts from a source above its
-    attention (the sources below layer l are the first ``2 l + 1``)."""
-    return bool((choices[layer:] != NO_HEAD).any()) or source > 2 * layer
+def _sublayer_of(model: FrozenModel, column: int) -> int:
+    """The index of the sublayer whose branches go in a path's column ``column``: a layer's
+    attention (``l``), or with transcoders a replaced MLP's steps (``L + l``)."""
+    return next(i for i, sub in enumerate(model.sublayers) if sub.attn is not None and sub.column == column)
 
 
-def _score_paths(model, stack, inputs, terms, names, chosen, read, removal: _ScoreRemoval) -> CausalCheck:
+def _above(model: FrozenModel, choices: Tensor, source: int, at: int) -> bool:
+    """Whether a path takes a branch of sublayer ``at`` or above, or starts from a source above it
+    (source j enters below sublayer j)."""
+    later = [sub.column for sub in model.sublayers[at:] if sub.attn is not None]
+    return source > at or bool((choices[later] != NO_HEAD).any())
+
+
+def _score_paths(model, stack, inputs, paths_model, terms, names, chosen, read, removal: _ScoreRemoval) -> CausalCheck:
     """:func:`causal_check` of score paths: ``terms [M, n, d]`` taken out of one head's query or
     key input as ``removal`` says, beside their frozen predictions."""
     side, layer, head, query, key = removal.side, removal.layer, removal.head, removal.query, removal.key
@@ -388,7 +395,8 @@ def _score_paths(model, stack, inputs, terms, names, chosen, read, removal: _Sco
     checked = checked_head(stack, layer, head, batch, _WHERE)
     query, keys = query_and_keys(checked, query, key, _WHERE, allow_masked, "key")
     maps, capture = checked.maps, stack.residual_capture
-    above = [name for name, (choices, source) in zip(names, chosen) if _above(choices, source, checked.layer)]
+    at = _sublayer_of(paths_model, checked.layer)
+    above = [name for name, (choices, source) in zip(names, chosen) if _above(paths_model, choices, source, at)]
     if above:
         raise ValueError(
             f"{_WHERE}: expected paths of the stream entering layer {checked.layer} (heads and source below it), "
@@ -502,13 +510,8 @@ def _feature_paths(model, stack, inputs, frozen: FrozenModel, names, chosen, rea
         features = torch.full_like(steps, feature)
     below = choices.clone()
     below[:, column] = NO_HEAD
-    at = next(i for i, sub in enumerate(frozen.sublayers) if sub.attn is not None and sub.column == column)
-    later = [sub.column for sub in frozen.sublayers[at + 1 :] if sub.attn is not None]
-    above = [
-        name
-        for name, path, source in zip(names, below, sources.tolist())
-        if source > at or bool((path[later] != NO_HEAD).any())
-    ]
+    at = _sublayer_of(frozen, column)
+    above = [name for name, path, source in zip(names, below, sources.tolist()) if _above(frozen, path, source, at)]
     if above:
         raise ValueError(
             f"{_WHERE}: expected paths that end at layer {layer}'s MLP (heads and steps below it, a source below "

@@ -319,6 +319,12 @@ def top_score_pairs(
     )
     k, largest, time_limit, memory_budget = options.k, options.largest, options.time_limit, options.memory_budget
     checked = checked_head(stack, layer, head, batch, _WHERE)
+    if checked.model.replaced is not None:
+        raise ValueError(
+            f"{_WHERE}: the pair search does not yet follow paths through transcoder features (its bounds walk "
+            "head sequences); with transcoders, pk.score_pairs lists every pair where they are few, and "
+            "pk.score_top_paths searches one side with the other fixed, certified"
+        )
     query, keys = query_and_keys(checked, query, key, _WHERE, allow_masked, "key")
     key = int(keys[0])
     model = checked.model

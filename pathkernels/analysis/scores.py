@@ -33,7 +33,7 @@ from torch import Tensor
 
 from pathkernels.adapters.query_key import SIDES
 from pathkernels.analysis.attribution import CheckedReadout, PathAttribution, Readout, attribute, named, pair_bars
-from pathkernels.analysis.readout_trie import FrozenModel, describe_path, frozen_model, refuse_transcoders
+from pathkernels.analysis.readout_trie import FrozenModel, describe_path, frozen_model
 from pathkernels.analysis.real_paths import _every_term, _heads, _skip
 from pathkernels.analysis.top_paths import SearchOptions, TopPaths, search_top_paths
 from pathkernels.core._figures import check_save_path, heatmap, new_figure, require, saved, titled, wrapped
@@ -125,11 +125,19 @@ def checked_head(stack, layer, head, batch, where: str) -> CheckedHead:
     batch = check_int(batch, "batch", where, minimum=0, maximum=stack.batch_size - 1)
     tokens = stack.attn.shape[-1]
     real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
-    refuse_transcoders(capture, where, "the score side")
     full = frozen_model(stack, capture, batch, real)
-    below = 2 * layer  # each layer's attention sublayer, then its MLP's
+    # The layer's attention sublayer (below it: each layer's attention, then its MLP's sublayer, or a
+    # replaced MLP's steps and its identity). With transcoders a path keeps the whole model's [2L]
+    # columns (heads, then MLP steps), as pk.path_terms takes them; else the heads below, [l].
+    below = next(i for i, sub in enumerate(full.sublayers) if sub.attn is not None and sub.column == layer)
+    columns = layer if full.replaced is None else full.layers
     model = FrozenModel(
-        full.sublayers[:below], full.sources[: below + 1], full.source_names[: below + 1], layer, full.num_heads
+        full.sublayers[:below],
+        full.sources[: below + 1],
+        full.source_names[: below + 1],
+        columns,
+        full.num_heads,
+        replaced=full.replaced,
     )
     attention = full.sublayers[below]
     device = capture.embedding.device
@@ -184,7 +192,8 @@ def query_and_keys(
 
 
 def _stream_groups(model: FrozenModel) -> tuple[list[tuple[int, int]], Tensor]:
-    """The stream entering the sublayer above ``model`` split by (source, number of heads):
+    """The stream entering the sublayer above ``model`` split by (source, number of heads; with
+    transcoders, of steps: heads and MLP steps):
     ``(groups, parts [G, n, d])``, exact, by one pass over the sublayers (each group's skip, and
     every head's branch summed into the group one head longer)."""
     groups: list[tuple[int, int]] = []
@@ -213,9 +222,11 @@ def _stream_groups(model: FrozenModel) -> tuple[list[tuple[int, int]], Tensor]:
     return [groups[i] for i in order], parts[order]
 
 
-def _group_label(names: list[str], group: tuple[int, int]) -> str:
+def _group_label(names: list[str], group: tuple[int, int], steps: bool = False) -> str:
+    """``"L0 MLP via 2 heads"`` (``steps``: a capture with transcoders, ``"… via 2 steps"``)."""
     source, length = group
-    return f"{names[source]} (direct)" if length == 0 else f"{names[source]} via {length} head{'s' * (length > 1)}"
+    unit = "step" if steps else "head"
+    return f"{names[source]} (direct)" if length == 0 else f"{names[source]} via {length} {unit}{'s' * (length > 1)}"
 
 
 @dataclass
@@ -406,7 +417,8 @@ def _decompositions(
     ]
     query, keys = query_and_keys(first, query, keys, where, allow_masked)
     groups, parts = _stream_groups(first.model)
-    labels = (*(_group_label(first.model.source_names, g) for g in groups), CONSTANT)
+    steps = first.model.replaced is not None
+    labels = (*(_group_label(first.model.source_names, g, steps) for g in groups), CONSTANT)
     rows = torch.tensor([query], device=parts.device)
     positions = first.positions
     allowed = first.maps.allowed[first.batch, first.layer, positions[query], positions[keys]].cpu()
@@ -446,10 +458,10 @@ def _decompositions(
 
 
 def _stream_path_count(model: FrozenModel) -> int:
-    """The paths of the stream entering the layer above ``model``: ``Σ_j (H + 1)^(attention
-    sublayers above source j)``."""
-    above = [sum(1 for s in model.sublayers[j:] if s.attn is not None) for j in range(len(model.sources))]
-    return sum((model.num_heads + 1) ** a for a in above)
+    """The paths of the stream entering the layer above ``model``: ``Σ_j Π_{s ≥ j} (b_s + 1)`` over
+    the sublayers above source j, ``b_s`` their branches (``(H + 1)^(attention sublayers above)``
+    without transcoders)."""
+    return sum(model.path_counts(model.layers))
 
 
 def _few_paths(model: FrozenModel) -> tuple[tuple[str, ...], Tensor] | None:
@@ -460,7 +472,7 @@ def _few_paths(model: FrozenModel) -> tuple[tuple[str, ...], Tensor] | None:
     labels, terms = [], []
     for chunk, choices, source in _every_term(model, model.layers, FEW_PATHS):
         terms.append(chunk)
-        labels += [describe_path(c, model.source_names[source]) for c in choices.cpu()]
+        labels += [describe_path(c, model.source_names[source], model.replaced) for c in choices.cpu()]
     return (*labels, CONSTANT), torch.cat(terms)
 
 
@@ -470,7 +482,9 @@ class ScorePairs:
 
     ``values [P+1, P+1]``: ``scaling · ⟨q_p(query), k_{p'}(key)⟩`` for the P paths of the stream
     below the head and a last row and column for each side's constant; ``paths [P, L']`` (the head
-    taken at each layer below, −1 where none) and ``sources [P]`` index ``source_names``; ``score``
+    taken at each layer below, −1 where none; with transcoders ``[P, 2L]``, each layer's head then
+    each MLP's step, as :func:`pathkernels.path_terms` takes them) and ``sources [P]`` index
+    ``source_names``; ``score``
     is their sum plus ``position`` (what the model adds whatever the stream: ALiBi, else 0),
     ``model_score`` the model's own. ``top``/``bottom``: the ``k`` largest and
     smallest pairs as rows."""
@@ -490,12 +504,13 @@ class ScorePairs:
     bottom: list[dict]
     position: float = 0.0
     model_name: str = ""  # the model's name for figure titles (AttentionStack.name)
+    replaced: object | None = None  # the MLPs replaced by transcoders (their steps' names), or None
 
     def describe(self, index: int) -> str:
         """Path ``index`` (or the constant, index P) as text."""
         if index == self.paths.shape[0]:
             return CONSTANT
-        return describe_path(self.paths[index], self.source_names[int(self.sources[index])])
+        return describe_path(self.paths[index], self.source_names[int(self.sources[index])], self.replaced)
 
     def __repr__(self) -> str:
         best = self.top[0] if self.top else None
@@ -564,7 +579,8 @@ def score_pairs(
         )
     rows = torch.tensor([query, int(keys[0])], device=checked.positions.device)
     sides, paths, sources = [], [], []
-    chunk = max(1, memory_budget // (8 * 4 * model.sources[0].numel() * (model.num_heads + 1)))
+    widest = max((sublayer.branches for sublayer in model.sublayers), default=0)  # heads, or a replaced MLP's steps
+    chunk = max(1, memory_budget // (8 * 4 * model.sources[0].numel() * (widest + 1)))
     for terms, choices, source in _every_term(model, model.layers, chunk):
         sides.append(
             torch.stack([checked.side("query", terms, rows[:1])[:, 0], checked.side("key", terms, rows[1:])[:, 0]])
@@ -591,6 +607,7 @@ def score_pairs(
         bottom=[],
         position=float(checked.position_bias(query, keys)[0]),
         model_name=getattr(stack, "name", ""),
+        replaced=model.replaced,
     )
     flat = result.values.flatten()
     width = result.values.shape[1]
@@ -718,7 +735,8 @@ def _one_side(
     label = f"L{checked.layer}H{checked.head} score {int(checked.positions[query])}→{int(checked.positions[key])}"
     readout = Readout(phi[0].cpu(), bias.reshape(1).cpu(), (f"{label} ({side} side)",))
     layers = checked.model.layers
-    if max_length is not None:  # a path below layer l takes at most l heads
-        layers = min(layers, check_int(max_length, "max_length", where, minimum=0, maximum=stack.num_layers))
+    if max_length is not None:  # a path below layer l takes at most l heads (with transcoders, 2l steps)
+        most = stack.num_layers if checked.model.replaced is None else checked.model.layers
+        layers = min(layers, check_int(max_length, "max_length", where, minimum=0, maximum=most))
     positions = [int(checked.positions[read])]
     return CheckedReadout(checked.model, rho, phi, bias.reshape(1, 1), value, readout, positions, checked.batch, layers)

@@ -1,0 +1,154 @@
+"""The score side through transcoder features: a head's score split into pairs of paths that pass
+the features of the MLPs below it.
+
+Each claim against a reference that shares no code with the decomposition: every pair's term is
+``scaling · ⟨q_p(i), k_p'(j)⟩`` with each side written through the model's own projection
+weights, frozen norm and rotation (tests/test_scores.py's ``literal_sides``) from the path's term
+(``pk.path_terms``, itself held to the weights in tests/test_transcoder_paths.py); the groups are
+those pairs summed; everything sums to the model's own score; one side's certified search is the
+sorted list of every path; the held-norm causal check moves the score by the prediction.
+
+Models are built from configs in float64 with random biases and norm parameters; the transcoder
+sets are random, drawn afresh each run.
+"""
+
+import pytest
+import torch
+from test_real_models import gpt2, llama
+from test_scores import CONSTANT, literal_sides, record_norm_inputs
+from test_transcoder_paths import transcoders_for
+
+import pathkernels as pk
+from pathkernels.adapters.residual import capture_huggingface_residual
+
+transformers = pytest.importorskip("transformers")
+
+
+MODELS = {
+    "gpt2": lambda: gpt2(layers=3, heads=2, width=8).eval(),
+    "llama": lambda: llama(layers=2, heads=4, kv_heads=2, width=16).eval(),
+}
+
+
+def captured(name: str, features: int = 5, **options):
+    model = MODELS[name]()
+    transcoders = transcoders_for(model, features=features, skip=True, **options)
+    ids = torch.randint(0, 50, (1, 6))
+    stack, capture = capture_huggingface_residual(model, input_ids=ids, query_key=True, transcoders=transcoders)
+    return model, ids, stack, capture
+
+
+def steps_label(path, source: str, layers: int) -> str:
+    """A group's label written from a path's choices ``[2L]``: its source and its number of steps."""
+    length = int((path >= 0).sum())
+    return f"{source} (direct)" if length == 0 else f"{source} via {length} step{'s' * (length > 1)}"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_with_transcoders_every_pair_is_its_literal_pair_and_the_groups_their_sums(name):
+    """At layer 1 (the stream below it: the embedding, layer 0's heads, its features and skip
+    directions, its transcoder bias and error): each pair's term equals the literal pair of the two
+    paths' terms, the groups of score_decomposition are those pairs summed by (source, steps), and
+    everything sums to the model's own score."""
+    model, ids, stack, capture = captured(name, features=4)
+    record_norm_inputs(model, ids)
+    layer, head, query, key = 1, 1, 5, 2
+    pairs = pk.score_pairs(stack, layer, head, query=query, key=key, top_k=4)
+    layers = stack.num_layers
+    assert pairs.paths.shape[1] == 2 * layers
+    assert any("L0 F" in pairs.describe(i) for i in range(pairs.paths.shape[0]))
+    assert "L0 MLP error" in pairs.source_names and "L0 transcoder bias" in pairs.source_names
+    terms = pk.path_terms(stack, pairs.paths, pairs.sources)  # [P, n, d], each path's own term
+    sides = [literal_sides(model, capture, layer, term, False) for term in terms]
+    sides.append(literal_sides(model, capture, layer, torch.zeros_like(capture.embedding[0]), True))
+    q = torch.stack([s[0][head, query] for s in sides])
+    k = torch.stack([s[1][head, key] for s in sides])
+    scaling = stack.residual_capture.query_key.scaling[layer]
+    literal = scaling * q @ k.T  # [P+1, P+1]
+    scale = abs(pairs.model_score) + float(literal.abs().max())
+    assert float((pairs.values - literal).abs().max()) < 1e-12 * scale
+    assert abs(pairs.score - pairs.model_score) < 1e-12 * scale
+
+    decomposition = pk.score_decomposition(stack, layer, head, query=query, keys=[key, 0])
+    assert any("via 1 step" in group for group in decomposition.groups)
+    labels = [steps_label(p, pairs.source_names[int(s)], layers) for p, s in zip(pairs.paths, pairs.sources)]
+    labels.append(CONSTANT)
+    grouped = decomposition.pair_table(key)
+    for a, query_group in enumerate(decomposition.groups):
+        for b, key_group in enumerate(decomposition.groups):
+            rows = torch.tensor([label == query_group for label in labels])
+            columns = torch.tensor([label == key_group for label in labels])
+            expected = float(literal[rows][:, columns].sum())
+            assert abs(float(grouped[a, b]) - expected) < 1e-12 * scale, (query_group, key_group)
+    assert abs(float(decomposition.scores[0]) - pairs.model_score) < 1e-12 * scale
+    assert float((decomposition.scores - decomposition.model_scores).abs().max()) < 1e-12 * scale
+    # The stream's paths counted through the steps (score_pairs refuses a budget with their count).
+    count = pairs.paths.shape[0]
+    with pytest.raises(ValueError, match=f"layer 1's stream has {count:,} paths"):
+        pk.score_pairs(stack, layer, head, query=query, key=key, memory_budget=1)
+    if decomposition.paths is not None:  # few paths below: the same split path by path
+        assert decomposition.paths == (*(pairs.describe(i) for i in range(count)), CONSTANT)
+        assert float((decomposition.path_table[:, :, 0] - literal).abs().max()) < 1e-12 * scale
+
+
+@pytest.mark.parametrize("side", ["query", "key"])
+def test_with_transcoders_one_side_is_the_pair_rows_and_its_search_the_sorted_paths(side):
+    """score_attribution's paths through features are the pair table's rows (columns) summed over
+    the other side; score_top_paths, largest and smallest, on every bound, is the sorted list of
+    them, certified."""
+    model, ids, stack, _ = captured("gpt2", features=6)
+    layer, head, query, key = 2, 0, 5, 3
+    pairs = pk.score_pairs(stack, layer, head, query=query, key=key)
+    result = pk.score_attribution(stack, layer, head, query=query, key=key, side=side)
+    scale = abs(pairs.model_score) + float(pairs.values.abs().max())
+    sums = pairs.values.sum(1 if side == "query" else 0)
+    index = {(tuple(p.tolist()), int(s)): i for i, (p, s) in enumerate(zip(pairs.paths, pairs.sources))}
+    assert result.attribution.shape[0] == pairs.paths.shape[0]
+    for path, source, value in zip(result.paths, result.path_sources, result.attribution[:, 0, 0]):
+        assert abs(float(value) - float(sums[index[(tuple(path.tolist()), int(source))]])) < 1e-12 * scale
+    assert abs(float(result.value) - pairs.model_score) < 1e-12 * scale
+    every = result.attribution[:, 0, 0]
+    for bound in ("node", "chain", "plain"):
+        for largest in (True, False):
+            found = pk.score_top_paths(
+                stack, layer, head, 5, query=query, key=key, side=side, largest=largest, bound=bound
+            )
+            assert found.certified and found.total == every.numel()
+            expected = torch.sort(every, descending=largest).values[:5]
+            torch.testing.assert_close(found.values, expected, rtol=0, atol=1e-12 * scale)
+
+
+def test_with_transcoders_a_held_norm_removal_moves_the_score_by_the_prediction():
+    """causal_check of key paths through layer 0's features, removed from a layer-1 head's key
+    input with the norm held: the score moves by the prediction (a check of the hooks)."""
+    model, ids, stack, _ = captured("gpt2", features=6)
+    layer, head, query, key = 1, 1, 5, 2
+    pairs = pk.score_pairs(stack, layer, head, query=query, key=key)
+    through = [i for i in range(pairs.paths.shape[0]) if "L0 F" in pairs.describe(i)][:4]
+    assert through, "no path through a feature: draw again"
+    check = pk.causal_check(
+        model,
+        stack,
+        {"input_ids": ids},
+        pairs.paths[through],
+        pairs.sources[through],
+        side="key",
+        layer=layer,
+        head=head,
+        query=query,
+        key=key,
+        frozen=True,
+    )
+    assert check.paths == [pairs.describe(i) for i in through]
+    scale = float(check.predicted.abs().max())
+    assert float((check.score_change - check.predicted).abs().max()) < 1e-10 * scale
+    above = torch.full((1, 2 * stack.num_layers), -1)
+    above[0, stack.num_layers + 1] = int(stack.residual_capture.transcoders.layers[1].features[0])
+    with pytest.raises(ValueError, match="expected paths of the stream entering layer 1"):
+        pk.causal_check(model, stack, {"input_ids": ids}, above, [0], side="key", layer=1, head=0, query=query, key=key)
+
+
+def test_with_transcoders_the_pair_search_is_refused_by_name():
+    _, _, stack, _ = captured("gpt2")
+    with pytest.raises(ValueError, match="the pair search does not yet follow paths through transcoder features"):
+        pk.top_score_pairs(stack, 1, 0, 5, query=5, key=2)
