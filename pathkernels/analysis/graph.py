@@ -430,23 +430,27 @@ def _influence(normalised: Tensor, weights: Tensor) -> Tensor:
     raise RuntimeError(f"{_WHERE}: the influence did not converge: the adjacency has a cycle (a bug)")
 
 
-def _partial_influence(rows: dict[int, Tensor], count: int, logits: int, probabilities: Tensor) -> Tensor:
-    """Each node's influence on the logits ``[count + logits]`` through the rows computed so far
-    (``rows``: node → its row over the ``count`` nodes; the logits are nodes ``count..``), rows
-    normalised by their absolute sums: circuit-tracer's ``compute_partial_influences``."""
-    order = list(rows)
-    matrix = _row_normalised(torch.stack([rows[node] for node in order]))  # [r, count]
-    at = torch.tensor(order)
-    current = torch.zeros(count + logits, dtype=torch.float64)
-    current[count:] = probabilities.double()
-    total = torch.zeros_like(current)
-    for _ in range(len(order) + 2):
-        step = torch.zeros_like(current)
-        step[:count] = current[at] @ matrix
-        if not bool(step.any()):
+def _partial_influence(normalised: Tensor, at: Tensor, count: int, probabilities: Tensor) -> Tensor:
+    """Each node's influence on the logits ``[count + K]`` through the rows computed so far,
+    circuit-tracer's ``compute_partial_influences``: ``normalised [r, count]`` those rows with their
+    absolute values normalised to sum 1, ``at [r]`` their nodes (the K logits are nodes ``count..``),
+    ``probabilities [K]`` the logits'. The walks stay among the computed nodes but for their last
+    step: the weights ``x`` on the computed nodes go ``x ← x S`` (``S [r, r]``: the rows' columns of
+    computed nodes) and the influence is ``(Σ x) normalised``, one product with the whole rows."""
+    rows = at.numel()
+    inner = at < count
+    square = torch.zeros(rows, rows, dtype=torch.float64)
+    square[:, inner] = normalised[:, at[inner]]
+    weights = torch.zeros(rows, dtype=torch.float64)
+    weights[~inner] = probabilities.double()[at[~inner] - count]
+    walked = torch.zeros_like(weights)
+    for _ in range(rows + 2):
+        if not bool(weights.any()):
+            total = torch.zeros(count + probabilities.numel(), dtype=torch.float64)
+            total[:count] = walked @ normalised
             return total
-        total += step
-        current = step
+        walked += weights
+        weights = weights @ square
     raise RuntimeError(f"{_WHERE}: the influence did not converge: the rows have a cycle (a bug)")
 
 
@@ -855,14 +859,19 @@ def attribution_graph(
     chosen = features if max_feature_nodes is None else min(features, max_feature_nodes)
     others = nodes.count - features  # errors and tokens
     final = chosen + others + logit_count
-    needed = 8 * ((chosen + logit_count) * nodes.count + final * final)
+    # The rows (and, choosing among the features, each row normalised) and the adjacency.
+    tables = 1 if chosen == features else 2
+    needed = 8 * (tables * (chosen + logit_count) * nodes.count + final * final)
     if needed > memory_budget:
         raise ValueError(
             f"{_WHERE}: the graph of {chosen:,} of the {features:,} active features needs {format_bytes(needed)} for "
             f"its rows and adjacency, more than memory_budget = {format_bytes(memory_budget)}; pass a smaller "
             "max_feature_nodes (the features of most influence on the logits are chosen) or a larger memory_budget"
         )
-    rows: dict[int, Tensor] = {}  # node → its row over every node (features, errors, tokens), on the CPU
+    # Each target's row over every node (features, errors, tokens), on the CPU, in the order computed.
+    table = torch.zeros(chosen + logit_count, nodes.count, dtype=torch.float64)
+    normalised = None if tables == 1 else torch.zeros_like(table)  # |row| / Σ |row| (_partial_influence)
+    slots: dict[int, int] = {}  # node → its row of the table
     constants: dict[int, float] = {}
     made: dict[int, _Target] = {}  # node → what it reads
     # The sublayers an edge's chains pass (a replaced MLP's features are nodes): made once, so that
@@ -884,9 +893,13 @@ def attribution_graph(
                     computed[target.node] = values_row, value + target.constant
                 if bar is not None:
                     bar.update(len(part))
-        for target in targets:  # in level order, whatever the groups: _partial_influence sums in this order
-            rows[target.node], constants[target.node] = computed[target.node]
+        first = len(slots)
+        for target in targets:  # in level order, whatever the groups
+            slots[target.node] = len(slots)
+            table[slots[target.node]], constants[target.node] = computed[target.node]
             made[target.node] = target
+        if normalised is not None:
+            normalised[first : len(slots)] = _row_normalised(table[first : len(slots)])
 
     compute(logit_targets)
     if chosen == features:
@@ -896,7 +909,9 @@ def attribution_graph(
         batch_size = max(1, min(chunk, 256))
         visited = torch.zeros(features, dtype=torch.bool)
         while int(visited.sum()) < chosen:
-            influence = _partial_influence(rows, nodes.count, logit_ids.numel(), probabilities[logit_ids].cpu())
+            influence = _partial_influence(
+                normalised[: len(slots)], torch.tensor(list(slots)), nodes.count, probabilities[logit_ids].cpu()
+            )
             influence = influence[:features].masked_fill(visited, -1.0)
             take = influence.argsort(descending=True)[: min(batch_size, chosen - int(visited.sum()))]
             visited[take] = True
@@ -914,9 +929,10 @@ def attribution_graph(
     index |= {nodes.count + k: final - logit_count + k for k in range(logit_count)}
     adjacency = torch.zeros(final, final, dtype=torch.float64)
     constant = torch.zeros(final, dtype=torch.float64)
-    for node, values_row in rows.items():
-        adjacency[index[node], : chosen + others] = values_row[keep]
-        constant[index[node]] = constants[node] + float(values_row[:features][left_out].sum())
+    at = torch.tensor([index[node] for node in slots])
+    adjacency[at, : chosen + others] = table[:, keep]
+    constant[at] = torch.tensor([constants[node] for node in slots], dtype=torch.float64)
+    constant[at] += table[:, :features][:, left_out].sum(1)
     values = torch.zeros(final, dtype=torch.float64)
     values[:chosen] = nodes.activations[selected]
     values[final - logit_count :] = logit_values.cpu()
