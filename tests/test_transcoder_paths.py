@@ -482,8 +482,6 @@ def test_what_is_not_read_yet_is_refused_by_name():
     stack, _ = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders, query_key=True)
     with pytest.raises(ValueError, match="the pair search does not yet follow paths through transcoder features"):
         pk.top_score_pairs(stack, 1, 0, 3, query=4, key=1)
-    with pytest.raises(ValueError, match="decompose does not yet"):
-        pk.decompose(stack)
     with pytest.raises(ValueError, match=r"tree's restriction \(tree=\) does not yet"):
         pk.path_attribution(stack, pk.logit(model, 1), tree=pk.PathTree.complete(2, 2))
 
@@ -607,3 +605,86 @@ def test_a_transformer_lens_input_hook_that_the_model_does_not_read_is_refused()
         pk.adapters.capture_transformer_lens_residual(
             tl_model_with_mlps("LN", attn_only=True), tokens, transcoders=transcoders
         )
+
+
+# ------------------------------------------------------------------------------------------------
+# The decomposition through features
+
+
+def composite(x: torch.Tensor) -> torch.Tensor:
+    """``‖x‖_{1,∞} = sqrt(‖x‖₁ ‖x‖_∞)`` of ``[..., n, d]``, written here: the largest column sum
+    and the largest row sum of |x|."""
+    magnitude = x.abs()
+    return (magnitude.sum(-2).amax(-1) * magnitude.sum(-1).amax(-1)).sqrt()
+
+
+def test_the_decomposition_lists_every_path_through_features_and_measures_its_term():
+    """pk.decompose of a 2-layer GPT-2 with skip-transcoders, two sequences: every path through
+    heads and steps (the set path_attribution enumerates), each measured on its term (pk.path_terms,
+    the residual's and the term's composite norms written here), the terms summing to each
+    sequence's stream; a step closed throughout one sequence is a zero path there."""
+    model = gpt2(layers=2, heads=2, width=8).eval()
+    transcoders = transcoders_for(model, features=5, skip=True)
+    ids = torch.randint(0, 50, (2, 4))
+    stack, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    result = pk.decompose(stack)
+    assert result.method == "exact" and result.paths.shape[1] == 4
+    assert len(result.paths) == sum(result.path_counts)
+    for batch in range(2):
+        terms = pk.path_terms(stack, result.paths, result.sources, batch=batch)  # [M, n, d]
+        assert relative(terms.sum(0), capture.residual[batch]) < 1e-12
+        residual = composite(terms - terms.mean(-2, keepdim=True))
+        norm = composite(terms)
+        scale = float(norm.max())
+        assert float((result.results.residual[batch] - residual).abs().max()) < 1e-12 * scale
+        assert float((result.results.norm[batch] - norm).abs().max()) < 1e-12 * scale
+    # The same path set as the enumeration of the first sequence's attributions, over the batch's steps.
+    alone = pk.path_attribution(stack, pk.logit(model, 3), top_k=1)
+    listed = {(int(s), tuple(p.tolist())) for p, s in zip(result.paths, result.sources)}
+    own = {(int(s), tuple(p.tolist())) for p, s in zip(alone.paths, alone.path_sources)}
+    assert own <= listed
+    first_only = set(capture.transcoders.layers[1].features.tolist()) - set(
+        capture.transcoders.layers[1].features[capture.transcoders.layers[1].gates[1].bool().any(0)].tolist()
+    )
+    for feature in first_only:  # open in the first sequence alone: a zero path in the second
+        rows = result.paths[:, 3] == feature
+        assert bool((result.results.norm[1, rows] == 0).all()) and bool((result.results.norm[0, rows] > 0).any())
+    frame = result.to_frame()
+    assert frame["path"].str.contains(r"L\d F\d").any() and frame["path"].str.contains(r"skip\[").any()
+
+
+def test_draws_through_features_are_uniform_and_samples_are_the_exact_measures():
+    """50,000 draws with replacement over the paths of a 2-layer GPT-2 with transcoders (and over
+    those of two steps): every path's frequency within six standard deviations of its expectation;
+    a uniform sample and a stratified one measure their paths as the exact decomposition does."""
+    from pathkernels.analysis.readout_trie import frozen_model
+    from pathkernels.analysis.real_paths import _draw
+
+    model = gpt2(layers=2, heads=2, width=8).eval()
+    stack, capture = capture_huggingface_residual(
+        model, input_ids=torch.randint(0, 50, (1, 4)), transcoders=transcoders_for(model, features=4)
+    )
+    exact = pk.decompose(stack)
+    frozen = frozen_model(stack, capture, 0, torch.ones(4, dtype=torch.bool))
+    for lengths in (list(range(5)), [2]):
+        population = int(sum((exact.lengths == k).sum() for k in lengths))
+        draws = 50_000
+        choices, sources = _draw(frozen, draws, lengths, torch.Generator().manual_seed(1))
+        unique, frequency = torch.unique(torch.cat([sources[:, None], choices], 1), dim=0, return_counts=True)
+        assert unique.shape[0] == population
+        expected = draws / population
+        spread = (expected * (1 - 1 / population)) ** 0.5
+        assert bool(((frequency - expected).abs() < 6 * spread).all()), (frequency.min(), frequency.max())
+    ratio_of = {
+        (int(s), tuple(p.tolist())): exact.results.ratio[:, i]
+        for i, (s, p) in enumerate(zip(exact.sources, exact.paths))
+    }
+    uniform = pk.decompose(stack, num_samples=30, generator=torch.Generator().manual_seed(0))
+    keys = [(int(s), tuple(p.tolist())) for s, p in zip(uniform.sources, uniform.paths)]
+    assert uniform.method == "uniform" and len(set(keys)) == 30
+    # NaN at a zero path: two features open at no common token (diagonal token maps) give a 0 term.
+    expected = torch.stack([ratio_of[k] for k in keys], 1)
+    torch.testing.assert_close(uniform.results.ratio, expected, rtol=1e-10, atol=1e-14, equal_nan=True)
+    stratified = pk.decompose(stack, samples_per_length={0: 100, 2: 10}, generator=torch.Generator().manual_seed(0))
+    table = stratified.by_length().set_index("length")
+    assert bool(table.loc[0, "exact"]) and table.loc[2, "evaluated"] == 10

@@ -36,7 +36,6 @@ from pathkernels.analysis.readout_trie import (
     Sublayer,
     describe_path,
     frozen_model,
-    refuse_transcoders,
 )
 from pathkernels.core._figures import require, wrapped
 from pathkernels.core._memory import format_bytes
@@ -50,7 +49,7 @@ from pathkernels.core.decompose import (
 )
 from pathkernels.core.engine import PathResiduals
 from pathkernels.core.ops import residual_norm
-from pathkernels.core.paths import MAX_ENUMERATED_PATHS, PathTree, count_attribution_paths_by_length
+from pathkernels.core.paths import MAX_ENUMERATED_PATHS, PathTree
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 _WHERE = "pathkernels.decompose"
@@ -67,6 +66,7 @@ class ModelPathDecomposition(PathDecomposition):
     sources: Tensor = field(default=None, repr=False)  # [M] int64
     source_names: list[str] = field(default_factory=list)
     stack: object = field(default=None, repr=False)  # the captured stack decomposed (for terms())
+    replaced: object = field(default=None, repr=False)  # the MLPs replaced by transcoders, or None
 
     def to_frame(self):
         """A pandas DataFrame, one row per path: ``path`` (its heads and source), ``source``,
@@ -77,7 +77,7 @@ class ModelPathDecomposition(PathDecomposition):
         names = [self.source_names[int(s)] for s in self.sources]
         return pd.DataFrame(
             {
-                "path": [describe_path(path, name) for path, name in zip(self.paths, names)],
+                "path": [describe_path(path, name, self.replaced) for path, name in zip(self.paths, names)],
                 "source": names,
                 "length": self.lengths.tolist(),
                 "ratio": self.path_ratio().tolist(),
@@ -403,45 +403,70 @@ def _checked_paths(paths, sources, model: FrozenModel, names: list[str], where: 
     return paths.long(), sources.long()
 
 
-def _reach(model: FrozenModel) -> list[int]:
-    """``A_j`` per source: the attention sublayers above it."""
-    return [sum(1 for sublayer in model.sublayers[j:] if sublayer.attn is not None) for j in range(len(model.sources))]
+def _branching(model: FrozenModel) -> tuple[list[Sublayer], list[int]]:
+    """The sublayers with branches, bottom up (each attention, and each replaced MLP's steps), and
+    per source j the index among them of the first above it (source j enters below sublayer j)."""
+    positions = [
+        index for index, sublayer in enumerate(model.sublayers) if sublayer.attn is not None and sublayer.branches
+    ]
+    first = [sum(1 for position in positions if position < j) for j in range(len(model.sources))]
+    return [model.sublayers[position] for position in positions], first
+
+
+def _suffix_counts(branches: list[int], top: int) -> list[list[int]]:
+    """``N[i][k]``: the ways to take ``k`` branches among the branching sublayers ``i…`` (one branch of
+    each taken sublayer), exact integers: ``N[i][k] = N[i+1][k] + b_i N[i+1][k−1]``."""
+    counts = [[1] + [0] * top]
+    for b in reversed(branches):
+        above = counts[0]
+        counts.insert(0, [above[k] + (b * above[k - 1] if k else 0) for k in range(top + 1)])
+    return counts
+
+
+def _ratio(numerator: int, denominator: int) -> float:
+    """``numerator / denominator`` as a float, for integers beyond float64's range."""
+    return (numerator << 60) // denominator / 2.0**60 if denominator else 0.0
 
 
 def _draw(model: FrozenModel, count: int, lengths: list[int], generator) -> tuple[Tensor, Tensor]:
     """``count`` paths drawn uniformly, with replacement, from those whose length is in ``lengths``:
-    a (source, length) pair in proportion to its ``C(A_j, k) H^k`` paths, a uniform set of k of its
-    attention sublayers, a uniform head at each."""
-    attention = [index for index, sublayer in enumerate(model.sublayers) if sublayer.attn is not None]
-    reach = _reach(model)
-    pairs = [(j, k) for j, above in enumerate(reach) for k in lengths if k <= above]
-    weights = torch.tensor([float(math.comb(reach[j], k) * model.num_heads**k) for j, k in pairs], dtype=torch.float64)
+    a (source, length) pair in proportion to its paths, then the branching sublayers above the
+    source one by one, each taken with the share of the remaining paths that take it
+    (``b_i N[i+1][k−1] / N[i][k]``, :func:`_suffix_counts`), a uniform branch of each taken."""
+    branching, first = _branching(model)
+    top = max(lengths)
+    suffix = _suffix_counts([sublayer.branches for sublayer in branching], top)
+    pairs = [(j, k) for j in range(len(model.sources)) for k in lengths if suffix[first[j]][k]]
+    total = sum(suffix[first[j]][k] for j, k in pairs)
+    weights = torch.tensor([_ratio(suffix[first[j]][k], total) for j, k in pairs], dtype=torch.float64)
     picked = torch.multinomial(weights, count, replacement=True, generator=generator)
     sources = torch.tensor([pairs[i][0] for i in picked.tolist()], dtype=torch.long)
-    taken = torch.tensor([pairs[i][1] for i in picked.tolist()], dtype=torch.long)
-    # Random keys, the sublayers below each path's source pushed last: its k smallest are a uniform k-set.
-    keys = torch.rand(count, len(attention), generator=generator, dtype=torch.float64)
-    keys[torch.tensor(attention)[None, :] < sources[:, None]] = 2.0
-    rank = keys.argsort(1).argsort(1)
-    chosen = rank < taken[:, None]
+    remaining = torch.tensor([pairs[i][1] for i in picked.tolist()], dtype=torch.long)
+    start = torch.tensor(first, dtype=torch.long)[sources]
     choices = torch.full((count, model.layers), NO_HEAD, dtype=torch.long)
-    layer_of = torch.tensor([model.sublayers[index].layer for index in attention])
-    heads = torch.randint(model.num_heads, (count, len(attention)), generator=generator)
-    rows, columns = chosen.nonzero(as_tuple=True)
-    choices[rows, layer_of[columns]] = heads[rows, columns]
+    for index, sublayer in enumerate(branching):
+        share = torch.tensor(
+            [0.0] + [_ratio(sublayer.branches * suffix[index + 1][k - 1], suffix[index][k]) for k in range(1, top + 1)],
+            dtype=torch.float64,
+        )
+        draws = torch.rand(count, generator=generator, dtype=torch.float64)
+        taken = (start <= index) & (draws < share[remaining])
+        branch = torch.randint(sublayer.branches, (count,), generator=generator)
+        choices[taken, sublayer.column] = sublayer.choice_values("cpu")[branch[taken]]
+        remaining = remaining - taken.long()
     return choices, sources
 
 
 def _every_path_of_length(model: FrozenModel, length: int) -> tuple[Tensor, Tensor]:
-    """Every path of exactly ``length`` heads (a stratum small enough to evaluate whole)."""
+    """Every path of exactly ``length`` branches (a stratum small enough to evaluate whole)."""
     choices, sources = [], []
+    branching, first = _branching(model)
     for source in range(len(model.sources)):
-        above = [s.layer for index, s in enumerate(model.sublayers) if s.attn is not None and index >= source]
-        for layers in itertools.combinations(above, length):
-            for heads in itertools.product(range(model.num_heads), repeat=length):
+        for taken in itertools.combinations(branching[first[source] :], length):
+            for values in itertools.product(*(sublayer.choice_values("cpu").tolist() for sublayer in taken)):
                 path = [NO_HEAD] * model.layers
-                for layer, head in zip(layers, heads):
-                    path[layer] = head
+                for sublayer, value in zip(taken, values):
+                    path[sublayer.column] = value
                 choices.append(path)
                 sources.append(source)
     return torch.tensor(choices, dtype=torch.long).reshape(-1, model.layers), torch.tensor(sources, dtype=torch.long)
@@ -496,7 +521,7 @@ def decompose_model(
         exact; in draw order when sampled). The terms of each sequence sum to the captured stream.
     """
     layers, heads = stack.num_layers, stack.num_heads
-    max_length = layers if max_length is None else check_int(max_length, "max_length", _WHERE, minimum=0)
+    max_length = None if max_length is None else check_int(max_length, "max_length", _WHERE, minimum=0)
     memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
     max_result_bytes = check_int(max_result_bytes, "max_result_bytes", _WHERE, minimum=0)
     progress = check_flag(progress, "progress", _WHERE)
@@ -507,10 +532,12 @@ def decompose_model(
         torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[b].cpu()
         for b in range(stack.batch_size)
     ]
-    refuse_transcoders(stack.residual_capture, _WHERE, "decompose")
-    models = [frozen_model(stack, stack.residual_capture, b, real) for b, real in enumerate(masks)]
-    counts = count_attribution_paths_by_length(layers, heads, max_length)
-    per_path = 8 * (layers + 1) + 16 * stack.batch_size  # choices, source, residual and norm per sequence
+    # With transcoders, every element walks the steps active in any of them: one path set for all.
+    models = [frozen_model(stack, stack.residual_capture, b, real, batch_features=True) for b, real in enumerate(masks)]
+    columns = models[0].layers  # L heads, or with transcoders 2L: each MLP's step after them
+    max_length = columns if max_length is None else max_length
+    counts = models[0].path_counts(max_length)
+    per_path = 8 * (columns + 1) + 16 * stack.batch_size  # choices, source, residual and norm per sequence
     asked = sum(counts) if num_samples is None and samples_per_length is None else None
     if num_samples is not None:
         num_samples = check_int(num_samples, "num_samples", _WHERE, minimum=1)
@@ -531,7 +558,8 @@ def decompose_model(
                 f"{MAX_ENUMERATED_PATHS:,} a decomposition lists; pass a smaller max_length, num_samples or "
                 "samples_per_length, or use pk.length_sums (exact sums per length) or pk.top_paths"
             )
-        chunk = max(1, memory_budget // (4 * (stack.num_heads + 1) * term_bytes))  # a chunk and its children
+        widest = max((sublayer.branches for sublayer in models[0].sublayers), default=0)
+        chunk = max(1, memory_budget // (4 * (widest + 1) * term_bytes))  # a chunk and its children
 
         def pieces(model):
             for terms, choices, source in _every_term(model, max_length, chunk):
@@ -565,7 +593,9 @@ def decompose_model(
     if bar is not None:
         bar.close()
     lengths = (paths != NO_HEAD).sum(1)
-    results = PathResiduals(torch.stack(residuals), torch.stack(norms), PathTree.from_paths(paths, num_heads=heads))
+    # A path's choices: heads, and with transcoders feature ids and skip directions too.
+    ids = max([heads] + [int(s.choice_values("cpu").max()) + 1 for s in models[0].sublayers if s.branches])
+    results = PathResiduals(torch.stack(residuals), torch.stack(norms), PathTree.from_paths(paths, num_heads=ids))
     return ModelPathDecomposition(
         results=results,
         method=method,
@@ -577,6 +607,7 @@ def decompose_model(
         sources=path_sources,
         source_names=models[0].source_names,
         stack=stack,
+        replaced=models[0].replaced,
     )
 
 
