@@ -40,6 +40,19 @@ def relative(a, b) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
+def drawn(make, layer: int, token: int, **options):
+    """``(model, transcoders, ids, stack)``: a model, a random set and 6 random tokens, drawn again
+    (up to 30 times) until a feature of layer ``layer`` is open at ``token``."""
+    for _ in range(30):
+        model = make()
+        transcoders = transcoders_for(model, features=12, **options)
+        ids = torch.randint(0, 50, (1, 6))
+        stack, _ = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+        if bool(stack.residual_capture.transcoders.layers[layer].gates[0, token].any()):
+            break
+    return model, transcoders, ids, stack
+
+
 def open_feature_paths(stack, layer: int, token: int, count: int = 3):
     """Up to ``count`` paths ``([M, 2L], sources)`` that pass a feature of layer ``layer`` open at
     ``token`` and end there, the largest of them into a random readout."""
@@ -124,11 +137,8 @@ def reference_change(model, ids, transcoders, stack, paths, sources, layer, toke
 def test_a_path_removed_where_it_enters_a_feature_is_the_models_own_rerun(name, options):
     """The activation and readout changes equal the set's own encoding and the model's own forward
     with the change written by a hook of the test's (norms and patterns recomputed)."""
-    model = FAMILIES[name]()
-    transcoders = transcoders_for(model, features=12, **options)
-    ids = torch.randint(0, 50, (1, 6))
-    stack, _ = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
     token, position, layer = 3, 5, 0
+    model, transcoders, ids, stack = drawn(FAMILIES[name], layer, token, **options)
     paths, sources = open_feature_paths(stack, layer, token)
     token_id = 7
     check = pk.causal_check(
@@ -158,11 +168,10 @@ def test_a_path_removed_where_it_enters_a_feature_is_the_models_own_rerun(name, 
 def test_held_at_the_clean_norm_the_preactivation_moves_by_the_prediction():
     """``frozen=True``: the pre-activation's change is ``−(Y − mean Y)/σ γ · enc_f``, the clean
     LayerNorm's scale held, written here; the activation's prediction passes the gate (1: open)."""
-    model = gpt2(layers=2, heads=2, width=16).eval()
-    transcoders = transcoders_for(model, features=12, activation="relu")
-    ids = torch.randint(0, 50, (1, 6))
-    stack, _ = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
     token, layer = 4, 1
+    model, transcoders, ids, stack = drawn(
+        lambda: gpt2(layers=2, heads=2, width=16).eval(), layer, token, activation="relu"
+    )
     paths, sources = open_feature_paths(stack, layer, token)
     check = pk.causal_check(
         model, stack, {"input_ids": ids}, paths, sources, side="feature", layer=layer, token=token, frozen=True

@@ -688,3 +688,50 @@ def test_draws_through_features_are_uniform_and_samples_are_the_exact_measures()
     stratified = pk.decompose(stack, samples_per_length={0: 100, 2: 10}, generator=torch.Generator().manual_seed(0))
     table = stratified.by_length().set_index("length")
     assert bool(table.loc[0, "exact"]) and table.loc[2, "evaluated"] == 10
+
+
+def test_a_term_splits_by_the_token_where_it_passes_a_feature():
+    """path_terms(split_at=l): the copies sum to the term; copy t is the term with the feature's gate
+    closed at every other token (the capture's gates edited here); read out at the last token
+    through a feature of the last layer, only the copy at that token is not 0. Paths that do not
+    take a step at that layer, or a layer with no transcoder, are refused by name."""
+    import copy
+
+    for _ in range(30):  # a draw with a layer-1 feature open at the last token
+        model, transcoders, ids, stack, capture = tiny_skip_transcoded()
+        if bool(capture.transcoders.layers[1].gates[0, -1].any()):
+            break
+    result = pk.path_attribution(stack, pk.logit(model, 4), top_k=1)
+    layers = stack.num_layers
+    through = (result.paths[:, layers] >= 0) & (result.paths[:, layers] < 5)  # a layer-0 feature
+    paths, sources = result.paths[through][:12], result.path_sources[through][:12]
+    whole = pk.path_terms(stack, paths, sources)
+    split = pk.path_terms(stack, paths, sources, split_at=0)  # [M, n, n, d]
+    assert split.shape == (paths.shape[0], 4, 4, 8)
+    assert relative(split.sum(1), whole) < 1e-12
+    replaced = capture.transcoders.layers[0]
+    for m in range(3):
+        column = int((replaced.features == int(paths[m, layers])).nonzero())
+        for t in range(4):
+            edited = copy.deepcopy(stack)
+            gates = edited.residual_capture.transcoders.layers[0].gates
+            kept = gates[0, t, column].clone()
+            gates[0, :, column] = 0
+            gates[0, t, column] = kept
+            alone = pk.path_terms(edited, paths[m : m + 1], sources[m : m + 1])[0]
+            assert float((split[m, t] - alone).abs().max()) <= 1e-12 * float(whole[m].abs().max())
+    top_layer = capture.transcoders.layers[1]
+    open_last = top_layer.features[top_layer.gates[0, -1].bool()].tolist()  # layer-1 features open at the last token
+    last = torch.tensor([int(p) in open_last for p in result.paths[:, layers + 1]])
+    top = pk.path_terms(stack, result.paths[last][:6], result.path_sources[last][:6], split_at=1)
+    u = (torch.eye(8, dtype=torch.float64) - 1 / 8) @ (
+        model.transformer.ln_f.weight.detach().double() * model.lm_head.weight[4].detach().double()
+    )
+    read = capture.final_scale[0, -1] * (top[:, :, -1] @ u)  # [M, n]: each copy's attribution
+    assert float(read[:, :-1].abs().max()) == 0.0
+    assert relative(read[:, -1], result.attribution[last][:6, 0, 0]) < 1e-12 and float(read.abs().max()) > 0
+    with pytest.raises(ValueError, match=r"expected every path to take one \(paths\[:, 3\]"):
+        pk.path_terms(stack, torch.full((1, 4), -1), [0], split_at=1)
+    plain, _ = capture_huggingface_residual(model, input_ids=ids)
+    with pytest.raises(ValueError, match="split_at splits a term where it passes a transcoder step; this capture"):
+        pk.path_terms(plain, torch.full((1, 2), -1), [0], split_at=0)

@@ -224,12 +224,17 @@ def _head(sublayer: Sublayer, terms: Tensor, head: int) -> Tensor:
     return narrow @ feature_in[head].T
 
 
-def terms_of(model: FrozenModel, choices: Tensor, sources: Tensor) -> Tensor:
+def terms_of(model: FrozenModel, choices: Tensor, sources: Tensor, split: int | None = None) -> Tensor:
     """The terms ``[M, n, d]`` of given paths (``choices [M, L]``, ``sources [M]``), each passing the
-    sublayers from its source up: its head's branch where it takes one, the skip elsewhere."""
+    sublayers from its source up: its head's branch where it takes one, the skip elsewhere.
+
+    ``split``: a column of a replaced MLP's steps (``L + l``), which every path takes: the terms
+    ``[M, n, n, d]`` split by the token where each passes that step (its token map is diagonal, so
+    its output's row t is what the path carries through the step at token t), summing to the terms."""
     device = model.sources[0].device
     choices, sources = choices.to(device), sources.to(device)
-    terms = torch.zeros(sources.numel(), *model.sources[0].shape, dtype=torch.float64, device=device)
+    count, tokens = sources.numel(), model.sources[0].shape[0]
+    terms = torch.zeros(count, *model.sources[0].shape, dtype=torch.float64, device=device)
     for position, sublayer in enumerate(model.sublayers + [None]):
         entering = sources == position
         terms[entering] = model.sources[position]
@@ -246,7 +251,11 @@ def terms_of(model: FrozenModel, choices: Tensor, sources: Tensor) -> Tensor:
                 terms[chosen] = _head(sublayer, terms[chosen], branch_of[value])
             else:  # a feature closed at every token of this sequence: its step writes nothing
                 terms[chosen] = 0.0
-    return terms
+        if split is not None and sublayer.attn is not None and sublayer.column == split:  # one copy per token
+            rows = torch.eye(tokens, dtype=terms.dtype, device=device)  # copy t keeps row t
+            terms = (terms[:, None] * rows[None, :, :, None]).flatten(0, 1)
+            choices, sources = choices.repeat_interleave(tokens, 0), sources.repeat_interleave(tokens, 0)
+    return terms if split is None else terms.view(count, tokens, tokens, -1)
 
 
 def path_terms(
@@ -256,6 +265,7 @@ def path_terms(
     *,
     batch: int = 0,
     tokens=None,
+    split_at: int | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
 ) -> Tensor:
     """The term vectors of chosen paths of a captured model, ``Y_p`` ``[M, T, d]`` in float64: what
@@ -276,11 +286,16 @@ def path_terms(
         batch: the sequence.
         tokens: positions among the sequence's tokens (default: every real token, in order); a
             padded token has no term.
+        split_at: with a capture's transcoders, a layer whose MLP step every path takes: each
+            term split by the token where the path passes that step (a feature's token map is
+            diagonal), ``[M, n, T, d]`` over the sequence's n real tokens, summing to the terms.
+            Read out, the split gives a path's share through each of the attribution graph's
+            (layer, position, feature) nodes.
         memory_budget: bytes for the result and the work (``M · n · d`` float64 per chunk of
-            paths); beyond it, refused with what it would need.
+            paths, n times that when split); beyond it, refused with what it would need.
 
     Returns:
-        ``[M, T, d]`` float64 on the capture's device.
+        ``[M, T, d]`` float64 on the capture's device (``[M, n, T, d]`` with ``split_at``).
     """
     where = "pathkernels.path_terms"
     capture = getattr(stack, "residual_capture", None)
@@ -313,8 +328,10 @@ def path_terms(
         rows = torch.searchsorted(real_positions, wanted)  # each position's index among the real tokens
     n, d = real_positions.numel(), stack.d_model
     count = choices.shape[0]
-    result_bytes = 8 * count * rows.numel() * d
-    per_path = 8 * n * d * 3  # a chunk's terms, and a head's branch beside them
+    split = None if split_at is None else _split_column(model, choices, split_at, where)
+    copies = 1 if split is None else n  # a split term: one copy per token where the path passes the step
+    result_bytes = 8 * count * copies * rows.numel() * d
+    per_path = 8 * copies * n * d * 3  # a chunk's terms, and a head's branch beside them
     if result_bytes + per_path > memory_budget:
         raise ValueError(
             f"{where}: the terms of {count:,} paths on {rows.numel()} tokens take {format_bytes(result_bytes)} and "
@@ -323,12 +340,34 @@ def path_terms(
         )
     chunk = max(1, (memory_budget - result_bytes) // per_path)
     device = model.sources[0].device
-    out = torch.empty(count, rows.numel(), d, dtype=torch.float64, device=device)
+    out = torch.empty(
+        count, *([copies] if split is not None else []), rows.numel(), d, dtype=torch.float64, device=device
+    )
     rows = rows.to(device)
     for start in range(0, count, chunk):
         stop = min(count, start + chunk)
-        out[start:stop] = terms_of(model, choices[start:stop], source_index[start:stop])[:, rows]
+        out[start:stop] = terms_of(model, choices[start:stop], source_index[start:stop], split)[..., rows, :]
     return out
+
+
+def _split_column(model: FrozenModel, choices: Tensor, layer, where: str) -> int:
+    """The column of layer ``layer``'s MLP steps (``L + layer``), checked: a capture with
+    transcoders, a replaced layer, and every path taking a step there."""
+    if model.replaced is None:
+        raise ValueError(f"{where}: split_at splits a term where it passes a transcoder step; this capture has none")
+    layers = model.replaced.num_layers
+    layer = check_int(layer, "split_at", where, minimum=0, maximum=layers - 1)
+    if layer not in model.replaced.layers:
+        raise ValueError(
+            f"{where}: expected split_at to be a layer whose MLP the capture replaced "
+            f"({sorted(model.replaced.layers)}), got {layer}"
+        )
+    if bool((choices[:, layers + layer] == NO_HEAD).any()):
+        raise ValueError(
+            f"{where}: split_at={layer} splits each path where it passes layer {layer}'s MLP step; expected every "
+            f"path to take one (paths[:, {layers + layer}] a feature or skip direction), got -1"
+        )
+    return layers + layer
 
 
 def _as_index_tensor(value, name: str, expected: str, where: str) -> Tensor:
