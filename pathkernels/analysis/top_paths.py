@@ -262,10 +262,14 @@ def _first_head_reach(model: FrozenModel, growth: list[float] | None = None) -> 
 def _source_head_factors(model: FrozenModel, index: int) -> Tensor:
     """``κ'_{s,h} = max_{i ≤ s, t} ‖(K_i U_h)_t‖₂`` per head ``[H]`` of attention sublayer s = ``index``,
     ``U_h = C Γ W_V,h``: how far a source that meets the path's lowest head, h of s, reaches
-    through that head's d_head values."""
-    values = model.sublayers[index].norm_values  # [H, d, d_head]
-    sources = torch.stack(model.sources[: index + 1])  # [I, n, d]
-    return _norm(torch.einsum("ind,hde->ihne", sources, values)).amax(dim=(0, 2))
+    through that head's d_head values. Kept on the model: the first-head and chain bounds both ask
+    for every sublayer's (at the GPT-2-small shape with transcoders, 37 sources: most of the set-up)."""
+    kept = model.__dict__.setdefault("_source_head_factors", {})
+    if index not in kept:
+        values = model.sublayers[index].norm_values  # [H, d, d_head]
+        sources = torch.stack(model.sources[: index + 1])  # [I, n, d]
+        kept[index] = _norm(torch.einsum("ind,hde->ihne", sources, values)).amax(dim=(0, 2))
+    return kept[index]
 
 
 def _first_head_factors(model: FrozenModel) -> list[float]:
@@ -658,7 +662,7 @@ def _search_levels(search: _Search, reach: Tensor) -> tuple[float, float, int, i
     level = torch.full((1,), len(model.sublayers), dtype=torch.long, device=device)
     choices = torch.full((1, layers), -1, dtype=torch.long, device=device)
     lengths = torch.zeros(1, dtype=torch.long, device=device)
-    bounds = _bounds(rho, phi, reach, level)
+    frontier = _Frontier([rho, phi, level, choices, lengths, _bounds(rho, phi, reach, level)])
     pruned, visited, expanded = -math.inf, 0, 0
     node_bytes = 8 * (rho.shape[-1] + phi.shape[-1] + layers + 3)
     # A node's children through its heads are made at once, with their temporaries (about four times
@@ -668,33 +672,29 @@ def _search_levels(search: _Search, reach: Tensor) -> tuple[float, float, int, i
     heads = max((s.branches for s in model.sublayers if s.branch_ids is None), default=0) + 1
     batch_nodes = max(1, min(search.batch_nodes, search.memory_budget // (16 * node_bytes * heads)))
     stopped = "certified"
-    while level.numel():
+    while frontier.live:
         kth = _kth(fold, k)
-        alive = bounds > kth
-        if not bool(alive.all()):  # nodes whose every path is below the k-th value
-            pruned = max(pruned, float(bounds[~alive].max()))
-            rho, phi, level, choices, lengths, bounds = (t[alive] for t in (rho, phi, level, choices, lengths, bounds))
-            if not level.numel():
-                break
+        pruned = max(pruned, frontier.prune(kth))  # nodes whose every path is below the k-th value
+        if not frontier.live:
+            break
         if search.out_of_time():
             stopped = "time_limit"
             break
-        if level.numel() * node_bytes > search.memory_budget:
+        if frontier.size * node_bytes > search.memory_budget:
+            frontier.compact()
+        if frontier.live * node_bytes > search.memory_budget:
             stopped = "memory_budget"
             break
-        take = torch.topk(bounds, min(batch_nodes, bounds.numel())).indices
-        keep = torch.ones_like(bounds, dtype=torch.bool)
-        keep[take] = False
-        picked = [t[take] for t in (rho, phi, level, choices, lengths)]
-        rho, phi, level, choices, lengths, bounds = (t[keep] for t in (rho, phi, level, choices, lengths, bounds))
-        expanded += take.numel()
+        picked = frontier.take(min(batch_nodes, frontier.live))
+        expanded += picked[0].shape[0]
         new = []
         for at in picked[2].unique().tolist():
             group = picked[2] == at
             g_rho, g_phi, g_choices, g_lengths = picked[0][group], picked[1][group], picked[3][group], picked[4][group]
             values = walker.values(at, g_rho, g_phi, [(g_rho.shape[0], None)])
             visited += values.shape[0]
-            search.report(values.shape[0], bounds, kth)
+            if search.bar is not None:
+                search.report(values.shape[0], frontier.bounds[frontier.bounds > -math.inf], kth)
             fold.add(at, values, g_choices, g_lengths)
             if at == 0:
                 continue
@@ -720,19 +720,79 @@ def _search_levels(search: _Search, reach: Tensor) -> tuple[float, float, int, i
                     made_bound = _bounds(part[0], part[1], reach, child_level)
                 new.append((*part[:2], child_level, *part[2:], made_bound))
         if new:
-            parts = list(zip(*new))
-            grown = [torch.cat(p) for p in parts]
-            grown, child_bound = grown[:-1], grown[-1]
+            grown = [torch.cat(p) for p in zip(*new)]
             kth = _kth(fold, k)
-            alive = child_bound > kth  # children whose every path is below the k-th value: pruned at once
+            alive = grown[-1] > kth  # children whose every path is below the k-th value: pruned at once
             if not bool(alive.all()):
-                pruned = max(pruned, float(child_bound[~alive].max()))
-                grown, child_bound = [t[alive] for t in grown], child_bound[alive]
-            rho, phi, level, choices, lengths = (
-                torch.cat([a, b]) for a, b in zip((rho, phi, level, choices, lengths), grown)
-            )
-            bounds = torch.cat([bounds, child_bound])
-    return pruned, float(bounds.max()) if bounds.numel() else -math.inf, visited, expanded, stopped
+                pruned = max(pruned, float(grown[-1][~alive].max()))
+                grown = [t[alive] for t in grown]
+            frontier.add(grown)
+    return pruned, frontier.largest(), visited, expanded, stopped
+
+
+class _Frontier:
+    """The unexpanded nodes of :func:`_search_levels`, as parts ``rho [M, 1, n]``, ``phi [M, 1, d]``,
+    ``level [M]``, ``choices [M, L]``, ``lengths [M]`` and ``bounds [M]``: the first ``size`` rows of
+    buffers that grow by half. A node taken or pruned is marked dead (its bound −inf: a live node's
+    bound is at least 0) and the dead rows are dropped only when they are half of those held, so that
+    a step costs about what it takes and adds, not a copy of the whole frontier."""
+
+    def __init__(self, parts: list[Tensor]):
+        self.parts = parts
+        self.size = self.live = parts[0].shape[0]
+
+    @property
+    def bounds(self) -> Tensor:
+        """The bounds of the rows held ``[size]`` (−inf where dead)."""
+        return self.parts[-1][: self.size]
+
+    def largest(self) -> float:
+        """The largest bound of a live node (−inf when none is left)."""
+        return float(self.bounds.max()) if self.live else -math.inf
+
+    def prune(self, kth: float) -> float:
+        """Mark dead the live nodes whose bound is at most ``kth``; returns the largest of those bounds."""
+        bounds = self.bounds
+        dropped = (bounds <= kth) & (bounds > -math.inf)
+        if not bool(dropped.any()):
+            return -math.inf
+        largest = float(bounds[dropped].max())
+        bounds[dropped] = -math.inf
+        self.live -= int(dropped.sum())
+        return largest
+
+    def take(self, count: int) -> list[Tensor]:
+        """The ``count`` live nodes of largest bound (``count ≤ live``), as ``[rho, phi, level, choices,
+        lengths]``, marked dead."""
+        taken = torch.topk(self.bounds, count).indices
+        picked = [part[taken] for part in self.parts[:-1]]
+        self.bounds[taken] = -math.inf
+        self.live -= count
+        return picked
+
+    def add(self, parts: list[Tensor]) -> None:
+        """Append nodes (parts as the frontier's, their bounds last)."""
+        if 2 * self.live <= self.size:
+            self.compact()
+        count = parts[0].shape[0]
+        capacity = self.parts[0].shape[0]
+        if self.size + count > capacity:
+            capacity = max(self.size + count, capacity + capacity // 2)
+            self.parts = [
+                torch.cat([buffer[: self.size], buffer.new_empty(capacity - self.size, *buffer.shape[1:])])
+                for buffer in self.parts
+            ]
+        for buffer, part in zip(self.parts, parts):
+            buffer[self.size : self.size + count] = part
+        self.size += count
+        self.live += count
+
+    def compact(self) -> None:
+        """Drop the dead rows (the live ones keep their order)."""
+        if self.live < self.size:
+            keep = self.bounds > -math.inf
+            self.parts = [buffer[: self.size][keep] for buffer in self.parts]
+            self.size = self.live
 
 
 def _step_children(sublayer: Sublayer, rho, phi, choices, lengths, max_length: int, reach: Tensor, kth: float):
@@ -751,12 +811,13 @@ def _step_children(sublayer: Sublayer, rho, phi, choices, lengths, max_length: i
     weights = sublayer.token_maps.diagonal(dim1=-2, dim2=-1)  # [F, n]
     outputs = sublayer.w_o[:, 0, :]  # v_f [F, d] (the row form's F_in)
     inputs = sublayer.norm_values[:, :, 0]  # u_f [F, d] (its F_out)
-    if getattr(sublayer, "_input_norms", None) is None:  # ‖u_f‖, once per sublayer
+    if getattr(sublayer, "_input_norms", None) is None:  # ‖u_f‖ and |w_f|ᵀ [n, F], once per sublayer
         sublayer._input_norms = _norm(inputs)
+        sublayer._absolute_weights = weights.abs().T.contiguous()
     along = phi[:, 0] @ outputs.T  # φ · v_f [N, F]
-    bound = _safe_bounds((rho[:, 0].abs() @ weights.abs().T) * along.abs() * sublayer._input_norms[None, :] * reach)
+    bound = _safe_bounds((rho[:, 0].abs() @ sublayer._absolute_weights) * along.abs() * sublayer._input_norms * reach)
     keep = bound > kth
-    dropped = float(bound[~keep].max()) if bool((~keep).any()) else -math.inf
+    dropped = float(torch.where(keep, -math.inf, bound).max()) if bool((~keep).any()) else -math.inf
     node, step = keep.nonzero(as_tuple=True)
     if node.numel():
         child_rho = rho[node] * weights[step][:, None, :]
