@@ -397,3 +397,18 @@ def test_the_sweeps_on_a_causal_models_first_tokens_equal_one_sweep_of_every_tok
         groups = graph_module._reach_groups(targets, True, 8)
     assert [(reach, [t.node for t in group]) for reach, group in groups] == [(2, [0, 1, 2]), (8, [3, 4, 5])]
     assert [(reach, len(group)) for reach, group in graph_module._reach_groups(targets, False, 8)] == [(8, 6)]
+
+
+def test_a_layer_where_no_feature_is_active_has_no_feature_nodes_and_exact_rows():
+    model = small("gpt2")
+    for seed in range(20):
+        torch.manual_seed(seed)
+        graph, stack, capture, *_ = graph_of(model, features=8, tokens=5, density=0.02)
+        silent = [layer for layer, r in capture.transcoders.layers.items() if r.features.numel() == 0]
+        if silent and int((graph.kinds == FEATURE).sum()):
+            break
+    else:
+        pytest.fail("no draw left a layer without an active feature beside one with some")
+    assert not bool(((graph.kinds == FEATURE) & (graph.layers == silent[0])).any())
+    targets = (graph.kinds == FEATURE) | (graph.kinds == LOGIT)
+    assert float((graph.adjacency.sum(1) + graph.constant - graph.values)[targets].abs().max()) < 1e-12

@@ -623,8 +623,8 @@ class _Nodes:
             rows[:, start : start + reach] += per_row
         else:
             constants += per_row.sum(-1)
-        if role[0] == "features" and role[1] in self.feature_nodes:
-            layout = self.feature_nodes[role[1]]
+        layout = self.feature_nodes.get(role[1]) if role[0] == "features" else None
+        if layout is not None and layout.width:  # (width 0: no feature of the layer is active here)
             data, acts, output_scale, _, _ = self.layer_data[role[1]]
             # Token by token, the features active there: G[:, t] · (a_f(t) o(t) d_f), without the
             # [T, n, F'] product of every feature at every token: each token's writes padded to the
@@ -633,7 +633,7 @@ class _Nodes:
             written = (acts[feature_rows, indices] * output_scale[feature_rows])[:, None] * data.decoder[indices]
             padded = written.new_zeros(self.n * layout.width, written.shape[1])
             padded[layout.slots] = written
-            padded = padded.view(self.n, layout.width, -1)[:reach]  # [n', width, d]
+            padded = padded.view(self.n, layout.width, written.shape[1])[:reach]  # [n', width, d]
             read = torch.bmm(adjoint.transpose(0, 1), padded.transpose(1, 2))  # [n', T, width]
             below = layout.below[reach]  # the layer's nodes at the first n' tokens: a prefix of them
             read = read.transpose(0, 1).reshape(adjoint.shape[0], -1)[:, layout.slots[:below]]
