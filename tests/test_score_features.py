@@ -148,7 +148,31 @@ def test_with_transcoders_a_held_norm_removal_moves_the_score_by_the_prediction(
         pk.causal_check(model, stack, {"input_ids": ids}, above, [0], side="key", layer=1, head=0, query=query, key=key)
 
 
-def test_with_transcoders_the_pair_search_is_refused_by_name():
-    _, _, stack, _ = captured("gpt2")
-    with pytest.raises(ValueError, match="the pair search does not yet follow paths through transcoder features"):
-        pk.top_score_pairs(stack, 1, 0, 5, query=5, key=2)
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_with_transcoders_the_certified_top_pairs_are_the_listed_pairs_top(name):
+    """top_score_pairs through features, largest and smallest, on every bound: certified, and its
+    values and pairs the top of every pair score_pairs lists; stopped at once (a time limit passed
+    before the first expansion), the bound it reports is above every pair it did not list."""
+    _, _, stack, _ = captured(name, features=4)
+    layer, head, query, key = stack.num_layers - 1, 1, 5, 2
+    listed = pk.score_pairs(stack, layer, head, query=query, key=key, top_k=8)
+    scale = float(listed.values.abs().max())
+    for bound in ("chain", "first_head", "plain"):
+        for largest, rows in ((True, listed.top), (False, listed.bottom)):
+            found = pk.top_score_pairs(
+                stack, layer, head, 8, query=query, key=key, largest=largest, bound=bound, batch_nodes=3
+            )
+            assert found.certified and found.stopped in ("certified", "exhausted"), found
+            assert found.total == listed.paths.shape[0]
+            assert [row["value"] for row in found.table()] == pytest.approx(
+                [row["value"] for row in rows], abs=1e-12 * scale
+            )
+            assert [(r["query path"], r["key path"]) for r in found.table()][:3] == [
+                (r["query path"], r["key path"]) for r in rows
+            ][:3]
+    for largest in (True, False):
+        stopped = pk.top_score_pairs(stack, layer, head, 8, query=query, key=key, largest=largest, time_limit=1e-9)
+        signed = torch.sort(listed.values.flatten() * (1 if largest else -1), descending=True).values
+        shown = stopped.values * (1 if largest else -1)
+        ceiling = max(stopped.bound, float(shown.min())) if shown.numel() else stopped.bound
+        assert float(signed[shown.numel() :].max()) <= ceiling + 1e-12 * scale

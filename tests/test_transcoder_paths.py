@@ -480,8 +480,6 @@ def test_what_is_not_read_yet_is_refused_by_name():
     ids = torch.randint(0, 50, (2, 5))
     transcoders = transcoders_for(model, features=6)
     stack, _ = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders, query_key=True)
-    with pytest.raises(ValueError, match="the pair search does not yet follow paths through transcoder features"):
-        pk.top_score_pairs(stack, 1, 0, 3, query=4, key=1)
     with pytest.raises(ValueError, match=r"tree's restriction \(tree=\) does not yet"):
         pk.path_attribution(stack, pk.logit(model, 1), tree=pk.PathTree.complete(2, 2))
 

@@ -41,7 +41,9 @@ from pathkernels.analysis.top_paths import (
     _chain_factors,
     _first_head_reach,
     _NodeBounds,
+    _reach_bounds,
     _safe_bounds,
+    _spectral_norm,
 )
 from pathkernels.core._figures import require, titled
 from pathkernels.core._progress import progress_bar
@@ -260,6 +262,93 @@ class _Side:
         return torch.cat(self.vectors)
 
 
+class _LevelSide:
+    """One side's best-first walk over the readout trie, level by level (:class:`_Side`'s interface),
+    for a frozen model whose sublayers differ in their branches (a capture's transcoders: a
+    replaced MLP's steps are heads of d_head 1, thousands of them). A node at level j has passed the
+    sublayers ``j…`` above it and holds ``ρ`` ``[n]`` and its directions ``Φᵀ = B z``: ``B`` ``[d, r]``
+    the output map of the last branch it took (``F_out[b]ᵀ``; the side's own columns at the root) and
+    ``z`` ``[r, e]``, so that a node keeps ``n + r e`` numbers. Every path below it, its tail (source j
+    entering right there, its vector ``(ρ K_j) B z`` computed exactly) and those that continue, has a
+    vector of norm at most ``‖ρ‖₁ σ(B z) M_j`` (module docstring; ``M_j`` of
+    :func:`~pathkernels.analysis.top_paths._reach_bounds`). Expanding a node visits its tail and pushes
+    its children at level ``j − 1``: the skip (the identity, pre-norm) and each branch b of
+    sublayer ``j − 1``, ``ρ T_b`` and ``F_out[b]ᵀ (F_in[b]ᵀ B z)``."""
+
+    def __init__(self, head: CheckedHead, which: str, row: int, reach: Tensor):
+        self.head, self.reach = head, reach.tolist()
+        model = head.model
+        self.model, self.names = model, model.source_names
+        self.sources = model.sources
+        columns = head.readout_columns(which, row)  # Φᵀ [d, e]
+        rho = torch.zeros(head.positions.numel(), dtype=torch.float64, device=columns.device)
+        rho[row] = head.scale[row]
+        constant = head.constant(which, torch.tensor([row], device=rho.device))[0]
+        self.vectors, self.labels = [constant[None]], [CONSTANT]
+        self.largest_norm = float(constant.norm())
+        self.heap: list[tuple[float, int]] = []
+        self.nodes: dict[int, tuple] = {}
+        self.counter = self.expanded = 0
+        # Per branching sublayer: F_out[b] F_out[b]ᵀ [B, r, r], for σ(B z) of its children.
+        self.grams = {
+            index: torch.einsum("hrd,hsd->hrs", *(sublayer.feature_factors[1],) * 2)
+            for index, sublayer in enumerate(model.sublayers)
+            if sublayer.attn is not None and sublayer.branches
+        }
+        root_norm = _spectral_norm(columns[None])[0]
+        identity = torch.eye(columns.shape[-1], dtype=torch.float64, device=columns.device)
+        choices = torch.full((model.layers,), NO_HEAD, dtype=torch.long)
+        self._push([(len(self.sources) - 1, rho, columns, identity, choices)], [float(root_norm)])
+
+    def _push(self, nodes: list[tuple], norms: list[float]) -> None:
+        """Nodes ``(level, ρ, B, z, choices)`` with ``σ(B z)`` each, on the frontier by their bound."""
+        for node, norm in zip(nodes, norms):
+            bound = float(_safe_bounds(torch.tensor(float(node[1].abs().sum()) * norm * self.reach[node[0]])))
+            self.counter += 1
+            self.nodes[self.counter] = node
+            heapq.heappush(self.heap, (-bound, self.counter))
+
+    @property
+    def frontier(self) -> float:
+        """The largest bound left on the frontier (0 when it is empty)."""
+        return -self.heap[0][0] if self.heap else 0.0
+
+    def expand(self, count: int) -> int:
+        """Pops the ``count`` nodes of largest bound: each's tail becomes a visited path, and its
+        children at the level below join the frontier. Returns the paths visited."""
+        popped = [self.nodes.pop(heapq.heappop(self.heap)[1]) for _ in range(min(count, len(self.heap)))]
+        replaced = self.model.replaced
+        for level, rho, basis, z, choices in popped:
+            directions = basis @ z  # Φᵀ [d, e]
+            tail = (rho @ self.sources[level]) @ directions  # [e]: source `level` entering right here
+            self.vectors.append(tail[None])
+            self.labels.append(describe_path(choices, self.names[level], replaced))
+            self.largest_norm = max(self.largest_norm, float(tail.norm()))
+            if level == 0:
+                continue
+            sublayer = self.model.sublayers[level - 1]
+            children = [(level - 1, rho, basis, z, choices)]  # the skip: pre-norm, the identity
+            norms = [float(_spectral_norm(directions[None])[0])]
+            if sublayer.attn is not None and sublayer.branches:
+                feature_in, feature_out = sublayer.feature_factors  # [B, d, r], [B, r, d]
+                inner = torch.einsum("bdr,de->bre", feature_in, directions)  # z' = F_in[b]ᵀ Φᵀ [B, r, e]
+                through = torch.einsum("bre,brs,bsf->bef", inner, self.grams[level - 1], inner)  # z'ᵀ G z'
+                child_norms = torch.linalg.eigvalsh(through)[:, -1].clamp_min(0).sqrt()
+                rhos = rho @ sublayer.token_maps  # ρ T_b [B, n] (T_b [B, n, n])
+                values = sublayer.choice_values("cpu").tolist()
+                for b, value in enumerate(values):
+                    taken = choices.clone()
+                    taken[sublayer.column] = value
+                    children.append((level - 1, rhos[b], feature_out[b].T, inner[b], taken))
+                norms += child_norms.tolist()
+            self._push(children, norms)
+        self.expanded += len(popped)
+        return len(popped)
+
+    def all_vectors(self) -> Tensor:
+        return torch.cat(self.vectors)
+
+
 def head_sequence_bounds(model: FrozenModel, bound: str) -> tuple[_NodeBounds | None, list[float] | None]:
     """The search's set-up over a frozen model's head sequences: its per-head maps
     (:class:`~pathkernels.analysis.top_paths._NodeBounds`) and ``W_a`` per attention sublayer a, the
@@ -319,22 +408,26 @@ def top_score_pairs(
     )
     k, largest, time_limit, memory_budget = options.k, options.largest, options.time_limit, options.memory_budget
     checked = checked_head(stack, layer, head, batch, _WHERE)
-    if checked.model.replaced is not None:
-        raise ValueError(
-            f"{_WHERE}: the pair search does not yet follow paths through transcoder features (its bounds walk "
-            "head sequences); with transcoders, pk.score_pairs lists every pair where they are few, and "
-            "pk.score_top_paths searches one side with the other fixed, certified"
-        )
     query, keys = query_and_keys(checked, query, key, _WHERE, allow_masked, "key")
     key = int(keys[0])
     model = checked.model
-    node_bounds, with_head = head_sequence_bounds(model, bound)
-    sides = (_Side(checked, "query", query, node_bounds, with_head), _Side(checked, "key", key, node_bounds, with_head))
+    if model.replaced is None:  # heads alone: the walk over head sequences
+        node_bounds, with_head = head_sequence_bounds(model, bound)
+        sides = (
+            _Side(checked, "query", query, node_bounds, with_head),
+            _Side(checked, "key", key, node_bounds, with_head),
+        )
+        total = count_attribution_paths(model.layers, model.num_heads, model.layers)
+    else:  # a replaced MLP's steps too: the walk level by level
+        reach = _reach_bounds(model, bound)
+        sides = (_LevelSide(checked, "query", query, reach), _LevelSide(checked, "key", key, reach))
+        total = sum(model.path_counts(model.layers))
     scaling = float(checked.maps.scaling[checked.layer]) * (1.0 if largest else -1.0)
     magnitude = abs(scaling)
-    total = count_attribution_paths(model.layers, model.num_heads, model.layers)
     e, n = checked.maps.w_q.shape[-1], checked.positions.numel()  # e: a head's width, and each side's
     node_bytes = 8 * n + 8 * model.layers + 250  # r, the heads above, the heap's entry (Z made on expansion)
+    if model.replaced is not None:  # a level walk's node keeps its z [r, e] (r ≤ a head's width)
+        node_bytes += 8 * e * e
     parent_bytes = 8 * e * e  # each expanded node's Z [d_head, e], which its children share
     bar = progress_bar(2 * total, enabled=options.progress, unit="path", desc=_WHERE)
     # Every pair of the paths visited from the start (each side's constant and its paths that take
