@@ -1525,6 +1525,32 @@ def adapter_cases():
             args = {"paths": [[-1, -1]], "sources": [0], name: bad}
             words = ("sources", "source") if name == "sources" else name
             refused(where, words, kind, name, lambda a=args: pk.path_terms(stack, **a))
+    # A term split where it passes a transcoder step (every path must take one there).
+    for kind, bad in (("huge", 9), ("negative", -1), ("float", 0.5), ("str", "0"), ("no step", 0)):
+        refused(
+            where,
+            "split_at",
+            kind,
+            "split_at",
+            lambda b=bad: pk.path_terms(replaced, [[-1] * (2 * model.config.n_layer)], [0], split_at=b),
+        )
+    refused(
+        where,
+        "split_at",
+        "type",
+        "a capture without transcoders",
+        lambda: pk.path_terms(stack, [[-1, -1]], [0], split_at=0),
+    )
+    # The causal check of a path into a feature.
+    into = lambda **a: pk.causal_check(  # noqa: E731
+        model, replaced, {"input_ids": ids}, [[-1] * (2 * model.config.n_layer)], [0], side="feature", layer=1, **a
+    )
+    for name, values in {
+        "feature": (("huge", 10**6), ("negative", -1), ("float", 1.5), ("str", "0")),
+        "token": (("huge", 9), ("float", 1.0)),
+    }.items():
+        for kind, bad in values:
+            refused("pathkernels.causal_check", name, kind, name, lambda n=name, b=bad: into(**{"feature": 0, n: b}))
     scored, _ = pk.adapters.capture_huggingface_residual(model, input_ids=ids, query_key=True)
     refused(
         "pathkernels.adapters.capture_huggingface_residual",
