@@ -615,7 +615,7 @@ class _Nodes:
         role = self.roles[level]
         reach = adjoint.shape[1]
         source = self.constant_rows.get(level, self.model.sources[level])[:reach]
-        per_row = (adjoint * source).sum(-1)  # [T, n']
+        per_row = torch.einsum("bnd,nd->bn", adjoint, source)  # [T, n'], a product per token (no [T, n', d] temporary)
         if role[0] == "token":
             rows[:, self.token_start : self.token_start + reach] += per_row
         elif role[0] == "error":
