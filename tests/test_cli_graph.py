@@ -1,4 +1,4 @@
-"""``pathkernels graph`` and ``pathkernels attribute --transcoders`` on a fixture with a transcoder
+"""``pathkernels graph``, ``attribute --transcoders`` and ``scores --transcoders`` on a fixture with a transcoder
 set written here in circuit-tracer's layout: what they print and write, and what they refuse."""
 
 import json
@@ -77,10 +77,31 @@ def test_attribute_follows_paths_through_the_features(tmp_path, capsys):
     assert enumerated(printed) > enumerated(plain)  # the features' paths too
 
 
+def test_scores_split_a_heads_score_through_the_features(tmp_path, capsys):
+    """``scores --transcoders``: the groups by steps, every pair listed (few paths below layer 1)
+    or searched, with paths through layer 0's features, and the sums the model's own score."""
+    folder = write_circuit_tracer_set(tmp_path / "transcoders")
+    argv = ["scores", "--model", "gpt2_4l", "--example", "--transcoders", str(folder), "--layer", "1", "--top", "40"]
+    code, printed, errors = run(argv, capsys)
+    assert code == 0, errors
+    exact = printed.split("|sum of pairs − model| ")[1].split(")")[0]
+    assert float(exact) < 1e-10
+    assert "via 1 step" in printed and "L0 MLP error" in printed
+    assert " F" in printed.split("pairs (query path · key path)")[1]  # a pair through a feature
+    code, plain, errors = run(["scores", "--model", "gpt2_4l", "--example", "--layer", "1"], capsys)
+    assert code == 0, errors
+
+    def per_side(text: str) -> int:
+        return int(text.split(" paths per side")[0].split(" ")[-1].replace(",", ""))
+
+    assert per_side(printed) > per_side(plain)  # the features' paths too
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [
         (["attribute", "--transcoders", "nowhere"], "--transcoders nowhere needs --model"),
+        (["scores", "--transcoders", "nowhere"], "--transcoders nowhere needs --model"),
         (["attribute", "--model", "gpt2_4l", "--transcoders", "nowhere"], "--transcoders nowhere: no such folder"),
         (["graph", "--model", "gpt2_4l"], "the following arguments are required: --transcoders"),
         (["graph", "--model", "gpt2_4l", "--transcoders", ".", "--node-threshold", "1.5"], "expected a number in"),

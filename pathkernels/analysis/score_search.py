@@ -41,6 +41,7 @@ from pathkernels.analysis.top_paths import (
     _chain_factors,
     _first_head_reach,
     _NodeBounds,
+    _product_norm,
     _reach_bounds,
     _safe_bounds,
     _spectral_norm,
@@ -289,19 +290,13 @@ class _LevelSide:
         self.heap: list[tuple[float, int]] = []
         self.nodes: dict[int, tuple] = {}
         self.counter = self.expanded = 0
-        # Per branching sublayer: F_out[b] F_out[b]ᵀ [B, r, r], for σ(B z) of its children.
-        self.grams = {
-            index: torch.einsum("hrd,hsd->hrs", *(sublayer.feature_factors[1],) * 2)
-            for index, sublayer in enumerate(model.sublayers)
-            if sublayer.attn is not None and sublayer.branches
-        }
         root_norm = _spectral_norm(columns[None])[0]
         identity = torch.eye(columns.shape[-1], dtype=torch.float64, device=columns.device)
-        choices = torch.full((model.layers,), NO_HEAD, dtype=torch.long)
-        self._push([(len(self.sources) - 1, rho, columns, identity, choices)], [float(root_norm)])
+        self._push([(len(self.sources) - 1, rho, columns, identity, ())], [float(root_norm)])
 
     def _push(self, nodes: list[tuple], norms: list[float]) -> None:
-        """Nodes ``(level, ρ, B, z, choices)`` with ``σ(B z)`` each, on the frontier by their bound."""
+        """Nodes ``(level, ρ, B, z, taken)`` with ``σ(B z)`` each, on the frontier by their bound
+        (``taken``: the ``(column, choice)`` of each branch the node took, top down)."""
         for node, norm in zip(nodes, norms):
             bound = float(_safe_bounds(torch.tensor(float(node[1].abs().sum()) * norm * self.reach[node[0]])))
             self.counter += 1
@@ -318,29 +313,29 @@ class _LevelSide:
         children at the level below join the frontier. Returns the paths visited."""
         popped = [self.nodes.pop(heapq.heappop(self.heap)[1]) for _ in range(min(count, len(self.heap)))]
         replaced = self.model.replaced
-        for level, rho, basis, z, choices in popped:
+        for level, rho, basis, z, taken in popped:
             directions = basis @ z  # Φᵀ [d, e]
             tail = (rho @ self.sources[level]) @ directions  # [e]: source `level` entering right here
             self.vectors.append(tail[None])
+            choices = torch.full((self.model.layers,), NO_HEAD, dtype=torch.long)
+            for column, value in taken:
+                choices[column] = value
             self.labels.append(describe_path(choices, self.names[level], replaced))
             self.largest_norm = max(self.largest_norm, float(tail.norm()))
             if level == 0:
                 continue
             sublayer = self.model.sublayers[level - 1]
-            children = [(level - 1, rho, basis, z, choices)]  # the skip: pre-norm, the identity
+            children = [(level - 1, rho, basis, z, taken)]  # the skip: pre-norm, the identity
             norms = [float(_spectral_norm(directions[None])[0])]
             if sublayer.attn is not None and sublayer.branches:
                 feature_in, feature_out = sublayer.feature_factors  # [B, d, r], [B, r, d]
                 inner = torch.einsum("bdr,de->bre", feature_in, directions)  # z' = F_in[b]ᵀ Φᵀ [B, r, e]
-                through = torch.einsum("bre,brs,bsf->bef", inner, self.grams[level - 1], inner)  # z'ᵀ G z'
-                child_norms = torch.linalg.eigvalsh(through)[:, -1].clamp_min(0).sqrt()
+                outputs = feature_out.mT  # B' = F_out[b]ᵀ [B, d, r]
+                norms += _product_norm(outputs, inner).tolist()  # σ(B' z') from an r × r Gram matrix
                 rhos = rho @ sublayer.token_maps  # ρ T_b [B, n] (T_b [B, n, n])
-                values = sublayer.choice_values("cpu").tolist()
-                for b, value in enumerate(values):
-                    taken = choices.clone()
-                    taken[sublayer.column] = value
-                    children.append((level - 1, rhos[b], feature_out[b].T, inner[b], taken))
-                norms += child_norms.tolist()
+                column = sublayer.column
+                for b, value in enumerate(sublayer.choice_values("cpu").tolist()):
+                    children.append((level - 1, rhos[b], outputs[b], inner[b], (*taken, (column, value))))
             self._push(children, norms)
         self.expanded += len(popped)
         return len(popped)

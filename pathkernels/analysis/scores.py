@@ -33,7 +33,7 @@ from torch import Tensor
 
 from pathkernels.adapters.query_key import SIDES
 from pathkernels.analysis.attribution import CheckedReadout, PathAttribution, Readout, attribute, named, pair_bars
-from pathkernels.analysis.readout_trie import FrozenModel, describe_path, frozen_model
+from pathkernels.analysis.readout_trie import FrozenModel, Sublayer, describe_path, frozen_model
 from pathkernels.analysis.real_paths import _every_term, _heads, _skip
 from pathkernels.analysis.top_paths import SearchOptions, TopPaths, search_top_paths
 from pathkernels.core._figures import check_save_path, heatmap, new_figure, require, saved, titled, wrapped
@@ -126,20 +126,7 @@ def checked_head(stack, layer, head, batch, where: str) -> CheckedHead:
     tokens = stack.attn.shape[-1]
     real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
     full = frozen_model(stack, capture, batch, real)
-    # The layer's attention sublayer (below it: each layer's attention, then its MLP's sublayer, or a
-    # replaced MLP's steps and its identity). With transcoders a path keeps the whole model's [2L]
-    # columns (heads, then MLP steps), as pk.path_terms takes them; else the heads below, [l].
-    below = next(i for i, sub in enumerate(full.sublayers) if sub.attn is not None and sub.column == layer)
-    columns = layer if full.replaced is None else full.layers
-    model = FrozenModel(
-        full.sublayers[:below],
-        full.sources[: below + 1],
-        full.source_names[: below + 1],
-        columns,
-        full.num_heads,
-        replaced=full.replaced,
-    )
-    attention = full.sublayers[below]
+    model, attention = _model_below(full, layer)
     device = capture.embedding.device
     return CheckedHead(
         stack,
@@ -153,6 +140,24 @@ def checked_head(stack, layer, head, batch, where: str) -> CheckedHead:
         capture.norm_bias[layer, 0],
         attention.centred,
     )
+
+
+def _model_below(full: FrozenModel, layer: int) -> tuple[FrozenModel, Sublayer]:
+    """The frozen model below layer ``layer``'s attention sublayer, and that sublayer. Below it: each
+    layer's attention, then its MLP's sublayer (or a replaced MLP's steps and its identity). With
+    transcoders a path keeps the whole model's ``[2L]`` columns (heads, then MLP steps), as
+    pk.path_terms takes them; else the heads below, ``[l]``."""
+    below = next(i for i, sub in enumerate(full.sublayers) if sub.attn is not None and sub.column == layer)
+    columns = layer if full.replaced is None else full.layers
+    model = FrozenModel(
+        full.sublayers[:below],
+        full.sources[: below + 1],
+        full.source_names[: below + 1],
+        columns,
+        full.num_heads,
+        replaced=full.replaced,
+    )
+    return model, full.sublayers[below]
 
 
 def _position(value, name: str, head: CheckedHead, where: str) -> int:
@@ -462,6 +467,21 @@ def _stream_path_count(model: FrozenModel) -> int:
     the sublayers above source j, ``b_s`` their branches (``(H + 1)^(attention sublayers above)``
     without transcoders)."""
     return sum(model.path_counts(model.layers))
+
+
+def stream_path_count(stack: AttentionStack, layer: int, batch: int = 0) -> int:
+    """The paths of the stream entering layer ``layer``'s attention of sequence ``batch``: each side
+    of a head's score there (with a capture's transcoders, through the active features below).
+    ``Σ_j (H + 1)^(attention sublayers above source j)`` for heads alone."""
+    where = "pathkernels.stream_path_count"
+    layer = check_int(layer, "layer", where, minimum=0, maximum=stack.num_layers - 1)
+    capture = getattr(stack, "residual_capture", None)
+    if capture is None:
+        raise ValueError(f"{where}: expected a captured stack (pk.adapters.capture_huggingface_residual)")
+    batch = check_int(batch, "batch", where, minimum=0, maximum=stack.batch_size - 1)
+    tokens = stack.attn.shape[-1]
+    real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
+    return _stream_path_count(_model_below(frozen_model(stack, capture, batch, real), layer)[0])
 
 
 def _few_paths(model: FrozenModel) -> tuple[tuple[str, ...], Tensor] | None:

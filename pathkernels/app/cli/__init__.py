@@ -416,6 +416,17 @@ def _check_head_and_tokens(
         raise CommandLineError(f"--versus: expected a key other than --key ({key})")
 
 
+def _transcoders_option(parser: argparse.ArgumentParser) -> None:
+    """``--transcoders FOLDER``, optional (``graph`` requires its own): a set replacing the MLPs."""
+    parser.add_argument(
+        "--transcoders",
+        type=Path,
+        help="with --model: a folder of transcoders (circuit-tracer, SAELens or sparsify files) that replace "
+        "the model's MLPs, so that paths run through their active features too (docs/USAGE.md, 'Paths through "
+        "MLP features')",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     formatter = _HelpFormatter
     parser = _Parser(
@@ -557,13 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
         "the model's last hidden state (its final norm's output) at --position",
     )
     attribute.add_argument("--position", type=int, help="the token read out (default: the last)")
-    attribute.add_argument(
-        "--transcoders",
-        type=Path,
-        help="with --model: a folder of transcoders (circuit-tracer, SAELens or sparsify files) that replace "
-        "the model's MLPs, so that paths run through their active features too (docs/USAGE.md, 'Paths through "
-        "MLP features')",
-    )
+    _transcoders_option(attribute)
     attribute.add_argument("--top", type=_integer(1), default=10, help="how many top and bottom paths to show")
     attribute.add_argument(
         "--max-length",
@@ -635,6 +640,7 @@ def build_parser() -> argparse.ArgumentParser:
     scores.add_argument("--query", type=int, help="the query token (default: the last)")
     scores.add_argument("--key", type=int, help="the key token to explain (default: where the head attends most)")
     scores.add_argument("--versus", type=int, help="explain the score at --key minus the score at this key")
+    _transcoders_option(scores)
     scores.add_argument("--top", type=_integer(1), default=10, help="how many groups and pairs to show")
     scores.add_argument(
         "--time-limit",
@@ -711,7 +717,7 @@ def _run_graph(args) -> int:
 def _run_scores(args) -> int:
     from pathkernels.app.cli.scores import scores_table
 
-    names = ("seed", "layer", "head", "query", "key", "versus", "top", "time_limit", "started")
+    names = ("seed", "layer", "head", "query", "key", "versus", "top", "time_limit", "started", "transcoders")
     return _done(scores_table(**_options(args, *_MODEL_OPTIONS, *names)))
 
 

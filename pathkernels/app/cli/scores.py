@@ -7,11 +7,10 @@ import math
 from pathlib import Path
 
 from pathkernels.analysis.score_search import top_score_pairs
-from pathkernels.analysis.scores import score_decomposition, score_pairs
+from pathkernels.analysis.scores import score_decomposition, score_pairs, stream_path_count
 from pathkernels.app.cli.attribute import _Clock, built_and_captured
 from pathkernels.app.cli.base import CommandLineError
 from pathkernels.app.cli.common import float_format, heading, local_model, model_to_run, number, save
-from pathkernels.core.paths import count_attribution_paths
 
 # Paths per side up to which every pair is listed (their table: 8 · (P + 1)² bytes, 32 MB here).
 MAX_LISTED_PATHS = 2000
@@ -37,6 +36,7 @@ def scores_table(
     time_limit: float | None = 300.0,
     out: Path | None = None,
     started: float | None = None,
+    transcoders: Path | None = None,
 ):
     """``pathkernels scores``: head ``(layer, head)``'s pre-softmax scores at token ``query`` of a
     GPT-2 built from a config (or a local model): every key's score and attention; the score at
@@ -45,8 +45,9 @@ def scores_table(
     paths, listed where each side has at most :data:`MAX_LISTED_PATHS` paths, else found by the
     certified search in the time left. With ``out``: CSV files and a heatmap of the groups.
     ``time_limit`` bounds the whole command (the model and its capture run aside and are left behind
-    at the limit). Returns the :class:`~pathkernels.ScoreDecomposition`, or None when the limit came
-    first."""
+    at the limit). ``transcoders``: a folder of transcoders replacing the model's MLPs, whose active
+    features are then steps of the paths on both sides. Returns the
+    :class:`~pathkernels.ScoreDecomposition`, or None when the limit came first."""
     import pandas as pd
 
     clock = _Clock(time_limit, started)
@@ -54,7 +55,7 @@ def scores_table(
     run = model_to_run(
         "scores", local, model, text, tokens, layers, heads, width, seed, bytes_per_entry=48, ids=ids, example=example
     )
-    built, stage = built_and_captured(clock, run, query_key=True)
+    built, stage = built_and_captured(clock, run, query_key=True, transcoders=transcoders)
     if built is None:
         return _stopped(clock, stage)
     _, inputs, (stack, _) = built
@@ -119,7 +120,7 @@ def scores_table(
     heading(f"The score at {what}, by (query group, key group): {shown}")
     print(groups.head(top).to_string(index=False, float_format=float_format))
 
-    counted = count_attribution_paths(layer, stack.num_heads, layer)
+    counted = stream_path_count(stack, layer)
     every = False  # every pair in one table: the largest and the smallest would list the same pairs
     if counted <= MAX_LISTED_PATHS:
         # Twice the top: where the pairs are that few, one table lists them all.
