@@ -208,6 +208,25 @@ def test_held_at_the_clean_norm_the_preactivation_moves_by_the_prediction():
         )
         assert float(shut.predicted.abs()) > 0
         assert float(shut.predicted_activation.abs()) == 0 and float(shut.predicted_readout.abs()) == 0
+    # A feature open nowhere in the sequence (no step of the capture): its pre-activation moves by the
+    # prediction all the same, and its frozen activation does not move.
+    never = sorted(set(range(12)) - set(replaced.features.tolist()))
+    if never:
+        idle = pk.causal_check(
+            model,
+            stack,
+            {"input_ids": ids},
+            below,
+            sources,
+            side="feature",
+            layer=layer,
+            feature=never[0],
+            token=token,
+            frozen=True,
+        )
+        literal = -(normed * transcoders.w_enc[layer][:, never[0]].double()).sum(-1)
+        assert relative(idle.predicted, literal) < 1e-10 and relative(idle.preactivation_change, literal) < 1e-10
+        assert float(idle.predicted_activation.abs().max()) == 0
 
 
 @pytest.mark.parametrize(

@@ -264,7 +264,8 @@ def causal_check(
         readout: a readout (:func:`pathkernels.logit_diff`, a direction ``[d]``) to measure too.
         frozen: hold the norm the removal touches at its clean scale (the change is then the
             frozen prediction, exactly: a check of the hooks); score paths then report the score
-            change alone.
+            change alone. For feature paths the pre-activation's change is then the prediction;
+            the activation follows the set's own activation and the model above is recomputed.
         batch: the sequence.
         allow_masked: also a key the mask forbids the query (refused by default: the model never
             uses that score, and its attention there is 0 whatever the path).
@@ -395,8 +396,8 @@ def _score_paths(model, stack, inputs, paths_model, terms, names, chosen, read, 
     checked = checked_head(stack, layer, head, batch, _WHERE)
     query, keys = query_and_keys(checked, query, key, _WHERE, allow_masked, "key")
     maps, capture = checked.maps, stack.residual_capture
-    at = _sublayer_of(paths_model, checked.layer)
-    above = [name for name, (choices, source) in zip(names, chosen) if _above(paths_model, choices, source, at)]
+    level = _sublayer_of(paths_model, checked.layer)
+    above = [name for name, (choices, source) in zip(names, chosen) if _above(paths_model, choices, source, level)]
     if above:
         raise ValueError(
             f"{_WHERE}: expected paths of the stream entering layer {checked.layer} (heads and source below it), "
@@ -524,18 +525,15 @@ def _feature_paths(model, stack, inputs, frozen: FrozenModel, names, chosen, rea
     row = int((positions == token).nonzero())
     removed = terms_of(frozen, below, sources)[:, row]  # [M, d]: each path's term in the stream entering the MLP
 
-    # The frozen predictions, from the capture: the pre-activation's change −s_t (Y M enc_f), the
-    # activation's through the gate, the readout's through the feature's frozen effect on it.
+    # The frozen gate of each feature at the token (0 for a feature open nowhere in the batch, which
+    # is no step), and a unit activation's frozen effect on the readout: its write o_t d_f Γ_o
+    # carried up through every branch above.
     index = {int(f): i for i, f in enumerate(replaced.features.tolist())}
     known = torch.tensor([int(f) in index for f in features.tolist()])
     columns = torch.tensor([index.get(int(f), 0) for f in features.tolist()], dtype=torch.long)
     device = removed.device
-    encoder = replaced.encoder.to(device)[:, columns.to(device)]  # [d, M] M enc_f
-    scale = float(replaced.input_scale[batch, token])
-    predicted = -(scale * (removed * encoder.T).sum(-1)).cpu() * known
     gates = replaced.gates[batch, token].cpu()[columns] * known
-    predicted_activation = predicted * gates
-    predicted_readout = None
+    effect = None
     position = int(positions[-1]) if removal.position is None else _position(removal.position, positions, batch, tokens)
     if read is not None:
         written = float(replaced.output_scale[batch, token]) * replaced.decoder.to(device)[columns.to(device)]  # [M, d]
@@ -543,8 +541,7 @@ def _feature_paths(model, stack, inputs, frozen: FrozenModel, names, chosen, rea
         unit[:, row] = written
         pushed = removed.new_zeros(len(names), tokens, removed.shape[-1])
         pushed[:, real.to(device)] = _through_sublayers(frozen.sublayers[at + 1 :], unit)
-        effect = -_value_predictions(stack, pushed, read, position, batch)  # [M]: a unit activation's
-        predicted_readout = predicted_activation * effect
+        effect = -_value_predictions(stack, pushed, read, position, batch) * known  # [M]
 
     # The measured changes: the pre-activation recomputed from the run's clean stream less the term.
     weight, bias = capture.norm_weight[layer, 1], capture.norm_bias[layer, 1]
@@ -557,12 +554,16 @@ def _feature_paths(model, stack, inputs, frozen: FrozenModel, names, chosen, rea
     def frame_of(streams: Tensor):  # the set's input frame on streams [M, d], the MLP's norm recomputed
         return input_frame(transcoders, streams, mlp_norm_scale(model, layer, streams), weight, bias, capture.centred)
 
+    def activate(pre: Tensor) -> Tensor:  # the set's own activation, where the set's tensors are
+        return transcoders.activate(layer, pre.to(transcoders.w_enc[layer].device)).to(pre.device)
+
     def writes(stream: Tensor) -> Tensor:  # the clean stream entering the MLP's norm [n, d]
         x = stream[token].to(device, torch.float64)
         clean_frame = frame_of(x[None])
         pre = clean_frame(x[None, None])[0, 0] @ w_enc + b_enc  # [F]
-        acts = transcoders.activate(layer, pre[None])[0]
+        acts = activate(pre[None])[0]
         _check_clean_feature(acts, pre, replaced, batch, token, model, layer)
+        measured["encoder"] = clean_frame.apply(w_enc[:, features.to(device)])  # M enc_f [d, M], any feature
         less = x[None] - removed  # [M, d]
         if removal.frozen:  # the norm's scale and the format's normalisation held at the clean stream's
             x_in = clean_frame(less[:, None])[:, 0]
@@ -571,17 +572,23 @@ def _feature_paths(model, stack, inputs, frozen: FrozenModel, names, chosen, rea
         moved = (x_in * w_enc[:, features.to(device)].T).sum(-1) + b_enc[features.to(device)]  # [M]
         everything = pre.expand(len(names), -1).clone()  # the other features as they were
         everything[picked, features.to(device)] = moved
-        acts_moved = transcoders.activate(layer, everything)[picked, features.to(device)]
+        acts_moved = activate(everything)[picked, features.to(device)]
         measured["pre"], measured["act"] = pre[features.to(device)], acts[features.to(device)]
         measured["pre_change"], measured["act_change"] = moved - measured["pre"], acts_moved - measured["act"]
         added = stream.new_zeros(len(names), *stream.shape).double()
-        added[:, token] = measured["act_change"][:, None] * w_dec
+        added[:, token] = (measured["act_change"][:, None] * w_dec).to(added.device)
         return added
 
     single = _single_row(inputs, batch, stack.batch_size)
     final = run_with_mlp_writes(
         model, single, layer, len(names), writes, replacement.output_hook == "mlp_module_output"
     )
+    # The frozen predictions: the pre-activation's change −s_t (Y M enc_f), s_t the capture's frozen
+    # scale of the set's input; the activation's through the gate; the readout's through the effect.
+    scale = float(replaced.input_scale[batch, token])
+    predicted = -(scale * (removed * measured["encoder"].T).sum(-1)).cpu()
+    predicted_activation = predicted * gates
+    predicted_readout = None if effect is None else predicted_activation * effect.cpu()
     clean = {
         "preactivation": measured["pre"].cpu().tolist(),
         "activation": measured["act"].cpu().tolist(),
