@@ -17,6 +17,8 @@ Models are built from configs in float64 with random biases and norm parameters;
 sets are random, drawn afresh each run.
 """
 
+import warnings
+
 import pytest
 import torch
 from float64_reference import float64_steps
@@ -341,3 +343,33 @@ def test_what_does_not_fit_a_feature_check_is_refused_by_name():
     other = {"input_ids": (ids + 1) % 50}
     with pytest.raises(ValueError, match="expected the model and the inputs the stack was captured from"):
         pk.causal_check(model, stack, other, into, [0], side="feature", layer=1, token=4)
+
+
+def test_a_padded_sequence_checks_as_it_does_alone():
+    """The left-padded second sequence of a batch, checked at its token 4 (position 6 of the padded
+    row): the same predictions and changes as the sequence captured alone, and no warning from the
+    check's own rows."""
+    model = gpt2(layers=2, heads=2, width=16).eval()
+    transcoders = transcoders_for(model, features=24, activation="relu")
+    ids = torch.randint(1, 50, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    with pytest.warns(UserWarning, match="left-padded row"):
+        stack, _ = capture_huggingface_residual(model, **inputs, transcoders=transcoders)
+    alone_ids = ids[1:, 2:]
+    alone, _ = capture_huggingface_residual(model, input_ids=alone_ids, transcoders=transcoders)
+    replaced = alone.residual_capture.transcoders.layers[1]
+    open_here = replaced.features[replaced.gates[0, 4].bool()]
+    if not open_here.numel():
+        pytest.skip("no layer-1 feature open at the token in this draw")
+    path = torch.full((1, 4), -1)
+    path[0, 1], path[0, 3] = 0, int(open_here[0])
+    options = {"side": "feature", "layer": 1, "readout": pk.logit(model, 3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        padded = pk.causal_check(model, stack, inputs, path, [0], batch=1, token=6, position=6, **options)
+    single = pk.causal_check(model, alone, {"input_ids": alone_ids}, path, [0], token=4, position=4, **options)
+    for name in ("predicted", "preactivation_change", "activation_change", "predicted_readout", "readout_change"):
+        a, b = getattr(padded, name), getattr(single, name)
+        assert float((a - b).abs().max()) <= 1e-9 * max(1.0, float(b.abs().max())), name

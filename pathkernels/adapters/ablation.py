@@ -21,13 +21,14 @@ within one forward pass.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from pathkernels.adapters.huggingface import _attention_layers, _blocks, stream_huggingface_attention
+from pathkernels.adapters.huggingface import _attention_layers, _blocks, _prepared_inputs, stream_huggingface_attention
 from pathkernels.adapters.query_key import _projection, recording
 from pathkernels.adapters.residual import _inverse_scale, _layout, _module_at
 
@@ -84,6 +85,18 @@ def final_norm(model: nn.Module) -> nn.Module | None:
     return None if spec.final_norm is None else _module_at(model.base_model, spec.final_norm)
 
 
+def _rows(model: nn.Module, inputs: dict, count: int) -> dict:
+    """One sequence's inputs as ``1 + count`` identical rows, a left-padded sequence's positions
+    derived once from its own mask (as its capture derived them, which said so): the rows are this
+    run's, not the user's, so no warning names them."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*left-padded row", category=UserWarning)
+        inputs = _prepared_inputs(model, inputs, "pathkernels.causal_check")
+    return {
+        k: v.expand(count + 1, *v.shape[1:]) if isinstance(v, Tensor) and v.dim() >= 1 else v for k, v in inputs.items()
+    }
+
+
 def mlp_norm_scale(model: nn.Module, layer: int, stream: Tensor) -> Tensor:
     """``1/σ`` ``[M]`` of the norm before layer ``layer``'s MLP on streams ``stream`` ``[M, d]``, in
     float64, as the capture computes it (1 where there is no norm: OLMo 2)."""
@@ -111,9 +124,7 @@ def run_with_mlp_writes(
     norm = spec.norms(block)[1]
     mlp = spec.mlp(block)
     target = mlp if module_output or spec.output_norms is None else spec.output_norms(block)[1]
-    rows = {
-        k: v.expand(count + 1, *v.shape[1:]) if isinstance(v, Tensor) and v.dim() >= 1 else v for k, v in inputs.items()
-    }
+    rows = _rows(model, inputs, count)
     state: dict = {}
 
     def keep_stream(module, args):
@@ -162,9 +173,7 @@ def run_without_terms(
     weight = _projection(projection)[0][:, columns]  # [d, e] float64
     norm = input_norm(model, layer)
     count = terms.shape[0]
-    rows = {
-        k: v.expand(count + 1, *v.shape[1:]) if isinstance(v, Tensor) and v.dim() >= 1 else v for k, v in inputs.items()
-    }
+    rows = _rows(model, inputs, count)
     state: dict = {}
 
     def keep_stream(module, args):
