@@ -135,7 +135,8 @@ def test_a_term_built_alone_is_the_term_of_the_trie():
 
 def test_draws_are_uniform_over_the_paths():
     """50,000 draws with replacement over the 187 paths of a 3-layer, 4-head model (and over the 80
-    of length 2): every path's frequency within six standard deviations of its expectation."""
+    of length 2): every path's frequency within six standard deviations of its expectation, and
+    Pearson's χ² over all of them within six of its own."""
     from pathkernels.analysis.real_paths import _draw
 
     stack, _ = capture_huggingface_residual(gpt2(), input_ids=torch.randint(0, 50, (1, 5)))
@@ -150,6 +151,8 @@ def test_draws_are_uniform_over_the_paths():
         expected = draws / population
         spread = (expected * (1 - 1 / population)) ** 0.5
         assert bool(((frequency - expected).abs() < 6 * spread).all()), (frequency.min(), frequency.max())
+        chi2, dof = float(((frequency - expected) ** 2 / expected).sum()), population - 1  # jointly: Pearson's χ²
+        assert chi2 < dof + 6 * (2 * dof) ** 0.5, (chi2, dof)
 
 
 def test_samples_measure_their_paths_as_the_exact_decomposition_does():

@@ -653,7 +653,8 @@ def test_the_decomposition_lists_every_path_through_features_and_measures_its_te
 
 def test_draws_through_features_are_uniform_and_samples_are_the_exact_measures():
     """50,000 draws with replacement over the paths of a 2-layer GPT-2 with transcoders (and over
-    those of two steps): every path's frequency within six standard deviations of its expectation;
+    those of two steps): every path's frequency within six standard deviations of its expectation,
+    and Pearson's χ² over all of them within six of its own;
     a uniform sample and a stratified one measure their paths as the exact decomposition does."""
     from pathkernels.analysis.readout_trie import frozen_model
     from pathkernels.analysis.real_paths import _draw
@@ -673,6 +674,10 @@ def test_draws_through_features_are_uniform_and_samples_are_the_exact_measures()
         expected = draws / population
         spread = (expected * (1 - 1 / population)) ** 0.5
         assert bool(((frequency - expected).abs() < 6 * spread).all()), (frequency.min(), frequency.max())
+        # And jointly: Pearson's χ² over every path within six of its standard deviations of its mean
+        # (a small bias spread over many paths passes each path's test, not this one).
+        chi2, dof = float(((frequency - expected) ** 2 / expected).sum()), population - 1
+        assert chi2 < dof + 6 * (2 * dof) ** 0.5, (chi2, dof)
     ratio_of = {
         (int(s), tuple(p.tolist())): exact.results.ratio[:, i]
         for i, (s, p) in enumerate(zip(exact.sources, exact.paths))
