@@ -97,6 +97,16 @@ def _rows(model: nn.Module, inputs: dict, count: int) -> dict:
     }
 
 
+def _keep_final(model: nn.Module, handles: list) -> list[Tensor]:
+    """The final norm's output of the coming forward pass, in the list returned (empty without a
+    final norm); the hook joins ``handles``."""
+    finals: list[Tensor] = []
+    last_norm = final_norm(model)
+    if last_norm is not None:
+        handles.append(last_norm.register_forward_hook(lambda module, args, output: finals.append(output.detach())))
+    return finals
+
+
 def mlp_norm_scale(model: nn.Module, layer: int, stream: Tensor) -> Tensor:
     """``1/σ`` ``[M]`` of the norm before layer ``layer``'s MLP on streams ``stream`` ``[M, d]``, in
     float64, as the capture computes it (1 where there is no norm: OLMo 2)."""
@@ -139,10 +149,7 @@ def run_with_mlp_writes(
 
     handles = [(norm if norm is not None else mlp).register_forward_pre_hook(keep_stream)]
     handles.append(target.register_forward_hook(add))
-    finals: list[Tensor] = []
-    last_norm = final_norm(model)
-    if last_norm is not None:
-        handles.append(last_norm.register_forward_hook(lambda module, args, output: finals.append(output.detach())))
+    finals = _keep_final(model, handles)
     try:
         stream_huggingface_attention(model, lambda index, attn: None, **rows)
     finally:
@@ -195,10 +202,7 @@ def run_without_terms(
     handles = [projection.register_forward_hook(patch)]
     if norm is not None:
         handles.append(norm.register_forward_pre_hook(keep_stream))
-    finals: list[Tensor] = []
-    last_norm = final_norm(model)
-    if last_norm is not None:
-        handles.append(last_norm.register_forward_hook(lambda module, args, output: finals.append(output.detach())))
+    finals = _keep_final(model, handles)
     patterns: dict[int, Tensor] = {}
 
     def keep_pattern(index: int, attn: Tensor) -> None:

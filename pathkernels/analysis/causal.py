@@ -45,7 +45,7 @@ from pathkernels.adapters.replacement import input_frame
 from pathkernels.adapters.self_check import check_tolerance
 from pathkernels.analysis.attribution import Readout
 from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, Sublayer, describe_path, frozen_model
-from pathkernels.analysis.real_paths import _checked_paths, _skip, terms_of
+from pathkernels.analysis.real_paths import _checked_paths, _skip, branch_sum, terms_of
 from pathkernels.analysis.scores import checked_head, query_and_keys
 from pathkernels.core._figures import check_save_path, new_figure, require, saved, titled, wrapped
 from pathkernels.core.checks import check_flag, check_int
@@ -626,12 +626,14 @@ def _through_sublayers(sublayers: list[Sublayer], terms: Tensor) -> Tensor:
     Σ_b T_b Y G_b`` (the sum over every path from where they enter, the frozen model's effect)."""
     for sublayer in sublayers:
         moved = _skip(sublayer, terms)
-        if sublayer.attn is not None and sublayer.branches:
-            feature_in, feature_out = sublayer.feature_factors  # [H, d, e], [H, e, d]
-            narrow = torch.matmul(sublayer.token_maps[:, None], torch.einsum("ntd,hed->hnte", terms, feature_out))
-            moved = moved + torch.einsum("hnte,hde->ntd", narrow, feature_in)
-        terms = moved
+        terms = moved + branch_sum(sublayer, terms) if sublayer.attn is not None and sublayer.branches else moved
     return terms
+
+
+def _capture_tolerance(model) -> float:
+    """The capture's own tolerance against a model of ``model``'s dtype (float64 without weights)."""
+    parameter = next(model.parameters(), None)
+    return check_tolerance(parameter.dtype if parameter is not None else torch.float64)
 
 
 def _check_clean_feature(acts: Tensor, pre: Tensor, replaced, batch: int, token: int, model, layer: int) -> None:
@@ -640,8 +642,7 @@ def _check_clean_feature(acts: Tensor, pre: Tensor, replaced, batch: int, token:
     tolerance against its model (relative to the largest pre-activation there)."""
     captured = replaced.activations[batch, token].to(acts.device)
     recomputed = acts[replaced.features.to(acts.device)] * replaced.gates[batch, token].to(acts.device)
-    parameter = next(model.parameters(), None)
-    tolerance = check_tolerance(parameter.dtype if parameter is not None else torch.float64)
+    tolerance = _capture_tolerance(model)
     size = float(pre.abs().max().clamp_min(1e-300))
     difference = float((recomputed - captured).abs().max()) if captured.numel() else 0.0
     if not difference <= tolerance * size:
@@ -662,8 +663,7 @@ def _check_clean_score(model, clean: float, maps, batch: int, checked, i: int, j
     scaling = float(maps.scaling[checked.layer])
     captured = scaling * float(query @ key)
     bound = abs(scaling) * float(query.norm() * key.norm())
-    parameter = next(model.parameters(), None)
-    tolerance = check_tolerance(parameter.dtype if parameter is not None else torch.float64)
+    tolerance = _capture_tolerance(model)
     if not abs(clean - captured) <= tolerance * bound:  # NaN fails too
         raise ValueError(
             f"{_WHERE}: the model on these inputs scores query {i} against key {j} at {clean:.6g}, but the stack's "

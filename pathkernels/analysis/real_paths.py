@@ -181,6 +181,15 @@ def _heads(sublayer: Sublayer, terms: Tensor) -> Tensor:
     return wide.view(heads, nodes, tokens, d)
 
 
+def branch_sum(sublayer: Sublayer, terms: Tensor) -> Tensor:
+    """Every branch of a sublayer on terms ``[N, n, d]``, summed: ``Σ_b T_b Y G_b`` ``[N, n, d]``
+    (:func:`_heads`' sum over b, without its ``[B, N, n, d]`` product: a replaced MLP has thousands
+    of branches, each of d_head 1)."""
+    feature_in, feature_out = sublayer.feature_factors  # [B, d, r], [B, r, d]
+    narrow = torch.matmul(sublayer.token_maps[:, None], torch.einsum("ntd,brd->bntr", terms, feature_out))
+    return torch.einsum("bntr,bdr->ntd", narrow, feature_in)
+
+
 def _every_term(model: FrozenModel, max_length: int, chunk: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
     """Every path's term of one frozen sequence, in chunks: ``(terms [N, n, d], choices [N, L],
     source)``, each source's trie depth first from the bottom. A node at position s has passed

@@ -296,11 +296,12 @@ class _LevelSide:
 
     def _push(self, nodes: list[tuple], norms: list[float]) -> None:
         """Nodes ``(level, ρ, B, z, taken)`` with ``σ(B z)`` each, on the frontier by their bound
-        (``taken``: the ``(column, choice)`` of each branch the node took, top down)."""
+        (``taken``: the ``(column, choice)`` of each branch the node took, top down), kept with that
+        norm, which the node's skip child shares."""
         for node, norm in zip(nodes, norms):
             bound = float(_safe_bounds(torch.tensor(float(node[1].abs().sum()) * norm * self.reach[node[0]])))
             self.counter += 1
-            self.nodes[self.counter] = node
+            self.nodes[self.counter] = (*node, norm)
             heapq.heappush(self.heap, (-bound, self.counter))
 
     @property
@@ -313,7 +314,7 @@ class _LevelSide:
         children at the level below join the frontier. Returns the paths visited."""
         popped = [self.nodes.pop(heapq.heappop(self.heap)[1]) for _ in range(min(count, len(self.heap)))]
         replaced = self.model.replaced
-        for level, rho, basis, z, taken in popped:
+        for level, rho, basis, z, taken, norm in popped:
             directions = basis @ z  # Φᵀ [d, e]
             tail = (rho @ self.sources[level]) @ directions  # [e]: source `level` entering right here
             self.vectors.append(tail[None])
@@ -326,7 +327,7 @@ class _LevelSide:
                 continue
             sublayer = self.model.sublayers[level - 1]
             children = [(level - 1, rho, basis, z, taken)]  # the skip: pre-norm, the identity
-            norms = [float(_spectral_norm(directions[None])[0])]
+            norms = [norm]
             if sublayer.attn is not None and sublayer.branches:
                 feature_in, feature_out = sublayer.feature_factors  # [B, d, r], [B, r, d]
                 inner = torch.einsum("bdr,de->bre", feature_in, directions)  # z' = F_in[b]ᵀ Φᵀ [B, r, e]

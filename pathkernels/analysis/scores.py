@@ -34,7 +34,7 @@ from torch import Tensor
 from pathkernels.adapters.query_key import SIDES
 from pathkernels.analysis.attribution import CheckedReadout, PathAttribution, Readout, attribute, named, pair_bars
 from pathkernels.analysis.readout_trie import FrozenModel, Sublayer, describe_path, frozen_model
-from pathkernels.analysis.real_paths import _every_term, _heads, _skip
+from pathkernels.analysis.real_paths import _every_term, _skip, branch_sum
 from pathkernels.analysis.top_paths import SearchOptions, TopPaths, search_top_paths
 from pathkernels.core._figures import check_save_path, heatmap, new_figure, require, saved, titled, wrapped
 from pathkernels.core._memory import format_bytes
@@ -213,7 +213,7 @@ def _stream_groups(model: FrozenModel) -> tuple[list[tuple[int, int]], Tensor]:
         if sublayer.attn is None:
             parts = skipped
             continue
-        grown = _heads(sublayer, parts).sum(0)  # [G, n, d]
+        grown = branch_sum(sublayer, parts)  # [G, n, d]
         index = {group: i for i, group in enumerate(groups)}
         for (source, length), term in zip(list(groups), grown):
             longer = (source, length + 1)
@@ -251,6 +251,8 @@ class ScoreDecomposition:
         model_scores: ``[K]`` the model's own, from its queries and keys as it computed them.
         allowed: ``[K]`` whether the mask lets the query attend each key.
         soft_cap: the cap of a soft-capped model (the scores here are before it), else None.
+        path_count: the paths of the stream below the layer, each side's (with a capture's
+            transcoders, through the active features below).
         paths, path_table: where the stream below the layer has at most :data:`FEW_PATHS` paths
             (the first layers of a small model), the same split path by path, so that the heads
             the groups merge stand apart: ``paths`` their labels (``"L0H1 from embedding"``, …,
@@ -273,6 +275,7 @@ class ScoreDecomposition:
     paths: tuple[str, ...] | None = None
     path_table: Tensor | None = None
     model_name: str = ""
+    path_count: int = 0
 
     def __repr__(self) -> str:
         error = float((self.scores - self.model_scores).abs().max()) if self.scores.numel() else 0.0
@@ -428,7 +431,8 @@ def _decompositions(
     positions = first.positions
     allowed = first.maps.allowed[first.batch, first.layer, positions[query], positions[keys]].cpu()
     cap = float(first.maps.soft_cap[first.layer])
-    few = _few_paths(first.model)
+    count = _stream_path_count(first.model)
+    few = _few_paths(first.model, count)
     results = []
     for one in checked:
         queries = torch.cat([one.side("query", parts, rows)[:, 0], one.constant("query", rows)])  # [G+1, e]
@@ -457,6 +461,7 @@ def _decompositions(
                 paths=None if few is None else few[0],
                 path_table=path_table,
                 model_name=getattr(stack, "name", ""),
+                path_count=count,
             )
         )
     return results
@@ -469,25 +474,11 @@ def _stream_path_count(model: FrozenModel) -> int:
     return sum(model.path_counts(model.layers))
 
 
-def stream_path_count(stack: AttentionStack, layer: int, batch: int = 0) -> int:
-    """The paths of the stream entering layer ``layer``'s attention of sequence ``batch``: each side
-    of a head's score there (with a capture's transcoders, through the active features below).
-    ``Σ_j (H + 1)^(attention sublayers above source j)`` for heads alone."""
-    where = "pathkernels.stream_path_count"
-    layer = check_int(layer, "layer", where, minimum=0, maximum=stack.num_layers - 1)
-    capture = getattr(stack, "residual_capture", None)
-    if capture is None:
-        raise ValueError(f"{where}: expected a captured stack (pk.adapters.capture_huggingface_residual)")
-    batch = check_int(batch, "batch", where, minimum=0, maximum=stack.batch_size - 1)
-    tokens = stack.attn.shape[-1]
-    real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
-    return _stream_path_count(_model_below(frozen_model(stack, capture, batch, real), layer)[0])
-
-
-def _few_paths(model: FrozenModel) -> tuple[tuple[str, ...], Tensor] | None:
+def _few_paths(model: FrozenModel, count: int) -> tuple[tuple[str, ...], Tensor] | None:
     """``(labels, terms [P, n, d])`` of every path of the stream entering the layer above ``model``
-    (the constant's label last), where they number at most :data:`FEW_PATHS`; else None."""
-    if _stream_path_count(model) > FEW_PATHS:
+    (``count`` of them; the constant's label last), where they number at most :data:`FEW_PATHS`;
+    else None."""
+    if count > FEW_PATHS:
         return None
     labels, terms = [], []
     for chunk, choices, source in _every_term(model, model.layers, FEW_PATHS):

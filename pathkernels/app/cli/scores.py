@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from pathkernels.analysis.score_search import top_score_pairs
-from pathkernels.analysis.scores import score_decomposition, score_pairs, stream_path_count
+from pathkernels.analysis.scores import score_decomposition, score_pairs
 from pathkernels.app.cli.attribute import _Clock, built_and_captured
 from pathkernels.app.cli.base import CommandLineError
 from pathkernels.app.cli.common import float_format, heading, local_model, model_to_run, number, save
@@ -120,7 +120,7 @@ def scores_table(
     heading(f"The score at {what}, by (query group, key group): {shown}")
     print(groups.head(top).to_string(index=False, float_format=float_format))
 
-    counted = stream_path_count(stack, layer)
+    counted = looks.path_count  # each side's paths below the layer
     every = False  # every pair in one table: the largest and the smallest would list the same pairs
     if counted <= MAX_LISTED_PATHS:
         # Twice the top: where the pairs are that few, one table lists them all.
