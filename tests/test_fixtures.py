@@ -183,17 +183,25 @@ def test_attention_only_fixture_has_zero_mlps():
             assert float(parameter.detach().abs().max()) == 0.0
 
 
+@contextlib.contextmanager
+def as_trained():
+    """One thread, as the fixtures and their transcoders were trained; after, the threads as they
+    were and deterministic algorithms off (training turns them on)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(False)
+
+
 @pytest.mark.parametrize("name", ["attn_only_2l", "permuted_2l"])
 def test_training_is_seeded(name):
     """The first steps of training again give the recorded curve (to float32 rounding across CPUs)."""
     trainer = _trainer()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the fixtures were trained
-    try:
+    with as_trained():
         _, rows = trainer.train(trainer.SPECS[name], steps=3)
-    finally:
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(False)  # train() turns it on
     with open(fixture_path(name) / "training_curve.csv") as handle:
         recorded = list(csv.DictReader(handle))[:3]
     for row, want in zip(rows, recorded):
@@ -411,6 +419,22 @@ def test_fixture_transcoders_load_and_fit_their_model(name):
     assert fixture_transcoders(name, dtype=torch.float32).dtype == torch.float32
 
 
+def logits_with_mlp_hook(model, ids, hook):
+    """The model's logits on ``ids`` with ``hook(layer, mlp_input, mlp_output)`` on every MLP (its
+    return, where not None, replaces the MLP's output)."""
+    handles = []
+    for layer, mlp in enumerate(_mlps(model)):
+        handles.append(
+            mlp.register_forward_hook(lambda module, args, output, layer=layer: hook(layer, args[0], output))
+        )
+    try:
+        with torch.no_grad():
+            return model(input_ids=ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @pytest.mark.parametrize("name", WITH_TRANSCODERS)
 def test_fixture_transcoders_reproduce_their_record(name):
     """On the held-out batch, each transcoder (the reader's forward, float32) reconstructs the model's
@@ -423,16 +447,8 @@ def test_fixture_transcoders_reproduce_their_record(name):
     transcoders = fixture_transcoders(name, model=model, dtype=torch.float32)
     task = fixture_info(name)["task"]
     ids = induction_batch(task["vocab"], task["length"], 512, record["eval_seed"], task["min_length"])
-    seen, handles = {}, []
-    for layer, mlp in enumerate(_mlps(model)):
-        hook = lambda module, args, output, layer=layer: seen.__setitem__(layer, (args[0], output))  # noqa: E731
-        handles.append(mlp.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            own = model(input_ids=ids).logits
-    finally:
-        for handle in handles:
-            handle.remove()
+    seen = {}
+    own = logits_with_mlp_hook(model, ids, lambda layer, x, y: seen.__setitem__(layer, (x, y)))
     assert len(record["layers"]) == len(seen) and record["tokens"] == ids.numel()
     for row in record["layers"]:
         x, y = seen[row["layer"]]
@@ -445,16 +461,7 @@ def test_fixture_transcoders_reproduce_their_record(name):
         ), row
         assert float(active.mean()) == pytest.approx(row["l0"], abs=0.05), row
         assert row["explained_variance"] > 0.95 and row["l0"] < 80
-    replaced = []
-    for layer, mlp in enumerate(_mlps(model)):
-        hook = lambda module, args, output, layer=layer: transcoders.forward(layer, args[0])  # noqa: E731
-        replaced.append(mlp.register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            logits = model(input_ids=ids).logits
-    finally:
-        for handle in replaced:
-            handle.remove()
+    logits = logits_with_mlp_hook(model, ids, lambda layer, x, y: transcoders.forward(layer, x))
     targets = induction_targets(ids, fixture_permutation(name))
     repeated = repeated_positions(ids)[:, :-1]
     accuracy = float((logits[:, :-1].argmax(-1) == targets)[repeated].float().mean())
@@ -514,13 +521,8 @@ def test_transcoder_training_is_seeded(name):
     """The first steps of the transcoders' training again give their recorded curve."""
     trainer = _trainer()
     model = trainer.load_trained(name, fixture_path(name))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as they were trained
-    try:
+    with as_trained():
         _, rows, _ = trainer.train_transcoders(model, trainer.SPECS[name], trainer.TRANSCODERS[name], steps=3)
-    finally:
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(False)  # train_transcoders() turns it on
     with open(fixture_transcoders_path(name) / "training_curve.csv") as handle:
         recorded = list(csv.DictReader(handle))[:3]
     for row, want in zip(rows, recorded):
