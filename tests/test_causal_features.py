@@ -17,6 +17,7 @@ Models are built from configs in float64 with random biases and norm parameters;
 sets are random, drawn afresh each run.
 """
 
+import functools
 import warnings
 
 import pytest
@@ -45,8 +46,8 @@ def relative(a, b) -> float:
 def drawn(make, layer: int, token: int, **options):
     """``(model, transcoders, ids, stack)``: a model, a random set and 6 random tokens, drawn again
     (up to 30 times) until a feature of layer ``layer`` is open at ``token``."""
+    model = make()  # (once: the family's model is made at a fixed seed, which would repeat every draw)
     for _ in range(30):
-        model = make()
         transcoders = transcoders_for(model, features=12, **options)
         ids = torch.randint(0, 50, (1, 6))
         stack, _ = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
@@ -100,26 +101,31 @@ def reference_change(model, ids, transcoders, stack, paths, sources, layer, toke
         moved = transcoders.encode(layer, norm(stream[None] - terms))
     changes = moved[torch.arange(len(features)), features] - clean[features]
     readouts = []
-    write_to = (
-        block.mlp
+    blocks = _blocks(model, *spec.blocks)
+    write_to = {  # each layer the feature writes into (a cross-layer set's: this one and every later one)
+        target: blocks[target].mlp
         if output_hook == "mlp_module_output" or spec.output_norms is None
-        else block.post_feedforward_layernorm
-    )
+        else blocks[target].post_feedforward_layernorm
+        for target in transcoders.w_dec[layer]
+    }
     for change, feature in zip(changes.tolist(), features.tolist()):
 
-        def add(module, args, output, change=change, feature=feature):
+        def add(module, args, output, change=change, feature=feature, target=layer):
             output = output.clone()
-            output[0, token] += change * transcoders.w_dec[layer][layer][feature].to(output.dtype)
+            output[0, token] += change * transcoders.w_dec[layer][target][feature].to(output.dtype)
             return output
 
         values = []
         for write in (False, True):
             with torch.no_grad(), float64_steps(model):  # its norm hooks first, then the write on their output
-                handle = write_to.register_forward_hook(add) if write else None
+                handles = [
+                    module.register_forward_hook(functools.partial(add, target=target))
+                    for target, module in (write_to.items() if write else [])
+                ]
                 try:
                     values.append(float(model(ids).logits[0, position, token_id]))
                 finally:
-                    if handle is not None:
+                    for handle in handles:
                         handle.remove()
         readouts.append(values[1] - values[0])
     return changes, torch.tensor(readouts, dtype=torch.float64)
@@ -133,13 +139,25 @@ def reference_change(model, ids, transcoders, stack, paths, sources, layer, toke
         ("llama", {"activation": "jumprelu", "skip": True}),
         ("gemma2", {"activation": "relu", "output_hook": "mlp_module_output"}),
         ("gemma2", {"activation": "jumprelu"}),
+        ("gpt2", {"activation": "jumprelu", "cross_layer": True}),
+        ("gemma2", {"activation": "relu", "output_hook": "mlp_module_output", "cross_layer": True}),
     ],
-    ids=["gpt2-jumprelu", "gpt2-relu-rescaled-skip", "llama-jumprelu-skip", "gemma2-module-output", "gemma2-jumprelu"],
+    ids=[
+        "gpt2-jumprelu",
+        "gpt2-relu-rescaled-skip",
+        "llama-jumprelu-skip",
+        "gemma2-module-output",
+        "gemma2-jumprelu",
+        "gpt2-cross-layer",
+        "gemma2-cross-layer-module-output",
+    ],
 )
 def test_a_path_removed_where_it_enters_a_feature_is_the_models_own_rerun(name, options):
     """The activation and readout changes equal the set's own encoding and the model's own forward
     with the change written by a hook of the test's (norms and patterns recomputed)."""
     token, position, layer = 3, 5, 0
+    if options.get("cross_layer"):  # read where the write into the last layer lands (no attention above it)
+        position = token
     model, transcoders, ids, stack = drawn(FAMILIES[name], layer, token, **options)
     paths, sources = open_feature_paths(stack, layer, token)
     token_id = 7
@@ -232,21 +250,29 @@ def test_held_at_the_clean_norm_the_preactivation_moves_by_the_prediction():
 
 
 @pytest.mark.parametrize(
-    "name, output_hook", [("gpt2", "mlp_output"), ("gemma2", "mlp_module_output")], ids=["gpt2", "gemma2-module-output"]
-)
-def test_the_frozen_readout_prediction_is_the_sum_of_the_paths_through_the_feature(name, output_hook):
+    "name, output_hook, cross_layer",
+    [("gpt2", "mlp_output", False), ("gemma2", "mlp_module_output", False), ("gpt2", "mlp_output", True),
+     ("gemma2", "mlp_module_output", True)],
+    ids=["gpt2", "gemma2-module-output", "gpt2-cross-layer", "gemma2-cross-layer-module-output"],
+)  # fmt: skip
+def test_the_frozen_readout_prediction_is_the_sum_of_the_paths_through_the_feature(name, output_hook, cross_layer):
     """For a feature open at one token alone, the frozen readout prediction is ``−`` the sum of the
     attributions of every path that takes the removed part, then the feature, then anything above
-    (heads and features of the next layer): the feature's frozen effect, carried up (for Gemma-2's
-    module output, through the frozen norm after the MLP)."""
+    (heads and features of the next layer; a cross-layer feature's write into the next layer too):
+    the feature's frozen effect, carried up (for Gemma-2's module output, through the frozen norm
+    after the MLP)."""
     make = {"gpt2": lambda: gpt2(layers=2, heads=2, width=8).eval(), "gemma2": FAMILIES["gemma2"]}[name]
-    for _ in range(20):  # a draw with a layer-0 feature open at exactly one token
-        model = make()
-        transcoders = transcoders_for(model, features=6, activation="relu", skip=True, output_hook=output_hook)
+    model = make()  # (once: the family's model is made at a fixed seed, which would repeat every draw)
+    for _ in range(100):  # a draw with a layer-0 feature open at exactly one token
+        transcoders = transcoders_for(
+            model, features=6, activation="relu", skip=True, output_hook=output_hook, cross_layer=cross_layer
+        )
         ids = torch.randint(0, 50, (1, 4))
         stack, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
         replaced = capture.transcoders.layers[0]
         alone = (replaced.gates[0].sum(0) == 1).nonzero().flatten()
+        if cross_layer:  # open at the last token, where its write into layer 1 reaches the readout
+            alone = alone[replaced.gates[0, 3, alone] == 1]
         if alone.numel():
             break
     index = int(alone[0])
@@ -258,6 +284,10 @@ def test_the_frozen_readout_prediction_is_the_sum_of_the_paths_through_the_featu
     prefix = torch.full((2 * layers,), -1)
     prefix[0] = 1  # the removed part: L0H1 from the embedding
     through = (result.paths[:, layers] == feature) & (result.paths[:, 0] == 1) & (result.path_sources == 0)
+    if cross_layer:  # layer 0's feature written into layer 1: (1 − 0) · stride + f in layer 1's column
+        written = result.paths[:, layers + 1] == capture.transcoders.stride + feature
+        through |= written & (result.paths[:, 0] == 1) & (result.path_sources == 0)
+        assert bool(written.any())
     expected = -float(result.attribution[through, 0, 0].sum())
     path = prefix.clone()
     path[layers] = feature

@@ -122,3 +122,42 @@ def test_a_set_that_does_not_fit_the_model_is_refused_by_name(tmp_path, capsys):
     errors = "\n".join(errors)
     assert code == 2
     assert "--transcoders" in errors and "d_in=32" in errors and "width is 64" in errors
+
+
+def write_circuit_tracer_clt(folder, layers: int = 4, width: int = 64, features: int = 16):
+    """A random cross-layer JumpReLU set reading the stream entering each MLP's norm, in
+    circuit-tracer's cross-layer files (``W_enc_{i}``: ``[F, d]``; ``W_dec_{i}``: ``[F, L − i, d]``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    set_ = random_transcoders(layers, width, features, generator=generator, dtype=torch.float32, cross_layer=True)
+    for layer in range(layers):
+        encoder = {
+            f"W_enc_{layer}": set_.w_enc[layer].T.contiguous(),
+            f"b_enc_{layer}": set_.b_enc[layer],
+            f"b_dec_{layer}": set_.b_dec[layer],
+            f"threshold_{layer}": set_.threshold[layer],
+        }
+        decoder = torch.stack([set_.w_dec[layer][target] for target in range(layer, layers)], 1)
+        safetensors.save_file(encoder, str(folder / f"W_enc_{layer}.safetensors"))
+        safetensors.save_file({f"W_dec_{layer}": decoder.contiguous()}, str(folder / f"W_dec_{layer}.safetensors"))
+    config = {"model_kind": "cross_layer_transcoder", "feature_input_hook": "hook_resid_mid"}
+    (folder / "config.yaml").write_text(yaml.safe_dump({**config, "feature_output_hook": "hook_mlp_out"}))
+    return folder
+
+
+def test_the_commands_follow_a_cross_layer_sets_steps(tmp_path, capsys):
+    """``attribute`` and ``graph`` with a cross-layer set in circuit-tracer's files: the paths through
+    its steps counted, the graph's rows exact."""
+    folder = write_circuit_tracer_clt(tmp_path / "clt")
+    argv = ["attribute", "--model", "gpt2_4l", "--example", "--transcoders", str(folder), "--top", "3"]
+    code, printed, errors = run([*argv, "--max-length", "2"], capsys)
+    assert code == 0, errors
+    assert "through at most 2 steps" in printed and "L2 transcoder bias" in printed
+    value, own = printed.split(" = ")[1].split(" (the model's own: ")
+    assert value == own.split(")")[0]  # the paths' sum, printed as the model's own logit
+    out = tmp_path / "out"
+    code, printed, errors = run(["graph", "--model", "gpt2_4l", "--example", "--transcoders", str(folder),
+                                 "--out", str(out), "--top", "3"], capsys)  # fmt: skip
+    assert code == 0, errors
+    assert float(printed.split("its node's value (to ")[1].split(")")[0]) < 1e-10
+    assert json.loads((out / "graph.json").read_text())["nodes"]

@@ -44,19 +44,22 @@ def steps_label(path, source: str, layers: int) -> str:
     return f"{source} (direct)" if length == 0 else f"{source} via {length} step{'s' * (length > 1)}"
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_with_transcoders_every_pair_is_its_literal_pair_and_the_groups_their_sums(name):
+@pytest.mark.parametrize("name, cross_layer", [("gpt2", False), ("llama", False), ("gpt2", True)])
+def test_with_transcoders_every_pair_is_its_literal_pair_and_the_groups_their_sums(name, cross_layer):
     """At layer 1 (the stream below it: the embedding, layer 0's heads, its features and skip
-    directions, its transcoder bias and error): each pair's term equals the literal pair of the two
-    paths' terms, the groups of score_decomposition are those pairs summed by (source, steps), and
-    everything sums to the model's own score."""
-    model, ids, stack, capture = captured(name, features=4)
+    directions, its transcoder bias and error; with a cross-layer set, layer 2, whose stream holds
+    layer 0's features written into layer 1's MLP): each pair's term equals the literal pair of the
+    two paths' terms, the groups of score_decomposition are those pairs summed by (source, steps),
+    and everything sums to the model's own score."""
+    model, ids, stack, capture = captured(name, features=4, cross_layer=cross_layer)
     record_norm_inputs(model, ids)
-    layer, head, query, key = 1, 1, 5, 2
+    layer, head, query, key = 1 + cross_layer, 1, 5, 2
     pairs = pk.score_pairs(stack, layer, head, query=query, key=key, top_k=4)
     layers = stack.num_layers
     assert pairs.paths.shape[1] == 2 * layers
     assert any("L0 F" in pairs.describe(i) for i in range(pairs.paths.shape[0]))
+    if cross_layer:
+        assert any("→L1" in pairs.describe(i) for i in range(pairs.paths.shape[0]))
     assert "L0 MLP error" in pairs.source_names and "L0 transcoder bias" in pairs.source_names
     terms = pk.path_terms(stack, pairs.paths, pairs.sources)  # [P, n, d], each path's own term
     sides = [literal_sides(model, capture, layer, term, False) for term in terms]
@@ -84,7 +87,7 @@ def test_with_transcoders_every_pair_is_its_literal_pair_and_the_groups_their_su
     assert float((decomposition.scores - decomposition.model_scores).abs().max()) < 1e-12 * scale
     # The stream's paths counted through the steps (score_pairs refuses a budget with their count).
     count = pairs.paths.shape[0]
-    with pytest.raises(ValueError, match=f"layer 1's stream has {count:,} paths"):
+    with pytest.raises(ValueError, match=f"layer {layer}'s stream has {count:,} paths"):
         pk.score_pairs(stack, layer, head, query=query, key=key, memory_budget=1)
     if decomposition.paths is not None:  # few paths below: the same split path by path
         assert decomposition.paths == (*(pairs.describe(i) for i in range(count)), CONSTANT)
@@ -92,11 +95,12 @@ def test_with_transcoders_every_pair_is_its_literal_pair_and_the_groups_their_su
 
 
 @pytest.mark.parametrize("side", ["query", "key"])
-def test_with_transcoders_one_side_is_the_pair_rows_and_its_search_the_sorted_paths(side):
+@pytest.mark.parametrize("cross_layer", [False, True])
+def test_with_transcoders_one_side_is_the_pair_rows_and_its_search_the_sorted_paths(side, cross_layer):
     """score_attribution's paths through features are the pair table's rows (columns) summed over
     the other side; score_top_paths, largest and smallest, on every bound, is the sorted list of
-    them, certified."""
-    model, ids, stack, _ = captured("gpt2", features=6)
+    them, certified (a cross-layer set's too)."""
+    model, ids, stack, _ = captured("gpt2", features=6, cross_layer=cross_layer)
     layer, head, query, key = 2, 0, 5, 3
     pairs = pk.score_pairs(stack, layer, head, query=query, key=key)
     result = pk.score_attribution(stack, layer, head, query=query, key=key, side=side)
@@ -148,12 +152,12 @@ def test_with_transcoders_a_held_norm_removal_moves_the_score_by_the_prediction(
         pk.causal_check(model, stack, {"input_ids": ids}, above, [0], side="key", layer=1, head=0, query=query, key=key)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_with_transcoders_the_certified_top_pairs_are_the_listed_pairs_top(name):
+@pytest.mark.parametrize("name, cross_layer", [("gpt2", False), ("llama", False), ("gpt2", True)])
+def test_with_transcoders_the_certified_top_pairs_are_the_listed_pairs_top(name, cross_layer):
     """top_score_pairs through features, largest and smallest, on every bound: certified, and its
     values and pairs the top of every pair score_pairs lists; stopped at once (a time limit passed
     before the first expansion), the bound it reports is above every pair it did not list."""
-    _, _, stack, _ = captured(name, features=4)
+    _, _, stack, _ = captured(name, features=4, cross_layer=cross_layer)
     layer, head, query, key = stack.num_layers - 1, 1, 5, 2
     listed = pk.score_pairs(stack, layer, head, query=query, key=key, top_k=8)
     scale = float(listed.values.abs().max())

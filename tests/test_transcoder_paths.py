@@ -487,7 +487,6 @@ def test_what_is_not_read_yet_is_refused_by_name():
 @pytest.mark.parametrize(
     "case, match",
     [
-        ("cross-layer", "cross-layer set; its features are not yet path steps"),
         ("resid_pre", "reads 'resid_pre'; a replaced MLP reads one of"),
         ("resid_post", "writes 'resid_post'; a replaced MLP writes one of"),
         ("width", "d_in=12 wide vectors; the model's width is 16"),
@@ -498,9 +497,7 @@ def test_what_is_not_read_yet_is_refused_by_name():
 def test_a_set_the_capture_cannot_replace_is_refused_before_the_forward_pass(case, match):
     model = gpt2(layers=2, heads=2, width=16).eval()
     transcoders = transcoders_for(model, features=4)
-    if case == "cross-layer":
-        transcoders.cross_layer = True
-    elif case in ("resid_pre", "resid_post"):
+    if case in ("resid_pre", "resid_post"):
         setattr(transcoders, "input_hook" if case == "resid_pre" else "output_hook", case)
     elif case == "width":
         transcoders = random_transcoders(2, 12, 4)

@@ -21,6 +21,7 @@ within one forward pass.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,35 +121,41 @@ def run_with_mlp_writes(
     inputs: dict,
     layer: int,
     count: int,
-    writes: Callable[[Tensor], Tensor],
+    writes: Callable[[Tensor], dict[int, Tensor]],
     module_output: bool,
 ) -> Tensor | None:
     """The model on ``inputs`` (one sequence) as ``1 + count`` rows: the clean run, then row m with
-    ``writes(stream)[m]`` ``[n, d]`` added to layer ``layer``'s MLP output. ``writes`` gets the clean
-    run's stream entering the MLP's norm ``[n, d]`` (float64; the MLP's own input where it has no
-    norm), which every row shares up to there. ``module_output``: add to the MLP module's output,
-    before a norm on it (Gemma-2's post-MLP norm, then recomputed); else to what the sublayer adds
-    to the stream. Returns the final norm's output ``[1 + count, n, d]`` float64 (None without one)."""
+    ``writes(stream)[t][m]`` ``[n, d]`` added to layer t's MLP output, for each layer ``t ≥ layer``
+    ``writes`` names (``layer`` alone, or a cross-layer feature's later layers too). ``writes`` gets
+    the clean run's stream entering layer ``layer``'s MLP norm ``[n, d]`` (float64; the MLP's own
+    input where it has no norm), which every row shares up to there, and is called once, there.
+    ``module_output``: add to the MLP module's output, before a norm on it (Gemma-2's post-MLP norm,
+    then recomputed); else to what the sublayer adds to the stream. Returns the final norm's output
+    ``[1 + count, n, d]`` float64 (None without one)."""
     spec = _layout(model)
-    block = _blocks(model, *spec.blocks)[layer]
-    norm = spec.norms(block)[1]
-    mlp = spec.mlp(block)
-    target = mlp if module_output or spec.output_norms is None else spec.output_norms(block)[1]
+    blocks = _blocks(model, *spec.blocks)
+    norm = spec.norms(blocks[layer])[1]
+    mlp = spec.mlp(blocks[layer])
     rows = _rows(model, inputs, count)
     state: dict = {}
 
     def keep_stream(module, args):
-        if "stream" not in state:  # rows are alike below the write; OPT's MLP reads [B·n, d]
-            state["stream"] = args[0].reshape(count + 1, -1, args[0].shape[-1])[0].double()
+        if "added" not in state:  # rows are alike below the write; OPT's MLP reads [B·n, d]
+            state["added"] = writes(args[0].reshape(count + 1, -1, args[0].shape[-1])[0].double())
 
-    def add(module, args, output):
+    def add(module, args, output, target: int):
         flat = output.reshape(count + 1, -1, output.shape[-1])
-        added = writes(state["stream"]).to(flat.device, flat.dtype)
-        flat = torch.cat([flat[:1], flat[1:] + added])
+        added = state["added"].get(target)
+        if added is None:
+            return output
+        flat = torch.cat([flat[:1], flat[1:] + added.to(flat.device, flat.dtype)])
         return flat.reshape(output.shape)
 
     handles = [(norm if norm is not None else mlp).register_forward_pre_hook(keep_stream)]
-    handles.append(target.register_forward_hook(add))
+    for target in range(layer, len(blocks)):
+        block = blocks[target]
+        written = spec.mlp(block) if module_output or spec.output_norms is None else spec.output_norms(block)[1]
+        handles.append(written.register_forward_hook(functools.partial(add, target=target)))
     finals = _keep_final(model, handles)
     try:
         stream_huggingface_attention(model, lambda index, attn: None, **rows)

@@ -20,6 +20,12 @@ step per singular value; ``M'`` the hook's frame without the format's normalisat
 formats add the skip term of their raw input), and two sources: the constant rows (every feature's ``S enc_f +
 b_enc,f`` through its gate and decoder, ``b_dec``, ``S W_skip``) and the error.
 
+A cross-layer set's feature f of layer l writes ``a_f d_f^{l→m}`` into every layer ``m ≥ l``. Its
+write at m is a step of layer m's MLP that reads the stream entering layer l's MLP: a path through
+it takes nothing between (no head of layers l+1..m, no other MLP step, no source entering there).
+The pre-norm skips between are the identity, so its term is the per-layer step's with the l→m
+decoder, ``X ↦ diag(o_m g_f s_l) X (M_l enc_f) (d_f^{l→m} Γ_o)ᵀ`` on the stream below layer l's MLP.
+
 :func:`replace_mlps` computes that, in float64, from what the capture read;
 :class:`TranscoderCapture` holds it as ``capture.transcoders``, and
 :func:`pathkernels.analysis.readout_trie.frozen_model` makes each replaced MLP a sublayer of
@@ -61,7 +67,12 @@ class ReplacedLayer:
       token weights ``o ⊙ s'`` (``s'``, ``M'``: the input hook's frame without the format's own
       normalisation, which the skip term does not pass);
     - ``bias`` ``[B, n, d]``: the constant rows; ``error`` ``[B, n, d]``: the MLP's output less the
-      reconstruction; ``num_features``: the transcoder's width (feature ids are below it).
+      reconstruction; ``num_features``: the transcoder's width (feature ids are below it);
+    - ``decoders_from``: a cross-layer set's writes into this layer from earlier ones, ``{l: [F'_l,
+      d]}`` (the decoder rows ``d_f^{l→m} Γ_o`` of layer l's active features; empty for a per-layer
+      set). A feature of layer l written here is a step of this layer's MLP that reads the stream
+      below layer l's MLP (its gate, input scale and encoder are layer l's, its output scale this
+      layer's).
     """
 
     layer: int
@@ -80,6 +91,7 @@ class ReplacedLayer:
     error: Tensor
     num_features: int
     activations: Tensor
+    decoders_from: dict[int, Tensor] = field(default_factory=dict)
 
     @property
     def num_skip(self) -> int:
@@ -96,6 +108,7 @@ class ReplacedLayer:
 
     def on(self, device) -> ReplacedLayer:
         moved = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in vars(self).items()}
+        moved["decoders_from"] = {source: v.to(device) for source, v in self.decoders_from.items()}
         return ReplacedLayer(**moved)
 
 
@@ -104,7 +117,11 @@ class TranscoderCapture:
     """A capture's MLPs replaced by a transcoder set: ``layers`` maps each replaced layer to its
     :class:`ReplacedLayer`; ``num_layers`` is the model's layer count (a path's choices are then
     ``[2 L]``: the head of each layer, then the step of each MLP); ``description``: the set's repr;
-    ``input_hook``, ``output_hook``: where it reads and writes (keys of ``transcoders.HOOKS``)."""
+    ``input_hook``, ``output_hook``: where it reads and writes (keys of ``transcoders.HOOKS``).
+
+    The step a path takes at layer m's MLP is, in its column ``L + m``: a feature's id ``f`` or
+    ``num_features + k`` for the skip map's k-th direction; with a cross-layer set, the feature f of
+    an earlier layer l written at m is ``(m − l) · stride + f`` (:attr:`stride`, :meth:`decode`)."""
 
     layers: dict[int, ReplacedLayer]
     num_layers: int
@@ -118,9 +135,31 @@ class TranscoderCapture:
         active = ", ".join(f"L{layer}: {r.features.numel()}" for layer, r in self.layers.items())
         return f"TranscoderCapture({self.description}; active features {active})"
 
+    @property
+    def cross_layer(self) -> bool:
+        """Whether some layer's features write into later layers (a cross-layer set)."""
+        return any(r.decoders_from for r in self.layers.values())
+
+    @property
+    def stride(self) -> int:
+        """What a step's value advances by per layer between where its feature reads and where it
+        writes: the most steps any one layer has (features, then skip directions)."""
+        return max(r.num_features + r.num_skip for r in self.layers.values())
+
+    def decode(self, slot: int, branch: int) -> tuple[int, int, int]:
+        """``(l, m, b)`` of the step ``branch`` in column ``slot`` (``L + m``): the layer ``l`` whose
+        feature or skip direction ``b`` it takes (``b`` as :meth:`ReplacedLayer.step_label` reads
+        it), written into layer ``m``'s MLP."""
+        target = slot - self.num_layers
+        offset, index = divmod(int(branch), self.stride)
+        return target - offset, target, index
+
     def step_label(self, slot: int, branch: int) -> str:
-        """The name of a step: ``slot`` a path's column (``L + l`` for layer l's MLP)."""
-        return self.layers[slot - self.num_layers].step_label(branch)
+        """The name of a step: ``slot`` a path's column (``L + m`` for layer m's MLP): ``"L1 F812"``,
+        or ``"L1 F812→L3"`` for a cross-layer feature of layer 1 written into layer 3."""
+        source, target, index = self.decode(slot, branch)
+        label = self.layers[source].step_label(index)
+        return label if source == target else f"{label}→L{target}"
 
     def on(self, device) -> TranscoderCapture:
         return TranscoderCapture(
@@ -217,19 +256,13 @@ class InputFrame:
 
 def check_replaceable(transcoders: TranscoderSet, num_layers: int, d_model: int, where: str) -> None:
     """Refuse, naming the argument, a set whose MLPs cannot be replaced in a capture: one that does
-    not fit the model, a cross-layer set (loaded, not yet a path step) or hooks the replacement
-    does not read."""
+    not fit the model or hooks the replacement does not read."""
     if not isinstance(transcoders, TranscoderSet):
         raise TypeError(
             f"{where}: expected transcoders to be a pathkernels.adapters.TranscoderSet (load_transcoders), "
             f"got {type(transcoders).__name__}"
         )
     transcoders.check_fits(num_layers=num_layers, d_model=d_model, require_all_layers=False)
-    if transcoders.cross_layer:
-        raise ValueError(
-            f"{where}: transcoders is a cross-layer set; its features are not yet path steps (per-layer and skip "
-            "transcoders are)"
-        )
     if transcoders.input_hook not in INPUT_HOOKS:
         raise ValueError(
             f"{where}: transcoders reads {transcoders.input_hook!r}; a replaced MLP reads one of {INPUT_HOOKS} "
@@ -241,6 +274,37 @@ def check_replaceable(transcoders: TranscoderSet, num_layers: int, d_model: int,
         )
 
 
+@dataclass
+class _Reading:
+    """What one layer's transcoder reads (the first half of :func:`replace_mlps`): its frames, the
+    active features and their gates, activations and pre-activations' constant parts."""
+
+    frame: InputFrame
+    hook_frame: InputFrame  # the input hook's frame without the format's normalisation (the skip term's)
+    w_enc: Tensor
+    features: Tensor  # [F'] active at some real token
+    gates: Tensor  # [B, n, F'] 0 or 1
+    activations: Tensor  # [B, n, F']
+    encoder_bias: Tensor  # [B, n, F']
+
+
+def _read(transcoders: TranscoderSet, inputs: MlpInputs, layer: int, real: Tensor) -> _Reading:
+    frame = InputFrame(transcoders.input_hook, transcoders.input_normalization, inputs, layer)
+    # The skip term reads the hook's value itself, before the format's normalisation (SAELens's skip
+    # transcoder adds x @ W_skip.T of its raw input).
+    hook_frame = InputFrame(transcoders.input_hook, "none", inputs, layer)
+    device = inputs.stream.device
+    w_enc = transcoders.w_enc[layer].to(device, torch.float64)
+    b_enc = transcoders.b_enc[layer].to(device, torch.float64)
+    pre = frame(inputs.stream[:, layer]) @ w_enc + b_enc  # [B, n, F]
+    acts = transcoders.activate(layer, pre).to(torch.float64)
+    gates = (acts != 0) & real[..., None]
+    features = gates.flatten(0, 1).any(0).nonzero().flatten()  # active at some real token
+    gates = gates[..., features].double()
+    encoder_bias = frame.shift @ w_enc[:, features] + b_enc[features]  # S enc_f + b_enc,f [B, n, F']
+    return _Reading(frame, hook_frame, w_enc, features, gates, acts[..., features] * gates, encoder_bias)
+
+
 def replace_mlps(
     transcoders: TranscoderSet, inputs: MlpInputs, token_mask: Tensor | None, tolerance: float, where: str
 ) -> TranscoderCapture:
@@ -249,70 +313,67 @@ def replace_mlps(
     tokens (a feature active only at padding is no step). Float64 throughout, whatever the set's
     dtype: the gates are decided on the float64 pre-activations of the frozen input. The frozen
     input is first checked against the model's own (:func:`check_input_hook`, within ``tolerance``;
-    its difference kept as ``input_error``)."""
+    its difference kept as ``input_error``). A cross-layer set's layer ``m`` sums what the features
+    of every layer ``l ≤ m`` write into it (``ReplacedLayer.decoders_from``)."""
     input_error = check_input_hook(transcoders, inputs, tolerance, where)
     batch, num_layers, tokens, d = inputs.stream.shape
     device = inputs.stream.device
     real = torch.ones(batch, tokens, dtype=torch.bool, device=device) if token_mask is None else token_mask.to(device)
+    zero = ~real[..., None]
+    reads = {layer: _read(transcoders, inputs, layer, real) for layer in transcoders.layers}
     layers = {}
     for layer in transcoders.layers:
-        frame = InputFrame(transcoders.input_hook, transcoders.input_normalization, inputs, layer)
-        x_in = frame(inputs.stream[:, layer])
-        # The skip term reads the hook's value itself, before the format's normalisation (SAELens's
-        # skip transcoder adds x @ W_skip.T of its raw input).
-        hook_frame = InputFrame(transcoders.input_hook, "none", inputs, layer)
-        x_hook = hook_frame(inputs.stream[:, layer])
-        w_enc = transcoders.w_enc[layer].to(device, torch.float64)
-        b_enc = transcoders.b_enc[layer].to(device, torch.float64)
-        w_dec = transcoders.w_dec[layer][layer].to(device, torch.float64)
-        b_dec = transcoders.b_dec[layer].to(device, torch.float64)
-        pre = x_in @ w_enc + b_enc  # [B, n, F]
-        acts = transcoders.activate(layer, pre).to(torch.float64)
-        gates = (acts != 0) & real[..., None]
-        features = gates.flatten(0, 1).any(0).nonzero().flatten()  # active at some real token
-        gates = gates[..., features].double()
-        acts = acts[..., features] * gates  # = gates ⊙ pre
+        own = reads[layer]
         out_scale = torch.ones(batch, tokens, dtype=torch.float64, device=device)
         out_gain = None
         if transcoders.output_hook == "mlp_module_output" and inputs.output_scale is not None:
             out_scale, out_gain = inputs.output_scale[:, layer], inputs.output_weight[layer]
-        decoder = w_dec[features]
+        # What each layer l ≤ this one writes into it (l = this layer alone for a per-layer set):
+        # its active features' decoder rows; the constant rows take each feature's S enc_f + b_enc,f
+        # through its gate, then b_dec and S W_skip.
+        b_dec = transcoders.b_dec[layer].to(device, torch.float64)
+        decoders, constant, reconstruction = {}, b_dec, b_dec
+        for source in transcoders.layers:
+            if layer not in transcoders.w_dec[source]:
+                continue
+            read = reads[source]
+            decoder = transcoders.w_dec[source][layer].to(device, torch.float64)[read.features]
+            constant = constant + (read.gates * read.encoder_bias) @ decoder
+            reconstruction = reconstruction + read.activations @ decoder
+            decoders[source] = decoder
         w_skip = transcoders.w_skip[layer]
         skip = None if w_skip is None else w_skip.to(device, torch.float64)
-        # The constant rows: each feature's S enc_f + b_enc,f through its gate, b_dec, S W_skip.
-        encoder_bias = frame.shift @ w_enc[:, features] + b_enc[features]  # [B, n, F']
-        constant = (gates * encoder_bias) @ decoder + b_dec
-        reconstruction = acts @ decoder + b_dec
         if skip is not None:
-            constant = constant + hook_frame.shift @ skip
-            reconstruction = reconstruction + x_hook @ skip
+            constant = constant + own.hook_frame.shift @ skip
+            reconstruction = reconstruction + own.hook_frame(inputs.stream[:, layer]) @ skip
         if out_gain is not None:
-            decoder, constant, reconstruction = decoder * out_gain, constant * out_gain, reconstruction * out_gain
+            decoders = {source: decoder * out_gain for source, decoder in decoders.items()}
+            constant, reconstruction = constant * out_gain, reconstruction * out_gain
             skip = None if skip is None else skip * out_gain
         constant = out_scale[..., None] * constant
         error = inputs.mlp_out[:, layer] - out_scale[..., None] * reconstruction
         skip_in = skip_out = skip_weights = None
         if skip is not None:
-            skip_in, skip_out = _rank_one_steps(hook_frame.apply(skip))
-            skip_weights = (out_scale * hook_frame.scale).masked_fill(~real, 0)
-        zero = ~real[..., None]
+            skip_in, skip_out = _rank_one_steps(own.hook_frame.apply(skip))
+            skip_weights = (out_scale * own.hook_frame.scale).masked_fill(~real, 0)
         layers[layer] = ReplacedLayer(
             layer=layer,
-            features=features.cpu(),
-            gates=gates,
-            input_scale=frame.scale.masked_fill(~real, 0),
+            features=own.features.cpu(),
+            gates=own.gates,
+            input_scale=own.frame.scale.masked_fill(~real, 0),
             output_scale=out_scale.masked_fill(~real, 0),
-            token_weights=(out_scale * frame.scale).masked_fill(~real, 0),
-            encoder=frame.apply(w_enc[:, features]),
-            encoder_bias=encoder_bias.masked_fill(zero, 0),
-            decoder=decoder,
+            token_weights=(out_scale * own.frame.scale).masked_fill(~real, 0),
+            encoder=own.frame.apply(own.w_enc[:, own.features]),
+            encoder_bias=own.encoder_bias.masked_fill(zero, 0),
+            decoder=decoders.pop(layer),
             skip_in=skip_in,
             skip_out=skip_out,
             skip_weights=skip_weights,
             bias=constant.masked_fill(zero, 0),
             error=error.masked_fill(zero, 0),
             num_features=transcoders.num_features(layer),
-            activations=acts,
+            activations=own.activations,
+            decoders_from=decoders,
         )
     return TranscoderCapture(
         layers, num_layers, repr(transcoders), transcoders.input_hook, transcoders.output_hook, input_error, transcoders

@@ -973,17 +973,21 @@ def random_transcoders(
     input_normalization: str = "none",
     rectify: bool = False,
     density: float | None = None,
+    cross_layer: bool = False,
     dtype: torch.dtype = torch.float64,
     generator: torch.Generator | None = None,
 ):
-    """A random per-layer :class:`~pathkernels.adapters.TranscoderSet` for a model of ``num_layers``
+    """A random :class:`~pathkernels.adapters.TranscoderSet` for a model of ``num_layers``
     layers of width ``d_model`` (``layers``: the layers it covers, default all), ``num_features``
     features each: encoder ``N(0, 1/d)``, biases ``N(−0.2, 0.3²)`` (about a third of the features of a
     unit-scale input active), thresholds ``U(0, 0.2)`` (JumpReLU), decoder ``N(0, 1/F)``, and with
     ``skip`` a ``W_skip`` ``N(0, 0.1²/d)``; ``k`` for TopK (default ``num_features // 4``). With
     ``density`` (JumpReLU), the encoder biases are 0 and every threshold the ``1 − density`` quantile
     of a standard normal, so that a fraction ``density`` of the features is active on an input
-    whose entries have unit variance (a LayerNorm's output), e.g. 64 of 24,576 at 0.0026."""
+    whose entries have unit variance (a LayerNorm's output), e.g. 64 of 24,576 at 0.0026. With
+    ``cross_layer``, each layer's features write into every later layer of the set too (a decoder
+    ``N(0, 1/F)`` per target), as a cross-layer transcoder's do; ``skip`` then gives no ``W_skip``
+    (cross-layer sets have none)."""
     layers = tuple(range(num_layers) if layers is None else layers)
     if density is not None and not (activation == "jumprelu" and 0.0 < float(density) < 1.0):
         raise ValueError(f"density: expected a fraction in (0, 1) of a JumpReLU set, got {density!r} ({activation})")
@@ -1002,7 +1006,14 @@ def random_transcoders(
         layers=layers,
         w_enc={layer: draw(d_model, num_features, std=d_model**-0.5) for layer in layers},
         b_enc={layer: encoder_bias() for layer in layers},
-        w_dec={layer: {layer: draw(num_features, d_model, std=num_features**-0.5)} for layer in layers},
+        w_dec={
+            layer: {
+                target: draw(num_features, d_model, std=num_features**-0.5)
+                for target in layers
+                if target == layer or (cross_layer and target > layer)
+            }
+            for layer in layers
+        },
         b_dec={layer: draw(d_model, std=0.3) for layer in layers},
         threshold={
             layer: None
@@ -1012,7 +1023,10 @@ def random_transcoders(
             else (torch.rand(num_features, generator=generator, dtype=torch.float64) * 0.2).to(dtype)
             for layer in layers
         },
-        w_skip={layer: draw(d_model, d_model, std=0.1 * d_model**-0.5) if skip else None for layer in layers},
+        w_skip={
+            layer: draw(d_model, d_model, std=0.1 * d_model**-0.5) if skip and not cross_layer else None
+            for layer in layers
+        },
         activation=dict.fromkeys(layers, activation),
         k=dict.fromkeys(layers, (k or max(1, num_features // 4)) if activation == "topk" else None),
         rectify=rectify,
@@ -1020,7 +1034,7 @@ def random_transcoders(
         input_hook=input_hook,
         output_hook=output_hook,
         source_hooks=(input_hook, output_hook),
-        cross_layer=False,
+        cross_layer=cross_layer,
         sources={layer: f"random layer {layer}" for layer in layers},
     )
 

@@ -44,8 +44,13 @@ from pathkernels.adapters.precision import in_float64
 from pathkernels.adapters.replacement import input_frame
 from pathkernels.adapters.self_check import check_tolerance
 from pathkernels.analysis.attribution import Readout
-from pathkernels.analysis.readout_trie import NO_HEAD, FrozenModel, Sublayer, describe_path, frozen_model
-from pathkernels.analysis.real_paths import _checked_paths, _skip, branch_sum, terms_of
+from pathkernels.analysis.readout_trie import (
+    NO_HEAD,
+    FrozenModel,
+    describe_path,
+    frozen_model,
+)
+from pathkernels.analysis.real_paths import _checked_paths, carry_up, terms_of
 from pathkernels.analysis.scores import checked_head, query_and_keys
 from pathkernels.core._figures import check_save_path, new_figure, require, saved, titled, wrapped
 from pathkernels.core.checks import check_flag, check_int
@@ -492,7 +497,7 @@ def _feature_paths(model, stack, inputs, frozen: FrozenModel, names, chosen, rea
     column = replacement.num_layers + layer
     choices = torch.stack([c for c, _ in chosen])
     sources = torch.tensor([source for _, source in chosen])
-    steps = choices[:, column]
+    steps, step_columns = _steps_reading_at(choices, replacement, layer)
     if removal.feature is None:
         if bool(((steps == NO_HEAD) | (steps >= replaced.num_features)).any()):
             raise ValueError(
@@ -510,7 +515,7 @@ def _feature_paths(model, stack, inputs, frozen: FrozenModel, names, chosen, rea
             )
         features = torch.full_like(steps, feature)
     below = choices.clone()
-    below[:, column] = NO_HEAD
+    below[torch.arange(below.shape[0]), step_columns] = NO_HEAD  # (a cross-layer step reading here writes above)
     at = _sublayer_of(frozen, column)
     above = [name for name, path, source in zip(names, below, sources.tolist()) if _above(frozen, path, source, at)]
     if above:
@@ -535,19 +540,24 @@ def _feature_paths(model, stack, inputs, frozen: FrozenModel, names, chosen, rea
     gates = replaced.gates[batch, token].cpu()[columns] * known
     effect = None
     position = int(positions[-1]) if removal.position is None else _position(removal.position, positions, batch, tokens)
-    if read is not None:
-        written = float(replaced.output_scale[batch, token]) * replaced.decoder.to(device)[columns.to(device)]  # [M, d]
-        unit = removed.new_zeros(len(names), positions.numel(), removed.shape[-1])
-        unit[:, row] = written
+    if read is not None:  # (a cross-layer feature writes into every later layer's MLP too)
+        carried = removed.new_zeros(len(names), positions.numel(), removed.shape[-1])
+        for target, decoder in _writes_of(replacement, layer).items():
+            unit = removed.new_zeros(len(names), positions.numel(), removed.shape[-1])
+            output_scale = float(replacement.layers[target].output_scale[batch, token])
+            unit[:, row] = output_scale * decoder.to(device)[columns.to(device)]  # [M, d]
+            carried += carry_up(frozen, unit, _sublayer_of(frozen, replacement.num_layers + target) + 1)
         pushed = removed.new_zeros(len(names), tokens, removed.shape[-1])
-        pushed[:, real.to(device)] = _through_sublayers(frozen.sublayers[at + 1 :], unit)
+        pushed[:, real.to(device)] = carried
         effect = -_value_predictions(stack, pushed, read, position, batch) * known  # [M]
 
     # The measured changes: the pre-activation recomputed from the run's clean stream less the term.
     weight, bias = capture.norm_weight[layer, 1], capture.norm_bias[layer, 1]
     w_enc = transcoders.w_enc[layer].to(device, torch.float64)
     b_enc = transcoders.b_enc[layer].to(device, torch.float64)
-    w_dec = transcoders.w_dec[layer][layer].to(device, torch.float64)[features.to(device)]  # [M, d]
+    w_dec = {  # [M, d] into each layer the features write
+        target: w.to(device, torch.float64)[features.to(device)] for target, w in transcoders.w_dec[layer].items()
+    }
     picked = torch.arange(len(names), device=device)
     measured: dict = {}
 
@@ -575,8 +585,10 @@ def _feature_paths(model, stack, inputs, frozen: FrozenModel, names, chosen, rea
         acts_moved = activate(everything)[picked, features.to(device)]
         measured["pre"], measured["act"] = pre[features.to(device)], acts[features.to(device)]
         measured["pre_change"], measured["act_change"] = moved - measured["pre"], acts_moved - measured["act"]
-        added = stream.new_zeros(len(names), *stream.shape).double()
-        added[:, token] = (measured["act_change"][:, None] * w_dec).to(added.device)
+        added = {}
+        for target, decoder in w_dec.items():
+            added[target] = stream.new_zeros(len(names), *stream.shape).double()
+            added[target][:, token] = (measured["act_change"][:, None] * decoder).to(stream.device)
         return added
 
     single = _single_row(inputs, batch, stack.batch_size)
@@ -621,13 +633,29 @@ def _feature_paths(model, stack, inputs, frozen: FrozenModel, names, chosen, rea
     )
 
 
-def _through_sublayers(sublayers: list[Sublayer], terms: Tensor) -> Tensor:
-    """Terms ``[N, n, d]`` carried up through ``sublayers`` by every branch of each: ``Y ↦ skip(Y) +
-    Σ_b T_b Y G_b`` (the sum over every path from where they enter, the frozen model's effect)."""
-    for sublayer in sublayers:
-        moved = _skip(sublayer, terms)
-        terms = moved + branch_sum(sublayer, terms) if sublayer.attn is not None and sublayer.branches else moved
-    return terms
+def _steps_reading_at(choices: Tensor, replacement, layer: int) -> tuple[Tensor, Tensor]:
+    """``([M], [M])``: the step each path takes that reads at layer ``layer``'s MLP, as layer
+    ``layer``'s feature id (or ``F + k`` for its skip map; −1 where none), and the column holding it
+    (its own, ``L + layer``, or with a cross-layer set a later MLP's where that feature writes)."""
+    layers = replacement.num_layers
+    steps = choices[:, layers + layer].clone()
+    columns = torch.full_like(steps, layers + layer)
+    for target in range(layer + 1, layers) if replacement.cross_layer else []:
+        for row, value in enumerate(choices[:, layers + target].tolist()):
+            source, _, index = replacement.decode(layers + target, value) if value != NO_HEAD else (None, 0, 0)
+            if source == layer:
+                steps[row], columns[row] = index, layers + target
+    return steps, columns
+
+
+def _writes_of(replacement, layer: int) -> dict[int, Tensor]:
+    """``{t: [F'_l, d]}``: the decoder rows (norm after the module folded in) that layer ``layer``'s
+    active features write into each layer t: itself, and a cross-layer set's later layers."""
+    writes = {layer: replacement.layers[layer].decoder}
+    for target, replaced in replacement.layers.items():
+        if layer in replaced.decoders_from:
+            writes[target] = replaced.decoders_from[layer]
+    return writes
 
 
 def _capture_tolerance(model) -> float:

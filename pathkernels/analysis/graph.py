@@ -355,16 +355,23 @@ class AttributionGraph:
         source = self._checked_node(source, "source", where)
         if KINDS[int(self.kinds[source])] == "logit":
             raise ValueError(f"{where}: node {source} ({self.label(source)}) is a logit, which writes nothing")
-        rows, level = self._context["nodes"].writes(int(self._context["original"][source]))
         top = len(setup.model.sources) - 1
-        if level > top:
+        writes = [(rows, level) for rows, level in self._context["nodes"].writes(int(self._context["original"][source]))
+                  if level <= top]  # fmt: skip
+        if not writes:
             raise ValueError(
                 f"{where}: {self.label(source)} writes above where {self.label(target)} reads: no edge between them"
             )
         model = self._context["model"]
-        sublayers = self._context["heads_only"][level:top]
-        sources = [rows] + [torch.zeros_like(rows) for _ in sublayers]
-        names = [self.label(source)] + [f"(nothing at level {level + j})" for j in range(1, len(sources))]
+        bottom = writes[0][1]
+        sublayers = self._context["heads_only"][bottom:top]
+        sources = [torch.zeros_like(writes[0][0]) for _ in range(top - bottom + 1)]
+        names = [f"(nothing at level {level})" for level in range(bottom, top + 1)]
+        for rows, level in writes:  # a cross-layer feature writes at every later layer's MLP
+            sources[level - bottom] = rows
+            names[level - bottom] = (
+                self.label(source) if level == bottom else f"{self.label(source)} (at level {level})"
+            )
         edge_model = FrozenModel(sublayers, sources, names, model.layers, model.num_heads, {}, model.replaced)
         return dataclasses.replace(
             setup, model=edge_model, constant=torch.zeros(1, 1, dtype=torch.float64),
@@ -390,11 +397,14 @@ def _options(top_k: int, largest: bool, time_limit) -> SearchOptions:
 
 
 def _heads_only(sublayer: Sublayer, replaced) -> Sublayer:
-    """A replaced MLP's sublayer with its feature steps dropped (its skip map's kept): what an edge's
-    chains pass through, no node between their ends. Other sublayers as they are."""
+    """A replaced MLP's sublayer with its feature steps dropped (a cross-layer set's from earlier
+    layers too; its skip map's kept): what an edge's chains pass through, no node between their
+    ends. Other sublayers as they are."""
     if sublayer.branch_ids is None or sublayer.attn is None:
         return sublayer
-    keep = sublayer.branch_ids >= replaced.layers[sublayer.layer].num_features
+    own = replaced.layers[sublayer.layer]
+    ids = sublayer.branch_ids
+    keep = (ids >= own.num_features) & (ids < own.num_features + own.num_skip)
     if not bool(keep.any()):
         return Sublayer(sublayer.layer, None, sublayer.scale, sublayer.gamma, None, None, True, False)
     return Sublayer(
@@ -536,9 +546,10 @@ class _Nodes:
         self.layer_data = {}
         count = 0
         feature_ids, activations = [], []
+        gates_of = {}
         for layer in sorted(self.feature_sublayer):
             data = replaced.layers[layer]
-            gates = data.gates[batch][pick]  # [n, F']
+            gates = gates_of[layer] = data.gates[batch][pick]  # [n, F']
             acts = data.activations[batch][pick]
             on = gates.nonzero()  # [m, 2] rows (position, feature index), in position-major order
             ids = data.features.to(on.device)[on[:, 1]]
@@ -548,10 +559,13 @@ class _Nodes:
             output_scale, encoder_bias = data.output_scale[batch][pick], data.encoder_bias[batch][pick]
             self.layer_data[layer] = (data, acts, output_scale, data.input_scale[batch][pick], encoder_bias)
             # The constant rows less what the feature nodes write of them (their pre-activations'
-            # constants through their gates): the rest (b_dec, the skip term's) is no node's.
+            # constants through their gates, a cross-layer set's earlier layers' too): the rest
+            # (b_dec, the skip term's) is no node's.
             level = self.feature_sublayer[layer] + 1
-            written = output_scale[:, None] * ((gates * encoder_bias) @ data.decoder)
-            self.constant_rows[level] = model.sources[level] - written
+            written = sum(
+                (gates_of[source] * self.layer_data[source][4]) @ decoder for source, decoder in self.writers(layer)
+            )
+            self.constant_rows[level] = model.sources[level] - output_scale[:, None] * written
             rows.append(on[:, 0].cpu())
             layer_of.append(torch.full((on.shape[0],), layer))
             index_of.append(on[:, 1].cpu())
@@ -579,6 +593,12 @@ class _Nodes:
         self._rows, self._layer_of, self._index_of = feature_rows, cat(layer_of, torch.long), cat(index_of, torch.long)
         self.error_level = {role[1]: level for level, role in self.roles.items() if role[0] == "error"}
 
+    def writers(self, layer: int) -> list[tuple[int, Tensor]]:
+        """``(l, decoder [F'_l, d])`` for each layer l whose features write into layer ``layer``'s MLP:
+        itself, and with a cross-layer set every earlier layer."""
+        data = self.replaced.layers[layer]
+        return [(layer, data.decoder), *data.decoders_from.items()]
+
     def feature_target(self, node: int) -> _Target:
         """What feature node ``node`` reads: its pre-activation at the MLP's input (``rho = s e_t``,
         ``phi = M enc_f``) and its constant ``S enc_f + b_enc,f``."""
@@ -588,25 +608,32 @@ class _Nodes:
         rho[row] = input_scale[row]
         return _Target(node, self.feature_sublayer[layer], rho, data.encoder[:, index], float(encoder_bias[row, index]))
 
-    def writes(self, node: int) -> tuple[Tensor, int]:
-        """What node ``node`` writes: rows ``[n, d]`` (one non-zero) and the level where they enter."""
+    def writes(self, node: int) -> list[tuple[Tensor, int]]:
+        """What node ``node`` writes: ``(rows [n, d] (one non-zero), the level where they enter)``, one
+        per layer it writes into (a cross-layer feature's every later layer), lowest first."""
         model = self.model
         rows = torch.zeros_like(model.sources[0])
         if node < self.features_count:
             layer, row, index = int(self._layer_of[node]), int(self._rows[node]), int(self._index_of[node])
-            data, acts, output_scale, _, _ = self.layer_data[layer]
-            rows[row] = acts[row, index] * output_scale[row] * data.decoder[index]
-            return rows, self.feature_sublayer[layer] + 1
+            acts = self.layer_data[layer][1]
+            written = []
+            for target in sorted(self.feature_sublayer):
+                decoder = dict(self.writers(target)).get(layer)
+                if decoder is not None:
+                    rows = torch.zeros_like(model.sources[0])
+                    rows[row] = acts[row, index] * self.layer_data[target][2][row] * decoder[index]
+                    written.append((rows, self.feature_sublayer[target] + 1))
+            return written
         if node < self.token_start:
             layer, row = divmod(node - self.error_start, self.n)
             if layer not in self.error_level:
                 raise ValueError(f"{_WHERE}: layer {layer} has no MLP in this model: its error nodes write nothing")
             level = self.error_level[layer]
             rows[row] = model.sources[level][row]
-            return rows, level
+            return [(rows, level)]
         row = node - self.token_start
         rows[row] = model.sources[0][row]
-        return rows, 0
+        return [(rows, 0)]
 
     def record(self, level: int, adjoint: Tensor, rows: Tensor, constants: Tensor) -> None:
         """Add what the sources at ``level`` give the targets whose adjoints are ``adjoint [T, n', d]``
@@ -623,14 +650,19 @@ class _Nodes:
             rows[:, start : start + reach] += per_row
         else:
             constants += per_row.sum(-1)
-        layout = self.feature_nodes.get(role[1]) if role[0] == "features" else None
-        if layout is not None and layout.width:  # (width 0: no feature of the layer is active here)
-            data, acts, output_scale, _, _ = self.layer_data[role[1]]
+        if role[0] != "features":
+            return
+        output_scale = self.layer_data[role[1]][2]
+        for writer, decoder in self.writers(role[1]):
+            layout = self.feature_nodes.get(writer)
+            if layout is None or not layout.width:  # (width 0: no feature of the layer is active here)
+                continue
+            acts = self.layer_data[writer][1]
             # Token by token, the features active there: G[:, t] · (a_f(t) o(t) d_f), without the
             # [T, n, F'] product of every feature at every token: each token's writes padded to the
             # most any token has, one batched product over the tokens.
             feature_rows, indices = layout.rows, layout.indices
-            written = (acts[feature_rows, indices] * output_scale[feature_rows])[:, None] * data.decoder[indices]
+            written = (acts[feature_rows, indices] * output_scale[feature_rows])[:, None] * decoder[indices]
             padded = written.new_zeros(self.n * layout.width, written.shape[1])
             padded[layout.slots] = written
             padded = padded.view(self.n, layout.width, written.shape[1])[:reach]  # [n', width, d]

@@ -83,6 +83,9 @@ class Sublayer:
     centred: bool
     slot: int | None = None  # the column of a path's choices its branches go in (None: ``layer``)
     branch_ids: Tensor | None = None  # what a path's choice holds for each branch (None: its index)
+    # A cross-layer set's steps from earlier layers: ``(first branch, level)`` runs, the branches from
+    # ``first`` (to the next run's) reading the stream at ``level``, below an earlier layer's MLP.
+    jumps: tuple[tuple[int, int], ...] = ()
 
     @property
     def column(self) -> int:
@@ -93,6 +96,14 @@ class Sublayer:
     def branches(self) -> int:
         """Its branches besides the skip: the heads, or the steps of a replaced MLP (0: skip only)."""
         return 0 if self.attn is None else self.attn.shape[0]
+
+    def branch_levels(self, below: int) -> list[tuple[int, int, int]]:
+        """``(first, stop, level)``: the branches ``first..stop−1`` and the level a path goes down to
+        after taking one: ``below`` (the next level, this sublayer's index), but for a cross-layer
+        set's steps from an earlier layer (:attr:`jumps`), which read the stream below its MLP."""
+        starts = [(0, below), *self.jumps]
+        stops = [first for first, _ in starts[1:]] + [self.branches]
+        return [(first, stop, level) for (first, level), stop in zip(starts, stops) if stop > first]
 
     def choice_values(self, device) -> Tensor:
         """``[branches]``: what a path's choice holds for each branch (a head's index, a feature's id)."""
@@ -165,14 +176,26 @@ class FrozenModel:
     def path_counts(self, max_length: int) -> list[int]:
         """The paths by length ``0..layers`` (a source, then the skip or a branch of every sublayer
         above it), up to ``max_length`` branches: from source j, the coefficients of
-        ``Π_{s ≥ j} (1 + b_s x)`` with ``b_s`` the branches of sublayer s."""
-        counts, above = [0] * (self.layers + 1), [1]
+        ``Π_{s ≥ j} (1 + b_s x)`` with ``b_s`` the branches of sublayer s; with a cross-layer set's
+        steps, which skip the sublayers and sources between where they read and where they write,
+        by the same recursion over levels (the paths from the top to each level, by length)."""
+        counts = [0] * (self.layers + 1)
+        top = min(max_length, self.layers) + 1
+        above = {len(self.sources) - 1: [1] + [0] * (top - 1)}  # the paths from the top to a level
         for level in range(len(self.sources) - 1, -1, -1):
-            for length, count in enumerate(above[: max_length + 1]):
+            reaching = above.pop(level)
+            for length, count in enumerate(reaching):
                 counts[length] += count
-            if level:
-                branches = self.sublayers[level - 1].branches
-                above = [a + branches * b for a, b in zip(above + [0], [0] + above)] if branches else above
+            if not level:
+                break
+            sublayer = self.sublayers[level - 1]
+            moves = [(level - 1, 1, 0)] + [  # (level, ways, branches taken): the skip, then the branches
+                (to, stop - first, 1) for first, stop, to in sublayer.branch_levels(level - 1)
+            ]
+            for to, ways, taken in moves:
+                into = above.setdefault(to, [0] * top)
+                for length in range(top - taken):
+                    into[length + taken] += ways * reaching[length]
         return counts
 
     @property
@@ -217,6 +240,7 @@ def frozen_model(
     row_sums = attn.sum(-1)  # r_h = A_h 1 [L, H, n]
 
     sublayers, sources, names = [], [capture.embedding[batch][pick]], ["embedding"]
+    feature_levels = {}  # a replaced MLP's layer → the index of its steps' sublayer
     for layer in range(stack.num_layers):
         sublayers.append(
             Sublayer(
@@ -231,7 +255,12 @@ def frozen_model(
         names.append(f"L{layer} attention bias")
         replaced = None if capture.transcoders is None else capture.transcoders.layers.get(layer)
         if replaced is not None:
-            _append_replaced_mlp(sublayers, sources, names, replaced, batch, pick, stack.num_layers, batch_features)
+            written = replaced.decoders_from  # a cross-layer set's earlier layers writing here
+            earlier = [(capture.transcoders.layers[source], feature_levels[source]) for source in written]
+            feature_levels[layer] = len(sublayers)
+            _append_replaced_mlp(
+                sublayers, sources, names, replaced, batch, pick, capture.transcoders, batch_features, earlier
+            )
             continue
         mlp = capture.mlp_out[batch, layer][pick]
         sublayers.append(
@@ -260,30 +289,48 @@ def refuse_transcoders(capture, where: str, what: str) -> None:
 
 
 def _append_replaced_mlp(
-    sublayers, sources, names, replaced, batch: int, pick: Tensor, num_layers: int, batch_features: bool = False
+    sublayers, sources, names, replaced, batch: int, pick: Tensor, transcoders, batch_features: bool, earlier
 ) -> None:
     """A replaced MLP (:class:`~pathkernels.adapters.replacement.ReplacedLayer`) of batch element
     ``batch`` on its tokens ``pick``: a sublayer whose branches are its feature steps active there
     and its skip map's rank-one steps, each a head of d_head 1 with a diagonal token map (choices
-    column ``L + layer``, holding the feature's id, or ``num_features + k``); then its constant rows,
-    an identity sublayer, and its error, so that each source enters on its own."""
+    column ``L + layer``, holding the feature's id, or ``num_features + k``), then, for a cross-layer
+    set, what the features of each earlier layer l (``earlier``: ``(its ReplacedLayer, the level
+    below its MLP)``) write here, ids ``(layer − l) · stride + f``, each a jump down to that level;
+    then its constant rows, an identity sublayer, and its error, so that each source enters on its
+    own."""
     layer = replaced.layer
-    gates = replaced.gates[batch][pick]  # [n, F']
-    active = torch.ones_like(gates[0], dtype=torch.bool) if batch_features else gates.any(0)
-    weights = replaced.token_weights[batch][pick]  # [n]
-    token_weights = [gates[:, active].T * weights]  # [F'', n]
-    inputs, outputs = [replaced.encoder[:, active].T], [replaced.decoder[active]]
-    ids = [replaced.features.to(pick.device)[active.to(replaced.features.device)]]
+    output_weights = replaced.output_scale[batch][pick]  # o [n]
+
+    def steps_of(reading, decoder, weights, offset: int):  # (token weights [F'', n], inputs, outputs, ids)
+        gates = reading.gates[batch][pick]  # [n, F']
+        active = torch.ones_like(gates[0], dtype=torch.bool) if batch_features else gates.any(0)
+        weights = gates[:, active].T * weights
+        ids = reading.features.to(pick.device)[active.to(reading.features.device)] + offset * transcoders.stride
+        return weights, reading.encoder[:, active].T, decoder[active], ids
+
+    own = steps_of(replaced, replaced.decoder, replaced.token_weights[batch][pick], 0)
+    token_weights, inputs, outputs, ids = ([part] for part in own)
     if replaced.skip_in is not None:
         token_weights.append(replaced.skip_weights[batch][pick].expand(replaced.num_skip, -1))
         inputs.append(replaced.skip_in)
         outputs.append(replaced.skip_out)
         ids.append(replaced.num_features + torch.arange(replaced.num_skip, device=pick.device))
+    jumps, count = [], sum(part.shape[0] for part in ids)
+    for reading, level in earlier:
+        weights = reading.input_scale[batch][pick] * output_weights  # s_l ⊙ o_m
+        weights, into, out, from_ids = steps_of(
+            reading, replaced.decoders_from[reading.layer], weights, layer - reading.layer
+        )
+        jumps.append((count, level))
+        count += from_ids.shape[0]
+        token_weights.append(weights), inputs.append(into), outputs.append(out), ids.append(from_ids)
     token_maps = torch.diag_embed(torch.cat(token_weights))  # [F'', n, n]
-    ones = torch.ones(weights.shape[0], dtype=torch.float64, device=weights.device)
-    gamma = torch.ones(inputs[0].shape[-1], dtype=torch.float64, device=weights.device)
+    ones = torch.ones(output_weights.shape[0], dtype=torch.float64, device=output_weights.device)
+    gamma = torch.ones(inputs[0].shape[-1], dtype=torch.float64, device=output_weights.device)
     w_v, w_o = torch.cat(inputs)[:, :, None], torch.cat(outputs)[:, None, :]  # [F'', d, 1], [F'', 1, d]
-    steps = Sublayer(layer, token_maps, ones, gamma, w_v, w_o, True, False, num_layers + layer, torch.cat(ids))
+    column = transcoders.num_layers + layer
+    steps = Sublayer(layer, token_maps, ones, gamma, w_v, w_o, True, False, column, torch.cat(ids), tuple(jumps))
     sublayers.append(steps)
     sources.append(replaced.bias[batch][pick])
     names.append(f"L{layer} transcoder bias")
@@ -315,7 +362,7 @@ def block_diagonal_model(models: list[FrozenModel]) -> FrozenModel:
         sublayers.append(
             Sublayer(
                 sublayer.layer, attn, scale, sublayer.gamma, sublayer.w_v, sublayer.w_o, sublayer.pre, sublayer.centred,
-                sublayer.slot, sublayer.branch_ids,
+                sublayer.slot, sublayer.branch_ids, sublayer.jumps,
             )
         )  # fmt: skip
     sources = [torch.cat([model.sources[j] for model in models]) for j in range(len(first.sources))]
@@ -563,11 +610,13 @@ class Walker:
 
     def children(self, level: int, rho, phi, choices, lengths, runs: list[tuple], max_length: int) -> list[tuple]:
         """The children of a chunk at ``level`` through sublayer ``level − 1``: the skip's, then (for
-        nodes under ``max_length`` heads) every head's, head by head: a list of parts, each a chunk
-        tuple."""
+        nodes under ``max_length`` heads) every head's, head by head: a list of parts, each
+        ``(child level, *chunk tuple)``: ``level − 1``, but for a cross-layer set's steps from an
+        earlier layer, whose children are at the level below that layer's MLP
+        (:meth:`Sublayer.branch_levels`)."""
         sublayer = self.model.sublayers[level - 1]
         rho_skip, phi_skip = sublayer.skip(rho, phi)
-        parts = [(rho_skip, phi_skip, choices, lengths, runs)]
+        parts = [(level - 1, rho_skip, phi_skip, choices, lengths, runs)]
         grows = lengths < max_length
         if sublayer.attn is None or not bool(grows.any()):
             return parts
@@ -577,12 +626,18 @@ class Walker:
             kept = torch.segment_reduce(grows.double(), "sum", lengths=counts).long().tolist()
             runs = [(k, basis) for k, (_, basis) in zip(kept, runs) if k]
         rho_h, phi_h = self._heads(level - 1, rho, phi, runs)
-        heads, grown = rho_h.shape[0], rho_h.shape[1]
-        head_choices = choices[None].repeat(heads, 1, 1)
-        head_choices[:, :, sublayer.column] = sublayer.choice_values(rho.device)[:, None]
-        runs_h = [(grown, (level - 1, h)) for h in range(heads)] if self._low(level - 1) else [(heads * grown, None)]
-        lengths_h = (lengths + 1).repeat(heads)
-        return parts + [(rho_h.flatten(0, 1), phi_h.flatten(0, 1), head_choices.flatten(0, 1), lengths_h, runs_h)]
+        grown = rho_h.shape[1]
+        values = sublayer.choice_values(rho.device)
+        low = self._low(level - 1)
+        for first, stop, child_level in sublayer.branch_levels(level - 1):
+            heads = stop - first
+            head_choices = choices[None].repeat(heads, 1, 1)
+            head_choices[:, :, sublayer.column] = values[first:stop, None]
+            runs_h = [(grown, (level - 1, h)) for h in range(first, stop)] if low else [(heads * grown, None)]
+            lengths_h = (lengths + 1).repeat(heads)
+            rho_part, phi_part = rho_h[first:stop].flatten(0, 1), phi_h[first:stop].flatten(0, 1)
+            parts.append((child_level, rho_part, phi_part, head_choices.flatten(0, 1), lengths_h, runs_h))
+        return parts
 
     def walk(self, rho: Tensor, phi: Tensor, max_length: int, chunk: int, fold: Fold, bar) -> None:
         """Every path's attribution folded into ``fold`` (:meth:`emissions`), ``bar`` counting them."""
@@ -611,10 +666,10 @@ class Walker:
             yield parts, choices, lengths
             if level == 0:
                 continue
-            for *part, part_runs in self.children(level, rho, phi, choices, lengths, runs, max_length):
+            for child_level, *part, part_runs in self.children(level, rho, phi, choices, lengths, runs, max_length):
                 for start in range(0, part[0].shape[0], chunk):
                     stop = start + chunk
-                    pending.append((level - 1, *(t[start:stop] for t in part), _slice_runs(part_runs, start, stop)))
+                    pending.append((child_level, *(t[start:stop] for t in part), _slice_runs(part_runs, start, stop)))
 
 
 def _prefixes(sublayers: list[Sublayer], top: int) -> int:

@@ -22,7 +22,6 @@ branches below it), depth first in chunks sized by the memory budget: ``n² d`` 
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -166,36 +165,61 @@ def _skip(sublayer: Sublayer, terms: Tensor) -> Tensor:
     return sublayer.scale[:, None] * centred * sublayer.gamma
 
 
-def _heads(sublayer: Sublayer, terms: Tensor) -> Tensor:
+def _heads(sublayer: Sublayer, terms: Tensor, first: int = 0, stop: int | None = None) -> Tensor:
     """Every head's branch on terms ``[N, n, d]``: ``T_h Y G_h`` ``[H, N, n, d]``, with
     ``G_h = F_out[h]ᵀ F_in[h]ᵀ`` (the readout's row-form factors, :attr:`Sublayer.feature_factors`):
     one GEMM into every head's d_head columns, the token maps there (``n² d_head`` rather than
-    ``n² d``), then each head's ``d_head × d`` factor."""
-    feature_in, feature_out = sublayer.feature_factors  # [H, d, e], [H, e, d]
+    ``n² d``), then each head's ``d_head × d`` factor. ``first``, ``stop``: only branches
+    ``first..stop−1`` (a cross-layer set's steps that read the stream ``terms`` hold)."""
+    feature_in, feature_out = (factor[first:stop] for factor in sublayer.feature_factors)  # [H, d, e], [H, e, d]
     heads, head_dim, d = feature_in.shape[0], feature_in.shape[-1], terms.shape[-1]
     nodes, tokens = terms.shape[0], terms.shape[1]
     into = feature_out.transpose(-1, -2).permute(1, 0, 2).reshape(d, heads * head_dim)  # [d, H·e]
     narrow = (terms.reshape(-1, d) @ into).view(nodes, tokens, heads, head_dim).permute(2, 0, 1, 3)  # [H, N, n, e]
-    narrow = torch.matmul(sublayer.token_maps.unsqueeze(1), narrow)  # T_h on the token axis
+    narrow = torch.matmul(sublayer.token_maps[first:stop].unsqueeze(1), narrow)  # T_h on the token axis
     wide = torch.bmm(narrow.reshape(heads, nodes * tokens, head_dim), feature_in.transpose(-1, -2))  # [H, N·n, d]
     return wide.view(heads, nodes, tokens, d)
 
 
-def branch_sum(sublayer: Sublayer, terms: Tensor) -> Tensor:
+def branch_sum(sublayer: Sublayer, terms: Tensor, first: int = 0, stop: int | None = None) -> Tensor:
     """Every branch of a sublayer on terms ``[N, n, d]``, summed: ``Σ_b T_b Y G_b`` ``[N, n, d]``
     (:func:`_heads`' sum over b, without its ``[B, N, n, d]`` product: a replaced MLP has thousands
-    of branches, each of d_head 1)."""
-    feature_in, feature_out = sublayer.feature_factors  # [B, d, r], [B, r, d]
-    narrow = torch.matmul(sublayer.token_maps[:, None], torch.einsum("ntd,brd->bntr", terms, feature_out))
+    of branches, each of d_head 1); ``first``, ``stop``: only branches ``first..stop−1``."""
+    feature_in, feature_out = (factor[first:stop] for factor in sublayer.feature_factors)  # [B, d, r], [B, r, d]
+    token_maps = sublayer.token_maps[first:stop]
+    narrow = torch.matmul(token_maps[:, None], torch.einsum("ntd,brd->bntr", terms, feature_out))
     return torch.einsum("bntr,bdr->ntd", narrow, feature_in)
+
+
+def carry_up(model: FrozenModel, terms: Tensor, position: int) -> Tensor:
+    """Terms ``[N, n, d]`` entering at ``position`` (below sublayer ``position``) carried to the top
+    by every branch: the sum over every path from there, the frozen model's effect. Sublayer by
+    sublayer ``Y ↦ skip(Y) + Σ_b T_b Y G_b``, a cross-layer set's steps that read at p written where
+    they write (:func:`_moves`)."""
+    moves = _moves(model)
+    arriving: dict[int, Tensor] = {}
+    for here in range(position, len(model.sublayers)):
+        if here in arriving:
+            terms = terms + arriving.pop(here)
+        moved = _skip(model.sublayers[here], terms)
+        for q, first, stop, after in moves[here]:
+            grown = branch_sum(model.sublayers[q], terms, first, stop)
+            if after == here + 1:
+                moved = moved + grown
+            else:
+                arriving[after] = arriving[after] + grown if after in arriving else grown
+        terms = moved
+    return terms + arriving.pop(len(model.sublayers), 0)
 
 
 def _every_term(model: FrozenModel, max_length: int, chunk: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
     """Every path's term of one frozen sequence, in chunks: ``(terms [N, n, d], choices [N, L],
     source)``, each source's trie depth first from the bottom. A node at position s has passed
-    sublayers j … s − 1 above its source j; its children pass sublayer s."""
+    sublayers j … s − 1 above its source j; its children pass sublayer s (the skip or a branch), or
+    a cross-layer set's step that reads here and writes above (:func:`_moves`)."""
     device = model.sources[0].device
     top = len(model.sublayers)
+    moves = _moves(model)
     for source in range(top + 1):
         choices = torch.full((1, model.layers), NO_HEAD, dtype=torch.long, device=device)
         pending = [(source, model.sources[source][None], choices, torch.zeros(1, dtype=torch.long, device=device))]
@@ -204,18 +228,19 @@ def _every_term(model: FrozenModel, max_length: int, chunk: int) -> Iterator[tup
             if position == top:
                 yield terms, choices, source
                 continue
-            sublayer = model.sublayers[position]
-            parts = [(_skip(sublayer, terms), choices, lengths)]
+            parts = [(position + 1, _skip(model.sublayers[position], terms), choices, lengths)]
             grows = lengths < max_length
-            if sublayer.attn is not None and bool(grows.any()):
-                grown = _heads(sublayer, terms[grows])  # [H, N', n, d]
+            for q, first, stop, after in moves[position] if bool(grows.any()) else []:
+                sublayer = model.sublayers[q]
+                grown = _heads(sublayer, terms[grows], first, stop)  # [H, N', n, d]
                 heads = grown.shape[0]
                 head_choices = choices[grows][None].repeat(heads, 1, 1)
-                head_choices[:, :, sublayer.column] = sublayer.choice_values(device)[:, None]
-                parts.append((grown.flatten(0, 1), head_choices.flatten(0, 1), (lengths[grows] + 1).repeat(heads)))
-            for part in reversed(parts):  # the skip's subtree first
+                head_choices[:, :, sublayer.column] = sublayer.choice_values(device)[first:stop, None]
+                lengths_h = (lengths[grows] + 1).repeat(heads)
+                parts.append((after, grown.flatten(0, 1), head_choices.flatten(0, 1), lengths_h))
+            for after, *part in reversed(parts):  # the skip's subtree first
                 for start in range(0, part[0].shape[0], chunk):
-                    pending.append((position + 1, *(t[start : start + chunk] for t in part)))
+                    pending.append((after, *(t[start : start + chunk] for t in part)))
 
 
 def _canonical_order(choices: Tensor, sources: Tensor) -> Tensor:
@@ -411,16 +436,7 @@ def _checked_paths(paths, sources, model: FrozenModel, names: list[str], where: 
     if bool(((heads < NO_HEAD) | (heads >= model.num_heads)).any()):
         raise ValueError(f"{where}: expected heads in [-1, {model.num_heads}) in paths, got {heads.unique().tolist()}")
     if model.replaced is not None:  # each MLP's column: a feature id or a skip-map direction, where it has a transcoder
-        layers = model.replaced.num_layers
-        for layer in range(layers):
-            column = paths[:, layers + layer]
-            replaced = model.replaced.layers.get(layer)
-            limit = 0 if replaced is None else replaced.num_features + replaced.num_skip
-            if bool(((column < NO_HEAD) | (column >= limit)).any()):
-                raise ValueError(
-                    f"{where}: expected paths[:, {layers + layer}] (layer {layer}'s MLP step) in [-1, {limit}) (its "
-                    f"features, then its skip map's directions), got {column.unique().tolist()}"
-                )
+        _check_steps(paths, model.replaced, where)
     if isinstance(sources, (str, int)):
         sources = [sources]
     if isinstance(sources, (list, tuple)) and sources and all(isinstance(s, str) for s in sources):
@@ -442,6 +458,20 @@ def _checked_paths(paths, sources, model: FrozenModel, names: list[str], where: 
     for index, sublayer in enumerate(model.sublayers):
         if sublayer.attn is not None:
             where_column[sublayer.column] = index
+    if model.replaced is not None and model.replaced.cross_layer:  # a step from layer l reads below l's MLP
+        layers = model.replaced.num_layers
+        for column in range(layers, 2 * layers):
+            taken = paths[:, column] != NO_HEAD
+            source_layer = torch.tensor(
+                [model.replaced.decode(column, int(value))[0] for value in paths[taken, column].tolist()],
+                dtype=torch.long,
+            )
+            if bool((sources[taken] > where_column[layers + source_layer]).any()):
+                bad = int(taken.nonzero()[(sources[taken] > where_column[layers + source_layer]).nonzero()[0]])
+                raise ValueError(
+                    f"{where}: path {bad} takes a step that reads below its source ({names[int(sources[bad])]}): "
+                    f"{paths[bad].tolist()}"
+                )
     below = (where_column[None, :] < sources[:, None]) & (where_column[None, :] >= 0)  # [M, columns]
     if bool(((paths != NO_HEAD) & below).any()):
         bad = int(((paths != NO_HEAD) & below).any(1).nonzero()[0])
@@ -451,23 +481,71 @@ def _checked_paths(paths, sources, model: FrozenModel, names: list[str], where: 
     return paths.long(), sources.long()
 
 
-def _branching(model: FrozenModel) -> tuple[list[Sublayer], list[int]]:
-    """The sublayers with branches, bottom up (each attention, and each replaced MLP's steps), and
-    per source j the index among them of the first above it (source j enters below sublayer j)."""
-    positions = [
-        index for index, sublayer in enumerate(model.sublayers) if sublayer.attn is not None and sublayer.branches
-    ]
-    first = [sum(1 for position in positions if position < j) for j in range(len(model.sources))]
-    return [model.sublayers[position] for position in positions], first
+def _check_steps(paths: Tensor, replaced, where: str) -> None:
+    """Each MLP column of ``paths [M, 2L]`` a step of that layer's transcoder: a feature id or a skip
+    direction, and with a cross-layer set an earlier layer's feature written there, ``(m − l) ·
+    stride + f``, on a path that takes nothing between (no head of layers l+1..m, no MLP step of
+    layers l..m−1)."""
+    layers = replaced.num_layers
+    for layer in range(layers):
+        column = paths[:, layers + layer]
+        here = replaced.layers.get(layer)
+        limit = 0 if here is None else here.num_features + here.num_skip
+        offset, index = column.div(replaced.stride, rounding_mode="floor"), column.remainder(replaced.stride)
+        earlier = (column >= 0) & (offset > 0) & replaced.cross_layer
+        if here is not None and bool(earlier.any()):
+            allowed = torch.zeros(layer + 1, dtype=torch.bool)
+            allowed[list(here.decoders_from)] = True
+            source = layer - offset[earlier]
+            width = torch.tensor([replaced.layers[int(s)].num_features if s >= 0 and allowed[s] else 0
+                                  for s in source.clamp_min(-1).tolist()])  # fmt: skip
+            wrong = (source < 0) | (index[earlier] >= width)
+            if bool(wrong.any()):
+                raise ValueError(
+                    f"{where}: expected paths[:, {layers + layer}] (layer {layer}'s MLP step) a feature of a layer "
+                    f"writing there, (m − l) · {replaced.stride} + f, got {column[earlier][wrong].unique().tolist()}"
+                )
+            for row, first in zip(earlier.nonzero().flatten().tolist(), source.tolist()):
+                between = [*range(first + 1, layer + 1), *range(layers + first, layers + layer)]
+                if bool((paths[row, between] != NO_HEAD).any()):
+                    raise ValueError(
+                        f"{where}: path {row} takes layer {first}'s feature written at layer {layer} and a step "
+                        f"between (columns {between} must be -1): {paths[row].tolist()}"
+                    )
+        if bool(((column < NO_HEAD) | ((column >= limit) & ~earlier)).any()):
+            raise ValueError(
+                f"{where}: expected paths[:, {layers + layer}] (layer {layer}'s MLP step) in [-1, {limit}) (its "
+                f"features, then its skip map's directions), got {column.unique().tolist()}"
+            )
 
 
-def _suffix_counts(branches: list[int], top: int) -> list[list[int]]:
-    """``N[i][k]``: the ways to take ``k`` branches among the branching sublayers ``i…`` (one branch of
-    each taken sublayer), exact integers: ``N[i][k] = N[i+1][k] + b_i N[i+1][k−1]``."""
-    counts = [[1] + [0] * top]
-    for b in reversed(branches):
-        above = counts[0]
-        counts.insert(0, [above[k] + (b * above[k - 1] if k else 0) for k in range(top + 1)])
+def _moves(model: FrozenModel) -> list[list[tuple[int, int, int, int]]]:
+    """Per position p (the stream entering sublayer p), the branches a path may take there, bottom
+    up: ``(q, first, stop, after)``, branches ``first..stop−1`` of sublayer q, after which the path is
+    at position ``after``: sublayer p's own branches (``q = p``, ``after = p + 1``), and a
+    cross-layer set's steps of a later MLP q that read the stream here (``after = q + 1``: the
+    sublayers and sources between are passed by). Besides them, the skip (p to p + 1)."""
+    moves: list[list[tuple[int, int, int, int]]] = [[] for _ in model.sources]
+    for index, sublayer in enumerate(model.sublayers):
+        if sublayer.attn is not None:
+            for first, stop, level in sublayer.branch_levels(index):
+                moves[level].append((index, first, stop, index + 1))
+    return moves
+
+
+def _completions(model: FrozenModel, moves, top: int) -> list[list[int]]:
+    """``N[p][k]``: the ways from position p to the top taking exactly ``k ≤ top`` branches, exact
+    integers: ``N[p][k] = N[p+1][k] + Σ_moves (stop − first) N[after][k−1]``."""
+    size = len(model.sources)
+    counts = [[0] * (top + 1) for _ in range(size)]
+    counts[size - 1][0] = 1
+    for position in range(size - 2, -1, -1):
+        row = counts[position]
+        row[:] = counts[position + 1]
+        for _, first, stop, after in moves[position]:
+            above = counts[after]
+            for k in range(1, top + 1):
+                row[k] += (stop - first) * above[k - 1]
     return counts
 
 
@@ -478,45 +556,82 @@ def _ratio(numerator: int, denominator: int) -> float:
 
 def _draw(model: FrozenModel, count: int, lengths: list[int], generator) -> tuple[Tensor, Tensor]:
     """``count`` paths drawn uniformly, with replacement, from those whose length is in ``lengths``:
-    a (source, length) pair in proportion to its paths, then the branching sublayers above the
-    source one by one, each taken with the share of the remaining paths that take it
-    (``b_i N[i+1][k−1] / N[i][k]``, :func:`_suffix_counts`), a uniform branch of each taken."""
-    branching, first = _branching(model)
+    a (source, length) pair in proportion to its paths, then, position by position from the source
+    up, the skip or one of the moves there (:func:`_moves`), each with the share of the remaining
+    paths that take it (``(stop − first) N[after][k−1] / N[p][k]``, :func:`_completions`), and a
+    uniform branch of the move taken."""
+    moves = _moves(model)
     top = max(lengths)
-    suffix = _suffix_counts([sublayer.branches for sublayer in branching], top)
-    pairs = [(j, k) for j in range(len(model.sources)) for k in lengths if suffix[first[j]][k]]
-    total = sum(suffix[first[j]][k] for j, k in pairs)
-    weights = torch.tensor([_ratio(suffix[first[j]][k], total) for j, k in pairs], dtype=torch.float64)
+    completions = _completions(model, moves, top)
+    pairs = [(j, k) for j in range(len(model.sources)) for k in lengths if completions[j][k]]
+    total = sum(completions[j][k] for j, k in pairs)
+    weights = torch.tensor([_ratio(completions[j][k], total) for j, k in pairs], dtype=torch.float64)
     picked = torch.multinomial(weights, count, replacement=True, generator=generator)
     sources = torch.tensor([pairs[i][0] for i in picked.tolist()], dtype=torch.long)
     remaining = torch.tensor([pairs[i][1] for i in picked.tolist()], dtype=torch.long)
-    start = torch.tensor(first, dtype=torch.long)[sources]
+    position = sources.clone()
     choices = torch.full((count, model.layers), NO_HEAD, dtype=torch.long)
-    for index, sublayer in enumerate(branching):
-        share = torch.tensor(
-            [0.0] + [_ratio(sublayer.branches * suffix[index + 1][k - 1], suffix[index][k]) for k in range(1, top + 1)],
+    for here in range(len(model.sources) - 1):
+        options = [(None, here + 1, 1, 0)] + [
+            ((q, first), after, stop - first, 1) for q, first, stop, after in moves[here]
+        ]
+        if len(options) == 1:
+            position[position == here] = here + 1
+            continue
+        # shares[o, k]: the share of the paths from here with k branches left that take option o
+        shares = torch.tensor(
+            [[_ratio(ways * completions[after][k - taken], completions[here][k]) if k >= taken else 0.0
+              for k in range(top + 1)] for _, after, ways, taken in options],
             dtype=torch.float64,
-        )
+        )  # fmt: skip
         draws = torch.rand(count, generator=generator, dtype=torch.float64)
-        taken = (start <= index) & (draws < share[remaining])
-        branch = torch.randint(sublayer.branches, (count,), generator=generator)
-        choices[taken, sublayer.column] = sublayer.choice_values("cpu")[branch[taken]]
-        remaining = remaining - taken.long()
+        branch = torch.rand(count, generator=generator, dtype=torch.float64)
+        at = position == here
+        cumulative = shares.cumsum(0)
+        last = (shares > 0).long().cumsum(0).argmax(0)  # the last option a length can take: rounding lands there
+        cumulative[last, torch.arange(top + 1)] = math.inf
+        option = (draws[None, :] >= cumulative[:, remaining]).sum(0)
+        for index, (move, after, ways, _) in enumerate(options):
+            rows = at & (option == index)
+            position[rows] = after
+            if move is None or not bool(rows.any()):
+                continue
+            q, first = move
+            sublayer = model.sublayers[q]
+            picked_branch = first + (branch[rows] * ways).long().clamp_max(ways - 1)
+            choices[rows, sublayer.column] = sublayer.choice_values("cpu")[picked_branch]
+            remaining[rows] -= 1
     return choices, sources
 
 
 def _every_path_of_length(model: FrozenModel, length: int) -> tuple[Tensor, Tensor]:
     """Every path of exactly ``length`` branches (a stratum small enough to evaluate whole)."""
+    moves = _moves(model)
+    completions = _completions(model, moves, length)
+    top = len(model.sources) - 1
     choices, sources = [], []
-    branching, first = _branching(model)
+
+    def walk(here: int, left: int, path: list[int], source: int) -> None:
+        if here == top:
+            choices.append(list(path))
+            sources.append(source)
+            return
+        if completions[here + 1][left]:
+            walk(here + 1, left, path, source)
+        if not left:
+            return
+        for q, first, stop, after in moves[here]:
+            if not completions[after][left - 1]:
+                continue
+            sublayer = model.sublayers[q]
+            for value in sublayer.choice_values("cpu")[first:stop].tolist():
+                path[sublayer.column] = value
+                walk(after, left - 1, path, source)
+            path[sublayer.column] = NO_HEAD
+
     for source in range(len(model.sources)):
-        for taken in itertools.combinations(branching[first[source] :], length):
-            for values in itertools.product(*(sublayer.choice_values("cpu").tolist() for sublayer in taken)):
-                path = [NO_HEAD] * model.layers
-                for sublayer, value in zip(taken, values):
-                    path[sublayer.column] = value
-                choices.append(path)
-                sources.append(source)
+        if completions[source][length]:
+            walk(source, length, [NO_HEAD] * model.layers, source)
     return torch.tensor(choices, dtype=torch.long).reshape(-1, model.layers), torch.tensor(sources, dtype=torch.long)
 
 

@@ -334,9 +334,10 @@ class _LevelSide:
                 outputs = feature_out.mT  # B' = F_out[b]ᵀ [B, d, r]
                 norms += _product_norm(outputs, inner).tolist()  # σ(B' z') from an r × r Gram matrix
                 rhos = rho @ sublayer.token_maps  # ρ T_b [B, n] (T_b [B, n, n])
-                column = sublayer.column
-                for b, value in enumerate(sublayer.choice_values("cpu").tolist()):
-                    children.append((level - 1, rhos[b], outputs[b], inner[b], (*taken, (column, value))))
+                column, values = sublayer.column, sublayer.choice_values("cpu").tolist()
+                for first, stop, below in sublayer.branch_levels(level - 1):  # (a cross-layer step: further down)
+                    for b in range(first, stop):
+                        children.append((below, rhos[b], outputs[b], inner[b], (*taken, (column, values[b]))))
             self._push(children, norms)
         self.expanded += len(popped)
         return len(popped)

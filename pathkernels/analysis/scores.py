@@ -34,7 +34,7 @@ from torch import Tensor
 from pathkernels.adapters.query_key import SIDES
 from pathkernels.analysis.attribution import CheckedReadout, PathAttribution, Readout, attribute, named, pair_bars
 from pathkernels.analysis.readout_trie import FrozenModel, Sublayer, describe_path, frozen_model
-from pathkernels.analysis.real_paths import _every_term, _skip, branch_sum
+from pathkernels.analysis.real_paths import _every_term, _moves, _skip, branch_sum
 from pathkernels.analysis.top_paths import SearchOptions, TopPaths, search_top_paths
 from pathkernels.core._figures import check_save_path, heatmap, new_figure, require, saved, titled, wrapped
 from pathkernels.core._memory import format_bytes
@@ -200,28 +200,42 @@ def _stream_groups(model: FrozenModel) -> tuple[list[tuple[int, int]], Tensor]:
     """The stream entering the sublayer above ``model`` split by (source, number of heads; with
     transcoders, of steps: heads and MLP steps):
     ``(groups, parts [G, n, d])``, exact, by one pass over the sublayers (each group's skip, and
-    every head's branch summed into the group one head longer)."""
+    every head's branch summed into the group one head longer; a cross-layer set's steps that read
+    here summed in where they write, :func:`~pathkernels.analysis.real_paths._moves`)."""
     groups: list[tuple[int, int]] = []
     parts = model.sources[0].new_zeros(0, *model.sources[0].shape)
+    moves = _moves(model)
+    arriving: dict[int, list[tuple[list[tuple[int, int]], Tensor]]] = {}  # position → (groups, their terms)
+
+    def longer(parts: Tensor, from_groups: list[tuple[int, int]], grown: Tensor) -> Tensor:
+        index = {group: i for i, group in enumerate(groups)}
+        for (source, length), term in zip(from_groups, grown):
+            key = (source, length + 1)
+            if key not in index:
+                index[key] = len(groups)
+                groups.append(key)
+                parts = torch.cat([parts, torch.zeros_like(term)[None]])
+            parts[index[key]] += term
+        return parts
+
     for position in range(len(model.sources)):
         groups.append((position, 0))
         parts = torch.cat([parts, model.sources[position][None]])
+        for from_groups, grown in arriving.pop(position, []):
+            parts = longer(parts, from_groups, grown)
         if position == len(model.sublayers):
             break
-        sublayer = model.sublayers[position]
-        skipped = _skip(sublayer, parts)
-        if sublayer.attn is None:
-            parts = skipped
-            continue
-        grown = branch_sum(sublayer, parts)  # [G, n, d]
-        index = {group: i for i, group in enumerate(groups)}
-        for (source, length), term in zip(list(groups), grown):
-            longer = (source, length + 1)
-            if longer not in index:
-                index[longer] = len(groups)
-                groups.append(longer)
-                skipped = torch.cat([skipped, torch.zeros_like(term)[None]])
-            skipped[index[longer]] += term
+        # Every branch read from the stream here before any is added (pre-norm, the skip is ``parts`` itself).
+        here = list(groups)
+        grown = [
+            (after, branch_sum(model.sublayers[q], parts, first, stop)) for q, first, stop, after in moves[position]
+        ]
+        skipped = _skip(model.sublayers[position], parts)
+        for after, terms in grown:  # [G, n, d] each
+            if after == position + 1:
+                skipped = longer(skipped, here, terms)
+            else:
+                arriving.setdefault(after, []).append((here, terms))
         parts = skipped
     order = sorted(range(len(groups)), key=lambda i: groups[i])
     return [groups[i] for i in order], parts[order]

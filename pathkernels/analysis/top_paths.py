@@ -706,7 +706,7 @@ def _search_levels(search: _Search, reach: Tensor) -> tuple[float, float, int, i
                 for first in range(0, g_rho.shape[0], size):
                     part = slice(first, first + size)
                     step = (g_rho[part], g_phi[part], g_choices[part], g_lengths[part], setup.max_length)
-                    made, dropped = _step_children(sublayer, *step, reach[at - 1], _kth(fold, k))
+                    made, dropped = _step_children(sublayer, at - 1, *step, reach, _kth(fold, k))
                     children += made
                     pruned = max(pruned, dropped)
             else:  # (Walker.children's last item, the runs, is None here: bounds made below)
@@ -714,8 +714,9 @@ def _search_levels(search: _Search, reach: Tensor) -> tuple[float, float, int, i
                     (*part, None) for *part, _ in walker.children(at, g_rho, g_phi, g_choices, g_lengths, runs,
                                                                   setup.max_length)
                 ]  # fmt: skip
-            for *part, made_bound in children:  # (a step's children come with their bounds)
-                child_level = torch.full((part[0].shape[0],), at - 1, dtype=torch.long, device=device)
+            for child_level, *part, made_bound in children:  # (a step's children come with their bounds)
+                if isinstance(child_level, int):
+                    child_level = torch.full((part[0].shape[0],), child_level, dtype=torch.long, device=device)
                 if made_bound is None:
                     made_bound = _bounds(part[0], part[1], reach, child_level)
                 new.append((*part[:2], child_level, *part[2:], made_bound))
@@ -795,15 +796,19 @@ class _Frontier:
             self.size = self.live
 
 
-def _step_children(sublayer: Sublayer, rho, phi, choices, lengths, max_length: int, reach: Tensor, kth: float):
+def _step_children(
+    sublayer: Sublayer, below: int, rho, phi, choices, lengths, max_length: int, reach: Tensor, kth: float
+):
     """The children of nodes ``rho [N, 1, n]``, ``phi [N, 1, d]`` through a replaced MLP's sublayer of
-    rank-one steps (pre-norm): the skip's, then only the steps whose child can still exceed ``kth``,
-    each bounded before it is made: a step f's child is ``ρ ⊙ w_f`` and ``(φ · v_f) u_f`` (``w_f`` its
-    diagonal token map, ``v_f`` and ``u_f`` its output and input maps), so its bound is
-    ``‖ρ ⊙ w_f‖₁ |φ · v_f| ‖u_f‖ · reach``, ``[N, F]`` at once without an ``[N, F, d]`` tensor.
-    Returns ``(parts, largest bound dropped)``: each part ``(rho, phi, choices, lengths, bounds)``,
-    the bounds None for the skip's (the caller's to make)."""
-    parts = [(rho, phi, choices, lengths, None)]
+    rank-one steps (pre-norm; ``below`` its index, the level under it): the skip's, then only the
+    steps whose child can still exceed ``kth``, each bounded before it is made: a step f's child is
+    ``ρ ⊙ w_f`` and ``(φ · v_f) u_f`` (``w_f`` its diagonal token map, ``v_f`` and ``u_f`` its output
+    and input maps), so its bound is ``‖ρ ⊙ w_f‖₁ |φ · v_f| ‖u_f‖ · M`` with ``M`` the reach of the
+    level the step goes to (``reach [levels]``; a cross-layer step from an earlier layer goes below
+    that layer's MLP), ``[N, F]`` at once without an ``[N, F, d]`` tensor. Returns ``(parts, largest
+    bound dropped)``: each part ``(child levels, rho, phi, choices, lengths, bounds)``, the skip's
+    level ``below`` and bounds None (the caller's to make)."""
+    parts = [(below, rho, phi, choices, lengths, None)]
     grows = lengths < max_length
     if not bool(grows.any()):
         return parts, -math.inf
@@ -811,11 +816,17 @@ def _step_children(sublayer: Sublayer, rho, phi, choices, lengths, max_length: i
     weights = sublayer.token_maps.diagonal(dim1=-2, dim2=-1)  # [F, n]
     outputs = sublayer.w_o[:, 0, :]  # v_f [F, d] (the row form's F_in)
     inputs = sublayer.norm_values[:, :, 0]  # u_f [F, d] (its F_out)
-    if getattr(sublayer, "_input_norms", None) is None:  # ‖u_f‖ and |w_f|ᵀ [n, F], once per sublayer
+    if getattr(sublayer, "_input_norms", None) is None:  # ‖u_f‖, |w_f|ᵀ [n, F] and each step's level, once
         sublayer._input_norms = _norm(inputs)
         sublayer._absolute_weights = weights.abs().T.contiguous()
+        runs = sublayer.branch_levels(below)
+        levels = [torch.full((stop - first,), level, dtype=torch.long) for first, stop, level in runs]
+        sublayer._levels = torch.cat(levels).to(rho.device)
     along = phi[:, 0] @ outputs.T  # φ · v_f [N, F]
-    bound = _safe_bounds((rho[:, 0].abs() @ sublayer._absolute_weights) * along.abs() * sublayer._input_norms * reach)
+    step_reach = reach[sublayer._levels]  # [F]
+    bound = _safe_bounds(
+        (rho[:, 0].abs() @ sublayer._absolute_weights) * along.abs() * sublayer._input_norms * step_reach
+    )
     keep = bound > kth
     dropped = float(torch.where(keep, -math.inf, bound).max()) if bool((~keep).any()) else -math.inf
     node, step = keep.nonzero(as_tuple=True)
@@ -824,7 +835,8 @@ def _step_children(sublayer: Sublayer, rho, phi, choices, lengths, max_length: i
         child_phi = along[node, step][:, None, None] * inputs[step][:, None, :]
         child_choices = choices[node].clone()
         child_choices[:, sublayer.column] = sublayer.choice_values(choices.device)[step]
-        parts.append((child_rho, child_phi, child_choices, lengths[node] + 1, bound[node, step]))
+        levels = sublayer._levels[step]
+        parts.append((levels, child_rho, child_phi, child_choices, lengths[node] + 1, bound[node, step]))
     return parts, dropped
 
 
