@@ -106,6 +106,27 @@ def test_every_edge_is_the_sum_of_its_chains_of_heads():
     assert torch.allclose(best.values.abs(), signed.topk(3).values.abs(), rtol=1e-10)
 
 
+@pytest.mark.parametrize("order", ["token first", "feature first"])
+def test_the_top_chains_of_edges_from_different_levels_are_each_their_own(order):
+    """edge_top_paths of an edge from a token (its model from the embedding up) and of one from a
+    layer-0 feature (its model from that MLP's writes up), in either order, each the top of its
+    own chains as edge_paths lists them: the two models share the graph's sublayers, placed at
+    different levels."""
+    model = small("gpt2")
+    graph, *_ = graph_of(model, features=6, tokens=5, skip=True)
+    logit = int((graph.kinds == LOGIT).nonzero()[0])
+    token = graph.find("token", position=0)
+    features = ((graph.kinds == FEATURE) & (graph.layers == 0)).nonzero().flatten().tolist()
+    assert features, "no layer-0 feature: draw again"
+    edges = [(token, logit), (features[0], logit)]
+    for source, target in edges if order == "token first" else edges[::-1]:
+        chains = graph.edge_paths(source, target, top_k=1).attribution[:, 0, 0]
+        found = graph.edge_top_paths(source, target, top_k=6)
+        sign = 1.0 if float(graph.adjacency[target, source]) >= 0 else -1.0
+        assert found.certified
+        assert torch.allclose(found.values * sign, (chains * sign).topk(6).values, rtol=1e-10, atol=1e-15)
+
+
 def test_the_edges_into_a_layer_0_feature_are_their_terms_written_from_the_weights():
     """A layer-0 feature f at token t reads ``s_t (x_t C Γ₂) · enc_f`` of the stream entering its
     MLP, ``x = E + Σ_h A_h D₁ (E C Γ₁) W_V,h W_O,h + constant rows``: the edge from token p is

@@ -48,13 +48,17 @@ def clt_replaced_logits(model, ids, transcoders, capture):
             handle.remove()
 
 
-def tiny_clt(seed: int | None = None, layers: int = 3, features: int = 4):
-    """A 3-layer GPT-2 of width 8 on 4 random tokens with a cross-layer set of 4 features a layer:
-    ``(model, transcoders, ids, stack, capture)``."""
+def tiny_clt(layers: int = 3, features: int = 4):
+    """A 3-layer GPT-2 of width 8 on 4 random tokens with a cross-layer set of 4 features a layer,
+    the tokens drawn again until layers 0 and 1 have a feature open (so that steps written into
+    later layers exist): ``(model, transcoders, ids, stack, capture)``."""
     model = gpt2(layers=layers, heads=2, width=8).eval()
     transcoders = clt_for(model, features=features)
-    ids = torch.randint(0, 50, (1, 4))
-    stack, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    for _ in range(100):
+        ids = torch.randint(0, 50, (1, 4))
+        stack, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+        if all(capture.transcoders.layers[layer].features.numel() for layer in (0, 1)):
+            break
     return model, transcoders, ids, stack, capture
 
 
@@ -352,11 +356,12 @@ def test_draws_through_cross_layer_features_are_uniform_and_strata_are_whole():
     from pathkernels.analysis.real_paths import _draw, _every_path_of_length
 
     model = gpt2(layers=3, heads=2, width=8).eval()
-    transcoders = clt_for(model, features=2)
-    for _ in range(100):  # redrawn until some layer has both features open (a choice among its steps)
+    for _ in range(200):  # redrawn until some layer has both features open (a choice among its steps), and
+        transcoders = clt_for(model, features=2)  # layers 0 and 1 one each (steps written into later layers)
         ids = torch.randint(0, 50, (1, 3))
         stack, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
-        if any(layer.features.numel() == 2 for layer in capture.transcoders.layers.values()):
+        counts = [layer.features.numel() for layer in capture.transcoders.layers.values()]
+        if max(counts) == 2 and min(counts[:2]) >= 1:
             break
     exact = pk.decompose(stack)
     frozen = frozen_model(stack, capture, 0, torch.ones(3, dtype=torch.bool), batch_features=True)
@@ -462,6 +467,24 @@ def test_every_cross_layer_edge_is_the_sum_of_its_chains_and_its_literal_term():
 
 # ------------------------------------------------------------------------------------------------
 # Labels
+
+
+@pytest.mark.parametrize("cross_layer", [False, True])
+def test_a_layer_with_no_feature_open_is_searched_and_walked(cross_layer):
+    """Layer 0's features closed at every token (thresholds above every pre-activation): its MLP is a
+    sublayer of no steps (only its bias and error sources); the certified search on every bound is
+    still the enumeration's top."""
+    model = gpt2(layers=3, heads=2, width=8).eval()
+    transcoders = clt_for(model, features=4) if cross_layer else random_transcoders(3, 8, 4, skip=False)
+    transcoders.threshold[0] = torch.full_like(transcoders.threshold[0], 1e9)
+    ids = torch.randint(0, 50, (1, 4))
+    stack, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    assert capture.transcoders.layers[0].features.numel() == 0
+    readout = pk.logit(model, 2)
+    values = pk.path_attribution(stack, readout, top_k=0).attribution[:, 0, 0]
+    for bound in ("node", "chain", "first_head", "plain"):
+        top = pk.top_paths(stack, readout, top_k=4, bound=bound)
+        assert top.certified and torch.allclose(top.values, values.topk(4).values, rtol=1e-10, atol=1e-13)
 
 
 def test_the_labels_name_where_a_cross_layer_feature_reads_and_writes():

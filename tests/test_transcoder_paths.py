@@ -23,7 +23,7 @@ import re
 import pytest
 import torch
 from float64_reference import float64_steps, logits_in_float64
-from test_model_families import family_model, uncapped
+from test_model_families import FAMILIES, family_model, uncapped
 from test_real_models import gpt2, llama
 
 import pathkernels as pk
@@ -475,13 +475,49 @@ def test_a_batchs_attributions_and_the_search_of_its_mean_go_through_every_eleme
 # Refused by name
 
 
-def test_what_is_not_read_yet_is_refused_by_name():
-    model = gpt2(layers=2, heads=2, width=16).eval()
-    ids = torch.randint(0, 50, (2, 5))
-    transcoders = transcoders_for(model, features=6)
-    stack, _ = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders, query_key=True)
-    with pytest.raises(ValueError, match=r"tree's restriction \(tree=\) does not yet"):
-        pk.path_attribution(stack, pk.logit(model, 1), tree=pk.PathTree.complete(2, 2))
+@pytest.mark.parametrize("cross_layer", [False, True])
+def test_a_trees_restriction_through_features_folds_exactly_its_paths(cross_layer):
+    """tree= with a capture's transcoders: a stored tree of choices [2L] (some of the paths
+    path_attribution lists, and one no sequence opens) folds exactly those choices from every
+    source: its sums by source and length, its top paths and every kept attribution are those of
+    the full enumeration restricted to them, in each element and in a batch's mean; a tree of L
+    columns, a complete tree or an invalid step is refused by name."""
+    model = gpt2(layers=3, heads=2, width=8).eval()
+    transcoders = transcoders_for(model, features=4, skip=not cross_layer, cross_layer=cross_layer)
+    ids = torch.randint(0, 50, (2, 4))
+    stack, _ = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    readout = pk.logit(model, 3)
+    every = pk.path_attribution(stack, readout, top_k=0)
+    values = every.attribution[:, 0, 0]
+    chosen = every.paths[values.abs().argsort(descending=True)[:12]].unique(dim=0)
+    tree = pk.PathTree.from_paths(chosen)
+    keys = {tuple(row.tolist()) for row in chosen}
+    inside = torch.tensor([tuple(row.tolist()) in keys for row in every.paths])
+    restricted = pk.path_attribution(stack, readout, tree=tree, top_k=5)
+    assert int(restricted.counts.sum()) == int(inside.sum()) and int(inside.sum()) >= len(keys)
+    lengths = (every.paths != -1).sum(1)
+    expected = torch.zeros_like(restricted.by_source_length)
+    expected[:, :, 0, 0].index_put_((every.path_sources[inside], lengths[inside]), values[inside], accumulate=True)
+    assert torch.allclose(restricted.by_source_length, expected, rtol=1e-12, atol=1e-14)
+    assert torch.allclose(restricted.top_values[:, 0, 0], values[inside].topk(5).values, rtol=1e-12, atol=1e-14)
+    assert torch.allclose(restricted.value, every.value, rtol=1e-12)  # the readout itself: the whole
+    mean = pk.batch_attribution(stack, readout, tree=tree, top_k=0).mean
+    both = pk.batch_attribution(stack, readout, top_k=0).mean
+    kept = torch.tensor([tuple(row.tolist()) in keys for row in both.paths])
+    assert torch.allclose(mean.by_source_length.sum(), both.attribution[kept, 0, 0].sum(), rtol=1e-12, atol=1e-14)
+    layers = stack.num_layers
+    with pytest.raises(ValueError, match=r"a tree holds paths' choices \[M, 6\]"):
+        pk.path_attribution(stack, readout, tree=pk.PathTree.from_paths(chosen[:, :layers]))
+    with pytest.raises(ValueError, match=r"a tree holds paths' choices \[M, 6\] .* got a complete tree"):
+        pk.path_attribution(stack, readout, tree=pk.PathTree.complete(2 * layers, 2))
+    wrong = chosen[:1].clone()
+    wrong[0, 0] = 5  # no head 5
+    with pytest.raises(ValueError, match=r"expected heads in \[-1, 2\) in the tree's first 3 columns"):
+        pk.path_attribution(stack, readout, tree=pk.PathTree.from_paths(wrong))
+    wrong = torch.full((1, 2 * layers), -1)
+    wrong[0, layers] = 1000  # beyond layer 0's steps
+    with pytest.raises(ValueError, match=r"layer 0's MLP step"):
+        pk.path_attribution(stack, readout, tree=pk.PathTree.from_paths(wrong))
 
 
 @pytest.mark.parametrize(
@@ -507,25 +543,6 @@ def test_a_set_the_capture_cannot_replace_is_refused_before_the_forward_pass(cas
         transcoders = {"layer_0": transcoders}
     with pytest.raises((ValueError, TypeError), match=match):
         capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 4)), transcoders=transcoders)
-
-
-@pytest.mark.parametrize("name", ["gptj", "phi", "falcon"])
-def test_parallel_blocks_with_transcoders_are_refused_by_name(name):
-    model = family_model(name)
-    transcoders = transcoders_for(model, features=4)
-    with pytest.raises(ValueError, match="has parallel blocks, where a feature would read below the attention"):
-        capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 4)), transcoders=transcoders)
-
-
-def test_a_post_norm_model_with_transcoders_is_refused_by_name():
-    model = transformers.BertForMaskedLM(
-        transformers.BertConfig(
-            num_hidden_layers=2, num_attention_heads=2, hidden_size=16, intermediate_size=32, vocab_size=50
-        )  # fmt: skip
-    ).double()
-    transcoders = random_transcoders(2, 16, 4)
-    with pytest.raises(ValueError, match=r"normalises after each residual sum \(post-norm\)"):
-        capture_huggingface_residual(model.eval(), input_ids=torch.randint(0, 50, (1, 4)), transcoders=transcoders)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -596,7 +613,7 @@ def test_a_transformer_lens_input_hook_that_the_model_does_not_read_is_refused()
     cache.cache_dict["blocks.1.ln2.hook_normalized"] = cache["blocks.1.ln2.hook_normalized"] * 1.01
     with pytest.raises(ValueError, match=r"layer 1's transcoder differs from .* 'mlp_input_before_gain'"):
         pk.adapters.capture_transformer_lens_residual(model, cache, transcoders=transcoders)
-    with pytest.raises(ValueError, match="transcoders replace the MLPs of sequential blocks; this model is attention"):
+    with pytest.raises(ValueError, match="transcoders replace a model's MLPs; this model is attention-only"):
         pk.adapters.capture_transformer_lens_residual(
             tl_model_with_mlps("LN", attn_only=True), tokens, transcoders=transcoders
         )
@@ -735,3 +752,58 @@ def test_a_term_splits_by_the_token_where_it_passes_a_feature():
     plain, _ = capture_huggingface_residual(model, input_ids=ids)
     with pytest.raises(ValueError, match="split_at splits a term where it passes a transcoder step; this capture"):
         pk.path_terms(plain, torch.full((1, 2), -1), [0], split_at=0)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("cross_layer", [False, True])
+def test_every_family_the_captures_read_is_the_sum_of_its_paths_through_features(name, cross_layer):
+    """Every family of the model-family tests (parallel blocks, Gemma's norms, OLMo's, Falcon's and
+    OPT's layouts) with a per-layer skip set and with a cross-layer set: Σ every path + the constant
+    = the model's logit in float64 (a cross-layer set on the post-norm OPT is refused by name)."""
+    state = torch.random.get_rng_state()
+    model = family_model(name)  # (made at a fixed seed: the set and the tokens are drawn from the test's)
+    torch.random.set_rng_state(state)
+    model = uncapped(model) if name.startswith("gemma2") else model
+    transcoders = transcoders_for(model, features=5, cross_layer=cross_layer, skip=not cross_layer)
+    ids = torch.randint(3, 50, (1, 5))
+    if cross_layer and name == "opt-post-projected":
+        with pytest.raises(ValueError, match="cross-layer set on a post-norm model"):
+            capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+        return
+    stack, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    result = pk.path_attribution(stack, pk.logit(model, 3), top_k=1)
+    value = float(logits_in_float64(model, input_ids=ids)[0, -1, 3])
+    total = float(result.by_source_length.sum() + result.constant[0, 0])
+    assert abs(total - value) < 1e-10 * max(1.0, abs(value)), (total, value)
+
+
+@pytest.mark.parametrize("family", ["roberta", "vit"])
+def test_a_roberta_and_a_vit_with_transcoders_are_the_sums_of_their_paths(family):
+    """RoBERTa (post-norm, as BERT) and ViT (pre-norm, on pixels): the paths through a set's features
+    sum to a readout of the model's own last hidden state."""
+    config = dict(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64,
+                  initializer_range=0.3)  # fmt: skip
+    if family == "roberta":
+        model = transformers.RobertaModel(
+            transformers.RobertaConfig(**config, vocab_size=50, max_position_embeddings=20)
+        )
+        inputs = {"input_ids": torch.randint(3, 50, (1, 6))}
+        marker = "LayerNorm"
+    else:
+        model = transformers.ViTModel(transformers.ViTConfig(**config, image_size=8, patch_size=4))
+        inputs = {"pixel_values": torch.randn(1, 3, 8, 8, dtype=torch.float64)}
+        marker = "layernorm"
+    from test_real_models import randomised
+
+    model = randomised(model, norm_marker=marker).eval()
+    transcoders = random_transcoders(2, 32, 6, skip=True)
+    stack, capture = capture_huggingface_residual(model, transcoders=transcoders, **inputs)
+    readout = torch.randn(32, dtype=torch.float64)
+    result = pk.path_attribution(stack, readout, top_k=1)
+    total = float(result.by_source_length.sum() + result.constant[0, 0])
+    with torch.no_grad(), float64_steps(model):
+        hidden = model(**inputs).last_hidden_state[0, -1].double()
+    if family == "vit":  # (the capture reads the stream before ViT's final LayerNorm; the readout after it)
+        assert abs(total - float(result.value[0, 0])) < 1e-10 * max(1.0, abs(total))
+        return
+    assert abs(total - float(hidden @ readout)) < 1e-10 * float(hidden.abs().sum() * readout.abs().max())

@@ -130,6 +130,7 @@ class TranscoderCapture:
     output_hook: str
     input_error: float | None = None  # the frozen input against the model's own MLP input (check_input_hook)
     transcoder_set: TranscoderSet | None = None  # the set itself, for what recomputes it (the causal check)
+    parallel: bool = False  # each MLP reads its block's input, beside the attention (GPT-J, Phi, …)
 
     def __repr__(self) -> str:
         active = ", ".join(f"L{layer}: {r.features.numel()}" for layer, r in self.layers.items())
@@ -170,6 +171,7 @@ class TranscoderCapture:
             self.output_hook,
             self.input_error,
             self.transcoder_set,
+            self.parallel,
         )
 
 
@@ -306,7 +308,12 @@ def _read(transcoders: TranscoderSet, inputs: MlpInputs, layer: int, real: Tenso
 
 
 def replace_mlps(
-    transcoders: TranscoderSet, inputs: MlpInputs, token_mask: Tensor | None, tolerance: float, where: str
+    transcoders: TranscoderSet,
+    inputs: MlpInputs,
+    token_mask: Tensor | None,
+    tolerance: float,
+    where: str,
+    parallel: bool = False,
 ) -> TranscoderCapture:
     """Each MLP of ``transcoders``' layers replaced by its transcoder, frozen (module docstring),
     from what the capture read (:class:`MlpInputs`); ``token_mask`` ``[B, n]`` marks the real
@@ -314,7 +321,8 @@ def replace_mlps(
     dtype: the gates are decided on the float64 pre-activations of the frozen input. The frozen
     input is first checked against the model's own (:func:`check_input_hook`, within ``tolerance``;
     its difference kept as ``input_error``). A cross-layer set's layer ``m`` sums what the features
-    of every layer ``l ≤ m`` write into it (``ReplacedLayer.decoders_from``)."""
+    of every layer ``l ≤ m`` write into it (``ReplacedLayer.decoders_from``). ``parallel``: each MLP
+    reads its block's input, beside the attention (``inputs.stream`` is then that input)."""
     input_error = check_input_hook(transcoders, inputs, tolerance, where)
     batch, num_layers, tokens, d = inputs.stream.shape
     device = inputs.stream.device
@@ -375,9 +383,8 @@ def replace_mlps(
             activations=own.activations,
             decoders_from=decoders,
         )
-    return TranscoderCapture(
-        layers, num_layers, repr(transcoders), transcoders.input_hook, transcoders.output_hook, input_error, transcoders
-    )
+    hooks = (transcoders.input_hook, transcoders.output_hook)
+    return TranscoderCapture(layers, num_layers, repr(transcoders), *hooks, input_error, transcoders, parallel)
 
 
 def input_frame(

@@ -299,7 +299,9 @@ def capture_huggingface_residual(
         seen |= {"mlp_in": [None] * count, "module_out": [None] * count}
         for i, block in enumerate(blocks):
             mlp_norm = norms[2 * i + 1]
-            if mlp_norm is not None:
+            if spec.layout == "post":  # the MLP reads the stream after the attention's residual norm
+                handles.append(norms[2 * i].register_forward_hook(keep("mlp_in", i, output=True)))
+            elif mlp_norm is not None:
                 handles.append(mlp_norm.register_forward_hook(keep("mlp_in", i, output=True)))
             else:  # no norm before the MLP (OLMo 2): it reads the stream itself
                 handles.append(spec.mlp(block).register_forward_pre_hook(keep("mlp_in", i, output=False)))
@@ -382,7 +384,8 @@ def capture_huggingface_residual(
             )
             _check_query_key(capture, stack)
         if transcoders is not None:
-            capture.transcoders = _replaced_mlps(transcoders, capture, stack, seen, norms, outputs, spec)
+            parallel = _parallel_blocks(model.config)
+            capture.transcoders = _replaced_mlps(transcoders, capture, stack, seen, norms, outputs, parallel)
     stack, capture = _attached(stack, capture, model, _WHERE)
     if check:
         projection = getattr(getattr(model.base_model, "decoder", None), "project_out", None)
@@ -406,19 +409,21 @@ def _parallel_blocks(config) -> bool:
 
 def _check_replaceable_family(model, spec: _Layout, transcoders, layers: int) -> None:
     """Refuse, before the forward pass, a model or set whose MLPs the capture cannot replace."""
-    if spec.layout != "pre" or _parallel_blocks(model.config):
-        kind = "normalises after each residual sum (post-norm)" if spec.layout != "pre" else "has parallel blocks"
+    if spec.layout != "pre" and getattr(transcoders, "cross_layer", False):
         raise ValueError(
-            f"{_WHERE}: transcoders replace the MLPs of sequential pre-norm models; this {model.config.model_type!r} "
-            f"{kind}, where a feature would read below the attention beside it: not yet read"
+            f"{_WHERE}: transcoders is a cross-layer set on a post-norm model ({model.config.model_type!r}): a "
+            "feature's write into a later layer would pass every norm between, which a cross-layer set does not "
+            "read; per-layer and skip transcoders are read"
         )
     check_replaceable(transcoders, layers, model.config.get_text_config().hidden_size, _WHERE)
 
 
-def _replaced_mlps(transcoders, capture: ResidualStreamCapture, stack: AttentionStack, seen, norms, outputs, spec):
+def _replaced_mlps(
+    transcoders, capture: ResidualStreamCapture, stack: AttentionStack, seen, norms, outputs, parallel: bool
+):
     """The capture's MLPs of ``transcoders``' layers replaced (:func:`~pathkernels.adapters.replacement.
     replace_mlps`) from what the forward pass's hooks kept, the frozen input checked against the
-    model's own MLP input."""
+    model's own MLP input (``parallel``: each MLP reads its block's input, beside the attention)."""
     batch, tokens, d = capture.embedding.shape
 
     def stacked(values) -> Tensor:  # [B, L, n, d] float64
@@ -426,6 +431,13 @@ def _replaced_mlps(transcoders, capture: ResidualStreamCapture, stack: Attention
 
     count = len(seen["mlp_in"])
     module_input = stacked(seen["mlp_in"])
+    if capture.layout == "post":  # the MLP reads the stream itself (after the attention's norm): no norm before it
+        ones = torch.ones(batch, count, tokens, dtype=torch.float64, device=module_input.device)
+        gains = torch.ones(count, d, dtype=torch.float64, device=module_input.device)
+        inputs = MlpInputs(
+            module_input, ones, gains, gains * 0, False, capture.mlp_out, own_inputs={"mlp_input": module_input}
+        )
+        return replace_mlps(transcoders, inputs, stack.token_mask, check_tolerance(stack.attn.dtype), _WHERE)
     stream = stacked([seen["norm_in"][2 * i + 1] if norms[2 * i + 1] is not None else seen["mlp_in"][i]
                       for i in range(count)])  # fmt: skip
     extra = {}
@@ -448,7 +460,7 @@ def _replaced_mlps(transcoders, capture: ResidualStreamCapture, stack: Attention
         own_inputs={"mlp_input": module_input},
         **extra,
     )
-    return replace_mlps(transcoders, inputs, stack.token_mask, check_tolerance(stack.attn.dtype), _WHERE)
+    return replace_mlps(transcoders, inputs, stack.token_mask, check_tolerance(stack.attn.dtype), _WHERE, parallel)
 
 
 # Families whose stream entering block 0 is the token embedding plus a learned position embedding
@@ -666,9 +678,8 @@ def capture_transformer_lens_residual(
         )
     inputs, outputs = _tl_sublayer_norms(model, cfg, where)
     if transcoders is not None:
-        if cfg.attn_only or getattr(cfg, "parallel_attn_mlp", False):
-            kind = "is attention-only" if cfg.attn_only else "has parallel blocks (parallel_attn_mlp)"
-            raise ValueError(f"{where}: transcoders replace the MLPs of sequential blocks; this model {kind}: not read")
+        if cfg.attn_only:
+            raise ValueError(f"{where}: transcoders replace a model's MLPs; this model is attention-only")
         check_replaceable(transcoders, cfg.n_layers, cfg.d_model, where)
     if given_cache is None:
         if tokens is None:
@@ -808,8 +819,9 @@ def capture_transformer_lens_residual(
             if mlp_output_norm is not None:  # an RMSNorm on the MLP's output (ln2_post): hook_mlp_out is after it
                 extra["output_scale"] = per_layer(mlp_output_norm, scale_of).permute(1, 0, 2)
                 extra["output_weight"] = per_layer(mlp_output_norm, lambda name: parameter(name, "w", True, 1.0))
+            parallel = bool(getattr(cfg, "parallel_attn_mlp", False))  # the MLP reads the block's input
             mlp_inputs = MlpInputs(
-                stream=stacked("hook_resid_mid"),
+                stream=stacked("hook_resid_pre" if parallel else "hook_resid_mid"),
                 norm_scale=capture.norm_scale[:, :, 1],
                 norm_weight=capture.norm_weight[:, 1],
                 norm_bias=capture.norm_bias[:, 1],
@@ -819,7 +831,7 @@ def capture_transformer_lens_residual(
                 **extra,
             )
             tolerance = check_tolerance(stack.attn.dtype)
-            capture.transcoders = replace_mlps(transcoders, mlp_inputs, stack.token_mask, tolerance, where)
+            capture.transcoders = replace_mlps(transcoders, mlp_inputs, stack.token_mask, tolerance, where, parallel)
     stack, capture = _attached(stack, capture, model, where)
     if query_key:
         _check_query_key(capture, stack, where)

@@ -45,8 +45,8 @@ from pathkernels.analysis.readout_trie import (
     block_diagonal_model,
     describe_path,
     frozen_model,
-    refuse_transcoders,
 )
+from pathkernels.analysis.real_paths import check_between, check_steps
 from pathkernels.core._figures import bar_side_labels, check_save_path, new_figure, require, saved, titled, wrapped
 from pathkernels.core._progress import progress_bar
 from pathkernels.core._repr import short_repr
@@ -768,15 +768,42 @@ def stack_path_counts(stack, batch: int = 0) -> list[int]:
 
 def _tree_paths(stack, tree: PathTree | None, max_length, where: str) -> tuple[int | None, PathSet | None]:
     """``(max_length, only)``: a tree's head choices as the paths to fold and the longest of them as
-    the walk's depth (within ``max_length``), or ``(max_length, None)`` without a tree."""
+    the walk's depth (within ``max_length``), or ``(max_length, None)`` without a tree. With a
+    capture's transcoders the tree holds choices ``[2L]``: heads, then each MLP's step."""
     if tree is None:
         return max_length, None
-    refuse_transcoders(getattr(stack, "residual_capture", None), where, "a tree's restriction (tree=)")
-    check_tree_shape(tree, stack.num_layers, stack.num_heads, where)
-    paths = tree.paths()
+    replaced = getattr(getattr(stack, "residual_capture", None), "transcoders", None)
+    if replaced is None:
+        check_tree_shape(tree, stack.num_layers, stack.num_heads, where)
+        paths, ids = tree.paths(), stack.num_heads
+    else:
+        paths, ids = _tree_steps(tree, stack, replaced, where)
     longest = int((paths != NO_HEAD).sum(1).max()) if paths.shape[0] else 0
     max_length = longest if max_length is None else min(check_int(max_length, "max_length", where), longest)
-    return max_length, PathSet(paths, stack.num_heads)
+    return max_length, PathSet(paths, ids)
+
+
+def _tree_steps(tree, stack, replaced, where: str) -> tuple[Tensor, int]:
+    """A tree's paths ``[M, 2L]`` through heads and MLP steps (a stored tree, such as
+    ``PathTree.from_paths(result.paths)``), each checked as :func:`pk.path_terms` checks a path's
+    choices, and the number of distinct choice values they may hold."""
+    columns = 2 * stack.num_layers
+    if not isinstance(tree, PathTree):
+        raise TypeError(f"{where}: expected tree to be a pathkernels.PathTree, got {type(tree).__name__}")
+    if tree.num_layers != columns or tree.is_complete:
+        raise ValueError(
+            f"{where}: with the capture's transcoders a tree holds paths' choices [M, {columns}] (the head of each "
+            f"layer, then each MLP's step, as path_attribution's paths hold them: PathTree.from_paths(paths)); got "
+            f"a {'complete ' if tree.is_complete else ''}tree of {tree.num_layers} layers"
+        )
+    paths = tree.paths()
+    heads = paths[:, : stack.num_layers]
+    if bool(((heads < NO_HEAD) | (heads >= stack.num_heads)).any()):
+        raise ValueError(f"{where}: expected heads in [-1, {stack.num_heads}) in the tree's first {stack.num_layers} "
+                         f"columns, got {heads.unique().tolist()}")  # fmt: skip
+    check_steps(paths, replaced, where)
+    check_between(paths, replaced, where)
+    return paths, max(stack.num_heads, int(paths.max()) + 1)
 
 
 @dataclass

@@ -487,6 +487,8 @@ def _feature_paths(model, stack, inputs, frozen: FrozenModel, names, chosen, rea
         )
     if removal.layer is None:
         raise ValueError(f"{_WHERE}: side='feature' needs layer, the MLP whose feature the paths enter")
+    if capture.layout != "pre":
+        raise ValueError(f"{_WHERE}: side='feature' of a post-norm model (BERT's) is not run yet")
     layer = check_int(removal.layer, "layer", _WHERE, minimum=0, maximum=stack.num_layers - 1)
     replaced, transcoders = replacement.layers.get(layer), replacement.transcoder_set
     if replaced is None:
@@ -516,8 +518,8 @@ def _feature_paths(model, stack, inputs, frozen: FrozenModel, names, chosen, rea
         features = torch.full_like(steps, feature)
     below = choices.clone()
     below[torch.arange(below.shape[0]), step_columns] = NO_HEAD  # (a cross-layer step reading here writes above)
-    at = _sublayer_of(frozen, column)
-    above = [name for name, path, source in zip(names, below, sources.tolist()) if _above(frozen, path, source, at)]
+    reads = _sublayer_of(frozen, column) - replacement.parallel  # a parallel block's MLP reads below its attention
+    above = [name for name, path, source in zip(names, below, sources.tolist()) if _above(frozen, path, source, reads)]
     if above:
         raise ValueError(
             f"{_WHERE}: expected paths that end at layer {layer}'s MLP (heads and steps below it, a source below "

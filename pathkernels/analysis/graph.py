@@ -364,7 +364,11 @@ class AttributionGraph:
             )
         model = self._context["model"]
         bottom = writes[0][1]
-        sublayers = self._context["heads_only"][bottom:top]
+        sublayers = [  # (a parallel block's skip steps read at a level counted from the bottom here)
+            dataclasses.replace(sub, jumps=tuple((first, level - bottom) for first, level in sub.jumps))
+            if sub.jumps else sub
+            for sub in self._context["heads_only"][bottom:top]
+        ]  # fmt: skip
         sources = [torch.zeros_like(writes[0][0]) for _ in range(top - bottom + 1)]
         names = [f"(nothing at level {level})" for level in range(bottom, top + 1)]
         for rows, level in writes:  # a cross-layer feature writes at every later layer's MLP
@@ -396,10 +400,11 @@ def _options(top_k: int, largest: bool, time_limit) -> SearchOptions:
     )  # fmt: skip
 
 
-def _heads_only(sublayer: Sublayer, replaced) -> Sublayer:
-    """A replaced MLP's sublayer with its feature steps dropped (a cross-layer set's from earlier
-    layers too; its skip map's kept): what an edge's chains pass through, no node between their
-    ends. Other sublayers as they are."""
+def _heads_only(sublayer: Sublayer, replaced, index: int) -> Sublayer:
+    """A replaced MLP's sublayer (``index`` its place in the model) with its feature steps dropped (a
+    cross-layer set's from earlier layers too; its skip map's kept, reading where the layer's steps
+    read): what an edge's chains pass through, no node between their ends. Other sublayers as they
+    are."""
     if sublayer.branch_ids is None or sublayer.attn is None:
         return sublayer
     own = replaced.layers[sublayer.layer]
@@ -407,9 +412,10 @@ def _heads_only(sublayer: Sublayer, replaced) -> Sublayer:
     keep = (ids >= own.num_features) & (ids < own.num_features + own.num_skip)
     if not bool(keep.any()):
         return Sublayer(sublayer.layer, None, sublayer.scale, sublayer.gamma, None, None, True, False)
+    reads = sublayer.branch_levels(index)[0][2]  # the layer's own steps come first
     return Sublayer(
         sublayer.layer, sublayer.attn[keep], sublayer.scale, sublayer.gamma, sublayer.w_v[keep], sublayer.w_o[keep],
-        True, False, sublayer.slot, sublayer.branch_ids[keep],
+        True, False, sublayer.slot, sublayer.branch_ids[keep], () if reads == index else ((0, reads),),
     )  # fmt: skip
 
 
@@ -606,7 +612,8 @@ class _Nodes:
         data, _, _, input_scale, encoder_bias = self.layer_data[layer]
         rho = torch.zeros(self.n, dtype=torch.float64, device=input_scale.device)
         rho[row] = input_scale[row]
-        return _Target(node, self.feature_sublayer[layer], rho, data.encoder[:, index], float(encoder_bias[row, index]))
+        reads = self.feature_sublayer[layer] - self.replaced.parallel  # a parallel block's MLP: below its attention
+        return _Target(node, reads, rho, data.encoder[:, index], float(encoder_bias[row, index]))
 
     def writes(self, node: int) -> list[tuple[Tensor, int]]:
         """What node ``node`` writes: ``(rows [n, d] (one non-zero), the level where they enter)``, one
@@ -672,19 +679,24 @@ class _Nodes:
             rows[:, layout.first : layout.first + below] += read
 
 
-def _passed_down(sublayer: Sublayer, adjoint: Tensor) -> Tensor | None:
-    """What a pre-norm sublayer adds to the adjoint ``G [T, n', d]`` of the stream leaving it, carried
-    to the stream entering it: ``Σ_b T_bᵀ G F_in,b F_out,b`` over its branches (a replaced MLP's: its
-    skip map's steps only; its features are nodes), on the first ``n'`` tokens; None for a sublayer
-    without branches (the adjoint passes unchanged)."""
+def _passed_down(sublayer: Sublayer, adjoint: Tensor, index: int) -> list[tuple[int, Tensor]]:
+    """What a pre-norm sublayer (``index`` its place) adds to the adjoint ``G [T, n', d]`` of the
+    stream leaving it, carried to the stream where its branches read: ``Σ_b T_bᵀ G F_in,b F_out,b``
+    over its branches (a replaced MLP's: its skip map's steps only; its features are nodes), on the
+    first ``n'`` tokens, as ``(level, added)`` per level they read at (the stream entering it, or a
+    parallel block's below its attention); empty for a sublayer without branches (the adjoint passes
+    unchanged)."""
     if sublayer.attn is None:
-        return None
+        return []
     reach = adjoint.shape[1]
     token_maps = sublayer.token_maps[:, :reach, :reach]
     feature_in, feature_out = sublayer.feature_factors  # [H, d, e], [H, e, d]
-    narrow = torch.einsum("bnd,hde->bhne", adjoint, feature_in)  # b: the targets
-    narrow = torch.einsum("hst,bhse->bhte", token_maps, narrow)  # T_hᵀ on the token axis
-    return torch.einsum("bhne,hed->bnd", narrow, feature_out)
+    added = []
+    for first, stop, level in sublayer.branch_levels(index):
+        narrow = torch.einsum("bnd,hde->bhne", adjoint, feature_in[first:stop])  # b: the targets
+        narrow = torch.einsum("hst,bhse->bhte", token_maps[first:stop], narrow)  # T_hᵀ on the token axis
+        added.append((level, torch.einsum("bhne,hed->bnd", narrow, feature_out[first:stop])))
+    return added
 
 
 def _sweep(
@@ -703,6 +715,7 @@ def _sweep(
     rho = torch.stack([target.rho[:reach] for target in targets])  # [T, n']
     phi = torch.stack([target.phi for target in targets])  # [T, d]
     joined = 0
+    arriving: dict[int, Tensor] = {}  # level → what branches reading there (below sublayers above it) pass down
     for level in range(targets[0].level, -1, -1):
         joining = joined
         while joining < count and targets[joining].level == level:
@@ -710,11 +723,20 @@ def _sweep(
         if joining > joined:
             adjoint[joined:joining] += rho[joined:joining, :, None] * phi[joined:joining, None, :]
             joined = joining
+        if level in arriving:
+            added = arriving.pop(level)
+            adjoint[: added.shape[0]] += added
         nodes.record(level, adjoint[:joined], rows[:joined], constants[:joined])
         if level:
-            added = _passed_down(sublayers[level - 1], adjoint[:joined])
-            if added is not None:
-                adjoint[:joined] += added
+            for below, added in _passed_down(sublayers[level - 1], adjoint[:joined], level - 1):
+                if below == level - 1:
+                    adjoint[:joined] += added
+                    continue
+                held = arriving.setdefault(below, added)  # (the targets joined since hold more rows)
+                if held is not added:
+                    larger, smaller = (held, added) if held.shape[0] >= added.shape[0] else (added, held)
+                    larger[: smaller.shape[0]] += smaller
+                    arriving[below] = larger
     return rows, constants
 
 
@@ -831,6 +853,11 @@ def attribution_graph(
             f"{_WHERE}: expected a stack captured with transcoders= (pk.adapters.capture_huggingface_residual("
             "model, transcoders=...)): the graph's nodes are the transcoders' features"
         )
+    if capture.layout != "pre":
+        raise ValueError(
+            f"{_WHERE}: the graph of a post-norm model (BERT's) is not computed yet (its backward sweep passes "
+            "pre-norm skips); path_attribution and top_paths follow its features"
+        )
     batch = check_int(batch, "batch", _WHERE, minimum=0, maximum=stack.batch_size - 1)
     memory_budget = check_int(memory_budget, "memory_budget", _WHERE, minimum=1)
     progress = check_flag(progress, "progress", _WHERE)
@@ -908,7 +935,7 @@ def attribution_graph(
     made: dict[int, _Target] = {}  # node → what it reads
     # The sublayers an edge's chains pass (a replaced MLP's features are nodes): made once, so that
     # their token maps and factors are computed once, for the sweeps and for edge_paths.
-    heads_only = [_heads_only(sublayer, model.replaced) for sublayer in model.sublayers]
+    heads_only = [_heads_only(sublayer, model.replaced, index) for index, sublayer in enumerate(model.sublayers)]
     chunk = max(1, memory_budget // (4 * 8 * model.sources[0].numel()))
     bar = progress_bar(chosen + logit_count, enabled=progress, unit="target", desc=_WHERE)
 

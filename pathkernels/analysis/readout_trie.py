@@ -227,9 +227,10 @@ def frozen_model(
     scale = capture.norm_scale[batch][..., pick]  # [L, 2, n]
     pre, centred = capture.layout == "pre", capture.centred
 
-    def normalised(t: Tensor, layer: int, which: int) -> Tensor:  # D t C Γ + 1 βᵀ (post-norm sources)
+    def normalised(t: Tensor, layer: int, which: int, bias: bool = True) -> Tensor:  # D t C Γ + 1 βᵀ (post-norm)
         t = t - t.mean(-1, keepdim=True) if centred else t
-        return scale[layer, which, :, None] * t * capture.norm_weight[layer, which] + capture.norm_bias[layer, which]
+        t = scale[layer, which, :, None] * t * capture.norm_weight[layer, which]
+        return t + capture.norm_bias[layer, which] if bias else t
 
     output_bias = capture.output_bias[:, None, :]  # [L, 1, d]: the same for every token
     if capture.attention_output_scale is not None:  # an RMSNorm on the attention's output: D' · Γ'
@@ -240,7 +241,7 @@ def frozen_model(
     row_sums = attn.sum(-1)  # r_h = A_h 1 [L, H, n]
 
     sublayers, sources, names = [], [capture.embedding[batch][pick]], ["embedding"]
-    feature_levels = {}  # a replaced MLP's layer → the index of its steps' sublayer
+    reads = {}  # a replaced MLP's layer → the level its steps read: below its sublayer, or its attention's (parallel)
     for layer in range(stack.num_layers):
         sublayers.append(
             Sublayer(
@@ -256,11 +257,15 @@ def frozen_model(
         replaced = None if capture.transcoders is None else capture.transcoders.layers.get(layer)
         if replaced is not None:
             written = replaced.decoders_from  # a cross-layer set's earlier layers writing here
-            earlier = [(capture.transcoders.layers[source], feature_levels[source]) for source in written]
-            feature_levels[layer] = len(sublayers)
+            earlier = [(capture.transcoders.layers[source], reads[source]) for source in written]
+            reads[layer] = len(sublayers) - 1 if capture.transcoders.parallel else len(sublayers)
+            # Post-norm, every step and both sources pass the norm after the MLP's residual sum.
+            after = None if pre else (scale[layer, 1], capture.norm_weight[layer, 1], centred,
+                                      functools.partial(normalised, layer=layer, which=1))  # fmt: skip
             _append_replaced_mlp(
-                sublayers, sources, names, replaced, batch, pick, capture.transcoders, batch_features, earlier
-            )
+                sublayers, sources, names, replaced, batch, pick, capture.transcoders, batch_features, earlier,
+                reads[layer], after,
+            )  # fmt: skip
             continue
         mlp = capture.mlp_out[batch, layer][pick]
         sublayers.append(
@@ -278,27 +283,21 @@ def frozen_model(
     return FrozenModel(sublayers, sources, names, slots, stack.num_heads, splits, capture.transcoders)
 
 
-def refuse_transcoders(capture, where: str, what: str) -> None:
-    """Refuse, in the caller's name, a capture whose MLPs are replaced by transcoders where ``what``
-    does not yet follow paths through their features."""
-    if getattr(capture, "transcoders", None) is not None:
-        raise ValueError(
-            f"{where}: {what} does not yet follow paths through transcoder features; this capture replaced its MLPs "
-            "(transcoders=): capture the model without transcoders for it"
-        )
-
-
 def _append_replaced_mlp(
-    sublayers, sources, names, replaced, batch: int, pick: Tensor, transcoders, batch_features: bool, earlier
-) -> None:
+    sublayers, sources, names, replaced, batch: int, pick: Tensor, transcoders, batch_features: bool, earlier,
+    reads: int, after=None,
+) -> None:  # fmt: skip
     """A replaced MLP (:class:`~pathkernels.adapters.replacement.ReplacedLayer`) of batch element
     ``batch`` on its tokens ``pick``: a sublayer whose branches are its feature steps active there
     and its skip map's rank-one steps, each a head of d_head 1 with a diagonal token map (choices
-    column ``L + layer``, holding the feature's id, or ``num_features + k``), then, for a cross-layer
-    set, what the features of each earlier layer l (``earlier``: ``(its ReplacedLayer, the level
-    below its MLP)``) write here, ids ``(layer − l) · stride + f``, each a jump down to that level;
-    then its constant rows, an identity sublayer, and its error, so that each source enters on its
-    own."""
+    column ``L + layer``, holding the feature's id, or ``num_features + k``), reading at level
+    ``reads`` (below the sublayer; a parallel block's, below its attention: a jump), then, for a
+    cross-layer set, what the features of each earlier layer l (``earlier``: ``(its ReplacedLayer,
+    the level it reads)``) write here, ids ``(layer − l) · stride + f``, each a jump down to that
+    level; then its constant rows, an identity sublayer, and its error, so that each source enters
+    on its own. ``after``: a post-norm model's norm after the MLP's residual sum, ``(D [n], γ,
+    centred, normalised(t, bias=))``, which the steps' sublayer passes (its skip and every step) and
+    the two sources pass (the constant rows with its β)."""
     layer = replaced.layer
     output_weights = replaced.output_scale[batch][pick]  # o [n]
 
@@ -316,7 +315,8 @@ def _append_replaced_mlp(
         inputs.append(replaced.skip_in)
         outputs.append(replaced.skip_out)
         ids.append(replaced.num_features + torch.arange(replaced.num_skip, device=pick.device))
-    jumps, count = [], sum(part.shape[0] for part in ids)
+    jumps = [] if reads == len(sublayers) else [(0, reads)]  # a parallel block's: below its attention
+    count = sum(part.shape[0] for part in ids)
     for reading, level in earlier:
         weights = reading.input_scale[batch][pick] * output_weights  # s_l ⊙ o_m
         weights, into, out, from_ids = steps_of(
@@ -330,12 +330,20 @@ def _append_replaced_mlp(
     gamma = torch.ones(inputs[0].shape[-1], dtype=torch.float64, device=output_weights.device)
     w_v, w_o = torch.cat(inputs)[:, :, None], torch.cat(outputs)[:, None, :]  # [F'', d, 1], [F'', 1, d]
     column = transcoders.num_layers + layer
-    steps = Sublayer(layer, token_maps, ones, gamma, w_v, w_o, True, False, column, torch.cat(ids), tuple(jumps))
+    bias, error = replaced.bias[batch][pick], replaced.error[batch][pick]
+    if after is None:
+        steps = Sublayer(layer, token_maps, ones, gamma, w_v, w_o, True, False, column, torch.cat(ids), tuple(jumps))
+    else:
+        norm_scale, norm_weight, centred, normalised = after
+        steps = Sublayer(
+            layer, token_maps, norm_scale, norm_weight, w_v, w_o, False, centred, column, torch.cat(ids), tuple(jumps)
+        )
+        bias, error = normalised(bias), normalised(error, bias=False)
     sublayers.append(steps)
-    sources.append(replaced.bias[batch][pick])
+    sources.append(bias)
     names.append(f"L{layer} transcoder bias")
     sublayers.append(Sublayer(layer, None, ones, gamma, None, None, True, False))  # the identity
-    sources.append(replaced.error[batch][pick])
+    sources.append(error)
     names.append(f"L{layer} MLP error")
 
 
@@ -392,10 +400,12 @@ def describe_path(path: Tensor, source_name: str, replaced=None) -> str:
 
 class PathSet:
     """Membership of head choices ``[N, L]`` (−1 where none) in a tree's paths, by an integer key
-    per row (the choices + 1 as base-(H+1) digits) where it fits int64, else by tuples."""
+    per row (the choices + 1 as base-(H+1) digits) where it fits int64, else by tuples. A row with a
+    choice of ``num_heads`` or more (a step the tree's paths never take) is no member."""
 
     def __init__(self, paths: Tensor, num_heads: int):
         layers = paths.shape[1]
+        self.num_heads = num_heads
         self.fits = (num_heads + 1) ** layers < 2**62
         self.weights = (num_heads + 1) ** torch.arange(layers, dtype=torch.long) if self.fits else None
         self.keys = self._keys(paths).unique() if self.fits else {tuple(row) for row in paths.tolist()}
@@ -405,8 +415,9 @@ class PathSet:
 
     def contains(self, choices: Tensor) -> Tensor:
         """``[N]`` bool."""
-        if self.fits:
-            return torch.isin(self._keys(choices), self.keys)
+        if self.fits:  # (a choice beyond the digits' base would alias another key)
+            within = (choices < self.num_heads).all(1)
+            return torch.isin(self._keys(choices.clamp_max(self.num_heads - 1)), self.keys) & within
         return torch.tensor([tuple(row) in self.keys for row in choices.tolist()], dtype=torch.bool)
 
 

@@ -324,7 +324,9 @@ def path_terms(
             term split by the token where the path passes that step (a feature's token map is
             diagonal), ``[M, n, T, d]`` over the sequence's n real tokens, summing to the terms.
             Read out, the split gives a path's share through each of the attribution graph's
-            (layer, position, feature) nodes.
+            (layer, position, feature) nodes. The step is the one in column ``L + split_at``,
+            where it writes: a cross-layer step of layer l's feature written there splits by
+            the token of the graph's node (l, position, feature).
         memory_budget: bytes for the result and the work (``M · n · d`` float64 per chunk of
             paths, n times that when split); beyond it, refused with what it would need.
 
@@ -398,8 +400,9 @@ def _split_column(model: FrozenModel, choices: Tensor, layer, where: str) -> int
         )
     if bool((choices[:, layers + layer] == NO_HEAD).any()):
         raise ValueError(
-            f"{where}: split_at={layer} splits each path where it passes layer {layer}'s MLP step; expected every "
-            f"path to take one (paths[:, {layers + layer}] a feature or skip direction), got -1"
+            f"{where}: split_at={layer} splits each path where it passes the step in layer {layer}'s MLP column (a "
+            f"cross-layer step: where it writes); expected every path to take one (paths[:, {layers + layer}] a "
+            "feature or skip direction), got -1"
         )
     return layers + layer
 
@@ -436,7 +439,7 @@ def _checked_paths(paths, sources, model: FrozenModel, names: list[str], where: 
     if bool(((heads < NO_HEAD) | (heads >= model.num_heads)).any()):
         raise ValueError(f"{where}: expected heads in [-1, {model.num_heads}) in paths, got {heads.unique().tolist()}")
     if model.replaced is not None:  # each MLP's column: a feature id or a skip-map direction, where it has a transcoder
-        _check_steps(paths, model.replaced, where)
+        check_steps(paths, model.replaced, where)
     if isinstance(sources, (str, int)):
         sources = [sources]
     if isinstance(sources, (list, tuple)) and sources and all(isinstance(s, str) for s in sources):
@@ -458,20 +461,8 @@ def _checked_paths(paths, sources, model: FrozenModel, names: list[str], where: 
     for index, sublayer in enumerate(model.sublayers):
         if sublayer.attn is not None:
             where_column[sublayer.column] = index
-    if model.replaced is not None and model.replaced.cross_layer:  # a step from layer l reads below l's MLP
-        layers = model.replaced.num_layers
-        for column in range(layers, 2 * layers):
-            taken = paths[:, column] != NO_HEAD
-            source_layer = torch.tensor(
-                [model.replaced.decode(column, int(value))[0] for value in paths[taken, column].tolist()],
-                dtype=torch.long,
-            )
-            if bool((sources[taken] > where_column[layers + source_layer]).any()):
-                bad = int(taken.nonzero()[(sources[taken] > where_column[layers + source_layer]).nonzero()[0]])
-                raise ValueError(
-                    f"{where}: path {bad} takes a step that reads below its source ({names[int(sources[bad])]}): "
-                    f"{paths[bad].tolist()}"
-                )
+    if model.replaced is not None and (model.replaced.cross_layer or model.replaced.parallel):  # steps that jump
+        _check_reads(paths, sources, model.replaced, where_column, names, where)
     below = (where_column[None, :] < sources[:, None]) & (where_column[None, :] >= 0)  # [M, columns]
     if bool(((paths != NO_HEAD) & below).any()):
         bad = int(((paths != NO_HEAD) & below).any(1).nonzero()[0])
@@ -481,11 +472,46 @@ def _checked_paths(paths, sources, model: FrozenModel, names: list[str], where: 
     return paths.long(), sources.long()
 
 
-def _check_steps(paths: Tensor, replaced, where: str) -> None:
+def _steps_taken(paths: Tensor, replaced) -> Iterator[tuple[int, int, int]]:
+    """``(row, l, m)`` for every MLP step of ``paths [M, 2L]``: layer l's, written at layer m."""
+    layers = replaced.num_layers
+    for column in range(layers, 2 * layers):
+        for row in (paths[:, column] != NO_HEAD).nonzero().flatten().tolist():
+            yield row, *replaced.decode(column, int(paths[row, column]))[:2]
+
+
+def check_between(paths: Tensor, replaced, where: str) -> None:
+    """Each MLP step of ``paths [M, 2L]`` (layer l's, written at m: :meth:`TranscoderCapture.decode`)
+    on a path that takes nothing between where it reads and where it writes: no head of layers
+    l+1..m (and of layer l itself in a parallel block, whose MLP reads below its attention), no MLP
+    step of layers l..m−1. Refused by name otherwise."""
+    layers = replaced.num_layers
+    for row, source, target in _steps_taken(paths, replaced):
+        between = [*range(source + 1 - replaced.parallel, target + 1), *range(layers + source, layers + target)]
+        if bool((paths[row, between] != NO_HEAD).any()):
+            raise ValueError(
+                f"{where}: path {row} takes layer {source}'s step written at layer {target} and a step between "
+                f"where it reads and where it writes (columns {between} must be -1): {paths[row].tolist()}"
+            )
+
+
+def _check_reads(paths: Tensor, sources: Tensor, replaced, where_column: Tensor, names, where: str) -> None:
+    """:func:`check_between`, and each MLP step from a source that enters below where it reads
+    (``where_column``: each column's sublayer)."""
+    check_between(paths, replaced, where)
+    layers = replaced.num_layers
+    for row, source, _ in _steps_taken(paths, replaced):
+        if int(sources[row]) > int(where_column[layers + source]) - replaced.parallel:
+            raise ValueError(
+                f"{where}: path {row} takes a step that reads below its source ({names[int(sources[row])]}): "
+                f"{paths[row].tolist()}"
+            )
+
+
+def check_steps(paths: Tensor, replaced, where: str) -> None:
     """Each MLP column of ``paths [M, 2L]`` a step of that layer's transcoder: a feature id or a skip
     direction, and with a cross-layer set an earlier layer's feature written there, ``(m − l) ·
-    stride + f``, on a path that takes nothing between (no head of layers l+1..m, no MLP step of
-    layers l..m−1)."""
+    stride + f``."""
     layers = replaced.num_layers
     for layer in range(layers):
         column = paths[:, layers + layer]
@@ -505,13 +531,6 @@ def _check_steps(paths: Tensor, replaced, where: str) -> None:
                     f"{where}: expected paths[:, {layers + layer}] (layer {layer}'s MLP step) a feature of a layer "
                     f"writing there, (m − l) · {replaced.stride} + f, got {column[earlier][wrong].unique().tolist()}"
                 )
-            for row, first in zip(earlier.nonzero().flatten().tolist(), source.tolist()):
-                between = [*range(first + 1, layer + 1), *range(layers + first, layers + layer)]
-                if bool((paths[row, between] != NO_HEAD).any()):
-                    raise ValueError(
-                        f"{where}: path {row} takes layer {first}'s feature written at layer {layer} and a step "
-                        f"between (columns {between} must be -1): {paths[row].tolist()}"
-                    )
         if bool(((column < NO_HEAD) | ((column >= limit) & ~earlier)).any()):
             raise ValueError(
                 f"{where}: expected paths[:, {layers + layer}] (layer {layer}'s MLP step) in [-1, {limit}) (its "

@@ -190,7 +190,7 @@ def _token_norms(sublayer: Sublayer) -> Tensor:
 def _head_factor(sublayer: Sublayer) -> float:
     """The largest ``‖T_h‖_∞ σ_max(F_h)`` over the heads (0 for an MLP), F_h a product of a
     ``d × d_head`` and a ``d_head × d`` factor (:func:`_product_norm`)."""
-    if sublayer.attn is None:
+    if not sublayer.branches:  # an MLP, or a replaced MLP with no feature open here
         return 0.0
     if sublayer.pre:  # F = C Γ W_V W_O
         left, right = sublayer.norm_values, sublayer.w_o
@@ -281,7 +281,7 @@ def _first_head_factors(model: FrozenModel) -> list[float]:
     plain ``κ_i σ_max(F_h)`` pairs them at full width."""
     factors = []
     for index, sublayer in enumerate(model.sublayers):
-        if sublayer.attn is None:
+        if not sublayer.branches:  # an MLP, or a replaced MLP with no feature open here
             factors.append(0.0)
             continue
         output_norm = _spectral_norm(sublayer.w_o)  # [H]
@@ -318,7 +318,7 @@ def _chain_factors(model: FrozenModel) -> list[float]:
     chain: dict[int, Tensor] = {}  # Q per attention sublayer [H], bottom up
     output_norms: dict[int, Tensor] = {}  # σ(V_g) per sublayer [H]
     for index, sublayer in enumerate(model.sublayers):
-        if sublayer.attn is None:
+        if not sublayer.branches:
             continue
         best = _source_head_factors(model, index)
         into = sublayer.norm_values  # U of this sublayer's heads [H, d, e]
@@ -816,14 +816,17 @@ def _step_children(
     weights = sublayer.token_maps.diagonal(dim1=-2, dim2=-1)  # [F, n]
     outputs = sublayer.w_o[:, 0, :]  # v_f [F, d] (the row form's F_in)
     inputs = sublayer.norm_values[:, :, 0]  # u_f [F, d] (its F_out)
-    if getattr(sublayer, "_input_norms", None) is None:  # ‖u_f‖, |w_f|ᵀ [n, F] and each step's level, once
+    if getattr(sublayer, "_input_norms", None) is None:  # ‖u_f‖ and |w_f|ᵀ [n, F], once per sublayer
         sublayer._input_norms = _norm(inputs)
         sublayer._absolute_weights = weights.abs().T.contiguous()
-        runs = sublayer.branch_levels(below)
+        sublayer._levels = {}
+    if below not in sublayer._levels:  # each step's level, per place of the sublayer (an edge's model starts
+        runs = sublayer.branch_levels(below)  # higher up the same sublayers: its levels count from there)
         levels = [torch.full((stop - first,), level, dtype=torch.long) for first, stop, level in runs]
-        sublayer._levels = torch.cat(levels).to(rho.device)
+        sublayer._levels[below] = torch.cat([torch.zeros(0, dtype=torch.long), *levels]).to(rho.device)
+    step_levels = sublayer._levels[below]
     along = phi[:, 0] @ outputs.T  # φ · v_f [N, F]
-    step_reach = reach[sublayer._levels]  # [F]
+    step_reach = reach[step_levels]  # [F]
     bound = _safe_bounds(
         (rho[:, 0].abs() @ sublayer._absolute_weights) * along.abs() * sublayer._input_norms * step_reach
     )
@@ -835,7 +838,7 @@ def _step_children(
         child_phi = along[node, step][:, None, None] * inputs[step][:, None, :]
         child_choices = choices[node].clone()
         child_choices[:, sublayer.column] = sublayer.choice_values(choices.device)[step]
-        levels = sublayer._levels[step]
+        levels = step_levels[step]
         parts.append((levels, child_rho, child_phi, child_choices, lengths[node] + 1, bound[node, step]))
     return parts, dropped
 
