@@ -72,7 +72,8 @@ test: build $(STAMPS)/test-env
 NEWEST_DIR := build/newest
 ADAPTER_TESTS := tests/test_adapters.py tests/test_capture_self_check.py tests/test_causal.py tests/test_masking.py \
 	tests/test_model_families.py tests/test_real_models.py tests/test_real_models_transformer_lens.py tests/test_scores.py \
-	tests/test_transcoder_paths.py tests/test_causal_features.py tests/test_score_features.py
+	tests/test_transcoder_paths.py tests/test_causal_features.py tests/test_score_features.py tests/test_cross_layer_paths.py \
+	tests/test_parallel_block_paths.py tests/test_post_norm_paths.py
 test-newest: build $(STAMPS)/test-env
 	rm -rf $(NEWEST_DIR) && $(PY) -m pip install --quiet --no-deps --target $(NEWEST_DIR)/3 transformers "transformer-lens<4" \
 		&& $(PY) -m pip install --quiet --no-deps --target $(NEWEST_DIR)/4 "transformer-lens>=4"

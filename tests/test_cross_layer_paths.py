@@ -11,12 +11,21 @@ import functools
 
 import pytest
 import torch
-from float64_reference import float64_steps, logits_in_float64
+from float64_reference import logits_in_float64
+from test_attribution_graph import check_edges_are_their_chains
 from test_real_models import gpt2
-from test_transcoder_paths import FAMILY_CASES, own_mlp_inputs, relative, tl_model_with_mlps
+from test_transcoder_paths import (
+    FAMILY_CASES,
+    gpt2_branches,
+    mlp_sides,
+    own_mlp_inputs,
+    relative,
+    replaced_logits,
+    tl_model_with_mlps,
+)
 
 import pathkernels as pk
-from pathkernels.adapters.residual import _blocks, _layout, capture_huggingface_residual
+from pathkernels.adapters.residual import capture_huggingface_residual
 from pathkernels.adapters.transcoders import random_transcoders
 from pathkernels.analysis.readout_trie import describe_path
 
@@ -24,28 +33,6 @@ from pathkernels.analysis.readout_trie import describe_path
 def clt_for(model, features: int = 6, **options):
     config = model.config.get_text_config()
     return random_transcoders(config.num_hidden_layers, config.hidden_size, features, cross_layer=True, **options)
-
-
-def clt_replaced_logits(model, ids, transcoders, capture):
-    """The model run with each MLP replaced by the set's own forward on every MLP argument up to its
-    layer (a cross-layer set's output at m reads the inputs of layers 0..m), plus the capture's error."""
-    spec = _layout(model)
-    arguments = {}
-    handles = []
-    for layer, block in enumerate(_blocks(model, *spec.blocks)):
-        error = capture.transcoders.layers[layer].error
-
-        def replace(module, args, result, layer=layer, error=error):
-            arguments[layer] = args[0].double()
-            return (transcoders.forward(layer, arguments) + error).to(result.dtype)
-
-        handles.append(spec.mlp(block).register_forward_hook(replace))
-    try:
-        with torch.no_grad():
-            return model(ids).logits
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def tiny_clt(layers: int = 3, features: int = 4):
@@ -77,7 +64,7 @@ def test_the_model_with_a_cross_layer_set_plus_the_error_is_the_model(activation
     ids = torch.randint(0, 50, (2, 7))
     stack, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
     seen, logits = own_mlp_inputs(model, ids)
-    assert relative(clt_replaced_logits(model, ids, transcoders, capture), logits) < 1e-10
+    assert relative(replaced_logits(model, ids, transcoders, capture), logits) < 1e-10
     for layer, replaced in capture.transcoders.layers.items():
         own = transcoders.encode(layer, seen["argument"][layer].double())
         assert torch.equal((own != 0).nonzero()[:, 2].unique(), replaced.features)
@@ -108,16 +95,7 @@ def literal_clt_attributions(model, ids, transcoders, stack, capture, u: torch.T
     attn = capture.patterns(stack.attn, 0)
     seen, _ = own_mlp_inputs(model, ids)
     blocks = model.transformer.h
-
-    def norm_input(layer, which, x):
-        gamma = (blocks[layer].ln_1 if which == 0 else blocks[layer].ln_2).weight.double()
-        return capture.norm_scale[0, layer, which][:, None] * (x @ centre) * gamma
-
-    def head(layer, h, x):
-        return attn[layer, h] @ norm_input(layer, 0, x) @ stack.w_v[layer, h].double() @ stack.w_o[layer, h].double()
-
-    def feature(layer, gate, enc, dec, x):
-        return (gate[:, None] * (norm_input(layer, 1, x) @ enc)[:, None]) * dec[None, :]
+    _, head, feature = gpt2_branches(model, stack, capture)
 
     # The slots bottom up, each (layer, kind), and what a path may take there: (label, next slot, map).
     slots = [(layer, kind) for layer in range(layers) for kind in ("attn", "mlp")]
@@ -242,25 +220,6 @@ def test_the_top_paths_through_cross_layer_features_are_those_of_enumeration(bou
     assert all(row["path"] in labels for row in top.table())
 
 
-def test_a_batch_with_a_cross_layer_set_reads_as_each_element():
-    """batch_attribution over the batch's features equals each element's own; the search of the
-    batch's mean finds the top of the mean of every path."""
-    model = gpt2(layers=3, heads=2, width=8).eval()
-    transcoders = clt_for(model, features=5)
-    ids = torch.randint(0, 50, (3, 4))
-    stack, _ = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
-    readout = pk.logit(model, 4)
-    together = pk.batch_attribution(stack, readout, top_k=5)
-    for b, element in enumerate(together.elements):
-        alone = pk.path_attribution(stack, readout, batch=b, top_k=5)
-        assert torch.allclose(element.value, alone.value, rtol=1e-12)
-        assert torch.allclose(element.top_values, alone.top_values, rtol=1e-10)
-    values = torch.stack([element.attribution[:, 0, 0] for element in together.elements]).mean(0)
-    top = pk.top_paths(stack, readout, top_k=5, batch=[0, 1, 2])
-    assert top.certified
-    assert torch.allclose(top.values, values.topk(5).values, rtol=1e-10, atol=1e-14)
-
-
 # ------------------------------------------------------------------------------------------------
 # Every family
 
@@ -281,22 +240,7 @@ def test_a_family_with_a_cross_layer_set_is_the_sum_of_its_paths(name, output_ho
     assert abs(total - value) < 1e-10 * max(1.0, abs(value)), (total, value)
     assert int(everything.counts.sum()) == int(everything.paths.shape[0])
     if name == "gemma2" and output_hook == "mlp_module_output":
-        seen = {}
-        handles = []
-        for layer, block in enumerate(model.model.layers):
-
-            def module(m, args, result, layer=layer):
-                seen[layer] = (args[0].detach().double(), result.detach().double())
-
-            def after(m, args, result, layer=layer):
-                seen[layer] = (*seen[layer], result.detach().double())
-
-            handles.append(block.mlp.register_forward_hook(module))
-            handles.append(block.post_feedforward_layernorm.register_forward_hook(after))
-        with torch.no_grad(), float64_steps(model):
-            model(ids)
-        for handle in handles:
-            handle.remove()
+        seen = mlp_sides(model, ids)
         arguments = {layer: seen[layer][0] for layer in seen}
         for layer, replaced in capture.transcoders.layers.items():
             _, output, sublayer = seen[layer]
@@ -422,12 +366,7 @@ def test_every_cross_layer_edge_is_the_sum_of_its_chains_and_its_literal_term():
     write into layer 1 goes straight to the final norm."""
     model, transcoders, ids, stack, capture = tiny_clt(features=5)
     graph = pk.attribution_graph(stack)
-    targets, sources = (graph.adjacency != 0).nonzero(as_tuple=True)
-    assert targets.numel() > 30
-    for target, source in zip(targets.tolist(), sources.tolist()):
-        chains = graph.edge_paths(source, target, top_k=1)
-        total = float(chains.by_source_length.sum())
-        assert abs(total - float(graph.adjacency[target, source])) < 1e-12 * max(1.0, abs(total))
+    assert check_edges_are_their_chains(graph) > 30
 
     model = gpt2(layers=2, heads=2, width=16).eval()
     transcoders = clt_for(model, features=8)

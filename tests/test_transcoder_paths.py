@@ -75,9 +75,10 @@ def own_mlp_inputs(model, ids):
 def replaced_logits(model, ids, transcoders, capture, hook: str = "mlp_input"):
     """The model run with each MLP of the set's layers replaced by the set's own forward on the
     MLP's input (``hook``: its argument, the stream entering its norm, or its argument before the
-    norm's gain and bias) plus the capture's error."""
+    norm's gain and bias; a cross-layer set's on the inputs of every layer up to it) plus the
+    capture's error."""
     spec = _layout(model)
-    handles, streams = [], {}
+    handles, streams, inputs = [], {}, {}
     for layer, block in enumerate(_blocks(model, *spec.blocks)):
         if layer not in transcoders.layers:
             continue
@@ -91,7 +92,9 @@ def replaced_logits(model, ids, transcoders, capture, hook: str = "mlp_input"):
             x = streams[layer] if hook == "stream" else args[0]
             if hook == "before_gain":
                 x = (x - norm.bias) / norm.weight
-            return (transcoders.forward(layer, x.double()) + error).to(result.dtype)
+            inputs[layer] = x.double()  # (a cross-layer set's output at a layer reads every input up to it)
+            out = transcoders.forward(layer, inputs if transcoders.cross_layer else inputs[layer])
+            return (out + error).to(result.dtype)
 
         handles.append((mlp_norm or mlp).register_forward_pre_hook(keep_stream))
         handles.append(mlp.register_forward_hook(replace))
@@ -177,6 +180,29 @@ def test_a_feature_is_a_step_only_where_its_gate_opens():
 # Every path is its literal term
 
 
+def gpt2_branches(model, stack, capture):
+    """A pre-LN GPT-2's branches on a term ``x [n, d]`` of sequence 0, written from the weights:
+    ``norm_input(l, which, x) = D x C Γ`` (the frozen LayerNorm before the attention or the MLP, β
+    left to the sources), ``head(l, h, x) = A_h (D x C Γ₁) W_V,h W_O,h`` and ``feature(l, g, enc,
+    dec, x) = diag(g) (D x C Γ₂) enc decᵀ``."""
+    d = stack.d_model
+    centre = torch.eye(d, dtype=torch.float64) - 1.0 / d
+    attn = capture.patterns(stack.attn, 0)
+    blocks = model.transformer.h
+
+    def norm_input(layer: int, which: int, x):
+        gamma = (blocks[layer].ln_1 if which == 0 else blocks[layer].ln_2).weight.double()
+        return capture.norm_scale[0, layer, which][:, None] * (x @ centre) * gamma
+
+    def head(layer, h, x):
+        return attn[layer, h] @ norm_input(layer, 0, x) @ stack.w_v[layer, h].double() @ stack.w_o[layer, h].double()
+
+    def feature(layer, gate, enc, dec, x):
+        return (gate[:, None] * (norm_input(layer, 1, x) @ enc)[:, None]) * dec[None, :]
+
+    return norm_input, head, feature
+
+
 def literal_attributions(model, ids, transcoders, stack, capture, position: int, u: torch.Tensor) -> dict:
     """Every path's attribution of a pre-LN GPT-2 with its MLPs replaced, written from the weights:
     ``{label: value}``. A head reads ``D x C Γ₁`` and writes ``A_h (·) W_V,h W_O,h``; a feature f of
@@ -190,16 +216,7 @@ def literal_attributions(model, ids, transcoders, stack, capture, position: int,
     attn = capture.patterns(stack.attn, 0)
     seen, _ = own_mlp_inputs(model, ids)
     blocks = model.transformer.h
-
-    def norm_input(layer: int, which: int, x):
-        gamma = (blocks[layer].ln_1 if which == 0 else blocks[layer].ln_2).weight.double()
-        return capture.norm_scale[0, layer, which][:, None] * (x @ centre) * gamma
-
-    def head_step(layer, h, x):
-        return attn[layer, h] @ norm_input(layer, 0, x) @ stack.w_v[layer, h].double() @ stack.w_o[layer, h].double()
-
-    def feature_step(layer, gate, enc, dec, x):
-        return (gate[:, None] * (norm_input(layer, 1, x) @ enc)[:, None]) * dec[None, :]
+    norm_input, head_step, feature_step = gpt2_branches(model, stack, capture)
 
     def skip_step(layer, w_skip, x):
         return norm_input(layer, 1, x) @ w_skip
@@ -355,18 +372,10 @@ def test_a_family_with_transcoders_is_the_sum_of_its_paths(name, output_hook):
         assert any("MLP error" in name for name in everything.source_names)
 
 
-@pytest.mark.parametrize("name", ["gemma2", "olmo2"])
-def test_a_set_writing_the_mlp_modules_output_passes_the_norm_after_it(name):
-    """Where the set writes the MLP module's output and a norm follows the module (Gemma-2, OLMo 2),
-    the error is the sublayer's output less the set's output through that norm, frozen at the
-    model's own module output: ``mlp_out − (set(x) / rms(m)) ⊙ γ``, written here from the model's
-    hooks and the norm's weight."""
-    model = FAMILY_CASES[name]()
-    transcoders = transcoders_for(model, features=8, output_hook="mlp_module_output", skip=True)
-    ids = torch.randint(0, 50, (1, 5))
-    _, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
-    seen = {}
-    handles = []
+def mlp_sides(model, ids) -> dict:
+    """``{layer: (the MLP module's argument, its output, the norm after it's output)}`` of a model
+    with a norm after each MLP (Gemma-2, OLMo 2), its norms run in float64 as the capture runs them."""
+    seen, handles = {}, []
     for layer, block in enumerate(model.model.layers):
 
         def module(m, args, result, layer=layer):
@@ -377,10 +386,26 @@ def test_a_set_writing_the_mlp_modules_output_passes_the_norm_after_it(name):
 
         handles.append(block.mlp.register_forward_hook(module))
         handles.append(block.post_feedforward_layernorm.register_forward_hook(after))
-    with torch.no_grad(), float64_steps(model):  # the model's norms in float64, as the capture runs them
-        model(ids)
-    for handle in handles:
-        handle.remove()
+    try:
+        with torch.no_grad(), float64_steps(model):
+            model(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("name", ["gemma2", "olmo2"])
+def test_a_set_writing_the_mlp_modules_output_passes_the_norm_after_it(name):
+    """Where the set writes the MLP module's output and a norm follows the module (Gemma-2, OLMo 2),
+    the error is the sublayer's output less the set's output through that norm, frozen at the
+    model's own module output: ``mlp_out − (set(x) / rms(m)) ⊙ γ``, written here from the model's
+    hooks and the norm's weight."""
+    model = FAMILY_CASES[name]()
+    transcoders = transcoders_for(model, features=8, output_hook="mlp_module_output", skip=True)
+    ids = torch.randint(0, 50, (1, 5))
+    _, capture = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
+    seen = mlp_sides(model, ids)
     for layer, replaced in capture.transcoders.layers.items():
         argument, output, sublayer = seen[layer]
         norm = model.model.layers[layer].post_feedforward_layernorm
@@ -449,12 +474,13 @@ def test_the_top_paths_through_features_are_those_of_enumeration(bound, largest)
     assert all(row["path"] in labels for row in top.table())
 
 
-def test_a_batchs_attributions_and_the_search_of_its_mean_go_through_every_elements_features():
+@pytest.mark.parametrize("cross_layer", [False, True])
+def test_a_batchs_attributions_and_the_search_of_its_mean_go_through_every_elements_features(cross_layer):
     """batch_attribution: each element over the batch's features (those active in no token of it
     carry 0) equals its own path_attribution, and the mean is theirs; top_paths(batch=...) finds the
     top of the mean of every path, as the batch's enumeration lists it."""
     model = gpt2(layers=2, heads=2, width=16).eval()
-    transcoders = transcoders_for(model, features=8, skip=True)
+    transcoders = transcoders_for(model, features=8, skip=not cross_layer, cross_layer=cross_layer)
     ids = torch.randint(0, 50, (3, 5))
     stack, _ = capture_huggingface_residual(model, input_ids=ids, transcoders=transcoders)
     readout = pk.logit(model, 4)

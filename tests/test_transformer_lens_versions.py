@@ -18,8 +18,10 @@ TL4 = ROOT / "build" / "transformer-lens-4"
 SELECTED = [
     "tests/test_adapters.py",
     "tests/test_capture_self_check.py",
+    "tests/test_cross_layer_paths.py",
     "tests/test_masking.py",
     "tests/test_model_families.py",
+    "tests/test_parallel_block_paths.py",
     "tests/test_readme.py",
     "tests/test_real_models_transformer_lens.py",
     "tests/test_scores.py",

@@ -819,7 +819,9 @@ def capture_transformer_lens_residual(
             if mlp_output_norm is not None:  # an RMSNorm on the MLP's output (ln2_post): hook_mlp_out is after it
                 extra["output_scale"] = per_layer(mlp_output_norm, scale_of).permute(1, 0, 2)
                 extra["output_weight"] = per_layer(mlp_output_norm, lambda name: parameter(name, "w", True, 1.0))
-            parallel = bool(getattr(cfg, "parallel_attn_mlp", False))  # the MLP reads the block's input
+            # The MLP reads the block's input (3.x's parallel_attn_mlp, which has no hook_resid_mid; 4.x's
+            # HookedTransformer runs the flag's blocks sequentially, through hook_resid_mid).
+            parallel = bool(getattr(cfg, "parallel_attn_mlp", False)) and "blocks.0.hook_resid_mid" not in cache
             mlp_inputs = MlpInputs(
                 stream=stacked("hook_resid_pre" if parallel else "hook_resid_mid"),
                 norm_scale=capture.norm_scale[:, :, 1],
