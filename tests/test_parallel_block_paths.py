@@ -243,3 +243,39 @@ def test_a_transformer_lens_model_with_parallel_blocks_is_the_sum_of_its_paths(i
     assert abs(float(result.value[0, 0]) - float(logits[0, -1, 5])) < 1e-10 * float(logits[0, -1].abs().max())
     total = float(result.by_source_length.sum() + result.constant[0, 0])
     assert abs(total - float(logits[0, -1, 5])) < 1e-10 * float(logits[0, -1].abs().max())
+
+
+def test_transformer_lens_parallel_blocks_from_a_full_cache_and_models_without_norms():
+    """3.x's ``parallel_attn_mlp`` captured from the user's own full cache (its blocks fire no
+    ``hook_resid_mid``) equals the capture from the tokens; a model without norms reads each MLP's
+    input as the stream; a bridge whose blocks share one norm (over Phi) is refused by name."""
+    pytest.importorskip("transformer_lens")
+    from test_transcoder_paths import tl_model_with_mlps
+
+    from pathkernels.adapters.transcoders import random_transcoders
+
+    transcoders = random_transcoders(3, 32, 8, input_hook="resid_mid", skip=True)
+    tokens = torch.randint(0, 50, (1, 6))
+    for normalization_type, parallel in (("LN", True), (None, False), (None, True)):
+        model = tl_model_with_mlps(normalization_type, parallel_attn_mlp=parallel)
+        stack, _ = pk.adapters.capture_transformer_lens_residual(model, tokens, transcoders=transcoders)
+        with torch.no_grad():
+            _, cache = model.run_with_cache(tokens)
+            logits = model(tokens)
+        again, _ = pk.adapters.capture_transformer_lens_residual(model, cache, transcoders=transcoders)
+        readout = pk.logit(model, 5)
+        first, second = pk.path_attribution(stack, readout, top_k=2), pk.path_attribution(again, readout, top_k=2)
+        assert torch.equal(first.by_source_length, second.by_source_length)
+        total = float(first.by_source_length.sum() + first.constant[0, 0])
+        assert abs(total - float(logits[0, -1, 5])) < 1e-10 * float(logits[0, -1].abs().max())
+
+
+def test_a_bridge_whose_blocks_share_one_norm_is_refused_with_transcoders(tmp_path):
+    pytest.importorskip("transformer_lens")
+    from test_adapters import bridge_over
+
+    model = family_model("phi")
+    bridge = bridge_over(model, tmp_path, dtype=torch.float64)
+    transcoders = transcoders_for(model, features=4)
+    with pytest.raises(ValueError, match="blocks read one norm before both the attention and the MLP"):
+        pk.adapters.capture_transformer_lens_residual(bridge, torch.randint(0, 40, (1, 5)), transcoders=transcoders)

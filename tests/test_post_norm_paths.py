@@ -172,6 +172,9 @@ def test_what_a_post_norm_capture_with_transcoders_does_not_do_is_refused_by_nam
     ids = torch.randint(3, 50, (1, 4))
     with pytest.raises(ValueError, match="cross-layer set on a post-norm model"):
         capture_huggingface_residual(model, input_ids=ids, transcoders=random_transcoders(2, 16, 4, cross_layer=True))
+    with pytest.raises(ValueError, match="'mlp_input_before_gain'.* has no norm before its MLP"):
+        before_gain = random_transcoders(2, 16, 4, input_hook="mlp_input_before_gain")
+        capture_huggingface_residual(model, input_ids=ids, transcoders=before_gain)
     stack, _ = capture_huggingface_residual(model, input_ids=ids, transcoders=random_transcoders(2, 16, 4))
     with pytest.raises(ValueError, match="the graph of a post-norm model"):
         pk.attribution_graph(stack)

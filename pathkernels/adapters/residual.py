@@ -409,6 +409,12 @@ def _parallel_blocks(config) -> bool:
 
 def _check_replaceable_family(model, spec: _Layout, transcoders, layers: int) -> None:
     """Refuse, before the forward pass, a model or set whose MLPs the capture cannot replace."""
+    if spec.layout != "pre" and getattr(transcoders, "input_hook", None) == "mlp_input_before_gain":
+        raise ValueError(
+            f"{_WHERE}: transcoders reads 'mlp_input_before_gain', the MLP's input before its norm's gain; this "
+            f"post-norm {model.config.model_type!r} has no norm before its MLP (it reads the stream itself: "
+            "'mlp_input' or 'resid_mid')"
+        )
     if spec.layout != "pre" and getattr(transcoders, "cross_layer", False):
         raise ValueError(
             f"{_WHERE}: transcoders is a cross-layer set on a post-norm model ({model.config.model_type!r}): a "
@@ -652,8 +658,10 @@ def capture_transformer_lens_residual(
     report and (but for a native bridge) the scores its ``hook_attn_scores`` report; what it does
     not read is refused by name. ``transcoders``: each MLP of the set's layers replaced by its
     transcoder, as in :func:`capture_huggingface_residual` (the stream entering the MLP's norm from
-    ``hook_resid_mid``; sequential blocks with MLPs; the set's input checked against
-    ``ln2.hook_normalized`` where it reads that).
+    ``hook_resid_mid``, or a parallel block's input from ``hook_resid_pre`` where the block fires no
+    ``hook_resid_mid``; the set's input checked against ``ln2.hook_normalized`` where it reads that;
+    a bridge whose blocks share one norm before the attention and the MLP, as over Phi, Falcon or
+    GPT-J, is refused by name: capture the Hugging Face model itself).
     """
     where = "pathkernels.adapters.capture_transformer_lens_residual"
     model, tokens, given_cache = model_and_cache(model, tokens, where)
@@ -700,10 +708,18 @@ def capture_transformer_lens_residual(
         names |= {"ln_final.hook_scale"}
     if not attn_only:
         names |= {f"blocks.{layer}.hook_mlp_out" for layer in range(layers)}
+    # Hooks a block may not fire, read where it does: a parallel block's hook_resid_mid (3.x's
+    # parallel_attn_mlp and bridges over parallel models never fire it), the MLP's norm's output (a
+    # model without norms, or a bridge whose blocks share one norm, has none): checked below by name.
+    optional = set()
     if transcoders is not None:
         names |= {f"blocks.{layer}.hook_resid_mid" for layer in range(layers)}
+        if getattr(cfg, "parallel_attn_mlp", False):
+            optional |= {f"blocks.{layer}.hook_resid_mid" for layer in range(layers)}
         if inputs[1] is not None:
-            names |= {f"blocks.{layer}.{inputs[1]}.hook_normalized" for layer in range(layers)}
+            normalized = {f"blocks.{layer}.{inputs[1]}.hook_normalized" for layer in range(layers)}
+            names |= normalized
+            optional |= normalized
     split = cfg.positional_embedding_type == "standard"  # resid_pre of block 0 = hook_embed + hook_pos_embed
     if split:
         names |= {"hook_embed"}
@@ -715,7 +731,7 @@ def capture_transformer_lens_residual(
         cache = run_cached(model, tokens, names, attention_mask)
     else:
         cache = given_cache
-        missing = sorted(names - set(cache.keys()))
+        missing = sorted(names - optional - set(cache.keys()))
         if missing:
             raise ValueError(
                 f"{where}: the ActivationCache lacks {len(missing)} of the {len(names)} hooks the capture reads "
@@ -814,7 +830,15 @@ def capture_transformer_lens_residual(
             def stacked(hook: str) -> Tensor:  # [B, L, n, d] of a hook in every block
                 return torch.stack([cache[f"blocks.{layer}.{hook}"].double() for layer in range(layers)], dim=1)
 
-            own = {} if mlp_norm is None else {"mlp_input_before_gain": stacked(f"{mlp_norm}.hook_normalized")}
+            if normed and f"blocks.0.{mlp_norm}.hook_scale" not in cache:
+                raise ValueError(
+                    f"{where}: this model's blocks read one norm before both the attention and the MLP ({mlp_norm} "
+                    "is never run: a TransformerLens bridge over Phi, Falcon or GPT-J), which the capture does not "
+                    "read as the MLP's input for transcoders; capture the Hugging Face model itself "
+                    "(capture_huggingface_residual(model, transcoders=...))"
+                )
+            reads_norm = mlp_norm is not None and f"blocks.0.{mlp_norm}.hook_normalized" in cache
+            own = {"mlp_input_before_gain": stacked(f"{mlp_norm}.hook_normalized")} if reads_norm else {}
             extra = {}
             if mlp_output_norm is not None:  # an RMSNorm on the MLP's output (ln2_post): hook_mlp_out is after it
                 extra["output_scale"] = per_layer(mlp_output_norm, scale_of).permute(1, 0, 2)
@@ -822,6 +846,11 @@ def capture_transformer_lens_residual(
             # The MLP reads the block's input (3.x's parallel_attn_mlp, which has no hook_resid_mid; 4.x's
             # HookedTransformer runs the flag's blocks sequentially, through hook_resid_mid).
             parallel = bool(getattr(cfg, "parallel_attn_mlp", False)) and "blocks.0.hook_resid_mid" not in cache
+            if not parallel and "blocks.0.hook_resid_mid" not in cache:
+                raise ValueError(
+                    f"{where}: the ActivationCache lacks blocks.0.hook_resid_mid, which the transcoders read (the "
+                    "stream entering each MLP); make it with model.run_with_cache(tokens) and no names_filter"
+                )
             mlp_inputs = MlpInputs(
                 stream=stacked("hook_resid_pre" if parallel else "hook_resid_mid"),
                 norm_scale=capture.norm_scale[:, :, 1],
