@@ -361,7 +361,7 @@ def test_a_family_with_transcoders_is_the_sum_of_its_paths(name, output_hook):
     # rotary angles to float32 even in a float64 model: its own forward is within ~1e-6 of it).
     value = float(logits_in_float64(model, input_ids=ids)[0, -1, 11])
     total = float(everything.by_source_length.sum() + everything.constant[0, 0])
-    assert abs(total - value) < 1e-10 * max(1.0, abs(value)), (total, value)
+    assert abs(total - value) < 1e-12 * max(1.0, abs(value)), (total, value)
     assert abs(float(result.value[0, 0]) - value) < 1e-10 * max(1.0, abs(value))
     own = model(ids).logits[0, -1, 11].item()
     assert abs(total - own) < 1e-5 * max(1.0, abs(own))
@@ -800,7 +800,7 @@ def test_every_family_the_captures_read_is_the_sum_of_its_paths_through_features
     result = pk.path_attribution(stack, pk.logit(model, 3), top_k=1)
     value = float(logits_in_float64(model, input_ids=ids)[0, -1, 3])
     total = float(result.by_source_length.sum() + result.constant[0, 0])
-    assert abs(total - value) < 1e-10 * max(1.0, abs(value)), (total, value)
+    assert abs(total - value) < 1e-12 * max(1.0, abs(value)), (total, value)
 
 
 @pytest.mark.parametrize("family", ["roberta", "vit"])
