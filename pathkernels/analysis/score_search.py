@@ -169,7 +169,7 @@ class _Side:
             outputs = bounds.outputs  # V [A·H, e, d]
             self.columns = columns
             z = torch.einsum("ced,dk->cek", outputs, columns)  # [A·H, d_head, e]
-            r = torch.einsum("u,cuv->cv", rho, bounds.token_maps)  # [A·H, n]
+            r = bounds.through(rho[None], attention)[0]  # [A·H, n]
             basis = [(a, h) for a in range(attention) for h in range(bounds.heads)]
             self._push(basis, r, z, [()] * len(basis), None)
 
@@ -239,7 +239,7 @@ class _Side:
             self.largest_norm = max(self.largest_norm, float(tails.norm(dim=-1).max()))
             if a == 0:
                 continue
-            children_r = torch.einsum("Nu,cuv->Ncv", r, b.token_maps[: a * b.heads])  # [N, a·H, n]
+            children_r = b.through(r, a)  # [N, a·H, n]
             pair = b.pair_map(a, h).view(b.head_dim, a * b.heads, b.head_dim)  # (V_c U_{a,h})ᵀ
             children_z = torch.einsum("Nfk,fcg->Ncgk", z, pair)  # V_c U_{a,h} Z [N, a·H, d_head, e]
             below = [(sub, g) for sub in range(a) for g in range(b.heads)]

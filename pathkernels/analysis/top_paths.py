@@ -370,7 +370,9 @@ class _NodeBounds:
         self.sources = torch.stack(model.sources)  # [S + 1, n, d]
         self.values = [model.sublayers[index].norm_values for index in self.index]  # U [H, d, e]
         self.outputs = torch.cat([model.sublayers[index].w_o for index in self.index])  # V [A·H, e, d]
-        self.token_maps = torch.cat([model.sublayers[index].token_maps for index in self.index])  # T [A·H, n, n]
+        # T [H, n, n] per attention sublayer: the sublayers' own, not a copy of them all (A·H·n² float64,
+        # 4.3 GB at the Llama-3.2-1B shape and 1,024 tokens).
+        self.token_maps = [model.sublayers[index].token_maps for index in self.index]
         # ‖U z‖₂ as √(zᵀ UᵀU z), U and z scaled by powers of two to a largest entry in [1, 2) (:func:`_unit`):
         # the Gram matrix of the scaled U [H, e, e], and the scale per head [H].
         self.value_units = [_unit(u, (-2, -1)) for u in self.values]
@@ -395,7 +397,7 @@ class _NodeBounds:
                     [_spectral_norm(self.pair_map(a, h).view(e, a * heads, e).transpose(0, 1)) for h in range(heads)]
                 )
                 best = torch.maximum(best, (pair[:, :, None] * torch.cat(chains)[None]).amax(1))
-            chains.append(torch.einsum("huv,hv->hu", self.token_maps[a * heads : (a + 1) * heads], best))
+            chains.append(torch.einsum("huv,hv->hu", self.token_maps[a], best))
         return chains
 
     def source_maps(self, a: int) -> Tensor:
@@ -432,10 +434,14 @@ class _NodeBounds:
         """The attributions ``ρᵀ K_i U z`` of the paths that take no head below the nodes ``[N, i]``."""
         return ((rho @ self.source_maps(a)[head]).view(rho.shape[0], -1, self.head_dim) * z[:, None, :]).sum(-1)
 
+    def through(self, rho: Tensor, count: int) -> Tensor:
+        """``ρ T_c`` for ρ ``[N, n]`` and every head c of the lowest ``count`` attention sublayers:
+        ``[N, count·H, n]``, heads in basis order."""
+        return torch.cat([torch.einsum("Nu,cuv->Ncv", rho, maps) for maps in self.token_maps[:count]], dim=1)
+
     def children(self, a: int, head: int, rho: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
         """Every child's ``ρ`` ``[N, a·H, n]`` and ``z`` ``[N, a·H, d_head]``, heads below in basis order."""
-        rho_children = torch.einsum("Nu,cuv->Ncv", rho, self.token_maps[: a * self.heads])
-        return rho_children, self.child_features(a, head, z)
+        return self.through(rho, a), self.child_features(a, head, z)
 
     def remaining(self, a: int, head: int, rho: Tensor, z: Tensor) -> Tensor:
         """A bound on ``|attr|`` over the paths below the nodes that take another head ``[N]``."""
