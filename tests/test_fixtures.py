@@ -187,12 +187,10 @@ def test_attention_only_fixture_has_zero_mlps():
 def as_trained():
     """One thread, as the fixtures and their transcoders were trained; after, the threads as they
     were and deterministic algorithms off (training turns them on)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
-        yield
+        with _one_thread():
+            yield
     finally:
-        torch.set_num_threads(threads)
         torch.use_deterministic_algorithms(False)
 
 

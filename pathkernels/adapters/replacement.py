@@ -147,6 +147,19 @@ class TranscoderCapture:
         writes: the most steps any one layer has (features, then skip directions)."""
         return max(r.num_features + r.num_skip for r in self.layers.values())
 
+    def writers(self, target: int) -> dict[int, Tensor]:
+        """``{l: [F'_l, d]}``: the decoder rows (a norm after the module folded in) of each layer l
+        whose active features write into layer ``target``'s MLP: itself, and with a cross-layer set
+        every earlier layer."""
+        replaced = self.layers[target]
+        return {target: replaced.decoder, **replaced.decoders_from}
+
+    def writes(self, source: int) -> dict[int, Tensor]:
+        """``{m: [F'_l, d]}``: the decoder rows that layer ``source``'s active features write into each
+        layer m (itself, and with a cross-layer set every later layer), in layer order."""
+        by_target = {target: self.writers(target) for target in sorted(self.layers)}
+        return {target: writers[source] for target, writers in by_target.items() if source in writers}
+
     def decode(self, slot: int, branch: int) -> tuple[int, int, int]:
         """``(l, m, b)`` of the step ``branch`` in column ``slot`` (``L + m``): the layer ``l`` whose
         feature or skip direction ``b`` it takes (``b`` as :meth:`ReplacedLayer.step_label` reads

@@ -50,7 +50,7 @@ from pathkernels.analysis.readout_trie import (
     describe_path,
     frozen_model,
 )
-from pathkernels.analysis.real_paths import _checked_paths, carry_up, terms_of
+from pathkernels.analysis.real_paths import _checked_paths, carry_up, steps_taken, terms_of
 from pathkernels.analysis.scores import checked_head, query_and_keys
 from pathkernels.core._figures import check_save_path, new_figure, require, saved, titled, wrapped
 from pathkernels.core.checks import check_flag, check_int
@@ -544,7 +544,7 @@ def _feature_paths(model, stack, inputs, frozen: FrozenModel, names, chosen, rea
     position = int(positions[-1]) if removal.position is None else _position(removal.position, positions, batch, tokens)
     if read is not None:  # (a cross-layer feature writes into every later layer's MLP too)
         carried = removed.new_zeros(len(names), positions.numel(), removed.shape[-1])
-        for target, decoder in _writes_of(replacement, layer).items():
+        for target, decoder in replacement.writes(layer).items():
             unit = removed.new_zeros(len(names), positions.numel(), removed.shape[-1])
             output_scale = float(replacement.layers[target].output_scale[batch, token])
             unit[:, row] = output_scale * decoder.to(device)[columns.to(device)]  # [M, d]
@@ -642,22 +642,10 @@ def _steps_reading_at(choices: Tensor, replacement, layer: int) -> tuple[Tensor,
     layers = replacement.num_layers
     steps = choices[:, layers + layer].clone()
     columns = torch.full_like(steps, layers + layer)
-    for target in range(layer + 1, layers) if replacement.cross_layer else []:
-        for row, value in enumerate(choices[:, layers + target].tolist()):
-            source, _, index = replacement.decode(layers + target, value) if value != NO_HEAD else (None, 0, 0)
-            if source == layer:
-                steps[row], columns[row] = index, layers + target
+    for row, source, target, index in steps_taken(choices, replacement) if replacement.cross_layer else []:
+        if source == layer and target != layer:
+            steps[row], columns[row] = index, layers + target
     return steps, columns
-
-
-def _writes_of(replacement, layer: int) -> dict[int, Tensor]:
-    """``{t: [F'_l, d]}``: the decoder rows (norm after the module folded in) that layer ``layer``'s
-    active features write into each layer t: itself, and a cross-layer set's later layers."""
-    writes = {layer: replacement.layers[layer].decoder}
-    for target, replaced in replacement.layers.items():
-        if layer in replaced.decoders_from:
-            writes[target] = replaced.decoders_from[layer]
-    return writes
 
 
 def _capture_tolerance(model) -> float:

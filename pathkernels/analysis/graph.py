@@ -569,7 +569,8 @@ class _Nodes:
             # (b_dec, the skip term's) is no node's.
             level = self.feature_sublayer[layer] + 1
             written = sum(
-                (gates_of[source] * self.layer_data[source][4]) @ decoder for source, decoder in self.writers(layer)
+                (gates_of[source] * self.layer_data[source][4]) @ decoder
+                for source, decoder in replaced.writers(layer).items()
             )
             self.constant_rows[level] = model.sources[level] - output_scale[:, None] * written
             rows.append(on[:, 0].cpu())
@@ -599,12 +600,6 @@ class _Nodes:
         self._rows, self._layer_of, self._index_of = feature_rows, cat(layer_of, torch.long), cat(index_of, torch.long)
         self.error_level = {role[1]: level for level, role in self.roles.items() if role[0] == "error"}
 
-    def writers(self, layer: int) -> list[tuple[int, Tensor]]:
-        """``(l, decoder [F'_l, d])`` for each layer l whose features write into layer ``layer``'s MLP:
-        itself, and with a cross-layer set every earlier layer."""
-        data = self.replaced.layers[layer]
-        return [(layer, data.decoder), *data.decoders_from.items()]
-
     def feature_target(self, node: int) -> _Target:
         """What feature node ``node`` reads: its pre-activation at the MLP's input (``rho = s e_t``,
         ``phi = M enc_f``) and its constant ``S enc_f + b_enc,f``."""
@@ -624,12 +619,10 @@ class _Nodes:
             layer, row, index = int(self._layer_of[node]), int(self._rows[node]), int(self._index_of[node])
             acts = self.layer_data[layer][1]
             written = []
-            for target in sorted(self.feature_sublayer):
-                decoder = dict(self.writers(target)).get(layer)
-                if decoder is not None:
-                    rows = torch.zeros_like(model.sources[0])
-                    rows[row] = acts[row, index] * self.layer_data[target][2][row] * decoder[index]
-                    written.append((rows, self.feature_sublayer[target] + 1))
+            for target, decoder in self.replaced.writes(layer).items():
+                rows = torch.zeros_like(model.sources[0])
+                rows[row] = acts[row, index] * self.layer_data[target][2][row] * decoder[index]
+                written.append((rows, self.feature_sublayer[target] + 1))
             return written
         if node < self.token_start:
             layer, row = divmod(node - self.error_start, self.n)
@@ -660,7 +653,7 @@ class _Nodes:
         if role[0] != "features":
             return
         output_scale = self.layer_data[role[1]][2]
-        for writer, decoder in self.writers(role[1]):
+        for writer, decoder in self.replaced.writers(role[1]).items():
             layout = self.feature_nodes.get(writer)
             if layout is None or not layout.width:  # (width 0: no feature of the layer is active here)
                 continue

@@ -472,12 +472,13 @@ def _checked_paths(paths, sources, model: FrozenModel, names: list[str], where: 
     return paths.long(), sources.long()
 
 
-def _steps_taken(paths: Tensor, replaced) -> Iterator[tuple[int, int, int]]:
-    """``(row, l, m)`` for every MLP step of ``paths [M, 2L]``: layer l's, written at layer m."""
+def steps_taken(paths: Tensor, replaced) -> Iterator[tuple[int, int, int, int]]:
+    """``(row, l, m, b)`` for every MLP step of ``paths [M, 2L]``: layer l's feature or skip direction
+    b, written at layer m (:meth:`TranscoderCapture.decode`)."""
     layers = replaced.num_layers
     for column in range(layers, 2 * layers):
         for row in (paths[:, column] != NO_HEAD).nonzero().flatten().tolist():
-            yield row, *replaced.decode(column, int(paths[row, column]))[:2]
+            yield row, *replaced.decode(column, int(paths[row, column]))
 
 
 def check_between(paths: Tensor, replaced, where: str) -> None:
@@ -486,7 +487,7 @@ def check_between(paths: Tensor, replaced, where: str) -> None:
     l+1..m (and of layer l itself in a parallel block, whose MLP reads below its attention), no MLP
     step of layers l..m−1. Refused by name otherwise."""
     layers = replaced.num_layers
-    for row, source, target in _steps_taken(paths, replaced):
+    for row, source, target, _ in steps_taken(paths, replaced):
         between = [*range(source + 1 - replaced.parallel, target + 1), *range(layers + source, layers + target)]
         if bool((paths[row, between] != NO_HEAD).any()):
             raise ValueError(
@@ -500,7 +501,7 @@ def _check_reads(paths: Tensor, sources: Tensor, replaced, where_column: Tensor,
     (``where_column``: each column's sublayer)."""
     check_between(paths, replaced, where)
     layers = replaced.num_layers
-    for row, source, _ in _steps_taken(paths, replaced):
+    for row, source, _, _ in steps_taken(paths, replaced):
         if int(sources[row]) > int(where_column[layers + source]) - replaced.parallel:
             raise ValueError(
                 f"{where}: path {row} takes a step that reads below its source ({names[int(sources[row])]}): "
