@@ -740,13 +740,13 @@ def test_a_term_splits_by_the_token_where_it_passes_a_feature():
     take a step at that layer, or a layer with no transcoder, are refused by name."""
     import copy
 
-    for _ in range(30):  # a draw with a layer-1 feature open at the last token
+    for _ in range(30):  # a draw with a layer-1 feature open at the last token and 3 paths through layer 0's
         model, transcoders, ids, stack, capture = tiny_skip_transcoded()
-        if bool(capture.transcoders.layers[1].gates[0, -1].any()):
+        result = pk.path_attribution(stack, pk.logit(model, 4), top_k=1)
+        layers = stack.num_layers
+        through = (result.paths[:, layers] >= 0) & (result.paths[:, layers] < 5)  # a layer-0 feature
+        if bool(capture.transcoders.layers[1].gates[0, -1].any()) and int(through.sum()) >= 3:
             break
-    result = pk.path_attribution(stack, pk.logit(model, 4), top_k=1)
-    layers = stack.num_layers
-    through = (result.paths[:, layers] >= 0) & (result.paths[:, layers] < 5)  # a layer-0 feature
     paths, sources = result.paths[through][:12], result.path_sources[through][:12]
     whole = pk.path_terms(stack, paths, sources)
     split = pk.path_terms(stack, paths, sources, split_at=0)  # [M, n, n, d]
