@@ -4,6 +4,7 @@ attributions, and with max_length; a search stopped early keeps a certificate th
 not visit exceeds."""
 
 import math
+import sys
 
 import pytest
 import torch
@@ -114,7 +115,7 @@ def test_bad_arguments_are_refused_by_name():
         (
             (stack, readout),
             {"bound": "tight"},
-            r"expected bound in \('node', 'chain', 'first_head', 'plain'\), got 'tight'",
+            r"expected bound in \('auto', 'node', 'chain', 'first_head', 'plain'\), got 'tight'",
         ),
     ]
     for args, kwargs, message in cases:
@@ -581,6 +582,38 @@ def test_a_time_limit_within_the_set_up_of_the_bound_per_node_stops_uncertified(
     assert found.stopped == "time_limit" and not found.certified
     assert found.bound == math.inf and found.gap == math.inf
     assert found.visited == 9 and found.values.shape[0] == 3 and bool((found.paths == -1).all())  # 9 sources
+
+
+@pytest.mark.parametrize("bound", ["chain", "first_head"])
+def test_a_time_limit_within_the_set_up_of_a_level_bound_stops_uncertified(bound, monkeypatch):
+    """The set-ups of the chain and first-head bounds check the time limit between sublayers too
+    (the chain bound's head pairs took 229 s past a 120 s limit at GPT-2-XL's shape): past it, the
+    search returns at once, uncertified, nothing visited, with an infinite bound and gap; no pair
+    of heads was multiplied (the check comes before each sublayer's)."""
+    top_paths_module = sys.modules["pathkernels.analysis.top_paths"]  # the package's name is the function's
+    pairs = []
+    original = top_paths_module._pair_norms
+    monkeypatch.setattr(top_paths_module, "_pair_norms", lambda *a: pairs.append(1) or original(*a))
+    _, stack, readout = captured("gpt2")
+    found = pk.top_paths(stack, readout, 3, time_limit=1e-9, bound=bound)
+    assert found.stopped == "time_limit" and not found.certified and found.bound_kind == bound
+    assert found.bound == math.inf and found.gap == math.inf and found.visited == 0 and not pairs
+    assert pk.top_paths(stack, readout, 3, bound=bound).certified and (pairs or bound == "first_head")
+
+
+def test_auto_takes_the_node_bound_unless_its_set_up_is_too_large_for_the_device(monkeypatch):
+    """bound="auto" (the default) is the node bound on a small model, and the plain bound where
+    the node bound's head pairs exceed the device's set-up allowance: both certify the same list."""
+    top_paths_module = sys.modules["pathkernels.analysis.top_paths"]  # the package's name is the function's
+    _, stack, readout = captured("gpt2")
+    node = pk.top_paths(stack, readout, 5)
+    assert node.bound_kind == "node" and node.certified
+    monkeypatch.setitem(top_paths_module._NODE_SET_UP, "cpu", 1.0)
+    plain = pk.top_paths(stack, readout, 5)
+    assert plain.bound_kind == "plain" and plain.certified
+    assert torch.equal(plain.paths, node.paths)
+    torch.testing.assert_close(plain.values, node.values, rtol=1e-12, atol=0)
+    assert pk.top_paths(stack, readout, 5, bound="node").bound_kind == "node"
 
 
 def _assert_top_paths_of(stack, readout, k: int, scale: float, **kwargs):

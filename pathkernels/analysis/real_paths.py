@@ -186,9 +186,15 @@ def branch_sum(sublayer: Sublayer, terms: Tensor, first: int = 0, stop: int | No
     (:func:`_heads`' sum over b, without its ``[B, N, n, d]`` product: a replaced MLP has thousands
     of branches, each of d_head 1); ``first``, ``stop``: only branches ``first..stop−1``."""
     feature_in, feature_out = (factor[first:stop] for factor in sublayer.feature_factors)  # [B, d, r], [B, r, d]
-    token_maps = sublayer.token_maps[first:stop]
-    narrow = torch.matmul(token_maps[:, None], torch.einsum("ntd,brd->bntr", terms, feature_out))
-    return torch.einsum("bntr,bdr->ntd", narrow, feature_in)
+    branches, width = feature_in.shape[0], feature_in.shape[0] * feature_in.shape[-1]
+    nodes, tokens, d = terms.shape
+    # Two GEMMs over every branch's r columns at once (B·r = d for a layer's heads), the token maps
+    # between them on each branch's columns.
+    into = feature_out.permute(2, 0, 1).reshape(d, width)  # [d, B·r]
+    narrow = (terms.reshape(-1, d) @ into).view(nodes, tokens, branches, -1).permute(2, 0, 1, 3)  # [B, N, n, r]
+    narrow = torch.matmul(sublayer.token_maps[first:stop].unsqueeze(1), narrow)
+    out_of = feature_in.transpose(-1, -2).reshape(width, d)  # [B·r, d]
+    return (narrow.permute(1, 2, 0, 3).reshape(nodes * tokens, width) @ out_of).view(nodes, tokens, d)
 
 
 def carry_up(model: FrozenModel, terms: Tensor, position: int) -> Tensor:

@@ -398,7 +398,7 @@ def top_score_pairs(
     Returns:
         :class:`TopScorePairs`; the tests hold it to the full list of :func:`pathkernels.score_pairs`.
     """
-    if bound not in _BOUNDS or bound == "node":  # before the shared checks, whose message lists "node"
+    if bound not in _BOUNDS or bound in ("auto", "node"):  # before the shared checks, whose message lists them
         raise ValueError(f"{_WHERE}: expected bound in ('chain', 'first_head', 'plain'), got {bound!r}")
     options = SearchOptions.checked(
         _WHERE, top_k, largest, time_limit, memory_budget, batch_nodes, False, bound, progress, time.monotonic()

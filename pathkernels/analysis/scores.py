@@ -37,7 +37,8 @@ from pathkernels.analysis.readout_trie import FrozenModel, Sublayer, describe_pa
 from pathkernels.analysis.real_paths import _every_term, _moves, _skip, branch_sum
 from pathkernels.analysis.top_paths import SearchOptions, TopPaths, search_top_paths
 from pathkernels.core._figures import check_save_path, heatmap, new_figure, require, saved, titled, wrapped
-from pathkernels.core._memory import format_bytes
+from pathkernels.core._memory import format_bytes, working_budget
+from pathkernels.core._progress import progress_bar
 from pathkernels.core.checks import check_flag, check_int, listed, renamed
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
@@ -196,49 +197,71 @@ def query_and_keys(
     return query, torch.tensor(indices, device=head.positions.device)
 
 
+def _source_lengths(moves, source: int) -> int:
+    """How many lengths (0, 1, …) the paths from ``source`` to the top take: a recursion over the
+    positions above it, each length reachable at the skip's and at every move's position after."""
+    longest = [-1] * len(moves)
+    longest[source] = 0
+    for position in range(source, len(moves) - 1):
+        if longest[position] < 0:
+            continue
+        longest[position + 1] = max(longest[position + 1], longest[position])
+        for *_, after in moves[position]:
+            longest[after] = max(longest[after], longest[position] + 1)
+    return longest[-1] + 1
+
+
+def _source_parts(model: FrozenModel, source: int, moves, chunk: int) -> Tensor:
+    """Source ``source``'s part of the stream entering the sublayer above ``model``, split by the
+    number of steps (heads; with transcoders, heads and MLP steps) its paths take: ``[g, n, d]``,
+    row k the sum of its paths of k steps, exact, by one pass over the sublayers above it (the
+    skip on every row, and every branch on row k added to row k + 1; a cross-layer set's steps that
+    read here added where they write, :func:`~pathkernels.analysis.real_paths._moves`). The rows
+    are held in one buffer and the branches run over ``chunk`` rows at a time, from the top row
+    down, so that each chunk reads its rows before the chunk above adds into them."""
+    top = len(model.sublayers)
+    size = _source_lengths(moves, source)
+    parts = model.sources[source].new_zeros(size, *model.sources[source].shape)
+    parts[0] = model.sources[source]
+    live = 1  # rows 0 … live − 1 hold paths
+    arriving: dict[int, list] = {}  # position → [rows held, the rows' terms]
+    for position in range(source, top):
+        if position in arriving:
+            held, terms = arriving.pop(position)
+            parts[:held] += terms[:held]
+            live = max(live, held)
+        here = moves[position]
+        sublayer = model.sublayers[position]
+        for start in reversed(range(0, live, chunk)):
+            rows = slice(start, min(start + chunk, live))
+            grown = [
+                (after, branch_sum(model.sublayers[q], parts[rows], first, stop)) for q, first, stop, after in here
+            ]
+            parts[rows] = _skip(sublayer, parts[rows])
+            for after, terms in grown:  # one step longer: rows + 1
+                if after == position + 1:
+                    parts[rows.start + 1 : rows.stop + 1] += terms
+                else:
+                    buffer = arriving.setdefault(after, [0, torch.zeros_like(parts)])
+                    buffer[0] = max(buffer[0], rows.stop + 1)
+                    buffer[1][rows.start + 1 : rows.stop + 1] += terms
+        if here:
+            live = min(live + 1, size) if any(after == position + 1 for *_, after in here) else live
+    if top in arriving:
+        held, terms = arriving.pop(top)
+        parts[:held] += terms[:held]
+        live = max(live, held)
+    return parts[:live]
+
+
 def _stream_groups(model: FrozenModel) -> tuple[list[tuple[int, int]], Tensor]:
     """The stream entering the sublayer above ``model`` split by (source, number of heads; with
-    transcoders, of steps: heads and MLP steps):
-    ``(groups, parts [G, n, d])``, exact, by one pass over the sublayers (each group's skip, and
-    every head's branch summed into the group one head longer; a cross-layer set's steps that read
-    here summed in where they write, :func:`~pathkernels.analysis.real_paths._moves`)."""
-    groups: list[tuple[int, int]] = []
-    parts = model.sources[0].new_zeros(0, *model.sources[0].shape)
+    transcoders, of steps: heads and MLP steps): ``(groups, parts [G, n, d])``, exact, sorted by
+    source then length (:func:`_source_parts` of every source, at once)."""
     moves = _moves(model)
-    arriving: dict[int, list[tuple[list[tuple[int, int]], Tensor]]] = {}  # position → (groups, their terms)
-
-    def longer(parts: Tensor, from_groups: list[tuple[int, int]], grown: Tensor) -> Tensor:
-        index = {group: i for i, group in enumerate(groups)}
-        for (source, length), term in zip(from_groups, grown):
-            key = (source, length + 1)
-            if key not in index:
-                index[key] = len(groups)
-                groups.append(key)
-                parts = torch.cat([parts, torch.zeros_like(term)[None]])
-            parts[index[key]] += term
-        return parts
-
-    for position in range(len(model.sources)):
-        groups.append((position, 0))
-        parts = torch.cat([parts, model.sources[position][None]])
-        for from_groups, grown in arriving.pop(position, []):
-            parts = longer(parts, from_groups, grown)
-        if position == len(model.sublayers):
-            break
-        # Every branch read from the stream here before any is added (pre-norm, the skip is ``parts`` itself).
-        here = list(groups)
-        grown = [
-            (after, branch_sum(model.sublayers[q], parts, first, stop)) for q, first, stop, after in moves[position]
-        ]
-        skipped = _skip(model.sublayers[position], parts)
-        for after, terms in grown:  # [G, n, d] each
-            if after == position + 1:
-                skipped = longer(skipped, here, terms)
-            else:
-                arriving.setdefault(after, []).append((here, terms))
-        parts = skipped
-    order = sorted(range(len(groups)), key=lambda i: groups[i])
-    return [groups[i] for i in order], parts[order]
+    parts = [_source_parts(model, source, moves, chunk=1 << 30) for source in range(len(model.sources))]
+    groups = [(source, length) for source, rows in enumerate(parts) for length in range(rows.shape[0])]
+    return groups, torch.cat(parts)
 
 
 def _group_label(names: list[str], group: tuple[int, int], steps: bool = False) -> str:
@@ -387,6 +410,8 @@ def score_decomposition(
     keys=None,
     batch: int = 0,
     allow_masked: bool = False,
+    memory_budget: int | None = None,
+    progress: bool = False,
 ) -> ScoreDecomposition:
     """Head ``(layer, head)``'s pre-softmax scores at one query, split exactly by pairs of path
     groups (source, number of heads) on the query and the key side (module docstring).
@@ -400,12 +425,17 @@ def score_decomposition(
         batch: the sequence.
         allow_masked: also decompose keys the mask forbids the query (refused by default: the
             model never uses their scores).
+        memory_budget: bytes for the result (the table ``[G+1, G+1, K]`` float64 and each side's
+            vectors) and the work: one source's groups ``[g, n, d]`` at a time, their branches run
+            over as many groups as fit. Default None: half the memory free now. Refused by name,
+            with the bytes it needs, where the result and one group's work do not fit.
+        progress: a progress bar over the sources.
 
     Returns:
         :class:`ScoreDecomposition`; its ``table [G, G, K]`` sums to the scores, which the tests
         hold to the model's own to 1e-12 relative (float64).
     """
-    return _decompositions(stack, layer, [head], query, keys, batch, _WHERE, allow_masked)[0]
+    return _decompositions(stack, layer, [head], query, keys, batch, _WHERE, allow_masked, memory_budget, progress)[0]
 
 
 def score_decompositions(
@@ -417,15 +447,19 @@ def score_decompositions(
     keys=None,
     batch: int = 0,
     allow_masked: bool = False,
+    memory_budget: int | None = None,
+    progress: bool = False,
 ) -> list[ScoreDecomposition]:
     """:func:`score_decomposition` of several heads of one layer (``heads``: a list of head indices;
     default every head), the stream's groups computed once for all of them (at GPT-2-small's shape,
-    every head of the top layer at one query and every key takes about as long as one head)."""
-    return _decompositions(stack, layer, heads, query, keys, batch, "pathkernels.score_decompositions", allow_masked)
+    every head of the top layer at one query and every key takes about as long as one head).
+    ``memory_budget`` covers every head's result (``H · (G+1)² · K`` float64 for the tables)."""
+    where = "pathkernels.score_decompositions"
+    return _decompositions(stack, layer, heads, query, keys, batch, where, allow_masked, memory_budget, progress)
 
 
 def _decompositions(
-    stack, layer, heads, query, keys, batch, where: str, allow_masked: bool = False
+    stack, layer, heads, query, keys, batch, where: str, allow_masked=False, memory_budget=None, progress=False
 ) -> list[ScoreDecomposition]:
     heads = list(range(stack.num_heads)) if heads is None and hasattr(stack, "num_heads") else listed(heads)
     if isinstance(heads, (int, Tensor)) or not hasattr(heads, "__iter__"):
@@ -438,25 +472,48 @@ def _decompositions(
         for head in heads[1:]
     ]
     query, keys = query_and_keys(first, query, keys, where, allow_masked)
-    groups, parts = _stream_groups(first.model)
-    steps = first.model.replaced is not None
-    labels = (*(_group_label(first.model.source_names, g, steps) for g in groups), CONSTANT)
-    rows = torch.tensor([query], device=parts.device)
+    progress = check_flag(progress, "progress", where)
+    model = first.model
+    budget, named_budget = working_budget(memory_budget, model.sources[0].device, where, DEFAULT_MEMORY_BUDGET)
+    moves = _moves(model)
+    sizes = [_source_lengths(moves, source) for source in range(len(model.sources))]
+    groups = [(source, length) for source, size in enumerate(sizes) for length in range(size)]
+    rows = torch.tensor([query], device=keys.device)
+    chunk = _group_chunk(first, moves, max(sizes), len(groups), keys.numel(), len(checked), budget, named_budget, where)
+    # Each side's vectors of every group, one source's groups at a time: [G, e] and [G, K, e] per head.
+    queries = [[] for _ in checked]
+    key_vectors = [[] for _ in checked]
+    bar = progress_bar(len(sizes), enabled=progress, unit="source", desc=where)
+    for source in range(len(sizes)):
+        parts = _source_parts(model, source, moves, chunk)
+        for rows_of in range(0, parts.shape[0], chunk):
+            part = parts[rows_of : rows_of + chunk]
+            for one, query_side, key_side in zip(checked, queries, key_vectors):
+                query_side.append(one.side("query", part, rows)[:, 0])
+                key_side.append(one.side("key", part, keys))
+        del parts
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    steps = model.replaced is not None
+    labels = (*(_group_label(model.source_names, g, steps) for g in groups), CONSTANT)
     positions = first.positions
     allowed = first.maps.allowed[first.batch, first.layer, positions[query], positions[keys]].cpu()
     cap = float(first.maps.soft_cap[first.layer])
-    count = _stream_path_count(first.model)
-    few = _few_paths(first.model, count)
+    count = _stream_path_count(model)
+    few = _few_paths(model, count)
     results = []
-    for one in checked:
-        queries = torch.cat([one.side("query", parts, rows)[:, 0], one.constant("query", rows)])  # [G+1, e]
-        key_vectors = torch.cat([one.side("key", parts, keys), one.constant("key", keys)[None]])  # [G+1, K, e]
-        table = one.maps.scaling[one.layer] * torch.einsum("ae,bke->abk", queries, key_vectors)
+    for one, query_side, key_side in zip(checked, queries, key_vectors):
+        query_side = torch.cat([*query_side, one.constant("query", rows)])  # [G+1, e]
+        key_side = torch.cat([*key_side, one.constant("key", keys)[None]])  # [G+1, K, e]
+        table = one.maps.scaling[one.layer] * torch.einsum("ae,bke->abk", query_side, key_side)
+        del query_side, key_side
         path_table = None
         if few is not None:  # the same split path by path: the heads the groups merge, apart
-            queries = torch.cat([one.side("query", few[1], rows)[:, 0], one.constant("query", rows)])
-            key_vectors = torch.cat([one.side("key", few[1], keys), one.constant("key", keys)[None]])
-            path_table = (one.maps.scaling[one.layer] * torch.einsum("ae,bke->abk", queries, key_vectors)).cpu()
+            query_paths = torch.cat([one.side("query", few[1], rows)[:, 0], one.constant("query", rows)])
+            key_paths = torch.cat([one.side("key", few[1], keys), one.constant("key", keys)[None]])
+            path_table = (one.maps.scaling[one.layer] * torch.einsum("ae,bke->abk", query_paths, key_paths)).cpu()
         position = one.position_bias(query, keys)
         results.append(
             ScoreDecomposition(
@@ -479,6 +536,32 @@ def _decompositions(
             )
         )
     return results
+
+
+def _group_chunk(
+    head: CheckedHead, moves, rows: int, groups: int, keys: int, heads: int, budget: int, named_budget: str, where: str
+) -> int:
+    """How many of a source's groups each branch and projection runs over at once, within
+    ``budget`` bytes beside the result (every head's table ``[G+1, G+1, K]`` and side vectors, float64)
+    and one source's ``rows`` groups ``[rows, n, d]`` (with a buffer per cross-layer target); refused
+    by name where not even one group's work fits."""
+    model = head.model
+    tokens, d = model.sources[0].shape
+    e = head.constant("query", torch.zeros(1, dtype=torch.long, device=head.positions.device)).shape[-1]
+    result = 8 * heads * (groups + 1) * (e * (1 + keys) + (groups + 1) * keys)
+    jumps = len({after for position, here in enumerate(moves) for *_, after in here if after > position + 1})
+    held = 8 * rows * tokens * d * (1 + jumps)
+    moved = [(model.sublayers[q], stop - first) for here in moves for q, first, stop, _ in here]
+    widest = max([d] + [branches * sublayer.feature_factors[0].shape[-1] for sublayer, branches in moved])
+    per_group = 8 * tokens * (3 * widest + 3 * d) + 8 * 3 * keys * d  # a branch's intermediates, a side's inputs
+    if result + held + per_group > budget:
+        raise ValueError(
+            f"{where}: the result ({heads} head(s) × {groups + 1}² groups × {keys} key(s), float64) and the work "
+            f"(one source's {rows} groups of [{tokens}, {d}] and one group's branches) need "
+            f"{format_bytes(result + held + per_group)}, more than {named_budget} = {format_bytes(budget)}; pass fewer "
+            "keys or heads, or a larger memory_budget"
+        )
+    return max(1, (budget - result - held) // per_group)
 
 
 def _stream_path_count(model: FrozenModel) -> int:

@@ -45,7 +45,12 @@ from pathkernels.core.checks import check_flag, check_int, listed, renamed
 from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 
 _WHERE = "pathkernels.top_paths"
-_BOUNDS = ("node", "chain", "first_head", "plain")
+_BOUNDS = ("auto", "node", "chain", "first_head", "plain")
+# bound="auto" takes the node bound where its set-up, the product of every pair of heads' d_head × d and
+# d × d_head maps ((Σ H·d_head)² d / 2 multiply-adds), stays below this on the device (a few seconds on a
+# 2-core CPU: GPT-2 small's 3·10^10; GPT-2-XL's 5·10^12 took 150 s there, where the plain bound certified
+# its top 20 in 35 s), and the plain bound, whose set-up is per sublayer, beyond.
+_NODE_SET_UP = {"cpu": 5e11, "cuda": 1e14}
 
 
 @dataclass
@@ -59,11 +64,12 @@ class TopPaths:
         bound: no path left unvisited has an attribution above ``bound`` (below ``−bound`` for the
             smallest, on the negated readout); ``certified``: ``bound ≤`` the k-th value, so the
             list is exactly the top k; ``gap``: ``max(0, bound − k-th value)`` otherwise (``inf``
-            when the time limit passed while the bound per node was set up: the direct paths alone
-            were visited).
+            when the time limit passed while the bound was set up: with the bound per node the direct
+            paths alone were visited, with the others none).
         visited: paths whose attribution was computed; ``expanded``: trie nodes expanded;
             ``total``: paths in the tree; ``seconds``: the search's time; ``stopped``: why it
-            ended (``"certified"``, ``"time_limit"`` or ``"memory_budget"``).
+            ended (``"certified"``, ``"time_limit"`` or ``"memory_budget"``); ``bound_kind``: the bound
+        that pruned (``bound="auto"`` resolved).
         recorded: with ``record=True``, every visited path ``(paths, sources, values)``.
     """
 
@@ -85,6 +91,7 @@ class TopPaths:
     recorded: tuple[Tensor, Tensor, Tensor] | None = None
     model_name: str = ""  # the model's name for figure titles (AttentionStack.name)
     replaced: object | None = None  # the MLPs replaced by transcoders (their steps' names), or None
+    bound_kind: str = ""  # "node", "chain", "first_head" or "plain"
 
     def table(self) -> list[dict]:
         """Rows: rank, path (text), source, length, attribution."""
@@ -225,7 +232,7 @@ def _product_norm(left: Tensor, right: Tensor) -> Tensor:
     return _spectral_norm(factor.mT @ right) * (left_unit * right_unit)[..., 0, 0]
 
 
-def _reach_bounds(model: FrozenModel, bound: str = "chain") -> Tensor:
+def _reach_bounds(model: FrozenModel, bound: str = "chain", out_of_time=None) -> Tensor:
     """``M_j`` for j = 0..S: a bound on ``|attr| / (‖ρ‖₁ ‖φ‖₂)`` over every path below a node at
     level j. Post-norm: the largest ``κ_i Π_{i ≤ m < j} G_m`` over the sources i ≤ j. Pre-norm,
     where a skip is the identity: the larger of ``max_{i ≤ j} κ_i`` (paths that take no further
@@ -233,7 +240,8 @@ def _reach_bounds(model: FrozenModel, bound: str = "chain") -> Tensor:
     over the attention sublayers s < j where a path takes its lowest head, with the source folded
     into that head (:func:`_first_head_factors`), and the chain bound of :func:`_chain_factors`.
     ``bound`` picks fewer of them: ``"first_head"`` leaves the chain bound out, ``"plain"`` takes the
-    post-norm form for every model."""
+    post-norm form for every model. :class:`_OutOfTime` when ``out_of_time()`` turns true between
+    two sublayers of the set-up."""
     kappa = [float(_norm(source).max()) for source in model.sources]
     growth = _branch_bounds(model).tolist()
     if not model.pre_norm or bound == "plain":
@@ -241,18 +249,18 @@ def _reach_bounds(model: FrozenModel, bound: str = "chain") -> Tensor:
         for level in range(1, len(model.sources)):
             reach.append(max(kappa[level], growth[level - 1] * reach[-1]))
         return torch.tensor(reach, dtype=torch.float64)
-    chains = _chain_factors(model) if bound == "chain" else [math.inf] * len(model.sources)
+    chains = _chain_factors(model, out_of_time) if bound == "chain" else [math.inf] * len(model.sources)
     no_head = [max(kappa[: level + 1]) for level in range(len(model.sources))]
-    with_head = [min(a, b) for a, b in zip(_first_head_reach(model, growth), chains)]
+    with_head = [min(a, b) for a, b in zip(_first_head_reach(model, growth, out_of_time), chains)]
     return torch.tensor([max(a, b) for a, b in zip(no_head, with_head)], dtype=torch.float64)
 
 
-def _first_head_reach(model: FrozenModel, growth: list[float] | None = None) -> list[float]:
+def _first_head_reach(model: FrozenModel, growth: list[float] | None = None, out_of_time=None) -> list[float]:
     """Pre-norm, ``W_j`` for j = 0..S: a bound on ``|attr| / (‖ρ‖₁ ‖φ‖₂)`` over the paths below a
     node at level j that take another head, ``max_{s < j} C_s Π_{s < m < j} G_m`` (the lowest head's
     sublayer s, :func:`_first_head_factors`), from ``W_0 = 0``, ``W_j = max(G_{j−1} W_{j−1}, C_{j−1})``."""
     growth = _branch_bounds(model).tolist() if growth is None else growth
-    first = _first_head_factors(model)
+    first = _first_head_factors(model, out_of_time)
     with_head = [0.0]
     for level in range(1, len(model.sources)):
         with_head.append(max(growth[level - 1] * with_head[-1], first[level - 1]))
@@ -272,7 +280,7 @@ def _source_head_factors(model: FrozenModel, index: int) -> Tensor:
     return kept[index]
 
 
-def _first_head_factors(model: FrozenModel) -> list[float]:
+def _first_head_factors(model: FrozenModel, out_of_time=None) -> list[float]:
     """Pre-norm, per sublayer s: ``C_s = max_{h, i ≤ s} ‖A_h D‖_∞ κ'_{i,h} σ_max(W_O,h)`` for an
     attention sublayer (0 for an MLP), with ``κ'_{i,h} = max_t ‖(K_i C Γ W_V,h)_t‖₂``. A path whose
     lowest head is h of sublayer s, from source i, then contributes ``Σ_t (ρᵀ A_h D)_t ·
@@ -284,6 +292,7 @@ def _first_head_factors(model: FrozenModel) -> list[float]:
         if not sublayer.branches:  # an MLP, or a replaced MLP with no feature open here
             factors.append(0.0)
             continue
+        _stop_if(out_of_time)
         output_norm = _spectral_norm(sublayer.w_o)  # [H]
         factors.append(float((_token_norms(sublayer) * _source_head_factors(model, index) * output_norm).max()))
     return factors
@@ -300,7 +309,7 @@ def _pair_norms(outputs: Tensor, inputs: Tensor) -> Tensor:
     return _spectral_norm(product)
 
 
-def _chain_factors(model: FrozenModel) -> list[float]:
+def _chain_factors(model: FrozenModel, out_of_time=None) -> list[float]:
     """Pre-norm, per level j: a bound on ``|attr| / (‖ρ‖₁ ‖φ‖₂)`` over the paths below a node at
     level j that take at least one more head, from the chain of those heads as a whole.
 
@@ -320,6 +329,7 @@ def _chain_factors(model: FrozenModel) -> list[float]:
     for index, sublayer in enumerate(model.sublayers):
         if not sublayer.branches:
             continue
+        _stop_if(out_of_time)
         best = _source_head_factors(model, index)
         into = sublayer.norm_values  # U of this sublayer's heads [H, d, e]
         input_norms = None
@@ -343,7 +353,13 @@ _CHILDREN = 1 << 16  # children made at once by the search over head sequences
 
 
 class _OutOfTime(Exception):
-    """The time limit passed while the bound per node was set up."""
+    """The time limit passed while a bound was set up."""
+
+
+def _stop_if(out_of_time) -> None:
+    """:class:`_OutOfTime` where ``out_of_time`` (None: no limit) returns true."""
+    if out_of_time is not None and out_of_time():
+        raise _OutOfTime
 
 
 class _NodeBounds:
@@ -389,8 +405,7 @@ class _NodeBounds:
         chains: list[Tensor] = []
         n, heads, e = self.sources.shape[1], self.heads, self.head_dim
         for a, index in enumerate(self.index):
-            if out_of_time is not None and out_of_time():
-                raise _OutOfTime
+            _stop_if(out_of_time)
             best = _norm(self.source_maps(a).view(heads, n, index + 1, e)).amax(-1)  # κ' [H, n]
             if a:
                 pair = torch.stack(  # σ(V_c' U_c) [H, a·H]
@@ -437,7 +452,8 @@ class _NodeBounds:
     def through(self, rho: Tensor, count: int) -> Tensor:
         """``ρ T_c`` for ρ ``[N, n]`` and every head c of the lowest ``count`` attention sublayers:
         ``[N, count·H, n]``, heads in basis order."""
-        return torch.cat([torch.einsum("Nu,cuv->Ncv", rho, maps) for maps in self.token_maps[:count]], dim=1)
+        # A batched GEMM over the maps as they are held (an einsum copies them, H·n² per call, first).
+        return torch.cat([torch.matmul(rho, maps).transpose(0, 1) for maps in self.token_maps[:count]], dim=1)
 
     def children(self, a: int, head: int, rho: Tensor, z: Tensor) -> tuple[Tensor, Tensor]:
         """Every child's ``ρ`` ``[N, a·H, n]`` and ``z`` ``[N, a·H, d_head]``, heads below in basis order."""
@@ -472,7 +488,7 @@ def top_paths(
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     batch_nodes: int = 4096,
     record: bool = False,
-    bound: str = "node",
+    bound: str = "auto",
     progress: bool = False,
 ) -> TopPaths:
     """The exact ``top_k`` largest (or smallest) path attributions of one readout at one token, found
@@ -494,13 +510,16 @@ def top_paths(
         batch_nodes: nodes expanded per step (the ones of largest bound), on the capture's device
             (the level kinds: one readout-engine call per level among them).
         record: keep every visited path and its attribution (for checking the certificate).
-        bound: which bound prunes (docs/DESIGN.md, "The top paths, certified"): ``"node"`` (the
-            default: pre-norm models are searched over head sequences, each node's paths that take
-            no further head computed at once and the rest bounded from the node's own ``ρ`` and
-            ``φ`` through per-token chains of head pairs, :class:`_NodeBounds`), ``"chain"`` (a bound
-            per level: consecutive heads paired and the source folded into the lowest),
-            ``"first_head"`` (the source folded, the rest per-sublayer maxima) or ``"plain"`` (the
-            product of per-sublayer maxima); post-norm models use ``"plain"`` in every case.
+        bound: which bound prunes (docs/DESIGN.md, "The top paths, certified"): ``"node"``
+            (pre-norm models are searched over head sequences, each node's paths that take no
+            further head computed at once and the rest bounded from the node's own ``ρ`` and ``φ``
+            through per-token chains of head pairs, :class:`_NodeBounds`), ``"chain"`` (a bound per
+            level: consecutive heads paired and the source folded into the lowest), ``"first_head"``
+            (the source folded, the rest per-sublayer maxima) or ``"plain"`` (the product of
+            per-sublayer maxima); post-norm models use ``"plain"`` in every case. ``"auto"`` (the
+            default): ``"node"`` where its set-up, a product per pair of heads, is small for the
+            device (GPT-2 small's is; GPT-2-XL's, Llama-3.2-1B's and Gemma-2-2B's are not on a CPU),
+            else ``"plain"``; with transcoders ``"chain"``. The result's ``bound_kind`` says which.
         progress: report the paths visited, the frontier, the largest open bound and the k-th value.
 
     Returns:
@@ -588,11 +607,17 @@ def search_top_paths(setup, options: SearchOptions) -> TopPaths:
     search = _Search(
         setup, sign, fold, k, options.start, options.time_limit, options.memory_budget, options.batch_nodes, bar
     )
-    if bound == "node" and model.pre_norm and model.replaced is None:
+    bound = _chosen_bound(model, bound)
+    if bound == "node":
         pruned, frontier, visited, expanded, stopped = _search_heads(search)
-    else:  # post-norm models take "plain" for "node", a model with transcoders "chain"
-        bound = "chain" if bound == "node" and model.pre_norm else bound
-        pruned, frontier, visited, expanded, stopped = _search_levels(search, _reach_bounds(model, bound))
+    else:
+        try:
+            reach = _reach_bounds(model, bound, search.out_of_time)
+        except _OutOfTime:  # the set-up outlasted the time limit: no path visited, no bound
+            reach = None
+            pruned, frontier, visited, expanded, stopped = -math.inf, math.inf, 0, 0, "time_limit"
+        if reach is not None:
+            pruned, frontier, visited, expanded, stopped = _search_levels(search, reach)
     kth = _kth(fold, k)
     # Pruned nodes were at most the k-th value when dropped, and it only grows.
     remaining = max(pruned, frontier)
@@ -626,7 +651,27 @@ def search_top_paths(setup, options: SearchOptions) -> TopPaths:
         stopped=stopped,
         recorded=recorded,
         replaced=model.replaced,
+        bound_kind=bound,
     )
+
+
+def _chosen_bound(model: FrozenModel, bound: str) -> str:
+    """The bound a search over ``model`` runs: post-norm models take ``"plain"`` for ``"node"``
+    and ``"auto"``, models with transcoders ``"chain"``; pre-norm models without, for ``"auto"``,
+    ``"node"`` where its set-up is within :data:`_NODE_SET_UP` of the device, else ``"plain"``."""
+    if bound not in ("auto", "node"):
+        return bound
+    if not model.pre_norm:
+        return "plain"
+    if model.replaced is not None:
+        return "chain"
+    if bound == "node":
+        return bound
+    attention = [sublayer for sublayer in model.sublayers if sublayer.attn is not None]
+    head_columns = sum(sublayer.w_o.shape[0] * sublayer.w_o.shape[1] for sublayer in attention)  # Σ H·d_head
+    set_up = head_columns**2 * model.sources[0].shape[-1] / 2
+    device = model.sources[0].device.type
+    return "node" if set_up <= _NODE_SET_UP.get(device, _NODE_SET_UP["cpu"]) else "plain"
 
 
 @dataclass

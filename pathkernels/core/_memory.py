@@ -36,6 +36,27 @@ def check_fits(
         )
 
 
+FREE_SHARE = 2  # a budget left to the machine is 1/FREE_SHARE of the memory free when the work starts
+
+
+def working_budget(memory_budget, device: torch.device, where: str, fallback: int) -> tuple[int, str]:
+    """``(bytes, how it was chosen)`` for a function's ``memory_budget`` argument: a positive int
+    as given, or None for half the memory free on ``device`` now (``fallback`` where that cannot
+    be read). The text names it in a refusal: ``"memory_budget=1,000"`` or ``"memory_budget (half
+    the 12.00 GiB available on cpu)"``."""
+    if memory_budget is not None:
+        if isinstance(memory_budget, bool) or not isinstance(memory_budget, numbers.Integral) or memory_budget < 1:
+            raise ValueError(
+                f"{where}: expected memory_budget to be a positive int or None, got {shown(memory_budget)}"
+            )
+        return int(memory_budget), f"memory_budget={int(memory_budget):,}"
+    available = available_memory(device)
+    if available is None:
+        return fallback, f"memory_budget (by default {format_bytes(fallback)})"
+    named = f"memory_budget (by default half the {format_bytes(available)} available on {device})"
+    return available // FREE_SHARE, named
+
+
 def format_bytes(count: int) -> str:
     """``count`` bytes for a message: "512 bytes", "24.0 KiB", "3.50 GiB"; counts beyond any
     memory (2^80 bytes and more) as :func:`format_count` writes them."""
