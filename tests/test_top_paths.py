@@ -742,3 +742,23 @@ def test_the_top_paths_of_a_batch_mean_are_those_of_every_path_averaged():
         attribution.mean_read_out([setups[0], other], "test")
     with pytest.raises(ValueError, match=r"^pathkernels\.top_paths: expected batch to be an element or a non-empty"):
         pk.top_paths(stack, readout, batch=[])
+
+
+def test_the_level_search_frontier_grows_its_buffers_to_the_budget_not_past_it():
+    """_Frontier's buffers grow by half, but not past ``most`` rows unless one step's nodes need
+    more: a frontier of 4 rows limited to 10 holds 10 after taking 6, then exactly what a step
+    adds beyond (12 + 1), never 1.5× of it."""
+    frontier_class = sys.modules["pathkernels.analysis.top_paths"]._Frontier
+
+    def rows(count: int) -> list[torch.Tensor]:
+        return [torch.rand(count, 3, dtype=torch.float64), torch.rand(count, dtype=torch.float64)]
+
+    frontier = frontier_class(rows(4))
+    frontier.most = 10
+    frontier.add(rows(3))
+    assert frontier.parts[0].shape[0] == 7 and frontier.live == 7
+    frontier.add(rows(3))
+    assert frontier.parts[0].shape[0] == 10 and frontier.live == 10
+    frontier.add(rows(3))
+    assert frontier.parts[0].shape[0] == 13 and frontier.live == 13
+    assert bool((frontier.bounds > -math.inf).all())

@@ -47,10 +47,11 @@ from pathkernels.core.planner import DEFAULT_MEMORY_BUDGET
 _WHERE = "pathkernels.top_paths"
 _BOUNDS = ("auto", "node", "chain", "first_head", "plain")
 # bound="auto" takes the node bound where its set-up, the product of every pair of heads' d_head × d and
-# d × d_head maps ((Σ H·d_head)² d / 2 multiply-adds), stays below this on the device (a few seconds on a
-# 2-core CPU: GPT-2 small's 3·10^10; GPT-2-XL's 5·10^12 took 150 s there, where the plain bound certified
-# its top 20 in 35 s), and the plain bound, whose set-up is per sublayer, beyond.
-_NODE_SET_UP = {"cpu": 5e11, "cuda": 1e14}
+# d × d_head maps ((Σ H·d_head)² d / 2 multiply-adds), stays below this on the device, and the plain bound,
+# whose set-up is per sublayer, beyond. On a 2-core CPU: GPT-2-XL's 4.7·10^12 took more than 150 s, where
+# the plain bound certified its top 20 (16 tokens) in 35 s; Llama-3.2-1B's 1.1·10^12 pays (256 tokens:
+# the node bound certified in 137 s, the plain bound's frontier filled its budget after 3,883 paths).
+_NODE_SET_UP = {"cpu": 2e12, "cuda": 1e14}
 
 
 @dataclass
@@ -518,8 +519,8 @@ def top_paths(
             (the source folded, the rest per-sublayer maxima) or ``"plain"`` (the product of
             per-sublayer maxima); post-norm models use ``"plain"`` in every case. ``"auto"`` (the
             default): ``"node"`` where its set-up, a product per pair of heads, is small for the
-            device (GPT-2 small's is; GPT-2-XL's, Llama-3.2-1B's and Gemma-2-2B's are not on a CPU),
-            else ``"plain"``; with transcoders ``"chain"``. The result's ``bound_kind`` says which.
+            device (GPT-2 small's and Llama-3.2-1B's are; GPT-2-XL's and Gemma-2-2B's are not on a
+            CPU), else ``"plain"``; with transcoders ``"chain"``. The result's ``bound_kind`` says which.
         progress: report the paths visited, the frontier, the largest open bound and the k-th value.
 
     Returns:
@@ -713,9 +714,10 @@ def _search_levels(search: _Search, reach: Tensor) -> tuple[float, float, int, i
     level = torch.full((1,), len(model.sublayers), dtype=torch.long, device=device)
     choices = torch.full((1, layers), -1, dtype=torch.long, device=device)
     lengths = torch.zeros(1, dtype=torch.long, device=device)
-    frontier = _Frontier([rho, phi, level, choices, lengths, _bounds(rho, phi, reach, level)])
-    pruned, visited, expanded = -math.inf, 0, 0
     node_bytes = 8 * (rho.shape[-1] + phi.shape[-1] + layers + 3)
+    frontier = _Frontier([rho, phi, level, choices, lengths, _bounds(rho, phi, reach, level)])
+    frontier.most = max(1, search.memory_budget // node_bytes)  # its buffers grow to the budget, not past it
+    pruned, visited, expanded = -math.inf, 0, 0
     # A node's children through its heads are made at once, with their temporaries (about four times
     # their size): as many nodes a batch as fit a quarter of the budget that way. A replaced MLP's
     # steps (thousands) are bounded before they are made (_step_children), in sub-batches of nodes
@@ -792,6 +794,7 @@ class _Frontier:
     def __init__(self, parts: list[Tensor]):
         self.parts = parts
         self.size = self.live = parts[0].shape[0]
+        self.most = math.inf  # the rows the buffers grow to by half at most (more only for one step's nodes)
 
     @property
     def bounds(self) -> Tensor:
@@ -829,7 +832,7 @@ class _Frontier:
         count = parts[0].shape[0]
         capacity = self.parts[0].shape[0]
         if self.size + count > capacity:
-            capacity = max(self.size + count, capacity + capacity // 2)
+            capacity = int(max(self.size + count, min(capacity + capacity // 2, self.most)))
             self.parts = [
                 torch.cat([buffer[: self.size], buffer.new_empty(capacity - self.size, *buffer.shape[1:])])
                 for buffer in self.parts
