@@ -112,8 +112,12 @@ class ResidualStreamCapture:
         sums = self.attn_row_sums
         if batch is not None:
             attn, sums = attn[batch], None if sums is None else sums[batch]
-        attn = attn.to(self.embedding.device, torch.float64)
-        return attn if sums is None else attn * sums[..., None]
+        converted = attn.to(self.embedding.device, torch.float64)
+        if sums is None:
+            return converted
+        if converted.data_ptr() == attn.data_ptr():  # the stack's own tensor: scaled into a new one
+            return converted * sums[..., None]
+        return converted.mul_(sums[..., None])  # a copy already (L·H·n² float64): scaled where it is
 
     def on(self, device) -> ResidualStreamCapture:
         """A copy on ``device`` (float64 throughout, whatever the stack's dtype)."""

@@ -222,7 +222,10 @@ def frozen_model(
     its token part, so that the two sum to it exactly."""
     device = capture.embedding.device
     pick = real.to(device)
-    attn = capture.patterns(stack.attn, batch)[..., pick, :][..., pick]  # as computed, [L, H, n, n]
+    attn = capture.patterns(stack.attn, batch)  # as computed, [L, H, n, n]
+    if not bool(pick.all()):  # the real tokens' rows and columns, in one copy
+        index = pick.nonzero().flatten()
+        attn = attn[..., index[:, None], index]
     w_v, w_o = stack.w_v.to(device, torch.float64), stack.w_o.to(device, torch.float64)
     scale = capture.norm_scale[batch][..., pick]  # [L, 2, n]
     pre, centred = capture.layout == "pre", capture.centred
