@@ -51,15 +51,54 @@ def test_score_decompositions_stream_one_group_at_a_time_within_the_least_budget
         pk.score_decompositions(stack, layer, query=4, memory_budget=need - 1)
 
 
+def frozen_need(stack) -> int:
+    """The bytes a frozen model of ``stack`` is refused beyond: float64 patterns and token maps
+    (``L·H·n²`` each), the heads' maps four times, the sources."""
+    layers, heads, tokens, d = stack.num_layers, stack.num_heads, stack.attn.shape[-1], stack.d_model
+    maps = 4 * layers * heads * d * stack.w_v.shape[-1]
+    return 8 * (2 * layers * heads * tokens**2 + maps + (2 * layers + 2) * tokens * d)
+
+
 def test_score_decomposition_takes_half_the_free_memory_by_default(monkeypatch):
-    """With no memory_budget the budget is half what the machine has free; a machine with too
-    little is refused before any work, saying so."""
+    """With no memory_budget the budget is half what the machine has free: a machine with one
+    byte less than twice the need is refused before any work, saying so; bad budgets are refused."""
     _, _, stack, _ = captured("gpt2", features=3)
-    monkeypatch.setattr(memory, "available_memory", lambda device: 4000)
-    by_default = r"more than memory_budget \(by default half the 3\.91 KiB .* available on cpu\)"
+    with pytest.raises(ValueError) as refused:
+        pk.score_decomposition(stack, 1, 0, memory_budget=1)
+    need = need_named_in(refused)
+    free = 2 * need - 1
+    assert free >= frozen_need(stack)  # the frozen model fits: the budget is what refuses
+    monkeypatch.setattr(memory, "available_memory", lambda device: free)
+    by_default = rf"more than memory_budget \(by default half the .* \({free:,} bytes\) available on cpu\)"
     with pytest.raises(ValueError, match=by_default):
         pk.score_decomposition(stack, 1, 0)
+    monkeypatch.setattr(memory, "available_memory", lambda device: free + 1)
+    assert pk.score_decomposition(stack, 1, 0).table.shape[-1] == 6
     for bad in (0, -5, 2.5, True, "1GB"):
         expected = "score_decomposition: expected memory_budget to be a positive int or None"
         with pytest.raises(ValueError, match=expected):
             pk.score_decomposition(stack, 1, 0, memory_budget=bad)
+
+
+def test_a_frozen_model_the_free_memory_cannot_hold_is_refused_before_any_work(monkeypatch):
+    """Every analysis freezes the model per call (float64 patterns and token maps, L·H·n² each, and
+    the heads' maps); where the machine has less free, the caller refuses by name with the size,
+    before allocating (at Llama-3.2-1B's shape and 1,024 tokens the kernel killed the process)."""
+    _, _, stack, _ = captured("gpt2", features=3)
+    model = stack.residual_capture
+    layers, heads, tokens, d = stack.num_layers, stack.num_heads, stack.attn.shape[-1], stack.d_model
+    need = 8 * (
+        2 * layers * heads * tokens**2 + 4 * layers * heads * d * stack.w_v.shape[-1] + (2 * layers + 2) * tokens * d
+    )
+    readout = torch.randn(d, dtype=torch.float64)
+    monkeypatch.setattr(memory, "available_memory", lambda device: need)
+    assert pk.top_paths(stack, readout, 3).certified  # exactly what it needs: it runs
+    monkeypatch.setattr(memory, "available_memory", lambda device: need - 1)
+    frozen = r"the frozen model of batch element 0 \(3 layers × 2 heads on 6 tokens: .*\) needs about .* more than the"
+    with pytest.raises(MemoryError, match=r"^pathkernels\.top_paths: " + frozen):
+        pk.top_paths(stack, readout, 3)
+    with pytest.raises(MemoryError, match=r"^pathkernels\.path_attribution: " + frozen):
+        pk.path_attribution(stack, readout)
+    with pytest.raises(MemoryError, match=r"^pathkernels\.score_decomposition: " + frozen):
+        pk.score_decomposition(stack, 1, 0, memory_budget=EVERYTHING)
+    assert model is stack.residual_capture

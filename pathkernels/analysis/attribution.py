@@ -657,7 +657,7 @@ def read_out(
             "position embedding (GPT-2, OPT, a TransformerLens model with standard positions); this capture's has no "
             "position embedding apart (rotary positions act inside the attention, and BERT normalises the sum)"
         )
-    model = frozen_model(stack, capture, batch, real, split_embedding, batch_features=in_batch)
+    model = frozen_model(stack, capture, batch, real, split_embedding, batch_features=in_batch, where=where)
     device = model.sources[0].device
     directions, bias = read.directions.to(device), read.bias.to(device)
     rows = where_real[positions].to(device)

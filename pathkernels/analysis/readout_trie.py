@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 import pathkernels.core  # noqa: F401  (loads the compiled extension, whose readout ops ENGINE names)
+from pathkernels.core._memory import check_fits
 
 if TYPE_CHECKING:
     from pathkernels.adapters.capture import ResidualStreamCapture
@@ -212,6 +213,7 @@ def frozen_model(
     real: Tensor,
     split_embedding: bool = False,
     batch_features: bool = False,
+    where: str = "pathkernels",
 ) -> FrozenModel:
     """The sublayers and sources of batch element ``batch`` restricted to its ``real`` tokens (a
     replaced MLP's steps: the features active in this element, or with ``batch_features`` those
@@ -222,6 +224,7 @@ def frozen_model(
     its token part, so that the two sum to it exactly."""
     device = capture.embedding.device
     pick = real.to(device)
+    _check_frozen_fits(stack, int(pick.sum()), device, batch, where)
     attn = capture.patterns(stack.attn, batch)  # as computed, [L, H, n, n]
     if not bool(pick.all()):  # the real tokens' rows and columns, in one copy
         index = pick.nonzero().flatten()
@@ -284,6 +287,24 @@ def frozen_model(
         names.append("position embedding")
     slots = stack.num_layers * (1 if capture.transcoders is None else 2)
     return FrozenModel(sublayers, sources, names, slots, stack.num_heads, splits, capture.transcoders)
+
+
+def _check_frozen_fits(stack: AttentionStack, tokens: int, device, batch: int, where: str) -> None:
+    """Refuse, in ``where``'s name and before any work, a frozen model that the memory free on
+    ``device`` cannot hold: float64 patterns and the heads' token maps (``L·H·n²`` each), the value
+    and output maps and their factors (``L·H·d·d_head`` four times), and the sources."""
+    layers, heads, d = stack.num_layers, stack.num_heads, stack.d_model
+    head_dim = stack.w_v.shape[-1]
+    need = 8 * (2 * layers * heads * tokens**2 + 4 * layers * heads * d * head_dim + (2 * layers + 2) * tokens * d)
+    check_fits(
+        need,
+        torch.device(device),
+        where,
+        f"the frozen model of batch element {batch} ({layers} layers × {heads} heads on {tokens} tokens: its float64 "
+        "patterns and token maps, L·H·n² each, and the heads' maps) needs about",
+        "pass fewer tokens, or free memory (the frozen model is built per call; the captured stack holds the rest)",
+        error=MemoryError,
+    )
 
 
 def _append_replaced_mlp(
