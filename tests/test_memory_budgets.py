@@ -11,10 +11,12 @@ import re
 
 import pytest
 import torch
+from test_real_models import gpt2
 from test_score_features import captured
 
 import pathkernels as pk
 import pathkernels.core._memory as memory
+from pathkernels.adapters.residual import capture_huggingface_residual
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,3 +104,23 @@ def test_a_frozen_model_the_free_memory_cannot_hold_is_refused_before_any_work(m
     with pytest.raises(MemoryError, match=r"^pathkernels\.score_decomposition: " + frozen):
         pk.score_decomposition(stack, 1, 0, memory_budget=EVERYTHING)
     assert model is stack.residual_capture
+
+
+def test_the_node_bounds_set_up_the_free_memory_cannot_hold_is_refused_naming_the_plain_bound(monkeypatch):
+    """top_paths' node bound makes every head's token map and the source maps before it searches;
+    where the memory free once the frozen model is made cannot hold them, it refuses by name and
+    points to the plain bound, which then runs."""
+    model = gpt2(layers=3, heads=2, width=8).eval()  # the node bound is for models without transcoders
+    stack, _ = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 6)))
+    readout = torch.randn(stack.d_model, dtype=torch.float64)
+    asked = []
+
+    def free_once(device):  # enough for the frozen model, then nothing
+        asked.append(device)
+        return EVERYTHING if len(asked) % 2 else 1
+
+    monkeypatch.setattr(memory, "available_memory", free_once)
+    with pytest.raises(MemoryError, match=r"^pathkernels\.top_paths: the bound per node's set-up .* bound=\"plain\""):
+        pk.top_paths(stack, readout, 3, bound="node")
+    asked.clear()
+    assert pk.top_paths(stack, readout, 3, bound="plain").certified

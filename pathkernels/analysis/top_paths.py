@@ -38,6 +38,7 @@ from torch import Tensor
 from pathkernels.analysis.attribution import Readout, check_kept, mean_read_out, named, path_bars, read_out
 from pathkernels.analysis.readout_trie import NO_HEAD, Fold, FrozenModel, Sublayer, TensorCache, Walker, describe_path
 from pathkernels.core._figures import check_save_path, saved, titled
+from pathkernels.core._memory import check_fits
 from pathkernels.core._progress import progress_bar
 from pathkernels.core._repr import short_repr
 from pathkernels.core._scaling import leading_exponent, power_of_two, times_power_of_two
@@ -379,11 +380,12 @@ class _NodeBounds:
     ``U = C Γ W_V``, ``V = W_O``, ``T = A D`` (entrywise ≥ 0). :meth:`remaining` is the largest over c,
     and at most the first-head bound ``‖ρ‖₁ ‖φ‖₂ W`` (:func:`_first_head_reach`)."""
 
-    def __init__(self, model: FrozenModel, cache_bytes: int = _CACHE_BYTES, out_of_time=None):
+    def __init__(self, model: FrozenModel, cache_bytes: int = _CACHE_BYTES, out_of_time=None, where: str = _WHERE):
         self.model = model
         self.index = [index for index, sublayer in enumerate(model.sublayers) if sublayer.attn is not None]
         self.heads = model.num_heads
         self.head_dim = model.sublayers[self.index[0]].w_v.shape[-1]
+        self._check_fits(cache_bytes, where)
         self.sources = torch.stack(model.sources)  # [S + 1, n, d]
         self.values = [model.sublayers[index].norm_values for index in self.index]  # U [H, d, e]
         self.outputs = torch.cat([model.sublayers[index].w_o for index in self.index])  # V [A·H, e, d]
@@ -399,6 +401,27 @@ class _NodeBounds:
         self.reach = [first[index] for index in self.index]  # W at the level of each attention sublayer
         self.chains = self._chains(out_of_time)
         self.below = [torch.cat(self.chains[:a]).T.contiguous() if a else None for a in range(len(self.chains))]
+
+    def _check_fits(self, cache_bytes: int, where: str) -> None:
+        """Refuse by name, before the set-up, what the free memory cannot hold: the token maps not
+        made yet (``H·n²`` float64 per attention sublayer), the sources, the output and value maps
+        and their Gram matrices, the cache, and the largest source maps made at once."""
+        model, sublayers = self.model, [self.model.sublayers[index] for index in self.index]
+        tokens, d = model.sources[0].shape
+        maps = sum(s.attn.numel() for s in sublayers if "token_maps" not in s.__dict__)
+        head_maps = sum(s.w_o.numel() for s in sublayers)  # A·H·e·d: the outputs, and the values' as many
+        sources = len(model.sources) * tokens * d
+        largest = len(model.sources) * self.heads * tokens * self.head_dim  # one sublayer's source maps
+        need = 8 * (maps + sources + 2 * head_maps + 2 * largest) + cache_bytes
+        check_fits(
+            need,
+            model.sources[0].device,
+            where,
+            f"the bound per node's set-up ({len(sublayers)} attention sublayers × {self.heads} heads on {tokens} "
+            "tokens: the heads' token maps, H·n² float64 each, the source maps and its cache) needs about",
+            'pass bound="plain" (set up per sublayer), fewer tokens, or free memory',
+            error=MemoryError,
+        )
 
     def _chains(self, out_of_time=None) -> list[Tensor]:
         """``Q`` per attention sublayer ``[H, n]``, bottom up (:class:`_OutOfTime` when
