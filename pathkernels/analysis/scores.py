@@ -225,11 +225,13 @@ def _source_parts(model: FrozenModel, source: int, moves, chunk: int) -> Tensor:
     parts[0] = model.sources[source]
     live = 1  # rows 0 … live − 1 hold paths
     arriving: dict[int, list] = {}  # position → [rows held, the rows' terms]
-    for position in range(source, top):
+    for position in range(source, top + 1):
         if position in arriving:
             held, terms = arriving.pop(position)
             parts[:held] += terms[:held]
             live = max(live, held)
+        if position == top:
+            break
         here = moves[position]
         sublayer = model.sublayers[position]
         for start in reversed(range(0, live, chunk)):
@@ -245,23 +247,9 @@ def _source_parts(model: FrozenModel, source: int, moves, chunk: int) -> Tensor:
                     buffer = arriving.setdefault(after, [0, torch.zeros_like(parts)])
                     buffer[0] = max(buffer[0], rows.stop + 1)
                     buffer[1][rows.start + 1 : rows.stop + 1] += terms
-        if here:
-            live = min(live + 1, size) if any(after == position + 1 for *_, after in here) else live
-    if top in arriving:
-        held, terms = arriving.pop(top)
-        parts[:held] += terms[:held]
-        live = max(live, held)
+        if any(after == position + 1 for *_, after in here):
+            live += 1
     return parts[:live]
-
-
-def _stream_groups(model: FrozenModel) -> tuple[list[tuple[int, int]], Tensor]:
-    """The stream entering the sublayer above ``model`` split by (source, number of heads; with
-    transcoders, of steps: heads and MLP steps): ``(groups, parts [G, n, d])``, exact, sorted by
-    source then length (:func:`_source_parts` of every source, at once)."""
-    moves = _moves(model)
-    parts = [_source_parts(model, source, moves, chunk=1 << 30) for source in range(len(model.sources))]
-    groups = [(source, length) for source, rows in enumerate(parts) for length in range(rows.shape[0])]
-    return groups, torch.cat(parts)
 
 
 def _group_label(names: list[str], group: tuple[int, int], steps: bool = False) -> str:

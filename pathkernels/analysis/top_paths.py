@@ -636,12 +636,11 @@ def search_top_paths(setup, options: SearchOptions) -> TopPaths:
         pruned, frontier, visited, expanded, stopped = _search_heads(search)
     else:
         try:
-            reach = _reach_bounds(model, bound, search.out_of_time)
+            pruned, frontier, visited, expanded, stopped = _search_levels(
+                search, _reach_bounds(model, bound, search.out_of_time)
+            )
         except _OutOfTime:  # the set-up outlasted the time limit: no path visited, no bound
-            reach = None
             pruned, frontier, visited, expanded, stopped = -math.inf, math.inf, 0, 0, "time_limit"
-        if reach is not None:
-            pruned, frontier, visited, expanded, stopped = _search_levels(search, reach)
     kth = _kth(fold, k)
     # Pruned nodes were at most the k-th value when dropped, and it only grows.
     remaining = max(pruned, frontier)
