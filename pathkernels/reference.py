@@ -5,6 +5,8 @@ They compute in the dtype they are given; tests pass float64 copies.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -161,8 +163,14 @@ def per_path_loop_ref(attn: Tensor, paths: Tensor) -> list[tuple[Tensor, Tensor]
     return out
 
 
+def _layer_patterns(attn) -> Callable[[int], Tensor]:
+    """Layer l's patterns ``[B, H, n, n]`` from ``attn [B, L, H, n, n]``, or ``attn`` itself where it
+    is already such a function."""
+    return attn if callable(attn) else (lambda layer: attn[:, layer])
+
+
 def pre_ln_length_sums_ref(
-    attn: Tensor,
+    attn: Tensor | Callable[[int], Tensor],
     norm_scale: Tensor,
     norm_weight: Tensor,
     norm_bias: Tensor,
@@ -183,7 +191,8 @@ def pre_ln_length_sums_ref(
     the sum over k of the recurrence below, since no path is longer than the layers passed), L
     times fewer products.
 
-    attn ``[B, L, H, n, n]`` as the model computed it (rows need not sum to 1); norm_scale
+    attn ``[B, L, H, n, n]`` as the model computed it (rows need not sum to 1), or a function of a
+    layer giving its ``[B, H, n, n]`` (so that the whole need not be held in float64); norm_scale
     ``[B, L, n]`` (``1/σ`` of each block's attention-input norm), norm_weight and norm_bias
     ``[L, d]`` (γ, β); w_v ``[L, H, d, d_head]``, w_o ``[L, H, d_head, d]``, value_bias
     ``[L, H, d_head]``, output_bias ``[L, d]``; embedding ``[B, n, d]``; mlp_out ``[B, L, n, d]``.
@@ -193,26 +202,27 @@ def pre_ln_length_sums_ref(
         S_k ← S_k + Σ_h (A_h D) S_{k−1} (C Γ W_V,h W_O,h)                 (the heads, k ≥ 1)
         S_0 ← S_0 + Σ_h r_h (βᵀ W_V,h + b_V,hᵀ) W_O,h + 1 b_Oᵀ + MLP output   (the sources entering)
     """
-    layers = attn.shape[1]
+    layers, patterns = norm_scale.shape[1], _layer_patterns(attn)
     count = 1 if collapse else layers + 1  # the sums kept: every length, or their total
     sums = [embedding] + [torch.zeros_like(embedding) for _ in range(count - 1)]
     for layer in range(layers):
-        token_map = attn[:, layer] * norm_scale[:, layer, None, None, :]  # A D: column j scaled by 1/σ_j
+        pattern = patterns(layer)
         before = sums
         sums = [s.clone() for s in before]
         for k in range(0 if collapse else 1, count):
             prev = before[k if collapse else k - 1]
             centred_prev = prev - prev.mean(-1, keepdim=True) if centred else prev
-            values = torch.einsum("bnd,hde->bhne", centred_prev * norm_weight[layer], w_v[layer])  # x C Γ W_V
-            sums[k] += torch.einsum("bhij,bhje,hef->bif", token_map, values, w_o[layer])
+            normed = norm_scale[:, layer, :, None] * centred_prev * norm_weight[layer]  # D x C Γ
+            values = torch.einsum("bnd,hde->bhne", normed, w_v[layer])  # (A D) x = A (D x): no [H, n, n] A D
+            sums[k] += torch.einsum("bhij,bhje,hef->bif", pattern, values, w_o[layer])
         head_rows = torch.einsum("d,hde->he", norm_bias[layer], w_v[layer]) + value_bias[layer]
-        constant = torch.einsum("bhi,he,hef->bif", attn[:, layer].sum(-1), head_rows, w_o[layer])
+        constant = torch.einsum("bhi,he,hef->bif", pattern.sum(-1), head_rows, w_o[layer])
         sums[0] += constant + output_bias[layer] + mlp_out[:, layer]
     return torch.stack(sums)
 
 
 def post_ln_length_sums_ref(
-    attn: Tensor,
+    attn: Tensor | Callable[[int], Tensor],
     norm_scale: Tensor,
     norm_weight: Tensor,
     norm_bias: Tensor,
@@ -238,7 +248,7 @@ def post_ln_length_sums_ref(
         S_k ← D₁ (S_k + Σ_h A_h S_{k−1} W_h) C Γ₁ + [k = 0] (D₁ (Σ_h r_h b_V,hᵀ W_O,h + 1 b_Oᵀ) C Γ₁ + 1 β₁ᵀ)
         S_k ← D₂ S_k C Γ₂ + [k = 0] (D₂ m C Γ₂ + 1 β₂ᵀ)
     """
-    layers = attn.shape[1]
+    layers, patterns = norm_scale.shape[1], _layer_patterns(attn)
 
     def frozen(t: Tensor, layer: int, which: int) -> Tensor:  # D t C Γ, without β
         scale = norm_scale[:, layer, which, :, None]
@@ -247,15 +257,15 @@ def post_ln_length_sums_ref(
     count = 1 if collapse else layers + 1  # the sums kept: every length, or their total
     sums = [embedding] + [torch.zeros_like(embedding) for _ in range(count - 1)]
     for layer in range(layers):
-        before = sums
+        before, pattern = sums, patterns(layer)
         sums = []
         for k in range(count):
             inner = before[k]
             if k >= 1 or collapse:
                 values = torch.einsum("bnd,hde->bhne", before[k if collapse else k - 1], w_v[layer])
-                inner = inner + torch.einsum("bhij,bhje,hef->bif", attn[:, layer], values, w_o[layer])
+                inner = inner + torch.einsum("bhij,bhje,hef->bif", pattern, values, w_o[layer])
             sums.append(frozen(inner, layer, 0))
-        biases = torch.einsum("bhi,he,hef->bif", attn[:, layer].sum(-1), value_bias[layer], w_o[layer])
+        biases = torch.einsum("bhi,he,hef->bif", pattern.sum(-1), value_bias[layer], w_o[layer])
         sums[0] = sums[0] + frozen(biases + output_bias[layer], layer, 0) + norm_bias[layer, 0]
         sums = [frozen(s, layer, 1) for s in sums]
         sums[0] = sums[0] + frozen(mlp_out[:, layer], layer, 1) + norm_bias[layer, 1]

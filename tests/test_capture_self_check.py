@@ -4,6 +4,7 @@ the model (Falcon's ALiBi added twice, a mask with a hole given other positions,
 norm read with the wrong gain, clamped values) now reproduces the model's own numbers or is refused
 by name; a capture made wrong on purpose is refused by the check."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -222,6 +223,33 @@ def test_the_path_sum_is_the_total_of_the_length_sums(name):
         pk.adapters.from_huggingface(model, input_ids=ids).path_sum()
 
 
+@pytest.mark.parametrize("name", ["gpt2", "gemma2"])
+def test_the_path_sum_reads_the_patterns_as_the_model_computed_them(name):
+    """Where the stack holds its patterns renormalised (a float32 softmax in a float64 model), the
+    model's are the stack's times ``attn_row_sums``: whole, per batch element, per layer, and
+    written layer by layer into one buffer as ``path_sum`` reads them; ``path_sum`` equals the sum
+    of a stack holding the model's patterns themselves (Gemma-2: times its attention-output norm)."""
+    model = {"gpt2": gpt2}.get(name, lambda: family_model(name))().double().eval()
+    stack, capture = capture_huggingface_residual(model, input_ids=torch.randint(1, 50, (2, 6)))
+    sums = 1 + 1e-6 * torch.randn(stack.attn.shape[:-1], dtype=torch.float64)  # float32's rounding
+    capture.attn_row_sums = sums
+    computed = stack.attn * sums[..., None]
+    assert torch.equal(capture.patterns(stack.attn), computed)
+    assert torch.equal(capture.patterns(stack.attn, 1), computed[1])
+    buffer = torch.empty_like(computed[:, 0])
+    for layer in range(stack.num_layers):
+        assert torch.equal(capture.patterns(stack.attn, 1, layer=layer), computed[1, layer])
+        assert capture.patterns(stack.attn, layer=layer, out=buffer) is buffer
+        assert torch.equal(buffer, computed[:, layer])
+    as_computed = dataclasses.replace(stack, attn=computed, attn_precision=torch.float32)  # rows kept as they are
+    as_computed.attn = computed
+    as_computed.residual_capture = dataclasses.replace(capture, attn_row_sums=None)
+    total = as_computed.path_sum()
+    assert float((total - stack.path_sum()).abs().max()) < 1e-12 * float(total.abs().max())
+    capture.attn_row_sums = None
+    assert float((total - stack.path_sum()).abs().max()) > 1e-8 * float(total.abs().max())  # the sums matter
+
+
 def test_an_opt_classifier_reads_its_class_logits_through_project_out():
     """OPT's score head reads project_out's output (word_embed_proj_dim wide): folded into the
     readout, the class-logit difference is the model's own (it failed with a shape message)."""
@@ -312,3 +340,64 @@ def test_weights_that_are_not_finite_are_named_whether_or_not_the_capture_is_che
         _refuse_if_not_finite("gpt2", stream, real, "where")
     with pytest.raises(ValueError, match=r"a padded query with no key to attend.*without padding$"):
         _refuse_if_not_finite("gpt2", stream, torch.tensor([[True, True, False]]), "where")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_logits_are_compared_a_block_of_words_at_a_time(monkeypatch, dtype):
+    """The logits' difference, read out a few words at a time (blocks of 2 to 7 words over 23), is
+    the whole readout's ``max |normed W_Uᵀ + b_U − logits| / max |logits|`` over the real tokens,
+    soft-capped or not, wherever the largest difference and the largest logit fall; padded rows
+    (NaN here) are not read, and a NaN logit at a real token gives inf."""
+    from types import SimpleNamespace
+
+    from pathkernels.adapters import self_check
+
+    vocabulary, width = 23, 5
+    normed = torch.randn(2, 4, width, dtype=torch.float64)
+    weight, bias = torch.randn(vocabulary, width, dtype=dtype), torch.randn(vocabulary, dtype=dtype)
+    real = torch.tensor([[True, True, True, True], [False, True, True, False]])
+    for cap in (None, 3.0):
+        exact = normed @ weight.double().T + bias.double()
+        exact = exact if cap is None else cap * torch.tanh(exact / cap)
+        for word in (0, 11, vocabulary - 1):
+            logits = (exact + 1e-3 * torch.randn_like(exact)).to(dtype)
+            logits[1, 2, word] += 0.5  # the largest difference, in the first, a middle or the last block
+            logits[0, 3, vocabulary - 1 - word] = 40.0  # the largest logit
+            logits[1, 0] = logits[1, 3] = float("nan")  # padded rows
+            keep = real[..., None].expand_as(logits)
+            want = float((exact - logits.double())[keep].abs().max() / logits.double()[keep].abs().max())
+            for rows_per_block in (2 * 6, 5 * 6, 7 * 6):  # six real rows: blocks of 2, 5 and 7 words
+                monkeypatch.setattr(self_check, "_READOUT_BLOCK", rows_per_block)
+                capture = SimpleNamespace(unembedding=weight, unembedding_bias=bias)
+                got = self_check._readout_error(normed, capture, cap, logits, real)
+                assert got == pytest.approx(want, rel=1e-5 if dtype == torch.float32 else 1e-12)
+            capture = SimpleNamespace(unembedding=weight, unembedding_bias=None)
+            unbiased = float((exact - bias.double() - logits.double())[keep].abs().max()) if cap is None else None
+            if unbiased is not None:
+                got = self_check._readout_error(normed, capture, cap, logits, real)
+                assert got == pytest.approx(unbiased / float(logits.double()[keep].abs().max()), rel=1e-5)
+            logits[0, 1, word] = float("nan")
+            assert self_check._readout_error(normed, capture, cap, logits, real) == float("inf")
+
+
+def test_finiteness_is_read_from_the_least_and_largest_values():
+    """``all_finite``: False for NaN, inf or −inf anywhere (first, middle, last; an expanded
+    tensor's one stored value), True for finite values, integers and empty tensors."""
+    from pathkernels.core.checks import all_finite, check_finite
+
+    for dtype in (torch.float64, torch.float32, torch.float16):
+        values = torch.randn(3, 50, dtype=dtype)
+        assert all_finite(values)
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for index in ((0, 0), (1, 25), (2, 49)):
+                broken = values.clone()
+                broken[index] = bad
+                assert not all_finite(broken)
+                with pytest.raises(
+                    ValueError, match=rf"x has a non-finite value \({bad}\) at index \[{index[0]}, {index[1]}\]"
+                ):
+                    check_finite(broken, "x", "where")
+            assert not all_finite(torch.tensor([bad], dtype=dtype).expand(4, 7))
+    assert (
+        all_finite(torch.empty(0, 3)) and all_finite(torch.arange(5)) and all_finite(torch.zeros(2, 2).expand(3, 2, 2))
+    )

@@ -616,6 +616,27 @@ def test_auto_takes_the_node_bound_unless_its_set_up_is_too_large_for_the_device
     assert pk.top_paths(stack, readout, 5, bound="node").bound_kind == "node"
 
 
+def test_auto_takes_the_plain_bound_where_the_node_bounds_set_up_does_not_fit_the_free_memory(monkeypatch):
+    """bound="auto" takes the node bound where the memory free holds its set-up, to the byte, and
+    the plain bound a byte below (where bound="node" is refused by name): the same certified list."""
+    top_paths_module = sys.modules["pathkernels.analysis.top_paths"]
+    memory = sys.modules["pathkernels.core._memory"]
+    from pathkernels.analysis.readout_trie import frozen_model
+
+    _, stack, readout = captured("gpt2")
+    real = torch.ones(stack.attn.shape[-1], dtype=torch.bool)
+    need = top_paths_module._NodeBounds.set_up_bytes(frozen_model(stack, stack.residual_capture, 0, real))
+    found = {}
+    for free in (need, need - 1):
+        monkeypatch.setattr(memory, "available_memory", lambda device, free=free: free)
+        found[free] = pk.top_paths(stack, readout, 5)
+        assert found[free].certified
+    assert found[need].bound_kind == "node" and found[need - 1].bound_kind == "plain"
+    assert torch.equal(found[need].paths, found[need - 1].paths)
+    with pytest.raises(MemoryError, match=r"the bound per node's set-up .* bound=\"plain\""):
+        pk.top_paths(stack, readout, 5, bound="node")
+
+
 def _assert_top_paths_of(stack, readout, k: int, scale: float, **kwargs):
     """top_paths of ``readout`` scaled by ``scale`` returns, certified, the enumeration's list of the
     unscaled readout (values scaled, relative 1e-12), for the largest and the smallest (which a

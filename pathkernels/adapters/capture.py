@@ -105,13 +105,22 @@ class ResidualStreamCapture:
         blocks' (``norm``)."""
         return (self.norm if self.final_norm is None else self.final_norm) == "layernorm"
 
-    def patterns(self, attn: Tensor, batch: int | None = None) -> Tensor:
+    def patterns(
+        self, attn: Tensor, batch: int | None = None, layer: int | None = None, out: Tensor | None = None
+    ) -> Tensor:
         """The stack's ``attn [B, L, H, n, n]`` as the model computed it (only batch element
-        ``batch``, ``[L, H, n, n]``, when given), in float64 on the capture's device: times
-        ``attn_row_sums`` where the stack holds it renormalised."""
+        ``batch``, ``[L, H, n, n]``, and only layer ``layer``, ``[(B,) H, n, n]``, when given), in
+        float64 on the capture's device: times ``attn_row_sums`` where the stack holds it
+        renormalised. ``out``: a float64 tensor of that shape to write it into (one buffer reused
+        layer after layer faults no fresh memory in)."""
         sums = self.attn_row_sums
         if batch is not None:
             attn, sums = attn[batch], None if sums is None else sums[batch]
+        if layer is not None:
+            attn, sums = attn[..., layer, :, :, :], None if sums is None else sums[..., layer, :, :]
+        if out is not None:
+            out.copy_(attn)
+            return out if sums is None else out.mul_(sums[..., None])
         converted = attn.to(self.embedding.device, torch.float64)
         if sums is None:
             return converted
@@ -131,16 +140,21 @@ class ResidualStreamCapture:
 def weights_fingerprint(model: nn.Module) -> dict[str, tuple]:
     """What identifies a model's weights, cheaply: for each parameter (by name), its shape and the
     float64 sums ``Σ w`` and ``Σ w²``, over blocks of ``_FINGERPRINT_BLOCK`` entries, so that at
-    most a block is ever held in float64 (about 0.7·10⁹ entries a second on 2 cores: seconds for a
-    2B-parameter model, about its forward pass on a short prompt). Another model, or these weights
+    most a block is ever held in float64 (about 2·10⁹ entries a second on 2 cores: a second for a
+    2B-parameter model). Another model, or these weights
     changed, gives another fingerprint."""
-    prints = {}
+    prints, buffers = {}, {}
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             total = squares = 0.0
             for block in parameter.detach().reshape(-1).split(_FINGERPRINT_BLOCK):
-                total += float(block.sum(dtype=torch.float64))
-                squares += float(torch.linalg.vector_norm(block, dtype=torch.float64)) ** 2
+                # Copied into one float64 buffer per device first: 3× faster than reducing with
+                # dtype=float64, and no fresh memory faulted in per block.
+                if block.device not in buffers:
+                    buffers[block.device] = torch.empty(_FINGERPRINT_BLOCK, dtype=torch.float64, device=block.device)
+                block = buffers[block.device][: block.numel()].copy_(block)
+                total += float(block.sum())
+                squares += float(torch.linalg.vector_norm(block)) ** 2
             prints[name] = (tuple(parameter.shape), total, squares)
     return prints
 

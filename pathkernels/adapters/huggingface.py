@@ -648,10 +648,13 @@ def _read_stack(model: nn.Module, inputs: dict, where: str = _WHERE) -> tuple[At
     computed them (the stack's own are renormalised where the softmax was coarser than the model);
     the inputs' errors name ``where``, the caller."""
     layers = _attention_layers(model, where)
-    patterns: list[Tensor | None] = [None] * len(layers)
+    patterns: list[Tensor] = []  # one [B, L, H, n, n] tensor, each layer's written as it comes
 
     def keep(index: int, attn: Tensor) -> None:
-        patterns[index] = attn
+        if not patterns:
+            batch, heads, queries, keys = attn.shape
+            patterns.append(attn.new_empty(batch, len(layers), heads, queries, keys))
+        patterns[0][:, index] = attn
 
     # OPT's project_out maps the last hidden state to the word-embedding width: keep its input,
     # the stream the blocks leave.
@@ -661,7 +664,10 @@ def _read_stack(model: nn.Module, inputs: dict, where: str = _WHERE) -> tuple[At
     if projection is not None:
         handle = projection.register_forward_pre_hook(lambda module, args: before_projection.append(args[0].detach()))
     try:
-        output = _stream(model, layers, keep, {**_prepared_inputs(model, inputs, where), "output_hidden_states": True})
+        prepared = {**_prepared_inputs(model, inputs, where), "output_hidden_states": True}
+        if "logits_to_keep" in inspect.signature(model.forward).parameters and "logits_to_keep" not in prepared:
+            prepared["logits_to_keep"] = 1  # the stack reads no logits: the LM head on one row, not every token
+        output = _stream(model, layers, keep, prepared)
     finally:
         if handle is not None:
             handle.remove()
@@ -682,7 +688,7 @@ def _read_stack(model: nn.Module, inputs: dict, where: str = _WHERE) -> tuple[At
             f"{where}: expected attention_mask of shape [B, n] (1 = a real token) to carry as the "
             f"stack's token_mask, got {list(token_mask.shape)}"
         )
-    attn = torch.stack(patterns, dim=1)
+    attn = patterns[0]
     stack = AttentionStack(
         attn=attn,
         w_v=w_v,

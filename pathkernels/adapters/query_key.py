@@ -58,20 +58,25 @@ SIDES = ("query", "key")
 @dataclass
 class QueryKeyCapture:
     """The frozen query and key maps of every head, and what the model computed with them, in
-    float64 (grouped-query models repeat each key head for the query heads that share it).
+    float64.
 
-    ``w_q``, ``w_k`` ``[L, H, d, e]`` and ``b_q``, ``b_k`` ``[L, H, e]``: the projections from the
-    attention's input ``y``; ``query_scale``, ``key_scale`` ``[B, L, H, n]``: a query/key norm's
-    frozen ``1/σ`` per token (1 without one), with its gain ``query_gain``, ``key_gain`` ``[L, H, e]``;
+    ``w_q`` ``[L, H, d, e]`` and ``b_q`` ``[L, H, e]``: the query projections from the attention's
+    input ``y``; ``w_k`` ``[L, H_k, d, e]`` and ``b_k`` ``[L, H_k, e]`` the key projections, one per
+    key head (``H_k = H / key_group``: a grouped-query model's query heads ``h`` share key head
+    ``h // key_group``; :meth:`side_maps` maps a query head to its own); ``query_scale`` ``[B, L, H, n]``,
+    ``key_scale`` ``[B, L, H_k, n]``: a query/key norm's frozen ``1/σ`` per token (1 without one),
+    with its gain ``query_gain`` ``[L, H, e]``, ``key_gain`` ``[L, H_k, e]``;
     ``cos``, ``sin`` ``[B, L, n, r]``: the rotation of the first ``r`` features of every head at each
     position (``x·cos + rotate_half(x)·sin``; with ``interleaved``, the pairs are adjacent features
     rather than the two halves), None without rotary positions; ``position_bias`` ``[B, L, H, n, n]``:
     a term the model adds to each pair's score whatever the stream (ALiBi), None without one;
     ``centred``: the query/key norms are LayerNorms (Phi's ``qk_layernorm``: each head's vector
-    centred before its scale), whose β ``query_shift``, ``key_shift`` ``[L, H, e]`` is added after; ``scaling`` ``[L]``;
+    centred before its scale), whose β ``query_shift`` ``[L, H, e]``, ``key_shift`` ``[L, H_k, e]`` is
+    added after; ``scaling`` ``[L]``;
     ``allowed`` ``[B, L, n, n]``: which keys each query may attend (causal, padding, sliding
     windows); ``soft_cap`` ``[L]``: the cap ``c`` of a soft-capped score ``c·tanh(s/c)`` (0: none);
-    ``queries``, ``keys`` ``[B, L, H, n, e]``: the model's own, after norms and rotation.
+    ``queries``, ``keys`` ``[B, L, H, n, e]``: the model's own, after norms and rotation (each key
+    head's keys repeated for the query heads that share it).
     """
 
     w_q: Tensor
@@ -94,6 +99,7 @@ class QueryKeyCapture:
     centred: bool = False
     query_shift: Tensor | None = None
     key_shift: Tensor | None = None
+    key_group: int = 1
 
     def __repr__(self) -> str:
         batch, layers, heads, tokens, _ = self.queries.shape
@@ -104,12 +110,23 @@ class QueryKeyCapture:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
         return QueryKeyCapture(**{k: v.to(device) if isinstance(v, Tensor) else v for k, v in moved.items()})
 
-    def side_maps(self, side: str, layer: int, head: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """One side's ``(W [d, e], b [e], 1/σ of its norm [B, L, H, n], γ [e])`` (``side``: "query" or
-        "key")."""
+    def side_maps(self, side: str, layer: int, head: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """One side's ``(W [d, e], b [e], 1/σ of its norm [B, n], γ [e])`` for query head ``head``
+        (``side``: "query" or "key", whose maps are its key head's); ``head`` None: every head the
+        side holds (``H`` queries, ``H_k`` keys), ``W [·, d, e]``, ``1/σ [B, ·, n]``, ``b`` and ``γ``
+        ``[·, 1, e]``."""
         if side == "query":
-            return self.w_q[layer, head], self.b_q[layer, head], self.query_scale, self.query_gain[layer, head]
-        return self.w_k[layer, head], self.b_k[layer, head], self.key_scale, self.key_gain[layer, head]
+            w, b, scale, gain = self.w_q, self.b_q, self.query_scale, self.query_gain
+        else:
+            w, b, scale, gain = self.w_k, self.b_k, self.key_scale, self.key_gain
+        if head is None:
+            return w[layer], b[layer, :, None], scale[:, layer], gain[layer, :, None]
+        head = self._held(side, head)
+        return w[layer, head], b[layer, head], scale[:, layer, head], gain[layer, head]
+
+    def _held(self, side: str, head: int) -> int:
+        """Where query head ``head``'s maps of ``side`` are held: its own, or its key head's."""
+        return head if side == "query" else head // self.key_group
 
     def rotate(self, x: Tensor, batch: int, layer: int, rows: Tensor) -> Tensor:
         """``R_t x_t`` for ``x [..., T, e]`` at positions ``rows [T]`` (token indices of sequence
@@ -125,29 +142,33 @@ class QueryKeyCapture:
             turned = torch.cat((-part[..., r // 2 :], part[..., : r // 2]), dim=-1)
         return torch.cat((part * cos + turned * sin, x[..., r:]), dim=-1)
 
-    def _normed(self, side: str, narrow: Tensor, batch: int, layer: int, head: int, rows: Tensor) -> Tensor:
+    def _normed(self, side: str, narrow: Tensor, batch: int, layer: int, head: int | None, rows: Tensor) -> Tensor:
         """A query/key norm frozen: ``ν_t γ ⊙ (u C)`` (``C`` centres each head's vector where the norm
         is a LayerNorm; the identity for an RMSNorm and without a norm)."""
         _, _, scale, gain = self.side_maps(side, layer, head)
         if self.centred:
             narrow = narrow - narrow.mean(-1, keepdim=True)
-        return narrow * (scale[batch, layer, head, rows, None] * gain)
+        return narrow * (scale[batch][..., rows, None] * gain)
 
-    def project(self, side: str, inputs: Tensor, batch: int, layer: int, head: int, rows: Tensor) -> Tensor:
+    def project(self, side: str, inputs: Tensor, batch: int, layer: int, head: int | None, rows: Tensor) -> Tensor:
         """The linear part of one side: ``R_t (ν_t γ ⊙ (y_t W C))`` ``[..., T, e]`` for parts of the
-        attention's input ``inputs [..., T, d]`` at positions ``rows [T]`` (no bias)."""
+        attention's input ``inputs [..., T, d]`` at positions ``rows [T]`` (no bias); ``head`` None:
+        every head the side holds, ``[·, T, e]`` for ``inputs [T, d]``."""
         w = self.side_maps(side, layer, head)[0]
         return self.rotate(self._normed(side, inputs @ w, batch, layer, head, rows), batch, layer, rows)
 
-    def constant(self, side: str, shift: Tensor, batch: int, layer: int, head: int, rows: Tensor) -> Tensor:
+    def constant(self, side: str, shift: Tensor, batch: int, layer: int, head: int | None, rows: Tensor) -> Tensor:
         """What one side holds whatever the stream: ``R_t (ν_t γ ⊙ ((β W + b) C) + β')`` ``[T, e]`` for
         the constant ``shift [d]`` of the attention's input (its norm's β; 0 without one) and a
-        query/key LayerNorm's β' (0 without one)."""
+        query/key LayerNorm's β' (0 without one); ``head`` None: every head the side holds,
+        ``[·, T, e]``."""
         w, b, _, _ = self.side_maps(side, layer, head)
-        narrow = self._normed(side, (shift @ w + b).expand(rows.numel(), -1), batch, layer, head, rows)
+        offset = shift @ w if head is not None else (shift @ w)[:, None]  # [e], or [·, 1, e] beside b
+        narrow = (offset + b).expand(*b.shape[:-2], rows.numel(), -1)  # [T, e], or [·, T, e]
+        narrow = self._normed(side, narrow, batch, layer, head, rows)
         after = self.query_shift if side == "query" else self.key_shift
         if after is not None:
-            narrow = narrow + after[layer, head]
+            narrow = narrow + (after[layer, self._held(side, head)] if head is not None else after[layer, :, None])
         return self.rotate(narrow, batch, layer, rows)
 
     def reconstruction_error(self, inputs: Tensor, shift: Tensor, real: Tensor) -> float:
@@ -158,16 +179,17 @@ class QueryKeyCapture:
         worst = 0.0
         batch_size, layers, tokens = inputs.shape[0], inputs.shape[1], inputs.shape[2]
         rows = torch.arange(tokens, device=inputs.device)
-        for side, own in (("query", self.queries), ("key", self.keys)):
+        for side, own, step in (("query", self.queries, 1), ("key", self.keys, self.key_group)):
             for batch in range(batch_size):
                 keep = real[batch]
-                for layer in range(layers):
-                    for head in range(self.w_q.shape[1]):
-                        rebuilt = self.project(side, inputs[batch, layer], batch, layer, head, rows)
-                        rebuilt = rebuilt + self.constant(side, shift[layer], batch, layer, head, rows)
-                        expected = own[batch, layer, head][keep]
-                        scale = float(expected.abs().max()) or 1.0
-                        worst = max(worst, float((rebuilt[keep] - expected).abs().max()) / scale)
+                for layer in range(layers):  # every head the side holds at once: [H or H_k, n, e]
+                    rebuilt = self.project(side, inputs[batch, layer], batch, layer, None, rows)
+                    rebuilt = rebuilt + self.constant(side, shift[layer], batch, layer, None, rows)
+                    expected = own[batch, layer, ::step][:, keep]  # the model's own, once per key head
+                    scale = expected.abs().amax((-2, -1))  # each head's, as one head at a time had
+                    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+                    errors = (rebuilt[:, keep] - expected).abs().amax((-2, -1)) / scale
+                    worst = max(worst, float(errors.max()))
         return worst
 
     def score_error(self, scores: Tensor) -> float:
@@ -308,7 +330,7 @@ def _projection(module: nn.Module) -> tuple[Tensor, Tensor | None]:
 def _query_key_weights(
     module: nn.Module, heads: int, kv_heads: int, head_dim: int, scaled_queries: bool = False
 ) -> list[tuple[Tensor, Tensor]]:
-    """``[(W_Q [H, d, e], b_Q [H, e]), (W_K, b_K)]``, key heads repeated per query head;
+    """``[(W_Q [H, d, e], b_Q [H, e]), (W_K [H_k, d, e], b_K [H_k, e])]``, one per key head;
     ``scaled_queries``: the module multiplies its query projection's output by its ``scaling``."""
     if hasattr(module, "c_attn"):  # GPT-2: [q | k | v] columns of one projection
         weight, bias = _projection(module.c_attn)
@@ -333,10 +355,7 @@ def _query_key_weights(
     for (weight, bias), count in zip(parts, (heads, kv_heads)):
         w = weight.reshape(weight.shape[0], count, head_dim).permute(1, 0, 2)
         b = torch.zeros(count, head_dim, dtype=torch.float64, device=w.device) if bias is None else bias
-        b = b.reshape(count, head_dim)
-        if count != heads:
-            w, b = w.repeat_interleave(heads // count, 0), b.repeat_interleave(heads // count, 0)
-        out.append((w.contiguous(), b))
+        out.append((w.contiguous(), b.reshape(count, head_dim)))
     return out
 
 
@@ -381,17 +400,18 @@ def _falcon_replay(module: nn.Module, args: tuple, kwargs: dict, apply_rotary) -
 
 
 def _norm_scale_gain(
-    module: nn.Module, name: str, seen: _Seen, heads: int, count: int, head_dim: int, shape: tuple[int, int]
+    module: nn.Module, name: str, seen: _Seen, count: int, head_dim: int, shape: tuple[int, int]
 ) -> tuple[Tensor, Tensor]:
-    """A query/key norm's frozen ``1/σ`` ``[B, H, n]`` and gain ``[H, e]``: over each head's
-    features (Qwen3, Gemma-3) or over every head's at once (OLMo 2); ones without a norm."""
+    """A query/key norm's frozen ``1/σ`` ``[B, count, n]`` and gain ``[count, e]`` for the ``count``
+    heads of its side (query heads, or key heads): over each head's features (Qwen3, Gemma-3) or
+    over every head's at once (OLMo 2); ones without a norm."""
     batch, tokens = shape
     norm = getattr(module, name, None) or getattr(module, name.replace("norm", "layernorm"), None)
     x = seen.norm_inputs.get(name)
     if not isinstance(norm, nn.Module) or x is None:
         return (
-            torch.ones(batch, heads, tokens, dtype=torch.float64),
-            torch.ones(heads, head_dim, dtype=torch.float64),
+            torch.ones(batch, count, tokens, dtype=torch.float64),
+            torch.ones(count, head_dim, dtype=torch.float64),
         )
     if x.dim() == 4 and _heads_first(x, tokens, count):  # normed after the heads' transpose (Gemma-3)
         x = x.transpose(1, 2)
@@ -403,10 +423,7 @@ def _norm_scale_gain(
     gain = norm.weight.detach().double() if isinstance(norm, nn.LayerNorm) else rms_gain(norm)
     gain = torch.ones(count * head_dim, dtype=torch.float64) if gain is None else gain.cpu()
     gain = gain.expand(count, head_dim) if gain.numel() == head_dim else gain.reshape(count, head_dim)
-    inverse = inverse.permute(0, 2, 1).cpu()  # [B, count, n]
-    if count != heads:
-        inverse, gain = inverse.repeat_interleave(heads // count, 1), gain.repeat_interleave(heads // count, 0)
-    return inverse, gain
+    return inverse.permute(0, 2, 1).cpu(), gain  # [B, count, n], [count, e]
 
 
 def _heads_first(x: Tensor, tokens: int, count: int) -> bool:
@@ -417,6 +434,15 @@ def _heads_first(x: Tensor, tokens: int, count: int) -> bool:
     if tokens != count:
         return x.shape[1] == count
     return x.stride(1) < x.stride(2)
+
+
+def _position_bias(biases: list[Tensor | None], batch: int, heads: int, tokens: int) -> Tensor | None:
+    """Each layer's position bias ``[B, 1 or H, n, n]`` (None: 0) as ``[B, L, H, n, n]``, or None
+    where no layer has one (no ``L·H·n²`` float64 of zeros for the families without)."""
+    if all(bias is None for bias in biases):
+        return None
+    zero = torch.zeros((), dtype=torch.float64)
+    return torch.stack([(zero if b is None else b).expand(batch, heads, tokens, tokens) for b in biases], 1)
 
 
 def query_key_capture(
@@ -441,20 +467,20 @@ def query_key_capture(
     rotations, biases = [], []
     for module, record in zip(attention_modules, seen):
         (w_q, b_q), (w_k, b_k) = _query_key_weights(module, heads, kv_heads, head_dim, scaled_queries)
-        query_scale, query_gain = _norm_scale_gain(module, "q_norm", record, heads, heads, head_dim, (batch, tokens))
-        key_scale, key_gain = _norm_scale_gain(module, "k_norm", record, heads, kv_heads, head_dim, (batch, tokens))
+        query_scale, query_gain = _norm_scale_gain(module, "q_norm", record, heads, head_dim, (batch, tokens))
+        key_scale, key_gain = _norm_scale_gain(module, "k_norm", record, kv_heads, head_dim, (batch, tokens))
         keys = record.keys.double().cpu()
         if keys.shape[1] != heads:
             keys = keys.repeat_interleave(heads // keys.shape[1], 1)
-        mask = record.mask
-        bias = torch.zeros(batch, heads, tokens, tokens, dtype=torch.float64)
+        mask, bias = record.mask, None  # bias: [B, 1 or H, n, n], None where 0
         if mask is None:
             allowed = torch.ones(batch, tokens, tokens, dtype=torch.bool)
         else:
             mask = mask.double().cpu()[..., :tokens]
             allowed = (mask > -1e30).all(1)  # masked entries hold the dtype's lowest value or -inf
             # What the mask adds where it allows a pair: 0, or a position bias (Falcon's ALiBi).
-            bias = torch.where(allowed[:, None], mask, torch.zeros((), dtype=mask.dtype)).expand(batch, heads, -1, -1)
+            bias = torch.where(allowed[:, None], mask, torch.zeros((), dtype=mask.dtype))
+            bias = bias if bool(bias.any()) else None
         biases.append(bias)
         for name, value in zip(
             per_layer,
@@ -467,7 +493,7 @@ def query_key_capture(
     shifts = None
     if centred:  # β of each query/key LayerNorm, per head (key heads repeated)
         query_shift = torch.stack([m.q_layernorm.bias.detach().double().expand(heads, -1) for m in attention_modules])
-        key_shift = torch.stack([m.k_layernorm.bias.detach().double().expand(heads, -1) for m in attention_modules])
+        key_shift = torch.stack([m.k_layernorm.bias.detach().double().expand(kv_heads, -1) for m in attention_modules])
         shifts = (query_shift.cpu(), key_shift.cpu())
     cos = sin = None
     interleaved = type(attention_modules[0]).__name__ == "GPTJAttention"
@@ -497,8 +523,9 @@ def query_key_capture(
         cos=cos,
         sin=sin,
         interleaved=interleaved,
-        position_bias=torch.stack(biases, 1) if any(bool(b.any()) for b in biases) else None,
+        position_bias=_position_bias(biases, batch, heads, tokens),
         centred=centred,
         query_shift=None if shifts is None else shifts[0],
         key_shift=None if shifts is None else shifts[1],
+        key_group=heads // kv_heads,
     ).on(seen[0].queries.device)

@@ -41,7 +41,7 @@ from pathkernels.adapters.transformer_lens import (
     require_patterns,
     run_cached,
 )
-from pathkernels.core.checks import check_flag
+from pathkernels.core.checks import all_finite, check_flag
 
 _WHERE = "pathkernels.adapters.capture_huggingface_residual"
 
@@ -571,13 +571,9 @@ def _attached(
         capture = _zero_padded_tokens(capture, stack.token_mask)
     values = {field.name: getattr(capture, field.name) for field in fields(capture)}
     values |= {"w_v": stack.w_v, "w_o": stack.w_o}
-    bad = [
-        name
-        for name, value in values.items()
-        if isinstance(value, Tensor) and value.is_floating_point() and not bool(torch.isfinite(value).all())
-    ]
+    bad = [name for name, value in values.items() if isinstance(value, Tensor) and not all_finite(value)]
     if bad:
-        parameters = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p.detach()).all())]
+        parameters = [name for name, p in model.named_parameters() if not all_finite(p.detach())]
         raise ValueError(
             f"{where}: the capture holds NaN or inf in {', '.join(bad)} (at real tokens), so every path through "
             "them would be NaN; "

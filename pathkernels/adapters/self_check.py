@@ -28,6 +28,7 @@ discrepancies it exists to catch (4.5e-3 and more).
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from contextlib import contextmanager
@@ -213,11 +214,37 @@ def _huggingface_logits_error(model, output, capture, reconstruction: Tensor, re
         return _relative(ours[:, None], logits.reshape(ours.shape)[:, None], read[:, None])
     if capture.unembedding is None or capture.final_scale is None or logits.shape[-1] != capture.unembedding.shape[0]:
         return None  # a head that is not a linear readout of the final norm (BERT's MLM transform, ViT)
-    ours = normed @ capture.unembedding.double().T.to(normed.device)
-    if capture.unembedding_bias is not None:
-        ours = ours + capture.unembedding_bias.double().to(normed.device)
-    ours = _soft_capped(ours, float(cap) if cap else None)
-    return _relative(ours, logits.reshape(ours.shape), real)
+    return _readout_error(normed, capture, float(cap) if cap else None, logits, real)
+
+
+_READOUT_BLOCK = 1 << 23  # entries of the logits read out at once (64 MiB in float64)
+
+
+def _readout_error(normed: Tensor, capture, cap: float | None, logits: Tensor, real: Tensor) -> float:
+    """:func:`_relative` of the logits read out from ``normed [B, n, d]`` (the reconstruction through
+    the frozen final norm) by the capture's unembedding, ``normed W_Uᵀ + b_U`` soft-capped by
+    ``cap``, against the model's ``logits`` on the real tokens, a block of words at a time (no
+    ``[B, n, vocab]`` float64 copy: 1 GB for each of three at Llama-3.2-1B's vocabulary and 1,024
+    tokens). The product is taken in the unembedding's dtype, float32 at least: the model's logits
+    carry that rounding themselves (about 1e-7 relative), far below the tolerance."""
+    weight, bias = capture.unembedding, capture.unembedding_bias
+    dtype = torch.promote_types(weight.dtype, torch.float32)
+    keep = real.to(normed.device)
+    rows = normed[keep].to(dtype)  # [R, d]: padded rows may be NaN
+    want_rows = logits.reshape(*normed.shape[:2], -1).to(normed.device)[keep]  # [R, vocab]
+    difference = scale = torch.zeros((), dtype=torch.float64, device=normed.device)
+    block = max(1, _READOUT_BLOCK // max(rows.shape[0], 1))  # words per block: R × block entries at most
+    for start in range(0, weight.shape[0], block):
+        ours = rows @ weight[start : start + block].to(normed.device, dtype).T
+        if bias is not None:
+            ours = ours + bias[start : start + block].to(normed.device, dtype)
+        want = want_rows[:, start : start + block]
+        scale = torch.maximum(scale, want.abs().amax().double())  # NaN and inf carried: amax propagates them
+        difference = torch.maximum(difference, (_soft_capped(ours, cap) - want.to(dtype)).abs().amax().double())
+    scale, difference = float(scale), float(difference)
+    if not math.isfinite(scale):
+        return float("inf")
+    return difference / scale if scale > 0 else difference
 
 
 def check_cached_capture(model, cache, stack, capture, where: str) -> CaptureCheck:
@@ -252,12 +279,9 @@ def check_transformer_lens_capture(model, tokens: Tensor, attention_mask, stack,
     _refuse_if_not_finite(family, stream, real, where)
     reconstruction = stack.path_sum()
     stream_error = _relative(reconstruction, stream, real)
-    ours = read_out_stream(capture, reconstruction) @ capture.unembedding.double().T.to(reconstruction.device)
-    if capture.unembedding_bias is not None:
-        ours = ours + capture.unembedding_bias.double().to(ours.device)
     cap = getattr(model.cfg, "output_logits_soft_cap", None)
-    ours = _soft_capped(ours, float(cap) if cap is not None and float(cap) > 0 else None)
-    logits_error = _relative(ours, logits, real)
+    cap = float(cap) if cap is not None and float(cap) > 0 else None
+    logits_error = _readout_error(read_out_stream(capture, reconstruction), capture, cap, logits, real)
     dtype = next(model.parameters()).dtype
     tolerance = check_tolerance(dtype)
     _refuse_if_beyond(family, stream_error, logits_error, tolerance, where)

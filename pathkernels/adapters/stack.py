@@ -271,15 +271,21 @@ class AttentionStack:
             )
         capture = self.residual_capture
         device = capture.embedding.device
-        attn = capture.patterns(self.attn)
-        if self.token_mask is not None:  # padded queries' rows may be NaN (a fully masked softmax)
-            real = self.token_mask.to(device)
-            attn = attn.masked_fill(~(real[:, None, None, :, None] & real[:, None, None, None, :]), 0)
+        real = None if self.token_mask is None else self.token_mask.to(device)
+        out_scale = capture.attention_output_scale  # [B, L, n]: an RMSNorm on the attention's output, D'
+        batch, _, heads, tokens, _ = self.attn.shape
+        buffer = torch.empty(batch, heads, tokens, tokens, dtype=torch.float64, device=device)
+
+        def patterns(layer: int) -> Tensor:  # one layer's in float64 at a time, not L·H·n² float64 at once
+            attn = capture.patterns(self.attn, layer=layer, out=buffer)
+            if real is not None:  # padded queries' rows may be NaN (a fully masked softmax)
+                attn = attn.masked_fill_(~(real[:, None, :, None] & real[:, None, None, :]), 0)
+            return attn if out_scale is None else attn.mul_(out_scale[:, layer, None, :, None])  # D' A
+
         w_v, w_o = self.w_v.to(device, torch.float64), self.w_o.to(device, torch.float64)
         biases = (capture.value_bias, capture.output_bias, capture.embedding, capture.mlp_out)
-        if capture.attention_output_scale is not None:  # an RMSNorm on the attention's output: D' · Γ'
-            out_scale, gain = capture.attention_output_scale, capture.attention_output_weight  # [B, L, n], [L, d]
-            attn = out_scale[:, :, None, :, None] * attn  # D' A
+        if out_scale is not None:  # D' · Γ'
+            gain = capture.attention_output_weight  # [L, d]
             w_o = w_o * gain[:, None, None, :]  # W_O Γ'
             # D' 1 (b_O ⊙ γ')ᵀ differs by token: it enters with the MLP's output, b_O itself as 0.
             mlp_out = capture.mlp_out + out_scale[..., None] * (capture.output_bias * gain)[None, :, None, :]
@@ -290,7 +296,7 @@ class AttentionStack:
         else:  # pre-norm: the norm before the attention; the MLP's output is a source
             norms = (capture.norm_scale[:, :, 0], capture.norm_weight[:, 0], capture.norm_bias[:, 0])
             reference = pre_ln_length_sums_ref
-        sums = reference(attn, *norms, w_v, w_o, *biases, centred=capture.centred, collapse=collapse)
+        sums = reference(patterns, *norms, w_v, w_o, *biases, centred=capture.centred, collapse=collapse)
         if self.token_mask is not None:
             sums = sums * self.token_mask.to(sums.device)[None, :, :, None]
         return sums

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from pathkernels.analysis.attribution import Readout, check_kept, mean_read_out, named, path_bars, read_out
 from pathkernels.analysis.readout_trie import NO_HEAD, Fold, FrozenModel, Sublayer, TensorCache, Walker, describe_path
+from pathkernels.core import _memory
 from pathkernels.core._figures import check_save_path, saved, titled
 from pathkernels.core._memory import check_fits
 from pathkernels.core._progress import progress_bar
@@ -402,22 +403,29 @@ class _NodeBounds:
         self.chains = self._chains(out_of_time)
         self.below = [torch.cat(self.chains[:a]).T.contiguous() if a else None for a in range(len(self.chains))]
 
-    def _check_fits(self, cache_bytes: int, where: str) -> None:
-        """Refuse by name, before the set-up, what the free memory cannot hold: the token maps not
-        made yet (``H·n²`` float64 per attention sublayer), the sources, the output and value maps
-        and their Gram matrices, the cache, and the largest source maps made at once."""
-        model, sublayers = self.model, [self.model.sublayers[index] for index in self.index]
+    @staticmethod
+    def set_up_bytes(model: FrozenModel, cache_bytes: int = _CACHE_BYTES) -> int:
+        """The memory the set-up takes beyond ``model``: the token maps not made yet (``H·n²``
+        float64 per attention sublayer), the sources, the output and value maps and their Gram
+        matrices, the cache, and the largest source maps made at once."""
+        sublayers = [sublayer for sublayer in model.sublayers if sublayer.attn is not None]
         tokens, d = model.sources[0].shape
+        heads, head_dim = model.num_heads, sublayers[0].w_v.shape[-1]
         maps = sum(s.attn.numel() for s in sublayers if "token_maps" not in s.__dict__)
         head_maps = sum(s.w_o.numel() for s in sublayers)  # A·H·e·d: the outputs, and the values' as many
         sources = len(model.sources) * tokens * d
-        largest = len(model.sources) * self.heads * tokens * self.head_dim  # one sublayer's source maps
-        need = 8 * (maps + sources + 2 * head_maps + 2 * largest) + cache_bytes
+        largest = len(model.sources) * heads * tokens * head_dim  # one sublayer's source maps
+        return 8 * (maps + sources + 2 * head_maps + 2 * largest) + cache_bytes
+
+    def _check_fits(self, cache_bytes: int, where: str) -> None:
+        """Refuse by name, before the set-up, what the free memory cannot hold (:meth:`set_up_bytes`)."""
+        model = self.model
+        tokens = model.sources[0].shape[0]
         check_fits(
-            need,
+            self.set_up_bytes(model, cache_bytes),
             model.sources[0].device,
             where,
-            f"the bound per node's set-up ({len(sublayers)} attention sublayers × {self.heads} heads on {tokens} "
+            f"the bound per node's set-up ({len(self.index)} attention sublayers × {self.heads} heads on {tokens} "
             "tokens: the heads' token maps, H·n² float64 each, the source maps and its cache) needs about",
             'pass bound="plain" (set up per sublayer), fewer tokens, or free memory',
             error=MemoryError,
@@ -681,7 +689,8 @@ def search_top_paths(setup, options: SearchOptions) -> TopPaths:
 def _chosen_bound(model: FrozenModel, bound: str) -> str:
     """The bound a search over ``model`` runs: post-norm models take ``"plain"`` for ``"node"``
     and ``"auto"``, models with transcoders ``"chain"``; pre-norm models without, for ``"auto"``,
-    ``"node"`` where its set-up is within :data:`_NODE_SET_UP` of the device, else ``"plain"``."""
+    ``"node"`` where its set-up is within :data:`_NODE_SET_UP` of the device and the memory free
+    holds it (:meth:`_NodeBounds.set_up_bytes`), else ``"plain"``."""
     if bound not in ("auto", "node"):
         return bound
     if not model.pre_norm:
@@ -693,8 +702,11 @@ def _chosen_bound(model: FrozenModel, bound: str) -> str:
     attention = [sublayer for sublayer in model.sublayers if sublayer.attn is not None]
     head_columns = sum(sublayer.w_o.shape[0] * sublayer.w_o.shape[1] for sublayer in attention)  # Σ H·d_head
     set_up = head_columns**2 * model.sources[0].shape[-1] / 2
-    device = model.sources[0].device.type
-    return "node" if set_up <= _NODE_SET_UP.get(device, _NODE_SET_UP["cpu"]) else "plain"
+    device = model.sources[0].device
+    if set_up > _NODE_SET_UP.get(device.type, _NODE_SET_UP["cpu"]):
+        return "plain"
+    free = _memory.available_memory(device)
+    return "node" if free is None or _NodeBounds.set_up_bytes(model) <= free else "plain"
 
 
 @dataclass
