@@ -53,12 +53,14 @@ def test_score_decompositions_stream_one_group_at_a_time_within_the_least_budget
         pk.score_decompositions(stack, layer, query=4, memory_budget=need - 1)
 
 
-def frozen_need(stack) -> int:
-    """The bytes a frozen model of ``stack`` is refused beyond: float64 patterns and token maps
-    (``L·H·n²`` each), the heads' maps four times, the sources."""
-    layers, heads, tokens, d = stack.num_layers, stack.num_heads, stack.attn.shape[-1], stack.d_model
+def frozen_need(stack, tokens: int | None = None, copied: int = 0) -> int:
+    """The bytes a frozen model of ``stack`` on ``tokens`` real tokens (default: every token) is
+    refused beyond: float64 token maps (``L·H·n²``), ``copied`` bytes per pattern entry where it
+    copies the patterns (0 where it reads the stack's own), the heads' maps four times, the sources."""
+    layers, heads, d = stack.num_layers, stack.num_heads, stack.d_model
+    tokens = stack.attn.shape[-1] if tokens is None else tokens
     maps = 4 * layers * heads * d * stack.w_v.shape[-1]
-    return 8 * (2 * layers * heads * tokens**2 + maps + (2 * layers + 2) * tokens * d)
+    return (8 + copied) * layers * heads * tokens**2 + 8 * (maps + (2 * layers + 2) * tokens * d)
 
 
 def test_score_decomposition_takes_half_the_free_memory_by_default(monkeypatch):
@@ -83,15 +85,13 @@ def test_score_decomposition_takes_half_the_free_memory_by_default(monkeypatch):
 
 
 def test_a_frozen_model_the_free_memory_cannot_hold_is_refused_before_any_work(monkeypatch):
-    """Every analysis freezes the model per call (float64 patterns and token maps, L·H·n² each, and
-    the heads' maps); where the machine has less free, the caller refuses by name with the size,
-    before allocating (at Llama-3.2-1B's shape and 1,024 tokens the kernel killed the process)."""
+    """Every analysis freezes the model per call (float64 token maps, L·H·n², and the heads' maps;
+    the patterns are the stack's own); where the machine has less free, the caller refuses by name
+    with the size, before allocating (at Llama-3.2-1B's shape and 1,024 tokens the kernel killed
+    the process)."""
     _, _, stack, _ = captured("gpt2", features=3)
     model = stack.residual_capture
-    layers, heads, tokens, d = stack.num_layers, stack.num_heads, stack.attn.shape[-1], stack.d_model
-    need = 8 * (
-        2 * layers * heads * tokens**2 + 4 * layers * heads * d * stack.w_v.shape[-1] + (2 * layers + 2) * tokens * d
-    )
+    need, d = frozen_need(stack), stack.d_model
     readout = torch.randn(d, dtype=torch.float64)
     monkeypatch.setattr(memory, "available_memory", lambda device: need)
     assert pk.top_paths(stack, readout, 3).certified  # exactly what it needs: it runs
@@ -104,6 +104,39 @@ def test_a_frozen_model_the_free_memory_cannot_hold_is_refused_before_any_work(m
     with pytest.raises(MemoryError, match=r"^pathkernels\.score_decomposition: " + frozen):
         pk.score_decomposition(stack, 1, 0, memory_budget=EVERYTHING)
     assert model is stack.residual_capture
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_frozen_model_holds_the_patterns_as_the_stack_does_and_copies_a_padded_sequences(monkeypatch, dtype):
+    """The frozen model reads the stack's own patterns (a float32 model's in float32) and makes its
+    token maps ``A·D`` in float64, exactly the float64 product; a left-padded sequence's real
+    tokens are one copy in the stack's dtype, counted in what it needs: at that need it runs, a
+    byte below it is refused."""
+    from pathkernels.analysis.readout_trie import frozen_model
+
+    model = gpt2(layers=2, heads=2, width=8).to(dtype).eval()
+    ids = torch.randint(0, 50, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with pytest.warns(UserWarning, match=r"left-padded row\(s\) 1 get positions counted from their first real"):
+        stack, capture = capture_huggingface_residual(model, input_ids=ids, attention_mask=mask)
+    for batch, copied in ((0, 0), (1, stack.attn.element_size())):
+        real = mask[batch].bool()
+        frozen = frozen_model(stack, capture, batch, real)
+        for layer in range(stack.num_layers):
+            sublayer = frozen.sublayers[2 * layer]
+            held = stack.attn[batch, layer][:, real][:, :, real]
+            assert sublayer.attn.dtype == dtype and torch.equal(sublayer.attn, held)
+            assert (sublayer.attn.data_ptr() == stack.attn[batch, layer].data_ptr()) == (copied == 0)
+            maps = sublayer.token_maps
+            assert maps.dtype == torch.float64
+            assert torch.equal(maps, held.double() * capture.norm_scale[batch, layer, 0][real].double())
+        need, readout = frozen_need(stack, int(real.sum()), copied), torch.randn(stack.d_model, dtype=torch.float64)
+        monkeypatch.setattr(memory, "available_memory", lambda device, need=need: need)
+        pk.path_attribution(stack, readout, batch=batch)
+        monkeypatch.setattr(memory, "available_memory", lambda device, need=need: need - 1)
+        with pytest.raises(MemoryError, match=r"the frozen model of batch element"):
+            pk.path_attribution(stack, readout, batch=batch)
 
 
 def test_the_node_bounds_set_up_the_free_memory_cannot_hold_is_refused_naming_the_plain_bound(monkeypatch):

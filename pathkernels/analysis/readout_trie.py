@@ -70,7 +70,8 @@ ENGINE = ReadoutSteps(torch.ops.pathkernels._readout_values, torch.ops.pathkerne
 @dataclass
 class Sublayer:
     """One sublayer of the frozen model, on one sequence's real tokens (n of them): an attention
-    sublayer (``attn`` the patterns as computed, ``[H, n, n]``) or an MLP (``attn`` None, skip only).
+    sublayer (``attn`` the patterns as computed, ``[H, n, n]``, in the stack's dtype or float64; its
+    :attr:`token_maps` float64) or an MLP (``attn`` None, skip only).
     ``pre``: pre-norm, where the skip is the identity and a head reads ``D x C Γ``; post-norm, where
     every branch passes the norm after it, ``D · C Γ``."""
 
@@ -128,9 +129,9 @@ class Sublayer:
     def token_maps(self) -> Tensor:
         """Every head's token map ``T_h`` ``[H, n, n]``, in the row form ``ρ' = ρ T_h``: ``A_h D``
         (pre-norm) or ``D A_h`` (post-norm)."""
-        if self.pre:
-            return (self.attn * self.scale[None, None, :]).contiguous()
-        return (self.scale[None, :, None] * self.attn).contiguous()
+        if self.pre:  # float64 from patterns held in float32 too: the product promotes them, exactly
+            return torch.mul(self.attn, self.scale[None, None, :]).contiguous()
+        return torch.mul(self.scale[None, :, None], self.attn).contiguous()
 
     @functools.cached_property
     def norm_values(self) -> Tensor:
@@ -225,7 +226,9 @@ def frozen_model(
     device = capture.embedding.device
     pick = real.to(device)
     _check_frozen_fits(stack, int(pick.sum()), device, batch, where)
-    attn = capture.patterns(stack.attn, batch)  # as computed, [L, H, n, n]
+    # The patterns as computed, [L, H, n, n], held as the stack holds them (a float32 model's in
+    # float32: exact, and no L·H·n² float64 copy beside the float64 token maps made from them).
+    attn = stack.attn[batch].to(device) if capture.attn_row_sums is None else capture.patterns(stack.attn, batch)
     if not bool(pick.all()):  # the real tokens' rows and columns, in one copy
         index = pick.nonzero().flatten()
         attn = attn[..., index[:, None], index]
@@ -244,7 +247,7 @@ def frozen_model(
         attn = out_scale[:, None, :, None] * attn  # D' A
         w_o = w_o * gain[:, None, None, :]  # W_O Γ'
         output_bias = out_scale[..., None] * (capture.output_bias * gain)[:, None, :]  # D' 1 (b_O ⊙ γ')ᵀ
-    row_sums = attn.sum(-1)  # r_h = A_h 1 [L, H, n]
+    row_sums = attn.sum(-1, dtype=torch.float64)  # r_h = A_h 1 [L, H, n]
 
     sublayers, sources, names = [], [capture.embedding[batch][pick]], ["embedding"]
     reads = {}  # a replaced MLP's layer → the level its steps read: below its sublayer, or its attention's (parallel)
@@ -289,19 +292,32 @@ def frozen_model(
     return FrozenModel(sublayers, sources, names, slots, stack.num_heads, splits, capture.transcoders)
 
 
-def _check_frozen_fits(stack: AttentionStack, tokens: int, device, batch: int, where: str) -> None:
-    """Refuse, in ``where``'s name and before any work, a frozen model that the memory free on
-    ``device`` cannot hold: float64 patterns and the heads' token maps (``L·H·n²`` each), the value
-    and output maps and their factors (``L·H·d·d_head`` four times), and the sources."""
+def frozen_model_bytes(stack: AttentionStack, tokens: int) -> int:
+    """What :func:`frozen_model` allocates for one batch element of ``stack`` on ``tokens`` real
+    tokens: the heads' float64 token maps (``L·H·n²``), the patterns where it copies them (the real
+    tokens' of a padded sequence, in the stack's dtype; in float64 where they are rescaled: row sums
+    or an attention-output norm), the value and output maps and their factors (``L·H·d·d_head``
+    float64 four times), and the sources."""
+    capture = stack.residual_capture
     layers, heads, d = stack.num_layers, stack.num_heads, stack.d_model
     head_dim = stack.w_v.shape[-1]
-    need = 8 * (2 * layers * heads * tokens**2 + 4 * layers * heads * d * head_dim + (2 * layers + 2) * tokens * d)
+    rescaled = capture.attn_row_sums is not None or capture.attention_output_scale is not None
+    copied = rescaled or tokens < stack.attn.shape[-1]
+    pattern_bytes = (8 if rescaled else stack.attn.element_size()) if copied else 0
+    patterns = layers * heads * tokens**2
+    return (8 + pattern_bytes) * patterns + 8 * (4 * layers * heads * d * head_dim + (2 * layers + 2) * tokens * d)
+
+
+def _check_frozen_fits(stack: AttentionStack, tokens: int, device, batch: int, where: str) -> None:
+    """Refuse, in ``where``'s name and before any work, a frozen model that the memory free on
+    ``device`` cannot hold (:func:`frozen_model_bytes`)."""
+    layers, heads = stack.num_layers, stack.num_heads
     check_fits(
-        need,
+        frozen_model_bytes(stack, tokens),
         torch.device(device),
         where,
         f"the frozen model of batch element {batch} ({layers} layers × {heads} heads on {tokens} tokens: its float64 "
-        "patterns and token maps, L·H·n² each, and the heads' maps) needs about",
+        "token maps, L·H·n², the patterns where copied, and the heads' maps) needs about",
         "pass fewer tokens, or free memory (the frozen model is built per call; the captured stack holds the rest)",
         error=MemoryError,
     )
