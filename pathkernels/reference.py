@@ -194,8 +194,9 @@ def pre_ln_length_sums_ref(
     attn ``[B, L, H, n, n]`` as the model computed it (rows need not sum to 1), or a function of a
     layer giving its ``[B, H, n, n]`` (so that the whole need not be held in float64); norm_scale
     ``[B, L, n]`` (``1/σ`` of each block's attention-input norm), norm_weight and norm_bias
-    ``[L, d]`` (γ, β); w_v ``[L, H, d, d_head]``, w_o ``[L, H, d_head, d]``, value_bias
-    ``[L, H, d_head]``, output_bias ``[L, d]``; embedding ``[B, n, d]``; mlp_out ``[B, L, n, d]``.
+    ``[L, d]`` (γ, β); w_v ``[L, H, d, d_head]``, w_o ``[L, H, d_head, d]`` (each layer's taken to
+    the sums' dtype as it comes: they may be held coarser), value_bias ``[L, H, d_head]``,
+    output_bias ``[L, d]``; embedding ``[B, n, d]``, whose dtype the sums take; mlp_out ``[B, L, n, d]``.
     ``centred``: LayerNorm (``C = I − 11ᵀ/d``); False for RMSNorm (``C = I``). Per layer, with
     ``S_k`` the sum of the paths through k heads so far and ``r_h = A_h 1``:
 
@@ -207,16 +208,17 @@ def pre_ln_length_sums_ref(
     sums = [embedding] + [torch.zeros_like(embedding) for _ in range(count - 1)]
     for layer in range(layers):
         pattern = patterns(layer)
+        value, output = (w[layer].to(embedding.dtype) for w in (w_v, w_o))  # one layer's in the sums' dtype
         before = sums
         sums = [s.clone() for s in before]
         for k in range(0 if collapse else 1, count):
             prev = before[k if collapse else k - 1]
             centred_prev = prev - prev.mean(-1, keepdim=True) if centred else prev
             normed = norm_scale[:, layer, :, None] * centred_prev * norm_weight[layer]  # D x C Γ
-            values = torch.einsum("bnd,hde->bhne", normed, w_v[layer])  # (A D) x = A (D x): no [H, n, n] A D
-            sums[k] += torch.einsum("bhij,bhje,hef->bif", pattern, values, w_o[layer])
-        head_rows = torch.einsum("d,hde->he", norm_bias[layer], w_v[layer]) + value_bias[layer]
-        constant = torch.einsum("bhi,he,hef->bif", pattern.sum(-1), head_rows, w_o[layer])
+            values = torch.einsum("bnd,hde->bhne", normed, value)  # (A D) x = A (D x): no [H, n, n] A D
+            sums[k] += torch.einsum("bhij,bhje,hef->bif", pattern, values, output)
+        head_rows = torch.einsum("d,hde->he", norm_bias[layer], value) + value_bias[layer]
+        constant = torch.einsum("bhi,he,hef->bif", pattern.sum(-1), head_rows, output)
         sums[0] += constant + output_bias[layer] + mlp_out[:, layer]
     return torch.stack(sums)
 
@@ -258,14 +260,15 @@ def post_ln_length_sums_ref(
     sums = [embedding] + [torch.zeros_like(embedding) for _ in range(count - 1)]
     for layer in range(layers):
         before, pattern = sums, patterns(layer)
+        value, output = (w[layer].to(embedding.dtype) for w in (w_v, w_o))  # one layer's in the sums' dtype
         sums = []
         for k in range(count):
             inner = before[k]
             if k >= 1 or collapse:
-                values = torch.einsum("bnd,hde->bhne", before[k if collapse else k - 1], w_v[layer])
-                inner = inner + torch.einsum("bhij,bhje,hef->bif", pattern, values, w_o[layer])
+                values = torch.einsum("bnd,hde->bhne", before[k if collapse else k - 1], value)
+                inner = inner + torch.einsum("bhij,bhje,hef->bif", pattern, values, output)
             sums.append(frozen(inner, layer, 0))
-        biases = torch.einsum("bhi,he,hef->bif", pattern.sum(-1), value_bias[layer], w_o[layer])
+        biases = torch.einsum("bhi,he,hef->bif", pattern.sum(-1), value_bias[layer], output)
         sums[0] = sums[0] + frozen(biases + output_bias[layer], layer, 0) + norm_bias[layer, 0]
         sums = [frozen(s, layer, 1) for s in sums]
         sums[0] = sums[0] + frozen(mlp_out[:, layer], layer, 1) + norm_bias[layer, 1]

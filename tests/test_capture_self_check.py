@@ -401,3 +401,39 @@ def test_finiteness_is_read_from_the_least_and_largest_values():
     assert (
         all_finite(torch.empty(0, 3)) and all_finite(torch.arange(5)) and all_finite(torch.zeros(2, 2).expand(3, 2, 2))
     )
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_a_capture_shows_its_progress_over_the_layers_of_both_passes(capsys, check):
+    """``progress=True``: the capture counts the layers of its forward pass and of the self-check's
+    (lines on stderr where no bar is drawn, the last at the end), naming the step it is at; off by
+    default; not a flag, refused by name."""
+    model = llama().double().eval()
+    layers, ids = model.config.num_hidden_layers, torch.randint(0, 50, (1, 6))
+    capture_huggingface_residual(model, input_ids=ids, query_key=True, check=check, progress=True)
+    passes = 2 if check else 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    counted = f"{passes * layers}/{passes * layers} layers (100 %)"
+    assert last.startswith(f"pathkernels.adapters.capture_huggingface_residual: {counted}")
+    assert last.endswith("(the self-check: the logits)" if check else "(the query and key maps)")
+    capture_huggingface_residual(model, input_ids=ids, check=check)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(TypeError, match=r"capture_huggingface_residual: expected progress to be True or False"):
+        capture_huggingface_residual(model, input_ids=ids, progress="yes")
+
+
+def test_a_transformer_lens_capture_shows_its_steps():
+    """TransformerLens: ``progress=True`` counts the forward pass, the frozen maps and the self-check."""
+    import contextlib
+    import io
+
+    from test_real_models_transformer_lens import tl_model
+
+    model, err = tl_model("LN"), io.StringIO()
+    with contextlib.redirect_stderr(err):
+        capture_transformer_lens_residual(model, torch.randint(0, 50, (1, 6)), progress=True)
+    last = err.getvalue().strip().splitlines()[-1]
+    assert last.startswith("pathkernels.adapters.capture_transformer_lens_residual: 3/3 steps (100 %)")
+    assert last.endswith("(done)")
+    with pytest.raises(TypeError, match=r"capture_transformer_lens_residual: expected progress to be True or False"):
+        capture_transformer_lens_residual(model, torch.randint(0, 50, (1, 6)), progress=1)

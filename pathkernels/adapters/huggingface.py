@@ -643,10 +643,13 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
     return _read_stack(model, inputs)[0]
 
 
-def _read_stack(model: nn.Module, inputs: dict, where: str = _WHERE) -> tuple[AttentionStack, Tensor]:
+def _read_stack(
+    model: nn.Module, inputs: dict, where: str = _WHERE, on_layer: Callable[[], None] | None = None
+) -> tuple[AttentionStack, Tensor]:
     """:func:`from_huggingface`'s stack, and its patterns ``[B, L, H, n, n]`` exactly as the model
     computed them (the stack's own are renormalised where the softmax was coarser than the model);
-    the inputs' errors name ``where``, the caller."""
+    the inputs' errors name ``where``, the caller; ``on_layer()`` is called as each layer's
+    patterns come."""
     layers = _attention_layers(model, where)
     patterns: list[Tensor] = []  # one [B, L, H, n, n] tensor, each layer's written as it comes
 
@@ -655,6 +658,8 @@ def _read_stack(model: nn.Module, inputs: dict, where: str = _WHERE) -> tuple[At
             batch, heads, queries, keys = attn.shape
             patterns.append(attn.new_empty(batch, len(layers), heads, queries, keys))
         patterns[0][:, index] = attn
+        if on_layer is not None:
+            on_layer()
 
     # OPT's project_out maps the last hidden state to the word-embedding width: keep its input,
     # the stream the blocks leave.

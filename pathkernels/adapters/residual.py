@@ -41,6 +41,7 @@ from pathkernels.adapters.transformer_lens import (
     require_patterns,
     run_cached,
 )
+from pathkernels.core._progress import progress_bar
 from pathkernels.core.checks import all_finite, check_flag
 
 _WHERE = "pathkernels.adapters.capture_huggingface_residual"
@@ -209,7 +210,7 @@ def _inverse_scale(x: Tensor, norm: nn.Module | None, kind: str) -> Tensor:
 
 
 def capture_huggingface_residual(
-    model: nn.Module, *, check: bool = True, query_key: bool = False, transcoders=None, **inputs
+    model: nn.Module, *, check: bool = True, query_key: bool = False, transcoders=None, progress: bool = False, **inputs
 ) -> tuple[AttentionStack, ResidualStreamCapture]:
     """The attention stack of :func:`from_huggingface` and, from the same forward pass, what the
     real model's residual stream needs beyond it (:class:`ResidualStreamCapture`), in float64.
@@ -247,12 +248,17 @@ def capture_huggingface_residual(
     pre-norm families; a parallel block (GPT-J, Phi, parallel GPT-NeoX and Falcon) and post-norm
     models are refused by name.
 
+    ``progress=True`` shows a bar over the layers of the capture's forward pass and of the
+    self-check's (plain lines on stderr where no bar can be drawn), naming the step between them
+    (the query and key maps, the path sum, the logits).
+
     Returns:
         ``(stack, capture)``; the capture is also ``stack.residual_capture``, which
         :meth:`AttentionStack.length_sums` decomposes.
     """
     check = check_flag(check, "check", _WHERE)
     query_key = check_flag(query_key, "query_key", _WHERE)
+    progress = check_flag(progress, "progress", _WHERE)
     spec = _layout(model)
     if query_key and model.config.model_type not in QUERY_KEY_FAMILIES:
         raise ValueError(
@@ -315,11 +321,26 @@ def capture_huggingface_residual(
     if model.config.model_type in _ADDED_POSITION_FAMILIES and _adds_positions_to_tokens(model):
         handles.append(model.get_input_embeddings().register_forward_hook(keep("token_embedding", 0, output=True)))
     attention = _attention_layers(model)
+    bar = progress_bar(len(attention) * (2 if check else 1), enabled=progress, unit="layer", desc=_WHERE)
+    try:
+        stack, capture = _captured(model, spec, inputs, seen, handles, attention, norms, outputs, final_norm,
+                                   query_key, transcoders, check, bar)  # fmt: skip
+    finally:
+        if bar is not None:
+            bar.close()
+    return stack, capture
+
+
+def _captured(model, spec, inputs, seen, handles, attention, norms, outputs, final_norm, query_key, transcoders,
+              check: bool, bar) -> tuple[AttentionStack, ResidualStreamCapture]:  # fmt: skip
+    """:func:`capture_huggingface_residual`'s forward pass and what it reads, its hooks in place
+    (``handles``, removed after the pass), its self-check, and ``bar`` (or None) updated as it goes."""
+    count = len(seen["mlp_out"])
     try:
         with ExitStack() as scope:
             modules = [a.attention for a in attention]
             scores_seen = scope.enter_context(recording(modules, _WHERE)) if query_key else None
-            stack, attn = _read_stack(model, inputs, "pathkernels.adapters.capture_huggingface_residual")
+            stack, attn = _read_stack(model, inputs, _WHERE, None if bar is None else bar.update)
     finally:
         for handle in handles:
             handle.remove()
@@ -372,6 +393,8 @@ def capture_huggingface_residual(
             **extra,
         )
         if scores_seen is not None:
+            if bar is not None:
+                bar.set_postfix_str("the query and key maps")
             first = attention[0]
             capture.query_key = query_key_capture(
                 modules,
@@ -390,7 +413,7 @@ def capture_huggingface_residual(
     if check:
         projection = getattr(getattr(model.base_model, "decoder", None), "project_out", None)
         final_input = final_norm if final_norm is not None else projection
-        capture.check = check_huggingface_capture(model, inputs, stack, capture, final_input, _WHERE)
+        capture.check = check_huggingface_capture(model, inputs, stack, capture, final_input, _WHERE, bar)
     return stack, capture
 
 
@@ -624,7 +647,14 @@ _TL_NORMS = {
 
 
 def capture_transformer_lens_residual(
-    model, tokens=None, *, attention_mask=None, check: bool = True, query_key: bool = False, transcoders=None
+    model,
+    tokens=None,
+    *,
+    attention_mask=None,
+    check: bool = True,
+    query_key: bool = False,
+    transcoders=None,
+    progress: bool = False,
 ) -> tuple[AttentionStack, ResidualStreamCapture]:
     """:func:`capture_huggingface_residual` for a TransformerLens ``HookedTransformer`` (3.x) or
     ``TransformerBridge`` (4.x: over its native models or a Hugging Face one; the same hooks).
@@ -657,8 +687,29 @@ def capture_transformer_lens_residual(
     ``hook_resid_mid``, or a parallel block's input from ``hook_resid_pre`` where the block fires no
     ``hook_resid_mid``; the set's input checked against ``ln2.hook_normalized`` where it reads that;
     a bridge whose blocks share one norm before the attention and the MLP, as over Phi, Falcon or
-    GPT-J, is refused by name: capture the Hugging Face model itself).
+    GPT-J, is refused by name: capture the Hugging Face model itself). ``progress=True`` shows its
+    steps as they come (the forward pass, the frozen maps, the self-check).
     """
+    where = "pathkernels.adapters.capture_transformer_lens_residual"
+    progress = check_flag(progress, "progress", where)
+    bar = progress_bar(3, enabled=progress, unit="step", desc=where)
+    try:
+        return _transformer_lens_capture(model, tokens, attention_mask, check, query_key, transcoders, bar)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _transformer_lens_capture(
+    model, tokens, attention_mask, check: bool, query_key: bool, transcoders, bar
+) -> tuple[AttentionStack, ResidualStreamCapture]:
+    """:func:`capture_transformer_lens_residual`, ``bar`` (or None) told each step and updated after it."""
+
+    def step(name: str, first: bool = False) -> None:  # the step ``name`` starts, the one before it done
+        if bar is not None:
+            bar.update(0 if first else 1)
+            bar.set_postfix_str(name)
+
     where = "pathkernels.adapters.capture_transformer_lens_residual"
     model, tokens, given_cache = model_and_cache(model, tokens, where)
     check = check_flag(check, "check", where)
@@ -723,6 +774,7 @@ def capture_transformer_lens_residual(
         names |= {f"blocks.{layer}.attn.{name}" for layer in range(layers) for name in _score_hooks(model)}
         if _query_key_norms(model):
             names |= {f"blocks.{layer}.attn.{n}_norm.hook_scale" for layer in range(layers) for n in ("q", "k")}
+    step("the forward pass", first=True)
     if given_cache is None:
         cache = run_cached(model, tokens, names, attention_mask)
     else:
@@ -735,6 +787,7 @@ def capture_transformer_lens_residual(
                 "tokens instead"
             )
     require_patterns(model, cache, where)
+    step("the frozen maps")
     stack = from_transformer_lens(cache, attention_mask=attention_mask)
     batch, tokens_n, d = stack.attn.shape[0], stack.attn.shape[-1], stack.d_model
     ones = torch.ones(batch, tokens_n, dtype=torch.float64, device=stack.attn.device)
@@ -862,12 +915,14 @@ def capture_transformer_lens_residual(
     stack, capture = _attached(stack, capture, model, where)
     if query_key:
         _check_query_key(capture, stack, where)
+    step("the self-check")
     if check:
         capture.check = (
             check_transformer_lens_capture(model, tokens, attention_mask, stack, capture, where)
             if given_cache is None
             else check_cached_capture(model, cache, stack, capture, where)
         )
+    step("done")
     return stack, capture
 
 

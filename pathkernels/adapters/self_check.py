@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from pathkernels.adapters.huggingface import finite_masks, score_head
+from pathkernels.adapters.huggingface import _attention_layers, finite_masks, score_head
 
 # Measured (tests/test_capture_self_check.py: every family the capture reads, weights ×5, random
 # biases and norm gains, 2 × 7 tokens): a float64 model against its own forward at most 2.9e-7
@@ -165,30 +165,42 @@ def _refuse_if_beyond(family: str, stream_error: float, logits_error: float | No
 
 
 def check_huggingface_capture(
-    model: nn.Module, inputs: dict, stack, capture, final_input: nn.Module | None, where: str
+    model: nn.Module, inputs: dict, stack, capture, final_input: nn.Module | None, where: str, bar=None
 ) -> CaptureCheck:
     """Compare a Hugging Face capture with ``model(**inputs)`` (module docstring); refuse it by name
     beyond :func:`check_tolerance`. ``inputs``: those the capture ran on (the positions it used
     included); ``final_input``: the module whose input is the stream the capture holds as
-    ``residual`` (the final norm, OPT's ``project_out``), None where it is the last hidden state."""
+    ``residual`` (the final norm, OPT's ``project_out``), None where it is the last hidden state;
+    ``bar``: a progress bar (or None), updated as each attention layer runs and told each step."""
     start = time.monotonic()
     seen: list[Tensor] = []
-    handle = None
+    handles = []
     if final_input is not None:  # read-only: the hook keeps a copy of the module's input
-        handle = final_input.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+        handles.append(
+            final_input.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+        )
+    if bar is not None:  # reads nothing: counts the layers as they run
+        bar.set_postfix_str("the self-check: the model's own forward pass")
+        handles += [
+            layer.attention.register_forward_hook(lambda *_: bar.update(1)) for layer in _attention_layers(model)
+        ]
     try:
         with _eval_mode(model), finite_masks(model):
             output = model(**inputs, output_hidden_states=final_input is None)
     finally:
-        if handle is not None:
+        for handle in handles:
             handle.remove()
     batch, tokens, d = stack.attn.shape[0], stack.attn.shape[-1], stack.d_model
     stream = (seen[-1] if final_input is not None else output.hidden_states[-1]).reshape(batch, tokens, d)
     real = torch.ones(batch, tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask.bool().cpu()
     family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     _refuse_if_not_finite(family, stream, real, where)
+    if bar is not None:
+        bar.set_postfix_str("the self-check: the path sum")
     reconstruction = stack.path_sum()
     stream_error = _relative(reconstruction, stream, real)
+    if bar is not None:
+        bar.set_postfix_str("the self-check: the logits")
     logits_error = _huggingface_logits_error(model, output, capture, reconstruction, real)
     tolerance = check_tolerance(next(model.parameters()).dtype)
     _refuse_if_beyond(family, stream_error, logits_error, tolerance, where)
@@ -230,8 +242,10 @@ def _readout_error(normed: Tensor, capture, cap: float | None, logits: Tensor, r
     weight, bias = capture.unembedding, capture.unembedding_bias
     dtype = torch.promote_types(weight.dtype, torch.float32)
     keep = real.to(normed.device)
-    rows = normed[keep].to(dtype)  # [R, d]: padded rows may be NaN
-    want_rows = logits.reshape(*normed.shape[:2], -1).to(normed.device)[keep]  # [R, vocab]
+    every = bool(keep.all())  # then the rows as they are, not a copy of the model's [B·n, vocab] logits
+    rows = (normed.flatten(0, 1) if every else normed[keep]).to(dtype)  # [R, d]: padded rows may be NaN
+    want_rows = logits.reshape(*normed.shape[:2], -1).to(normed.device)
+    want_rows = want_rows.flatten(0, 1) if every else want_rows[keep]  # [R, vocab]
     difference = scale = torch.zeros((), dtype=torch.float64, device=normed.device)
     block = max(1, _READOUT_BLOCK // max(rows.shape[0], 1))  # words per block: R × block entries at most
     for start in range(0, weight.shape[0], block):

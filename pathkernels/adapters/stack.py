@@ -282,7 +282,7 @@ class AttentionStack:
                 attn = attn.masked_fill_(~(real[:, None, :, None] & real[:, None, None, :]), 0)
             return attn if out_scale is None else attn.mul_(out_scale[:, layer, None, :, None])  # D' A
 
-        w_v, w_o = self.w_v.to(device, torch.float64), self.w_o.to(device, torch.float64)
+        w_v, w_o = self.w_v.to(device), self.w_o.to(device)  # the reference takes each layer's to float64
         biases = (capture.value_bias, capture.output_bias, capture.embedding, capture.mlp_out)
         if out_scale is not None:  # D' · Γ'
             gain = capture.attention_output_weight  # [L, d]
