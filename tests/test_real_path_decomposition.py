@@ -234,3 +234,27 @@ def test_a_captured_models_plot_keeps_its_bias_paths_out_of_the_band():
     bias = torch.tensor([dec.source_names[int(s)].endswith("attention bias") for s in dec.sources])
     assert float(ratios[bias].min()) < 1e-12  # the round-off the band leaves out
     assert band.min() > 0.1 and ax.get_ylim()[0] > 1e-3
+
+
+def test_heads_that_share_a_value_map_read_it_once_and_sum_as_each_heads_own_branch():
+    """A grouped-query model's query heads that share a key-value head share its value map
+    (``Sublayer.value_group``: 2 for 4 heads over 2, 4 over 1, 1 over 4 and for GPT-2), and
+    ``branch_sum`` reads it once: every node's sum is ``Σ_h T_h Y G_h`` written per head, with
+    ``G_h = F_out[h]ᵀ F_in[h]ᵀ`` (1e-12 of its scale), for several nodes at once."""
+    from pathkernels.analysis.readout_trie import frozen_model
+    from pathkernels.analysis.real_paths import branch_sum
+
+    cases = [(llama(heads=4, kv_heads=2), 2), (llama(heads=4, kv_heads=1), 4), (llama(heads=4, kv_heads=4), 1)]
+    for model, group in [*cases, (gpt2(), 1)]:
+        model = model.double().eval()
+        stack, capture = capture_huggingface_residual(model, input_ids=torch.randint(0, 50, (1, 7)))
+        frozen = frozen_model(stack, capture, 0, torch.ones(7, dtype=torch.bool))
+        terms = torch.randn(3, 7, stack.d_model, dtype=torch.float64)
+        for sublayer in (s for s in frozen.sublayers if s.attn is not None):
+            assert sublayer.value_group == group
+            feature_in, feature_out = sublayer.feature_factors
+            expected = sum(
+                sublayer.token_maps[h] @ terms @ (feature_out[h].T @ feature_in[h].T) for h in range(len(feature_in))
+            )
+            got = branch_sum(sublayer, terms)
+            assert float((got - expected).abs().max()) < 1e-12 * float(expected.abs().max())

@@ -134,6 +134,20 @@ class Sublayer:
         return torch.mul(self.scale[None, :, None], self.attn).contiguous()
 
     @functools.cached_property
+    def value_group(self) -> int:
+        """How many consecutive heads read one value map (a grouped-query model's query heads that
+        share a key-value head, their ``W_V`` equal), 1 where none do and for a replaced MLP's steps."""
+        if self.attn is None or self.branch_ids is not None or self.w_v is None:
+            return 1
+        heads = self.w_v.shape[0]
+        for group in range(heads, 1, -1):
+            if heads % group == 0:
+                grouped = self.w_v.view(heads // group, group, *self.w_v.shape[1:])
+                if torch.equal(grouped, grouped[:, :1].expand_as(grouped)):
+                    return group
+        return 1
+
+    @functools.cached_property
     def norm_values(self) -> Tensor:
         """Pre-norm, ``C Γ W_V`` per head ``[H, d, d_head]``: each head's input map with the frozen
         norm before it (scale the rows, centre the columns), without a ``d × d`` product."""

@@ -176,9 +176,19 @@ def _heads(sublayer: Sublayer, terms: Tensor, first: int = 0, stop: int | None =
     nodes, tokens = terms.shape[0], terms.shape[1]
     into = feature_out.transpose(-1, -2).permute(1, 0, 2).reshape(d, heads * head_dim)  # [d, H·e]
     narrow = (terms.reshape(-1, d) @ into).view(nodes, tokens, heads, head_dim).permute(2, 0, 1, 3)  # [H, N, n, e]
-    narrow = torch.matmul(sublayer.token_maps[first:stop].unsqueeze(1), narrow)  # T_h on the token axis
+    narrow = _on_tokens(sublayer.token_maps[first:stop], narrow)
     wide = torch.bmm(narrow.reshape(heads, nodes * tokens, head_dim), feature_in.transpose(-1, -2))  # [H, N·n, d]
     return wide.view(heads, nodes, tokens, d)
+
+
+def _on_tokens(token_maps: Tensor, narrow: Tensor) -> Tensor:
+    """``T_b X_b`` for every branch b: the token maps ``[B, n, n]`` on the token axis of ``narrow
+    [B, N, n, r]``, the N nodes folded into the columns (one ``[n, n] × [n, N·r]`` product per
+    branch: a matmul broadcast over N copies the maps N times, 4.3 GB for 16 nodes at
+    Llama-3.2-1B's shape and 1,024 tokens, and runs 3× slower)."""
+    branches, nodes, tokens, width = narrow.shape
+    folded = narrow.permute(0, 2, 1, 3).reshape(branches, tokens, nodes * width)
+    return torch.bmm(token_maps, folded).view(branches, tokens, nodes, width).permute(0, 2, 1, 3)
 
 
 def branch_sum(sublayer: Sublayer, terms: Tensor, first: int = 0, stop: int | None = None) -> Tensor:
@@ -189,10 +199,13 @@ def branch_sum(sublayer: Sublayer, terms: Tensor, first: int = 0, stop: int | No
     branches, width = feature_in.shape[0], feature_in.shape[0] * feature_in.shape[-1]
     nodes, tokens, d = terms.shape
     # Two GEMMs over every branch's r columns at once (B·r = d for a layer's heads), the token maps
-    # between them on each branch's columns.
-    into = feature_out.permute(2, 0, 1).reshape(d, width)  # [d, B·r]
-    narrow = (terms.reshape(-1, d) @ into).view(nodes, tokens, branches, -1).permute(2, 0, 1, 3)  # [B, N, n, r]
-    narrow = torch.matmul(sublayer.token_maps[first:stop].unsqueeze(1), narrow)
+    # between them on each branch's columns; heads that share a value map (grouped-query
+    # attention) read it once in the first GEMM.
+    group = sublayer.value_group if first == 0 and stop in (None, sublayer.branches) else 1
+    into = feature_out[::group].permute(2, 0, 1).reshape(d, width // group)  # [d, B·r / g]
+    narrow = (terms.reshape(-1, d) @ into).view(nodes, tokens, branches // group, -1).permute(2, 0, 1, 3)
+    narrow = narrow.repeat_interleave(group, 0) if group > 1 else narrow  # [B, N, n, r]
+    narrow = _on_tokens(sublayer.token_maps[first:stop], narrow)
     out_of = feature_in.transpose(-1, -2).reshape(width, d)  # [B·r, d]
     return (narrow.permute(1, 2, 0, 3).reshape(nodes * tokens, width) @ out_of).view(nodes, tokens, d)
 
