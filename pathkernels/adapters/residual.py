@@ -321,21 +321,8 @@ def capture_huggingface_residual(
     if model.config.model_type in _ADDED_POSITION_FAMILIES and _adds_positions_to_tokens(model):
         handles.append(model.get_input_embeddings().register_forward_hook(keep("token_embedding", 0, output=True)))
     attention = _attention_layers(model)
+    # Closed when the capture returns; a refusal leaves it to be collected.
     bar = progress_bar(len(attention) * (2 if check else 1), enabled=progress, unit="layer", desc=_WHERE)
-    try:
-        stack, capture = _captured(model, spec, inputs, seen, handles, attention, norms, outputs, final_norm,
-                                   query_key, transcoders, check, bar)  # fmt: skip
-    finally:
-        if bar is not None:
-            bar.close()
-    return stack, capture
-
-
-def _captured(model, spec, inputs, seen, handles, attention, norms, outputs, final_norm, query_key, transcoders,
-              check: bool, bar) -> tuple[AttentionStack, ResidualStreamCapture]:  # fmt: skip
-    """:func:`capture_huggingface_residual`'s forward pass and what it reads, its hooks in place
-    (``handles``, removed after the pass), its self-check, and ``bar`` (or None) updated as it goes."""
-    count = len(seen["mlp_out"])
     try:
         with ExitStack() as scope:
             modules = [a.attention for a in attention]
@@ -414,6 +401,8 @@ def _captured(model, spec, inputs, seen, handles, attention, norms, outputs, fin
         projection = getattr(getattr(model.base_model, "decoder", None), "project_out", None)
         final_input = final_norm if final_norm is not None else projection
         capture.check = check_huggingface_capture(model, inputs, stack, capture, final_input, _WHERE, bar)
+    if bar is not None:
+        bar.close()
     return stack, capture
 
 
@@ -692,25 +681,13 @@ def capture_transformer_lens_residual(
     """
     where = "pathkernels.adapters.capture_transformer_lens_residual"
     progress = check_flag(progress, "progress", where)
-    bar = progress_bar(3, enabled=progress, unit="step", desc=where)
-    try:
-        return _transformer_lens_capture(model, tokens, attention_mask, check, query_key, transcoders, bar)
-    finally:
-        if bar is not None:
-            bar.close()
-
-
-def _transformer_lens_capture(
-    model, tokens, attention_mask, check: bool, query_key: bool, transcoders, bar
-) -> tuple[AttentionStack, ResidualStreamCapture]:
-    """:func:`capture_transformer_lens_residual`, ``bar`` (or None) told each step and updated after it."""
+    bar = progress_bar(3, enabled=progress, unit="step", desc=where)  # closed at the end, as above
 
     def step(name: str, first: bool = False) -> None:  # the step ``name`` starts, the one before it done
         if bar is not None:
             bar.update(0 if first else 1)
             bar.set_postfix_str(name)
 
-    where = "pathkernels.adapters.capture_transformer_lens_residual"
     model, tokens, given_cache = model_and_cache(model, tokens, where)
     check = check_flag(check, "check", where)
     query_key = check_flag(query_key, "query_key", where)
@@ -923,6 +900,8 @@ def _transformer_lens_capture(
             else check_cached_capture(model, cache, stack, capture, where)
         )
     step("done")
+    if bar is not None:
+        bar.close()
     return stack, capture
 
 
