@@ -73,7 +73,7 @@ def scores_table(
     query = n - 1 if positions["--query"] is None else positions["--query"]
     looks = score_decomposition(stack, layer, head, query=query)
     keys = looks.keys.tolist()
-    attention = stack.residual_capture.patterns(stack.attn, 0)[layer, head, query, looks.keys]
+    attention = stack.residual_capture.patterns(stack.attn, 0, layer=layer)[head, query, looks.keys]  # one layer's
     for option in ("--key", "--versus"):
         if positions[option] is not None and positions[option] not in keys:
             allowed = f"{keys[0]}…{keys[-1]}"
