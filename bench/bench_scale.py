@@ -18,9 +18,13 @@ Cases and their targets (docs/BENCHMARKS.md, "Scale"):
   every head of the last layer's ``score_decompositions`` at the last query (against the 16 keys
   the layer attends most there) within the budget (certified, or the gap stated at a 300 s time
   limit).
+- ``llama-recomputed``: ``llama`` captured with ``patterns="recomputed"`` (no ``L·H·n²`` patterns
+  held: each layer's recomputed from the queries and keys when read), the same targets.
 - ``gemma``: Gemma-2-2B (26 layers × 8 heads, 4 key-value heads, d = 2304, head 256), 4,096 tokens,
-  ``query_key=True``: the capture and one head's ``score_decomposition`` at the last query (against
-  the 64 keys the layer attends most) within 24 GB; time stated.
+  ``query_key=True``, ``patterns="recomputed"`` (its float32 patterns alone would be 14 GB beside
+  10.5 GB of weights): the capture and one head's ``score_decomposition`` at the last query
+  (against the 64 keys the layer attends most) within 24 GB; time stated. The model is released
+  after the capture, as a user short of memory would (the capture keeps its unembedding).
 
     python bench/bench_scale.py --out bench/results/scale-cpu-dev.json            # every case
     python bench/bench_scale.py --case llama --tokens 256 --out /tmp/scale.json  # one, shorter
@@ -53,11 +57,13 @@ CASES = {
               "targets": {"capture": {"forward_ratio": 3, "peak_gb": 12}, "top_paths": {"seconds": 300},
                           "score_decompositions": {"peak_gb": 12}}},
     "gemma": {"family": "gemma2", "tokens": 4096, "query_key": True, "score_heads": [0], "score_keys": 64,
+              "patterns": "recomputed", "release_model": True,
               "config": {"hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                          "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 256000,
                          "max_position_embeddings": 8192, "sliding_window": 4096, "query_pre_attn_scalar": 256},
               "targets": {"capture": {"peak_gb": 24}, "score_decompositions": {"peak_gb": 24}}},
 }  # fmt: skip
+CASES["llama-recomputed"] = {**CASES["llama"], "patterns": "recomputed"}
 
 
 def build(case: dict):
@@ -124,19 +130,27 @@ def run_case(name: str, tokens: int | None, out: Path | None) -> None:
     target = step("forward", forward, needed=True)
     query_key = case.get("query_key", False)
 
+    patterns = case.get("patterns", "held")
+    record["patterns"] = patterns
+
     def capture():
-        stack, _ = pk.adapters.capture_huggingface_residual(model, input_ids=ids, query_key=query_key)
+        stack, _ = pk.adapters.capture_huggingface_residual(
+            model, input_ids=ids, query_key=query_key, patterns=patterns
+        )
         return stack, {}
 
     stack = step("capture", capture, needed=True)
     seconds = {label: record["steps"][label]["seconds"] for label in ("forward", "capture")}
     record["steps"]["capture"]["forward_ratio"] = round(seconds["capture"] / max(seconds["forward"], 0.01), 2)
     save()
+    readout = pk.logit(model, target) if "search_limit" in case else None
+    if case.get("release_model"):
+        del model
 
     if "search_limit" in case:
 
         def search():
-            top = pk.top_paths(stack, pk.logit(model, target), top_k=20, time_limit=case["search_limit"])
+            top = pk.top_paths(stack, readout, top_k=20, time_limit=case["search_limit"])
             best = top.table()[0]["path"] if top.values.numel() else None
             return top, {"certified": top.certified, "gap": top.gap, "visited": top.visited, "total": top.total,
                          "stopped": top.stopped, "bound": top.bound_kind, "best": best}  # fmt: skip
@@ -150,7 +164,7 @@ def run_case(name: str, tokens: int | None, out: Path | None) -> None:
         def scores():
             # The keys the layer's heads attend most at the last token, on average: every key's table of
             # every head would be (G+1)² K float64 per head, 17 GB at Llama-3.2-1B's shape and 1,024 keys.
-            weights = stack.attn[0, layer, :, -1].double().mean(0)
+            weights = stack.residual_capture.patterns(stack.attn, 0, layer=layer)[:, -1].mean(0)  # one layer's
             keys = torch.topk(weights, min(case["score_keys"], tokens)).indices.sort().values.tolist()
             found = pk.score_decompositions(stack, layer, heads, keys=keys, progress=True)
             worst = max(float((d.scores - d.model_scores).abs().max()) for d in found)

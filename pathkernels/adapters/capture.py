@@ -111,8 +111,11 @@ class ResidualStreamCapture:
         """The stack's ``attn [B, L, H, n, n]`` as the model computed it (only batch element
         ``batch``, ``[L, H, n, n]``, and only layer ``layer``, ``[(B,) H, n, n]``, when given), in
         float64 on the capture's device: times ``attn_row_sums`` where the stack holds it
-        renormalised. ``out``: a float64 tensor of that shape to write it into (one buffer reused
-        layer after layer faults no fresh memory in)."""
+        renormalised; recomputed from the queries and keys where the stack does not hold them
+        (:class:`RecomputedPatterns`). ``out``: a float64 tensor of that shape to write it into
+        (one buffer reused layer after layer faults no fresh memory in)."""
+        if isinstance(attn, RecomputedPatterns):
+            return attn.compute(self.query_key, batch, layer, out)
         sums = self.attn_row_sums
         if batch is not None:
             attn, sums = attn[batch], None if sums is None else sums[batch]
@@ -135,6 +138,106 @@ class ResidualStreamCapture:
             if getattr(self, name) is not None:
                 moved[name] = getattr(self, name).on(device)
         return ResidualStreamCapture(**moved)
+
+
+class RecomputedPatterns:
+    """The patterns of a stack captured without them (``patterns="recomputed"``), in their place as
+    ``stack.attn``: ``shape`` ``[B, L, H, n, n]``, every layer recomputed when read, in float64,
+    from the model's own queries and keys (:meth:`~pathkernels.adapters.query_key.QueryKeyCapture.
+    attention`), so that a capture holds ``O(L·H·n·e)`` for them rather than ``L·H·n²``. Read them
+    through :meth:`ResidualStreamCapture.patterns` (a layer at a time where that is enough); no
+    tensor operation takes them as they are.
+
+    They are the float64 softmax of the scores the model computed, which the model took in its
+    own dtype (``computed_in``): they differ from its patterns by that dtype's rounding. Each
+    layer's is checked against the model's own the first time it is recomputed: ``A v`` for a
+    fixed random ``v`` ``[n]`` in [-1, 1] (``probe``), which the capture took of the model's patterns
+    as they came (``model_probe`` ``[B, L, H, n]``), must agree on the real tokens (``real``
+    ``[B, n]`` bool, or None: all) to ``tolerance`` (the capture's, for ``computed_in``), or the
+    read is refused by name."""
+
+    def __init__(
+        self, model_probe: Tensor, probe: Tensor, computed_in: torch.dtype, tolerance: float, real: Tensor | None
+    ):
+        batch, layers, heads, tokens = model_probe.shape
+        self.shape = torch.Size((batch, layers, heads, tokens, tokens))
+        self.model_probe, self.probe, self.real = model_probe, probe, real
+        self.computed_in, self.tolerance = computed_in, tolerance
+        self._checked: set[tuple[int, int]] = set()
+
+    dtype = torch.float64  # what a read gives
+
+    @property
+    def device(self) -> torch.device:
+        return self.model_probe.device
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def element_size(self) -> int:
+        return 8
+
+    def __repr__(self) -> str:
+        return f"RecomputedPatterns(shape={list(self.shape)}, computed in {self.computed_in})"
+
+    def to(self, *args, **kwargs) -> RecomputedPatterns:
+        """A copy whose probes are on the device ``Tensor.to(*args, **kwargs)`` names (the
+        patterns are float64 whatever dtype is asked for)."""
+        device = self.probe.to(*args, **kwargs).device
+        moved = RecomputedPatterns(
+            self.model_probe.to(device),
+            self.probe.to(device),
+            self.computed_in,
+            self.tolerance,
+            None if self.real is None else self.real.to(device),
+        )
+        moved._checked = set(self._checked)
+        return moved
+
+    def compute(self, query_key, batch: int | None, layer: int | None, out: Tensor | None = None) -> Tensor:
+        """:meth:`ResidualStreamCapture.patterns` of these patterns: ``[(B,) (L,) H, n, n]`` float64,
+        the batch and layer axes only where ``batch``, ``layer`` are None, on ``query_key``'s
+        device (written into ``out`` where given)."""
+        if query_key is None:
+            raise ValueError(
+                "pathkernels: this stack's patterns are recomputed from its queries and keys (patterns='recomputed'), "
+                "but its capture holds none"
+            )
+        count, layers, heads, tokens, _ = self.shape
+        batches = range(count) if batch is None else [batch]
+        layer_list = range(layers) if layer is None else [layer]
+        shape = (*(() if batch is not None else (count,)), *(() if layer is not None else (layers,)), heads, tokens)
+        if out is None:
+            out = torch.empty(*shape, tokens, dtype=torch.float64, device=query_key.queries.device)
+        grid = out.view(len(batches), len(layer_list), heads, tokens, tokens)
+        for i, b in enumerate(batches):
+            for j, index in enumerate(layer_list):
+                query_key.attention(b, index, out=grid[i, j])
+                self._check(grid[i, j], b, index)
+        return out
+
+    def _check(self, patterns: Tensor, batch: int, layer: int) -> None:
+        """Refuse a layer's recomputed ``patterns [H, n, n]`` whose probe differs from the model's
+        (class docstring), the first time it is recomputed."""
+        if (batch, layer) in self._checked:
+            return
+        ours = patterns @ self.probe.to(patterns.device)  # [H, n]
+        model = self.model_probe[batch, layer].to(patterns.device)
+        if self.real is not None:
+            keep = self.real[batch].to(patterns.device)
+            ours, model = ours[:, keep], model[:, keep]
+        error = float((ours - model).abs().max()) if ours.numel() else 0.0  # |v| ≤ 1: the entries' scale
+        if not error <= self.tolerance:
+            raise ValueError(
+                f"pathkernels: layer {layer}'s patterns of batch element {batch}, recomputed from the captured "
+                f"queries and keys, differ from the model's own by {error:.2g} (A v for a random v in [-1, 1]), "
+                f"beyond the tolerance {self.tolerance:g}: this family's scores are not rebuilt as the model computes "
+                "them; capture with patterns='held'"
+            )
+        self._checked.add((batch, layer))
 
 
 def weights_fingerprint(model: nn.Module) -> dict[str, tuple]:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from pathkernels.adapters.capture import RecomputedPatterns
 from pathkernels.adapters.naming import model_name
 from pathkernels.adapters.precision import in_float64
 from pathkernels.adapters.stack import AttentionStack, fold_value_bias
@@ -644,20 +645,35 @@ def from_huggingface(model: nn.Module, **inputs) -> AttentionStack:
 
 
 def _read_stack(
-    model: nn.Module, inputs: dict, where: str = _WHERE, on_layer: Callable[[], None] | None = None
-) -> tuple[AttentionStack, Tensor]:
+    model: nn.Module,
+    inputs: dict,
+    where: str = _WHERE,
+    on_layer: Callable[[], None] | None = None,
+    hold: bool = True,
+    tolerance: float = 0.0,
+) -> tuple[AttentionStack, Tensor | None]:
     """:func:`from_huggingface`'s stack, and its patterns ``[B, L, H, n, n]`` exactly as the model
     computed them (the stack's own are renormalised where the softmax was coarser than the model);
     the inputs' errors name ``where``, the caller; ``on_layer()`` is called as each layer's
-    patterns come."""
+    patterns come. ``hold=False``: the patterns are not kept (None), only each layer's product with
+    a random probe, and the stack's ``attn`` is a :class:`~pathkernels.adapters.capture.
+    RecomputedPatterns` (checked to ``tolerance``), which a capture of the queries and keys reads."""
     layers = _attention_layers(model, where)
     patterns: list[Tensor] = []  # one [B, L, H, n, n] tensor, each layer's written as it comes
+    probes: list[Tensor] = []  # hold=False: the probe v [n] and the model's A v [B, L, H, n]
 
     def keep(index: int, attn: Tensor) -> None:
-        if not patterns:
-            batch, heads, queries, keys = attn.shape
-            patterns.append(attn.new_empty(batch, len(layers), heads, queries, keys))
-        patterns[0][:, index] = attn
+        batch, heads, queries, keys = attn.shape
+        if hold:
+            if not patterns:
+                patterns.append(attn.new_empty(batch, len(layers), heads, queries, keys))
+            patterns[0][:, index] = attn
+        else:
+            if not probes:
+                probe = torch.rand(keys, generator=torch.Generator().manual_seed(keys), dtype=torch.float64) * 2 - 1
+                model_probe = attn.new_empty(batch, len(layers), heads, queries, dtype=torch.float64)
+                probes.extend((probe.to(attn.device), model_probe))
+            probes[1][:, index] = attn @ probes[0].to(attn.dtype)
         if on_layer is not None:
             on_layer()
 
@@ -693,9 +709,13 @@ def _read_stack(
             f"{where}: expected attention_mask of shape [B, n] (1 = a real token) to carry as the "
             f"stack's token_mask, got {list(token_mask.shape)}"
         )
-    attn = patterns[0]
+    attn = patterns[0] if hold else None
+    if not hold:
+        dtype = next(model.parameters()).dtype
+        real = None if token_mask is None else token_mask.to(probes[1].device).bool()
+        held = RecomputedPatterns(probes[1], probes[0], dtype, tolerance, real)
     stack = AttentionStack(
-        attn=attn,
+        attn=attn if hold else held,
         w_v=w_v,
         w_o=w_o,
         b_o=b_o,

@@ -19,6 +19,7 @@ reads them from a Hugging Face model's eager attention.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -199,12 +200,40 @@ class QueryKeyCapture:
         ours = self.scaling[None, :, None, None, None] * (self.queries @ self.keys.transpose(-1, -2))
         if self.position_bias is not None:
             ours = ours + self.position_bias
-        cap = self.soft_cap[None, :, None, None, None]
-        ours = torch.where(cap > 0, cap * torch.tanh(ours / cap.clamp_min(1e-300)), ours)
+        ours = _soft_capped(ours, self.soft_cap[None, :, None, None, None])
         keep = self.allowed[:, :, None].expand_as(ours)
         want = scores.double().to(ours.device)
         scale = float(want[keep].abs().max()) if bool(keep.any()) else 0.0
         return float((ours - want)[keep].abs().max()) / (scale or 1.0) if bool(keep.any()) else 0.0
+
+    def attention(self, batch: int, layer: int, out: Tensor | None = None) -> Tensor:
+        """Layer ``layer``'s patterns of sequence ``batch`` recomputed from the model's own queries
+        and keys, ``[H, n, n]`` float64: ``softmax_j(cap(scaling · q_i · k_j + bias_ij))`` over the
+        keys ``j`` query ``i`` may attend (:attr:`allowed`; 0 elsewhere, and on the rows of queries
+        that may attend none, a padded token's), as the model's eager attention computes them, in
+        float64 rather than the model's dtype. A block of query rows at a time (about
+        :data:`_ATTENTION_BLOCK_BYTES` of scores), so that the work beside ``out`` grows with
+        ``H·n`` per row rather than ``H·n²``. ``out``: a float64 ``[H, n, n]`` to write into."""
+        queries, keys = self.queries[batch, layer], self.keys[batch, layer]  # [H, n, e]
+        heads, tokens = queries.shape[0], queries.shape[1]
+        if out is None:
+            out = torch.empty(heads, tokens, tokens, dtype=torch.float64, device=queries.device)
+        allowed = self.allowed[batch, layer]  # [n, n]
+        keys_t = keys.transpose(-1, -2)
+        step = max(1, _ATTENTION_BLOCK_BYTES // (8 * heads * tokens))
+        for start in range(0, tokens, step):
+            rows = slice(start, min(start + step, tokens))
+            scores = torch.matmul(queries[:, rows], keys_t).mul_(self.scaling[layer])  # [H, R, n]
+            if self.position_bias is not None:
+                scores += self.position_bias[batch, layer, :, rows]
+            cap = float(self.soft_cap[layer])
+            if cap > 0:  # as the model caps them: c·tanh(s/c)
+                scores = scores.div_(cap).tanh_().mul_(cap)
+            scores.masked_fill_(~allowed[rows], -math.inf)
+            block = torch.softmax(scores, -1)
+            block.masked_fill_(~allowed[rows].any(-1)[None, :, None], 0.0)  # no key to attend: NaN -> 0
+            out[:, rows] = block
+        return out
 
     def bias(self, batch: int, layer: int, head: int) -> Tensor:
         """The position bias ``[n, n]`` of one head (zeros without one)."""
@@ -218,6 +247,15 @@ class QueryKeyCapture:
         pair (``allowed`` says which the mask kept)."""
         q, k = self.queries[batch, layer, head], self.keys[batch, layer, head]
         return self.scaling[layer] * (q @ k.T) + self.bias(batch, layer, head)
+
+
+# Scores a recomputation holds at once beside its result (QueryKeyCapture.attention): 64 MiB.
+_ATTENTION_BLOCK_BYTES = 1 << 26
+
+
+def _soft_capped(scores: Tensor, cap: Tensor) -> Tensor:
+    """``c·tanh(s/c)`` where the cap ``c`` (broadcast against ``scores``) is positive, else ``s``."""
+    return torch.where(cap > 0, cap * torch.tanh(scores / cap.clamp_min(1e-300)), scores)
 
 
 # --- reading them from a Hugging Face model -----------------------------------------------------

@@ -210,7 +210,14 @@ def _inverse_scale(x: Tensor, norm: nn.Module | None, kind: str) -> Tensor:
 
 
 def capture_huggingface_residual(
-    model: nn.Module, *, check: bool = True, query_key: bool = False, transcoders=None, progress: bool = False, **inputs
+    model: nn.Module,
+    *,
+    check: bool = True,
+    query_key: bool = False,
+    patterns: str = "held",
+    transcoders=None,
+    progress: bool = False,
+    **inputs,
 ) -> tuple[AttentionStack, ResidualStreamCapture]:
     """The attention stack of :func:`from_huggingface` and, from the same forward pass, what the
     real model's residual stream needs beyond it (:class:`ResidualStreamCapture`), in float64.
@@ -248,6 +255,17 @@ def capture_huggingface_residual(
     pre-norm families; a parallel block (GPT-J, Phi, parallel GPT-NeoX and Falcon) and post-norm
     models are refused by name.
 
+    ``patterns="recomputed"`` (with ``query_key=True``) keeps no patterns: the stack's ``attn`` is a
+    :class:`~pathkernels.adapters.capture.RecomputedPatterns`, each layer's recomputed in float64
+    from the captured queries and keys when an analysis reads it, a block of rows at a time, so
+    that the capture holds ``O(L·H·n·e)`` for them rather than ``L·H·n²`` (14 GB in float32 at
+    Gemma-2-2B's shape and 4,096 tokens). They are the float64 softmax of the model's own scores,
+    which differ from its patterns by the model's rounding (about 1e-7 relative in float32); each
+    layer's is checked against the model's own when first read (the self-check reads every layer),
+    and the paths sum to the model's stream and logits within the same tolerance. The engine's
+    functions that take a stack's patterns whole, as an attention-only network's (``pk.rollout``,
+    ``pk.path_residuals``), refuse such a stack by name. Default ``"held"``: the patterns as the model computed them.
+
     ``progress=True`` shows a bar over the layers of the capture's forward pass and of the
     self-check's (plain lines on stderr where no bar can be drawn), naming the step between them
     (the query and key maps, the path sum, the logits).
@@ -259,6 +277,13 @@ def capture_huggingface_residual(
     check = check_flag(check, "check", _WHERE)
     query_key = check_flag(query_key, "query_key", _WHERE)
     progress = check_flag(progress, "progress", _WHERE)
+    if patterns not in ("held", "recomputed"):
+        raise ValueError(f"{_WHERE}: expected patterns to be 'held' or 'recomputed', got {patterns!r}")
+    if patterns == "recomputed" and not query_key:
+        raise ValueError(
+            f"{_WHERE}: patterns='recomputed' recomputes them from the captured queries and keys; pass query_key=True "
+            "with it"
+        )
     spec = _layout(model)
     if query_key and model.config.model_type not in QUERY_KEY_FAMILIES:
         raise ValueError(
@@ -327,7 +352,9 @@ def capture_huggingface_residual(
         with ExitStack() as scope:
             modules = [a.attention for a in attention]
             scores_seen = scope.enter_context(recording(modules, _WHERE)) if query_key else None
-            stack, attn = _read_stack(model, inputs, _WHERE, None if bar is None else bar.update)
+            tolerance = check_tolerance(next(model.parameters()).dtype)
+            on_layer = None if bar is None else bar.update
+            stack, attn = _read_stack(model, inputs, _WHERE, on_layer, patterns == "held", tolerance)
     finally:
         for handle in handles:
             handle.remove()
@@ -455,7 +482,7 @@ def _replaced_mlps(
         inputs = MlpInputs(
             module_input, ones, gains, gains * 0, False, capture.mlp_out, own_inputs={"mlp_input": module_input}
         )
-        return replace_mlps(transcoders, inputs, stack.token_mask, check_tolerance(stack.attn.dtype), _WHERE)
+        return replace_mlps(transcoders, inputs, stack.token_mask, check_tolerance(stack.computed_in), _WHERE)
     stream = stacked([seen["norm_in"][2 * i + 1] if norms[2 * i + 1] is not None else seen["mlp_in"][i]
                       for i in range(count)])  # fmt: skip
     extra = {}
@@ -478,7 +505,7 @@ def _replaced_mlps(
         own_inputs={"mlp_input": module_input},
         **extra,
     )
-    return replace_mlps(transcoders, inputs, stack.token_mask, check_tolerance(stack.attn.dtype), _WHERE, parallel)
+    return replace_mlps(transcoders, inputs, stack.token_mask, check_tolerance(stack.computed_in), _WHERE, parallel)
 
 
 # Families whose stream entering block 0 is the token embedding plus a learned position embedding
@@ -513,7 +540,7 @@ def _check_query_key(capture: ResidualStreamCapture, stack: AttentionStack, wher
 def _refuse_score_side(error: float, stack: AttentionStack, what: str, where: str) -> None:
     """Refuse a score capture where ``what`` (a check of it) holds only to ``error``, beyond
     :func:`check_tolerance` of the model's dtype (a NaN refuses too)."""
-    tolerance = check_tolerance(stack.attn.dtype)
+    tolerance = check_tolerance(stack.computed_in)
     if not error <= tolerance:
         raise ValueError(
             f"{where}: {what} only to {error:.2g} (relative), beyond the tolerance {tolerance:g}; this family's score "
@@ -887,7 +914,7 @@ def capture_transformer_lens_residual(
                 own_inputs=own,
                 **extra,
             )
-            tolerance = check_tolerance(stack.attn.dtype)
+            tolerance = check_tolerance(stack.computed_in)
             capture.transcoders = replace_mlps(transcoders, mlp_inputs, stack.token_mask, tolerance, where, parallel)
     stack, capture = _attached(stack, capture, model, where)
     if query_key:

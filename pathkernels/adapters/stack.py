@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from pathkernels.adapters.capture import ResidualStreamCapture
+from pathkernels.adapters.capture import RecomputedPatterns, ResidualStreamCapture
 from pathkernels.core import masking
 from pathkernels.core.checks import (
     ROW_SUM_TOLERANCE,
@@ -97,7 +97,9 @@ class AttentionStack:
             )
         if self.attn_precision is not None and not _coarser(self.attn_precision, self.attn.dtype):
             self.attn_precision = None  # held at least as coarsely as computed: nothing to renormalise
-        if self.token_mask is None:
+        if not self.holds_patterns:  # a softmax in float64 when read, its rows checked then
+            self.attn_precision = None
+        elif self.token_mask is None:
             check_row_stochastic(self.attn, where, precision=self.attn_precision)
         else:
             for group in masking.mask_groups(self.token_mask):
@@ -110,6 +112,21 @@ class AttentionStack:
                 f"pathkernels.AttentionStack: attn {list(self.attn.shape)} has {layers} layers and {heads} heads, "
                 f"but w_v is {list(self.w_v.shape)} and w_o is {list(self.w_o.shape)}"
             )
+
+    @property
+    def holds_patterns(self) -> bool:
+        """Whether ``attn`` holds the patterns (False: a capture with ``patterns="recomputed"``,
+        whose :class:`~pathkernels.adapters.capture.RecomputedPatterns` recomputes a layer's when
+        read through ``residual_capture.patterns``)."""
+        return not isinstance(self.attn, RecomputedPatterns)
+
+    @property
+    def computed_in(self) -> torch.dtype:
+        """The dtype the model computed its patterns in (held patterns: their own, or the coarser
+        ``attn_precision``)."""
+        if not self.holds_patterns:
+            return self.attn.computed_in
+        return self.attn_precision or self.attn.dtype
 
     @property
     def num_layers(self) -> int:
@@ -142,7 +159,8 @@ class AttentionStack:
             f"AttentionStack(source={self.source or 'the caller'!r},\n"
             f"  attn={list(self.attn.shape)} [B, L, H, n, n], w_v={list(self.w_v.shape)}, w_o={list(self.w_o.shape)}, "
             f"b_o={list(self.b_o.shape)},\n"
-            f"  hidden_states={hidden}, token_mask={mask}, dtype={self.attn.dtype}{self._precision_note()}, "
+            f"  hidden_states={hidden}, token_mask={mask}, dtype={self.attn.dtype}{self._precision_note()}"
+            f"{'' if self.holds_patterns else ' (patterns recomputed when read)'}, "
             f"device={self.attn.device})"
         )
 

@@ -242,7 +242,8 @@ def frozen_model(
     _check_frozen_fits(stack, int(pick.sum()), device, batch, where)
     # The patterns as computed, [L, H, n, n], held as the stack holds them (a float32 model's in
     # float32: exact, and no L·H·n² float64 copy beside the float64 token maps made from them).
-    attn = stack.attn[batch].to(device) if capture.attn_row_sums is None else capture.patterns(stack.attn, batch)
+    as_held = capture.attn_row_sums is None and stack.holds_patterns
+    attn = stack.attn[batch].to(device) if as_held else capture.patterns(stack.attn, batch)
     if not bool(pick.all()):  # the real tokens' rows and columns, in one copy
         index = pick.nonzero().flatten()
         attn = attn[..., index[:, None], index]
@@ -309,17 +310,23 @@ def frozen_model(
 def frozen_model_bytes(stack: AttentionStack, tokens: int) -> int:
     """What :func:`frozen_model` allocates for one batch element of ``stack`` on ``tokens`` real
     tokens: the heads' float64 token maps (``L·H·n²``), the patterns where it copies them (the real
-    tokens' of a padded sequence, in the stack's dtype; in float64 where they are rescaled: row sums
-    or an attention-output norm), the value and output maps and their factors (``L·H·d·d_head``
-    float64 four times), and the sources."""
+    tokens' of a padded sequence, in the stack's dtype; in float64 where they are rescaled, by row
+    sums or an attention-output norm, or recomputed, every token's first), the value and output
+    maps and their factors (``L·H·d·d_head`` float64 four times), and the sources."""
     capture = stack.residual_capture
     layers, heads, d = stack.num_layers, stack.num_heads, stack.d_model
     head_dim = stack.w_v.shape[-1]
-    rescaled = capture.attn_row_sums is not None or capture.attention_output_scale is not None
+    rescaled = (  # made in float64: rescaled by row sums or an attention-output norm, or recomputed
+        capture.attn_row_sums is not None or capture.attention_output_scale is not None or not stack.holds_patterns
+    )
     copied = rescaled or tokens < stack.attn.shape[-1]
     pattern_bytes = (8 if rescaled else stack.attn.element_size()) if copied else 0
     patterns = layers * heads * tokens**2
-    return (8 + pattern_bytes) * patterns + 8 * (4 * layers * heads * d * head_dim + (2 * layers + 2) * tokens * d)
+    whole = 0  # recomputed patterns of a padded sequence: every token's first, then the real tokens'
+    if not stack.holds_patterns and tokens < stack.num_tokens:
+        whole = 8 * layers * heads * stack.num_tokens**2
+    maps = 8 * (4 * layers * heads * d * head_dim + (2 * layers + 2) * tokens * d)
+    return (8 + pattern_bytes) * patterns + whole + maps
 
 
 def _check_frozen_fits(stack: AttentionStack, tokens: int, device, batch: int, where: str) -> None:

@@ -398,6 +398,12 @@ def unpack_stack(attn, x, w_v, w_o, token_mask, where: str):
     if isinstance(attn, Tensor) or not all(hasattr(attn, name) for name in ("attn", "w_v", "w_o", "token_mask")):
         return attn, x, w_v, w_o, token_mask
     stack = attn
+    if not isinstance(stack.attn, Tensor):
+        raise ValueError(
+            f"{where}: this stack does not hold its patterns (captured with patterns='recomputed'), and the engine "
+            "takes them whole; capture with patterns='held', or use the path analyses of its residual capture "
+            "(pk.path_attribution, pk.top_paths, pk.score_decomposition), which recompute them a layer at a time"
+        )
     if x is not None:
         w_v = stack.w_v if w_v is None else w_v
         w_o = stack.w_o if w_o is None else w_o
