@@ -437,3 +437,84 @@ def test_a_transformer_lens_capture_shows_its_steps():
     assert last.endswith("(done)")
     with pytest.raises(TypeError, match=r"capture_transformer_lens_residual: expected progress to be True or False"):
         capture_transformer_lens_residual(model, torch.randint(0, 50, (1, 6)), progress=1)
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_a_long_prompts_logits_are_compared_at_a_spread_of_positions_with_each_last_token(monkeypatch, padding):
+    """Where every token's logits would pass the check's budget (lowered here to 3 positions' worth),
+    the model runs with ``logits_to_keep`` at an even spread of positions that fits and each
+    sequence's last real token (left or right padding), and the check compares those, the count
+    kept in ``check``; a capture made wrong at a last token outside the spread alone (its final
+    norm's scale) is refused."""
+    from pathkernels.adapters import self_check
+
+    model = llama().double()
+    ids = torch.randint(0, 50, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0 if padding == "left" else 1
+    if padding == "right":
+        mask[1, 6:] = 0
+    positions = torch.arange(9).expand(2, 9)  # the model's own, left padding or right
+    row = 2 * model.config.vocab_size * 8  # one position's logits of both sequences, float64
+    monkeypatch.setattr(self_check, "_CHECKED_LOGITS_BYTES", 5 * row)
+    stack, capture = capture_huggingface_residual(model, input_ids=ids, attention_mask=mask, position_ids=positions)
+    kept = self_check._checked_positions(model, capture, mask.bool())
+    last = 5 if padding == "right" else 8
+    assert kept.tolist() == sorted({0, 4, 8, last})  # three spread over 0..8, and the last real tokens
+    assert capture.check.logits_positions == kept.numel()
+    monkeypatch.setattr(self_check, "_CHECKED_LOGITS_BYTES", 1 << 40)
+    _, whole = capture_huggingface_residual(model, input_ids=ids, attention_mask=mask, position_ids=positions)
+    assert whole.check.logits_positions is None
+    assert 0 < capture.check.logits_error < capture.check.tolerance / 10
+    monkeypatch.setattr(self_check, "_CHECKED_LOGITS_BYTES", 5 * row)
+    from pathkernels.adapters import residual
+
+    scale = residual._inverse_scale
+
+    def off_at_the_last_token(x, norm, kind):  # the final norm's 1/σ 1 % high at the second sequence's last token
+        result = scale(x, norm, kind)
+        if norm is model.model.norm:
+            result = result.clone()
+            result[1, last] *= 1.01
+        return result
+
+    monkeypatch.setattr(residual, "_inverse_scale", off_at_the_last_token)
+    with pytest.raises(ValueError, match=r"the sum of its paths is .* its logits"):
+        capture_huggingface_residual(model, input_ids=ids, attention_mask=mask, position_ids=positions)
+
+
+def test_the_score_side_holds_the_queries_and_keys_as_computed_once_per_key_head(monkeypatch):
+    """A grouped-query float32 model's capture holds its queries and keys in float32, exactly as
+    its attention received them, the keys once per key head (not repeated for the 2 query heads
+    that share each, and so are keys given repeated); a head's, read in float64, are its key
+    head's."""
+    from contextlib import contextmanager
+
+    from pathkernels.adapters import residual
+
+    model = llama().float()
+    ids = torch.randint(0, 50, (1, 7))
+    seen = []
+    original = residual.recording
+
+    @contextmanager
+    def recording(modules, where):  # the records the capture reads, kept to compare
+        with original(modules, where) as records:
+            seen.append(records)
+            yield records
+
+    monkeypatch.setattr(residual, "recording", recording)
+    _, capture = capture_huggingface_residual(model, input_ids=ids, query_key=True)
+    maps = capture.query_key
+    heads, key_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    assert maps.queries.dtype == maps.keys.dtype == torch.float32
+    assert maps.keys.shape[2] == key_heads < heads == maps.queries.shape[2]
+    for layer, record in enumerate(seen[0]):
+        assert torch.equal(maps.queries[:, layer], record.queries) and torch.equal(maps.keys[:, layer], record.keys)
+        for head in range(heads):
+            key = maps.computed("key", 0, layer, head)
+            assert key.dtype == torch.float64 and torch.equal(
+                key, record.keys[0, head // (heads // key_heads)].double()
+            )
+    repeated = dataclasses.replace(maps, keys=maps.keys.repeat_interleave(heads // key_heads, 2))  # as a builder may
+    assert torch.equal(repeated.keys, maps.keys)  # kept once per key head

@@ -152,7 +152,7 @@ def test_the_clean_score_check_allows_its_tolerance_of_the_largest_possible_scor
     stack, _ = capture_huggingface_residual(model, input_ids=ids, query_key=True)
     checked = checked_head(stack, 2, 1, 0, "test")
     maps = checked.maps
-    query, key = maps.queries[0, 2, 1][5], maps.keys[0, 2, 1][2]
+    query, key = maps.computed("query", 0, 2, 1)[5], maps.computed("key", 0, 2, 1)[2]
     scaling = float(maps.scaling[2])
     captured = scaling * float(query @ key)
     largest = abs(scaling) * float(query.norm() * key.norm())

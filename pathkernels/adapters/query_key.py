@@ -58,8 +58,8 @@ SIDES = ("query", "key")
 
 @dataclass
 class QueryKeyCapture:
-    """The frozen query and key maps of every head, and what the model computed with them, in
-    float64.
+    """The frozen query and key maps of every head, in float64, and what the model computed with
+    them.
 
     ``w_q`` ``[L, H, d, e]`` and ``b_q`` ``[L, H, e]``: the query projections from the attention's
     input ``y``; ``w_k`` ``[L, H_k, d, e]`` and ``b_k`` ``[L, H_k, e]`` the key projections, one per
@@ -67,7 +67,8 @@ class QueryKeyCapture:
     ``h // key_group``; :meth:`side_maps` maps a query head to its own); ``query_scale`` ``[B, L, H, n]``,
     ``key_scale`` ``[B, L, H_k, n]``: a query/key norm's frozen ``1/σ`` per token (1 without one),
     with its gain ``query_gain`` ``[L, H, e]``, ``key_gain`` ``[L, H_k, e]``;
-    ``cos``, ``sin`` ``[B, L, n, r]``: the rotation of the first ``r`` features of every head at each
+    ``cos``, ``sin`` ``[B, L, n, r]`` (in the dtype the model computed them in): the rotation of the
+    first ``r`` features of every head at each
     position (``x·cos + rotate_half(x)·sin``; with ``interleaved``, the pairs are adjacent features
     rather than the two halves), None without rotary positions; ``position_bias`` ``[B, L, H, n, n]``:
     a term the model adds to each pair's score whatever the stream (ALiBi), None without one;
@@ -76,8 +77,9 @@ class QueryKeyCapture:
     added after; ``scaling`` ``[L]``;
     ``allowed`` ``[B, L, n, n]``: which keys each query may attend (causal, padding, sliding
     windows); ``soft_cap`` ``[L]``: the cap ``c`` of a soft-capped score ``c·tanh(s/c)`` (0: none);
-    ``queries``, ``keys`` ``[B, L, H, n, e]``: the model's own, after norms and rotation (each key
-    head's keys repeated for the query heads that share it).
+    ``queries`` ``[B, L, H, n, e]``, ``keys`` ``[B, L, H_k, n, e]``: the model's own, after norms and
+    rotation, held in the dtype the model computed them in (exact; :meth:`computed` reads a head's in
+    float64); keys given repeated for every query head are kept once per key head.
     """
 
     w_q: Tensor
@@ -102,9 +104,20 @@ class QueryKeyCapture:
     key_shift: Tensor | None = None
     key_group: int = 1
 
+    def __post_init__(self):
+        heads = self.queries.shape[2]
+        if self.key_group > 1 and self.keys.shape[2] == heads:  # repeated per query head: once per key head
+            self.keys = self.keys[:, :, :: self.key_group].contiguous()
+
     def __repr__(self) -> str:
         batch, layers, heads, tokens, _ = self.queries.shape
         return short_repr(self, f"B = {batch}, L = {layers}, H = {heads}, n = {tokens}")
+
+    def computed(self, side: str, batch: int, layer: int, head: int) -> Tensor:
+        """The model's own queries (``side`` "query") or keys of query head ``head``, ``[n, e]``
+        float64 (a grouped-query head's keys: its key head's)."""
+        held = self.queries if side == "query" else self.keys
+        return held[batch, layer, self._held(side, head)].double()
 
     def on(self, device) -> QueryKeyCapture:
         """A copy on ``device``."""
@@ -134,7 +147,7 @@ class QueryKeyCapture:
         ``batch``): the model's rotation of the first r features, the rest unchanged."""
         if self.cos is None:
             return x
-        cos, sin = self.cos[batch, layer, rows], self.sin[batch, layer, rows]  # [T, r]
+        cos, sin = self.cos[batch, layer, rows].double(), self.sin[batch, layer, rows].double()  # [T, r]
         r = cos.shape[-1]
         part = x[..., :r]
         if self.interleaved:  # adjacent pairs (GPT-J's, TransformerLens's rotary_adjacent_pairs)
@@ -172,21 +185,22 @@ class QueryKeyCapture:
             narrow = narrow + (after[layer, self._held(side, head)] if head is not None else after[layer, :, None])
         return self.rotate(narrow, batch, layer, rows)
 
-    def reconstruction_error(self, inputs: Tensor, shift: Tensor, real: Tensor) -> float:
+    def reconstruction_error(self, inputs, shift: Tensor, real: Tensor) -> float:
         """``max |q̂ − q| / max |q|`` over every layer, head and real token, and the same for the
-        keys: the queries and keys rebuilt by these maps from the attention's inputs ``inputs
-        [B, L, n, d]`` (without β) and ``shift [L, d]`` (β), against the model's own. ``real [B, n]``
-        bool marks the tokens compared."""
+        keys: the queries and keys rebuilt by these maps from the attention's inputs (without β;
+        ``inputs(batch, layer)`` gives one block's, ``[n, d]``) and ``shift [L, d]`` (β), against the
+        model's own. ``real [B, n]`` bool marks the tokens compared."""
         worst = 0.0
-        batch_size, layers, tokens = inputs.shape[0], inputs.shape[1], inputs.shape[2]
-        rows = torch.arange(tokens, device=inputs.device)
-        for side, own, step in (("query", self.queries, 1), ("key", self.keys, self.key_group)):
-            for batch in range(batch_size):
-                keep = real[batch]
-                for layer in range(layers):  # every head the side holds at once: [H or H_k, n, e]
-                    rebuilt = self.project(side, inputs[batch, layer], batch, layer, None, rows)
+        (batch_size, tokens), layers = real.shape, shift.shape[0]
+        rows = torch.arange(tokens, device=real.device)
+        for batch in range(batch_size):
+            keep = real[batch]
+            for layer in range(layers):  # every head the side holds at once: [H or H_k, n, e]
+                block_input = inputs(batch, layer)
+                for side, own in (("query", self.queries), ("key", self.keys)):
+                    rebuilt = self.project(side, block_input, batch, layer, None, rows)
                     rebuilt = rebuilt + self.constant(side, shift[layer], batch, layer, None, rows)
-                    expected = own[batch, layer, ::step][:, keep]  # the model's own, once per key head
+                    expected = own[batch, layer][:, keep].double()  # the model's own
                     scale = expected.abs().amax((-2, -1))  # each head's, as one head at a time had
                     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
                     errors = (rebuilt[:, keep] - expected).abs().amax((-2, -1)) / scale
@@ -197,7 +211,8 @@ class QueryKeyCapture:
         """``max |ŝ − s| / max |s|`` over every allowed pair: the scores these captured queries and
         keys give (``scaling · q kᵀ + bias``, soft-capped as the model caps them) against the
         model's own ``scores [B, L, H, n, n]`` (after its cap, as a hook reports them)."""
-        ours = self.scaling[None, :, None, None, None] * (self.queries @ self.keys.transpose(-1, -2))
+        keys = self.keys.double().repeat_interleave(self.key_group, 2)  # each query head's
+        ours = self.scaling[None, :, None, None, None] * (self.queries.double() @ keys.transpose(-1, -2))
         if self.position_bias is not None:
             ours = ours + self.position_bias
         ours = _soft_capped(ours, self.soft_cap[None, :, None, None, None])
@@ -214,16 +229,17 @@ class QueryKeyCapture:
         float64 rather than the model's dtype. A block of query rows at a time (about
         :data:`_ATTENTION_BLOCK_BYTES` of scores), so that the work beside ``out`` grows with
         ``H·n`` per row rather than ``H·n²``. ``out``: a float64 ``[H, n, n]`` to write into."""
-        queries, keys = self.queries[batch, layer], self.keys[batch, layer]  # [H, n, e]
-        heads, tokens = queries.shape[0], queries.shape[1]
+        queries, keys = self.queries[batch, layer].double(), self.keys[batch, layer].double()  # [H or H_k, n, e]
+        heads, tokens, width = queries.shape
         if out is None:
             out = torch.empty(heads, tokens, tokens, dtype=torch.float64, device=queries.device)
         allowed = self.allowed[batch, layer]  # [n, n]
-        keys_t = keys.transpose(-1, -2)
+        keys_t = keys.transpose(-1, -2)[:, None]  # [H_k, 1, e, n]: each key head's, for its group of query heads
         step = max(1, _ATTENTION_BLOCK_BYTES // (8 * heads * tokens))
         for start in range(0, tokens, step):
             rows = slice(start, min(start + step, tokens))
-            scores = torch.matmul(queries[:, rows], keys_t).mul_(self.scaling[layer])  # [H, R, n]
+            grouped = queries[:, rows].reshape(keys.shape[0], self.key_group, -1, width)  # [H_k, g, R, e]
+            scores = torch.matmul(grouped, keys_t).flatten(0, 1).mul_(self.scaling[layer])  # [H, R, n]
             if self.position_bias is not None:
                 scores += self.position_bias[batch, layer, :, rows]
             cap = float(self.soft_cap[layer])
@@ -245,7 +261,7 @@ class QueryKeyCapture:
     def model_scores(self, batch: int, layer: int, head: int) -> Tensor:
         """The model's own pre-softmax (pre-cap) scores ``scaling · q kᵀ + bias`` ``[n, n]``, every
         pair (``allowed`` says which the mask kept)."""
-        q, k = self.queries[batch, layer, head], self.keys[batch, layer, head]
+        q, k = self.computed("query", batch, layer, head), self.computed("key", batch, layer, head)
         return self.scaling[layer] * (q @ k.T) + self.bias(batch, layer, head)
 
 
@@ -501,15 +517,15 @@ def query_key_capture(
             "reorder_and_upcast_attn, say), so their queries and keys could not be read"
         )
     batch, _, tokens, _ = seen[0].queries.shape
-    per_layer = {name: [] for name in ("w_q", "b_q", "w_k", "b_k", "qs", "ks", "qg", "kg", "allowed", "q", "k")}
+    names = ("w_q", "b_q", "w_k", "b_k", "qs", "ks", "qg", "kg", "allowed", "q", "k")
+    batch_axis = ("qs", "ks", "allowed", "q", "k")  # [B, L, ...]; the weights are [L, ...]
+    per_layer: dict[str, Tensor] = {}  # each filled a layer at a time, not a list of copies stacked
     rotations, biases = [], []
-    for module, record in zip(attention_modules, seen):
+    for layer, (module, record) in enumerate(zip(attention_modules, seen)):
         (w_q, b_q), (w_k, b_k) = _query_key_weights(module, heads, kv_heads, head_dim, scaled_queries)
         query_scale, query_gain = _norm_scale_gain(module, "q_norm", record, heads, head_dim, (batch, tokens))
         key_scale, key_gain = _norm_scale_gain(module, "k_norm", record, kv_heads, head_dim, (batch, tokens))
-        keys = record.keys.double().cpu()
-        if keys.shape[1] != heads:
-            keys = keys.repeat_interleave(heads // keys.shape[1], 1)
+        keys = record.keys  # once per key head (QueryKeyCapture keeps them so, were they repeated)
         mask, bias = record.mask, None  # bias: [B, 1 or H, n, n], None where 0
         if mask is None:
             allowed = torch.ones(batch, tokens, tokens, dtype=torch.bool)
@@ -520,11 +536,16 @@ def query_key_capture(
             bias = torch.where(allowed[:, None], mask, torch.zeros((), dtype=mask.dtype))
             bias = bias if bool(bias.any()) else None
         biases.append(bias)
-        for name, value in zip(
-            per_layer,
-            (w_q, b_q, w_k, b_k, query_scale, key_scale, query_gain, key_gain, allowed, record.queries, keys),
-        ):
-            per_layer[name].append(value.double().cpu() if value.is_floating_point() else value.cpu())
+        values = (w_q, b_q, w_k, b_k, query_scale, key_scale, query_gain, key_gain, allowed, record.queries, keys)
+        for name, value in zip(names, values):
+            # The queries and keys as the model computed them (exact); the maps in float64.
+            dtype = value.dtype if name in ("q", "k") or not value.is_floating_point() else torch.float64
+            if name not in per_layer:
+                shape = (
+                    (value.shape[0], len(seen), *value.shape[1:]) if name in batch_axis else (len(seen), *value.shape)
+                )
+                per_layer[name] = torch.empty(shape, dtype=dtype)
+            (per_layer[name][:, layer] if name in batch_axis else per_layer[name][layer]).copy_(value)
         rotations.append(record.rotation)
     layer_norms = [getattr(m, "q_layernorm", None) for m in attention_modules]
     centred = all(isinstance(norm, nn.LayerNorm) for norm in layer_norms)
@@ -540,10 +561,10 @@ def query_key_capture(
             raise ValueError(f"{where}: some layers were handed rotary positions and some were not")
         if interleaved:  # GPT-J hands (sin, cos) per pair of adjacent features: one angle for two features
             rotations = [(c.repeat_interleave(2, -1), s.repeat_interleave(2, -1)) for s, c in rotations]
-        cos = torch.stack([r[0].double().cpu().expand(batch, tokens, -1) for r in rotations], 1)
-        sin = torch.stack([r[1].double().cpu().expand(batch, tokens, -1) for r in rotations], 1)
-    batch_axis = ("qs", "ks", "allowed", "q", "k")  # [B, L, ...]; the weights are [L, ...]
-    stacked = {name: torch.stack(values, 1 if name in batch_axis else 0) for name, values in per_layer.items()}
+        # As the model computed the angles' cosines and sines (exact; rotate reads them in float64).
+        cos = torch.stack([r[0].cpu().expand(batch, tokens, -1) for r in rotations], 1)
+        sin = torch.stack([r[1].cpu().expand(batch, tokens, -1) for r in rotations], 1)
+    stacked = per_layer
     return QueryKeyCapture(
         w_q=stacked["w_q"],
         b_q=stacked["b_q"],

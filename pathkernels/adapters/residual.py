@@ -305,11 +305,12 @@ def capture_huggingface_residual(
     outputs = [] if spec.output_norms is None else [spec.output_norms(block) for block in blocks]
     final_norm = None if spec.final_norm is None else _module_at(model.base_model, spec.final_norm)
     seen: dict[str, list] = {
-        "norm_in": [None] * (2 * count),
-        "mlp_out": [None] * count,
+        "norm_scale": [None] * (2 * count),  # 1/σ of each norm's input, [B, n] (OPT's MLP norm: [B·n])
+        "mlp_out": [],  # one [B, L, n, d] float64 buffer, each layer's written as it comes
         "final_in": [None],
-        "output_in": [None] * count,
+        "output_scale": [None] * count,
     }
+    batch_size = next(v for v in inputs.values() if isinstance(v, Tensor)).shape[0]
 
     def keep(name: str, index: int, output: bool):
         def hook(module, args, result=None):  # a copy: some families add to the branch in place (Falcon)
@@ -317,17 +318,41 @@ def capture_huggingface_residual(
 
         return hook
 
+    def scale_of(name: str, index: int, kind: str):  # the norm's 1/σ per token: its input is not kept
+        def hook(module, args):
+            seen[name][index] = _inverse_scale(args[0].detach(), module, kind)
+
+        return hook
+
+    def mlp_output(index: int):  # written into the float64 buffer: no copy per layer in the model's dtype
+        def hook(module, args, result):
+            out = result.detach()
+            out = out.reshape(batch_size, -1, out.shape[-1])  # OPT's MLP reads its tokens flattened, [B·n, d]
+            if not seen["mlp_out"]:
+                seen["mlp_out"].append(torch.empty(batch_size, count, *out.shape[1:], dtype=torch.float64,
+                                                   device=out.device))  # fmt: skip
+            seen["mlp_out"][0][:, index] = out
+
+        return hook
+
     handles = [
-        norm.register_forward_pre_hook(keep("norm_in", i, output=False))
+        norm.register_forward_pre_hook(scale_of("norm_scale", i, spec.norm))
         for i, norm in enumerate(norms)
         if norm is not None
     ]
     # The MLP's branch as it enters the stream: after the norm on its output, where there is one.
     mlp_branches = [spec.mlp(block) if not outputs else outputs[i][1] for i, block in enumerate(blocks)]
-    handles += [module.register_forward_hook(keep("mlp_out", i, output=True)) for i, module in enumerate(mlp_branches)]
-    handles += [out[0].register_forward_pre_hook(keep("output_in", i, output=False)) for i, out in enumerate(outputs)]
+    handles += [module.register_forward_hook(mlp_output(i)) for i, module in enumerate(mlp_branches)]
+    handles += [
+        out[0].register_forward_pre_hook(scale_of("output_scale", i, "rmsnorm")) for i, out in enumerate(outputs)
+    ]
     if transcoders is not None:  # the MLP's argument as the model computed it, and what a norm after it reads
-        seen |= {"mlp_in": [None] * count, "module_out": [None] * count}
+        seen |= {"norm_in": [None] * (2 * count), "mlp_in": [None] * count, "module_out": [None] * count}
+        handles += [  # the stream entering each MLP's norm, which the transcoders' inputs are checked against
+            norms[2 * i + 1].register_forward_pre_hook(keep("norm_in", 2 * i + 1, output=False))
+            for i in range(count)
+            if norms[2 * i + 1] is not None
+        ]
         for i, block in enumerate(blocks):
             mlp_norm = norms[2 * i + 1]
             if spec.layout == "post":  # the MLP reads the stream after the attention's residual norm
@@ -361,13 +386,9 @@ def capture_huggingface_residual(
     with torch.no_grad():
         batch, tokens, d = stack.attn.shape[0], stack.attn.shape[-1], stack.d_model
         device = stack.attn.device
-        identity = torch.ones(batch, tokens, d, dtype=torch.float64, device=device)  # the input of no norm
-        scales = torch.stack(  # OPT's MLP norm reads its tokens flattened, [B·n, d]
-            [
-                _inverse_scale(identity if x is None else x, norm, spec.norm).reshape(batch, tokens)
-                for x, norm in zip(seen["norm_in"], norms)
-            ],
-            dim=1,
+        ones = torch.ones(batch, tokens, dtype=torch.float64, device=device)  # no norm: 1/σ = 1
+        scales = torch.stack(  # OPT's MLP norm reads its tokens flattened, [B·n]
+            [ones if scale is None else scale.reshape(batch, tokens) for scale in seen["norm_scale"]], dim=1
         )
         weights = torch.stack([_gain(n, spec.norm, d, device) for n in norms]).reshape(count, 2, -1)
         biases = torch.stack([_shift(n, spec.norm, d, device) for n in norms]).reshape(count, 2, -1)
@@ -381,9 +402,7 @@ def capture_huggingface_residual(
             }
         if outputs:
             extra |= {
-                "attention_output_scale": torch.stack(
-                    [_inverse_scale(x, out[0], "rmsnorm") for x, out in zip(seen["output_in"], outputs)], dim=1
-                ),
+                "attention_output_scale": torch.stack(seen["output_scale"], dim=1),
                 "attention_output_weight": torch.stack([_gain(out[0], "rmsnorm", d, device) for out in outputs]),
             }
         unembedding, unembedding_bias = output_embedding(model)
@@ -396,7 +415,7 @@ def capture_huggingface_residual(
             norm_bias=biases,
             value_bias=value_bias,
             output_bias=output_bias,
-            mlp_out=torch.stack([m.double().reshape(batch, tokens, d) for m in seen["mlp_out"]], dim=1),
+            mlp_out=seen["mlp_out"][0],
             residual=(seen["final_in"][0] if final_norm is not None else stack.hidden_states[-1]).double(),
             attn_row_sums=None if stack.attn_precision is None else attn.double().sum(-1),
             unembedding=unembedding,
@@ -526,13 +545,16 @@ def _check_query_key(capture: ResidualStreamCapture, stack: AttentionStack, wher
     """Refuse a score capture whose frozen maps do not rebuild the model's own queries and keys
     from the stream entering each layer (``hidden_states[l]``) through the frozen norm before its
     attention, to within :func:`check_tolerance` of the model's dtype."""
-    stream = stack.hidden_states[:-1].double().transpose(0, 1)  # [B, L, n, d]: each block's input
-    if capture.centred:
-        stream = stream - stream.mean(-1, keepdim=True)
-    inputs = capture.norm_scale[:, :, 0, :, None] * stream * capture.norm_weight[None, :, 0, None, :]
-    real = torch.ones(inputs.shape[0], inputs.shape[2], dtype=torch.bool, device=inputs.device)
+
+    def inputs(batch: int, layer: int) -> Tensor:  # [n, d]: one block's input, one at a time in float64
+        stream = stack.hidden_states[layer, batch].to(capture.norm_scale.device, torch.float64)
+        if capture.centred:
+            stream = stream - stream.mean(-1, keepdim=True)
+        return capture.norm_scale[batch, layer, 0, :, None] * stream * capture.norm_weight[layer, 0]
+
+    real = torch.ones(stack.batch_size, stack.num_tokens, dtype=torch.bool, device=capture.norm_scale.device)
     if stack.token_mask is not None:
-        real = stack.token_mask.to(inputs.device).bool()
+        real = stack.token_mask.to(real.device).bool()
     error = capture.query_key.reconstruction_error(inputs, capture.norm_bias[:, 0], real)
     _refuse_score_side(error, stack, "the frozen query and key maps rebuild the model's own queries and keys", where)
 

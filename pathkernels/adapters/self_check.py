@@ -19,6 +19,11 @@ compare, on the real tokens:
   score head at the token it reads; before Gemma-2's soft cap): the reconstruction read out through
   the frozen final norm and the unembedding, against the model's logits (capped alike).
 
+Where the model's logits at every token would exceed :data:`_CHECKED_LOGITS_BYTES` (4.2 GB at
+Gemma-2-2B's vocabulary and 4,096 tokens, with copies for its soft cap) and its forward takes
+``logits_to_keep``, its logits are compared at an even spread of positions that fits, each
+sequence's last real token among them; the stream is still compared at every token.
+
 Each difference is relative to the largest entry of the model's own tensor. Beyond
 :func:`check_tolerance` the capture is refused by name, with both differences. The tolerance
 leaves room for the model's own float32 steps (a float64 Hugging Face model computes its softmax,
@@ -28,6 +33,7 @@ discrepancies it exists to catch (4.5e-3 and more).
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 import warnings
@@ -60,12 +66,15 @@ class CaptureCheck:
     ``stream_error``: ``max |Σ_p term_p − stream| / max |stream|`` over the real tokens, ``stream``
     the model's, entering its final norm; ``logits_error``: the same for the logits read out from
     the reconstruction (None where the model's output is not its linear readout); ``tolerance``:
-    the bound both met; ``seconds``: the check's cost (the model's forward pass and the sums)."""
+    the bound both met; ``seconds``: the check's cost (the model's forward pass and the sums);
+    ``logits_positions``: the positions whose logits were compared, where not every token's (a
+    long prompt's, module docstring), else None."""
 
     stream_error: float
     logits_error: float | None
     tolerance: float
     seconds: float
+    logits_positions: int | None = None
 
 
 @contextmanager
@@ -184,15 +193,17 @@ def check_huggingface_capture(
         handles += [
             layer.attention.register_forward_hook(lambda *_: bar.update(1)) for layer in _attention_layers(model)
         ]
+    batch, tokens, d = stack.attn.shape[0], stack.attn.shape[-1], stack.d_model
+    real = torch.ones(batch, tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask.bool().cpu()
+    positions = _checked_positions(model, capture, real)
+    kept = {} if positions is None else {"logits_to_keep": positions}
     try:
         with _eval_mode(model), finite_masks(model):
-            output = model(**inputs, output_hidden_states=final_input is None)
+            output = model(**inputs, **kept, output_hidden_states=final_input is None)
     finally:
         for handle in handles:
             handle.remove()
-    batch, tokens, d = stack.attn.shape[0], stack.attn.shape[-1], stack.d_model
     stream = (seen[-1] if final_input is not None else output.hidden_states[-1]).reshape(batch, tokens, d)
-    real = torch.ones(batch, tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask.bool().cpu()
     family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     _refuse_if_not_finite(family, stream, real, where)
     if bar is not None:
@@ -201,19 +212,48 @@ def check_huggingface_capture(
     stream_error = _relative(reconstruction, stream, real)
     if bar is not None:
         bar.set_postfix_str("the self-check: the logits")
-    logits_error = _huggingface_logits_error(model, output, capture, reconstruction, real)
+    logits_error = _huggingface_logits_error(model, output, capture, reconstruction, real, positions)
     tolerance = check_tolerance(next(model.parameters()).dtype)
     _refuse_if_beyond(family, stream_error, logits_error, tolerance, where)
-    return CaptureCheck(stream_error, logits_error, tolerance, time.monotonic() - start)
+    count = None if positions is None else positions.numel()
+    return CaptureCheck(stream_error, logits_error, tolerance, time.monotonic() - start, count)
 
 
-def _huggingface_logits_error(model, output, capture, reconstruction: Tensor, real: Tensor) -> float | None:
+# The model's logits a check compares at once, at most (where its forward takes logits_to_keep).
+_CHECKED_LOGITS_BYTES = 1 << 29
+
+
+def _checked_positions(model: nn.Module, capture, real: Tensor) -> Tensor | None:
+    """The positions whose logits the check compares ``[P]``, sorted, or None for every token: where
+    the model's logits ``[B, n, vocab]`` would exceed :data:`_CHECKED_LOGITS_BYTES` and its forward
+    takes ``logits_to_keep``, an even spread of positions that fits, with each sequence's last real
+    token (``real [B, n]``)."""
+    if capture.unembedding is None or capture.pooled_token is not None:
+        return None
+    batch, tokens = real.shape
+    row_bytes = batch * capture.unembedding.shape[0] * capture.unembedding.element_size()
+    if (
+        tokens * row_bytes <= _CHECKED_LOGITS_BYTES
+        or "logits_to_keep" not in inspect.signature(model.forward).parameters
+    ):
+        return None
+    spread = torch.linspace(0, tokens - 1, max(1, _CHECKED_LOGITS_BYTES // row_bytes - batch)).round().long()
+    last = tokens - 1 - real.flip(-1).int().argmax(-1)  # each sequence's last real token
+    return torch.cat((spread, last)).unique()
+
+
+def _huggingface_logits_error(
+    model, output, capture, reconstruction: Tensor, real: Tensor, positions: Tensor | None = None
+) -> float | None:
     """The logits' difference where the model's logits are its linear readout of the final norm:
-    an LM head (``capture.unembedding``) or a sequence classifier's ``score`` at its pooled token."""
+    an LM head (``capture.unembedding``) or a sequence classifier's ``score`` at its pooled token;
+    ``positions``: the only positions the model's logits hold (None: every token)."""
     logits = getattr(output, "logits", None)
     if not isinstance(logits, Tensor):
         return None
     normed = read_out_stream(capture, reconstruction)
+    if positions is not None:
+        normed, real = normed[:, positions.to(normed.device)], real[:, positions]
     cap = getattr(getattr(model, "config", None), "final_logit_softcapping", None)
     if capture.pooled_token is not None:  # a sequence classifier: its score head at the pooled token (no cap)
         pooled = capture.pooled_token.cpu()

@@ -423,7 +423,7 @@ def _score_paths(model, stack, inputs, paths_model, terms, names, chosen, read, 
     rows = torch.tensor([query if side == "query" else key], device=positions.device)
     real_terms = terms[:, positions]
     vectors = checked.side(side, real_terms, rows)[:, 0]  # [M, e]
-    other = (maps.keys if side == "query" else maps.queries)[batch, checked.layer, checked.head]
+    other = maps.computed("key" if side == "query" else "query", batch, checked.layer, checked.head)
     other = other[j if side == "query" else i].to(vectors.device)
     predicted = -(maps.scaling[checked.layer] * (vectors @ other)).cpu()
 
@@ -676,8 +676,8 @@ def _check_clean_score(model, clean: float, maps, batch: int, checked, i: int, j
     j must be the capture's, to the capture's own tolerance against its model (relative to
     ``scaling · |q_i| |k_j|``, the most the score can be); else the changes measured would belong to
     another forward pass than the paths predicted from."""
-    query = maps.queries[batch, checked.layer, checked.head][i]
-    key = maps.keys[batch, checked.layer, checked.head][j].to(query.device)
+    query = maps.computed("query", batch, checked.layer, checked.head)[i]
+    key = maps.computed("key", batch, checked.layer, checked.head)[j].to(query.device)
     scaling = float(maps.scaling[checked.layer])
     captured = scaling * float(query @ key)
     bound = abs(scaling) * float(query.norm() * key.norm())

@@ -818,7 +818,7 @@ def _one_side(
     key = int(keys[0])
     read, other = (query, key) if side == "query" else (key, query)
     maps, device = checked.maps, checked.positions.device
-    fixed = (maps.keys if side == "query" else maps.queries)[checked.batch, checked.layer, checked.head]
+    fixed = maps.computed("key" if side == "query" else "query", checked.batch, checked.layer, checked.head)
     fixed = fixed[checked.positions[other]].to(device)  # [e]: the model's own vector on the fixed side
     scaling = maps.scaling[checked.layer]
     # s = scaling ⟨x_i Φᵀ D_i + c, f⟩: a readout r = D_i e_i, v = scaling Φᵀ f, constant scaling ⟨c, f⟩.
