@@ -438,6 +438,7 @@ def capture_huggingface_residual(
                 _WHERE,
                 scaled_queries=model.config.model_type == "opt",
             )
+            scores_seen.clear()  # what the model handed its attention, held by the capture now
             _check_query_key(capture, stack)
         if transcoders is not None:
             parallel = _parallel_blocks(model.config)

@@ -306,7 +306,7 @@ class AttentionStack:
             gain = capture.attention_output_weight  # [L, d]
             w_o = w_o * gain[:, None, None, :]  # W_O Γ'
             # D' 1 (b_O ⊙ γ')ᵀ differs by token: it enters with the MLP's output, b_O itself as 0.
-            mlp_out = capture.mlp_out + out_scale[..., None] * (capture.output_bias * gain)[None, :, None, :]
+            mlp_out = _WithTokenBias(capture.mlp_out, out_scale, capture.output_bias * gain)
             biases = (capture.value_bias, torch.zeros_like(capture.output_bias), capture.embedding, mlp_out)
         if capture.layout == "post":
             norms = (capture.norm_scale, capture.norm_weight, capture.norm_bias)
@@ -341,6 +341,20 @@ class AttentionStack:
             attn_precision=self.attn_precision or self.attn.dtype,  # kept only where coarser than the new dtype
             residual_capture=None if self.residual_capture is None else self.residual_capture.on(attn.device),
         )
+
+
+class _WithTokenBias:
+    """The MLP outputs ``[B, L, n, d]`` plus a bias that differs by token, ``D'_l 1 (b ⊙ γ')ᵀ``
+    (``scale [B, L, n]``, ``bias [L, d]``), one layer at a time as the reference reads them
+    (``[:, layer]``), not a second ``[B, L, n, d]`` float64 copy (2 GB at Gemma-2-2B's shape and
+    4,096 tokens)."""
+
+    def __init__(self, mlp_out: Tensor, scale: Tensor, bias: Tensor):
+        self.mlp_out, self.scale, self.bias = mlp_out, scale, bias
+
+    def __getitem__(self, index: tuple) -> Tensor:
+        rows, layer = index
+        return self.mlp_out[rows, layer] + self.scale[rows, layer, :, None] * self.bias[layer]
 
 
 def _coarser(computed_in: torch.dtype, held_in: torch.dtype) -> bool:
