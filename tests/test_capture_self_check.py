@@ -485,9 +485,9 @@ def test_a_long_prompts_logits_are_compared_at_a_spread_of_positions_with_each_l
 
 def test_the_score_side_holds_the_queries_and_keys_as_computed_once_per_key_head(monkeypatch):
     """A grouped-query float32 model's capture holds its queries and keys in float32, exactly as
-    its attention received them, the keys once per key head (not repeated for the 2 query heads
-    that share each, and so are keys given repeated); a head's, read in float64, are its key
-    head's."""
+    its attention received them, and its query and key projections as it holds them; the keys
+    once per key head (not repeated for the 2 query heads that share each, and so are keys given
+    repeated); a head's, read in float64, are its key head's."""
     from contextlib import contextmanager
 
     from pathkernels.adapters import residual
@@ -507,7 +507,10 @@ def test_the_score_side_holds_the_queries_and_keys_as_computed_once_per_key_head
     _, capture = capture_huggingface_residual(model, input_ids=ids, query_key=True)
     maps = capture.query_key
     heads, key_heads = model.config.num_attention_heads, model.config.num_key_value_heads
-    assert maps.queries.dtype == maps.keys.dtype == torch.float32
+    assert maps.queries.dtype == maps.keys.dtype == maps.w_q.dtype == maps.w_k.dtype == torch.float32
+    attention = model.model.layers[1].self_attn
+    assert torch.equal(maps.w_q[1, 3], attention.q_proj.weight.T.reshape(-1, heads, maps.w_q.shape[-1])[:, 3])
+    assert maps.side_maps("query", 1, 3)[0].dtype == torch.float64
     assert maps.keys.shape[2] == key_heads < heads == maps.queries.shape[2]
     for layer, record in enumerate(seen[0]):
         assert torch.equal(maps.queries[:, layer], record.queries) and torch.equal(maps.keys[:, layer], record.keys)

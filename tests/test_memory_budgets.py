@@ -53,11 +53,12 @@ def test_score_decompositions_stream_one_group_at_a_time_within_the_least_budget
         pk.score_decompositions(stack, layer, query=4, memory_budget=need - 1)
 
 
-def frozen_need(stack, tokens: int | None = None, copied: int = 0) -> int:
-    """The bytes a frozen model of ``stack`` on ``tokens`` real tokens (default: every token) is
-    refused beyond: float64 token maps (``L·H·n²``), ``copied`` bytes per pattern entry where it
-    copies the patterns (0 where it reads the stack's own), the heads' maps four times, the sources."""
-    layers, heads, d = stack.num_layers, stack.num_heads, stack.d_model
+def frozen_need(stack, tokens: int | None = None, copied: int = 0, layers: int | None = None) -> int:
+    """The bytes a frozen model of ``stack``'s first ``layers`` layers (default: every one) on
+    ``tokens`` real tokens (default: every token) is refused beyond: float64 token maps
+    (``L·H·n²``), ``copied`` bytes per pattern entry where it copies the patterns (0 where it reads
+    the stack's own), the heads' maps four times, the sources."""
+    layers, heads, d = stack.num_layers if layers is None else layers, stack.num_heads, stack.d_model
     tokens = stack.attn.shape[-1] if tokens is None else tokens
     maps = 4 * layers * heads * d * stack.w_v.shape[-1]
     return (8 + copied) * layers * heads * tokens**2 + 8 * (maps + (2 * layers + 2) * tokens * d)
@@ -86,9 +87,9 @@ def test_score_decomposition_takes_half_the_free_memory_by_default(monkeypatch):
 
 def test_a_frozen_model_the_free_memory_cannot_hold_is_refused_before_any_work(monkeypatch):
     """Every analysis freezes the model per call (float64 token maps, L·H·n², and the heads' maps;
-    the patterns are the stack's own); where the machine has less free, the caller refuses by name
-    with the size, before allocating (at Llama-3.2-1B's shape and 1,024 tokens the kernel killed
-    the process)."""
+    the patterns are the stack's own; a head's scores, the layers up to it); where the machine has
+    less free, the caller refuses by name with the size, before allocating (at Llama-3.2-1B's shape
+    and 1,024 tokens the kernel killed the process)."""
     _, _, stack, _ = captured("gpt2", features=3)
     model = stack.residual_capture
     need, d = frozen_need(stack), stack.d_model
@@ -101,6 +102,12 @@ def test_a_frozen_model_the_free_memory_cannot_hold_is_refused_before_any_work(m
         pk.top_paths(stack, readout, 3)
     with pytest.raises(MemoryError, match=r"^pathkernels\.path_attribution: " + frozen):
         pk.path_attribution(stack, readout)
+    below = frozen_need(stack, layers=2)  # a layer-1 head's scores read the model up to its attention
+    assert below < need
+    monkeypatch.setattr(memory, "available_memory", lambda device: below)
+    pk.score_decomposition(stack, 1, 0, memory_budget=EVERYTHING)
+    monkeypatch.setattr(memory, "available_memory", lambda device: below - 1)
+    frozen = frozen.replace("3 layers", "2 layers")
     with pytest.raises(MemoryError, match=r"^pathkernels\.score_decomposition: " + frozen):
         pk.score_decomposition(stack, 1, 0, memory_budget=EVERYTHING)
     assert model is stack.residual_capture

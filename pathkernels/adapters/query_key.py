@@ -61,7 +61,8 @@ class QueryKeyCapture:
     """The frozen query and key maps of every head, in float64, and what the model computed with
     them.
 
-    ``w_q`` ``[L, H, d, e]`` and ``b_q`` ``[L, H, e]``: the query projections from the attention's
+    ``w_q`` ``[L, H, d, e]`` and ``b_q`` ``[L, H, e]`` (the projection's weight in the model's dtype,
+    where that holds it exactly; :meth:`side_maps` reads it in float64): the query projections from the attention's
     input ``y``; ``w_k`` ``[L, H_k, d, e]`` and ``b_k`` ``[L, H_k, e]`` the key projections, one per
     key head (``H_k = H / key_group``: a grouped-query model's query heads ``h`` share key head
     ``h // key_group``; :meth:`side_maps` maps a query head to its own); ``query_scale`` ``[B, L, H, n]``,
@@ -134,9 +135,9 @@ class QueryKeyCapture:
         else:
             w, b, scale, gain = self.w_k, self.b_k, self.key_scale, self.key_gain
         if head is None:
-            return w[layer], b[layer, :, None], scale[:, layer], gain[layer, :, None]
+            return w[layer].double(), b[layer, :, None], scale[:, layer], gain[layer, :, None]
         head = self._held(side, head)
-        return w[layer, head], b[layer, head], scale[:, layer, head], gain[layer, head]
+        return w[layer, head].double(), b[layer, head], scale[:, layer, head], gain[layer, head]
 
     def _held(self, side: str, head: int) -> int:
         """Where query head ``head``'s maps of ``side`` are held: its own, or its key head's."""
@@ -537,9 +538,14 @@ def query_key_capture(
             bias = bias if bool(bias.any()) else None
         biases.append(bias)
         values = (w_q, b_q, w_k, b_k, query_scale, key_scale, query_gain, key_gain, allowed, record.queries, keys)
+        # The queries and keys as the model computed them, and the projections as it holds them (exact:
+        # read in float64); OPT's scaled query projection, and the rest, in float64.
+        as_computed = ("q", "k", "w_k") if scaled_queries else ("q", "k", "w_q", "w_k")
+        model_dtype = record.queries.dtype
         for name, value in zip(names, values):
-            # The queries and keys as the model computed them (exact); the maps in float64.
-            dtype = value.dtype if name in ("q", "k") or not value.is_floating_point() else torch.float64
+            dtype = torch.float64 if value.is_floating_point() else value.dtype
+            if name in as_computed:
+                dtype = value.dtype if name in ("q", "k") else model_dtype
             if name not in per_layer:
                 shape = (
                     (value.shape[0], len(seen), *value.shape[1:]) if name in batch_axis else (len(seen), *value.shape)

@@ -229,6 +229,7 @@ def frozen_model(
     split_embedding: bool = False,
     batch_features: bool = False,
     where: str = "pathkernels",
+    through: int | None = None,
 ) -> FrozenModel:
     """The sublayers and sources of batch element ``batch`` restricted to its ``real`` tokens (a
     replaced MLP's steps: the features active in this element, or with ``batch_features`` those
@@ -236,18 +237,28 @@ def frozen_model(
     step); with
     ``split_embedding`` (a capture with a ``token_embedding``) the embedding folded as two sources,
     "token embedding" (its index, 0) and "position embedding" (the last index): the embedding less
-    its token part, so that the two sum to it exactly."""
+    its token part, so that the two sum to it exactly. ``through``: only the sublayers up to layer
+    ``through``'s attention (and the sources below it), as what reads the stream entering that
+    attention needs; None: every layer."""
     device = capture.embedding.device
     pick = real.to(device)
-    _check_frozen_fits(stack, int(pick.sum()), device, batch, where)
+    layers = stack.num_layers if through is None else through + 1
+    _check_frozen_fits(stack, int(pick.sum()), device, batch, where, layers)
     # The patterns as computed, [L, H, n, n], held as the stack holds them (a float32 model's in
     # float32: exact, and no L·H·n² float64 copy beside the float64 token maps made from them).
-    as_held = capture.attn_row_sums is None and stack.holds_patterns
-    attn = stack.attn[batch].to(device) if as_held else capture.patterns(stack.attn, batch)
+    owned = not (capture.attn_row_sums is None and stack.holds_patterns)  # a copy of its own, not the stack's
+    if not owned:
+        attn = stack.attn[batch, :layers].to(device)
+    elif layers == stack.num_layers:
+        attn = capture.patterns(stack.attn, batch)
+    else:  # the layers read, one at a time into one float64 tensor
+        attn = torch.empty(layers, *stack.attn.shape[2:], dtype=torch.float64, device=device)
+        for layer in range(layers):
+            capture.patterns(stack.attn, batch, layer=layer, out=attn[layer])
     if not bool(pick.all()):  # the real tokens' rows and columns, in one copy
         index = pick.nonzero().flatten()
-        attn = attn[..., index[:, None], index]
-    w_v, w_o = stack.w_v.to(device, torch.float64), stack.w_o.to(device, torch.float64)
+        attn, owned = attn[..., index[:, None], index], True
+    w_v, w_o = stack.w_v[:layers].to(device, torch.float64), stack.w_o[:layers].to(device, torch.float64)
     scale = capture.norm_scale[batch][..., pick]  # [L, 2, n]
     pre, centred = capture.layout == "pre", capture.centred
 
@@ -258,15 +269,19 @@ def frozen_model(
 
     output_bias = capture.output_bias[:, None, :]  # [L, 1, d]: the same for every token
     if capture.attention_output_scale is not None:  # an RMSNorm on the attention's output: D' · Γ'
-        out_scale, gain = capture.attention_output_scale[batch][..., pick], capture.attention_output_weight  # [L, n]
-        attn = out_scale[:, None, :, None] * attn  # D' A
+        out_scale = capture.attention_output_scale[batch][:layers, pick]  # [L, n]
+        gain = capture.attention_output_weight[:layers]
+        if owned and attn.dtype == torch.float64:  # D' A, in the frozen model's own float64 copy
+            attn = attn.mul_(out_scale[:, None, :, None])
+        else:  # the stack's patterns, or a float32 copy: D' A in a new float64 tensor
+            attn = out_scale[:, None, :, None] * attn
         w_o = w_o * gain[:, None, None, :]  # W_O Γ'
-        output_bias = out_scale[..., None] * (capture.output_bias * gain)[:, None, :]  # D' 1 (b_O ⊙ γ')ᵀ
+        output_bias = out_scale[..., None] * (capture.output_bias[:layers] * gain)[:, None, :]  # D' 1 (b_O ⊙ γ')ᵀ
     row_sums = attn.sum(-1, dtype=torch.float64)  # r_h = A_h 1 [L, H, n]
 
     sublayers, sources, names = [], [capture.embedding[batch][pick]], ["embedding"]
     reads = {}  # a replaced MLP's layer → the level its steps read: below its sublayer, or its attention's (parallel)
-    for layer in range(stack.num_layers):
+    for layer in range(layers):
         sublayers.append(
             Sublayer(
                 layer, attn[layer], scale[layer, 0], capture.norm_weight[layer, 0], w_v[layer], w_o[layer], pre, centred
@@ -278,6 +293,8 @@ def frozen_model(
         constant = torch.einsum("hi,he,hed->id", row_sums[layer], head_rows, w_o[layer]) + output_bias[layer]
         sources.append(constant if pre else normalised(constant, layer, 0))
         names.append(f"L{layer} attention bias")
+        if layer == through:  # the stream entering this attention is all that is read
+            break
         replaced = None if capture.transcoders is None else capture.transcoders.layers.get(layer)
         if replaced is not None:
             written = replaced.decoders_from  # a cross-layer set's earlier layers writing here
@@ -307,14 +324,15 @@ def frozen_model(
     return FrozenModel(sublayers, sources, names, slots, stack.num_heads, splits, capture.transcoders)
 
 
-def frozen_model_bytes(stack: AttentionStack, tokens: int) -> int:
+def frozen_model_bytes(stack: AttentionStack, tokens: int, layers: int | None = None) -> int:
     """What :func:`frozen_model` allocates for one batch element of ``stack`` on ``tokens`` real
-    tokens: the heads' float64 token maps (``L·H·n²``), the patterns where it copies them (the real
-    tokens' of a padded sequence, in the stack's dtype; in float64 where they are rescaled, by row
-    sums or an attention-output norm, or recomputed, every token's first), the value and output
-    maps and their factors (``L·H·d·d_head`` float64 four times), and the sources."""
+    tokens, of its first ``layers`` layers (None: every one): the heads' float64 token maps
+    (``L·H·n²``), the patterns where it copies them (the real tokens' of a padded sequence, in the
+    stack's dtype; in float64 where they are rescaled, by row sums or an attention-output norm, or
+    recomputed, every token's first), the value and output maps and their factors (``L·H·d·d_head``
+    float64 four times), and the sources."""
     capture = stack.residual_capture
-    layers, heads, d = stack.num_layers, stack.num_heads, stack.d_model
+    layers, heads, d = stack.num_layers if layers is None else layers, stack.num_heads, stack.d_model
     head_dim = stack.w_v.shape[-1]
     rescaled = (  # made in float64: rescaled by row sums or an attention-output norm, or recomputed
         capture.attn_row_sums is not None or capture.attention_output_scale is not None or not stack.holds_patterns
@@ -329,12 +347,12 @@ def frozen_model_bytes(stack: AttentionStack, tokens: int) -> int:
     return (8 + pattern_bytes) * patterns + whole + maps
 
 
-def _check_frozen_fits(stack: AttentionStack, tokens: int, device, batch: int, where: str) -> None:
-    """Refuse, in ``where``'s name and before any work, a frozen model that the memory free on
-    ``device`` cannot hold (:func:`frozen_model_bytes`)."""
-    layers, heads = stack.num_layers, stack.num_heads
+def _check_frozen_fits(stack: AttentionStack, tokens: int, device, batch: int, where: str, layers: int) -> None:
+    """Refuse, in ``where``'s name and before any work, a frozen model of ``layers`` layers that the
+    memory free on ``device`` cannot hold (:func:`frozen_model_bytes`)."""
+    heads = stack.num_heads
     check_fits(
-        frozen_model_bytes(stack, tokens),
+        frozen_model_bytes(stack, tokens, layers),
         torch.device(device),
         where,
         f"the frozen model of batch element {batch} ({layers} layers × {heads} heads on {tokens} tokens: its float64 "

@@ -126,7 +126,7 @@ def checked_head(stack, layer, head, batch, where: str) -> CheckedHead:
     batch = check_int(batch, "batch", where, minimum=0, maximum=stack.batch_size - 1)
     tokens = stack.attn.shape[-1]
     real = torch.ones(tokens, dtype=torch.bool) if stack.token_mask is None else stack.token_mask[batch].cpu().bool()
-    full = frozen_model(stack, capture, batch, real, where=where)
+    full = frozen_model(stack, capture, batch, real, where=where, through=layer)  # up to the head's layer
     model, attention = _model_below(full, layer)
     device = capture.embedding.device
     return CheckedHead(
