@@ -24,9 +24,26 @@ from pathkernels.adapters.residual import capture_huggingface_residual
 transformers = pytest.importorskip("transformers")
 
 # The recomputed patterns against the model's own, at real tokens: a float64 model's patterns are
-# its float64 softmax of the same scores (measured up to 4e-16); a float32 model's carry its
-# float32 scores' and softmax's rounding (measured up to 6e-8 in these families).
-AGREE = {torch.float64: 1e-12, torch.float32: 1e-6}
+# its float64 softmax of the same scores (measured equal, bit for bit, in every family here); a
+# float32 model's carry its float32 scores' and softmax's rounding (measured up to 5.2e-7 over 12
+# draws of GPT-2, Llama and Qwen2, weights ×5). The analyses' results then agree to that order.
+AGREE = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def assert_same_top(found, again) -> None:
+    """Two top-path lists of the same search on the held and the recomputed capture: the values to
+    :data:`AGREE` (float32) of the largest, and the paths wherever no near tie (within twice that)
+    could swap two of them; the last, whose rival beyond the list is unseen, by value only."""
+    scale = float(found.values.abs().max())
+    torch.testing.assert_close(again.values, found.values, rtol=0, atol=AGREE[torch.float32] * scale)
+    far = torch.tensor([float("inf")], dtype=found.values.dtype)
+    gaps = found.values.diff().abs()
+    apart = (torch.cat([gaps, far]) > 2 * AGREE[torch.float32] * scale) & (
+        torch.cat([far, gaps]) > 2 * AGREE[torch.float32] * scale
+    )
+    apart[-1] = False
+    assert torch.equal(found.paths[apart], again.paths[apart])
+    assert bool(apart.any())
 
 
 def model_of(name: str, dtype: torch.dtype):
@@ -82,7 +99,7 @@ def test_the_recomputed_patterns_are_the_models_own_and_its_paths_sum_to_it(name
     floats += [t for t in vars(lean_capture).values() if isinstance(t, torch.Tensor) and t.is_floating_point()]
     assert not any(t.dim() >= 2 and t.shape[-2:] == (tokens, tokens) and t.shape[:3] == held.shape[:3] for t in floats)
     assert lean_capture.check.stream_error <= lean_capture.check.tolerance
-    assert lean_capture.check.stream_error == pytest.approx(capture.check.stream_error, abs=AGREE[dtype] * 10)
+    assert lean_capture.check.stream_error == pytest.approx(capture.check.stream_error, abs=AGREE[dtype])
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2-sliding-biased", "falcon-alibi"])
@@ -108,7 +125,7 @@ def test_every_analysis_of_a_recomputing_capture_is_the_held_ones(name):
     """The certified top paths, the path attribution, the paths' residual norms (``pk.decompose``)
     and every head's score decomposition of the top layer, on both sequences of a padded batch:
     the recomputing capture gives the held one's paths and values (float32 patterns against their
-    float64 recomputation: 1e-6 of the scale)."""
+    float64 recomputation: :data:`AGREE` of the scale)."""
     model = model_of(name, torch.float32)
     ids, mask = padded_ids()
     (stack, _), (lean, _) = both_captures(model, input_ids=ids, attention_mask=mask)
@@ -117,22 +134,25 @@ def test_every_analysis_of_a_recomputing_capture_is_the_held_ones(name):
     split, again = pk.decompose(stack, max_length=2), pk.decompose(lean, max_length=2)
     assert torch.equal(split.paths, again.paths) and torch.equal(split.sources, again.sources)
     norms = split.results.norm.double()
-    torch.testing.assert_close(again.results.norm.double(), norms, rtol=0, atol=1e-6 * float(norms.max()))
+    torch.testing.assert_close(
+        again.results.norm.double(), norms, rtol=0, atol=AGREE[torch.float32] * float(norms.max())
+    )
     for batch in (0, 1):
         found, again = pk.top_paths(stack, readout, 8, batch=batch), pk.top_paths(lean, readout, 8, batch=batch)
         assert found.certified and again.certified
-        scale = float(found.values.abs().max())
-        assert torch.equal(found.paths, again.paths)
-        torch.testing.assert_close(again.values, found.values, rtol=0, atol=1e-6 * scale)
+        assert_same_top(found, again)
         whole = pk.path_attribution(stack, readout, batch=batch)
         other = pk.path_attribution(lean, readout, batch=batch)
         by_length = whole.by_source_length
-        torch.testing.assert_close(other.by_source_length, by_length, rtol=0, atol=1e-6 * float(by_length.abs().max()))
+        torch.testing.assert_close(
+            other.by_source_length, by_length, rtol=0, atol=AGREE[torch.float32] * float(by_length.abs().max())
+        )
         for one, two in zip(
             pk.score_decompositions(stack, layer, batch=batch), pk.score_decompositions(lean, layer, batch=batch)
         ):
             assert one.groups == two.groups and torch.equal(one.keys, two.keys)
-            torch.testing.assert_close(two.table, one.table, rtol=0, atol=1e-6 * float(one.table.abs().max()))
+            scale = float(one.table.abs().max())
+            torch.testing.assert_close(two.table, one.table, rtol=0, atol=AGREE[torch.float32] * scale)
 
 
 @pytest.mark.parametrize("fixture", ["gpt2_4l", "llama_2l"])
@@ -149,8 +169,7 @@ def test_a_trained_models_sharp_patterns_are_recomputed_to_its_rounding(fixture)
     assert float((recomputed - held).abs().max()) < AGREE[torch.float32]
     readout = pk.logit(model, int(inputs["input_ids"][0, -1]))
     found, again = pk.top_paths(stack, readout, 10), pk.top_paths(lean, readout, 10)
-    assert torch.equal(found.paths, again.paths)
-    torch.testing.assert_close(again.values, found.values, rtol=0, atol=1e-6 * float(found.values.abs().max()))
+    assert_same_top(found, again)
 
 
 def test_a_recomputation_that_does_not_rebuild_the_models_patterns_is_refused_when_read(monkeypatch):
