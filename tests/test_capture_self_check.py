@@ -521,3 +521,14 @@ def test_the_score_side_holds_the_queries_and_keys_as_computed_once_per_key_head
             )
     repeated = dataclasses.replace(maps, keys=maps.keys.repeat_interleave(heads // key_heads, 2))  # as a builder may
     assert torch.equal(repeated.keys, maps.keys)  # kept once per key head
+
+
+def test_inputs_that_broadcast_over_the_batch_do_not_set_its_size():
+    """A ``[1, n]`` ``position_ids`` passed before the ``[2, n]`` ``input_ids`` broadcasts over the
+    batch, as in the model's own forward: the capture's MLP outputs are ``[2, L, n, d]``, each
+    sequence's own, and the capture checks itself against the model."""
+    model = gpt2().eval()
+    ids = torch.randint(0, 50, (2, 6))
+    stack, capture = capture_huggingface_residual(model, position_ids=torch.arange(6)[None], input_ids=ids)
+    assert capture.mlp_out.shape == (2, stack.num_layers, 6, stack.d_model)
+    assert capture.check.stream_error < capture.check.tolerance / 10

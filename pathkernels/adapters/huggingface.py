@@ -326,6 +326,14 @@ def _forward_parameters(model) -> set[str]:
     return {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
+def input_batch_size(inputs: dict) -> int:
+    """How many sequences (or images) ``inputs`` hold: the first axis of their ``input_ids``,
+    ``inputs_embeds`` or ``pixel_values`` (not of another input, which may broadcast: a ``[1, n]``
+    ``position_ids``)."""
+    main = ("input_ids", "inputs_embeds", "pixel_values")
+    return next(inputs[name].shape[0] for name in main if isinstance(inputs.get(name), Tensor))
+
+
 def _check_inputs(model, inputs: dict, where: str) -> None:
     """Refuse, in the caller's name, inputs that the model would fail on with its own errors (an
     embedding's IndexError, a stack error) or run on to a wrong shape; and a model's output given

@@ -20,7 +20,14 @@ import torch
 from torch import Tensor, nn
 
 from pathkernels.adapters.capture import ResidualStreamCapture, weights_fingerprint
-from pathkernels.adapters.huggingface import _attention_layers, _blocks, _prepared_inputs, _read_stack, _value_output
+from pathkernels.adapters.huggingface import (
+    _attention_layers,
+    _blocks,
+    _prepared_inputs,
+    _read_stack,
+    _value_output,
+    input_batch_size,
+)
 from pathkernels.adapters.precision import norm_eps, rms_gain
 from pathkernels.adapters.query_key import QUERY_KEY_FAMILIES, QueryKeyCapture, query_key_capture, recording
 from pathkernels.adapters.replacement import MlpInputs, check_replaceable, replace_mlps
@@ -310,7 +317,7 @@ def capture_huggingface_residual(
         "final_in": [None],
         "output_scale": [None] * count,
     }
-    batch_size = next(v for v in inputs.values() if isinstance(v, Tensor)).shape[0]
+    batch_size = input_batch_size(inputs)
 
     def keep(name: str, index: int, output: bool):
         def hook(module, args, result=None):  # a copy: some families add to the branch in place (Falcon)
