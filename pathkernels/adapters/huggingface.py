@@ -694,7 +694,7 @@ def _read_stack(
         handle = projection.register_forward_pre_hook(lambda module, args: before_projection.append(args[0].detach()))
     try:
         prepared = {**_prepared_inputs(model, inputs, where), "output_hidden_states": True}
-        if "logits_to_keep" in inspect.signature(model.forward).parameters and "logits_to_keep" not in prepared:
+        if "logits_to_keep" in _forward_parameters(model) and "logits_to_keep" not in prepared:
             prepared["logits_to_keep"] = 1  # the stack reads no logits: the LM head on one row, not every token
         output = _stream(model, layers, keep, prepared)
     finally:

@@ -216,7 +216,8 @@ class QueryKeyCapture:
         ours = self.scaling[None, :, None, None, None] * (self.queries.double() @ keys.transpose(-1, -2))
         if self.position_bias is not None:
             ours = ours + self.position_bias
-        ours = _soft_capped(ours, self.soft_cap[None, :, None, None, None])
+        cap = self.soft_cap[None, :, None, None, None]
+        ours = torch.where(cap > 0, cap * torch.tanh(ours / cap.clamp_min(1e-300)), ours)
         keep = self.allowed[:, :, None].expand_as(ours)
         want = scores.double().to(ours.device)
         scale = float(want[keep].abs().max()) if bool(keep.any()) else 0.0
@@ -268,11 +269,6 @@ class QueryKeyCapture:
 
 # Scores a recomputation holds at once beside its result (QueryKeyCapture.attention): 64 MiB.
 _ATTENTION_BLOCK_BYTES = 1 << 26
-
-
-def _soft_capped(scores: Tensor, cap: Tensor) -> Tensor:
-    """``c·tanh(s/c)`` where the cap ``c`` (broadcast against ``scores``) is positive, else ``s``."""
-    return torch.where(cap > 0, cap * torch.tanh(scores / cap.clamp_min(1e-300)), scores)
 
 
 # --- reading them from a Hugging Face model -----------------------------------------------------

@@ -33,7 +33,6 @@ discrepancies it exists to catch (4.5e-3 and more).
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 import warnings
@@ -43,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from pathkernels.adapters.huggingface import _attention_layers, finite_masks, score_head
+from pathkernels.adapters.huggingface import _attention_layers, _forward_parameters, finite_masks, score_head
 
 # Measured (tests/test_capture_self_check.py: every family the capture reads, weights ×5, random
 # biases and norm gains, 2 × 7 tokens): a float64 model against its own forward at most 2.9e-7
@@ -232,10 +231,7 @@ def _checked_positions(model: nn.Module, capture, real: Tensor) -> Tensor | None
         return None
     batch, tokens = real.shape
     row_bytes = batch * capture.unembedding.shape[0] * capture.unembedding.element_size()
-    if (
-        tokens * row_bytes <= _CHECKED_LOGITS_BYTES
-        or "logits_to_keep" not in inspect.signature(model.forward).parameters
-    ):
+    if tokens * row_bytes <= _CHECKED_LOGITS_BYTES or "logits_to_keep" not in _forward_parameters(model):
         return None
     spread = torch.linspace(0, tokens - 1, max(1, _CHECKED_LOGITS_BYTES // row_bytes - batch)).round().long()
     last = tokens - 1 - real.flip(-1).int().argmax(-1)  # each sequence's last real token

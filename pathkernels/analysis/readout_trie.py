@@ -249,9 +249,7 @@ def frozen_model(
     owned = not (capture.attn_row_sums is None and stack.holds_patterns)  # a copy of its own, not the stack's
     if not owned:
         attn = stack.attn[batch, :layers].to(device)
-    elif layers == stack.num_layers:
-        attn = capture.patterns(stack.attn, batch)
-    else:  # the layers read, one at a time into one float64 tensor
+    else:  # rescaled or recomputed: the layers read, one at a time into one float64 tensor
         attn = torch.empty(layers, *stack.attn.shape[2:], dtype=torch.float64, device=device)
         for layer in range(layers):
             capture.patterns(stack.attn, batch, layer=layer, out=attn[layer])
